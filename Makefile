@@ -1,0 +1,40 @@
+# Every target bootstraps .venv: torch (CPU build) first, then the project with [dev].
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+UNROLL := $(VENV)/bin/unroll
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: venv test bench generate check lint format clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(UNROLL) check generated
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run $(if $(FULL),--full,)
+
+generate: $(STAMP)
+	$(PY) -m benchmarks.generate_all
+
+check: $(STAMP)
+	$(UNROLL) check generated
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check unroller tests benchmarks
+	$(VENV)/bin/black --check unroller tests benchmarks
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix unroller tests benchmarks
+	$(VENV)/bin/black unroller tests benchmarks
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,76 @@
+"""Errors in model files, reported as ``FILE:LINE:COL: error: ...`` with a caret.
+
+Every problem the front end finds in a model file is a ``ModelError`` carrying a
+``Loc``; the CLI formats it with the source line and a caret and exits 2, with no
+traceback. Warnings use the same format.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+from unroller.ast import Loc
+
+
+class ModelError(Exception):
+    """A user error in a model file at a known location."""
+
+    def __init__(self, message: str, loc: Loc | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.loc = loc
+        self.hint = hint
+
+    def format(self, filename: str, source: str) -> str:
+        return format_diagnostic("error", self.message, self.loc, filename, source, self.hint)
+
+
+class ConfigError(Exception):
+    """A user error outside model files (CLI options, config files); printed as is."""
+
+
+def format_diagnostic(
+    severity: str,
+    message: str,
+    loc: Loc | None,
+    filename: str,
+    source: str,
+    hint: str | None = None,
+) -> str:
+    """``FILE:LINE:COL: severity: message``, then the source line and a caret line."""
+    if loc is None:
+        text = f"{filename}: {severity}: {message}"
+    else:
+        text = f"{filename}:{loc.line}:{loc.col}: {severity}: {message}"
+        lines = source.splitlines()
+        if 1 <= loc.line <= len(lines):
+            line = lines[loc.line - 1].expandtabs(1)
+            width = max(1, min(loc.length, len(line) - loc.col + 1))
+            text += f"\n    {line}\n    {' ' * (loc.col - 1)}^{'~' * (width - 1)}"
+    if hint:
+        text += f"\n  note: {hint}"
+    return text
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The closest candidate to a misspelt name, or None if nothing is close."""
+    matches = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` or an empty string."""
+    best = closest(name, candidates)
+    return f" (did you mean '{best}'?)" if best else ""
+
+
+class ModelWarning:
+    """A non-fatal diagnostic (e.g. an unused input)."""
+
+    def __init__(self, message: str, loc: Loc | None):
+        self.message = message
+        self.loc = loc
+
+    def format(self, filename: str, source: str) -> str:
+        return format_diagnostic("warning", self.message, self.loc, filename, source)
