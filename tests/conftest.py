@@ -1,0 +1,46 @@
+"""Shared fixtures: generating and importing modules from model files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from unroller.api import import_generated, write_atomic  # noqa: E402
+from unroller.codegen import Options  # noqa: E402
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / max(||b||, tiny): the measure the 1e-10 bound is stated in."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+@pytest.fixture
+def build(tmp_path):
+    """build(path_or_text, scheme=...) -> generated module, imported from a temp file."""
+    counter = {"n": 0}
+
+    def _build(model: str | Path, options: Options | None = None, **kwargs):
+        from unroller.api import generate_from_text, generate_source
+
+        options = options or Options(**kwargs)
+        if isinstance(model, Path):
+            text = generate_source(model, options)
+        else:
+            text = generate_from_text(model, options)
+        counter["n"] += 1
+        out = tmp_path / f"gen_{counter['n']}.py"
+        write_atomic(out, text)
+        return import_generated(out, f"gen_{tmp_path.name}_{counter['n']}")
+
+    return _build

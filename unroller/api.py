@@ -1,0 +1,96 @@
+"""The library entry points the CLI, the tests and the benchmarks share.
+
+``load_graph`` reads and checks a model file; ``generate_source`` returns the text of
+the generated module; ``write_atomic`` replaces an output file only once the new text
+is complete, so a failed run never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+from unroller.codegen import Options, render
+from unroller.errors import ModelError
+from unroller.graph import Graph, build_graph
+from unroller.parser import parse
+
+
+def source_label(path: str | Path) -> str:
+    """How a generated file names its source: relative to the working directory if inside it."""
+    resolved, cwd = Path(path).resolve(), Path.cwd().resolve()
+    if resolved.is_relative_to(cwd):
+        return resolved.relative_to(cwd).as_posix()
+    return resolved.as_posix()
+
+
+def read_model_text(path: str | Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ModelError(f"no such model file: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise ModelError(f"the model file is not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise ModelError(f"cannot read the model file: {exc.strerror}") from None
+
+
+def graph_from_text(source: str, filename: str = "<string>") -> Graph:
+    return build_graph(parse(source, filename))
+
+
+def load_graph(path: str | Path) -> Graph:
+    return graph_from_text(read_model_text(path), str(path))
+
+
+def generate_source(
+    path: str | Path, options: Options | None = None, label: str | None = None
+) -> str:
+    """The generated module for the model file at ``path``."""
+    graph = load_graph(path)
+    return render(graph, label or source_label(path), options or Options())
+
+
+def generate_from_text(source: str, options: Options | None = None, label: str = "<string>") -> str:
+    return render(graph_from_text(source, label), label, options or Options())
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def import_generated(path: str | Path, name: str | None = None) -> ModuleType:
+    """Import a generated module from a file path (tests and benchmarks use this)."""
+    path = Path(path)
+    name = name or f"unroller_generated_{abs(hash(path.resolve()))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_model_class(path: str | Path, options: Options | None = None, directory: Path | None = None):
+    """Generate, write to ``directory`` (a temp dir by default) and import; returns ``Model``."""
+    text = generate_source(path, options)
+    directory = Path(directory or tempfile.mkdtemp(prefix="unroller-"))
+    out = directory / f"{Path(path).stem}_{(options or Options()).scheme}.py"
+    write_atomic(out, text)
+    return import_generated(out).Model

@@ -1,0 +1,567 @@
+"""From the typed AST to a checked node graph.
+
+The builder inlines block calls (names prefixed by ``OUT.``), validates every call
+against the operator registry, infers shapes and dtypes, sizes parameters and
+buffers, and records consumers (fan-out), which values need a gradient and which
+nodes need a backward step. Statement order is a topological order, because a name
+must be defined before it is used and is assigned once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from unroller import shapes
+from unroller.ast import Block, BlockParam, Call, Const, Expr, Loc, ModelAST, Ref, TupleExpr
+from unroller.errors import ModelError, ModelWarning, did_you_mean
+from unroller.registry import ArgSpec, OpSpec, eval_expr, load_registry
+from unroller.shapes import FLOAT_DTYPES, ShapeError, TensorType
+
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4, "bool": 1}
+
+
+@dataclass(eq=False)
+class Value:
+    """A tensor of the forward pass: a model input or target, or a node's output."""
+
+    name: str
+    type: TensorType
+    loc: Loc
+    producer: Node | None = None
+    kind: str = "value"  # "input", "target" or "value"
+    consumers: list[tuple[Node, int]] = field(default_factory=list)
+    requires_grad: bool = False
+
+    def __repr__(self) -> str:
+        return f"Value({self.name}: {self.type})"
+
+
+@dataclass(eq=False)
+class ParamTensor:
+    """A parameter or buffer of a node, named as in the torch.nn state dict."""
+
+    name: str  # "weight"
+    key: str  # "layer1.0.conv1.weight"
+    shape: tuple[int, ...]
+    dtype: str
+    trainable: bool
+    present: bool
+
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One level of block inlining, for comments in generated code."""
+
+    name: str  # the full OUT name, e.g. "layer1.0"
+    block: str
+    text: str  # the call statement rendered in model syntax
+
+
+@dataclass(frozen=True)
+class Extra:
+    """An extra output of a node's forward kernel (indices, mask, batch statistics)."""
+
+    name: str
+    type: TensorType
+
+
+@dataclass(eq=False)
+class Node:
+    """One operator call: ``output = op(inputs..., args...)``."""
+
+    name: str
+    op: OpSpec
+    inputs: list[Value]
+    args: dict[str, Any]
+    derived: dict[str, Any]
+    output: Value
+    params: list[ParamTensor]
+    buffers: list[ParamTensor]
+    extras: list[Extra]
+    loc: Loc
+    text: str  # the statement in model syntax, with full names
+    blocks: tuple[BlockCall, ...] = ()
+    index: int = 0
+    needs_backward: bool = False
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.op.input_names(len(self.inputs))
+
+    @property
+    def kernel_kwargs(self) -> dict[str, Any]:
+        values = {**self.args, **self.derived}
+        return {name: values[name] for name in self.op.kernel_args}
+
+    @property
+    def needs(self) -> tuple[bool, ...]:
+        """Per input, then per trainable parameter: is that gradient needed?"""
+        return tuple(v.requires_grad for v in self.inputs) + tuple(p.present for p in self.params)
+
+    def __repr__(self) -> str:
+        return f"Node({self.name} = {self.op.name})"
+
+
+@dataclass
+class Graph:
+    name: str
+    inputs: list[Value]  # inputs and targets, in declaration order
+    nodes: list[Node]
+    loss: Value
+    preds: list[Value]
+    float_dtype: str
+    filename: str
+    source: str
+    warnings: list[ModelWarning] = field(default_factory=list)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode("utf-8")).hexdigest()
+
+    @property
+    def model_inputs(self) -> list[Value]:
+        """The values ``predict()`` takes: inputs, not targets."""
+        return [v for v in self.inputs if v.kind == "input"]
+
+    def node(self, name: str) -> Node:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+
+def render_const(value: Any) -> str:
+    """A constant in model syntax; strings as repr() literals so no raw text escapes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        inner = ", ".join(render_const(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, str):
+        return repr(value)
+    return repr(value)
+
+
+@dataclass
+class _Scope:
+    """Names visible while building: values, and (inside a block) constant parameters."""
+
+    values: dict[str, Value]
+    consts: dict[str, Any]
+    value_params: set[str]
+    defined_at: dict[str, Loc]
+    prefix: str
+    blocks: tuple[BlockCall, ...]
+    stack: tuple[str, ...]  # block names being inlined, for recursion errors
+
+
+class GraphBuilder:
+    def __init__(self, model: ModelAST, registry: dict[str, OpSpec] | None = None):
+        self.model = model
+        self.ops = registry if registry is not None else load_registry()
+        self.blocks: dict[str, Block] = {}
+        self.nodes: list[Node] = []
+        self.all_names: dict[str, Loc] = {}
+        self.warnings: list[ModelWarning] = []
+
+    # -- entry point -------------------------------------------------------------------
+
+    def build(self) -> Graph:
+        model = self.model
+        inputs: list[Value] = []
+        scope = _Scope({}, {}, set(), {}, "", (), ())
+        for decl in model.decls:
+            value = Value(decl.name, TensorType(decl.dtype, tuple(decl.dims)), decl.loc)
+            value.kind = decl.kind
+            self._define(scope, decl.name, value, decl.loc)
+            inputs.append(value)
+        for block in model.blocks:
+            if block.name in self.ops:
+                raise ModelError(
+                    f"block '{block.name}' has the name of an operator; choose another name",
+                    block.loc,
+                )
+            if block.name in self.blocks:
+                raise ModelError(f"block '{block.name}' is defined twice", block.loc)
+            self.blocks[block.name] = block
+        for stmt in model.stmts:
+            self._statement(stmt, scope)
+        loss, preds = self._returns(scope)
+        float_dtypes = [v.type.dtype for v in inputs if v.type.dtype in FLOAT_DTYPES]
+        graph = Graph(
+            name=model.name,
+            inputs=inputs,
+            nodes=self.nodes,
+            loss=loss,
+            preds=preds,
+            float_dtype=float_dtypes[0] if float_dtypes else "f32",
+            filename=model.filename,
+            source=model.source,
+            warnings=self.warnings,
+        )
+        self._analyse(graph)
+        return graph
+
+    # -- names -------------------------------------------------------------------------
+
+    def _define(self, scope: _Scope, local: str, value: Value, loc: Loc) -> None:
+        full = scope.prefix + local
+        if local in scope.values or local in scope.consts or full in self.all_names:
+            first = scope.defined_at.get(local) or self.all_names.get(full)
+            where = f" (first defined at line {first.line})" if first else ""
+            raise ModelError(
+                f"'{full}' is already defined{where}; every name is assigned once", loc
+            )
+        scope.values[local] = value
+        scope.defined_at[local] = loc
+        self.all_names[full] = loc
+
+    def _lookup(self, scope: _Scope, ref: Ref) -> Value:
+        if ref.name in scope.values:
+            return scope.values[ref.name]
+        if ref.name in scope.consts:
+            raise ModelError(
+                f"'{ref.name}' is a constant block parameter (bound by keyword), not a value",
+                ref.loc,
+            )
+        candidates = list(scope.values) + list(scope.consts)
+        raise ModelError(
+            f"undefined name '{ref.name}'{did_you_mean(ref.name, candidates)}", ref.loc
+        )
+
+    def _expr(self, scope: _Scope, expr: Expr) -> Any:
+        if isinstance(expr, Const):
+            return expr.value
+        if isinstance(expr, TupleExpr):
+            return tuple(self._expr(scope, item) for item in expr.items)
+        if expr.name in scope.consts:
+            return scope.consts[expr.name]
+        if expr.name in scope.value_params or expr.name in scope.values:
+            raise ModelError(
+                f"'{expr.name}' is a tensor value; keyword arguments take constants", expr.loc
+            )
+        hint = did_you_mean(expr.name, scope.consts)
+        raise ModelError(
+            f"undefined constant '{expr.name}'{hint}: keyword values are numbers, true/false, "
+            f"strings, tuples, or parameters of the enclosing block",
+            expr.loc,
+        )
+
+    # -- statements --------------------------------------------------------------------
+
+    def _statement(self, stmt: Call, scope: _Scope) -> None:
+        if stmt.op in self.blocks:
+            value = self._block_call(stmt, scope)
+        elif stmt.op in self.ops:
+            value = self._op_call(stmt, scope)
+        else:
+            known = list(self.ops) + list(self.blocks)
+            raise ModelError(
+                f"unknown operator '{stmt.op}'{did_you_mean(stmt.op, known)}", stmt.op_loc
+            )
+        self._define(scope, stmt.target, value, stmt.loc)
+
+    def _op_call(self, stmt: Call, scope: _Scope) -> Value:
+        op = self.ops[stmt.op]
+        full_name = scope.prefix + stmt.target
+        if op.variadic:
+            if not stmt.args:
+                raise ModelError(f"{op.name} needs at least one tensor argument", stmt.op_loc)
+        elif len(stmt.args) != len(op.inputs):
+            raise ModelError(
+                f"{op.name} takes {len(op.inputs)} tensor argument(s) "
+                f"({', '.join(op.inputs)}), got {len(stmt.args)}",
+                stmt.args[len(op.inputs)].loc if len(stmt.args) > len(op.inputs) else stmt.op_loc,
+            )
+        inputs = [self._lookup(scope, ref) for ref in stmt.args]
+        given = self._kwargs(stmt, scope)
+        args = self._check_args(op, stmt, given)
+        try:
+            result = shapes.rule(op.shape)(op.name, [v.type for v in inputs], args)
+        except ShapeError as exc:
+            loc = stmt.op_loc
+            if exc.input_index is not None and exc.input_index < len(stmt.args):
+                loc = stmt.args[exc.input_index].loc
+            elif exc.arg is not None:
+                loc = next((kw.loc for kw in stmt.kwargs if kw.name == exc.arg), loc)
+            raise ModelError(f"{full_name}: {exc.message}", loc) from None
+        env = {**args, **result.derived}
+        float_dtype = next(
+            (v.type.dtype for v in inputs if v.type.dtype in FLOAT_DTYPES), result.type.dtype
+        )
+
+        def tensors(specs: tuple, trainable: bool) -> list[ParamTensor]:
+            return [
+                ParamTensor(
+                    name=spec.name,
+                    key=f"{full_name}.{spec.name}",
+                    shape=tuple(eval_expr(spec.shape, env)),
+                    dtype=spec.dtype or float_dtype,
+                    trainable=trainable,
+                    present=spec.present(args),
+                )
+                for spec in specs
+            ]
+
+        extras = []
+        input_types = dict(zip(op.input_names(len(inputs)), (v.type for v in inputs)))
+        for extra in op.extras:
+            if extra.like is not None:
+                like = result.type if extra.like == "output" else input_types[extra.like]
+                etype = TensorType(extra.dtype or like.dtype, like.shape)
+            else:
+                shape = tuple(eval_expr(extra.shape or "()", env))
+                etype = TensorType(extra.dtype or float_dtype, shape)
+            extras.append(Extra(extra.name, etype))
+        value = Value(full_name, result.type, stmt.loc)
+        args_text = [v.name for v in inputs]
+        kw_text = [f"{k}={render_const(v)}" for k, v in given.items()]
+        node = Node(
+            name=full_name,
+            op=op,
+            inputs=inputs,
+            args=args,
+            derived=result.derived,
+            output=value,
+            params=tensors(op.params, True),
+            buffers=tensors(op.buffers, False),
+            extras=extras,
+            loc=stmt.loc,
+            text=f"{full_name} = {op.name}({', '.join(args_text + kw_text)})",
+            blocks=scope.blocks,
+            index=len(self.nodes),
+        )
+        value.producer = node
+        for position, v in enumerate(inputs):
+            v.consumers.append((node, position))
+        self.nodes.append(node)
+        return value
+
+    def _kwargs(self, stmt: Call, scope: _Scope) -> dict[str, Any]:
+        given: dict[str, Any] = {}
+        for kw in stmt.kwargs:
+            if kw.name in given:
+                raise ModelError(f"keyword argument '{kw.name}' is given twice", kw.loc)
+            given[kw.name] = self._expr(scope, kw.value)
+        return given
+
+    def _check_args(self, op: OpSpec, stmt: Call, given: dict[str, Any]) -> dict[str, Any]:
+        locs = {kw.name: kw.value.loc for kw in stmt.kwargs}
+        for kw in stmt.kwargs:
+            if kw.name not in op.args:
+                expected = ", ".join(op.args) or "no keyword arguments"
+                raise ModelError(
+                    f"{op.name} has no argument '{kw.name}'{did_you_mean(kw.name, op.args)} "
+                    f"(it takes: {expected})",
+                    kw.loc,
+                )
+        args: dict[str, Any] = {}
+        for name, spec in op.args.items():
+            if name in given:
+                args[name] = normalize_arg(op.name, spec, given[name], locs[name])
+            elif spec.required:
+                raise ModelError(
+                    f"{op.name} needs the argument '{name}' ({describe_type(spec)})", stmt.op_loc
+                )
+        for name, spec in op.args.items():
+            if name not in args:
+                if spec.default_from is not None:
+                    args[name] = args[spec.default_from]
+                else:
+                    args[name] = normalize_arg(op.name, spec, spec.default, stmt.op_loc)
+        return args
+
+    # -- blocks ------------------------------------------------------------------------
+
+    def _block_call(self, stmt: Call, scope: _Scope) -> Value:
+        block = self.blocks[stmt.op]
+        if block.name in scope.stack:
+            chain = " -> ".join((*scope.stack, block.name))
+            raise ModelError(f"recursive block call ({chain}); blocks cannot call themselves", stmt.op_loc)
+        params: tuple[BlockParam, ...] = block.params
+        if len(stmt.args) > len(params):
+            raise ModelError(
+                f"block '{block.name}' takes at most {len(params)} argument(s) "
+                f"({', '.join(p.name for p in params)}), got {len(stmt.args)} values",
+                stmt.args[len(params)].loc,
+            )
+        inner = _Scope(
+            values={},
+            consts={},
+            value_params=set(),
+            defined_at={},
+            prefix=f"{scope.prefix}{stmt.target}.",
+            blocks=(),
+            stack=(*scope.stack, block.name),
+        )
+        for param, ref in zip(params, stmt.args):
+            inner.values[param.name] = self._lookup(scope, ref)
+            inner.value_params.add(param.name)
+        by_name = {p.name: p for p in params}
+        for kw in stmt.kwargs:
+            if kw.name not in by_name:
+                raise ModelError(
+                    f"block '{block.name}' has no parameter '{kw.name}'"
+                    f"{did_you_mean(kw.name, by_name)}",
+                    kw.loc,
+                )
+            if kw.name in inner.values or kw.name in inner.consts:
+                raise ModelError(f"parameter '{kw.name}' of '{block.name}' is bound twice", kw.loc)
+            inner.consts[kw.name] = self._expr(scope, kw.value)
+        for param in params:
+            if param.name in inner.values or param.name in inner.consts:
+                continue
+            if param.default is None:
+                raise ModelError(
+                    f"block '{block.name}' needs a value for parameter '{param.name}'",
+                    stmt.op_loc,
+                )
+            inner.consts[param.name] = self._expr(inner, param.default)
+        call_args = [scope.values[r.name].name for r in stmt.args]
+        call_kw = [f"{k}={render_const(inner.consts[k])}" for k in (kw.name for kw in stmt.kwargs)]
+        text = f"{scope.prefix}{stmt.target} = {block.name}({', '.join(call_args + call_kw)})"
+        inner.blocks = (*scope.blocks, BlockCall(scope.prefix + stmt.target, block.name, text))
+        for body_stmt in block.body:
+            self._statement(body_stmt, inner)
+        return self._lookup(inner, block.ret)
+
+    # -- return, analysis --------------------------------------------------------------
+
+    def _returns(self, scope: _Scope) -> tuple[Value, list[Value]]:
+        ret = self.model.ret
+        values = [self._lookup(scope, ref) for ref in ret.values]
+        loss, loss_ref = values[0], ret.values[0]
+        if loss.type.shape != ():
+            raise ModelError(
+                f"the model must return a scalar loss first; '{loss_ref.name}' is {loss.type}",
+                loss_ref.loc,
+            )
+        if not _is_loss(loss):
+            raise ModelError(
+                f"'{loss_ref.name}' is a scalar but not produced by a loss op "
+                f"(cross_entropy, mse_loss, ...)",
+                loss_ref.loc,
+            )
+        return loss, values[1:]
+
+    def _analyse(self, graph: Graph) -> None:
+        """Gradient requirements, which nodes reach the loss, and unused-name warnings."""
+        for node in graph.nodes:
+            node.output.requires_grad = any(p.present for p in node.params) or any(
+                v.requires_grad for v in node.inputs
+            )
+        reaches_loss = {id(graph.loss)}
+        for node in reversed(graph.nodes):
+            if id(node.output) in reaches_loss:
+                for v in node.inputs:
+                    reaches_loss.add(id(v))
+                node.needs_backward = node.output.requires_grad
+        used = {id(v) for v in graph.preds} | {id(graph.loss)}
+        for value in graph.inputs:
+            if not value.consumers:
+                self.warnings.append(
+                    ModelWarning(f"{value.kind} '{value.name}' is never used", value.loc)
+                )
+        for node in graph.nodes:
+            if not node.output.consumers and id(node.output) not in used:
+                self.warnings.append(
+                    ModelWarning(
+                        f"'{node.name}' is computed but never used (not returned, feeds nothing)",
+                        node.loc,
+                    )
+                )
+
+
+def _is_loss(value: Value) -> bool:
+    node = value.producer
+    if node is None or value.type.shape != ():
+        return False
+    if node.op.is_loss:
+        return True
+    return node.op.name in ("add", "mul") and all(_is_loss(v) for v in node.inputs)
+
+
+# -- argument validation -------------------------------------------------------------------
+
+
+def describe_type(spec: ArgSpec) -> str:
+    return {
+        "int": "an integer",
+        "float": "a number",
+        "bool": "true or false",
+        "str": "a string" + (f": one of {', '.join(map(repr, spec.choices))}" if spec.choices else ""),
+        "pair": "an integer or a pair (h, w)",
+        "scale": "a number or a pair (h, w)",
+        "dims": "a tuple of integers",
+    }[spec.type]
+
+
+def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
+    """Check one keyword value against its spec and bring it to the kernels' form."""
+
+    def bad(why: str = "") -> ModelError:
+        got = render_const(value)
+        return ModelError(
+            f"{op}: argument '{spec.name}' must be {describe_type(spec)}{why}, got {got}", loc
+        )
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_num(v: Any) -> bool:
+        return is_int(v) or isinstance(v, float)
+
+    def bounded(v: float) -> None:
+        if spec.min is not None and v < spec.min:
+            raise bad(f" >= {spec.min}")
+        if spec.max is not None and v > spec.max:
+            raise bad(f" <= {spec.max}")
+
+    if spec.type == "int":
+        if not is_int(value):
+            raise bad()
+        bounded(value)
+        return value
+    if spec.type == "float":
+        if not is_num(value):
+            raise bad()
+        bounded(float(value))
+        return float(value)
+    if spec.type == "bool":
+        if not isinstance(value, bool):
+            raise bad()
+        return value
+    if spec.type == "str":
+        if not isinstance(value, str):
+            raise bad()
+        if spec.choices and value not in spec.choices:
+            raise bad()
+        return value
+    if spec.type in ("pair", "scale"):
+        check = is_int if spec.type == "pair" else is_num
+        items = (value, value) if check(value) else value
+        if not isinstance(items, tuple) or len(items) != 2 or not all(check(v) for v in items):
+            raise bad()
+        for v in items:
+            if spec.type == "scale" and v <= 0:
+                raise bad(" > 0")
+            bounded(v)
+        return tuple(items) if spec.type == "pair" else tuple(float(v) for v in items)
+    if spec.type == "dims":
+        items = (value,) if is_int(value) else value
+        if not isinstance(items, tuple) or not items or not all(is_int(v) for v in items):
+            raise bad()
+        return tuple(items)
+    raise AssertionError(spec.type)
+
+
+def build_graph(model: ModelAST, registry: dict[str, OpSpec] | None = None) -> Graph:
+    return GraphBuilder(model, registry).build()

@@ -1,0 +1,236 @@
+"""The operator token registry: ``ops.toml`` read into typed ``OpSpec`` records.
+
+Everything the core knows about an operator comes from here: its arguments and their
+validation, its parameters and buffers, what its backward step reads, which of those
+are activations, and which runtime module holds its kernels per platform. Extra
+registry files (``UNROLLER_OPS``, os.pathsep-separated, or ``load_registry(extra)``)
+add or replace entries, which is how an operator is added without touching the core.
+"""
+
+from __future__ import annotations
+
+import ast as pyast
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+BUILTIN_REGISTRY = Path(__file__).with_name("ops.toml")
+ARG_TYPES = ("int", "float", "bool", "str", "pair", "scale", "dims")
+KINDS = ("layer", "activation", "pool", "resample", "arith", "shape", "regularizer", "loss")
+_MISSING = object()
+
+
+class RegistryError(Exception):
+    """The registry file itself is malformed (a developer error, not a model error)."""
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    name: str
+    type: str
+    default: Any = _MISSING
+    default_from: str | None = None
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def required(self) -> bool:
+        return self.default is _MISSING and self.default_from is None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A parameter or buffer: its name, shape expression, and when it exists."""
+
+    name: str
+    shape: str
+    when: str | None = None
+    dtype: str | None = None  # None: the model's float dtype
+
+    def present(self, args: dict[str, Any]) -> bool:
+        return self.when is None or bool(args[self.when])
+
+
+@dataclass(frozen=True)
+class ExtraSpec:
+    """An extra forward output kept for backward: shaped like a tensor, or a fixed size."""
+
+    name: str
+    like: str | None = None  # "output" or an input name
+    shape: str | None = None  # expression for a fixed-size extra
+    dtype: str | None = None  # None: the dtype of what it is like, or the model's float dtype
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    doc: str
+    kind: str
+    inputs: tuple[str, ...]
+    variadic: bool
+    args: dict[str, ArgSpec]
+    shape: str
+    params: tuple[TensorSpec, ...] = ()
+    buffers: tuple[TensorSpec, ...] = ()
+    module: str | None = None
+    extras: tuple[ExtraSpec, ...] = ()
+    saved: tuple[str, ...] = ()
+    activations: tuple[str, ...] = ()
+    kernel_args: tuple[str, ...] = ()
+    has_eval: bool = False
+    kernels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_loss(self) -> bool:
+        return self.kind == "loss"
+
+    def input_names(self, count: int) -> tuple[str, ...]:
+        """Names of the tensor inputs for a call with ``count`` positional values."""
+        if self.variadic:
+            return tuple(f"input{i}" for i in range(count))
+        return self.inputs
+
+
+def eval_expr(expr: str, env: dict[str, Any]) -> Any:
+    """Evaluate a registry shape expression: names, numbers, tuples, indexing, arithmetic."""
+    tree = pyast.parse(expr, mode="eval")
+    allowed = (
+        pyast.Expression,
+        pyast.Tuple,
+        pyast.Name,
+        pyast.Load,
+        pyast.Constant,
+        pyast.Subscript,
+        pyast.BinOp,
+        pyast.UnaryOp,
+        pyast.Add,
+        pyast.Sub,
+        pyast.Mult,
+        pyast.FloorDiv,
+        pyast.USub,
+    )
+    for node in pyast.walk(tree):
+        if not isinstance(node, allowed):
+            raise RegistryError(f"expression {expr!r}: {type(node).__name__} is not allowed")
+    return eval(compile(tree, "<registry>", "eval"), {"__builtins__": {}}, dict(env))  # noqa: S307
+
+
+def _tensor_specs(op: str, raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
+    specs = []
+    for item in raw:
+        unknown = set(item) - {"name", "shape", "when", "dtype"}
+        if unknown or "name" not in item or "shape" not in item:
+            raise RegistryError(f"{op}: bad parameter/buffer entry {item!r}")
+        specs.append(TensorSpec(item["name"], item["shape"], item.get("when"), item.get("dtype")))
+    return tuple(specs)
+
+
+def _extra_specs(op: str, raw: list[dict[str, Any]]) -> list[ExtraSpec]:
+    specs = []
+    for item in raw:
+        if set(item) - {"name", "like", "shape", "dtype"} or ("like" in item) == ("shape" in item):
+            raise RegistryError(f"{op}: extra {item!r} needs a name and one of like/shape")
+        specs.append(ExtraSpec(item["name"], item.get("like"), item.get("shape"), item.get("dtype")))
+    return specs
+
+
+def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
+    known = {
+        "doc",
+        "kind",
+        "inputs",
+        "variadic",
+        "args",
+        "shape",
+        "params",
+        "buffers",
+        "module",
+        "extras",
+        "saved",
+        "activations",
+        "kernel_args",
+        "eval",
+        "kernels",
+    }
+    where = f"{source}: [{name}]"
+    if unknown := set(raw) - known:
+        raise RegistryError(f"{where}: unknown field(s) {sorted(unknown)}")
+    for required in ("doc", "kind", "shape", "kernels"):
+        if required not in raw:
+            raise RegistryError(f"{where}: missing field '{required}'")
+    if raw["kind"] not in KINDS:
+        raise RegistryError(f"{where}: kind must be one of {KINDS}")
+    if not raw.get("variadic") and not raw.get("inputs"):
+        raise RegistryError(f"{where}: needs 'inputs' or 'variadic = true'")
+    args: dict[str, ArgSpec] = {}
+    for arg_name, arg in raw.get("args", {}).items():
+        if arg.get("type") not in ARG_TYPES:
+            raise RegistryError(f"{where}: arg {arg_name}: type must be one of {ARG_TYPES}")
+        args[arg_name] = ArgSpec(
+            name=arg_name,
+            type=arg["type"],
+            default=arg.get("default", _MISSING),
+            default_from=arg.get("default_from"),
+            min=arg.get("min"),
+            max=arg.get("max"),
+            choices=tuple(arg["choices"]) if "choices" in arg else None,
+        )
+    spec = OpSpec(
+        name=name,
+        doc=raw["doc"],
+        kind=raw["kind"],
+        inputs=tuple(raw.get("inputs", ())),
+        variadic=bool(raw.get("variadic", False)),
+        args=args,
+        shape=raw["shape"],
+        params=_tensor_specs(name, raw.get("params", [])),
+        buffers=_tensor_specs(name, raw.get("buffers", [])),
+        module=raw.get("module"),
+        extras=tuple(_extra_specs(name, raw.get("extras", []))),
+        saved=tuple(raw.get("saved", ())),
+        activations=tuple(raw.get("activations", ())),
+        kernel_args=tuple(raw.get("kernel_args", ())),
+        has_eval=bool(raw.get("eval", False)),
+        kernels=dict(raw["kernels"]),
+    )
+    readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
+    readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}
+    for saved in spec.saved:
+        if saved not in readable and not spec.variadic:
+            raise RegistryError(f"{where}: saved '{saved}' is not an input, output, param or extra")
+    if not set(spec.activations) <= set(spec.saved):
+        raise RegistryError(f"{where}: every activation must also be saved")
+    if (spec.params or spec.buffers) and not spec.module:
+        raise RegistryError(f"{where}: an op with parameters needs 'module'")
+    return spec
+
+
+def _read(path: Path) -> dict[str, OpSpec]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RegistryError(f"{path}: {exc}") from exc
+    return {name: _op_spec(name, raw, path) for name, raw in data.items()}
+
+
+@lru_cache(maxsize=8)
+def _load(paths: tuple[str, ...]) -> dict[str, OpSpec]:
+    ops: dict[str, OpSpec] = {}
+    for path in paths:
+        ops.update(_read(Path(path)))
+    return ops
+
+
+def load_registry(extra: tuple[str, ...] | list[str] = ()) -> dict[str, OpSpec]:
+    """The built-in registry plus ``UNROLLER_OPS`` files plus ``extra`` files, later winning."""
+    env = tuple(p for p in os.environ.get("UNROLLER_OPS", "").split(os.pathsep) if p)
+    return _load((str(BUILTIN_REGISTRY), *env, *(str(p) for p in extra)))

@@ -1,0 +1,136 @@
+"""What each node keeps for its backward step, and how many bytes that is.
+
+The figures follow the generated code exactly: a node that needs no backward step
+saves nothing; a tensor saved by several nodes (a ReLU output read by the ReLU's
+backward and by the next convolution's) is stored once and counted once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from unroller.graph import DTYPE_BYTES, Graph, Node
+from unroller.shapes import TensorType
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    node: str  # the node whose backward reads it
+    entry: str  # the registry's saved entry ("x", "output", "indices", ...)
+    key: str  # identity: the value's name, or "node:extra"
+    type: TensorType
+    activation: bool  # a compressor may replace it
+
+    def nbytes(self, batch: int) -> int:
+        return self.type.numel(batch) * DTYPE_BYTES[self.type.dtype]
+
+
+def saved_tensors(node: Node) -> list[SavedTensor]:
+    """Runtime tensors (not parameters) that ``node``'s backward step reads."""
+    if not node.needs_backward:
+        return []
+    names = node.input_names
+    params = {p.name for p in (*node.params, *node.buffers)}
+    extras = {e.name: e for e in node.extras}
+    found = []
+    for entry in node.op.saved:
+        if entry in params:
+            continue
+        if entry in names:
+            value = node.inputs[names.index(entry)]
+            key, ttype = value.name, value.type
+        elif entry == "output":
+            key, ttype = node.output.name, node.output.type
+        else:
+            key, ttype = f"{node.name}:{entry}", extras[entry].type
+        found.append(SavedTensor(node.name, entry, key, ttype, entry in node.op.activations))
+    return found
+
+
+def graph_report(graph: Graph, batch: int) -> dict[str, Any]:
+    """Per node: op, output shape, parameters, bytes saved; totals with sharing removed."""
+    rows = []
+    seen: set[str] = set()
+    total_saved = total_params = 0
+    for node in graph.nodes:
+        saved = saved_tensors(node)
+        new = [s for s in saved if s.key not in seen]
+        seen.update(s.key for s in saved)
+        n_params = sum(p.nbytes() // DTYPE_BYTES[p.dtype] for p in node.params if p.present)
+        param_bytes = sum(p.nbytes() for p in node.params if p.present)
+        total_params += n_params
+        total_saved += sum(s.nbytes(batch) for s in new)
+        rows.append(
+            {
+                "name": node.name,
+                "op": node.op.name,
+                "output": str(node.output.type),
+                "params": n_params,
+                "param_bytes": param_bytes,
+                "saved": [f"{s.entry}={s.key}" for s in saved],
+                "saved_bytes": sum(s.nbytes(batch) for s in saved),
+                "new_saved_bytes": sum(s.nbytes(batch) for s in new),
+                "backward": node.needs_backward,
+            }
+        )
+    return {
+        "model": graph.name,
+        "batch_size": batch,
+        "nodes": rows,
+        "total_params": total_params,
+        "total_saved_bytes": total_saved,
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_table(report: dict[str, Any]) -> str:
+    header = ("node", "op", "output", "params", "saved for backward")
+    rows = [
+        (
+            r["name"],
+            r["op"],
+            r["output"],
+            f"{r['params']:,}",
+            human_bytes(r["new_saved_bytes"])
+            + (" (+shared)" if r["saved_bytes"] > r["new_saved_bytes"] else ""),
+        )
+        for r in report["nodes"]
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.append("")
+    lines.append(
+        f"model {report['model']}: {report['total_params']:,} parameters; "
+        f"saved for backward at batch {report['batch_size']}: "
+        f"{human_bytes(report['total_saved_bytes'])} ({report['total_saved_bytes']:,} bytes)"
+    )
+    return "\n".join(lines)
+
+
+def format_dot(graph: Graph) -> str:
+    lines = [f"digraph {json_str(graph.name)} {{", "  rankdir=TB;", "  node [shape=box];"]
+    for value in graph.inputs:
+        lines.append(f"  {json_str(value.name)} [shape=ellipse, label={json_str(f'{value.name}: {value.type}')}];")
+    for node in graph.nodes:
+        label = f"{node.name}\\n{node.op.name} -> {node.output.type}"
+        lines.append(f"  {json_str(node.name)} [label=\"{label}\"];")
+        for value in node.inputs:
+            lines.append(f"  {json_str(value.name)} -> {json_str(node.name)};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def json_str(text: str) -> str:
+    import json
+
+    return json.dumps(text)
