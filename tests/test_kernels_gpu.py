@@ -192,7 +192,11 @@ def test_batchnorm2d_train(dev, momentum, affine):
         needs = (True, True, True) if affine else (True,)
         grads = K.batchnorm2d_backward(g, x, ref.weight, save_mean, save_invstd, **kw, needs=needs)
     assert_fwd(y, out)
-    assert torch.equal(rm, ref.running_mean) and torch.equal(rv, ref.running_var)
+    # exact on the CPU; on CUDA torch takes cuDNN's batch norm, which rounds differently
+    assert_fwd(rm, ref.running_mean)
+    assert_fwd(rv, ref.running_var)
+    if dev == "cpu":
+        assert torch.equal(rm, ref.running_mean) and torch.equal(rv, ref.running_var)
     assert torch.equal(nbt, ref.num_batches_tracked) and nbt.item() == 5
     assert_grads(grads, ref_grads, needs)
 
@@ -217,7 +221,7 @@ def test_batchnorm2d_eval(dev):
     before = [t.clone() for t in (rm, rv, nbt)]
     with torch.no_grad():
         y = K.batchnorm2d_eval(x, ref.weight, ref.bias, rm, rv, nbt, eps=1e-3, momentum=0.1)
-    assert torch.equal(y, ref(x).detach())
+    assert_fwd(y, ref(x))
     assert all(torch.equal(a, b) for a, b in zip(before, (rm, rv, nbt)))
 
 
