@@ -279,10 +279,10 @@ def test_avgpool2d(dev, k, s, p):
     x = rand(2, 3, 7, 6, dev=dev)
     ref = nn.AvgPool2d(k, s, p)(x)
     g, ref_grads = autograd(ref, [x])
-    kw = dict(kernel_size=k, stride=s, padding=p, input_hw=(7, 6))  # all kernel_args, both ways
+    kw = dict(kernel_size=k, stride=s, padding=p)
     with torch.no_grad():
         y = K.avgpool2d(x, **kw)
-        grads = K.avgpool2d_backward(g, **kw, needs=(True,))
+        grads = K.avgpool2d_backward(g, **kw, input_hw=(7, 6), needs=(True,))
     assert torch.equal(y, ref.detach())
     assert_grads(grads, ref_grads)
     assert grads[0].is_contiguous()
@@ -294,7 +294,7 @@ def test_adaptive_avgpool2d(dev, in_hw, out_hw):
     ref = nn.AdaptiveAvgPool2d(out_hw)(x)
     g, ref_grads = autograd(ref, [x])
     with torch.no_grad():
-        y = K.adaptive_avgpool2d(x, output_size=out_hw, input_hw=in_hw)
+        y = K.adaptive_avgpool2d(x, output_size=out_hw)
         grads = K.adaptive_avgpool2d_backward(g, output_size=out_hw, input_hw=in_hw, needs=(True,))
     assert torch.equal(y, ref.detach())
     assert_grads(grads, ref_grads)
@@ -318,10 +318,10 @@ def test_upsample(dev, scale, mode, align):
     ref = nn.Upsample(scale_factor=scale, mode=mode, align_corners=align)(x)
     g, ref_grads = autograd(ref, [x])
     sf = tuple(float(v) for v in scale) if isinstance(scale, tuple) else (scale, scale)
-    kw = dict(scale_factor=sf, mode=mode, align_corners=bool(align), input_hw=(5, 4))
+    kw = dict(scale_factor=sf, mode=mode, align_corners=bool(align))
     with torch.no_grad():
         y = K.upsample(x, **kw)
-        grads = K.upsample_backward(g, **kw, needs=(True,))
+        grads = K.upsample_backward(g, **kw, input_hw=(5, 4), needs=(True,))
     assert torch.equal(y, ref.detach())
     assert_grads(grads, ref_grads)
 
@@ -369,7 +369,7 @@ def test_concat(dev):
     ref = torch.cat(xs, 1)
     g, ref_grads = autograd(ref, xs)
     with torch.no_grad():
-        y = K.concat(*xs, dim=1, sizes=(2, 3, 1))
+        y = K.concat(*xs, dim=1)
         grads = K.concat_backward(g, dim=1, sizes=(2, 3, 1), needs=(True, True, True))
         some = K.concat_backward(g, dim=1, sizes=(2, 3, 1), needs=(False, True, False))
     assert torch.equal(y, ref.detach())
@@ -383,9 +383,8 @@ def test_flatten(dev, start_dim):
     ref = nn.Flatten(start_dim)(x)
     g, ref_grads = autograd(ref, [x])
     with torch.no_grad():
-        kw = dict(start_dim=start_dim, input_shape=(3, 4, 5))
-        y = K.flatten(x, **kw)
-        grads = K.flatten_backward(g, **kw, needs=(True,))
+        y = K.flatten(x, start_dim=start_dim)
+        grads = K.flatten_backward(g, input_shape=(3, 4, 5), needs=(True,))
     assert torch.equal(y, ref.detach())
     assert_grads(grads, ref_grads)
 
@@ -396,9 +395,8 @@ def test_reshape(dev, shape):
     ref = x.reshape(2, *shape)
     g, ref_grads = autograd(ref, [x])
     with torch.no_grad():
-        kw = dict(shape=shape, input_shape=(3, 4, 5))
-        y = K.reshape(x, **kw)
-        grads = K.reshape_backward(g, **kw, needs=(True,))
+        y = K.reshape(x, shape=shape)
+        grads = K.reshape_backward(g, input_shape=(3, 4, 5), needs=(True,))
     assert torch.equal(y, ref.detach())
     assert_grads(grads, ref_grads)
 

@@ -59,6 +59,20 @@ def text_at(source: str, loc: Loc) -> str:
     return line[loc.col - 1 : loc.col - 1 + loc.length]
 
 
+def at(source: str, line: int, needle: str, nth: int = 1) -> Loc:
+    """The Loc of the nth occurrence of ``needle`` on a line (counted independently of
+    the parser, to check its columns)."""
+    text = source.split("\n")[line - 1]
+    col = -1
+    for _ in range(nth):
+        col = text.index(needle, col + 1)
+    return Loc(line, col + 1, len(needle))
+
+
+# Keyword values below are parsed from line 2 of ``one_stmt``'s model, at this column.
+VALUE_COL = len("  y = op(x, k=") + 1
+
+
 def one_stmt(kwargs: str) -> Call:
     """Parse ``y = op(x, <kwargs>)`` in a minimal model and return the statement."""
     model = parse(f"model m {{\n  y = op(x, {kwargs})\n  return y\n}}\n")
@@ -81,7 +95,8 @@ def test_spec_example_ast():
     model = parse(SPEC_EXAMPLE, filename="tiny.model")
     assert isinstance(model, ModelAST)
     assert model.name == "tiny_resnet"
-    assert model.loc == Loc(2, 7, 11)
+    src = SPEC_EXAMPLE
+    assert model.loc == at(src, 2, "tiny_resnet") == Loc(2, 7, 11)
     assert model.filename == "tiny.model"
     assert model.source == SPEC_EXAMPLE
 
@@ -95,28 +110,37 @@ def test_spec_example_ast():
         dtype_loc=Loc(3, 14, 3),
         dims_loc=(Loc(3, 18, 1), Loc(3, 21, 1), Loc(3, 24, 2), Loc(3, 28, 2)),
     )
+    assert x.dims_loc == (
+        at(src, 3, "N"),
+        at(src, 3, "3", 2),  # the first "3" and "32" are in "f32"
+        at(src, 3, "32", 2),
+        at(src, 3, "32", 3),
+    )
     assert (y.kind, y.name, y.dtype, y.dims) == ("target", "y", "i64", ("N",))
-    assert y.dims_loc == (Loc(4, 19, 1),)
+    assert y.dims_loc == (at(src, 4, "N"),)
 
     (basic,) = model.blocks
     assert isinstance(basic, Block)
     assert basic.name == "basic"
-    assert basic.loc == Loc(6, 11, 5)
+    assert basic.loc == at(src, 6, "basic")
     assert [(p.name, p.default) for p in basic.params[:2]] == [("x", None), ("planes", None)]
     stride = basic.params[2]
-    assert stride.name == "stride" and stride.loc == Loc(6, 30, 6)
-    assert stride.default == Const(1, Loc(6, 37, 1))
+    assert stride.name == "stride" and stride.loc == at(src, 6, "stride")
+    assert stride.default == Const(1, at(src, 6, "1"))
     assert [c.target for c in basic.body] == ["conv1", "bn1", "r1", "conv2", "bn2", "s", "out"]
     conv1 = basic.body[0]
-    assert conv1.op == "conv2d" and conv1.op_loc == Loc(7, 17, 6)
-    assert conv1.args == (Ref("x", Loc(7, 24, 1)),)
+    assert conv1.op == "conv2d" and conv1.op_loc == at(src, 7, "conv2d")
+    assert conv1.args == (Ref("x", at(src, 7, "x")),)
     kwargs = {k.name: k.value for k in conv1.kwargs}
-    assert kwargs["out_channels"] == Ref("planes", Loc(7, 40, 6))
-    assert kwargs["stride"] == Ref("stride", Loc(7, 69, 6))
-    assert kwargs["kernel_size"] == Const(3, Loc(7, 60, 1))
-    assert kwargs["bias"] == Const(False, Loc(7, 97, 5))
-    assert basic.body[5].args == (Ref("bn2", Loc(12, 17, 3)), Ref("x", Loc(12, 22, 1)))
-    assert basic.ret == Ref("out", Loc(14, 16, 3))
+    assert kwargs["out_channels"] == Ref("planes", at(src, 7, "planes"))
+    assert kwargs["stride"] == Ref("stride", at(src, 7, "stride", 2))
+    assert kwargs["kernel_size"] == Const(3, at(src, 7, "3"))
+    assert kwargs["bias"] == Const(False, at(src, 7, "false"))
+    assert basic.body[5].args == (
+        Ref("bn2", at(src, 12, "bn2")),
+        Ref("x", at(src, 12, "x")),
+    )
+    assert basic.ret == Ref("out", at(src, 14, "out"))
 
     assert [(c.target, c.op) for c in model.stmts] == [
         ("conv1", "conv2d"),
@@ -136,13 +160,16 @@ def test_spec_example_ast():
         ("padding", 1),
         ("bias", False),
     ]
-    assert first.kwargs[0].loc == Loc(17, 23, 12)
+    assert first.kwargs[0].loc == at(src, 17, "out_channels")
     layer11 = model.stmts[4]
-    assert layer11.loc == Loc(21, 5, 8)
-    assert layer11.args == (Ref("layer1.0", Loc(21, 22, 8)),)
-    assert layer11.kwargs[0].value == Const(16, Loc(21, 39, 2))
-    assert model.ret.loc == Loc(26, 5, 6)
-    assert model.ret.values == (Ref("loss", Loc(26, 12, 4)), Ref("fc", Loc(26, 18, 2)))
+    assert layer11.loc == at(src, 21, "layer1.1")
+    assert layer11.args == (Ref("layer1.0", at(src, 21, "layer1.0")),)
+    assert layer11.kwargs[0].value == Const(16, at(src, 21, "16"))
+    assert model.ret.loc == at(src, 26, "return")
+    assert model.ret.values == (
+        Ref("loss", at(src, 26, "loss")),
+        Ref("fc", at(src, 26, "fc")),
+    )
 
 
 def test_every_loc_underlines_its_text():
@@ -195,7 +222,7 @@ def test_ints(text, value):
     const = kw_value(text)
     assert isinstance(const, Const)
     assert type(const.value) is int and const.value == value
-    assert const.loc == Loc(2, 14, len(text))
+    assert const.loc == Loc(2, VALUE_COL, len(text))
 
 
 @pytest.mark.parametrize(
@@ -216,14 +243,14 @@ def test_ints(text, value):
 def test_floats(text, value):
     const = kw_value(text)
     assert type(const.value) is float and const.value == value
-    assert const.loc == Loc(2, 14, len(text))
+    assert const.loc == Loc(2, VALUE_COL, len(text))
 
 
 def test_booleans():
     stmt = one_stmt("a=true, b=false")
     assert [k.value for k in stmt.kwargs] == [
-        Const(True, Loc(2, 14, 4)),
-        Const(False, Loc(2, 22, 5)),
+        Const(True, Loc(2, VALUE_COL, 4)),
+        Const(False, Loc(2, VALUE_COL + len("true, b="), 5)),
     ]
     assert all(type(k.value.value) is bool for k in stmt.kwargs)
 
@@ -251,13 +278,13 @@ def test_booleans():
 def test_strings(text, value):
     const = kw_value(text)
     assert const.value == value
-    assert const.loc == Loc(2, 14, len(text))
+    assert const.loc == Loc(2, VALUE_COL, len(text))
 
 
 def test_tuples():
-    assert kw_value("(3, 5)") == Const((3, 5), Loc(2, 14, 6))
-    assert kw_value("(3,)") == Const((3,), Loc(2, 14, 4))
-    assert kw_value("()") == Const((), Loc(2, 14, 2))
+    assert kw_value("(3, 5)") == Const((3, 5), Loc(2, VALUE_COL, 6))
+    assert kw_value("(3,)") == Const((3,), Loc(2, VALUE_COL, 4))
+    assert kw_value("()") == Const((), Loc(2, VALUE_COL, 2))
     assert kw_value("( )").value == ()
     assert kw_value("(1, 2,)").value == (1, 2)
     assert kw_value('((1, 2), (3,), (), 4.5, "s", true)').value == (
@@ -274,19 +301,21 @@ def test_tuples():
 
 
 def test_references_in_keyword_values():
-    assert kw_value("planes") == Ref("planes", Loc(2, 14, 6))
+    assert kw_value("planes") == Ref("planes", Loc(2, VALUE_COL, 6))
     value = kw_value("(stride, (1, pad), 2)")
+    col = VALUE_COL
     assert isinstance(value, TupleExpr)
-    assert value.loc == Loc(2, 14, 21)
+    assert value.loc == Loc(2, col, 21)
     stride, inner, two = value.items
-    assert stride == Ref("stride", Loc(2, 15, 6))
+    assert stride == Ref("stride", Loc(2, col + 1, 6))
     assert isinstance(inner, TupleExpr)
-    assert inner.items == (Const(1, Loc(2, 24, 1)), Ref("pad", Loc(2, 27, 3)))
-    assert two == Const(2, Loc(2, 33, 1))
+    assert inner.loc == Loc(2, col + 9, 8)
+    assert inner.items == (Const(1, Loc(2, col + 10, 1)), Ref("pad", Loc(2, col + 13, 3)))
+    assert two == Const(2, Loc(2, col + 19, 1))
     # A tuple of constants only is folded into a Const, even when nested in a TupleExpr.
     mixed = kw_value("((1, 2), k)")
     assert isinstance(mixed, TupleExpr)
-    assert mixed.items[0] == Const((1, 2), Loc(2, 15, 6))
+    assert mixed.items[0] == Const((1, 2), Loc(2, VALUE_COL + 1, 6))
 
 
 # --------------------------------------------------------------------------------------
@@ -309,6 +338,7 @@ def test_dotted_names():
         Ref("shortcut.1", Loc(4, 20, 10)),
         Ref("layer1.0.conv1", Loc(4, 32, 14)),
     )
+    assert model.ret.values[1].loc == Loc(5, 22, 10)
     assert [r.name for r in model.ret.values] == ["a.b_c.10.d", "shortcut.1"]
 
 
@@ -356,17 +386,22 @@ def test_blocks_with_defaults_and_references():
         "}\n"
     )
     model = parse(source)
+    src = source
     down, empty, late = model.blocks
     assert [p.name for p in down.params] == ["v", "planes", "stride", "pad", "mode", "k"]
     defaults = [p.default for p in down.params]
     assert defaults[:2] == [None, None]
-    assert defaults[2] == Const(2, Loc(3, 32, 1))
-    assert defaults[3] == Const((1, 1), Loc(3, 39, 6))
-    assert defaults[4] == Const("x", Loc(3, 52, 3))
-    assert defaults[5] == Ref("planes", Loc(3, 59, 6))
+    assert defaults[2] == Const(2, at(src, 3, "2"))
+    assert defaults[3] == Const((1, 1), at(src, 3, "(1, 1)"))
+    assert defaults[4] == Const("x", at(src, 3, '"x"'))
+    assert defaults[5] == Ref("planes", at(src, 3, "planes", 2))
     ks = down.body[0].kwargs[1].value
-    assert ks == TupleExpr((Ref("stride", Loc(4, 47, 6)), Const(3, Loc(4, 55, 1))), Loc(4, 46, 11))
-    assert empty.params == () and empty.body == () and empty.ret == Ref("q", Loc(7, 26, 1))
+    assert ks == TupleExpr(
+        (Ref("stride", at(src, 4, "stride")), Const(3, at(src, 4, "3"))),
+        at(src, 4, "(stride, 3)"),
+    )
+    assert empty.params == () and empty.body == ()
+    assert empty.ret == Ref("q", at(src, 7, "q"))
     # A parameter without a default after one with a default is allowed.
     assert [(p.name, p.default is None) for p in late.params] == [("a", False), ("b", True)]
 
@@ -405,13 +440,19 @@ def test_keyword_like_names():
         "returns",
     ]
     kw = model.stmts[4].kwargs
-    assert [(k.name, k.value) for k in kw[:4]] == [
-        ("model", Ref("input", Loc(8, 26, 5))),
-        ("input", Ref("target", Loc(8, 39, 6))),
-        ("block", Ref("return", Loc(8, 53, 6))),
-        ("return", Const(1, Loc(8, 68, 1))),
+    assert [(k.name, k.value) for k in kw] == [
+        ("model", Ref("input", at(source, 8, "input", 2))),
+        ("input", Ref("target", at(source, 8, "target"))),
+        ("block", Ref("return", at(source, 8, "return"))),
+        ("return", Const(1, at(source, 8, "1"))),
     ]
-    assert model.stmts[8].args == (Ref("false", Loc(12, 12, 5)),)
+    assert [k.loc for k in kw] == [
+        at(source, 8, "model", 2),
+        at(source, 8, "input", 3),
+        at(source, 8, "block"),
+        at(source, 8, "return", 2),
+    ]
+    assert model.stmts[8].args == (Ref("false", at(source, 12, "false")),)
     assert [k.value.value for k in model.stmts[8].kwargs] == [True, False]
     assert [r.name for r in model.ret.values] == ["returns", "model", "input", "block.0"]
 
@@ -721,6 +762,14 @@ SYNTAX_ERRORS = [
         1,
         ["unexpected name 'x' (expected '=')"],
         id="misspelt-return",
+    ),
+    pytest.param(
+        "model m { return x } garbage",
+        1,
+        22,
+        7,
+        ["unexpected name 'garbage' (expected end of file)"],
+        id="text-after-model",
     ),
 ]
 
@@ -1262,3 +1311,30 @@ def same_value(got, want) -> bool:
     if isinstance(want, float):
         return got == want and math.copysign(1, got) == math.copysign(1, want)
     return got == want
+
+
+@st.composite
+def mutated_examples(draw):
+    """The spec's example with a few characters deleted, replaced or inserted."""
+    text = SPEC_EXAMPLE
+    alphabet = st.sampled_from(list('(){}[],=:."#\\\n -+.1aNx_') + ["return", "block", "é", "@"])
+    for _ in range(draw(st.integers(1, 3))):
+        pos = draw(st.integers(0, len(text)))
+        cut = draw(st.integers(0, 3))
+        text = text[:pos] + draw(st.one_of(st.just(""), alphabet)) + text[pos + cut :]
+    return text
+
+
+@settings(max_examples=400, deadline=None)
+@given(mutated_examples())
+def test_any_text_parses_or_raises_a_located_model_error(source):
+    try:
+        parse(source)
+    except ModelError as error:
+        assert not INTERNAL.search(error.message), error.message
+        assert error.loc is not None
+        lines = source.split("\n")
+        assert 1 <= error.loc.line <= len(lines)
+        assert 1 <= error.loc.col <= len(lines[error.loc.line - 1]) + 1
+        assert error.loc.length >= 1
+        error.format("fuzz.model", source)

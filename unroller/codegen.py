@@ -156,7 +156,9 @@ class GpuEmitter:
             extra_lines.append(f"{self.kernels(node)}.accumulate({self.param(p.key)}, {ident})")
             reads.append(ident)
         needs = f"needs={tuple(node.needs)!r}"
-        call_args = ", ".join(a for a in [grad_out, *saved, kwargs_text(node.kernel_kwargs), needs] if a)
+        call_args = ", ".join(
+            a for a in [grad_out, *saved, kwargs_text(node.backward_kwargs), needs] if a
+        )
         targets = ", ".join(outputs) if len(outputs) > 1 else f"({outputs[0]},)"
         line = f"{targets} = {self.kernels(node)}.{op.name}_backward({call_args})"
         return Step("backward", [line, *extra_lines], reads=reads, writes=writes,

@@ -98,8 +98,15 @@ class Node:
 
     @property
     def kernel_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the forward kernel."""
         values = {**self.args, **self.derived}
         return {name: values[name] for name in self.op.kernel_args}
+
+    @property
+    def backward_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the backward kernel."""
+        values = {**self.args, **self.derived}
+        return {name: values[name] for name in self.op.backward_args}
 
     @property
     def needs(self) -> tuple[bool, ...]:
@@ -450,6 +457,14 @@ class GraphBuilder:
                 f"(cross_entropy, mse_loss, ...)",
                 loss_ref.loc,
             )
+        for ref, value in zip(ret.values[1:], values[1:]):
+            target = _target_behind(value)
+            if target is not None:
+                raise ModelError(
+                    f"prediction '{ref.name}' depends on target '{target.name}'; "
+                    f"predict() takes only inputs",
+                    ref.loc,
+                )
         return loss, values[1:]
 
     def _analyse(self, graph: Graph) -> None:
@@ -478,6 +493,21 @@ class GraphBuilder:
                         node.loc,
                     )
                 )
+
+
+def _target_behind(value: Value) -> Value | None:
+    """A target that ``value`` is computed from (the first found), or None."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v.kind == "target":
+            return v
+        if v.producer is not None:
+            stack.extend(v.producer.inputs)
+    return None
 
 
 def _is_loss(value: Value) -> bool:

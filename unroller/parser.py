@@ -225,6 +225,8 @@ def _expected_words(expected: Iterable[str], stack: list, at_end: bool) -> str:
     if at_end and exp & _CLOSERS:
         exp &= _CLOSERS  # at the end of the file, what is missing is a closing bracket
     ctx = _context(stack)
+    if exp == {"MODEL", "$END"}:
+        exp = {"$END"}  # after the model: a second one is an error anyway
     words: list[str] = []
     if {"INT", "STRING"} <= exp:
         words.append(_VALUE_WORDS)

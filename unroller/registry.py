@@ -86,6 +86,7 @@ class OpSpec:
     saved: tuple[str, ...] = ()
     activations: tuple[str, ...] = ()
     kernel_args: tuple[str, ...] = ()
+    backward_args: tuple[str, ...] = ()
     has_eval: bool = False
     kernels: dict[str, str] = field(default_factory=dict)
 
@@ -158,6 +159,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "saved",
         "activations",
         "kernel_args",
+        "backward_args",
         "eval",
         "kernels",
     }
@@ -199,6 +201,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         saved=tuple(raw.get("saved", ())),
         activations=tuple(raw.get("activations", ())),
         kernel_args=tuple(raw.get("kernel_args", ())),
+        backward_args=tuple(raw.get("backward_args", raw.get("kernel_args", ()))),
         has_eval=bool(raw.get("eval", False)),
         kernels=dict(raw["kernels"]),
     )

@@ -353,7 +353,7 @@ def maxpool2d_backward(
 
 
 def avgpool2d(
-    x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair, input_hw: _Pair | None = None
+    x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair
 ) -> Tensor:
     """aten::avg_pool2d (count_include_pad, floor mode); the backward needs no activation."""
     return _aten.avg_pool2d(x, kernel_size, stride, padding, False, True, None)
@@ -375,7 +375,7 @@ def avgpool2d_backward(
     return (_aten.avg_pool2d_backward(g, shape, kernel_size, stride, padding, False, True, None),)
 
 
-def adaptive_avgpool2d(x: Tensor, *, output_size: _Pair, input_hw: _Pair | None = None) -> Tensor:
+def adaptive_avgpool2d(x: Tensor, *, output_size: _Pair) -> Tensor:
     """As F.adaptive_avg_pool2d: a mean over H, W for 1x1, else aten::_adaptive_avg_pool2d."""
     if tuple(output_size) == (1, 1):
         return x.mean((-1, -2), keepdim=True)
@@ -411,7 +411,6 @@ def upsample(
     scale_factor: tuple[float, float],
     mode: str,
     align_corners: bool | None,
-    input_hw: _Pair | None = None,
 ) -> Tensor:
     """As nn.Upsample(scale_factor=...): aten::upsample_{nearest,bilinear}2d with the scales
     passed through, as F.interpolate with recompute_scale_factor=None; saves nothing."""
@@ -471,7 +470,7 @@ def mul_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: _Needs) -> _Grads:
     return (g * b if _need(needs, 0) else None, g * a if _need(needs, 1) else None)
 
 
-def concat(*xs: Tensor, dim: int, sizes: tuple[int, ...] | None = None) -> Tensor:
+def concat(*xs: Tensor, dim: int) -> Tensor:
     """torch.cat; saves nothing."""
     return torch.cat(xs, dim)
 
@@ -482,27 +481,27 @@ def concat_backward(g: Tensor, *, dim: int, sizes: tuple[int, ...], needs: _Need
     return tuple(p if _need(needs, i) else None for i, p in enumerate(parts))
 
 
-def flatten(x: Tensor, *, start_dim: int, input_shape: tuple[int, ...] | None = None) -> Tensor:
+def flatten(x: Tensor, *, start_dim: int) -> Tensor:
     """torch.flatten; saves nothing."""
     return torch.flatten(x, start_dim)
 
 
 def flatten_backward(
-    g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs, start_dim: int | None = None
+    g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs
 ) -> _Grads:
     """g reshaped to (N, *input_shape)."""
     return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
 
 
 def reshape(
-    x: Tensor, *, shape: tuple[int, ...], input_shape: tuple[int, ...] | None = None
+    x: Tensor, *, shape: tuple[int, ...]
 ) -> Tensor:
     """x.reshape(N, *shape), keeping the batch dim; saves nothing."""
     return x.reshape(x.shape[0], *shape)
 
 
 def reshape_backward(
-    g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs, shape: tuple[int, ...] | None = None
+    g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs
 ) -> _Grads:
     """g reshaped to (N, *input_shape)."""
     return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)

@@ -1,0 +1,73 @@
+"""The registry and the kernels agree: every op's kernels take exactly what codegen passes."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+from unroller.registry import RegistryError, eval_expr, load_registry
+
+OPS = load_registry()
+
+
+def keyword_only(func) -> set[str]:
+    return {
+        name
+        for name, p in inspect.signature(func).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
+def positional(func) -> list[inspect.Parameter]:
+    return [
+        p
+        for p in inspect.signature(func).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_kernels_take_what_the_registry_passes(name):
+    op = OPS[name]
+    module = importlib.import_module(op.kernels["gpu"])
+    forward, backward = getattr(module, name), getattr(module, f"{name}_backward")
+    assert keyword_only(forward) == set(op.kernel_args)
+    assert keyword_only(backward) == set(op.backward_args) | {"needs"}
+    n_tensors = len(op.inputs) + len(op.params) + len(op.buffers)
+    fwd_pos = positional(forward)
+    if op.variadic:
+        assert fwd_pos[0].kind is inspect.Parameter.VAR_POSITIONAL
+    else:
+        assert len(fwd_pos) == n_tensors, (name, fwd_pos)
+    # backward: the output gradient, then the saved entries in registry order
+    assert len(positional(backward)) == 1 + len(op.saved), name
+    if op.has_eval:
+        ev = getattr(module, f"{name}_eval")
+        assert keyword_only(ev) == set(op.kernel_args)
+        assert len(positional(ev)) == n_tensors
+
+
+def test_every_spec_op_is_registered():
+    spec_ops = (
+        "conv2d conv_transpose2d linear batchnorm2d relu sigmoid tanh gelu leaky_relu maxpool2d "
+        "avgpool2d adaptive_avgpool2d upsample add mul concat flatten reshape dropout "
+        "cross_entropy mse_loss l1_loss bce_loss bce_with_logits"
+    ).split()
+    assert set(spec_ops) <= set(OPS)
+
+
+def test_shape_expressions_are_restricted():
+    assert eval_expr("(a, b // 2, k[0])", {"a": 3, "b": 8, "k": (5, 6)}) == (3, 4, 5)
+    with pytest.raises(RegistryError):
+        eval_expr("__import__('os')", {})
+    with pytest.raises(RegistryError):
+        eval_expr("a.b", {"a": 1})
+
+
+def test_malformed_registry_file_is_reported(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[foo]\ndoc = "x"\nkind = "nonsense"\nshape = "same_float"\nkernels.gpu = "m"\ninputs = ["x"]\n')
+    with pytest.raises(RegistryError, match="kind must be one of"):
+        load_registry([str(bad)])
