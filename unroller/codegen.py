@@ -123,7 +123,13 @@ class GpuEmitter:
                 return self.param(p.key)
         return self.extra(node, entry)
 
-    def backward_step(self, node: Node, contributed: set[int]) -> Step:
+    def backward_step(self, node: Node, owned: dict[int, bool]) -> Step:
+        """One backward kernel call, gradient sums for fan-out, parameter accumulation.
+
+        ``owned`` maps each value that already has a gradient to whether that tensor is
+        exclusively ours (then later contributions are added in place, as autograd's
+        input buffers do) or may alias another gradient (then the sum is out of place).
+        """
         op = node.op
         grad_out = self.grad(node.output)
         saved = [self.saved_expr(node, entry) for entry in op.saved]
@@ -134,18 +140,24 @@ class GpuEmitter:
         for position, value in enumerate(node.inputs):
             if not value.requires_grad:
                 outputs.append("_")
-            elif id(value) not in contributed:
-                contributed.add(id(value))
+            elif id(value) not in owned:
+                owned[id(value)] = not op.grad_aliases
                 outputs.append(self.grad(value))
                 writes.append(outputs[-1])
             else:
                 partial = self.names(
-                    f"partial:{node.name}:{position}", f"{self.grad(value)}_from_{self.ident(node.output)}"
+                    f"partial:{node.name}:{position}",
+                    f"{self.grad(value)}_from_{self.ident(node.output)}",
                 )
                 outputs.append(partial)
                 writes.append(partial)
-                extra_lines.append(f"{self.grad(value)} = {self.grad(value)} + {partial}")
-                reads += [self.grad(value), partial]
+                total = self.grad(value)
+                if owned[id(value)]:
+                    extra_lines.append(f"{total} += {partial}")
+                else:
+                    extra_lines.append(f"{total} = {total} + {partial}")
+                    owned[id(value)] = True
+                reads += [total, partial]
         for p in node.params:
             if not p.present:
                 outputs.append("_")
@@ -179,10 +191,10 @@ class GpuEmitter:
             Step("backward", [f"{self.grad(graph.loss)} = torch.ones_like({loss})"],
                  reads=[loss], writes=[self.grad(graph.loss)], comment="d loss / d loss = 1")
         )
-        contributed: set[int] = {id(graph.loss)}
+        owned: dict[int, bool] = {id(graph.loss): True}
         for node in reversed(graph.nodes):
             if node.needs_backward:
-                steps.append(self.backward_step(node, contributed))
+                steps.append(self.backward_step(node, owned))
         # A forward step whose output is saved by a backward step must keep it alive:
         # liveness sees the read in the backward step, so nothing more to do here.
         release_dead(steps, keep={loss})

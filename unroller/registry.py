@@ -88,6 +88,7 @@ class OpSpec:
     kernel_args: tuple[str, ...] = ()
     backward_args: tuple[str, ...] = ()
     has_eval: bool = False
+    grad_aliases: bool = False
     kernels: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -161,6 +162,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "kernel_args",
         "backward_args",
         "eval",
+        "grad_aliases",
         "kernels",
     }
     where = f"{source}: [{name}]"
@@ -203,6 +205,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         kernel_args=tuple(raw.get("kernel_args", ())),
         backward_args=tuple(raw.get("backward_args", raw.get("kernel_args", ()))),
         has_eval=bool(raw.get("eval", False)),
+        grad_aliases=bool(raw.get("grad_aliases", False)),
         kernels=dict(raw["kernels"]),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
