@@ -389,8 +389,7 @@ def bench_model(stem: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     return {
         "model": stem,
-        "model_file": model_path(stem).relative_to(Path(__file__).resolve().parent.parent)
-        .as_posix(),
+        "model_file": f"benchmarks/models/{model_path(stem).name}",
         "batch_size": args.batch_size,
         "dtype": "float32",
         "parameters": sum(p.numel() for p in ref.parameters()),
@@ -464,7 +463,8 @@ def format_markdown(results: dict[str, Any]) -> str:
             f"{_mib(a['with_params_bytes'])}, without params and buffers "
             f"{_mib(a['without_params_and_buffers_bytes'])}; retained after the step MiB "
             f"ours {_mib(r['memory']['ours']['retained_bytes'])} / autograd "
-            f"{_mib(r['memory']['autograd']['retained_bytes'])}"
+            f"{_mib(r['memory']['autograd']['retained_bytes'])}; fastest step ms ours "
+            f"{r['time']['ours']['min']:.1f} / autograd {r['time']['autograd']['min']:.1f}"
         )
     lines += ["", "Methods:", ""]
     lines += [f"- {k}: {v}" for k, v in METHODS.items()]

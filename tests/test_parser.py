@@ -1277,7 +1277,7 @@ def models(draw):
     return text, stmts, rets
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(models())
 def test_random_models_round_trip(case):
     source, stmts, rets = case

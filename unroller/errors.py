@@ -43,9 +43,9 @@ def format_diagnostic(
         text = f"{filename}: {severity}: {message}"
     else:
         text = f"{filename}:{loc.line}:{loc.col}: {severity}: {message}"
-        lines = source.splitlines()
+        lines = source.split("\n")
         if 1 <= loc.line <= len(lines):
-            line = lines[loc.line - 1].expandtabs(1)
+            line = lines[loc.line - 1].rstrip("\r").expandtabs(1)
             width = max(1, min(loc.length, len(line) - loc.col + 1))
             text += f"\n    {line}\n    {' ' * (loc.col - 1)}^{'~' * (width - 1)}"
     if hint:

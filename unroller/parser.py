@@ -244,8 +244,10 @@ def _expected_words(expected: Iterable[str], stack: list, at_end: bool) -> str:
             exp.discard("EQUAL")  # `input = ...` is a statement too, but rarely meant
     for name in _ORDER:
         if name in exp:
-            words.append(_terminal_words(name) or name)
             exp.discard(name)
+            word = _terminal_words(name)
+            if word:
+                words.append(word)
     # Anything left (there should be nothing) is shown only if it has a friendly name.
     words += sorted(w for w in map(_terminal_words, exp) if w)
     return f" (expected {_join(words)})" if words else ""
@@ -303,7 +305,8 @@ def _syntax_error(exc: UnexpectedInput, source: str) -> ModelError:
         return ModelError(
             f"unexpected character {_describe_char(ch)}{where}", Loc(exc.line, exc.column, 1)
         )
-    return ModelError(f"syntax error: {exc}", None)  # pragma: no cover - other Lark errors
+    line, col = getattr(exc, "line", None), getattr(exc, "column", None)  # pragma: no cover
+    return ModelError("syntax error", Loc(line, col) if line and col else None)  # pragma: no cover
 
 
 # --------------------------------------------------------------------------------------
