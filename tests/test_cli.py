@@ -125,8 +125,8 @@ def test_generate_to_stdout(work: Path):
 
 
 def test_generate_to_file_records_the_relative_source(work: Path):
-    result = invoke("generate", "small.txt", "--platform", "gpu", "--scheme", "nocompress",
-                    "-o", "gen/small.py")  # fmt: skip
+    args = ["--platform", "gpu", "--scheme", "nocompress", "-o", "gen/small.py"]
+    result = invoke("generate", "small.txt", *args)
     assert result.exit_code == 0, result.output
     assert result.stdout == ""
     assert "wrote gen/small.py" in result.stderr
@@ -259,8 +259,8 @@ def test_diff_against_a_file(work: Path):
     assert lines[0] == "--- out.py"
     assert lines[1].startswith("+++ small.txt")
     assert any(line.startswith("@@ -") for line in lines)
-    assert "-        K.add_layer(self, \"fc\", torch.nn.Linear(64, 10, bias=True))" in lines
-    assert "+        K.add_layer(self, \"fc\", torch.nn.Linear(64, 7, bias=True))" in lines
+    assert '-        K.add_layer(self, "fc", torch.nn.Linear(64, 10, bias=True))' in lines
+    assert '+        K.add_layer(self, "fc", torch.nn.Linear(64, 7, bias=True))' in lines
     # Only the recorded hash, the checksum and what follows from the edit changed.
     changed = [line for line in lines[2:] if line[:1] in "+-"]
     assert len(changed) == 14, changed
@@ -317,7 +317,10 @@ def test_diff_model_error(work: Path):
 
 def test_check_fresh_and_stale(work: Path):
     for stem in ("small", "other"):
-        assert invoke("generate", f"{stem}.txt", "-o", f"generated/gpu/{stem}/nocompress.py").exit_code == 0
+        assert (
+            invoke("generate", f"{stem}.txt", "-o", f"generated/gpu/{stem}/nocompress.py").exit_code
+            == 0
+        )
     (work / "generated" / "README.md").write_text("not python\n")
     (work / "generated" / "helper.py").write_text("# not generated\n")
     result = invoke("check")

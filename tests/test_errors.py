@@ -359,8 +359,10 @@ def test_case_sources_are_valid_apart_from_the_mistake():
 def test_error_location_and_message(case: Case):
     text = error_text(case.source)
     check_caret(text, case)
-    message = text.splitlines()[0] + "\n" + "\n".join(
-        line for line in text.splitlines() if line.startswith("  note:")
+    message = (
+        text.splitlines()[0]
+        + "\n"
+        + "\n".join(line for line in text.splitlines() if line.startswith("  note:"))
     )
     for words in case.words:
         assert words in message, (words, message)
@@ -397,11 +399,6 @@ def test_unused_input_is_a_warning_not_an_error():
     generate_from_text(source, label=FILE)  # generation still succeeds
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shapes.upsample: int(floor(inf)) raises OverflowError for a huge scale_factor "
-    "(a traceback instead of a model error)",
-)
 def test_huge_upsample_scale_is_a_model_error():
     source = stmts("a = upsample(x, scale_factor=1e308)")
     with pytest.raises(ModelError):

@@ -300,9 +300,7 @@ model model {
 # A block keyword value is the one place a string from the model file reaches the
 # generated file: the comment showing the inlined call, `# [block] o = tag(x, s='...')`.
 NASTY = 'ZQX"""\'\\ \n#x\r\t\u2028\x00}{end'
-NASTY_LITERAL = (
-    r'"ZQX\"\"\"\'\\ \n#x\r\t\u2028\x00}{end"'  # the same string in model syntax
-)
+NASTY_LITERAL = r'"ZQX\"\"\"\'\\ \n#x\r\t\u2028\x00}{end"'  # the same string in model syntax
 
 STRING_MODEL = """\
 model strings {
@@ -313,12 +311,12 @@ model strings {
         g = gelu(h, approximate=mode)
         return g
     }
-    o = tag(x, s=%s, mode="tanh")
+    o = tag(x, s=@NASTY@, mode="tanh")
     p = tag(x)
     loss = mse_loss(o, y)
     return loss, o, p
 }
-""" % NASTY_LITERAL
+""".replace("@NASTY@", NASTY_LITERAL)
 
 
 def test_string_model_literal_decodes_to_nasty():

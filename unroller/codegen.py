@@ -28,6 +28,8 @@ SCHEMES = ("nocompress",)
 HEADER_TAG = "# unroller: "
 CHECKSUM_TAG = "# unroller-checksum: "
 DEFAULT_KERNELS = "unroller.runtime.gpu"
+# Generated code favours one line per step over the 100 columns of hand-written code.
+GENERATED_LINE_LENGTH = 120
 
 
 @dataclass
@@ -309,7 +311,7 @@ def render(graph: Graph, source_path: str, options: Options) -> str:
         preds=preds,
         signature=[f"{v.name}: {v.type}" for v in graph.inputs],
     )
-    text = black.format_str(text, mode=black.Mode(line_length=100))
+    text = black.format_str(text, mode=black.Mode(line_length=GENERATED_LINE_LENGTH))
     return add_checksum(text)
 
 

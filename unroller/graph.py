@@ -10,6 +10,7 @@ must be defined before it is used and is assigned once.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -550,6 +551,8 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
         return is_int(v) or isinstance(v, float)
 
     def bounded(v: float) -> None:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise bad(" (finite)")
         if spec.min is not None and v < spec.min:
             raise bad(f" >= {spec.min}")
         if spec.max is not None and v > spec.max:

@@ -192,7 +192,13 @@ def adaptive_pool2d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> 
 def upsample(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     (x,) = inputs
     _, h, w = _image(op, x)
-    size = tuple(int(math.floor(n * s)) for n, s in zip((h, w), args["scale_factor"]))
+    scaled = [n * s for n, s in zip((h, w), args["scale_factor"])]
+    if not all(math.isfinite(v) and v < 2**31 for v in scaled):
+        raise ShapeError(
+            f"{op}: scale_factor {args['scale_factor']} makes the output too large",
+            arg="scale_factor",
+        )
+    size = tuple(int(math.floor(v)) for v in scaled)
     _positive(op, size, (h, w))
     return ShapeResult(TensorType(x.dtype, (*x.shape[:2], *size)), {"input_hw": (h, w)})
 
@@ -236,7 +242,9 @@ def flatten(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeRes
         raise ShapeError(f"{op}: start_dim {start} is out of range for {x}", arg="start_dim")
     start %= x.rank
     if start == 0:
-        raise ShapeError(f"{op}: start_dim must be at least 1 (the batch dim stays)", arg="start_dim")
+        raise ShapeError(
+            f"{op}: start_dim must be at least 1 (the batch dim stays)", arg="start_dim"
+        )
     shape = (*x.shape[:start], math.prod(x.shape[start:]))  # type: ignore[arg-type]
     return ShapeResult(TensorType(x.dtype, shape), {"input_shape": tuple(x.shape[1:])})
 
@@ -264,9 +272,7 @@ def reshape(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeRes
             f"[N, {', '.join(map(str, dims))}] ({known} elements)",
             arg="shape",
         )
-    return ShapeResult(
-        TensorType(x.dtype, (BATCH, *dims)), {"input_shape": tuple(x.shape[1:])}
-    )
+    return ShapeResult(TensorType(x.dtype, (BATCH, *dims)), {"input_shape": tuple(x.shape[1:])})
 
 
 def cross_entropy(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
