@@ -27,7 +27,7 @@ kernel_args = ["beta"]
 kernels.gpu = "softplus_kernels"
 """
 
-KERNELS = '''
+KERNELS = """
 import torch
 
 
@@ -37,7 +37,7 @@ def softplus(x, *, beta):
 
 def softplus_backward(g, x, *, beta, needs):
     return (g * torch.sigmoid(beta * x) if needs[0] else None,)
-'''
+"""
 
 MODEL = """
 model with_softplus {

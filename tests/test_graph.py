@@ -15,11 +15,20 @@ from unroller.report import graph_report
 
 # (input shape after N, op call) -- the inferred shape must equal the kernel's output.
 CASES = [
-    ((3, 13, 11), "conv2d(x, out_channels=4, kernel_size=(3, 5), stride=(2, 1), padding=(1, 2), dilation=(2, 1))"),
+    (
+        (3, 13, 11),
+        "conv2d(x, out_channels=4, kernel_size=(3, 5), stride=(2, 1), padding=(1, 2), dilation=(2, 1))",
+    ),
     ((4, 9, 9), "conv2d(x, out_channels=6, kernel_size=3, groups=2, bias=false)"),
     ((4, 9, 9), "conv2d(x, out_channels=4, kernel_size=3, groups=4)"),
-    ((3, 5, 7), "conv_transpose2d(x, out_channels=2, kernel_size=(3, 2), stride=(2, 3), padding=(1, 0), output_padding=(1, 2))"),
-    ((4, 5, 6), "conv_transpose2d(x, out_channels=4, kernel_size=3, stride=2, dilation=2, groups=2, output_padding=1)"),
+    (
+        (3, 5, 7),
+        "conv_transpose2d(x, out_channels=2, kernel_size=(3, 2), stride=(2, 3), padding=(1, 0), output_padding=(1, 2))",
+    ),
+    (
+        (4, 5, 6),
+        "conv_transpose2d(x, out_channels=4, kernel_size=3, stride=2, dilation=2, groups=2, output_padding=1)",
+    ),
     ((7,), "linear(x, out_features=3)"),
     ((2, 7), "linear(x, out_features=3, bias=false)"),
     ((3, 6, 6), "batchnorm2d(x, eps=0.001, momentum=0.3)"),
@@ -29,13 +38,13 @@ CASES = [
     ((3, 7, 5), "adaptive_avgpool2d(x, output_size=(3, 2))"),
     ((3, 7, 5), "adaptive_avgpool2d(x, output_size=1)"),
     ((3, 4, 5), "upsample(x, scale_factor=2)"),
-    ((3, 4, 5), "upsample(x, scale_factor=1.5, mode=\"bilinear\")"),
-    ((3, 4, 5), "upsample(x, scale_factor=(2, 3), mode=\"bilinear\", align_corners=true)"),
+    ((3, 4, 5), 'upsample(x, scale_factor=1.5, mode="bilinear")'),
+    ((3, 4, 5), 'upsample(x, scale_factor=(2, 3), mode="bilinear", align_corners=true)'),
     ((3, 4, 5), "flatten(x)"),
     ((3, 4, 5), "flatten(x, start_dim=2)"),
     ((3, 4, 5), "reshape(x, shape=(5, -1))"),
     ((3, 4, 5), "dropout(x, p=0.25)"),
-    ((3, 4, 5), "gelu(x, approximate=\"tanh\")"),
+    ((3, 4, 5), 'gelu(x, approximate="tanh")'),
 ]
 
 
@@ -56,8 +65,12 @@ def test_inferred_shape_equals_kernel_output(in_shape, call):
     x = torch.randn(2, *in_shape)
     params = []
     if node.params or node.buffers:
-        ctor = node.op.module.format(**{k: repr(v) for k, v in {**node.args, **node.derived}.items()})
-        module = eval(ctor, {"torch": torch})  # the registry's constructor, as generated code runs it
+        ctor = node.op.module.format(
+            **{k: repr(v) for k, v in {**node.args, **node.derived}.items()}
+        )
+        module = eval(
+            ctor, {"torch": torch}
+        )  # the registry's constructor, as generated code runs it
         state = module.state_dict()
         for p in node.params:
             want = tuple(state[p.name].shape) if p.present else None

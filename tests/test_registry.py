@@ -68,6 +68,8 @@ def test_shape_expressions_are_restricted():
 
 def test_malformed_registry_file_is_reported(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text('[foo]\ndoc = "x"\nkind = "nonsense"\nshape = "same_float"\nkernels.gpu = "m"\ninputs = ["x"]\n')
+    bad.write_text(
+        '[foo]\ndoc = "x"\nkind = "nonsense"\nshape = "same_float"\nkernels.gpu = "m"\ninputs = ["x"]\n'
+    )
     with pytest.raises(RegistryError, match="kind must be one of"):
         load_registry([str(bad)])

@@ -87,7 +87,9 @@ def import_generated(path: str | Path, name: str | None = None) -> ModuleType:
     return module
 
 
-def load_model_class(path: str | Path, options: Options | None = None, directory: Path | None = None):
+def load_model_class(
+    path: str | Path, options: Options | None = None, directory: Path | None = None
+):
     """Generate, write to ``directory`` (a temp dir by default) and import; returns ``Model``."""
     text = generate_source(path, options)
     directory = Path(directory or tempfile.mkdtemp(prefix="unroller-"))

@@ -8,7 +8,6 @@ graph builder (``unroller.graph``) turns them into a node graph. Every node keep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ class Loc:
 class Const:
     """A literal keyword value: int, float, bool, str, or a tuple of values."""
 
-    value: "ConstValue"
+    value: ConstValue
     loc: Loc
 
 
@@ -40,12 +39,12 @@ class Ref:
 class TupleExpr:
     """A tuple literal whose items may be block-parameter references, e.g. ``(stride, 1)``."""
 
-    items: tuple["Expr", ...]
+    items: tuple[Expr, ...]
     loc: Loc
 
 
-Expr = Union[Const, Ref, TupleExpr]
-ConstValue = Union[int, float, bool, str, tuple]
+Expr = Const | Ref | TupleExpr
+ConstValue = int | float | bool | str | tuple
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class TensorDecl:
     kind: str  # "input" or "target"
     name: str
     dtype: str
-    dims: tuple[Union[str, int], ...]  # the first is "N"; dims as written
+    dims: tuple[str | int, ...]  # the first is "N"; dims as written
     loc: Loc  # location of the name
     dtype_loc: Loc
     dims_loc: tuple[Loc, ...]

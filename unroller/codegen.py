@@ -109,8 +109,14 @@ class GpuEmitter:
                 else:
                     outputs.append("_")
         line = f"{', '.join(outputs)} = {self.kernels(node)}.{func}({call_args})"
-        return Step("forward", [line], reads=inputs, writes=writes, comment=node.text,
-                    blocks=tuple(b.text for b in node.blocks))
+        return Step(
+            "forward",
+            [line],
+            reads=inputs,
+            writes=writes,
+            comment=node.text,
+            blocks=tuple(b.text for b in node.blocks),
+        )
 
     # -- backward ----------------------------------------------------------------------
 
@@ -175,8 +181,14 @@ class GpuEmitter:
         )
         targets = ", ".join(outputs) if len(outputs) > 1 else f"({outputs[0]},)"
         line = f"{targets} = {self.kernels(node)}.{op.name}_backward({call_args})"
-        return Step("backward", [line, *extra_lines], reads=reads, writes=writes,
-                    comment=node.text, blocks=tuple(b.text for b in node.blocks))
+        return Step(
+            "backward",
+            [line, *extra_lines],
+            reads=reads,
+            writes=writes,
+            comment=node.text,
+            blocks=tuple(b.text for b in node.blocks),
+        )
 
     # -- whole methods -----------------------------------------------------------------
 
@@ -190,8 +202,13 @@ class GpuEmitter:
         steps = [self.forward_step(n, self.saved_extras(n)) for n in graph.nodes]
         loss = self.ident(graph.loss)
         steps.append(
-            Step("backward", [f"{self.grad(graph.loss)} = torch.ones_like({loss})"],
-                 reads=[loss], writes=[self.grad(graph.loss)], comment="d loss / d loss = 1")
+            Step(
+                "backward",
+                [f"{self.grad(graph.loss)} = torch.ones_like({loss})"],
+                reads=[loss],
+                writes=[self.grad(graph.loss)],
+                comment="d loss / d loss = 1",
+            )
         )
         owned: dict[int, bool] = {id(graph.loss): True}
         for node in reversed(graph.nodes):

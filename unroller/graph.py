@@ -393,7 +393,9 @@ class GraphBuilder:
         block = self.blocks[stmt.op]
         if block.name in scope.stack:
             chain = " -> ".join((*scope.stack, block.name))
-            raise ModelError(f"recursive block call ({chain}); blocks cannot call themselves", stmt.op_loc)
+            raise ModelError(
+                f"recursive block call ({chain}); blocks cannot call themselves", stmt.op_loc
+            )
         params: tuple[BlockParam, ...] = block.params
         if len(stmt.args) > len(params):
             raise ModelError(
@@ -528,7 +530,8 @@ def describe_type(spec: ArgSpec) -> str:
         "int": "an integer",
         "float": "a number",
         "bool": "true or false",
-        "str": "a string" + (f": one of {', '.join(map(repr, spec.choices))}" if spec.choices else ""),
+        "str": "a string"
+        + (f": one of {', '.join(map(repr, spec.choices))}" if spec.choices else ""),
         "pair": "an integer or a pair (h, w)",
         "scale": "a number or a pair (h, w)",
         "dims": "a tuple of integers",

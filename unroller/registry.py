@@ -141,7 +141,9 @@ def _extra_specs(op: str, raw: list[dict[str, Any]]) -> list[ExtraSpec]:
     for item in raw:
         if set(item) - {"name", "like", "shape", "dtype"} or ("like" in item) == ("shape" in item):
             raise RegistryError(f"{op}: extra {item!r} needs a name and one of like/shape")
-        specs.append(ExtraSpec(item["name"], item.get("like"), item.get("shape"), item.get("dtype")))
+        specs.append(
+            ExtraSpec(item["name"], item.get("like"), item.get("shape"), item.get("dtype"))
+        )
     return specs
 
 

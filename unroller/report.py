@@ -120,10 +120,12 @@ def format_table(report: dict[str, Any]) -> str:
 def format_dot(graph: Graph) -> str:
     lines = [f"digraph {json_str(graph.name)} {{", "  rankdir=TB;", "  node [shape=box];"]
     for value in graph.inputs:
-        lines.append(f"  {json_str(value.name)} [shape=ellipse, label={json_str(f'{value.name}: {value.type}')}];")
+        lines.append(
+            f"  {json_str(value.name)} [shape=ellipse, label={json_str(f'{value.name}: {value.type}')}];"
+        )
     for node in graph.nodes:
         label = f"{node.name}\\n{node.op.name} -> {node.output.type}"
-        lines.append(f"  {json_str(node.name)} [label=\"{label}\"];")
+        lines.append(f'  {json_str(node.name)} [label="{label}"];')
         for value in node.inputs:
             lines.append(f"  {json_str(value.name)} -> {json_str(node.name)};")
     lines.append("}")

@@ -352,9 +352,7 @@ def maxpool2d_backward(
     )
 
 
-def avgpool2d(
-    x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair
-) -> Tensor:
+def avgpool2d(x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair) -> Tensor:
     """aten::avg_pool2d (count_include_pad, floor mode); the backward needs no activation."""
     return _aten.avg_pool2d(x, kernel_size, stride, padding, False, True, None)
 
@@ -486,23 +484,17 @@ def flatten(x: Tensor, *, start_dim: int) -> Tensor:
     return torch.flatten(x, start_dim)
 
 
-def flatten_backward(
-    g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs
-) -> _Grads:
+def flatten_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs) -> _Grads:
     """g reshaped to (N, *input_shape)."""
     return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
 
 
-def reshape(
-    x: Tensor, *, shape: tuple[int, ...]
-) -> Tensor:
+def reshape(x: Tensor, *, shape: tuple[int, ...]) -> Tensor:
     """x.reshape(N, *shape), keeping the batch dim; saves nothing."""
     return x.reshape(x.shape[0], *shape)
 
 
-def reshape_backward(
-    g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs
-) -> _Grads:
+def reshape_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs) -> _Grads:
     """g reshaped to (N, *input_shape)."""
     return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
 
