@@ -434,8 +434,12 @@ def test_graph_table(tiny: Path):
     for node in report["nodes"]:
         assert any(line.split()[:2] == [node["name"], node["op"]] for line in lines), node["name"]
     total = report["total_saved_bytes"]
-    assert f"{total:,} bytes" in lines[-1]
-    assert "batch 32" in lines[-1] and f"{report['total_params']:,} parameters" in lines[-1]
+    summary = next(line for line in lines if line.startswith("model "))
+    assert f"{total:,} bytes" in summary
+    assert "batch 32" in summary and f"{report['total_params']:,} parameters" in summary
+    stash = report["stash"]
+    assert f"({stash['total_stored_bytes']:,} bytes)" in lines[-1]
+    assert lines[-1].startswith("scheme nocompress: kept for backward")
 
 
 def test_graph_dot(tiny: Path):

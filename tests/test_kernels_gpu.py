@@ -267,9 +267,49 @@ def test_maxpool2d(dev, k, s, p):
     kw = dict(kernel_size=k, stride=s, padding=p)
     with torch.no_grad():
         y, idx = K.maxpool2d(x, **kw)
-        grads = K.maxpool2d_backward(g, x, idx, **kw, needs=(True,))
+        grads = K.maxpool2d_backward(g, idx, **kw, input_hw=(9, 8), needs=(True,))
     assert torch.equal(y, plain.detach()) and torch.equal(idx, ref_idx)
     assert_grads(grads, ref_grads)
+
+
+@pytest.mark.parametrize(
+    "k,s,p,hw",
+    [
+        ((2, 2), (2, 2), (0, 0), (9, 8)),
+        ((3, 2), (3, 2), (1, 0), (10, 7)),
+        ((2, 2), (3, 3), (0, 0), (8, 8)),
+    ],
+)
+def test_maxpool2d_mask_gives_the_same_gradient_bit_for_bit(dev, k, s, p, hw):
+    """Non-overlapping windows: a 1-bit argmax mask replaces the indices exactly, ties too."""
+    x = rand(2, 3, *hw, dev=dev)
+    x = x.detach().clone()
+    x[:, :, :2, :2] = 0.5  # a tie inside the first window
+    kw = dict(kernel_size=k, stride=s, padding=p)
+    g = rand(*K.maxpool2d(x, **kw)[0].shape, dev=dev)
+    with torch.no_grad():
+        _, idx = K.maxpool2d(x, **kw)
+        want = K.maxpool2d_backward(g, idx, **kw, input_hw=hw, needs=(True,))[0]
+        mask = K.maxpool2d_mask(idx, **kw, input_hw=hw)
+        got = K.maxpool2d_backward(g, mask, **kw, input_hw=hw, needs=(True,))[0]
+    assert mask.dtype == torch.bool and mask.shape == x.shape
+    assert int(mask.sum()) == idx.numel()
+    assert torch.equal(got, want)
+
+
+def test_relu_and_leaky_relu_accept_masks_bit_for_bit(dev):
+    x = rand(3, 4, 5, dev=dev).detach().clone()
+    x[0, 0, :3] = 0.0
+    g = rand(3, 4, 5, dev=dev)
+    with torch.no_grad():
+        y = K.relu(x)
+        assert torch.equal(
+            K.relu_backward(g, K.relu_mask(y), needs=(True,))[0],
+            K.relu_backward(g, y, needs=(True,))[0],
+        )
+        a = K.leaky_relu_backward(g, x, negative_slope=0.2, needs=(True,))[0]
+        m = K.leaky_relu_mask(x, negative_slope=0.2)
+        assert torch.equal(K.leaky_relu_backward(g, m, negative_slope=0.2, needs=(True,))[0], a)
 
 
 @pytest.mark.parametrize(

@@ -146,7 +146,7 @@ def test_names_generate_valid_python(names_source: str):
     compile(tree, "names.py", "exec")
     model_cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model")
     methods = {f.name: f for f in model_cls.body if isinstance(f, ast.FunctionDef)}
-    assert set(methods) == {"__init__", "forward", "predict"}
+    assert set(methods) == {"__init__", "forward", "predict", "stash_report"}
     for name in ("forward", "predict"):
         args = [a.arg for a in methods[name].args.args]
         assert args[0] == "self" and len(set(args)) == len(args)

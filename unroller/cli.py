@@ -17,8 +17,9 @@ import typer
 from unroller import __version__
 from unroller.api import generate_source, load_graph, read_model_text, source_label, write_atomic
 from unroller.codegen import PLATFORMS, SCHEMES, Options, edited_by_hand, read_header
-from unroller.errors import ModelError
-from unroller.report import format_dot, format_table, graph_report
+from unroller.errors import ConfigError, ModelError
+from unroller.stash import plan_stash
+from unroller.report import format_dot, format_stash, format_table, graph_report
 
 app = typer.Typer(
     add_completion=False,
@@ -54,12 +55,29 @@ def print_warnings(path: str | Path) -> None:
         typer.echo(warning.format(str(path), graph.source), err=True)
 
 
-def make_options(platform: str, scheme: str) -> Options:
+def make_options(
+    platform: str, scheme: str, compress_config: Path | None = None, opt_level: int = 1
+) -> Options:
     if platform not in PLATFORMS:
         raise fail(f"unknown platform '{platform}' (known: {', '.join(PLATFORMS)})")
     if scheme not in SCHEMES:
         raise fail(f"unknown scheme '{scheme}' (known: {', '.join(SCHEMES)})")
-    return Options(platform=platform, scheme=scheme)
+    options = Options(
+        platform=platform,
+        scheme=scheme,
+        compress_config=source_label(compress_config) if compress_config else None,
+        opt_level=opt_level,
+    )
+    try:
+        options.compression()  # reads and checks the config file now
+    except ConfigError as exc:
+        raise fail_plain(str(exc)) from None
+    return options
+
+
+def fail_plain(message: str) -> typer.Exit:
+    typer.echo(message, err=True)
+    return typer.Exit(2)
 
 
 def emit(model: Path, options: Options, label: str | None = None) -> str:
@@ -67,9 +85,23 @@ def emit(model: Path, options: Options, label: str | None = None) -> str:
         return generate_source(model, options, label)
     except ModelError as exc:
         raise report_model_error(exc, model) from None
+    except ConfigError as exc:
+        raise fail_plain(str(exc)) from None
 
 
 PlatformOpt = Annotated[str, typer.Option("--platform", "-p", help="gpu (plain PyTorch).")]
+SchemeOpt = Annotated[
+    str, typer.Option(help="Compression scheme: nocompress, dct-first, dct-dense or quant.")
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--compress-config", help="TOML file with a default and rules (replaces the scheme's)."
+    ),
+]
+OptLevelOpt = Annotated[
+    int, typer.Option("--opt-level", min=0, max=1, help="0: no compression and no masks.")
+]
 
 
 @app.command()
@@ -79,16 +111,18 @@ def generate(
         Path | None, typer.Option("--output", "-o", help="Output file; '-' or none: stdout.")
     ] = None,
     platform: PlatformOpt = "gpu",
-    scheme: Annotated[str, typer.Option(help="Compression scheme.")] = "nocompress",
+    scheme: SchemeOpt = "nocompress",
+    compress_config: ConfigOpt = None,
+    opt_level: OptLevelOpt = 1,
     force: Annotated[
         bool, typer.Option("--force", help="Overwrite a file that was edited by hand.")
     ] = False,
 ) -> None:
     """Generate the training module for MODEL.
 
-    Example: unroll generate models/resnet34.txt --platform gpu -o generated/gpu/resnet34/nocompress.py
+    Example: unroll generate models/resnet34.txt --platform gpu --scheme dct-dense -o resnet34.py
     """
-    options = make_options(platform, scheme)
+    options = make_options(platform, scheme, compress_config, opt_level)
     text = emit(model, options)
     print_warnings(model)
     if output is None or str(output) == "-":
@@ -146,6 +180,8 @@ def diff(
     scheme: Annotated[
         list[str] | None, typer.Option(help="A scheme; give two to compare schemes.")
     ] = None,
+    compress_config: ConfigOpt = None,
+    opt_level: OptLevelOpt = 1,
     against: Annotated[
         Path | None, typer.Option(help="The file to compare with (default: the checked-in one).")
     ] = None,
@@ -160,10 +196,12 @@ def diff(
     if len(schemes) > 2:
         raise fail("give one --scheme (against a file) or two (scheme against scheme)")
     if len(schemes) == 2:
-        a, b = (emit(model, make_options(platform, s)) for s in schemes)
+        a, b = (
+            emit(model, make_options(platform, s, compress_config, opt_level)) for s in schemes
+        )
         text = unified(a, b, f"{model} ({schemes[0]})", f"{model} ({schemes[1]})")
     else:
-        options = make_options(platform, schemes[0])
+        options = make_options(platform, schemes[0], compress_config, opt_level)
         target = against or find_checked_in(model, options)
         if against is not None and not against.is_file():
             raise fail(f"{against} does not exist or is not a file")
@@ -213,18 +251,15 @@ def check(
         if source is None:
             stale.append(f"{path}: its source {header.get('source')!r} is missing")
             continue
-        options = Options(
-            platform=header.get("platform", "gpu"),
-            scheme=header.get("scheme", "nocompress"),
-            extra={
-                k: v
-                for k, v in header.items()
-                if k not in ("generator", "source", "sha256", "platform", "scheme")
-            },
-        )
+        options = Options.from_header(header)
+        if options.compress_config is not None:
+            config = resolve_source(options.compress_config, path)
+            if config is None:
+                stale.append(f"{path}: its compression config {options.compress_config!r} is missing")
+                continue
         try:
             fresh = generate_source(source, options, label=header["source"])
-        except (ModelError, ValueError) as exc:
+        except (ModelError, ValueError, ConfigError) as exc:
             stale.append(f"{path}: cannot regenerate ({getattr(exc, 'message', exc)})")
             continue
         if fresh != text:
@@ -242,11 +277,16 @@ def graph(
     model: Annotated[Path, typer.Argument(help="The model file.")],
     batch_size: Annotated[int, typer.Option(min=1, help="Batch size for byte counts.")] = 32,
     fmt: Annotated[str, typer.Option("--format", help="table, json or dot.")] = "table",
+    scheme: SchemeOpt = "nocompress",
+    compress_config: ConfigOpt = None,
+    opt_level: OptLevelOpt = 1,
 ) -> None:
-    """Show the node graph: op, output shape, parameters and bytes saved for backward.
+    """Show the node graph: op, output shape, parameters and bytes saved for backward,
+    and per saved tensor the form the scheme keeps it in, raw and stored bytes.
 
-    Example: unroll graph models/resnet34.txt --batch-size 32 --format table
+    Example: unroll graph models/resnet34.txt --batch-size 32 --scheme dct-dense
     """
+    options = make_options("gpu", scheme, compress_config, opt_level)
     if fmt not in ("table", "json", "dot"):
         raise fail(f"unknown format '{fmt}' (table, json or dot)")
     try:
@@ -256,12 +296,15 @@ def graph(
         raise report_model_error(exc, model) from None
     for warning in g.warnings:
         typer.echo(warning.format(str(model), g.source), err=True)
+    stash = plan_stash(g, options.compression()).report(batch_size)
     if fmt == "dot":
         typer.echo(format_dot(g))
     elif fmt == "json":
-        typer.echo(json.dumps(graph_report(g, batch_size), indent=2))
+        typer.echo(json.dumps({**graph_report(g, batch_size), "stash": stash}, indent=2))
     else:
         typer.echo(format_table(graph_report(g, batch_size)))
+        typer.echo("")
+        typer.echo(format_stash(stash, scheme if compress_config is None else str(compress_config)))
 
 
 @app.command()

@@ -21,10 +21,11 @@ from unroller import __version__
 from unroller.errors import ModelError
 from unroller.graph import Graph, Node, Value
 from unroller.resources import resource_dir
-from unroller.schedule import Namer, Step, release_dead
+from unroller.schedule import RESERVED, Namer, Step, release_dead
+from unroller.schemes import SCHEMES, CompressionConfig, builtin, resolve
+from unroller.stash import Form, Stashed, StashPlan, plan_stash
 
 PLATFORMS = ("gpu",)
-SCHEMES = ("nocompress",)
 HEADER_TAG = "# unroller: "
 CHECKSUM_TAG = "# unroller-checksum: "
 DEFAULT_KERNELS = "unroller.runtime.gpu"
@@ -38,10 +39,33 @@ class Options:
 
     platform: str = "gpu"
     scheme: str = "nocompress"
+    compress_config: str | None = None  # a TOML file; replaces the scheme's rules
+    opt_level: int = 1  # 0: no compression and no masks
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"platform": self.platform, "scheme": self.scheme, **self.extra}
+        """What the header records, so `unroll check` can regenerate the same file."""
+        found: dict[str, Any] = {"platform": self.platform, "scheme": self.scheme}
+        if self.compress_config is not None:
+            found["compress_config"] = self.compress_config
+        if self.opt_level != 1:
+            found["opt_level"] = self.opt_level
+        return {**found, **self.extra}
+
+    @classmethod
+    def from_header(cls, header: dict[str, Any]) -> Options:
+        known = {"generator", "source", "sha256", "platform", "scheme", "compress_config"}
+        known |= {"compress_config_sha256", "opt_level"}
+        return cls(
+            platform=header.get("platform", "gpu"),
+            scheme=header.get("scheme", "nocompress"),
+            compress_config=header.get("compress_config"),
+            opt_level=header.get("opt_level", 1),
+            extra={k: v for k, v in header.items() if k not in known},
+        )
+
+    def compression(self) -> CompressionConfig:
+        return resolve(self.scheme, self.compress_config, self.opt_level)
 
 
 def literal(value: Any) -> str:
@@ -56,14 +80,20 @@ def kwargs_text(kwargs: dict[str, Any]) -> str:
 class GpuEmitter:
     """Builds the step program of the gpu platform for one graph."""
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, plan: StashPlan | None = None):
         self.graph = graph
-        self.names = Namer()
+        self.plan = plan if plan is not None else plan_stash(graph, builtin("nocompress"))
+        self.codec_names = {
+            codec: f"CODEC_{codec.name.upper()}" + (f"_{i}" if i else "")
+            for i, codec in enumerate(self.plan.codecs())
+        }
+        self.names = Namer(RESERVED | set(self.codec_names.values()))
         self.kernel_alias: dict[str, str] = {DEFAULT_KERNELS: "K"}
         for value in graph.inputs:
             self.names(value.name)
         for node in graph.nodes:
             self.names(node.output.name)
+        self.restored: dict[tuple[str, Form], str] = {}
 
     # -- identifiers -------------------------------------------------------------------
 
@@ -120,7 +150,26 @@ class GpuEmitter:
 
     # -- backward ----------------------------------------------------------------------
 
+    def raw_ident(self, key: str) -> str:
+        """The identifier of a saved tensor as the forward pass made it."""
+        if ":" in key:
+            node_name, extra = key.split(":", 1)
+            return self.extra(self.graph.node(node_name), extra)
+        return self.names(key)
+
+    def packed_ident(self, key: str, form: Form) -> str:
+        suffix = "bits" if form.kind == "mask" else form.codec.name
+        base = self.raw_ident(key)
+        return self.names(f"packed:{key}:{form}", f"{base}_{suffix}")
+
+    def restored_ident(self, key: str, form: Form) -> str:
+        suffix = "mask" if form.kind == "mask" else "restored"
+        return self.names(f"restored:{key}:{form}", f"{self.raw_ident(key)}_{suffix}")
+
     def saved_expr(self, node: Node, entry: str) -> str:
+        found = self.plan.form_for(node, entry)
+        if found is not None and found[1].kind != "raw":
+            return self.restored_ident(found[0].key, found[1])
         names = node.input_names
         if entry in names:
             return self.ident(node.inputs[names.index(entry)])
@@ -197,9 +246,83 @@ class GpuEmitter:
             return set()
         return {e.name for e in node.extras if e.name in node.op.saved}
 
+    def stash_step(self, stashed: Stashed, blocks: tuple[str, ...]) -> Step:
+        """Right after the tensor is made: compress it (once per form) and record the bytes."""
+        raw = self.raw_ident(stashed.key)
+        lines, writes, packs = [], [], []
+        for form in stashed.forms:
+            source = raw
+            if form.kind == "mask" and form.mask_kernel:
+                reader = self.graph.node(form.mask_node)
+                args = ", ".join(a for a in [raw, kwargs_text(reader.backward_kwargs)] if a)
+                source = f"{self.kernels(reader)}.{form.mask_kernel}({args})"
+            ident = self.packed_ident(stashed.key, form)
+            codec = self.codec_names[form.codec]
+            lines.append(f"{ident} = {codec}.compress({source})")
+            writes.append(ident)
+            packs.append(f"({codec}, {ident})")
+        lines.append(f"K.stash(stash, {stashed.key!r}, {raw}, {', '.join(packs)})")
+        comment = f"keep {stashed.key} as {' + '.join(f.label() for f in stashed.forms)}"
+        return Step(
+            "forward", lines, reads=["stash", raw, *writes], writes=writes, comment=comment, blocks=blocks
+        )
+
+    def stash_raw_step(self, entries: list[Stashed]) -> Step:
+        """At the end of the forward pass: record what is kept uncompressed."""
+        items = ", ".join(f"{s.key!r}: {self.raw_ident(s.key)}" for s in entries)
+        return Step(
+            "forward",
+            [f"K.stash_raw(stash, {{{items}}})"],
+            reads=["stash", *(self.raw_ident(s.key) for s in entries)],
+            writes=[],
+            comment="kept as they are for backward",
+        )
+
+    def restore_steps(self, node: Node) -> list[Step]:
+        """Right before a backward step: decompress what it reads, unless already done."""
+        steps = []
+        for stashed in self.plan.entries:
+            for reader, _, form in stashed.readers:
+                if reader is not node or form.kind == "raw" or (stashed.key, form) in self.restored:
+                    continue
+                ident = self.restored_ident(stashed.key, form)
+                self.restored[(stashed.key, form)] = ident
+                packed = self.packed_ident(stashed.key, form)
+                logical = form.type or stashed.type
+                shape = tuple(logical.shape[1:])
+                dtype = "torch.bool" if form.kind == "mask" else f"{self.grad(node.output)}.dtype"
+                line = f"{ident} = {self.codec_names[form.codec]}.decompress({packed}, {shape!r}, {dtype})"
+                steps.append(
+                    Step(
+                        "backward",
+                        [line],
+                        reads=[packed, self.grad(node.output)],
+                        writes=[ident],
+                        comment=f"restore {stashed.key}: {form.label()}",
+                    )
+                )
+        return steps
+
     def training_steps(self) -> list[Step]:
         graph = self.graph
-        steps = [self.forward_step(n, self.saved_extras(n)) for n in graph.nodes]
+        stash_after: dict[int, list[Stashed]] = {}
+        for stashed in self.plan.entries:
+            stash_after.setdefault(stashed.producer, []).append(stashed)
+        steps = [
+            Step("forward", ["stash = self.stash_log = []"], reads=[], writes=["stash"],
+                 comment="what is kept for backward, with its bytes (stash_report())")
+        ]
+        def compressed(found: list[Stashed]) -> list[Stashed]:
+            return [s for s in found if s.forms != [Form("raw")]]
+
+        steps += [self.stash_step(s, ()) for s in compressed(stash_after.get(-1, []))]
+        for n in graph.nodes:
+            steps.append(self.forward_step(n, self.saved_extras(n)))
+            blocks = tuple(b.text for b in n.blocks)
+            steps += [self.stash_step(s, blocks) for s in compressed(stash_after.get(n.index, []))]
+        raw = [s for s in self.plan.entries if s.forms == [Form("raw")]]
+        if raw:
+            steps.append(self.stash_raw_step(raw))
         loss = self.ident(graph.loss)
         steps.append(
             Step(
@@ -213,6 +336,7 @@ class GpuEmitter:
         owned: dict[int, bool] = {id(graph.loss): True}
         for node in reversed(graph.nodes):
             if node.needs_backward:
+                steps += self.restore_steps(node)
                 steps.append(self.backward_step(node, owned))
         # A forward step whose output is saved by a backward step must keep it alive:
         # liveness sees the read in the backward step, so nothing more to do here.
@@ -282,13 +406,17 @@ def layer_lines(graph: Graph, names: Namer) -> list[tuple[str, str, str]]:
     return layers
 
 
-def header_comment(graph: Graph, source_path: str, options: Options) -> str:
+def header_comment(
+    graph: Graph, source_path: str, options: Options, config: CompressionConfig
+) -> str:
     meta = {
         "generator": __version__,
         "source": source_path,
         "sha256": graph.sha256,
         **options.as_dict(),
     }
+    if config.sha256 is not None:
+        meta["compress_config_sha256"] = config.sha256
     return HEADER_TAG + json.dumps(meta, sort_keys=False)
 
 
@@ -298,7 +426,8 @@ def render(graph: Graph, source_path: str, options: Options) -> str:
         raise ValueError(f"unknown platform '{options.platform}' (known: {', '.join(PLATFORMS)})")
     if options.scheme not in SCHEMES:
         raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
-    emitter = GpuEmitter(graph)
+    config = options.compression()
+    emitter = GpuEmitter(graph, plan_stash(graph, config))
     training = render_steps(emitter.training_steps())
     predict = render_steps(emitter.predict_steps())
     env = jinja2.Environment(
@@ -313,7 +442,9 @@ def render(graph: Graph, source_path: str, options: Options) -> str:
     template = env.get_template(f"{options.platform}/module.py.j2")
     preds = [emitter.ident(v) for v in graph.preds]
     text = template.render(
-        header=header_comment(graph, source_path, options),
+        header=header_comment(graph, source_path, options, config),
+        codecs=[(name, codec.name, kwargs_text(codec.kwargs)) for codec, name in emitter.codec_names.items()],
+        compression=_describe(config),
         version=__version__,
         source_path=json.dumps(source_path),
         model_name=graph.name,
@@ -330,6 +461,22 @@ def render(graph: Graph, source_path: str, options: Options) -> str:
     )
     text = black.format_str(text, mode=black.Mode(line_length=GENERATED_LINE_LENGTH))
     return add_checksum(text)
+
+
+def _describe(config: CompressionConfig) -> str:
+    if config.default is None and not config.rules:
+        parts = ["no compression"]
+    else:
+        parts = [f"default {config.default.label() if config.default else 'none'}"]
+        parts += [
+            f"rule{' op=' + r.op if r.op else ''}{' name=' + r.name if r.name else ''}: "
+            f"{r.codec.label() if r.codec else 'none'}"
+            for r in config.rules
+        ]
+    if config.first_only:
+        parts.append("first compressible activation only")
+    parts.append("1-bit masks" if config.masks else "no masks")
+    return "; ".join(parts)
 
 
 def body_checksum(text: str) -> str:

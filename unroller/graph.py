@@ -72,6 +72,7 @@ class Extra:
 
     name: str
     type: TensorType
+    present: bool = True  # False: the kernel returns None for it with these arguments
 
 
 @dataclass(eq=False)
@@ -328,7 +329,8 @@ class GraphBuilder:
             else:
                 shape = tuple(eval_expr(extra.shape or "()", env))
                 etype = TensorType(extra.dtype or float_dtype, shape)
-            extras.append(Extra(extra.name, etype))
+            present = extra.when is None or bool(eval_expr(extra.when, env))
+            extras.append(Extra(extra.name, etype, present))
         value = Value(full_name, result.type, stmt.loc)
         args_text = [v.name for v in inputs]
         kw_text = [f"{k}={render_const(v)}" for k, v in given.items()]

@@ -68,6 +68,17 @@ class ExtraSpec:
     like: str | None = None  # "output" or an input name
     shape: str | None = None  # expression for a fixed-size extra
     dtype: str | None = None  # None: the dtype of what it is like, or the model's float dtype
+    when: str | None = None  # expression: the extra exists only then (else the kernel gives None)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A saved entry that may be kept as a 1-bit mask instead (lossless)."""
+
+    entry: str
+    kernel: str | None = None  # makes the bool mask; None: the entry is a bool tensor
+    like: str | None = None  # the input whose shape the mask has (default: the entry's)
+    when: str | None = None  # expression over args and derived values
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,7 @@ class OpSpec:
     extras: tuple[ExtraSpec, ...] = ()
     saved: tuple[str, ...] = ()
     activations: tuple[str, ...] = ()
+    masks: dict[str, MaskSpec] = field(default_factory=dict)
     kernel_args: tuple[str, ...] = ()
     backward_args: tuple[str, ...] = ()
     has_eval: bool = False
@@ -119,6 +131,16 @@ def eval_expr(expr: str, env: dict[str, Any]) -> Any:
         pyast.Mult,
         pyast.FloorDiv,
         pyast.USub,
+        pyast.Compare,
+        pyast.Lt,
+        pyast.LtE,
+        pyast.Gt,
+        pyast.GtE,
+        pyast.Eq,
+        pyast.NotEq,
+        pyast.BoolOp,
+        pyast.And,
+        pyast.Or,
     )
     for node in pyast.walk(tree):
         if not isinstance(node, allowed):
@@ -139,10 +161,18 @@ def _tensor_specs(op: str, raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
 def _extra_specs(op: str, raw: list[dict[str, Any]]) -> list[ExtraSpec]:
     specs = []
     for item in raw:
-        if set(item) - {"name", "like", "shape", "dtype"} or ("like" in item) == ("shape" in item):
+        if set(item) - {"name", "like", "shape", "dtype", "when"} or ("like" in item) == (
+            "shape" in item
+        ):
             raise RegistryError(f"{op}: extra {item!r} needs a name and one of like/shape")
         specs.append(
-            ExtraSpec(item["name"], item.get("like"), item.get("shape"), item.get("dtype"))
+            ExtraSpec(
+                item["name"],
+                item.get("like"),
+                item.get("shape"),
+                item.get("dtype"),
+                item.get("when"),
+            )
         )
     return specs
 
@@ -161,6 +191,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "extras",
         "saved",
         "activations",
+        "masks",
         "kernel_args",
         "backward_args",
         "eval",
@@ -204,6 +235,10 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         extras=tuple(_extra_specs(name, raw.get("extras", []))),
         saved=tuple(raw.get("saved", ())),
         activations=tuple(raw.get("activations", ())),
+        masks={
+            entry: MaskSpec(entry, m.get("kernel"), m.get("like"), m.get("when"))
+            for entry, m in raw.get("masks", {}).items()
+        },
         kernel_args=tuple(raw.get("kernel_args", ())),
         backward_args=tuple(raw.get("backward_args", raw.get("kernel_args", ()))),
         has_eval=bool(raw.get("eval", False)),
@@ -215,6 +250,11 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
     for saved in spec.saved:
         if saved not in readable and not spec.variadic:
             raise RegistryError(f"{where}: saved '{saved}' is not an input, output, param or extra")
+    for entry, mask in raw.get("masks", {}).items():
+        if entry not in spec.saved or set(mask) - {"kernel", "like", "when"}:
+            raise RegistryError(
+                f"{where}: masks.{entry} must name a saved entry; keys kernel/like/when"
+            )
     if not set(spec.activations) <= set(spec.saved):
         raise RegistryError(f"{where}: every activation must also be saved")
     if (spec.params or spec.buffers) and not spec.module:

@@ -42,8 +42,10 @@ def saved_tensors(node: Node) -> list[SavedTensor]:
             key, ttype = value.name, value.type
         elif entry == "output":
             key, ttype = node.output.name, node.output.type
-        else:
+        elif extras[entry].present:
             key, ttype = f"{node.name}:{entry}", extras[entry].type
+        else:
+            continue  # the kernel gives None for it (e.g. dropout with p=0)
         found.append(SavedTensor(node.name, entry, key, ttype, entry in node.op.activations))
     return found
 
@@ -113,6 +115,33 @@ def format_table(report: dict[str, Any]) -> str:
         f"model {report['model']}: {report['total_params']:,} parameters; "
         f"saved for backward at batch {report['batch_size']}: "
         f"{human_bytes(report['total_saved_bytes'])} ({report['total_saved_bytes']:,} bytes)"
+    )
+    return "\n".join(lines)
+
+
+def format_stash(stash: dict[str, Any], scheme: str) -> str:
+    """Per tensor kept for backward: the form it is kept in, raw and stored bytes."""
+    header = ("tensor", "kept as", "shape", "raw", "stored")
+    rows = [
+        (
+            r["tensor"],
+            r["compressor"],
+            "x".join(map(str, r["shape"])),
+            human_bytes(r["raw_bytes"]),
+            human_bytes(r["stored_bytes"]),
+        )
+        for r in stash["rows"]
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows), 0) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    raw, stored = stash["total_raw_bytes"], stash["total_stored_bytes"]
+    ratio = f"{raw / stored:.2f}x smaller" if stored else "nothing stored"
+    lines.append("")
+    lines.append(
+        f"scheme {scheme}: kept for backward {human_bytes(stored)} ({stored:,} bytes) "
+        f"instead of {human_bytes(raw)} ({raw:,} bytes): {ratio}"
     )
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 # Names the generated module itself uses; model names never take them.
 RESERVED = frozenset(
-    {"self", "torch", "K", "P", "Model", "super", "None", "True", "False", "_", "grad_seed"}
+    {"self", "torch", "K", "P", "C", "Model", "super", "None", "True", "False", "_", "stash"}
 )
 
 

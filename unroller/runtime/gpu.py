@@ -276,8 +276,17 @@ def relu(x: Tensor) -> Tensor:
 
 
 def relu_backward(g: Tensor, y: Tensor, *, needs: _Needs) -> _Grads:
-    """aten::threshold_backward(g, y, 0)."""
-    return (_aten.threshold_backward(g, y, 0) if _need(needs, 0) else None,)
+    """aten::threshold_backward(g, y, 0); y may be the bool mask y > 0 (same result)."""
+    if not _need(needs, 0):
+        return (None,)
+    if y.dtype == torch.bool:
+        return (torch.where(y, g, g.new_zeros(())),)
+    return (_aten.threshold_backward(g, y, 0),)
+
+
+def relu_mask(y: Tensor) -> Tensor:
+    """What relu's backward needs of its output: y > 0, one bit per element when packed."""
+    return y > 0
 
 
 def sigmoid(x: Tensor) -> Tensor:
@@ -316,10 +325,18 @@ def leaky_relu(x: Tensor, *, negative_slope: float) -> Tensor:
 
 
 def leaky_relu_backward(g: Tensor, x: Tensor, *, negative_slope: float, needs: _Needs) -> _Grads:
-    """aten::leaky_relu_backward(g, x, negative_slope, self_is_result=False)."""
+    """aten::leaky_relu_backward(g, x, negative_slope, self_is_result=False); x may be the
+    bool mask x > 0."""
     if not _need(needs, 0):
         return (None,)
+    if x.dtype == torch.bool:
+        return (torch.where(x, g, g * negative_slope),)
     return (_aten.leaky_relu_backward(g, x, negative_slope, False),)
+
+
+def leaky_relu_mask(x: Tensor, *, negative_slope: float) -> Tensor:
+    """What leaky_relu's backward needs of its input: x > 0."""
+    return x > 0
 
 
 # ---------------------------------------------------------------- pooling
@@ -334,22 +351,47 @@ def maxpool2d(
 
 def maxpool2d_backward(
     g: Tensor,
-    x: Tensor,
     indices: Tensor,
     *,
     kernel_size: _Pair,
     stride: _Pair,
     padding: _Pair,
+    input_hw: _Pair,
     needs: _Needs,
 ) -> _Grads:
-    """aten::max_pool2d_with_indices_backward."""
+    """aten::max_pool2d_with_indices_backward, which reads only the input's sizes, so no
+    activation is kept: just the indices, or (non-overlapping windows) a bool mask of the
+    argmax positions from ``maxpool2d_mask``, whose gradient is the same, bit for bit."""
     if not _need(needs, 0):
         return (None,)
+    n, c = g.shape[:2]
+    if indices.dtype == torch.bool:
+        rows = _window_of(input_hw[0], stride[0], padding[0], g.shape[2], g.device)
+        cols = _window_of(input_hw[1], stride[1], padding[1], g.shape[3], g.device)
+        spread = g.index_select(2, rows).index_select(3, cols)
+        return (torch.where(indices, spread, spread.new_zeros(())),)
+    x = _shape_only(g, (n, c, *input_hw))
     return (
         _aten.max_pool2d_with_indices_backward(
             g, x, kernel_size, stride, padding, _NO_DILATION, False, indices
-        ),
+        ).contiguous(),
     )
+
+
+def _window_of(size: int, stride: int, padding: int, out: int, device: torch.device) -> Tensor:
+    """For each input position, the (non-overlapping) pooling window that covers it."""
+    return ((torch.arange(size, device=device) + padding) // stride).clamp_(max=out - 1)
+
+
+def maxpool2d_mask(
+    indices: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair, input_hw: _Pair
+) -> Tensor:
+    """The argmax positions as a bool mask of the input's shape (one per window; ties
+    resolved as PyTorch resolved them). Exact only for non-overlapping windows."""
+    n, c = indices.shape[:2]
+    mask = torch.zeros(n, c, input_hw[0] * input_hw[1], dtype=torch.bool, device=indices.device)
+    mask.scatter_(2, indices.reshape(n, c, -1), True)
+    return mask.reshape(n, c, *input_hw)
 
 
 def avgpool2d(x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair) -> Tensor:
@@ -662,3 +704,34 @@ def tensors(root: torch.nn.Module) -> dict[str, Tensor]:
     out: dict[str, Tensor] = dict(root.named_parameters(remove_duplicate=False))
     out.update(root.named_buffers(remove_duplicate=False))
     return out
+
+
+# ---------------------------------------------------------------- stash accounting
+
+
+def stash(log: list, key: str, raw: Tensor, *forms: tuple) -> None:
+    """Record one tensor kept compressed: its raw bytes and the bytes of each stored form
+    (``(compressor, packed tensors)`` pairs)."""
+    stored = sum(t.numel() * t.element_size() for _, packed in forms for t in packed)
+    label = " + ".join(repr(codec) for codec, _ in forms)
+    log.append((key, label, tuple(raw.shape), raw.numel() * raw.element_size(), stored))
+
+
+def stash_raw(log: list, tensors: dict[str, Tensor]) -> None:
+    """Record the tensors kept as they are."""
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        log.append((key, "raw", tuple(t.shape), nbytes, nbytes))
+
+
+def stash_report(log: list) -> dict:
+    """The rows ``stash`` recorded, with totals (what ``model.stash_report()`` returns)."""
+    rows = [
+        {"tensor": k, "compressor": c, "shape": list(s), "raw_bytes": r, "stored_bytes": b}
+        for k, c, s, r, b in log
+    ]
+    return {
+        "rows": rows,
+        "total_raw_bytes": sum(r["raw_bytes"] for r in rows),
+        "total_stored_bytes": sum(r["stored_bytes"] for r in rows),
+    }

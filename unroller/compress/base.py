@@ -1,0 +1,273 @@
+"""The compressor interface, parameter specifications and shared tensor helpers.
+
+A compressor turns one saved activation ``t`` of shape ``(N, *shape)`` into a tuple of tensors
+(its packed form, batch dimension first in every tensor) and back. The generated training code
+calls ``compress`` right after the forward op that produced ``t`` and ``decompress`` right before
+the backward step that reads it, both under ``torch.no_grad()``.
+
+Everything here is written with the operations that PopTorch can run on a Graphcore IPU
+(matmul, reshape, permute, gather/index_select, scatter, pad, cat, where, round, clamp,
+amax/amin, arithmetic, bitwise and/or, comparisons, casts): no Python loops over data, no
+data-dependent shapes and no autograd machinery. Bit packing uses multiplication and floor
+division by powers of two rather than shift operators, which PopTorch does not list.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Compressor",
+    "ParamSpec",
+    "packed_nbytes",
+    "work_dtype",
+    "pack_codes",
+    "unpack_codes",
+    "packed_code_bytes",
+    "cached_constant",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of a compressor: its type, default, allowed values and a one-line doc.
+
+    ``type`` is ``int``, ``bool`` or ``str``; ``choices`` (if given) lists the allowed values;
+    ``min``/``max`` bound an ``int``; ``optional`` also allows ``None``. Checks that involve
+    several parameters (``keep <= block``) live in ``Compressor.check_params``.
+    """
+
+    type: type
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] | None = None
+    min: int | None = None
+    max: int | None = None
+    optional: bool = False
+
+    def allowed(self) -> str:
+        """The allowed values in words, e.g. ``one of 8, 4, 2`` or ``an int >= 1 or None``."""
+        if self.choices is not None:
+            text = "one of " + ", ".join(repr(c) for c in self.choices)
+        elif self.type is bool:
+            text = "True or False"
+        elif self.type is int:
+            parts = []
+            if self.min is not None:
+                parts.append(f">= {self.min}")
+            if self.max is not None:
+                parts.append(f"<= {self.max}")
+            text = "an int" + (" " + " and ".join(parts) if parts else "")
+        else:
+            text = f"a {self.type.__name__}"
+        return text + (" or None" if self.optional else "")
+
+    def describe(self) -> str:
+        """One line for generated docs: ``allowed values, default X: doc``."""
+        return f"{self.allowed()}, default {self.default!r}: {self.doc}"
+
+    def check(self, owner: str, name: str, value: Any) -> Any:
+        """Return ``value`` if it is allowed, else raise a ValueError naming the parameter."""
+        if value is None and self.optional:
+            return None
+        bad = ValueError(
+            f"{owner}: bad value {value!r} for parameter {name!r}: expected {self.allowed()}"
+        )
+        # bool is a subclass of int: keep True out of int parameters and 1 out of bool ones.
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise bad
+        elif self.type is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad
+            if self.min is not None and value < self.min:
+                raise bad
+            if self.max is not None and value > self.max:
+                raise bad
+        elif not isinstance(value, self.type):
+            raise bad
+        if self.choices is not None and value not in self.choices:
+            raise bad
+        return value
+
+
+class Compressor(abc.ABC):
+    """Abstract compressor of saved activations.
+
+    Subclasses set ``name``, ``PARAMS`` and ``lossless`` and implement ``compress``,
+    ``decompress`` and ``stored_bytes``:
+
+    - ``compress(t)`` returns the packed form: a tuple of tensors, each with dim 0 = N.
+    - ``decompress(packed, shape, dtype)`` takes the per-sample shape ``t.shape[1:]`` and
+      returns a tensor of shape ``(N, *shape)`` and dtype ``dtype`` on packed's device.
+    - ``stored_bytes(shape, dtype)`` takes the FULL shape and equals exactly
+      ``packed_nbytes(self.compress(t))`` for any ``t`` of that shape and dtype.
+    """
+
+    name: ClassVar[str]
+    PARAMS: ClassVar[dict[str, ParamSpec]] = {}
+    lossless: ClassVar[bool] = False
+
+    def __init__(self, **params: Any) -> None:
+        self.params: dict[str, Any] = type(self).validate_params(params)
+
+    @classmethod
+    def validate_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """Check ``params`` (e.g. from a config file) and return them with defaults filled in,
+        in ``PARAMS`` order. Raises ValueError naming any unknown or bad parameter."""
+        unknown = [k for k in params if k not in cls.PARAMS]
+        if unknown:
+            known = ", ".join(cls.PARAMS) or "none"
+            raise ValueError(
+                f"{cls.__name__}: unknown parameter {unknown[0]!r}; allowed parameters: {known}"
+            )
+        out = {
+            k: spec.check(cls.__name__, k, params.get(k, spec.default))
+            for k, spec in cls.PARAMS.items()
+        }
+        cls.check_params(out)
+        return out
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        """Checks between parameters; subclasses raise ValueError here."""
+        return None
+
+    @classmethod
+    def param_docs(cls) -> list[str]:
+        """Markdown bullet lines describing each parameter (for generated docs)."""
+        return [f"- `{k}`: {spec.describe()}" for k, spec in cls.PARAMS.items()]
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.params == self.params  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(self.params.items())))
+
+    @abc.abstractmethod
+    def compress(self, t: Tensor) -> tuple[Tensor, ...]:
+        """The packed form of ``t``: tensors only, batch dimension first in each."""
+
+    @abc.abstractmethod
+    def decompress(
+        self, packed: tuple[Tensor, ...], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Tensor:
+        """Rebuild a tensor of shape ``(N, *shape)`` and dtype ``dtype`` from ``packed``."""
+
+    @abc.abstractmethod
+    def stored_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Bytes ``compress`` stores for a tensor of full shape ``shape`` and dtype ``dtype``."""
+
+    # helpers for subclasses -------------------------------------------------------------
+
+    def _float_input(self, t: Tensor) -> None:
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{self!r}: expected a torch.Tensor, got {type(t).__name__}")
+        self._float_dtype(t.dtype)
+        if t.dim() < 1:
+            raise ValueError(f"{self!r}: expected a batch dimension, got a 0-d tensor")
+
+    def _float_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"{self!r}: unsupported dtype {dtype}; expected one of "
+                "float32, float64, float16, bfloat16"
+            )
+
+
+def packed_nbytes(packed: tuple[Tensor, ...]) -> int:
+    """Bytes held by a packed form: the sum of numel * element_size over its tensors."""
+    return sum(p.numel() * p.element_size() for p in packed)
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype compressors compute in: float64 for float64 data, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_CONSTANTS: dict[Hashable, Tensor] = {}
+
+
+def cached_constant(key: Hashable, build: Callable[[], Tensor]) -> Tensor:
+    """A small constant tensor built once per key (the key should include dtype and device).
+
+    Built outside inference mode so that the cached tensor is an ordinary tensor whichever
+    mode the first call happened to run in."""
+    value = _CONSTANTS.get(key)
+    if value is None:
+        with torch.inference_mode(False), torch.no_grad():
+            value = build()
+        _CONSTANTS[key] = value
+    return value
+
+
+def _place_values(bits: int, device: torch.device) -> Tensor:
+    """int32 [8 // bits]: 2**(bits*i), the weight of the i-th code inside one byte."""
+    per = 8 // bits
+    return cached_constant(
+        ("place_values", bits, device),
+        lambda: torch.tensor([1 << (bits * i) for i in range(per)], dtype=torch.int32).to(device),
+    )
+
+
+def packed_code_bytes(count: int, bits: int) -> int:
+    """Bytes that ``count`` codes of ``bits`` bits take when packed: ceil(count * bits / 8)."""
+    per = 8 // bits
+    return -(-count // per)
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Pack integer codes [N, M] with values in [0, 2**bits) into uint8 [N, ceil(M*bits/8)].
+
+    ``bits`` is 1, 2, 4 or 8; code ``i`` of a byte sits in bits ``bits*i .. bits*i+bits-1``.
+    The per-sample count is padded with zero codes to a whole number of bytes. Uses
+    multiplication by powers of two and a sum (the bit fields do not overlap) in int32."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    n, m = codes.shape
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per = 8 // bits
+    nbytes = packed_code_bytes(m, bits)
+    c = codes.to(torch.int32)
+    if nbytes * per != m:
+        c = torch.nn.functional.pad(c, (0, nbytes * per - m))
+    c = c.reshape(n, nbytes, per) * _place_values(bits, c.device)
+    return c.sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_codes(packed: Tensor, bits: int, count: int) -> Tensor:
+    """Inverse of ``pack_codes``: uint8 [N, B] -> int32 codes [N, count]."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    n, nbytes = packed.shape
+    if nbytes != packed_code_bytes(count, bits):
+        raise ValueError(
+            f"packed codes hold {nbytes} bytes per sample, expected "
+            f"{packed_code_bytes(count, bits)} for {count} codes of {bits} bits"
+        )
+    p = packed.to(torch.int32)
+    if bits == 8:
+        return p
+    per = 8 // bits
+    fields = torch.div(p.unsqueeze(-1), _place_values(bits, p.device), rounding_mode="floor")
+    codes = torch.bitwise_and(fields, (1 << bits) - 1).reshape(n, nbytes * per)
+    return codes[:, :count]
+
+
+def prod(values: tuple[int, ...] | list[int]) -> int:
+    """Product of ints (1 for an empty sequence)."""
+    return math.prod(values)

@@ -1,0 +1,183 @@
+"""DCT+Chop: blockwise 2-D DCT-II, keep the low-frequency corner, store it at low precision."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .base import Compressor, ParamSpec, cached_constant, work_dtype
+
+__all__ = ["Dct", "dct_matrix", "fold_index"]
+
+_STORAGE_DTYPES = {
+    "int8": torch.int8,
+    "bf16": torch.bfloat16,
+    "f16": torch.float16,
+    "f32": torch.float32,
+}
+
+
+def dct_matrix(block: int, keep: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """The first ``keep`` rows of the orthonormal DCT-II matrix of size ``block`` (keep x block).
+
+    T[0, j] = 1/sqrt(block); T[i, j] = sqrt(2/block) cos((2j+1) i pi / (2 block)). Built in
+    float64 on the host, then cast and moved; cached per (block, keep, dtype, device)."""
+    device = torch.device(device)
+
+    def build() -> Tensor:
+        i = torch.arange(keep, dtype=torch.float64).unsqueeze(1)
+        j = torch.arange(block, dtype=torch.float64).unsqueeze(0)
+        t = torch.cos((2 * j + 1) * i * (math.pi / (2 * block))) * math.sqrt(2.0 / block)
+        t = torch.where(i == 0, 1.0 / math.sqrt(block), t)
+        return t.to(dtype=dtype, device=device)
+
+    return cached_constant(("dct", block, keep, dtype, device), build)
+
+
+def fold_index(keep: int, device: torch.device | str) -> Tensor:
+    """int64 positions ``i * keep + j`` with ``i + j < keep`` in a flattened keep x keep corner,
+    in row-major order: keep * (keep + 1) / 2 of them."""
+    device = torch.device(device)
+
+    def build() -> Tensor:
+        idx = [i * keep + j for i in range(keep) for j in range(keep) if i + j < keep]
+        return torch.tensor(idx, dtype=torch.int64).to(device)
+
+    return cached_constant(("dct_fold", keep, device), build)
+
+
+class Dct(Compressor):
+    """DCT+Chop for 4-D activations [N, C, H, W].
+
+    Each H x W plane is zero-padded to multiples of ``block`` and cut into block x block tiles;
+    each tile B gets the orthonormal 2-D DCT-II and only the top-left ``keep`` x ``keep``
+    coefficients ``Tk @ B @ Tk^T`` are kept (with ``fold``, only those with i + j < keep).
+    Decompression zero-fills the rest, applies ``Tk^T @ C @ Tk`` and crops the padding.
+
+    Packed form: ``storage='int8'``: (q int8, scale [N, C]) with a symmetric per
+    (sample, channel) scale amax|coeffs| / 127 (float32, or float64 for float64 inputs);
+    otherwise (coeffs,) in bf16 / f16 / f32. Coefficient tensors are [N, C, Hb, keep, Wb, keep],
+    or [N, C, Hb, Wb, keep*(keep+1)/2] with ``fold``.
+
+    Non-finite input: a NaN or inf makes its tile's coefficients non-finite, so the whole tile
+    decompresses to NaN/inf; with int8 storage the (sample, channel) scale becomes NaN or inf
+    and the whole channel of that sample decompresses to NaN/inf. Finite values larger than
+    about 4e37 (float32) can overflow the transform, and f16 storage turns coefficients above
+    65504 into inf.
+    """
+
+    name: ClassVar[str] = "dct"
+    lossless: ClassVar[bool] = False
+    PARAMS: ClassVar[dict[str, ParamSpec]] = {
+        "block": ParamSpec(int, 8, "side of the square DCT tiles", min=1),
+        "keep": ParamSpec(int, 4, "side of the kept low-frequency corner (<= block)", min=1),
+        "storage": ParamSpec(
+            str, "int8", "precision of the kept coefficients", choices=tuple(_STORAGE_DTYPES)
+        ),
+        "fold": ParamSpec(bool, False, "keep only coefficients with i + j < keep (gather)"),
+    }
+
+    @classmethod
+    def check_params(cls, params: dict) -> None:
+        if params["keep"] > params["block"]:
+            raise ValueError(
+                f"Dct: bad value {params['keep']!r} for parameter 'keep': expected an int "
+                f"<= block ({params['block']})"
+            )
+
+    # layout ------------------------------------------------------------------------------
+
+    def _geometry(self, c: int, h: int, w: int) -> tuple[int, int]:
+        b = self.params["block"]
+        return -(-h // b), -(-w // b)
+
+    def _coeffs_per_tile(self) -> int:
+        k = self.params["keep"]
+        return k * (k + 1) // 2 if self.params["fold"] else k * k
+
+    def stored_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        self._float_dtype(dtype)
+        if len(shape) != 4:
+            raise ValueError(f"{self!r}: expected a 4-D shape [N, C, H, W], got {tuple(shape)}")
+        n, c, h, w = shape
+        hb, wb = self._geometry(c, h, w)
+        storage = _STORAGE_DTYPES[self.params["storage"]]
+        elem = torch.empty((), dtype=storage).element_size()
+        total = n * c * hb * wb * self._coeffs_per_tile() * elem
+        if self.params["storage"] == "int8":
+            total += n * c * torch.empty((), dtype=work_dtype(dtype)).element_size()
+        return total
+
+    # compress ----------------------------------------------------------------------------
+
+    def compress(self, t: Tensor) -> tuple[Tensor, ...]:
+        self._float_input(t)
+        if t.dim() != 4:
+            raise ValueError(
+                f"{self!r}: expected a 4-D tensor [N, C, H, W], got shape {tuple(t.shape)}"
+            )
+        b, k = self.params["block"], self.params["keep"]
+        n, c, h, w = t.shape
+        hb, wb = self._geometry(c, h, w)
+        wd = work_dtype(t.dtype)
+        x = t.to(wd)
+        if hb * b != h or wb * b != w:
+            x = F.pad(x, (0, wb * b - w, 0, hb * b - h))
+        tk = dct_matrix(b, k, wd, x.device)
+        # rows of each tile: [k, b] @ [N, C, Hb, b, Wp] -> [N, C, Hb, k, Wp]
+        y = torch.matmul(tk, x.reshape(n, c, hb, b, wb * b))
+        # columns: [N, C, Hb, k, Wb, b] @ [b, k] -> [N, C, Hb, k, Wb, k]
+        y = torch.matmul(y.reshape(n, c, hb, k, wb, b), tk.t())
+        if self.params["fold"]:
+            y = y.permute(0, 1, 2, 4, 3, 5).reshape(n, c, hb, wb, k * k)
+            y = torch.index_select(y, -1, fold_index(k, y.device))
+        storage = self.params["storage"]
+        if storage != "int8":
+            return (y.to(_STORAGE_DTYPES[storage]),)
+        amax = torch.amax(torch.abs(y), dim=tuple(range(2, y.dim())))  # [N, C]
+        # all-zero channel: scale 1 (codes are 0). NaN/inf stay in the scale (amax == 0 is
+        # False for NaN), so a non-finite channel decompresses to non-finite values.
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / 127.0)
+        q = torch.round(y / scale.reshape(n, c, *([1] * (y.dim() - 2))))
+        q = torch.clamp(q, -127.0, 127.0)
+        q = torch.where(torch.isnan(q), torch.zeros_like(q), q)  # defined cast; scale is NaN
+        return q.to(torch.int8), scale
+
+    # decompress --------------------------------------------------------------------------
+
+    def decompress(
+        self, packed: tuple[Tensor, ...], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Tensor:
+        self._float_dtype(dtype)
+        if len(shape) != 3:
+            raise ValueError(f"{self!r}: expected a per-sample shape (C, H, W), got {shape}")
+        b, k = self.params["block"], self.params["keep"]
+        c, h, w = shape
+        hb, wb = self._geometry(c, h, w)
+        wd = work_dtype(dtype)
+        n = packed[0].shape[0]
+        if self.params["storage"] == "int8":
+            if len(packed) != 2:
+                raise ValueError(f"{self!r}: expected packed (q, scale), got {len(packed)} tensors")
+            q, scale = packed
+            y = q.to(wd) * scale.to(wd).reshape(n, c, *([1] * (q.dim() - 2)))
+        else:
+            if len(packed) != 1:
+                raise ValueError(f"{self!r}: expected packed (coeffs,), got {len(packed)} tensors")
+            y = packed[0].to(wd)
+        if self.params["fold"]:
+            idx = fold_index(k, y.device).expand(y.shape)
+            full = torch.zeros((n, c, hb, wb, k * k), dtype=wd, device=y.device)
+            y = torch.scatter(full, -1, idx, y).reshape(n, c, hb, wb, k, k)
+            y = y.permute(0, 1, 2, 4, 3, 5)
+        tk = dct_matrix(b, k, wd, y.device)
+        # rows: [b, k] @ [N, C, Hb, k, Wb*k] -> [N, C, Hb, b, Wb*k]
+        x = torch.matmul(tk.t(), y.reshape(n, c, hb, k, wb * k))
+        # columns: [N, C, Hb, b, Wb, k] @ [k, b] -> [N, C, Hb, b, Wb, b]
+        x = torch.matmul(x.reshape(n, c, hb, b, wb, k), tk)
+        x = x.reshape(n, c, hb * b, wb * b)[:, :, :h, :w]
+        return x.to(dtype).contiguous()

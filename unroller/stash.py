@@ -1,0 +1,178 @@
+"""The stash plan: in what form each tensor saved for backward is kept.
+
+For every backward step and every runtime tensor it reads, the reader asks for one
+form: ``raw``; ``mask`` (a lossless 1-bit mask, where the registry says the backward
+only needs one); or a compressor chosen by the compression config (for activations).
+Per tensor, the forms of all its readers are merged: if any reader needs it raw, it
+is kept raw and every reader reads the raw tensor (compressing it too would only cost
+memory and accuracy); otherwise each distinct mask and compressor form is stored
+once, however many readers share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from unroller.graph import DTYPE_BYTES, Graph, Node
+from unroller.registry import eval_expr
+from unroller.report import SavedTensor, saved_tensors
+from unroller.schemes import Codec, CompressionConfig
+from unroller.shapes import TensorType
+
+BITS = Codec("bits")
+
+
+@dataclass(frozen=True)
+class Form:
+    """One stored form of a saved tensor."""
+
+    kind: str  # "raw", "mask" or "codec"
+    codec: Codec | None = None  # the compressor (bits for masks)
+    mask_kernel: str | None = None  # turns the tensor into the bool mask
+    mask_node: str | None = None  # whose backward arguments the mask kernel takes
+    type: TensorType | None = None  # the logical tensor stored (the mask's shape for masks)
+
+    def label(self) -> str:
+        if self.kind == "raw":
+            return "raw"
+        if self.kind == "mask":
+            return "bits"
+        assert self.codec is not None
+        return self.codec.label()
+
+
+@dataclass
+class Stashed:
+    """A runtime tensor read by one or more backward steps."""
+
+    key: str  # value name, or "node:extra"
+    type: TensorType
+    producer: int  # index of the node whose forward step makes it (-1: a model input)
+    readers: list[tuple[Node, SavedTensor, Form]] = field(default_factory=list)
+    forms: list[Form] = field(default_factory=list)
+
+    def raw_bytes(self, batch: int) -> int:
+        return self.type.numel(batch) * DTYPE_BYTES[self.type.dtype]
+
+    def stored_bytes(self, batch: int) -> int:
+        total = 0
+        for form in self.forms:
+            if form.kind == "raw":
+                total += self.raw_bytes(batch)
+            else:
+                t = form.type or self.type
+                shape = tuple(batch if d == "N" else d for d in t.shape)
+                dtype = "bool" if form.kind == "mask" else t.dtype
+                total += form.codec.instance().stored_bytes(shape, _torch_dtype(dtype))
+        return total
+
+
+@dataclass
+class StashPlan:
+    entries: list[Stashed]
+    config: CompressionConfig
+
+    def by_key(self) -> dict[str, Stashed]:
+        return {e.key: e for e in self.entries}
+
+    def form_for(self, node: Node, entry: str) -> tuple[Stashed, Form] | None:
+        for stashed in self.entries:
+            for reader, saved, form in stashed.readers:
+                if reader is node and saved.entry == entry:
+                    return stashed, form
+        return None
+
+    def codecs(self) -> list[Codec]:
+        found: list[Codec] = []
+        for stashed in self.entries:
+            for form in stashed.forms:
+                if form.codec is not None and form.codec not in found:
+                    found.append(form.codec)
+        return found
+
+    def report(self, batch: int) -> dict:
+        rows = [
+            {
+                "tensor": s.key,
+                "readers": [n.name for n, _, _ in s.readers],
+                "compressor": "+".join(f.label() for f in s.forms),
+                "shape": [batch if d == "N" else d for d in s.type.shape],
+                "raw_bytes": s.raw_bytes(batch),
+                "stored_bytes": s.stored_bytes(batch),
+            }
+            for s in self.entries
+        ]
+        return {
+            "rows": rows,
+            "total_raw_bytes": sum(r["raw_bytes"] for r in rows),
+            "total_stored_bytes": sum(r["stored_bytes"] for r in rows),
+        }
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {
+        "f32": torch.float32,
+        "f16": torch.float16,
+        "bf16": torch.bfloat16,
+        "f64": torch.float64,
+        "i64": torch.int64,
+        "i32": torch.int32,
+        "bool": torch.bool,
+    }[name]
+
+
+def _reader_form(node: Node, saved: SavedTensor, config: CompressionConfig) -> Form:
+    mask = node.op.masks.get(saved.entry)
+    if config.masks and mask is not None:
+        env = {**node.args, **node.derived}
+        if mask.when is None or eval_expr(mask.when, env):
+            like = saved.type
+            if mask.like is not None:
+                names = node.input_names
+                like = node.inputs[names.index(mask.like)].type
+            return Form("mask", BITS, mask.kernel, node.name, TensorType("bool", like.shape))
+    if saved.activation and saved.type.dtype in ("f32", "f16", "bf16", "f64"):
+        codec = config.choose(node.op.name, node.name, saved.type.shape)
+        if codec is not None:
+            return Form("codec", codec)
+    return Form("raw")
+
+
+def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
+    """Decide the stored forms of every tensor saved for backward."""
+    producers = {v.name: -1 for v in graph.inputs}
+    for node in graph.nodes:
+        producers[node.output.name] = node.index
+    entries: dict[str, Stashed] = {}
+    for node in graph.nodes:
+        for saved in saved_tensors(node):
+            if saved.key not in entries:
+                value_name = saved.key.split(":")[0]
+                entries[saved.key] = Stashed(saved.key, saved.type, producers[value_name])
+            entries[saved.key].readers.append((node, saved, _reader_form(node, saved, config)))
+    ordered = sorted(entries.values(), key=lambda s: (s.producer, list(entries).index(s.key)))
+    if config.first_only:
+        _keep_first_compressed(ordered)
+    for stashed in ordered:
+        forms = [form for _, _, form in stashed.readers]
+        if any(f.kind == "raw" for f in forms):
+            stashed.readers = [(n, s, Form("raw")) for n, s, _ in stashed.readers]
+            stashed.forms = [Form("raw")]
+        else:
+            stashed.forms = list(dict.fromkeys(forms))
+    return StashPlan(ordered, config)
+
+
+def _keep_first_compressed(ordered: list[Stashed]) -> None:
+    """dct-first: only the first tensor (topological order) keeps its compressor."""
+    found = False
+    for stashed in ordered:
+        has_codec = any(f.kind == "codec" for _, _, f in stashed.readers)
+        if has_codec and not found:
+            found = True
+            continue
+        stashed.readers = [
+            (n, s, Form("raw") if f.kind == "codec" else f) for n, s, f in stashed.readers
+        ]
