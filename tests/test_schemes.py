@@ -13,7 +13,9 @@ from unroller.stash import plan_stash
 
 def forms(scheme_or_config, stem="unet_like"):
     graph = load_graph(model_path(stem))
-    config = scheme_or_config if not isinstance(scheme_or_config, str) else builtin(scheme_or_config)
+    config = (
+        scheme_or_config if not isinstance(scheme_or_config, str) else builtin(scheme_or_config)
+    )
     return {s.key: [f.label() for f in s.forms] for s in plan_stash(graph, config).entries}
 
 
@@ -39,7 +41,9 @@ def test_dct_first_compresses_exactly_one_tensor():
     assert len(compressed) == 1
     first = plan.entries[[s.key for s in plan.entries].index(compressed[0])]
     assert all(
-        not any(f.kind == "codec" for f in s.forms) for s in plan.entries if s.producer < first.producer
+        not any(f.kind == "codec" for f in s.forms)
+        for s in plan.entries
+        if s.producer < first.producer
     )
 
 
@@ -57,8 +61,7 @@ def test_opt_level_zero_disables_everything(tmp_path):
 
 def test_config_file_rules_later_win(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text(
-        """
+    path.write_text("""
 masks = true
 [default]
 compressor = "dct"
@@ -70,8 +73,7 @@ bits = 4
 [[rule]]
 name = "enc1.*"
 compressor = "none"
-"""
-    )
+""")
     config = load_config(path)
     plan = plan_stash(load_graph(model_path("unet_like")), config)
     for stashed in plan.entries:
@@ -85,12 +87,16 @@ compressor = "none"
 @pytest.mark.parametrize(
     "text, line, words",
     [
-        ('mask = true\n', 1, "unknown key 'mask'"),
+        ("mask = true\n", 1, "unknown key 'mask'"),
         ('[default]\ncompressor = "dctt"\n', 2, "dctt"),
         ('[default]\ncompressor = "dct"\nkeep = 99\n', 3, "keep"),
         ('[default]\ncompressor = "dct"\nkep = 2\n', 3, "kep"),
         ('[[rule]]\nop = "conv2d"\n', 1, "compressor"),
-        ('[[rule]]\ncompressor = "quant"\n\n[[rule]]\nop = "conv3d"\ncompressor = "quant"\n', 5, "conv3d"),
+        (
+            '[[rule]]\ncompressor = "quant"\n\n[[rule]]\nop = "conv3d"\ncompressor = "quant"\n',
+            5,
+            "conv3d",
+        ),
         ('[[rule]]\ncompressor = "quant"\nbits = 3\n', 3, "bits"),
         ('masks = "yes"\n', 1, "masks"),
         ('[default]\ncompressor = "none"\nkeep = 2\n', 3, "keep"),

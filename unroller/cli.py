@@ -18,8 +18,8 @@ from unroller import __version__
 from unroller.api import generate_source, load_graph, read_model_text, source_label, write_atomic
 from unroller.codegen import PLATFORMS, SCHEMES, Options, edited_by_hand, read_header
 from unroller.errors import ConfigError, ModelError
-from unroller.stash import plan_stash
 from unroller.report import format_dot, format_stash, format_table, graph_report
+from unroller.stash import plan_stash
 
 app = typer.Typer(
     add_completion=False,
@@ -196,9 +196,7 @@ def diff(
     if len(schemes) > 2:
         raise fail("give one --scheme (against a file) or two (scheme against scheme)")
     if len(schemes) == 2:
-        a, b = (
-            emit(model, make_options(platform, s, compress_config, opt_level)) for s in schemes
-        )
+        a, b = (emit(model, make_options(platform, s, compress_config, opt_level)) for s in schemes)
         text = unified(a, b, f"{model} ({schemes[0]})", f"{model} ({schemes[1]})")
     else:
         options = make_options(platform, schemes[0], compress_config, opt_level)
@@ -255,7 +253,9 @@ def check(
         if options.compress_config is not None:
             config = resolve_source(options.compress_config, path)
             if config is None:
-                stale.append(f"{path}: its compression config {options.compress_config!r} is missing")
+                stale.append(
+                    f"{path}: its compression config {options.compress_config!r} is missing"
+                )
                 continue
         try:
             fresh = generate_source(source, options, label=header["source"])

@@ -22,7 +22,7 @@ from unroller.errors import ModelError
 from unroller.graph import Graph, Node, Value
 from unroller.resources import resource_dir
 from unroller.schedule import RESERVED, Namer, Step, release_dead
-from unroller.schemes import SCHEMES, CompressionConfig, builtin, resolve
+from unroller.schemes import SCHEMES, Codec, CompressionConfig, builtin, resolve
 from unroller.stash import Form, Stashed, StashPlan, plan_stash
 
 PLATFORMS = ("gpu",)
@@ -83,10 +83,11 @@ class GpuEmitter:
     def __init__(self, graph: Graph, plan: StashPlan | None = None):
         self.graph = graph
         self.plan = plan if plan is not None else plan_stash(graph, builtin("nocompress"))
-        self.codec_names = {
-            codec: f"CODEC_{codec.name.upper()}" + (f"_{i}" if i else "")
-            for i, codec in enumerate(self.plan.codecs())
-        }
+        self.codec_names: dict[Codec, str] = {}
+        for codec in self.plan.codecs():
+            base = f"CODEC_{codec.name.upper()}"
+            same = sum(1 for c in self.codec_names if c.name == codec.name)
+            self.codec_names[codec] = f"{base}_{same + 1}" if same else base
         self.names = Namer(RESERVED | set(self.codec_names.values()))
         self.kernel_alias: dict[str, str] = {DEFAULT_KERNELS: "K"}
         for value in graph.inputs:
@@ -264,7 +265,12 @@ class GpuEmitter:
         lines.append(f"K.stash(stash, {stashed.key!r}, {raw}, {', '.join(packs)})")
         comment = f"keep {stashed.key} as {' + '.join(f.label() for f in stashed.forms)}"
         return Step(
-            "forward", lines, reads=["stash", raw, *writes], writes=writes, comment=comment, blocks=blocks
+            "forward",
+            lines,
+            reads=["stash", raw, *writes],
+            writes=writes,
+            comment=comment,
+            blocks=blocks,
         )
 
     def stash_raw_step(self, entries: list[Stashed]) -> Step:
@@ -309,9 +315,15 @@ class GpuEmitter:
         for stashed in self.plan.entries:
             stash_after.setdefault(stashed.producer, []).append(stashed)
         steps = [
-            Step("forward", ["stash = self.stash_log = []"], reads=[], writes=["stash"],
-                 comment="what is kept for backward, with its bytes (stash_report())")
+            Step(
+                "forward",
+                ["stash = self.stash_log = []"],
+                reads=[],
+                writes=["stash"],
+                comment="what is kept for backward, with its bytes (stash_report())",
+            )
         ]
+
         def compressed(found: list[Stashed]) -> list[Stashed]:
             return [s for s in found if s.forms != [Form("raw")]]
 
@@ -443,7 +455,10 @@ def render(graph: Graph, source_path: str, options: Options) -> str:
     preds = [emitter.ident(v) for v in graph.preds]
     text = template.render(
         header=header_comment(graph, source_path, options, config),
-        codecs=[(name, codec.name, kwargs_text(codec.kwargs)) for codec, name in emitter.codec_names.items()],
+        codecs=[
+            (name, codec.name, kwargs_text(codec.kwargs))
+            for codec, name in emitter.codec_names.items()
+        ],
         compression=_describe(config),
         version=__version__,
         source_path=json.dumps(source_path),

@@ -46,7 +46,10 @@ def saved_tensors(node: Node) -> list[SavedTensor]:
             key, ttype = f"{node.name}:{entry}", extras[entry].type
         else:
             continue  # the kernel gives None for it (e.g. dropout with p=0)
-        found.append(SavedTensor(node.name, entry, key, ttype, entry in node.op.activations))
+        # A model input is the caller's tensor: compressing it would free nothing.
+        from_input = entry in names and node.inputs[names.index(entry)].producer is None
+        activation = entry in node.op.activations and not from_input
+        found.append(SavedTensor(node.name, entry, key, ttype, activation))
     return found
 
 

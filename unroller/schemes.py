@@ -169,15 +169,24 @@ def load_config(path: str | Path) -> CompressionConfig:
     if not isinstance(masks, bool):
         raise fail("'masks' must be true or false", "masks")
 
-    def codec_of(table: dict[str, Any], section: str, index: int, allowed: set[str]) -> Codec | None:
+    def codec_of(
+        table: dict[str, Any], section: str, index: int, allowed: set[str]
+    ) -> Codec | None:
         name = table.get("compressor")
         if not isinstance(name, str):
-            raise fail('missing \'compressor\' (a compressor name or "none")', "compressor", section, index)
+            raise fail(
+                "missing 'compressor' (a compressor name or \"none\")", "compressor", section, index
+            )
         params = {k: v for k, v in table.items() if k not in allowed | {"compressor", "min_size"}}
         if name == "none":
             if params or "min_size" in table:
                 key = next(iter(params), "min_size")
-                raise fail(f"unknown key '{key}' (compressor \"none\" takes no parameters)", key, section, index)
+                raise fail(
+                    f"unknown key '{key}' (compressor \"none\" takes no parameters)",
+                    key,
+                    section,
+                    index,
+                )
             return None
         min_size = table.get("min_size", 0)
         if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
