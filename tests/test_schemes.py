@@ -77,7 +77,7 @@ compressor = "none"
     config = load_config(path)
     plan = plan_stash(load_graph(model_path("unet_like")), config)
     for stashed in plan.entries:
-        for node, saved, form in stashed.readers:
+        for node, _saved, form in stashed.readers:
             if node.name.startswith("enc1."):
                 assert form.kind in ("raw", "mask")
             elif form.kind == "codec" and node.op.name == "batchnorm2d":
