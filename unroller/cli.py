@@ -18,7 +18,8 @@ from unroller import __version__
 from unroller.api import generate_source, load_graph, read_model_text, source_label, write_atomic
 from unroller.codegen import PLATFORMS, SCHEMES, Options, edited_by_hand, read_header
 from unroller.errors import ConfigError, ModelError
-from unroller.report import format_dot, format_stash, format_table, graph_report
+from unroller.pipeline import VALID_NUM_IPUS, ipu_report, split
+from unroller.report import format_dot, format_ipus, format_stash, format_table, graph_report
 from unroller.stash import plan_stash
 
 app = typer.Typer(
@@ -56,7 +57,12 @@ def print_warnings(path: str | Path) -> None:
 
 
 def make_options(
-    platform: str, scheme: str, compress_config: Path | None = None, opt_level: int = 1
+    platform: str,
+    scheme: str,
+    compress_config: Path | None = None,
+    opt_level: int = 1,
+    num_ipus: int = 1,
+    stage_starts: str | None = None,
 ) -> Options:
     if platform not in PLATFORMS:
         raise fail(f"unknown platform '{platform}' (known: {', '.join(PLATFORMS)})")
@@ -67,7 +73,13 @@ def make_options(
         scheme=scheme,
         compress_config=source_label(compress_config) if compress_config else None,
         opt_level=opt_level,
+        num_ipus=num_ipus,
+        stage_starts=tuple(s.strip() for s in stage_starts.split(",")) if stage_starts else (),
     )
+    if platform != "ipu" and (num_ipus != 1 or stage_starts):
+        raise fail("--num-ipus and --stage-starts are for --platform ipu")
+    if num_ipus not in VALID_NUM_IPUS:
+        raise fail(f"--num-ipus must be one of {', '.join(map(str, VALID_NUM_IPUS))}")
     try:
         options.compression()  # reads and checks the config file now
     except ConfigError as exc:
@@ -89,7 +101,20 @@ def emit(model: Path, options: Options, label: str | None = None) -> str:
         raise fail_plain(str(exc)) from None
 
 
-PlatformOpt = Annotated[str, typer.Option("--platform", "-p", help="gpu (plain PyTorch).")]
+PlatformOpt = Annotated[
+    str, typer.Option("--platform", "-p", help="gpu (plain PyTorch) or ipu (PopTorch).")
+]
+NumIpusOpt = Annotated[
+    int, typer.Option("--num-ipus", help="ipu: pipeline stages, one per IPU (1, 2, 4, 8, 16).")
+]
+StagesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--stage-starts",
+        help="ipu: comma-separated first node of each stage after the first "
+        "(default: balance parameter + stashed bytes).",
+    ),
+]
 SchemeOpt = Annotated[
     str, typer.Option(help="Compression scheme: nocompress, dct-first, dct-dense or quant.")
 ]
@@ -114,6 +139,8 @@ def generate(
     scheme: SchemeOpt = "nocompress",
     compress_config: ConfigOpt = None,
     opt_level: OptLevelOpt = 1,
+    num_ipus: NumIpusOpt = 1,
+    stage_starts: StagesOpt = None,
     force: Annotated[
         bool, typer.Option("--force", help="Overwrite a file that was edited by hand.")
     ] = False,
@@ -122,7 +149,7 @@ def generate(
 
     Example: unroll generate models/resnet34.txt --platform gpu --scheme dct-dense -o resnet34.py
     """
-    options = make_options(platform, scheme, compress_config, opt_level)
+    options = make_options(platform, scheme, compress_config, opt_level, num_ipus, stage_starts)
     text = emit(model, options)
     print_warnings(model)
     if output is None or str(output) == "-":
@@ -182,6 +209,8 @@ def diff(
     ] = None,
     compress_config: ConfigOpt = None,
     opt_level: OptLevelOpt = 1,
+    num_ipus: NumIpusOpt = 1,
+    stage_starts: StagesOpt = None,
     against: Annotated[
         Path | None, typer.Option(help="The file to compare with (default: the checked-in one).")
     ] = None,
@@ -196,10 +225,18 @@ def diff(
     if len(schemes) > 2:
         raise fail("give one --scheme (against a file) or two (scheme against scheme)")
     if len(schemes) == 2:
-        a, b = (emit(model, make_options(platform, s, compress_config, opt_level)) for s in schemes)
+        a, b = (
+            emit(
+                model,
+                make_options(platform, s, compress_config, opt_level, num_ipus, stage_starts),
+            )
+            for s in schemes
+        )
         text = unified(a, b, f"{model} ({schemes[0]})", f"{model} ({schemes[1]})")
     else:
-        options = make_options(platform, schemes[0], compress_config, opt_level)
+        options = make_options(
+            platform, schemes[0], compress_config, opt_level, num_ipus, stage_starts
+        )
         target = against or find_checked_in(model, options)
         if against is not None and not against.is_file():
             raise fail(f"{against} does not exist or is not a file")
@@ -280,13 +317,19 @@ def graph(
     scheme: SchemeOpt = "nocompress",
     compress_config: ConfigOpt = None,
     opt_level: OptLevelOpt = 1,
+    platform: PlatformOpt = "gpu",
+    num_ipus: NumIpusOpt = 1,
+    stage_starts: StagesOpt = None,
 ) -> None:
     """Show the node graph: op, output shape, parameters and bytes saved for backward,
     and per saved tensor the form the scheme keeps it in, raw and stored bytes.
 
+    With --platform ipu: per IPU its parameter bytes, stashed bytes (raw and stored) and
+    the bytes crossing each stage boundary.
+
     Example: unroll graph models/resnet34.txt --batch-size 32 --scheme dct-dense
     """
-    options = make_options("gpu", scheme, compress_config, opt_level)
+    options = make_options(platform, scheme, compress_config, opt_level, num_ipus, stage_starts)
     if fmt not in ("table", "json", "dot"):
         raise fail(f"unknown format '{fmt}' (table, json or dot)")
     try:
@@ -296,15 +339,29 @@ def graph(
         raise report_model_error(exc, model) from None
     for warning in g.warnings:
         typer.echo(warning.format(str(model), g.source), err=True)
-    stash = plan_stash(g, options.compression()).report(batch_size)
+    plan = plan_stash(g, options.compression())
+    stash = plan.report(batch_size)
+    per_ipu = None
+    if platform == "ipu":
+        try:
+            pipe = split(g, plan, num_ipus, list(options.stage_starts) or None)
+        except ModelError as exc:
+            raise report_model_error(exc, model) from None
+        per_ipu = ipu_report(g, plan, pipe, batch_size)
     if fmt == "dot":
         typer.echo(format_dot(g))
     elif fmt == "json":
-        typer.echo(json.dumps({**graph_report(g, batch_size), "stash": stash}, indent=2))
+        found = {**graph_report(g, batch_size), "stash": stash}
+        if per_ipu is not None:
+            found["ipus"] = per_ipu
+        typer.echo(json.dumps(found, indent=2))
     else:
         typer.echo(format_table(graph_report(g, batch_size)))
         typer.echo("")
         typer.echo(format_stash(stash, scheme if compress_config is None else str(compress_config)))
+        if per_ipu is not None:
+            typer.echo("")
+            typer.echo(format_ipus(per_ipu))
 
 
 @app.command()

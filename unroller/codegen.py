@@ -10,6 +10,7 @@ last use. The template only arranges these lines into a module.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,15 +21,15 @@ import jinja2
 from unroller import __version__
 from unroller.errors import ModelError
 from unroller.graph import Graph, Node, Value
+from unroller.pipeline import Pipeline, split
 from unroller.resources import resource_dir
 from unroller.schedule import RESERVED, Namer, Step, release_dead
 from unroller.schemes import SCHEMES, Codec, CompressionConfig, builtin, resolve
 from unroller.stash import Form, Stashed, StashPlan, plan_stash
 
-PLATFORMS = ("gpu",)
+PLATFORMS = ("gpu", "ipu")
 HEADER_TAG = "# unroller: "
 CHECKSUM_TAG = "# unroller-checksum: "
-DEFAULT_KERNELS = "unroller.runtime.gpu"
 # Generated code favours one line per step over the 100 columns of hand-written code.
 GENERATED_LINE_LENGTH = 120
 
@@ -41,6 +42,8 @@ class Options:
     scheme: str = "nocompress"
     compress_config: str | None = None  # a TOML file; replaces the scheme's rules
     opt_level: int = 1  # 0: no compression and no masks
+    num_ipus: int = 1  # ipu: pipeline stages, one per IPU
+    stage_starts: tuple[str, ...] = ()  # ipu: first node of each stage after the first
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -50,17 +53,23 @@ class Options:
             found["compress_config"] = self.compress_config
         if self.opt_level != 1:
             found["opt_level"] = self.opt_level
+        if self.num_ipus != 1:
+            found["num_ipus"] = self.num_ipus
+        if self.stage_starts:
+            found["stage_starts"] = list(self.stage_starts)
         return {**found, **self.extra}
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> Options:
         known = {"generator", "source", "sha256", "platform", "scheme", "compress_config"}
-        known |= {"compress_config_sha256", "opt_level"}
+        known |= {"compress_config_sha256", "opt_level", "num_ipus", "stage_starts"}
         return cls(
             platform=header.get("platform", "gpu"),
             scheme=header.get("scheme", "nocompress"),
             compress_config=header.get("compress_config"),
             opt_level=header.get("opt_level", 1),
+            num_ipus=header.get("num_ipus", 1),
+            stage_starts=tuple(header.get("stage_starts", ())),
             extra={k: v for k, v in header.items() if k not in known},
         )
 
@@ -77,11 +86,20 @@ def kwargs_text(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={literal(v)}" for k, v in kwargs.items())
 
 
-class GpuEmitter:
-    """Builds the step program of the gpu platform for one graph."""
+class Emitter:
+    """Builds the step program of one graph for one platform (and pipeline split)."""
 
-    def __init__(self, graph: Graph, plan: StashPlan | None = None):
+    def __init__(
+        self,
+        graph: Graph,
+        plan: StashPlan | None = None,
+        platform: str = "gpu",
+        pipeline: Pipeline | None = None,
+    ):
         self.graph = graph
+        self.platform = platform
+        self.default_kernels = f"unroller.runtime.{platform}"
+        self.pipeline = pipeline or Pipeline(1, {})
         self.plan = plan if plan is not None else plan_stash(graph, builtin("nocompress"))
         self.codec_names: dict[Codec, str] = {}
         for codec in self.plan.codecs():
@@ -89,12 +107,32 @@ class GpuEmitter:
             same = sum(1 for c in self.codec_names if c.name == codec.name)
             self.codec_names[codec] = f"{base}_{same + 1}" if same else base
         self.names = Namer(RESERVED | set(self.codec_names.values()))
-        self.kernel_alias: dict[str, str] = {DEFAULT_KERNELS: "K"}
+        self.kernel_alias: dict[str, str] = {self.default_kernels: "K"}
         for value in graph.inputs:
             self.names(value.name)
         for node in graph.nodes:
             self.names(node.output.name)
         self.restored: dict[tuple[str, Form], str] = {}
+        for node in graph.nodes:
+            self.check_supported(node)
+
+    def check_supported(self, node: Node) -> None:
+        """Refuse, at generate time, what the platform's kernels cannot run."""
+        module = importlib.import_module(self.kernel_module(node))
+        why = getattr(module, "unsupported", lambda op, args: None)(node.op.name, node.args)
+        if why:
+            raise ModelError(f"{node.name}: {why} (platform {self.platform})", node.loc)
+
+    def kernel_module(self, node: Node) -> str:
+        module = node.op.kernels.get(self.platform)
+        if module is None:
+            raise ModelError(
+                f"operator '{node.op.name}' has no kernels for platform {self.platform}", node.loc
+            )
+        return module
+
+    def stage(self, node: Node | None) -> int:
+        return self.pipeline.stage(node.name) if node is not None else 0
 
     # -- identifiers -------------------------------------------------------------------
 
@@ -108,13 +146,9 @@ class GpuEmitter:
         return self.names(f"extra:{node.name}:{name}", f"{self.ident(node.output)}_{name}")
 
     def kernels(self, node: Node) -> str:
-        module = node.op.kernels.get("gpu")
-        if module is None:
-            raise ModelError(f"operator '{node.op.name}' has no kernels for platform gpu", node.loc)
+        module = self.kernel_module(node)
         if module not in self.kernel_alias:
-            self.kernel_alias[module] = (
-                "K" if module == DEFAULT_KERNELS else f"K{len(self.kernel_alias) + 1}"
-            )
+            self.kernel_alias[module] = f"K{len(self.kernel_alias) + 1}"
         return self.kernel_alias[module]
 
     @staticmethod
@@ -147,6 +181,7 @@ class GpuEmitter:
             writes=writes,
             comment=node.text,
             blocks=tuple(b.text for b in node.blocks),
+            stage=self.stage(node),
         )
 
     # -- backward ----------------------------------------------------------------------
@@ -223,7 +258,11 @@ class GpuEmitter:
             ident = self.names(f"pgrad:{p.key}", f"grad_{self.ident(node.output)}_{p.name}")
             outputs.append(ident)
             writes.append(ident)
-            extra_lines.append(f"{self.kernels(node)}.accumulate({self.param(p.key)}, {ident})")
+            if self.platform == "ipu":
+                extra_lines.append(f"grads[{p.key!r}] = {ident}")
+                reads.append("grads")
+            else:
+                extra_lines.append(f"{self.kernels(node)}.accumulate({self.param(p.key)}, {ident})")
             reads.append(ident)
         needs = f"needs={tuple(node.needs)!r}"
         call_args = ", ".join(
@@ -238,6 +277,7 @@ class GpuEmitter:
             writes=writes,
             comment=node.text,
             blocks=tuple(b.text for b in node.blocks),
+            stage=self.stage(node),
         )
 
     # -- whole methods -----------------------------------------------------------------
@@ -271,6 +311,7 @@ class GpuEmitter:
             writes=writes,
             comment=comment,
             blocks=blocks,
+            stage=self.stage(self.graph.nodes[stashed.producer] if stashed.producer >= 0 else None),
         )
 
     def stash_raw_step(self, entries: list[Stashed]) -> Step:
@@ -282,6 +323,7 @@ class GpuEmitter:
             reads=["stash", *(self.raw_ident(s.key) for s in entries)],
             writes=[],
             comment="kept as they are for backward",
+            stage=self.pipeline.num_ipus - 1,
         )
 
     def restore_steps(self, node: Node) -> list[Step]:
@@ -305,6 +347,7 @@ class GpuEmitter:
                         reads=[packed, self.grad(node.output)],
                         writes=[ident],
                         comment=f"restore {stashed.key}: {form.label()}",
+                        stage=self.stage(node),
                     )
                 )
         return steps
@@ -323,6 +366,16 @@ class GpuEmitter:
                 comment="what is kept for backward, with its bytes (stash_report())",
             )
         ]
+        if self.platform == "ipu":
+            steps.append(
+                Step(
+                    "forward",
+                    ["grads = {}"],
+                    reads=[],
+                    writes=["grads"],
+                    comment="parameter gradients, by state-dict name",
+                )
+            )
 
         def compressed(found: list[Stashed]) -> list[Stashed]:
             return [s for s in found if s.forms != [Form("raw")]]
@@ -343,6 +396,7 @@ class GpuEmitter:
                 reads=[loss],
                 writes=[self.grad(graph.loss)],
                 comment="d loss / d loss = 1",
+                stage=self.stage(graph.loss.producer),
             )
         )
         owned: dict[int, bool] = {id(graph.loss): True}
@@ -352,7 +406,7 @@ class GpuEmitter:
                 steps.append(self.backward_step(node, owned))
         # A forward step whose output is saved by a backward step must keep it alive:
         # liveness sees the read in the backward step, so nothing more to do here.
-        release_dead(steps, keep={loss})
+        release_dead(steps, keep={loss, "grads"})
         return steps
 
     def predict_steps(self) -> list[Step]:
@@ -376,17 +430,32 @@ class GpuEmitter:
         return steps
 
 
-def render_steps(steps: list[Step]) -> list[str]:
-    """Lines of a method body: block and statement comments, code, and releases."""
+def render_steps(steps: list[Step], staged: bool = False) -> list[str]:
+    """Lines of a method body: block and statement comments, code, and releases.
+
+    With ``staged``, consecutive steps of one pipeline stage go inside
+    ``with poptorch.Block(...)`` so PopTorch places them on that stage's IPU.
+    """
     lines: list[str] = []
     current_blocks: tuple[str, ...] = ()
     section = ""
+    stage = None
+    indent = ""
     for step in steps:
-        if step.section != section:
-            section = step.section
-            lines.append("")
-            lines.append(f"# ---- {section} " + "-" * 60)
+        if step.section != section or (staged and step.stage != stage):
+            if step.section != section:
+                section = step.section
+                lines.append("")
+                lines.append(f"# ---- {section} " + "-" * 60)
+            if staged:
+                stage = step.stage
+                lines.append(
+                    f'with poptorch.Block(user_id="{section}{stage}", ipu_id={stage}):'
+                    f"  # IPU {stage}"
+                )
+                indent = "    "
             current_blocks = ()
+        start = len(lines)
         if step.blocks != current_blocks:
             common = 0
             while (
@@ -403,6 +472,7 @@ def render_steps(steps: list[Step]) -> list[str]:
         lines.extend(step.lines)
         if step.release:
             lines.append(f"del {', '.join(step.release)}")
+        lines[start:] = [indent + line if line else line for line in lines[start:]]
     return lines
 
 
@@ -439,8 +509,15 @@ def render(graph: Graph, source_path: str, options: Options) -> str:
     if options.scheme not in SCHEMES:
         raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
     config = options.compression()
-    emitter = GpuEmitter(graph, plan_stash(graph, config))
-    training = render_steps(emitter.training_steps())
+    plan = plan_stash(graph, config)
+    pipeline = None
+    if options.platform == "ipu":
+        pipeline = split(graph, plan, options.num_ipus, list(options.stage_starts) or None)
+    elif options.num_ipus != 1 or options.stage_starts:
+        raise ValueError("--num-ipus and stage starts are for the ipu platform")
+    emitter = Emitter(graph, plan, options.platform, pipeline)
+    staged = pipeline is not None and pipeline.num_ipus > 1
+    training = render_steps(emitter.training_steps(), staged)
     predict = render_steps(emitter.predict_steps())
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(resource_dir("templates"))),
@@ -473,9 +550,39 @@ def render(graph: Graph, source_path: str, options: Options) -> str:
         loss=emitter.ident(graph.loss),
         preds=preds,
         signature=[f"{v.name}: {v.type}" for v in graph.inputs],
+        input_specs=[
+            (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), _value_range(v))
+            for v in graph.inputs
+        ],
+        surrogate_groups=_surrogate_groups(graph, pipeline),
+        num_ipus=pipeline.num_ipus if pipeline else 1,
+        stages=(
+            [(i, s) for i, s in enumerate(["(first node)", *pipeline.starts])] if pipeline else []
+        ),
+        grads="grads",
     )
     text = black.format_str(text, mode=black.Mode(line_length=GENERATED_LINE_LENGTH))
     return add_checksum(text)
+
+
+def _value_range(value: Value) -> int:
+    """For synthetic data: the class count of a cross-entropy target, 1 for a probability."""
+    for node, position in value.consumers:
+        if node.op.name == "cross_entropy" and position == 1:
+            return int(node.inputs[0].type.shape[1])
+        if node.op.name in ("bce_loss", "bce_with_logits") and position == 1:
+            return 1
+    return 0 if value.type.dtype.startswith("f") else 2
+
+
+def _surrogate_groups(graph: Graph, pipeline: Pipeline | None) -> list[tuple[int, list[str]]]:
+    """Parameter keys with gradients, grouped by the pipeline stage that computes them."""
+    groups: dict[int, list[str]] = {}
+    for node in graph.nodes:
+        if node.needs_backward:
+            stage = pipeline.stage(node.name) if pipeline else 0
+            groups.setdefault(stage, []).extend(p.key for p in node.params if p.present)
+    return sorted((k, v) for k, v in groups.items() if v)
 
 
 def _describe(config: CompressionConfig) -> str:
@@ -525,3 +632,6 @@ def edited_by_hand(text: str) -> bool:
         if line.startswith(CHECKSUM_TAG):
             return line[len(CHECKSUM_TAG) :].strip() != body_checksum(text)
     return True
+
+
+GpuEmitter = Emitter  # the gpu platform's emitter, by its older name

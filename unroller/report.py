@@ -149,6 +149,42 @@ def format_stash(stash: dict[str, Any], scheme: str) -> str:
     return "\n".join(lines)
 
 
+IPU_SRAM_BYTES = 900 * 1000**2  # In-Processor-Memory of one GC200 IPU (about 900 MB)
+
+
+def format_ipus(report: dict[str, Any]) -> str:
+    """Per IPU: parameters, stashed activations raw and stored; bytes crossing boundaries."""
+    header = ("ipu", "first node", "nodes", "params", "stash raw", "stash stored", "of 900 MB")
+    rows = []
+    for r in report["ipus"]:
+        used = r["param_bytes"] + r["stash_stored_bytes"]
+        rows.append(
+            (
+                str(r["ipu"]),
+                r["first"] or "-",
+                str(r["nodes"]),
+                human_bytes(r["param_bytes"]),
+                human_bytes(r["stash_raw_bytes"]),
+                human_bytes(r["stash_stored_bytes"]),
+                f"{100 * used / IPU_SRAM_BYTES:.1f}%",
+            )
+        )
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    for b in report["boundaries"]:
+        lines.append(
+            f"IPU {b['between'][0]} -> {b['between'][1]}: {human_bytes(b['forward_bytes'])} of "
+            f"activations forward, {human_bytes(b['gradient_bytes'])} of gradients back per step"
+        )
+    lines.append(
+        f"(batch {report['batch_size']}; params + stored stash against one GC200's 900 MB of "
+        f"SRAM, before code, exchange buffers and temporaries)"
+    )
+    return "\n".join(lines)
+
+
 def format_dot(graph: Graph) -> str:
     lines = [f"digraph {json_str(graph.name)} {{", "  rankdir=TB;", "  node [shape=box];"]
     for value in graph.inputs:

@@ -15,7 +15,23 @@ from dataclasses import dataclass, field
 
 # Names the generated module itself uses; model names never take them.
 RESERVED = frozenset(
-    {"self", "torch", "K", "P", "C", "Model", "super", "None", "True", "False", "_", "stash"}
+    {
+        "self",
+        "torch",
+        "K",
+        "P",
+        "C",
+        "Model",
+        "super",
+        "None",
+        "True",
+        "False",
+        "_",
+        "stash",
+        "grads",
+        "poptorch",
+        "surrogate",
+    }
 )
 
 
@@ -54,6 +70,7 @@ class Step:
     writes: list[str]
     comment: str = ""  # the model statement, shown above the lines
     blocks: tuple[str, ...] = ()  # enclosing block calls, outermost first
+    stage: int = 0  # pipeline stage (IPU) the step runs on
     release: list[str] = field(default_factory=list)
 
 

@@ -1,0 +1,148 @@
+"""Which PopTorch the generated IPU modules talk to: the real one, or the CPU emulation.
+
+Generated IPU modules import ``poptorch`` from here. Importing never needs PopTorch;
+the first use does: it resolves to the real ``poptorch`` (Graphcore's Poplar SDK) when
+it is installed, to ``unroller.runtime.poptorch_emulation`` after ``use_emulation()``
+(the runner's ``--emulate``), and otherwise raises ``PopTorchMissing`` with one line
+saying what is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import torch
+
+MISSING = (
+    "unroll: PopTorch (Graphcore's Poplar SDK) is required to run this module on an IPU and "
+    "is not installed; pass --emulate to run the CPU emulation instead"
+)
+_backend: ModuleType | None = None
+
+
+class PopTorchMissing(RuntimeError):
+    pass
+
+
+def use_emulation(on: bool = True) -> ModuleType | None:
+    """Route every ``poptorch.X`` of generated modules to the CPU emulation (or back)."""
+    global _backend
+    _backend = importlib.import_module("unroller.runtime.poptorch_emulation") if on else None
+    return _backend
+
+
+def backend() -> ModuleType:
+    global _backend
+    if _backend is None:
+        try:
+            _backend = importlib.import_module("poptorch")
+        except ImportError:
+            raise PopTorchMissing(MISSING) from None
+    return _backend
+
+
+class _Proxy:
+    """Stands for the module ``poptorch``; resolved on first attribute access."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(backend(), name)
+
+
+poptorch = _Proxy()
+
+
+def surrogate(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], keys=None):
+    """sum(p * g) over parameters, g detached: its gradient with respect to each p is
+    exactly the unrolled gradient g, so PopTorch's optimizer, replica reduction and
+    gradient accumulation apply our gradients while its autodiff saves nothing large."""
+    total = None
+    for key in keys if keys is not None else grads:
+        term = (params[key] * grads[key].detach()).sum()
+        total = term if total is None else total + term
+    if total is None:
+        raise ValueError("no parameter gradients to apply")
+    return total
+
+
+def synthetic_batch(inputs: list, batch: int, seed: int = 0) -> list[torch.Tensor]:
+    """Inputs and targets of the declared shapes: normal floats, class indices for ints."""
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = {
+        "f32": torch.float32,
+        "f16": torch.float16,
+        "bf16": torch.bfloat16,
+        "f64": torch.float64,
+    }
+    tensors = []
+    for _name, _kind, dtype, dims, high in inputs:
+        if dtype in dtypes:
+            t = torch.randn(batch, *dims, generator=gen).to(dtypes[dtype])
+            if high == 1:  # probabilities (bce targets)
+                t = torch.rand(batch, *dims, generator=gen).to(dtypes[dtype])
+        else:
+            t = torch.randint(0, max(1, high), (batch, *dims), generator=gen)
+            t = t.to(torch.int32 if dtype == "i32" else torch.int64)
+        tensors.append(t)
+    return tensors
+
+
+def run_main(model_class, inputs: list, num_ipus: int, argv: list[str] | None = None) -> int:
+    """``python GENERATED.py [--emulate] ...``: train a few steps on synthetic data."""
+    parser = argparse.ArgumentParser(description="Run the generated training step on IPUs.")
+    parser.add_argument("--emulate", action="store_true", help="use the CPU emulation of PopTorch")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device-batch-size", type=int, default=4, help="micro-batch per replica")
+    parser.add_argument("--device-iterations", type=int, default=1)
+    parser.add_argument("--replication-factor", type=int, default=1)
+    parser.add_argument(
+        "--gradient-accumulation",
+        type=int,
+        default=None,
+        help="micro-batches per step (default: 1, or 2 x IPUs when pipelined)",
+    )
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--profile", metavar="DIR", help="write a PopVision report to DIR")
+    args = parser.parse_args(argv)
+    if args.emulate:
+        use_emulation()
+    else:
+        try:
+            backend()
+        except PopTorchMissing as exc:
+            print(exc, file=sys.stderr)
+            return 2
+    if args.profile:
+        os.environ["POPLAR_ENGINE_OPTIONS"] = json.dumps(
+            {"autoReport.all": "true", "autoReport.directory": args.profile}
+        )
+    accum = args.gradient_accumulation or (2 * num_ipus if num_ipus > 1 else 1)
+    opts = poptorch.Options()
+    opts.deviceIterations(args.device_iterations)
+    opts.replicationFactor(args.replication_factor)
+    opts.randomSeed(args.random_seed)
+    opts.Training.gradientAccumulation(accum)
+    opts.Training.accumulationAndReplicationReductionType(poptorch.ReductionType.Mean)
+    torch.manual_seed(args.random_seed)
+    model = model_class()
+    optimizer = poptorch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
+    training = poptorch.trainingModel(model, opts, optimizer)
+    batch = args.device_batch_size * args.device_iterations * args.replication_factor * accum
+    mode = "CPU emulation of PopTorch" if args.emulate else "PopTorch"
+    print(f"{mode}: {num_ipus} IPU(s) x {args.replication_factor} replica(s), batch {batch}")
+    for step in range(args.steps):
+        out = training(*synthetic_batch(inputs, batch, seed=step))
+        loss = out[1] if isinstance(out, tuple) else out
+        print(f"step {step}: loss {float(loss.mean()):.6f}")
+    training.copyWeightsToHost()
+    return 0
