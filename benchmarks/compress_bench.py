@@ -1,7 +1,7 @@
 """The compression benchmark: compressor throughput, and what each scheme stores and costs.
 
     python -m benchmarks.compress_bench [--models resnet_like,unet_like] [--batch-size 32]
-        [--repeats 21] [--warmup 3] [--threads N] [--seed 0] [--shape 32,64,64,64]
+        [--repeats 31] [--warmup 3] [--threads N] [--seed 0] [--shape 32,64,64,64]
         [--out benchmarks/results/compress_bench.json]
 
 Part 1, compressors (``unroller.compress``), on one realistic float32 activation of
@@ -58,6 +58,7 @@ DENSE = "dct-dense"
 DENSE_BYTES_GOAL = 1.0 / 12.0  # dct-dense stored / nocompress stored, same activations
 DENSE_TIME_GOAL = 1.3  # dct-dense step time / nocompress step time
 BLUR_SIGMA = 3.0  # pixels
+CODEC_COST_REPEATS = 7  # timed calls per stored form in codec_cost (at most --repeats)
 
 # (label, compressor name, parameters, input): input "activation" (float32) or "mask" (bool)
 CODEC_CONFIGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
@@ -91,7 +92,9 @@ METHODS = {
         "seconds, in 1e9 bytes/s; for the round trip the time is compress + decompress. "
         "ratio_to_clone = median over rounds of clone_time / round_trip_time (= GB/s of the "
         "round trip / GB/s of clone within the round). Clone reads and writes each byte, so "
-        "its memory traffic is twice the figure"
+        "its memory traffic is twice the figure. ratio_to_pooled_clone = round-trip GB/s / "
+        "the GB/s of the median of all float32 clones of every configuration pooled (the "
+        "mask: its own clone's median)"
     ),
     "codec_error": (
         "relative L2 error ||x_hat - x|| / ||x|| of one round trip, computed in float64; "
@@ -126,6 +129,14 @@ METHODS = {
         "backward), because the compressors call aten::ones_like, core_bench's marker, "
         "during the forward pass"
     ),
+    "codec_cost": (
+        "per scheme, every stored form that is not raw (from unroller.stash.plan_stash) "
+        "gets compress + decompress timed alone on a standard normal tensor of its shape (a "
+        "random bool mask for 1-bit forms): one warm-up round, then min(--repeats, 7) rounds "
+        "over all forms; per form the median (min_ms: the fastest); total_ms sums the "
+        "medians. The mask kernels (e.g. relu_mask) and the stash bookkeeping are not "
+        "included"
+    ),
     "gradient_check": (
         "one step of each scheme from the same state as nocompress: loss (must be equal, "
         "the forward is the same) and the relative L2 difference of all parameter "
@@ -158,7 +169,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated model stems of benchmarks/models/ (default: %(default)s)",
     )
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=21, help="timed rounds (both parts)")
+    parser.add_argument("--repeats", type=int, default=31, help="timed rounds (both parts)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds (both parts)")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
@@ -304,7 +315,24 @@ def bench_codecs(args: argparse.Namespace) -> dict[str, Any]:
         for label, name, params, kind in CODEC_CONFIGS
     ]
     a64 = act.double()
+    raw = act.numel() * act.element_size()
+    pooled = [
+        ms for c in results if c["input"] == "activation" for ms in c["time_ms"]["clone"]["samples"]
+    ]
+    pooled_gbps = raw / (statistics.median(pooled) * 1e-3) / 1e9
+    for c in results:  # the mask against its own clone (medians)
+        c["ratio_to_pooled_clone"] = (
+            c["gbps"]["round_trip"] / pooled_gbps
+            if c["input"] == "activation"
+            else c["ratio_to_clone_of_medians"]
+        )
     return {
+        "clone_pooled": {
+            "what": "every timed torch.clone of the float32 activation, all configurations",
+            "time_ms": summary(pooled),
+            "median_gbps": pooled_gbps,
+            "max_gbps": raw / (min(pooled) * 1e-3) / 1e9,
+        },
         "activation": {
             "description": ACTIVATION_TEXT.format(sigma=BLUR_SIGMA),
             "shape": list(act.shape),
@@ -327,20 +355,29 @@ def _lossy(label: str) -> bool:
     return any(p != "raw" and not p.startswith("Bits(") for p in parts)
 
 
+_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES["f64"] = torch.float64
+
+
 def plan_figures(stem: str, scheme: str, batch: int) -> dict[str, Any]:
-    """The stash plan the code was generated from: totals, and the 1-bit mask bytes per key."""
+    """The stash plan the code was generated from: totals, the 1-bit mask bytes per key, and
+    every stored form that is not raw (key, kind, compressor, full shape, dtype)."""
     plan = plan_stash(load_graph(model_path(stem)), Options(scheme=scheme).compression())
     report = plan.report(batch)
     masks: dict[str, int] = {}
     codec_keys = []
+    forms = []
     for entry in plan.entries:
         for form in entry.forms:
+            if form.kind == "raw":
+                continue
+            t = form.type or entry.type
+            shape = tuple(batch if d == "N" else d for d in t.shape)
+            dtype = torch.bool if form.kind == "mask" else _DTYPES[t.dtype]
+            codec = form.codec.instance()
+            forms.append((entry.key, form.kind, codec, shape, dtype))
             if form.kind == "mask":
-                t = form.type or entry.type
-                shape = tuple(batch if d == "N" else d for d in t.shape)
-                masks[entry.key] = masks.get(entry.key, 0) + form.codec.instance().stored_bytes(
-                    shape, torch.bool
-                )
+                masks[entry.key] = masks.get(entry.key, 0) + codec.stored_bytes(shape, dtype)
         if any(form.kind == "codec" for form in entry.forms):
             codec_keys.append(entry.key)
     return {
@@ -348,6 +385,48 @@ def plan_figures(stem: str, scheme: str, batch: int) -> dict[str, Any]:
         "total_raw_bytes": report["total_raw_bytes"],
         "mask_bytes": masks,
         "codec_keys": sorted(codec_keys),
+        "forms": forms,
+    }
+
+
+def codec_cost(forms: list[tuple], repeats: int, seed: int) -> dict[str, Any]:
+    """compress + decompress of every stored form of a scheme's step, timed alone on a
+    standard normal tensor (a random mask for 1-bit forms) of the form's shape: one warm-up
+    round, then ``repeats`` rounds over all forms (so a burst of load on the machine hits
+    one round of every form rather than every round of one form); per form the median."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = []
+    for _, _, _, shape, dtype in forms:
+        if dtype == torch.bool:
+            inputs.append(torch.rand(shape, generator=gen) > 0.5)
+        else:
+            inputs.append(torch.randn(shape, generator=gen).to(dtype))
+    samples: list[list[float]] = [[] for _ in forms]
+    with torch.no_grad():
+        for r in range(repeats + 1):
+            for i, (_, _, codec, shape, dtype) in enumerate(forms):
+                t0 = time.perf_counter()
+                out = codec.decompress(codec.compress(inputs[i]), tuple(shape[1:]), dtype)
+                if r:
+                    samples[i].append((time.perf_counter() - t0) * 1e3)
+                del out
+    rows = [
+        {
+            "tensor": key,
+            "kind": kind,
+            "compressor": repr(codec),
+            "shape": list(shape),
+            "ms": statistics.median(times),
+            "min_ms": min(times),
+        }
+        for (key, kind, codec, shape, _), times in zip(forms, samples)
+    ]
+    return {
+        "rows": rows,
+        "total_ms": sum(r["ms"] for r in rows),
+        "mask_ms": sum(r["ms"] for r in rows if r["kind"] == "mask"),
+        "codec_ms": sum(r["ms"] for r in rows if r["kind"] == "codec"),
+        "total_min_ms": sum(r["min_ms"] for r in rows),
     }
 
 
@@ -478,6 +557,11 @@ def bench_model(stem: str, args: argparse.Namespace) -> dict[str, Any]:
                     and plan["codec_keys"] == sorted(same["tensors"]),
                 },
                 "time": timings[scheme],
+                "codec_cost": codec_cost(
+                    plan["forms"], min(args.repeats, CODEC_COST_REPEATS), args.seed
+                ),
+                "extra_step_ms": timings[scheme]["scheme"]["median"]
+                - timings[scheme]["nocompress"]["median"],
                 "memory": memory[scheme],
                 "check": checks[scheme],
             }
@@ -528,90 +612,81 @@ def _inv(ratio: float | None) -> str:
     return f"{ratio:.4f} (1/{1 / ratio:.1f})" if ratio > 0 else f"{ratio:.4f}"
 
 
-# The configuration of part 1 whose measured rate stands for each scheme's compressor.
-SCHEME_CODEC = {"dct-first": "dct", "dct-dense": "dct", "quant": "quant"}
-
-
-def codec_estimates(results: dict[str, Any]) -> None:
-    """Per scheme: the codec time the step would spend at part 1's measured round-trip rate
-    (raw bytes of the tensors it compresses / GB/s), next to the measured extra step time."""
-    rates = {c["name"]: c["gbps"]["round_trip"] for c in reversed(results["codecs"]["configs"])}
-    # reversed: the first configuration of each name (the defaults) wins
-    for model in results["models"]:
-        base = next(s for s in model["schemes"] if s["scheme"] == BASELINE)
-        rows = {r["tensor"]: r for r in base["stash"]["rows"]}
-        for s in model["schemes"]:
-            name = SCHEME_CODEC.get(s["scheme"])
-            raw = sum(rows[k]["raw_bytes"] for k in s["same_activations"]["tensors"])
-            est = raw / (rates[name] * 1e9) * 1e3 if name in rates and raw else 0.0
-            extra = s["time"]["scheme"]["median"] - s["time"]["nocompress"]["median"]
-            s["codec_time_estimate"] = {
-                "compressed_raw_bytes": raw,
-                "rate_gbps": rates.get(name) if name else None,
-                "estimated_ms": est,
-                "measured_extra_step_ms": extra,
-            }
-
-
 def limits_paragraph(results: dict[str, Any]) -> str:
     """What limits the figures, with this run's numbers filled in."""
-    parts = []
-    act_bytes = results["codecs"]["activation"]["raw_bytes"]
+    configs = results["codecs"]["configs"]
+    floats = [c for c in configs if c["input"] == "activation"]
+    clone = results["codecs"]["clone_pooled"]
+    best = max(floats, key=lambda c: c["gbps"]["round_trip"])
+    worst = min(floats, key=lambda c: c["gbps"]["round_trip"])
+    general = (
+        "What limits these figures. The compressors are eager, unfused PyTorch: every "
+        "reshape, matmul, cast, clamp and bit-packing step writes a full-size temporary, so "
+        f"their round trips run at {worst['gbps']['round_trip']:.2f} ({worst['label']}) to "
+        f"{best['gbps']['round_trip']:.2f} GB/s ({best['label']}) of raw float32 bytes, "
+        f"against {clone['median_gbps']:.2f} GB/s for torch.clone (median of all float32 "
+        f"clones; best {clone['max_gbps']:.2f} GB/s: large clones are bimodal here, with or "
+        "without page faults for a fresh buffer). Their cost is paid in the forward "
+        "(compress) and in the backward (decompress) of every compressed tensor, and is "
+        "compared with convolutions that run on 2 CPU cores; on an accelerator the "
+        "convolutions speed up far more than these memory-bound op chains, so fused kernels "
+        "matter more there. Stored bytes are exact (the packed tensors' bytes), but peak "
+        "step memory falls much less than stored bytes: it also holds each raw tensor until "
+        "its last forward use, the codecs' temporaries, decompressed tensors and gradients "
+        "during the backward. The gradient differences are for the benchmark batches of "
+        "make_batch, which are white noise (ResNet: standard normal images; U-Net: uniform "
+        "noise plus noise), so the early activations are not smooth and DCT+Chop's 16 of 64 "
+        "coefficients lose most of their energy; part 1's smooth activation shows the "
+        "working range."
+    )
+    parts = [general]
     for model in results["models"]:
         by = {s["scheme"]: s for s in model["schemes"]}
-        if DENSE not in by:
+        if DENSE not in by or BASELINE not in by:
             continue
-        d = by[DENSE]
-        same = d["same_activations"]
+        d, base = by[DENSE], by[BASELINE]
+        same, cost = d["same_activations"], d["codec_cost"]
         bn = sum(
             r["stored_bytes"]
             for r in d["stash"]["rows"]
             if r["tensor"].endswith((":save_mean", ":save_invstd"))
-        )
-        est = d["codec_time_estimate"]
-        quant_diff = (
-            f"; quant's: {by['quant']['check']['grad_rel_diff_vs_nocompress']:.3g}"
-            if "quant" in by
-            else ""
         )
         raw_names = [
             r["tensor"]
             for r in d["stash"]["rows"]
             if r["compressor"] == "raw" and not r["tensor"].endswith((":save_mean", ":save_invstd"))
         ]
-        parts.append(
-            f"On {model['model']}, dct-dense's {same['count']} compressed tensors hold "
-            f"{_mib(same['scheme_stored_bytes'])} MiB, of which "
-            f"{_mib(same['mask_bytes_in_scheme'])} MiB are 1-bit masks stored next to the DCT "
-            f"coefficients (a ReLU or max-pool output whose backward needs a mask while the "
-            f"next op's backward needs the values); without the masks the same-activation "
-            f"ratio would be {_inv(same['ratio_without_masks'])} instead of "
-            f"{_inv(same['ratio'])}. {d['raw_kept_count']} tensors "
-            f"({_mib(d['raw_kept_bytes'])} MiB) stay raw: {', '.join(raw_names)}, and the "
-            f"batch-norm statistics save_mean/save_invstd ({bn} bytes, negligible). Its step "
-            f"took {d['time']['ratio']['median']:.2f}x nocompress's "
-            f"({est['measured_extra_step_ms']:+.1f} ms); at the round-trip rate measured in "
-            f"part 1 ({est['rate_gbps']:.2f} GB/s on one {_mib(act_bytes)} MiB tensor) its "
-            f"{_mib(est['compressed_raw_bytes'])} MiB of compressed activations would take "
-            f"{est['estimated_ms']:.1f} ms. Its gradients differ from nocompress's by "
-            f"{d['check']['grad_rel_diff_vs_nocompress']:.3g} (relative L2 over all "
-            f"parameters{quant_diff})."
+        quant = (
+            f"; quant (8 bits): {by['quant']['check']['grad_rel_diff_vs_nocompress']:.3g}"
+            if "quant" in by
+            else ""
         )
-    general = (
-        "What limits these figures: the compressors are eager, unfused PyTorch (every "
-        "reshape, matmul, cast and clamp writes a full temporary), so on this CPU they run at "
-        "a fraction of clone's memory bandwidth, and the DCT and quantiser cost is paid in "
-        "the forward (compress) and the backward (decompress) of every compressed tensor. "
-        "Their step-time cost is relative to the convolutions of the same step: on CPU both "
-        "are slow, and the ratio below says which dominates here; on an accelerator the "
-        "convolutions speed up more than memory-bound unfused codecs do, so fusing them "
-        "matters more there. Stored bytes are exact (measured "
-        "packed tensors), but peak memory also counts the temporaries of compress and "
-        "decompress and the raw tensor until its last forward use, so it falls by much less "
-        "than the stored bytes. Clone times include allocating a fresh buffer (page faults "
-        "for large tensors), as do the codecs' outputs."
-    )
-    return "\n\n".join([general, *parts])
+        share = (
+            f", {100 * cost['total_ms'] / d['extra_step_ms']:.0f}% of the extra time"
+            if d["extra_step_ms"] > 0
+            else ""
+        )
+        parts.append(
+            f"{model['model']}: dct-dense's {same['count']} compressed tensors hold "
+            f"{_mib(same['scheme_stored_bytes'])} MiB, of which "
+            f"{_mib(same['mask_bytes_in_scheme'])} MiB are 1-bit masks kept next to the DCT "
+            "coefficients (ReLU and max-pool outputs whose own backward needs a mask while the "
+            "next op's backward needs the values); without them the same-activation ratio "
+            f"would be {_inv(same['ratio_without_masks'])} instead of {_inv(same['ratio'])}. "
+            f"{d['raw_kept_count']} tensors ({_mib(d['raw_kept_bytes'])} MiB) stay raw: "
+            f"{', '.join(raw_names)} and the batch-norm statistics save_mean/save_invstd "
+            f"({bn} bytes in all). The step took {d['time']['ratio']['median']:.2f}x "
+            f"nocompress's ({d['extra_step_ms']:+.1f} ms on {base['time']['scheme']['median']:.1f}"
+            f" ms); compress + decompress of its stored forms, timed alone on tensors of the "
+            f"same shapes, take {cost['total_ms']:.1f} ms ({cost['codec_ms']:.1f} ms DCT, "
+            f"{cost['mask_ms']:.1f} ms 1-bit masks){share}. "
+            "Gradient relative L2 difference from nocompress: "
+            f"{d['check']['grad_rel_diff_vs_nocompress']:.3g}{quant}. Peak step memory "
+            f"{_mib(d['memory']['peak_bytes'])} MiB against {_mib(base['memory']['peak_bytes'])}"
+            f" MiB; live when the backward begins {_mib(d['memory']['live_at_backward_bytes'])}"
+            f" MiB against {_mib(base['memory']['live_at_backward_bytes'])} MiB."
+        )
+    return "\n\n".join(parts)
 
 
 def format_markdown(results: dict[str, Any]) -> str:
@@ -636,8 +711,8 @@ def format_markdown(results: dict[str, Any]) -> str:
         "",
         "| configuration | input | compress ms | decompress ms | round trip ms (p10/p90) "
         "| round trip GB/s | clone ms | clone GB/s | GB/s ratio to clone (p10/p90) "
-        "| rel. L2 error | stored/raw |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ratio to pooled clone | rel. L2 error | stored/raw |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in results["codecs"]["configs"]:
         t, g, r = c["time_ms"], c["gbps"], c["ratio_to_clone"]
@@ -648,17 +723,24 @@ def format_markdown(results: dict[str, Any]) -> str:
             f"| {rt['median']:.2f} ({rt['p10']:.2f}/{rt['p90']:.2f}) | {g['round_trip']:.2f} "
             f"| {t['clone']['median']:.2f} | {g['clone']:.2f} "
             f"| {r['median']:.3f} ({r['p10']:.3f}/{r['p90']:.3f}) "
-            f"| {c['rel_l2_error']:.3g} | {c['stored_over_raw']:.4f} |"
+            f"| {c['ratio_to_pooled_clone']:.3f} | {c['rel_l2_error']:.3g} | {c['stored_over_raw']:.4f} |"
         )
+    cp = results["codecs"]["clone_pooled"]
+    lines += [
+        "",
+        f"All float32 clones pooled: median {cp['time_ms']['median']:.2f} ms "
+        f"({cp['median_gbps']:.2f} GB/s), fastest {cp['time_ms']['min']:.2f} ms "
+        f"({cp['max_gbps']:.2f} GB/s), slowest {cp['time_ms']['max']:.2f} ms.",
+    ]
     lines += [
         "",
         "### Schemes: bytes kept for backward (measured by stash_report), step time, memory",
         "",
         "| model | scheme | stored MiB / raw MiB | stored / nocompress (all) "
         "| same activations: n, nocompress MiB -> scheme MiB | ratio same act. (masks incl.) "
-        "| step ms median (p10/p90) | ratio vs nocompress (p10/p90) | peak MiB "
-        "| live at bwd MiB | grad rel. diff |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| step ms median (p10/p90) | ratio vs nocompress (p10/p90) "
+        "| codecs alone ms (masks) | peak MiB | live at bwd MiB | grad rel. diff |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in results["models"]:
         for s in m["schemes"]:
@@ -672,13 +754,16 @@ def format_markdown(results: dict[str, Any]) -> str:
                 f"{_mib(sa['scheme_stored_bytes'])} | {_inv(sa['ratio'])} "
                 f"| {st['median']:.1f} ({st['p10']:.1f}/{st['p90']:.1f}) "
                 f"| {t['ratio']['median']:.3f} ({t['ratio']['p10']:.3f}/{t['ratio']['p90']:.3f}) "
+                f"| {s['codec_cost']['total_ms']:.1f} ({s['codec_cost']['mask_ms']:.1f}) "
                 f"| {_mib(mem['peak_bytes'])} | {_mib(mem['live_at_backward_bytes'])} "
                 f"| {s['check']['grad_rel_diff_vs_nocompress']:.3g} |"
             )
     lines += [
         "",
         "(nocompress's row pairs it with itself: its ratio shows the timing noise. "
-        "Step-time p10/p90 are of the scheme's own steps.)",
+        "Step-time p10/p90 are of the scheme's own steps. 'codecs alone': compress + "
+        "decompress of every stored form of the step, timed outside it on tensors of the "
+        "same shapes; in parentheses the 1-bit masks' share.)",
         "",
         "Goals (reported, never asserted):",
         "",
@@ -751,7 +836,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     results["codecs"] = bench_codecs(args)
     results["models"] = [bench_model(stem, args) for stem in args.models]
-    codec_estimates(results)
     results["limits"] = limits_paragraph(results)
     results["meta"]["wall_seconds"] = time.perf_counter() - started
     text = format_markdown(results)

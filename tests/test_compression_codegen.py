@@ -55,10 +55,13 @@ def test_a_tensor_shared_by_two_readers_is_compressed_once():
 def test_scheme_diff_shows_the_compress_and_decompress_calls(monkeypatch):
     monkeypatch.chdir(model_path("resnet_like").parent.parent.parent)
     result = CliRunner().invoke(
-        app, ["diff", "tests/models/resnet_like.txt", "--scheme", "nocompress", "--scheme", "dct-dense"]
+        app,
+        ["diff", "tests/models/resnet_like.txt", "--scheme", "nocompress", "--scheme", "dct-dense"],
     )
     assert result.exit_code == 1
-    added = [line for line in result.output.splitlines() if line.startswith("+") and "CODEC_DCT" in line]
+    added = [
+        line for line in result.output.splitlines() if line.startswith("+") and "CODEC_DCT" in line
+    ]
     assert any(".compress(" in line for line in added)
     assert any(".decompress(" in line for line in added)
 

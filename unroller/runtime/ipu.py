@@ -1,0 +1,930 @@
+"""Forward and backward kernels of the ``ipu`` platform (PopTorch, Graphcore's PyTorch).
+
+Same calling convention as ``unroller.runtime.gpu``:
+
+* forward: ``op(*inputs, *params, *buffers, **kernel_args)`` returns the output, or
+  ``(output, *extras)`` (batchnorm2d, maxpool2d, dropout, cross_entropy);
+* backward: ``op_backward(grad_out, *saved, **backward_args, needs)`` returns one gradient per
+  input then per trainable param, ``None`` where ``needs`` is False (nothing unneeded is
+  computed); ``op_eval`` for batchnorm2d and dropout; ``<op>_mask`` kernels make the 1-bit
+  masks the registry may keep in place of a saved tensor.
+
+Every kernel uses only operations PopTorch runs on the IPU (see PopTorch's list of supported
+operations): no aten backward kernels, no autograd, no max-pool indices, no bilinear
+upsampling op, no dilated transposed convolution, no erf, no data-dependent shapes. Every
+gradient is written out:
+
+* conv2d: input gradient = conv_transpose2d of g with the same weight and the output_padding
+  that restores the input size; weight gradient = a grouped conv2d of the input (batch and
+  channels swapped) with g as the kernel, stride and dilation swapped, cropped to the kernel.
+  Dilation > 1 would need a dilated conv_transpose2d: ``unsupported`` reports it and the input
+  gradient raises NotImplementedError (the weight gradient still works).
+* conv_transpose2d: forward conv_transpose2d (dilation 1 only); input gradient = conv2d of g;
+  weight gradient by the same convolution as conv2d's, with g and x in swapped roles.
+* batchnorm2d: written out (mean, biased var, rsqrt; running stats updated in place with the
+  unbiased var, as nn.BatchNorm2d.train()); backward by the closed-form batch-norm gradient.
+* maxpool2d: no indices. The "indices" extra is a bool selection tensor
+  ``sel[N, C, kh*kw, Ho, Wo]``: offset q = (i, j) of a window is selected when its value equals
+  the window's maximum and no earlier offset (row-major) of that window does, which is PyTorch's
+  tie rule (the first maximum wins). The gradient is conv_transpose2d of the stacked
+  ``where(sel, g, 0)`` with a one-hot kernel bank (groups = C, stride s, padding p): exactly
+  PyTorch's, ties and overlapping windows included.
+* avgpool2d: conv_transpose2d of g / (kh*kw) with an all-ones kernel per channel.
+* adaptive_avgpool2d and upsample: matmuls with averaging / interpolation matrices built from
+  the static sizes with PyTorch's index rules (float32 source index for nearest, PyTorch's
+  source-index and lambda rule for bilinear); backward with the transposed matrices.
+* gelu(approximate="none"): forward F.gelu; backward Phi(x) + x * phi(x), with
+  phi = exp(-x^2/2)/sqrt(2 pi) and Phi(x) = gelu(x)/x for |x| >= 0.1 and its Taylor series
+  (to x^11, truncation < 1e-19) below. In float64 the gradient matches torch.autograd's to a
+  relative error of about 1e-16 (tests/test_kernels_ipu.py bounds it by 1e-14).
+
+The interpolation / averaging matrices and kernel banks depend only on static sizes; on CPU
+and CUDA they are cached, on other devices (the IPU's traced graph) rebuilt per call, so no
+tensor of one traced graph is reused in another.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from unroller.runtime.gpu import accumulate, add_layer, stash, stash_raw, stash_report, tensors
+
+# fmt: off
+__all__ = [
+    "conv2d", "conv2d_backward",
+    "conv_transpose2d", "conv_transpose2d_backward",
+    "linear", "linear_backward",
+    "batchnorm2d", "batchnorm2d_backward", "batchnorm2d_eval",
+    "relu", "relu_backward", "relu_mask",
+    "sigmoid", "sigmoid_backward",
+    "tanh", "tanh_backward",
+    "gelu", "gelu_backward",
+    "leaky_relu", "leaky_relu_backward", "leaky_relu_mask",
+    "maxpool2d", "maxpool2d_backward", "maxpool2d_mask",
+    "avgpool2d", "avgpool2d_backward",
+    "adaptive_avgpool2d", "adaptive_avgpool2d_backward",
+    "upsample", "upsample_backward",
+    "add", "add_backward",
+    "mul", "mul_backward",
+    "concat", "concat_backward",
+    "flatten", "flatten_backward",
+    "reshape", "reshape_backward",
+    "dropout", "dropout_backward", "dropout_eval",
+    "cross_entropy", "cross_entropy_backward",
+    "mse_loss", "mse_loss_backward",
+    "l1_loss", "l1_loss_backward",
+    "bce_loss", "bce_loss_backward",
+    "bce_with_logits", "bce_with_logits_backward",
+    "unsupported",
+    "accumulate", "add_layer", "tensors", "stash", "stash_raw", "stash_report",
+]
+# fmt: on
+
+_Pair = tuple[int, int]
+_Needs = tuple[bool, ...]
+_Grads = tuple[Tensor | None, ...]
+
+_IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
+# the clamp of (1 - p) * p in binary_cross_entropy's gradient: PyTorch's EPSILON, 1e-12 as a float32
+_BCE_EPS = struct.unpack("f", struct.pack("f", 1e-12))[0]
+_BCE_LOG_MIN = -100.0  # binary_cross_entropy clamps its logs at -100
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_GELU_TANH_KAPPA = 0.044715
+_PHI_SERIES_BELOW = 0.1  # |x| below this: Phi(x) from its Taylor series, else gelu(x) / x
+# Phi(x) = 1/2 + x/sqrt(2 pi) * sum_n (-1)^n x^(2n) / (2^n n! (2n+1)), n = 0..5
+_PHI_SERIES = tuple((-1) ** n / (2**n * math.factorial(n) * (2 * n + 1)) for n in range(6))
+
+
+# ---------------------------------------------------------------- small helpers
+
+
+def _need(needs: _Needs, i: int) -> bool:
+    return i < len(needs) and bool(needs[i])
+
+
+def _fit(grads: tuple | list, needs: _Needs) -> _Grads:
+    """One entry per element of ``needs``: the gradient where needed, else None."""
+    out = list(grads)[: len(needs)]
+    out += [None] * (len(needs) - len(out))
+    return tuple(t if _need(needs, i) else None for i, t in enumerate(out))
+
+
+def _pair(v: Any) -> tuple:
+    if isinstance(v, (tuple, list)):
+        return (v[0], v[1]) if len(v) == 2 else (v[0], v[0])
+    return (v, v)
+
+
+def _zero(t: Tensor) -> Tensor:
+    return t.new_zeros(())
+
+
+# Constant tensors that depend only on static sizes: cached where tensors are eager ones.
+_CACHE: dict[tuple, Tensor] = {}
+_CACHE_LIMIT = 512
+_CACHED_DEVICES = ("cpu", "cuda")
+
+
+def _constant(key: tuple, device: torch.device, build: Callable[[], Tensor]) -> Tensor:
+    if device.type not in _CACHED_DEVICES:
+        return build()
+    full = (*key, str(device))
+    t = _CACHE.get(full)
+    if t is None:
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.clear()
+        t = _CACHE[full] = build()
+    return t
+
+
+def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
+    """Why a node with these args cannot run on the IPU platform, or None when it can."""
+    if op_name in ("conv2d", "conv_transpose2d"):
+        dilation = tuple(int(d) for d in _pair(args.get("dilation", 1)))
+        if dilation != (1, 1):
+            needs = "its input gradient" if op_name == "conv2d" else "its forward"
+            return (
+                f"{op_name} with dilation={dilation} is not supported on the ipu platform: "
+                f"{needs} needs a transposed convolution with dilation, which PopTorch lacks"
+            )
+    return None
+
+
+def _no_dilation(op_name: str, dilation: Any) -> None:
+    reason = unsupported(op_name, {"dilation": dilation})
+    if reason is not None:
+        raise NotImplementedError(reason)
+
+
+# ---------------------------------------------------------------- convolutions
+
+
+def _restore_padding(in_size: int, out_size: int, k_extent: int, s: int, p: int) -> int:
+    """output_padding of the conv_transpose2d that maps a conv output back to ``in_size``."""
+    return in_size + 2 * p - ((out_size - 1) * s + k_extent)
+
+
+def _weight_grad(
+    data: Tensor,
+    filt: Tensor,
+    kernel_hw: tuple[int, int],
+    stride: _Pair,
+    dilation: _Pair,
+    padding: _Pair,
+    groups: int,
+) -> Tensor:
+    """sum over n, i, j of data_pad[n, g*Dc + d, a*stride + i*dilation, ...] * filt[n, g*Fc + f,
+    i, j] as a weight [G*Fc, Dc, kh, kw]: a grouped conv2d with the batch as channels."""
+    n, dch, dh, dw = data.shape
+    fch, fh, fw = filt.shape[1:]
+    dcg = dch // groups
+    d = data.reshape(n, groups, dcg, dh, dw).permute(2, 1, 0, 3, 4).reshape(dcg, groups * n, dh, dw)
+    f = filt.reshape(n, groups, fch // groups, fh, fw).permute(1, 2, 0, 3, 4)
+    f = f.reshape(fch, n, fh, fw)
+    out = F.conv2d(d, f, None, stride, padding, dilation, groups)
+    return out.transpose(0, 1)[:, :, : kernel_hw[0], : kernel_hw[1]]
+
+
+def conv2d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    stride: _Pair,
+    padding: _Pair,
+    dilation: _Pair,
+    groups: int,
+) -> Tensor:
+    """F.conv2d."""
+    return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+
+def conv2d_backward(
+    g: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    *,
+    stride: _Pair,
+    padding: _Pair,
+    dilation: _Pair,
+    groups: int,
+    needs: _Needs,
+) -> _Grads:
+    """gx = conv_transpose2d(g, weight) (dilation 1 only), gW = conv of x with g, gb = sum."""
+    s, p, d = _pair(stride), _pair(padding), _pair(dilation)
+    kh, kw = weight.shape[2:]
+    gx = gw = gb = None
+    if _need(needs, 0):
+        _no_dilation("conv2d", d)
+        op = tuple(
+            _restore_padding(x.shape[2 + i], g.shape[2 + i], weight.shape[2 + i], s[i], p[i])
+            for i in (0, 1)
+        )
+        gx = F.conv_transpose2d(g, weight, None, s, p, op, groups)
+    if _need(needs, 1):
+        gw = _weight_grad(x, g, (kh, kw), d, s, p, groups)
+    if _need(needs, 2):
+        gb = g.sum((0, 2, 3))
+    return _fit((gx, gw, gb), needs)
+
+
+def conv_transpose2d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    stride: _Pair,
+    padding: _Pair,
+    output_padding: _Pair,
+    dilation: _Pair,
+    groups: int,
+) -> Tensor:
+    """F.conv_transpose2d; dilation 1 only (PopTorch has no dilated ConvTranspose)."""
+    _no_dilation("conv_transpose2d", dilation)
+    return F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups)
+
+
+def conv_transpose2d_backward(
+    g: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    *,
+    stride: _Pair,
+    padding: _Pair,
+    output_padding: _Pair,
+    dilation: _Pair,
+    groups: int,
+    needs: _Needs,
+) -> _Grads:
+    """gx = conv2d(g, weight), gW = conv of g with x (weight is [in, out/groups, kh, kw]),
+    gb = sum. Uses only conv2d, so any dilation works here."""
+    s, p, d = _pair(stride), _pair(padding), _pair(dilation)
+    gx = gw = gb = None
+    if _need(needs, 0):
+        gx = F.conv2d(g, weight, None, s, p, d, groups)[:, :, : x.shape[2], : x.shape[3]]
+    if _need(needs, 1):
+        gw = _weight_grad(g, x, tuple(weight.shape[2:]), d, s, p, groups)
+    if _need(needs, 2):
+        gb = g.sum((0, 2, 3))
+    return _fit((gx, gw, gb), needs)
+
+
+# ---------------------------------------------------------------- linear
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear."""
+    return F.linear(x, weight, bias)
+
+
+def linear_backward(g: Tensor, x: Tensor, weight: Tensor, *, needs: _Needs) -> _Grads:
+    """gx = g @ W, gW = g^T @ x over the flattened leading dims, gb = sum of g."""
+    gx = g.matmul(weight) if _need(needs, 0) else None
+    g2 = g.reshape(-1, g.shape[-1])
+    gw = g2.t().matmul(x.reshape(-1, x.shape[-1])) if _need(needs, 1) else None
+    gb = g2.sum(0) if _need(needs, 2) else None
+    return _fit((gx, gw, gb), needs)
+
+
+# ---------------------------------------------------------------- batch norm
+
+
+def _per_channel(t: Tensor) -> Tensor:
+    return t.reshape(1, -1, 1, 1)
+
+
+def batchnorm2d(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    *,
+    eps: float,
+    momentum: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """As nn.BatchNorm2d.train(): normalizes with the batch statistics (biased var), updates
+    running_mean / running_var (unbiased var) with the momentum in place and adds 1 to
+    num_batches_tracked; momentum None: cumulative average. Returns (y, mean, invstd)."""
+    dims = (0, 2, 3)
+    count = x.numel() // x.shape[1]
+    mean = x.mean(dims)
+    centered = x - _per_channel(mean)
+    sq = centered.square()
+    var = sq.mean(dims)
+    invstd = torch.rsqrt(var + eps)
+    scale = invstd if weight is None else invstd * weight
+    y = centered * _per_channel(scale)
+    if bias is not None:
+        y = y + _per_channel(bias)
+    factor: float | Tensor = 0.0 if momentum is None else momentum
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+        if momentum is None:
+            factor = num_batches_tracked.to(x.dtype).reciprocal()
+    if running_mean is not None:
+        running_mean.mul_(1 - factor).add_(mean * factor)
+    if running_var is not None:
+        unbiased = sq.sum(dims) / (count - 1)  # inf / nan for a single value, as PyTorch
+        running_var.mul_(1 - factor).add_(unbiased * factor)
+    return y, mean, invstd
+
+
+def batchnorm2d_backward(
+    g: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    save_mean: Tensor,
+    save_invstd: Tensor,
+    *,
+    eps: float,
+    momentum: float | None,
+    needs: _Needs,
+) -> _Grads:
+    """Closed form: with xhat = (x - mean) * invstd, gb = sum(g), gW = sum(g * xhat),
+    gx = (g - gb/M - xhat * gW/M) * invstd * W (sums over N, H, W; M their count)."""
+    if not any(_need(needs, i) for i in range(3)):
+        return _fit((), needs)
+    dims = (0, 2, 3)
+    count = x.numel() // x.shape[1]
+    xhat = (x - _per_channel(save_mean)) * _per_channel(save_invstd)
+    gb = g.sum(dims)
+    gw = (g * xhat).sum(dims) if (_need(needs, 0) or _need(needs, 1)) else None
+    gx = None
+    if _need(needs, 0):
+        scale = save_invstd if weight is None else save_invstd * weight
+        gx = (g - _per_channel(gb / count) - xhat * _per_channel(gw / count)) * _per_channel(scale)
+    return _fit((gx, gw, gb), needs)
+
+
+def batchnorm2d_eval(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    *,
+    eps: float,
+    momentum: float | None,
+) -> Tensor:
+    """As nn.BatchNorm2d.eval(): normalizes with the running statistics, changes nothing."""
+    if running_mean is None or running_var is None:  # no running stats: batch statistics
+        mean = x.mean((0, 2, 3))
+        var = (x - _per_channel(mean)).square().mean((0, 2, 3))
+    else:
+        mean, var = running_mean, running_var
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight
+    y = (x - _per_channel(mean)) * _per_channel(scale)
+    return y if bias is None else y + _per_channel(bias)
+
+
+# ---------------------------------------------------------------- activations
+
+
+def relu(x: Tensor) -> Tensor:
+    """torch.relu; the backward reads the output (or its mask y > 0)."""
+    return torch.relu(x)
+
+
+def relu_backward(g: Tensor, y: Tensor, *, needs: _Needs) -> _Grads:
+    """where(y > 0, g, 0); y may be the bool mask y > 0 (same result, bit for bit)."""
+    if not _need(needs, 0):
+        return (None,)
+    keep = y if y.dtype == torch.bool else y > 0
+    return (torch.where(keep, g, _zero(g)),)
+
+
+def relu_mask(y: Tensor) -> Tensor:
+    """What relu's backward needs of its output: y > 0."""
+    return y > 0
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """torch.sigmoid; the backward reads the output."""
+    return torch.sigmoid(x)
+
+
+def sigmoid_backward(g: Tensor, y: Tensor, *, needs: _Needs) -> _Grads:
+    """g * (1 - y) * y."""
+    return (g * (1 - y) * y if _need(needs, 0) else None,)
+
+
+def tanh(x: Tensor) -> Tensor:
+    """torch.tanh; the backward reads the output."""
+    return torch.tanh(x)
+
+
+def tanh_backward(g: Tensor, y: Tensor, *, needs: _Needs) -> _Grads:
+    """g * (1 - y^2)."""
+    return (g * (1 - y * y) if _need(needs, 0) else None,)
+
+
+def _gelu_tanh_parts(x: Tensor) -> tuple[Tensor, Tensor]:
+    x_sq = x * x
+    inner = _SQRT_2_OVER_PI * (x + _GELU_TANH_KAPPA * x_sq * x)
+    return x_sq, torch.tanh(inner)
+
+
+def _std_normal_cdf(x: Tensor) -> Tensor:
+    """Phi(x) without erf: gelu(x) / x for |x| >= 0.1, else the Taylor series of Phi at 0
+    (terms to x^11; truncation below 1e-19 there)."""
+    small = x.abs() < _PHI_SERIES_BELOW
+    safe = torch.where(small, torch.ones_like(x), x)
+    from_gelu = F.gelu(safe) / safe
+    x_sq = x * x
+    poly = x_sq * _PHI_SERIES[-1]  # Horner: c0 + x^2 (c1 + x^2 (... + x^2 c5))
+    for c in reversed(_PHI_SERIES[1:-1]):
+        poly = (poly + c) * x_sq
+    series = 0.5 + x * _INV_SQRT_2PI * (poly + _PHI_SERIES[0])
+    return torch.where(small, series, from_gelu)
+
+
+def gelu(x: Tensor, *, approximate: str) -> Tensor:
+    """F.gelu for "none" (GELU runs on the IPU); the tanh form written out."""
+    if approximate == "tanh":
+        _, t = _gelu_tanh_parts(x)
+        return 0.5 * x * (1 + t)
+    if approximate == "none":
+        return F.gelu(x)
+    raise ValueError(f"gelu: unknown approximate={approximate!r}")
+
+
+def gelu_backward(g: Tensor, x: Tensor, *, approximate: str, needs: _Needs) -> _Grads:
+    """none: g * (Phi(x) + x * phi(x)), Phi without erf (see _std_normal_cdf); tanh: the
+    derivative of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    if not _need(needs, 0):
+        return (None,)
+    if approximate == "tanh":
+        x_sq, t = _gelu_tanh_parts(x)
+        left = 0.5 * x
+        right = 1 + t
+        d_inner = _SQRT_2_OVER_PI * (1 + 3 * _GELU_TANH_KAPPA * x_sq)
+        return (g * (0.5 * right + left * (1 - t * t) * d_inner),)
+    if approximate == "none":
+        pdf = torch.exp(x * x * -0.5) * _INV_SQRT_2PI
+        return (g * (_std_normal_cdf(x) + x * pdf),)
+    raise ValueError(f"gelu: unknown approximate={approximate!r}")
+
+
+def leaky_relu(x: Tensor, *, negative_slope: float) -> Tensor:
+    """F.leaky_relu; the backward reads the input (or its mask x > 0)."""
+    return F.leaky_relu(x, negative_slope)
+
+
+def leaky_relu_backward(g: Tensor, x: Tensor, *, negative_slope: float, needs: _Needs) -> _Grads:
+    """where(x > 0, g, g * negative_slope); x may be the bool mask x > 0."""
+    if not _need(needs, 0):
+        return (None,)
+    keep = x if x.dtype == torch.bool else x > 0
+    return (torch.where(keep, g, g * negative_slope),)
+
+
+def leaky_relu_mask(x: Tensor, *, negative_slope: float) -> Tensor:
+    """What leaky_relu's backward needs of its input: x > 0."""
+    return x > 0
+
+
+# ---------------------------------------------------------------- pooling
+
+
+def _pool_output_padding(input_hw: _Pair, out_hw: Any, k: tuple, s: tuple, p: tuple) -> _Pair:
+    return tuple(_restore_padding(input_hw[i], out_hw[i], k[i], s[i], p[i]) for i in (0, 1))
+
+
+def _one_hot_bank(channels: int, kh: int, kw: int, dtype: torch.dtype, dev: torch.device) -> Tensor:
+    """[C * kh*kw, 1, kh, kw]: per channel, filter q is one at kernel offset q (row-major)."""
+
+    def build() -> Tensor:
+        q = torch.arange(kh * kw, device=dev)
+        eye = (q.unsqueeze(1) == q.unsqueeze(0)).to(dtype).reshape(1, kh * kw, 1, kh, kw)
+        return eye.expand(channels, kh * kw, 1, kh, kw).reshape(channels * kh * kw, 1, kh, kw)
+
+    return _constant(("onehot", channels, kh, kw, dtype), dev, build)
+
+
+def _ones_bank(channels: int, kh: int, kw: int, dtype: torch.dtype, dev: torch.device) -> Tensor:
+    """[C, 1, kh, kw] of ones."""
+    return _constant(
+        ("ones", channels, kh, kw, dtype),
+        dev,
+        lambda: torch.ones(channels, 1, kh, kw, dtype=dtype, device=dev),
+    )
+
+
+def maxpool2d(
+    x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair
+) -> tuple[Tensor, Tensor]:
+    """F.max_pool2d (dilation 1, floor mode) and, in place of indices, the bool selection
+    ``sel[N, C, kh*kw, Ho, Wo]``: offset q = (i, j) (row-major) of each window is selected when
+    it holds the window's maximum and no earlier offset does: PyTorch's rule, first maximum
+    wins. Padding is NaN, which equals nothing, so padded positions are never selected.
+    A window whose maximum is NaN selects nothing (PyTorch picks its last NaN)."""
+    k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
+    y = F.max_pool2d(x, k, s, p)
+    ho, wo = y.shape[-2:]
+    xp = x if p == (0, 0) else F.pad(x, (p[1], p[1], p[0], p[0]), value=math.nan)
+    rows, cols = s[0] * (ho - 1) + 1, s[1] * (wo - 1) + 1
+    sels: list[Tensor] = []
+    claimed: Tensor | None = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            hit = xp[:, :, i : i + rows : s[0], j : j + cols : s[1]] == y
+            if claimed is None:
+                sels.append(hit)
+                claimed = hit
+            else:
+                sels.append(hit & ~claimed)
+                claimed = claimed | hit
+    return y, torch.stack(sels, 2)
+
+
+def maxpool2d_backward(
+    g: Tensor,
+    indices: Tensor,
+    *,
+    kernel_size: _Pair,
+    stride: _Pair,
+    padding: _Pair,
+    input_hw: _Pair,
+    needs: _Needs,
+) -> _Grads:
+    """conv_transpose2d of where(sel, g, 0) (C * kh*kw channels) with the one-hot kernel bank
+    (groups C, stride s, padding p): each input element gets the sum of g over the windows that
+    selected it, as PyTorch's gradient. ``indices`` may instead be the input-shaped bool mask
+    of ``maxpool2d_mask`` (non-overlapping windows only): then g is spread over each window
+    (ones kernel) and kept where the mask is set; the same result, bit for bit."""
+    if not _need(needs, 0):
+        return (None,)
+    k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
+    n, c, ho, wo = g.shape
+    op = _pool_output_padding(input_hw, (ho, wo), k, s, p)
+    if indices.dtype != torch.bool:
+        raise TypeError(f"maxpool2d_backward: expected the bool selection, got {indices.dtype}")
+    if indices.dim() == 4:  # the input-shaped 1-bit mask
+        spread = F.conv_transpose2d(g, _ones_bank(c, *k, g.dtype, g.device), None, s, p, op, c)
+        return (torch.where(indices, spread, _zero(g)),)
+    picked = torch.where(indices, g.unsqueeze(2), _zero(g)).reshape(n, c * k[0] * k[1], ho, wo)
+    bank = _one_hot_bank(c, *k, g.dtype, g.device)
+    return (F.conv_transpose2d(picked, bank, None, s, p, op, c),)
+
+
+def maxpool2d_mask(
+    indices: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair, input_hw: _Pair
+) -> Tensor:
+    """The selected positions as a bool mask of the input's shape (one per window, ties
+    resolved as PyTorch does). Enough for the backward only for non-overlapping windows."""
+    k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
+    n, c, kk, ho, wo = indices.shape
+    op = _pool_output_padding(input_hw, (ho, wo), k, s, p)
+    sel = indices.reshape(n, c * kk, ho, wo).to(torch.float32)
+    bank = _one_hot_bank(c, *k, torch.float32, indices.device)
+    return F.conv_transpose2d(sel, bank, None, s, p, op, c) > 0.5
+
+
+def avgpool2d(x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair) -> Tensor:
+    """F.avg_pool2d (count_include_pad, floor mode); the backward needs no activation."""
+    k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
+    return F.avg_pool2d(x, k, s, p, ceil_mode=False, count_include_pad=True)
+
+
+def avgpool2d_backward(
+    g: Tensor,
+    *,
+    kernel_size: _Pair,
+    stride: _Pair,
+    padding: _Pair,
+    input_hw: _Pair,
+    needs: _Needs,
+) -> _Grads:
+    """conv_transpose2d of g / (kh*kw) with a ones kernel per channel (groups C, stride s,
+    padding p, output_padding up to input_hw)."""
+    if not _need(needs, 0):
+        return (None,)
+    k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
+    c = g.shape[1]
+    op = _pool_output_padding(input_hw, g.shape[-2:], k, s, p)
+    bank = _ones_bank(c, *k, g.dtype, g.device)
+    return (F.conv_transpose2d(g / (k[0] * k[1]), bank, None, s, p, op, c),)
+
+
+def _adaptive_matrix(out: int, size: int, dtype: torch.dtype, dev: torch.device) -> Tensor:
+    """[out, size]: row i averages PyTorch's adaptive window floor(i*size/out) ..
+    ceil((i+1)*size/out)."""
+
+    def build() -> Tensor:
+        i = torch.arange(out, device=dev).unsqueeze(1)
+        h = torch.arange(size, device=dev).unsqueeze(0)
+        start = torch.floor_divide(i * size, out)
+        end = torch.floor_divide((i + 1) * size + out - 1, out)
+        inside = torch.logical_and(h >= start, h < end)
+        return inside.to(dtype) / (end - start).to(dtype)
+
+    return _constant(("adaptive", out, size, dtype), dev, build)
+
+
+def adaptive_avgpool2d(x: Tensor, *, output_size: _Pair) -> Tensor:
+    """A_h @ x @ A_w^T with the averaging matrices (a mean over H, W for 1x1)."""
+    ho, wo = _pair(output_size)
+    if (ho, wo) == (1, 1):
+        return x.mean((-1, -2), keepdim=True)
+    h, w = x.shape[-2:]
+    a_h = _adaptive_matrix(ho, h, x.dtype, x.device)
+    a_w = _adaptive_matrix(wo, w, x.dtype, x.device)
+    return torch.matmul(a_h, torch.matmul(x, a_w.t()))
+
+
+def adaptive_avgpool2d_backward(
+    g: Tensor, *, output_size: _Pair, input_hw: _Pair, needs: _Needs
+) -> _Grads:
+    """A_h^T @ g @ A_w (g / (H*W) expanded for 1x1)."""
+    if not _need(needs, 0):
+        return (None,)
+    ho, wo = _pair(output_size)
+    h, w = input_hw
+    if (ho, wo) == (1, 1):
+        return (g.expand(*g.shape[:-2], h, w) / (h * w),)
+    a_h = _adaptive_matrix(ho, h, g.dtype, g.device)
+    a_w = _adaptive_matrix(wo, w, g.dtype, g.device)
+    return (torch.matmul(a_h.t(), torch.matmul(g, a_w)),)
+
+
+# ---------------------------------------------------------------- upsampling
+
+
+def _upsample_size(hw: Any, scale: tuple[float, float]) -> _Pair:
+    # as torch.nn.functional.interpolate: floor(in * scale)
+    return int(math.floor(hw[0] * scale[0])), int(math.floor(hw[1] * scale[1]))
+
+
+def _interp_matrix(
+    out: int,
+    size: int,
+    scale: float,
+    mode: str,
+    align_corners: bool,
+    dtype: torch.dtype,
+    dev: torch.device,
+) -> Tensor:
+    """[out, size]: output row o = sum_i M[o, i] * input row i, by ATen's index rules."""
+
+    def build() -> Tensor:
+        cols = torch.arange(size, device=dev).unsqueeze(0)
+        if out == size:  # ATen copies (both modes)
+            rows = torch.arange(out, device=dev).unsqueeze(1)
+            return (rows == cols).to(dtype)
+        if mode == "nearest":
+            if out == 2 * size:
+                src = torch.floor_divide(torch.arange(out, device=dev), 2)
+            else:  # float32: floorf(o * float(1 / scale)), as ATen's nearest_idx
+                ratio = 1.0 / scale if scale > 0 else size / out
+                r32 = torch.full((), ratio, dtype=torch.float32, device=dev)
+                o32 = torch.arange(out, dtype=torch.float32, device=dev)
+                src = torch.clamp(torch.floor(o32 * r32).to(torch.int64), max=size - 1)
+            return (cols == src.unsqueeze(1)).to(dtype)
+        # bilinear: ATen's compute_source_index_and_lambda, in its opmath type
+        opmath = torch.float64 if dtype == torch.float64 else torch.float32
+        o = torch.arange(out, dtype=opmath, device=dev)
+        if align_corners:
+            num = torch.full((), size - 1, dtype=opmath, device=dev)
+            ratio = num / (out - 1) if out > 1 else torch.zeros((), dtype=opmath, device=dev)
+            src = ratio * o
+        else:
+            value = 1.0 / scale if scale > 0 else size / out
+            ratio = torch.full((), value, dtype=opmath, device=dev)
+            src = torch.clamp(ratio * (o + 0.5) - 0.5, min=0.0)
+        # floorf(src): the source index is rounded to float32 before the floor, as in ATen
+        i0 = torch.clamp(torch.floor(src.to(torch.float32)).to(torch.int64), max=size - 1)
+        lam1 = torch.clamp(src - i0.to(opmath), min=0.0, max=1.0)
+        i1 = i0 + (i0 < size - 1).to(torch.int64)
+        w0 = (cols == i0.unsqueeze(1)).to(opmath) * (1 - lam1).unsqueeze(1)
+        w1 = (cols == i1.unsqueeze(1)).to(opmath) * lam1.unsqueeze(1)
+        return (w0 + w1).to(dtype)
+
+    key = ("interp", out, size, float(scale), mode, bool(align_corners), dtype)
+    return _constant(key, dev, build)
+
+
+def _upsample_matrices(
+    in_hw: Any, out_hw: Any, scale: tuple, mode: str, align: bool, t: Tensor
+) -> tuple[Tensor, Tensor]:
+    if mode not in ("nearest", "bilinear"):
+        raise ValueError(f"upsample: unsupported mode {mode!r}")
+    m_h = _interp_matrix(out_hw[0], in_hw[0], scale[0], mode, align, t.dtype, t.device)
+    m_w = _interp_matrix(out_hw[1], in_hw[1], scale[1], mode, align, t.dtype, t.device)
+    return m_h, m_w
+
+
+def upsample(
+    x: Tensor,
+    *,
+    scale_factor: tuple[float, float],
+    mode: str,
+    align_corners: bool | None,
+) -> Tensor:
+    """As nn.Upsample(scale_factor=...): M_h @ x @ M_w^T with interpolation matrices."""
+    scale = tuple(float(v) for v in _pair(scale_factor))
+    out_hw = _upsample_size(x.shape[-2:], scale)
+    m_h, m_w = _upsample_matrices(x.shape[-2:], out_hw, scale, mode, bool(align_corners), x)
+    return torch.matmul(m_h, torch.matmul(x, m_w.t()))
+
+
+def upsample_backward(
+    g: Tensor,
+    *,
+    scale_factor: tuple[float, float],
+    mode: str,
+    align_corners: bool | None,
+    input_hw: _Pair,
+    needs: _Needs,
+) -> _Grads:
+    """M_h^T @ g @ M_w."""
+    if not _need(needs, 0):
+        return (None,)
+    scale = tuple(float(v) for v in _pair(scale_factor))
+    m_h, m_w = _upsample_matrices(input_hw, g.shape[-2:], scale, mode, bool(align_corners), g)
+    return (torch.matmul(m_h.t(), torch.matmul(g, m_w)),)
+
+
+# ---------------------------------------------------------------- arithmetic and shapes
+
+
+def add(a: Tensor, b: Tensor) -> Tensor:
+    """a + b."""
+    return a + b
+
+
+def add_backward(g: Tensor, *, needs: _Needs) -> _Grads:
+    """Both gradients are g itself."""
+    return (g if _need(needs, 0) else None, g if _need(needs, 1) else None)
+
+
+def mul(a: Tensor, b: Tensor) -> Tensor:
+    """a * b."""
+    return a * b
+
+
+def mul_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: _Needs) -> _Grads:
+    """(g * b, g * a)."""
+    return (g * b if _need(needs, 0) else None, g * a if _need(needs, 1) else None)
+
+
+def concat(*xs: Tensor, dim: int) -> Tensor:
+    """torch.cat."""
+    return torch.cat(xs, dim)
+
+
+def concat_backward(g: Tensor, *, dim: int, sizes: tuple[int, ...], needs: _Needs) -> _Grads:
+    """torch.split of g along dim."""
+    parts = torch.split(g, list(sizes), dim)
+    return tuple(part if _need(needs, i) else None for i, part in enumerate(parts))
+
+
+def flatten(x: Tensor, *, start_dim: int) -> Tensor:
+    """x reshaped, merging the dims from start_dim on."""
+    return x.reshape(*x.shape[:start_dim], -1)
+
+
+def flatten_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs) -> _Grads:
+    """g reshaped to (N, *input_shape)."""
+    return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
+
+
+def reshape(x: Tensor, *, shape: tuple[int, ...]) -> Tensor:
+    """x.reshape(N, *shape)."""
+    return x.reshape(x.shape[0], *shape)
+
+
+def reshape_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs) -> _Grads:
+    """g reshaped to (N, *input_shape)."""
+    return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def dropout(x: Tensor, *, p: float) -> tuple[Tensor, Tensor | None]:
+    """Training dropout: keep = rand >= p (probability 1 - p), y = x * keep / (1 - p).
+    Returns (y, keep); keep is None for p == 0 (identity) and p == 1 (all dropped). Draws
+    come from torch.rand (on the IPU seeded by poptorch.Options().randomSeed), not the gpu
+    kernel's stream."""
+    if p == 0 or x.numel() == 0:
+        return x, None
+    if p == 1:
+        return x * _zero(x), None
+    keep = torch.rand(x.shape, dtype=x.dtype, device=x.device) >= p
+    return x * (keep.to(x.dtype) / (1 - p)), keep
+
+
+def dropout_backward(g: Tensor, mask: Tensor | None, *, p: float, needs: _Needs) -> _Grads:
+    """g * keep / (1 - p)."""
+    if not _need(needs, 0):
+        return (None,)
+    if p == 1:
+        return (g * _zero(g),)
+    if mask is None:
+        return (g,)
+    return (g * (mask.to(g.dtype) / (1 - p)),)
+
+
+def dropout_eval(x: Tensor, *, p: float) -> Tensor:
+    """Identity, as nn.Dropout.eval()."""
+    return x
+
+
+# ---------------------------------------------------------------- losses (mean reduction)
+
+
+def cross_entropy(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """As F.cross_entropy (mean, ignore_index -100): log_softmax, gather of the targets'
+    log-probabilities, sum over the kept rows / their count. Returns (loss, log_probs)."""
+    log_probs = F.log_softmax(logits, 1)
+    kept = target != _IGNORE_INDEX
+    safe = torch.where(kept, target, _zero(target))
+    picked = torch.gather(log_probs, 1, safe.unsqueeze(1)).squeeze(1)
+    total = kept.sum().to(log_probs.dtype)
+    loss = torch.where(kept, picked, _zero(picked)).sum().neg() / total
+    return loss, log_probs
+
+
+def cross_entropy_backward(
+    g: Tensor, log_probs: Tensor, target: Tensor, *, needs: _Needs
+) -> _Grads:
+    """(softmax - one_hot(target)) * g / count on the kept rows, zero on ignored rows; the
+    softmax is exp(log_probs), the one-hot a comparison with arange(C)."""
+    if not _need(needs, 0):
+        return _fit((), needs)
+    kept = target != _IGNORE_INDEX
+    total = kept.sum().to(log_probs.dtype)
+    classes = torch.arange(log_probs.shape[1], device=log_probs.device).unsqueeze(0)
+    one_hot = (classes == target.unsqueeze(1)).to(log_probs.dtype)
+    row = torch.where(kept, g / total, _zero(log_probs)).unsqueeze(1)
+    return _fit(((torch.exp(log_probs) - one_hot) * row,), needs)
+
+
+def mse_loss(a: Tensor, b: Tensor) -> Tensor:
+    """mean((a - b)^2)."""
+    return (a - b).square().mean()
+
+
+def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: _Needs) -> _Grads:
+    """2 (a - b) g / numel for a, its negation for b."""
+    if not (_need(needs, 0) or _need(needs, 1)):
+        return (None, None)
+    ga = (a - b) * (g * (2.0 / a.numel()))
+    return (ga if _need(needs, 0) else None, ga.neg() if _need(needs, 1) else None)
+
+
+def l1_loss(a: Tensor, b: Tensor) -> Tensor:
+    """mean(|a - b|)."""
+    return (a - b).abs().mean()
+
+
+def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: _Needs) -> _Grads:
+    """sign(a - b) g / numel for a, its negation for b."""
+    if not (_need(needs, 0) or _need(needs, 1)):
+        return (None, None)
+    ga = torch.sign(a - b) * (g / a.numel())
+    return (ga if _need(needs, 0) else None, ga.neg() if _need(needs, 1) else None)
+
+
+def bce_loss(p: Tensor, t: Tensor) -> Tensor:
+    """mean(-(t log p + (1 - t) log(1 - p))), each log clamped at -100 as in PyTorch."""
+    log_p = torch.clamp(torch.log(p), min=_BCE_LOG_MIN)
+    log_q = torch.clamp(torch.log1p(-p), min=_BCE_LOG_MIN)
+    return ((t - 1) * log_q - t * log_p).mean()
+
+
+def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: _Needs) -> _Grads:
+    """g (p - t) / max((1 - p) p, eps) / numel for p (PyTorch's formula, eps = float32(1e-12)); for t,
+    -log(p / (1 - p)) g / numel."""
+    gp = gt = None
+    if _need(needs, 0):
+        gp = g * (p - t) / torch.clamp((1 - p) * p, min=_BCE_EPS) / p.numel()
+    if _need(needs, 1):
+        gt = torch.log(p / (1 - p)).neg() * (g / t.numel())
+    return (gp, gt)
+
+
+def bce_with_logits(x: Tensor, t: Tensor) -> Tensor:
+    """mean((1 - t) x + softplus(-x)), softplus(-x) = max(-x, 0) + log1p(exp(-|x|))."""
+    softplus_neg = torch.clamp(x.neg(), min=0.0) + torch.log1p(torch.exp(x.abs().neg()))
+    return ((1 - t) * x + softplus_neg).mean()
+
+
+def bce_with_logits_backward(g: Tensor, x: Tensor, t: Tensor, *, needs: _Needs) -> _Grads:
+    """(sigmoid(x) - t) g / numel for x, -x g / numel for t."""
+    gx = (torch.sigmoid(x) - t) * (g / x.numel()) if _need(needs, 0) else None
+    gt = x.neg() * (g / t.numel()) if _need(needs, 1) else None
+    return (gx, gt)
