@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(UNROLL) check generated
+	$(UNROLL) lint generated/ipu generated/multiipu --platform ipu
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

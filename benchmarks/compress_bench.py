@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import statistics
 import sys
@@ -560,8 +561,13 @@ def bench_model(stem: str, args: argparse.Namespace) -> dict[str, Any]:
                 "codec_cost": codec_cost(
                     plan["forms"], min(args.repeats, CODEC_COST_REPEATS), args.seed
                 ),
-                "extra_step_ms": timings[scheme]["scheme"]["median"]
-                - timings[scheme]["nocompress"]["median"],
+                "extra_step_ms": statistics.median(
+                    a - b
+                    for a, b in zip(
+                        timings[scheme]["scheme"]["samples"],
+                        timings[scheme]["nocompress"]["samples"],
+                    )
+                ),
                 "memory": memory[scheme],
                 "check": checks[scheme],
             }
@@ -676,9 +682,10 @@ def limits_paragraph(results: dict[str, Any]) -> str:
             f"{d['raw_kept_count']} tensors ({_mib(d['raw_kept_bytes'])} MiB) stay raw: "
             f"{', '.join(raw_names)} and the batch-norm statistics save_mean/save_invstd "
             f"({bn} bytes in all). The step took {d['time']['ratio']['median']:.2f}x "
-            f"nocompress's ({d['extra_step_ms']:+.1f} ms on {base['time']['scheme']['median']:.1f}"
-            f" ms); compress + decompress of its stored forms, timed alone on tensors of the "
-            f"same shapes, take {cost['total_ms']:.1f} ms ({cost['codec_ms']:.1f} ms DCT, "
+            f"nocompress's (median per-round difference {d['extra_step_ms']:+.1f} ms, "
+            f"nocompress {base['time']['scheme']['median']:.1f} ms); compress + decompress "
+            "of its stored forms, timed alone on tensors of the same shapes, take "
+            f"{cost['total_ms']:.1f} ms ({cost['codec_ms']:.1f} ms DCT, "
             f"{cost['mask_ms']:.1f} ms 1-bit masks){share}. "
             "Gradient relative L2 difference from nocompress: "
             f"{d['check']['grad_rel_diff_vs_nocompress']:.3g}{quant}. Peak step memory "
@@ -701,7 +708,10 @@ def format_markdown(results: dict[str, Any]) -> str:
         f"- torch {meta['torch']}, torch.get_num_threads() = {meta['num_threads']}, "
         f"python {meta['python']}",
         f"- command: `{meta['command']}`",
-        f"- warm-up rounds {meta['args']['warmup']}, timed rounds {meta['args']['repeats']}",
+        f"- warm-up rounds {meta['args']['warmup']}, timed rounds {meta['args']['repeats']}; "
+        f"wall time {meta['wall_seconds']:.0f} s; load average (1/5/15 min) at start "
+        f"{meta['loadavg_start']}, at end {meta['loadavg_end']} (other jobs share the machine "
+        "when these exceed the threads used)",
         "",
         f"### Compressors: round trip vs torch.clone on {act['shape']} float32 "
         f"({_mib(act['raw_bytes'])} MiB)",
@@ -795,6 +805,13 @@ def format_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def _cpu_model() -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
@@ -809,6 +826,7 @@ def machine_info(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any
     """core_bench's machine description, with this benchmark's command and arguments."""
     meta = core_bench.machine_info(args, argv)
     meta["cpu_model"] = _cpu_model()
+    meta["loadavg_start"] = _loadavg()
     meta["command"] = shlex.join(["python", "-m", "benchmarks.compress_bench", *argv])
     meta["args"] = {
         "models": args.models,
@@ -838,6 +856,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["models"] = [bench_model(stem, args) for stem in args.models]
     results["limits"] = limits_paragraph(results)
     results["meta"]["wall_seconds"] = time.perf_counter() - started
+    results["meta"]["loadavg_end"] = _loadavg()
     text = format_markdown(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -393,6 +393,26 @@ def test_maxpool2d(k, s, p, hw, kind):
     assert_grads(grads, ref_grads)
 
 
+def test_maxpool2d_nan_window_is_the_one_documented_difference():
+    """A window whose maximum is NaN: PyTorch routes its gradient to the window's last NaN; the
+    ipu kernel selects nothing there (NaN equals nothing), so that window's gradient is 0.
+    Every other window is unaffected."""
+    x = torch.randn(1, 2, 4, 4, dtype=DT)
+    x[0, 0, 0, 0] = x[0, 0, 1, 1] = math.nan
+    xr = x.clone().requires_grad_()
+    g, (ref,) = autograd(F.max_pool2d(xr, 2, 2), [xr])
+    kw = dict(kernel_size=(2, 2), stride=(2, 2), padding=(0, 0))
+    with torch.no_grad():
+        y, sel = K.maxpool2d(x, **kw)
+        (ours,) = K.maxpool2d_backward(g, sel, **kw, input_hw=(4, 4), needs=(True,))
+    assert not sel[0, 0, :, 0, 0].any() and ref[0, 0, 1, 1] == g[0, 0, 0, 0]
+    assert ours[0, 0, :2, :2].eq(0).all()
+    assert torch.equal(ours[0, 0, 2:], ref[0, 0, 2:]) and torch.equal(
+        ours[0, 0, :, 2:], ref[0, 0, :, 2:]
+    )
+    assert torch.equal(ours[0, 1], ref[0, 1])
+
+
 @pytest.mark.parametrize(
     "k,s,p,hw",
     [

@@ -368,6 +368,12 @@ def test_columns_count_characters_and_nothing_is_imported_or_run(tmp_path):
     assert found(report) == [("model.py", 5, 22, "torch.erf", "")]
 
 
+def test_star_import_from_torch_is_an_error(tmp_path):
+    report = lint_source(tmp_path, "from torch.nn.functional import *\n\ny = gelu(x)\n")
+    assert found(report) == [("model.py", 1, 1, "from torch.nn.functional import *", "")]
+    assert report.errors[0].kind == "dynamic"
+
+
 def test_syntax_error_is_reported(tmp_path):
     report = lint_source(tmp_path, "def f(:\n    pass\n")
     assert [(c.kind, c.line) for c in report.errors] == [("syntax", 1)]
@@ -485,6 +491,95 @@ def test_default_roots_follow_the_installed_unroller_package(tmp_path):
     assert pkg / "runtime" / "gpu.py" in report.files
     assert pkg / "compress" / "dct.py" in report.files
     assert any(c.kind == "aten" and c.file.name == "gpu.py" for c in report.errors)
+
+
+GPU_HELPERS = {
+    "runtime/gpu.py": """\
+        import torch
+
+        _aten = torch.ops.aten
+
+
+        def conv2d(x, w):
+            return _aten.convolution(x, w)
+
+
+        def _copy(grad):
+            return grad.clone()
+
+
+        def accumulate(param, grad):
+            param.grad = _copy(grad)
+
+
+        def tensors(root):  # unroller-lint: host-only
+            return _host_helper(root)
+
+
+        def _host_helper(root):
+            return torch.empty(3)
+
+
+        def relu(x):
+            return _aten.relu(x)
+        """,
+    "runtime/ipu.py": """\
+        import torch
+
+        from unroller.runtime.gpu import accumulate, tensors
+
+
+        def add(a, b):
+            return torch.add(a, b)
+        """,
+}
+
+
+def test_names_imported_from_a_module_check_only_what_they_use(tmp_path):
+    roots = fake_package(tmp_path, GPU_HELPERS)
+    report = lint_source(tmp_path, "import unroller.runtime.ipu as K\n", package_roots=roots)
+    gpu = roots["unroller"].resolve() / "runtime" / "gpu.py"
+    assert report.ok, report.format()
+    # accumulate -> _copy (clone) is checked; conv2d, relu and `_aten = torch.ops.aten` are not
+    # used; _host_helper is used only by the host-only `tensors`
+    assert [(c.file.name, c.line, c.name) for c in report.calls] == [
+        ("ipu.py", 7, "torch.add"),
+        ("gpu.py", 11, "Tensor.clone"),
+    ]
+    assert [h.name for h in report.host_only] == ["tensors"]
+    assert report.partial == {gpu: ("accumulate", "tensors")}
+    assert (
+        "pkg/runtime/gpu.py: note: imported by name: only accumulate, tensors and what they "
+        "use were checked"
+    ) in report.format(relative_to=tmp_path).splitlines()
+
+
+def test_a_module_imported_whole_anywhere_is_checked_whole(tmp_path):
+    roots = fake_package(tmp_path, GPU_HELPERS)
+    write(tmp_path / "gen" / "a.py", "import unroller.runtime.ipu as K\n")
+    write(tmp_path / "gen" / "b.py", "import unroller.runtime.gpu as G\n")
+    report = lint_paths([tmp_path / "gen"], package_roots=roots)
+    assert report.partial == {}
+    assert [(c.file.name, c.line, c.name) for c in report.errors] == [
+        ("gpu.py", 3, "torch.ops.aten"),
+        ("gpu.py", 7, "torch.ops.aten.convolution"),
+        ("gpu.py", 23, "torch.empty"),  # _host_helper: a plain function of a whole module
+        ("gpu.py", 27, "torch.ops.aten.relu"),
+    ]
+
+
+def test_an_imported_name_pulls_in_the_definitions_it_uses(tmp_path):
+    roots = fake_package(tmp_path, GPU_HELPERS)
+    report = lint_source(tmp_path, "from unroller.runtime.gpu import relu\n", package_roots=roots)
+    assert [(c.line, c.name) for c in report.errors] == [
+        (3, "torch.ops.aten"),
+        (27, "torch.ops.aten.relu"),
+    ]
+    # a name the module does not bind at the top level: all of the module is checked
+    report = lint_source(
+        tmp_path, "from unroller.runtime.gpu import nothing_here\n", package_roots=roots
+    )
+    assert report.partial == {} and len(report.errors) == 4
 
 
 # ---------------------------------------------------------------- host-only functions

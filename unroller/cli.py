@@ -365,6 +365,29 @@ def graph(
 
 
 @app.command()
+def lint(
+    paths: Annotated[list[Path], typer.Argument(help="Generated modules or folders of them.")],
+    platform: PlatformOpt = "ipu",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every call.")] = False,
+) -> None:
+    """Check every torch call reachable from generated modules against what the platform runs.
+
+    Follows the modules they import from the unroller package (kernels, compressors) and
+    fails, with file and line, on any call outside the platform's supported list.
+
+    Example: unroll lint generated/ipu generated/multiipu --platform ipu
+    """
+    from unroller.lint import lint_paths
+
+    try:
+        report = lint_paths(paths, platform)
+    except (FileNotFoundError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    typer.echo(report.format(verbose=verbose))
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@app.command()
 def ops() -> None:
     """List the operators of the registry with their arguments.
 

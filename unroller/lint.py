@@ -30,11 +30,20 @@ Argument restrictions (interpolate's mode, conv_transpose dilation, max_pool ret
 topk sorted, ...) are checked when the value is a literal in the call; a value the linter
 cannot see is a warning.
 
-All code in a scanned module counts, whether or not it is reached at run time, except the
-bodies of functions marked host-only: a comment ``# unroller-lint: host-only`` on the
-function's ``def`` line (or any line of its header, up to the colon), or the text
-``unroller-lint: host-only`` in its docstring. Use it only for code that runs on the host, outside the traced graph
-(parameter bookkeeping, stash accounting). The report lists every function excluded this way.
+Which code counts: all of the module linted, and all of every package module imported as a
+module (``import unroller.runtime.ipu as K``, ``from unroller import compress``), whether or
+not it is reached at run time. From a module whose names are imported (``from
+unroller.runtime.gpu import accumulate, tensors``) only the top-level statements defining
+those names count, with the top-level definitions they use, transitively, and the top-level
+statements that bind nothing (they run at import); a name that is not bound at the top level
+makes the whole module count. The report notes each module checked in part.
+
+Excluded everywhere: the bodies of functions marked host-only (and, in a module checked in
+part, the definitions only they use). The marker is a comment ``# unroller-lint: host-only``
+on the function's ``def`` line (or any line of its header, up to the colon), or the text
+``unroller-lint: host-only`` in its docstring. Use it only for code that runs on the host,
+outside the traced graph (parameter bookkeeping, stash accounting, the runner). The report
+lists every function excluded this way.
 
 Not checked: Python operators on tensors (``a + b``, ``a @ b``, ``a >> 1``), builtins applied
 to tensors (``abs(t)``, ``sum(ts)``), slice bounds, dtypes, calls into modules outside the
@@ -54,7 +63,7 @@ import inspect
 import io
 import re
 import tokenize
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -337,6 +346,8 @@ class LintReport:
     calls: list[LintCall] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     host_only: list[HostOnly] = field(default_factory=list)
+    # files imported by name only (`from M import a, b`): the top-level names checked there
+    partial: dict[Path, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def errors(self) -> list[LintCall]:
@@ -375,6 +386,11 @@ class LintReport:
             f"({HOST_ONLY_TAG}): not checked"
             for h in self.host_only
         ]
+        lines += [
+            f"{_show(path, relative_to)}: note: imported by name: only {', '.join(names)} "
+            "and what they use were checked"
+            for path, names in self.partial.items()
+        ]
         lines.append(self.summary())
         return "\n".join(lines)
 
@@ -403,6 +419,7 @@ class LintReport:
                 {"file": str(h.file), "line": h.line, "col": h.col, "name": h.name}
                 for h in self.host_only
             ],
+            "partial": {str(path): list(names) for path, names in self.partial.items()},
         }
 
 
@@ -417,7 +434,9 @@ def _order(c: LintCall) -> tuple:
 class _Scan:
     calls: list[LintCall]
     host_only: list[HostOnly]
-    imports: list[tuple[str, int, int]]  # (module to follow, line, 1-based col of the import)
+    # (module to follow, the name imported from it or None for all of it, line, 1-based col)
+    imports: list[tuple[str, str | None, int, int]]
+    selection: frozenset[str] | None  # the top-level names checked, None: the whole module
 
 
 class _ModuleScanner:
@@ -431,8 +450,10 @@ class _ModuleScanner:
         is_package: bool,
         ops: SupportedOps,
         roots: dict[str, Path],
+        selection: frozenset[str] | None = None,
     ) -> None:
         self.path = path
+        self.selection = selection
         self.source = source
         self.module = module
         self.is_package = is_package
@@ -441,7 +462,7 @@ class _ModuleScanner:
         self.lines = re.split(r"\r\n|\r|\n", source)
         self.calls: list[LintCall] = []
         self.host_only: list[HostOnly] = []
-        self.imports: list[tuple[str, int, int]] = []
+        self.imports: list[tuple[str, str | None, int, int]] = []
         self.aliases: dict[str, str] = {}
         self.parents: dict[ast.AST, ast.AST] = {}
         self.consumed: set[int] = set()
@@ -516,32 +537,12 @@ class _ModuleScanner:
                     else:
                         top = a.name.split(".")[0]
                         self.aliases[top] = top
-                    if self._in_roots(a.name):
-                        self._import(a.name, node)
             elif isinstance(node, ast.ImportFrom):
                 base = self._absolute(node.module, node.level)
-                if base is None:
-                    continue
-                for a in node.names:
-                    if a.name == "*":
-                        if base == "torch" or base.startswith("torch."):
-                            self._add(
-                                node,
-                                f"from {base} import *",
-                                DYNAMIC,
-                                False,
-                                "a star import hides which torch names are called",
-                            )
-                        continue
-                    self.aliases[a.asname or a.name] = f"{base}.{a.name}"
-                if self._in_roots(base):
+                if base is not None:
                     for a in node.names:
-                        sub = f"{base}.{a.name}"
-                        self._import(sub if a.name != "*" and self._find(sub) else base, node)
-                if base == "torch.ops" or base.startswith("torch.ops."):
-                    for a in node.names:
-                        q = f"{base}.{a.name}"
-                        self._add(node, q, OPS_REFERENCE, False, _ops_reason(q))
+                        if a.name != "*":
+                            self.aliases[a.asname or a.name] = f"{base}.{a.name}"
         # simple assignments that rename a torch object: `_aten = torch.ops.aten`
         for _ in range(3):
             changed = False
@@ -557,8 +558,43 @@ class _ModuleScanner:
             if not changed:
                 break
 
-    def _import(self, module: str, node: ast.stmt) -> None:
-        self.imports.append((module, node.lineno, self._col(node.lineno, node.col_offset)))
+    def _imports(self, tree: ast.AST) -> None:
+        """The package modules the checked code imports, and its torch imports that are
+        errors by themselves (star imports, torch.ops)."""
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if self._in_roots(a.name):
+                        self._import(a.name, None, node)
+            elif isinstance(node, ast.ImportFrom):
+                base = self._absolute(node.module, node.level)
+                if base is None:
+                    continue
+                if self._in_roots(base):
+                    for a in node.names:
+                        sub = f"{base}.{a.name}"
+                        if a.name == "*":
+                            self._import(base, None, node)
+                        elif self._find(sub):
+                            self._import(sub, None, node)  # a submodule: all of it
+                        else:
+                            self._import(base, a.name, node)
+                if _is_torch(base) and any(a.name == "*" for a in node.names):
+                    self._add(
+                        node,
+                        f"from {base} import *",
+                        DYNAMIC,
+                        False,
+                        "a star import hides which torch names are called",
+                    )
+                if base == "torch.ops" or base.startswith("torch.ops."):
+                    for a in node.names:
+                        q = f"{base}.{a.name}"
+                        self._add(node, q, OPS_REFERENCE, False, _ops_reason(q))
+
+    def _import(self, module: str, name: str | None, node: ast.stmt) -> None:
+        col = self._col(node.lineno, node.col_offset)
+        self.imports.append((module, name, node.lineno, col))
 
     def _find(self, module: str) -> Path | None:
         return _module_file(module, self.roots)
@@ -646,9 +682,17 @@ class _ModuleScanner:
                     f"syntax error: {exc.msg}: the file cannot be checked",
                 )
             )
-            return _Scan(self.calls, self.host_only, self.imports)
+            return _Scan(self.calls, self.host_only, self.imports, None)
         self._collect_aliases(tree)
-        nodes = list(self._walk(tree, self._host_only_marks(), ()))
+        marks = self._host_only_marks()
+        body: list[ast.stmt] | None = tree.body
+        if self.selection is not None:
+            body = _select(tree.body, self.selection, lambda f: self._is_host_only(f, marks))
+        if body is None:  # a name not bound at the top level: check the whole module
+            self.selection, body = None, tree.body
+        checked = ast.Module(body=body, type_ignores=[])
+        self._imports(checked)
+        nodes = list(self._walk(checked, marks, ()))
         for node in nodes:
             if isinstance(node, ast.Call):
                 self._call(node)
@@ -657,7 +701,8 @@ class _ModuleScanner:
         for node in nodes:
             if isinstance(node, (ast.Attribute, ast.Name)):
                 self._ops_reference(node)
-        return _Scan(self.calls, self.host_only, self.imports)
+        self.calls.sort(key=lambda c: (c.line, c.col))
+        return _Scan(self.calls, self.host_only, self.imports, self.selection)
 
     def _class(self, node: ast.ClassDef) -> None:
         for base in node.bases:
@@ -842,6 +887,75 @@ def _non_tensor_annotation(ann: ast.AST | None) -> bool:
     return isinstance(ann, ast.Name) and ann.id.lower() in _NON_TENSOR_BUILTINS
 
 
+def _bound_names(stmt: ast.stmt) -> set[str]:
+    """The names a top-level statement binds in its module."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update(a.asname or a.name.split(".")[0] for a in node.names if a.name != "*")
+            return
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp)):
+            return
+        if isinstance(node, ast.GeneratorExp):
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(stmt)
+    return out
+
+
+def _loaded_names(node: ast.AST, host_only: Callable[[ast.AST], bool]) -> Iterator[str]:
+    """Every name a statement mentions, outside the bodies of host-only functions."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and host_only(node):
+        return
+    if isinstance(node, ast.Name):
+        yield node.id
+    for child in ast.iter_child_nodes(node):
+        yield from _loaded_names(child, host_only)
+
+
+def _select(
+    body: list[ast.stmt], names: Iterable[str], host_only: Callable[[ast.AST], bool]
+) -> list[ast.stmt] | None:
+    """The top-level statements that define ``names`` and everything they use, transitively
+    (not counting what host-only functions use), plus those that bind nothing (they run at
+    import); None if a name is not bound at the top level."""
+    where: dict[str, list[int]] = {}
+    binds = [_bound_names(stmt) for stmt in body]
+    for i, bound in enumerate(binds):
+        for name in bound:
+            where.setdefault(name, []).append(i)
+    names = list(names)
+    if any(n not in where for n in names):
+        return None
+    chosen: set[int] = set()
+    todo = list(names)
+
+    def take(i: int) -> None:
+        if i not in chosen:
+            chosen.add(i)
+            todo.extend(_loaded_names(body[i], host_only))
+
+    for i, bound in enumerate(binds):
+        if not bound:
+            take(i)
+    done: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in done:
+            done.add(name)
+            for i in where.get(name, []):
+                take(i)
+    return [stmt for i, stmt in enumerate(body) if i in chosen]
+
+
 def _uniq(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
@@ -988,26 +1102,30 @@ class _Linter:
         self.roots = {k: Path(v) for k, v in roots.items()}
 
     def run(self, entries: Iterable[Path]) -> LintReport:
-        report = LintReport(self.ops.platform, self.ops.device)
-        seen: set[Path] = set()
+        """Scan the entries whole, then the package modules they import: whole when imported
+        as modules, else only the names imported (rescanned when more names are asked for)."""
+        wanted: dict[Path, frozenset[str] | None] = {}  # None: the whole module
         queue: list[Path] = []
         for entry in entries:
             path = Path(entry).resolve()
-            if path not in seen:
-                seen.add(path)
+            if path not in wanted or wanted[path] is not None:
+                wanted[path] = None
                 queue.append(path)
+        results: dict[Path, _Scan] = {}
+        missing: list[LintCall] = []
         while queue:
             path = queue.pop(0)
-            report.files.append(path)
             module, is_package = _module_name(path, self.roots)
             source = path.read_text(encoding="utf-8")
-            result = _ModuleScanner(path, source, module, is_package, self.ops, self.roots).scan()
-            report.calls.extend(result.calls)
-            report.host_only.extend(result.host_only)
-            for name, line, col in result.imports:
+            scanner = _ModuleScanner(
+                path, source, module, is_package, self.ops, self.roots, wanted[path]
+            )
+            result = results[path] = scanner.scan()
+            wanted[path] = result.selection
+            for name, imported, line, col in result.imports:
                 target = _module_file(name, self.roots)
                 if target is None:
-                    report.calls.append(
+                    missing.append(
                         LintCall(
                             path,
                             line,
@@ -1019,10 +1137,26 @@ class _Linter:
                             "its torch calls cannot be checked",
                         )
                     )
-                elif target not in seen:
-                    seen.add(target)
-                    queue.append(target)
+                    continue
+                old = wanted.get(target, frozenset())
+                new = None if imported is None or old is None else old | {imported}
+                if target not in wanted or new != old:
+                    wanted[target] = new
+                    if target not in queue:
+                        queue.append(target)
+        report = LintReport(self.ops.platform, self.ops.device)
+        for path, result in results.items():
+            report.files.append(path)
+            report.calls.extend(result.calls)
+            report.host_only.extend(result.host_only)
+            if result.selection is not None:
+                report.partial[path] = tuple(sorted(result.selection))
+        report.calls.extend(_uniq_calls(missing))
         return report
+
+
+def _uniq_calls(calls: list[LintCall]) -> list[LintCall]:
+    return list(dict.fromkeys(calls))
 
 
 def _expand(paths: Iterable[Path | str]) -> list[Path]:
@@ -1044,9 +1178,10 @@ def lint_module(
     path: Path | str, platform: str = "ipu", package_roots: dict[str, Path] | None = None
 ) -> LintReport:
     """Every torch call reachable from the module at ``path``: its own code and, recursively,
-    the modules it imports from the packages in ``package_roots`` (top-level package name ->
-    its directory; default ``{"unroller": <this package's directory>}``), each checked
-    against ``platform``'s supported list. Nothing is imported or executed."""
+    what it imports from the packages in ``package_roots`` (top-level package name -> its
+    directory; default ``{"unroller": <this package's directory>}``): whole modules, or the
+    definitions behind imported names. Each call is checked against ``platform``'s supported
+    list (``unroller/<platform>_supported.toml``). Nothing is imported or executed."""
     return lint_paths([path], platform, package_roots)
 
 

@@ -92,8 +92,13 @@ def synthetic_batch(inputs: list, batch: int, seed: int = 0) -> list[torch.Tenso
     return tensors
 
 
-def run_main(model_class, inputs: list, num_ipus: int, argv: list[str] | None = None) -> int:
-    """``python GENERATED.py [--emulate] ...``: train a few steps on synthetic data."""
+def run_main(  # unroller-lint: host-only
+    model_class, inputs: list, num_ipus: int, argv: list[str] | None = None
+) -> int:
+    """``python GENERATED.py [--emulate] ...``: train a few steps on synthetic data.
+
+    Runs on the host: it builds the options, the optimizer and the data, and calls the
+    compiled training model; only the module's ``forward`` runs on the IPU."""
     parser = argparse.ArgumentParser(description="Run the generated training step on IPUs.")
     parser.add_argument("--emulate", action="store_true", help="use the CPU emulation of PopTorch")
     parser.add_argument("--steps", type=int, default=3)
