@@ -11,12 +11,14 @@ import importlib.util
 import os
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 from unroller.codegen import Options, render
 from unroller.errors import ModelError
 from unroller.graph import Graph, build_graph
+from unroller.ast import ModelAST
 from unroller.parser import parse
 
 
@@ -39,24 +41,47 @@ def read_model_text(path: str | Path) -> str:
         raise ModelError(f"cannot read the model file: {exc.strerror}") from None
 
 
-def graph_from_text(source: str, filename: str = "<string>") -> Graph:
-    return build_graph(parse(source, filename))
+def at_resolution(model: ModelAST, resolution: int) -> ModelAST:
+    """The model with every image-shaped input and target ([N, C, H, W]) resized to
+    ``resolution`` rows (columns scaled to keep the aspect ratio), for running the big
+    benchmark inputs smaller on a CPU. Shape checks then apply at the new size."""
+    if resolution < 1:
+        raise ModelError(f"the resolution must be positive, got {resolution}")
+    decls = []
+    for decl in model.decls:
+        if len(decl.dims) == 4:
+            h, w = decl.dims[2], decl.dims[3]
+            new_w = max(1, round(w * resolution / h))
+            decl = replace(decl, dims=(*decl.dims[:2], resolution, new_w))
+        decls.append(decl)
+    return replace(model, decls=decls)
 
 
-def load_graph(path: str | Path) -> Graph:
-    return graph_from_text(read_model_text(path), str(path))
+def graph_from_text(
+    source: str, filename: str = "<string>", resolution: int | None = None
+) -> Graph:
+    model = parse(source, filename)
+    if resolution is not None:
+        model = at_resolution(model, resolution)
+    return build_graph(model)
+
+
+def load_graph(path: str | Path, resolution: int | None = None) -> Graph:
+    return graph_from_text(read_model_text(path), str(path), resolution)
 
 
 def generate_source(
     path: str | Path, options: Options | None = None, label: str | None = None
 ) -> str:
     """The generated module for the model file at ``path``."""
-    graph = load_graph(path)
-    return render(graph, label or source_label(path), options or Options())
+    options = options or Options()
+    graph = load_graph(path, options.resolution)
+    return render(graph, label or source_label(path), options)
 
 
 def generate_from_text(source: str, options: Options | None = None, label: str = "<string>") -> str:
-    return render(graph_from_text(source, label), label, options or Options())
+    options = options or Options()
+    return render(graph_from_text(source, label, options.resolution), label, options)
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -93,6 +118,8 @@ def load_model_class(
     """Generate, write to ``directory`` (a temp dir by default) and import; returns ``Model``."""
     text = generate_source(path, options)
     directory = Path(directory or tempfile.mkdtemp(prefix="unroller-"))
-    out = directory / f"{Path(path).stem}_{(options or Options()).scheme}.py"
+    options = options or Options()
+    suffix = f"_{options.resolution}" if options.resolution else ""
+    out = directory / f"{Path(path).stem}_{options.platform}_{options.scheme}{suffix}.py"
     write_atomic(out, text)
     return import_generated(out).Model

@@ -44,6 +44,7 @@ class Options:
     opt_level: int = 1  # 0: no compression and no masks
     num_ipus: int = 1  # ipu: pipeline stages, one per IPU
     stage_starts: tuple[str, ...] = ()  # ipu: first node of each stage after the first
+    resolution: int | None = None  # image inputs resized to this many rows (benchmarks)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -57,12 +58,14 @@ class Options:
             found["num_ipus"] = self.num_ipus
         if self.stage_starts:
             found["stage_starts"] = list(self.stage_starts)
+        if self.resolution is not None:
+            found["resolution"] = self.resolution
         return {**found, **self.extra}
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> Options:
         known = {"generator", "source", "sha256", "platform", "scheme", "compress_config"}
-        known |= {"compress_config_sha256", "opt_level", "num_ipus", "stage_starts"}
+        known |= {"compress_config_sha256", "opt_level", "num_ipus", "stage_starts", "resolution"}
         return cls(
             platform=header.get("platform", "gpu"),
             scheme=header.get("scheme", "nocompress"),
@@ -70,6 +73,7 @@ class Options:
             opt_level=header.get("opt_level", 1),
             num_ipus=header.get("num_ipus", 1),
             stage_starts=tuple(header.get("stage_starts", ())),
+            resolution=header.get("resolution"),
             extra={k: v for k, v in header.items() if k not in known},
         )
 
