@@ -454,7 +454,7 @@ def build_models(stem: str, seed: int, directory: Path) -> dict[str, nn.Module]:
     """One generated model per scheme, all with nocompress's default-initialised state."""
     torch.manual_seed(seed)
     models: dict[str, nn.Module] = {}
-    for scheme in SCHEMES:
+    for scheme in [BASELINE, *(s for s in SCHEMES if s != BASELINE)]:  # baseline first
         cls = load_model_class(model_path(stem), Options(scheme=scheme), directory / scheme)
         models[scheme] = cls()
     state = models[BASELINE].state_dict()

@@ -8,6 +8,7 @@ sinusoids, and a Gaussian-blurred (sigma 3) random field).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from unroller.compress import (
     make,
     packed_nbytes,
 )
+from unroller.compress import base
+from unroller.compress import bits as bits_module
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -680,3 +683,210 @@ def test_requires_grad_input_under_no_grad():
     for c in [Dct(), Quant(bits=4)]:
         packed, y = roundtrip(c, x)
         assert not any(p.requires_grad for p in packed) and not y.requires_grad
+
+
+# fast cpu/cuda path vs IPU-safe path ---------------------------------------------------
+#
+# Every compressor has an IPU-safe formulation (only PopTorch-supported operations; used for
+# tensors on other devices and everywhere with base.IPU_SAFE) and a fast one for CPU and CUDA.
+# Both must give BIT-identical packed tensors and decompressed tensors. "device" runs the fast
+# formulation without host shortcuts (no read-backs, no numpy, no blocks): what CUDA runs;
+# "blocks" splits the CPU work into tiny blocks so that block edges fall everywhere.
+
+FORMULATIONS = {
+    "safe": {"IPU_SAFE": True},
+    "fast": {},
+    "device": {"_HOST_SHORTCUTS": False},
+    "blocks": {"CHUNK_ELEMENTS": 37},
+}
+
+
+@contextlib.contextmanager
+def formulation(name: str):
+    saved = {k: getattr(base, k) for k in FORMULATIONS[name]}
+    try:
+        for k, v in FORMULATIONS[name].items():
+            setattr(base, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(base, k, v)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape, device and bits (NaN: same positions; payloads not compared)."""
+    if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    ints = {torch.float64: torch.int64, torch.float32: torch.int32}.get(a.dtype, torch.int16)
+    return torch.equal(nan_a, nan_b) and torch.equal(
+        a.masked_fill(nan_a, 0).view(ints), b.masked_fill(nan_b, 0).view(ints)
+    )
+
+
+def assert_formulations_agree(c: Compressor, x: torch.Tensor, dtype=None, seed: int = 0):
+    """Round trips in every formulation (same RNG seed) equal the IPU-safe one bit for bit;
+    the IPU-safe one's decompression of each packed form equals it too."""
+    results = {}
+    for name in FORMULATIONS:
+        with formulation(name):
+            torch.manual_seed(seed)
+            results[name] = roundtrip(c, x, dtype)
+    packed_safe, y_safe = results["safe"]
+    for name, (packed, y) in results.items():
+        assert len(packed) == len(packed_safe), name
+        for i, (p, q) in enumerate(zip(packed, packed_safe)):
+            assert same_bits(p, q), (name, c, "packed", i)
+        assert same_bits(y, y_safe), (name, c, "decompressed")
+    shape, out_dtype = tuple(x.shape[1:]), dtype or x.dtype
+    with formulation("safe"), torch.no_grad():  # and across: fast packed -> safe decompress
+        assert same_bits(c.decompress(results["fast"][0], shape, out_dtype), y_safe)
+    with torch.no_grad():
+        assert same_bits(c.decompress(packed_safe, shape, out_dtype), y_safe)
+
+
+FAST_COMPRESSORS = [
+    Dct(),
+    Dct(fold=True),
+    Dct(storage="bf16"),
+    Dct(storage="f16", fold=True, block=4, keep=3),
+    Dct(keep=8, storage="f32"),
+    Dct(block=5, keep=2),
+    Dct(block=1, keep=1, fold=True),
+    Quant(),
+    Quant(bits=4),
+    Quant(bits=2),
+    Quant(bits=4, group_size=64),
+    Quant(bits=2, group_size=7),
+    Quant(bits=8, group_size=1),
+    Quant(bits=2, stochastic=True),
+    Quant(bits=4, group_size=5, stochastic=True),
+]
+
+
+@pytest.mark.parametrize("shape", [*SHAPES_4D, (3, 5, 33, 40), (2, 3, 64, 64)])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_fast_path_bit_identical(shape, dtype):
+    x = randn(shape, seed=sum(shape), dtype=dtype) * 3
+    for c in FAST_COMPRESSORS:
+        assert_formulations_agree(c, x, seed=len(shape))
+    assert_formulations_agree(Bits(), x > 0.2)
+    assert_formulations_agree(Bits(), x > 0.2, torch.float32)
+    assert_formulations_agree(Quant(bits=4), x.flatten(1))  # rank 2: one group per sample
+    assert_formulations_agree(Quant(bits=2, group_size=3), x.flatten(1)[:, :7])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_fast_path_bit_identical_special_values(dtype):
+    """NaN, +-inf, the dtype's extremes, subnormals, -0.0, constant and all-zero channels."""
+    fin = torch.finfo(dtype)
+    x = randn((3, 4, 9, 10), seed=1).to(torch.float64)
+    x[0, 0, 1, 2], x[0, 1, 3, 3], x[0, 2, 0, 0] = float("nan"), float("inf"), -float("inf")
+    x[1, 0] = fin.max * 0.9
+    x[1, 0, 4, 4] = -fin.max * 0.9  # huge range: the halving step
+    x[1, 1] = fin.smallest_normal / 8  # subnormal constant channel
+    x[1, 1, 0, :3] = 0.0
+    x[1, 2] = -0.0
+    x[1, 3] = 0.0
+    x[2, 0] = 7.25
+    x[2, 1] *= 1e-40 if dtype in (torch.float32, torch.bfloat16) else fin.smallest_normal
+    x = x.to(dtype)
+    for c in FAST_COMPRESSORS + [Quant(group_size=13), Quant(bits=2, group_size=90)]:
+        assert_formulations_agree(c, x)
+        assert_formulations_agree(c, x[1:2].contiguous(), seed=1)  # finite, huge values
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_bit_identical_larger_than_a_block(device):
+    """Inputs of more than base.CHUNK_ELEMENTS elements, so the CPU works block by block."""
+    x = blurred_field((2, 3, 420, 420)).to(device)
+    x[1, 2, 5, 5] = float("nan")
+    for c in [Dct(), Dct(fold=True), Quant(), Quant(bits=4), Quant(bits=2, group_size=100_000)]:
+        assert_formulations_agree(c, x)
+    assert_formulations_agree(Quant(bits=2, stochastic=True), x.flatten(1))
+    assert_formulations_agree(Bits(), x > 0)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("host", [True, False])
+def test_fast_code_packing_matches(bits, host, monkeypatch):
+    monkeypatch.setattr(base, "_HOST_SHORTCUTS", host)
+    g = torch.Generator().manual_seed(bits)
+    for n, m in [(1, 1), (2, 7), (3, 8), (2, 9), (4, 64), (2, 1001)]:
+        codes = torch.randint(0, 1 << bits, (n, m + 3), generator=g)
+        for c in (codes[:, :m], codes[:, 3:]):  # non-contiguous, odd storage offset
+            c8 = c.to(torch.uint8) if bits > 1 else c.bool()
+            packed = base.pack_codes(c, bits)
+            assert torch.equal(base.pack_codes_fast(c8, bits), packed)
+            unpacked = base.unpack_codes_fast(packed, bits, m)
+            assert unpacked.dtype == torch.uint8 and torch.equal(unpacked.long(), c)
+            assert torch.equal(base.unpack_codes(packed, bits, m).long(), c)
+
+
+def test_ipu_safe_dispatch(monkeypatch):
+    x = randn((2, 3, 8, 8))
+    assert base.IPU_SAFE is False
+    assert base.use_fast_path(x) and base.use_fast_path(x, x > 0)
+    assert not base.use_fast_path(torch.empty(2, device="meta"))
+    assert not base.use_fast_path(x, torch.empty(2, device="meta"))
+
+    def boom(*args, **kwargs):
+        raise AssertionError("fast path used")
+
+    for cls in (Dct, Quant):
+        monkeypatch.setattr(cls, "_compress_fast", boom)
+        monkeypatch.setattr(cls, "_decompress_fast", boom)
+    monkeypatch.setattr(base, "pack_codes_fast", boom)
+    monkeypatch.setattr(base, "unpack_codes_fast", boom)
+    monkeypatch.setattr(bits_module, "pack_codes_fast", boom)
+    monkeypatch.setattr(bits_module, "unpack_codes_fast", boom)
+    comps = [Dct(), Dct(fold=True), Quant(bits=4), Quant(stochastic=True)]
+    with pytest.raises(AssertionError, match="fast path used"):
+        roundtrip(Quant(), x)
+    # the flag, a device other than cpu/cuda, and a torch.jit trace select the IPU-safe path
+    monkeypatch.setattr(base, "IPU_SAFE", True)
+    for c in comps:
+        roundtrip(c, x)
+    roundtrip(Bits(), x > 0)
+    monkeypatch.setattr(base, "IPU_SAFE", False)
+    monkeypatch.setattr(base, "_FAST_DEVICES", ("cuda",))
+    for c in comps:
+        roundtrip(c, x)
+    roundtrip(Bits(), x > 0)
+    monkeypatch.setattr(base, "_FAST_DEVICES", ("cpu", "cuda"))
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda t: Quant(bits=2).compress(t)[0], x, check_trace=False)
+    with formulation("safe"), torch.no_grad():
+        assert torch.equal(traced(x), Quant(bits=2).compress(x)[0])
+
+
+@HYP
+@given(dct_cases())
+def test_dct_fast_path_properties(case):
+    shape, c, dtype, seed = case
+    x = randn(shape, seed, dtype) * 10 ** (seed % 5 - 2)
+    assert_formulations_agree(c, x, seed=seed)
+
+
+@HYP
+@given(quant_cases())
+def test_quant_fast_path_properties(case):
+    shape, c, dtype, seed = case
+    x = randn(shape, seed, dtype) * 10 ** (seed % 7 - 3)
+    if seed % 5 == 0:
+        x.view(-1)[seed % x.numel()] = [float("nan"), float("inf"), -float("inf")][seed % 3]
+    assert_formulations_agree(c, x, seed=seed)
+
+
+@HYP
+@given(
+    st.lists(st.integers(1, 20), min_size=1, max_size=4).map(
+        lambda s: tuple([min(s[0], 3)] + s[1:])
+    ),
+    st.integers(0, 2**16),
+)
+def test_bits_fast_path_properties(shape, seed):
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) > 0.3
+    assert_formulations_agree(Bits(), mask)

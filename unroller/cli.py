@@ -408,6 +408,25 @@ def ops() -> None:
         typer.echo(f"{name}({inputs}{', ' + args if args else ''})  -- {spec.doc}")
 
 
+@app.command(
+    add_help_option=False,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench(ctx: typer.Context) -> None:
+    """Benchmark the generated step against autograd and its peers (what make bench runs).
+
+    Every argument goes to the harness (python -m benchmarks.run, in the project's
+    checkout); `unroll bench --help` lists them.
+
+    Example: unroll bench --benchmark resnet34 --scheme dct-dense --memory-budget 2GiB
+    """
+    try:
+        from benchmarks.run import main as run_bench
+    except ImportError as exc:
+        raise fail(f"the benchmark harness is not importable here ({exc}): run from a checkout")
+    raise typer.Exit(run_bench(list(ctx.args), prog="unroll bench"))
+
+
 def version_callback(value: bool) -> None:
     if value:
         typer.echo(f"unroller {__version__}")

@@ -5,21 +5,33 @@ A compressor turns one saved activation ``t`` of shape ``(N, *shape)`` into a tu
 calls ``compress`` right after the forward op that produced ``t`` and ``decompress`` right before
 the backward step that reads it, both under ``torch.no_grad()``.
 
-Everything here is written with the operations that PopTorch can run on a Graphcore IPU
-(matmul, reshape, permute, gather/index_select, scatter, pad, cat, where, round, clamp,
-amax/amin, arithmetic, bitwise and/or, comparisons, casts): no Python loops over data, no
-data-dependent shapes and no autograd machinery. Bit packing uses multiplication and floor
-division by powers of two rather than shift operators, which PopTorch does not list.
+Each compressor has two formulations that give bit-identical packed forms and decompressed
+tensors:
+
+- the IPU-safe one, written with the operations that PopTorch can run on a Graphcore IPU
+  (matmul, reshape, permute, gather/index_select, scatter, pad, cat, where, round, clamp,
+  amax/amin, arithmetic, bitwise and/or, comparisons, casts): no Python loops over data, no
+  data-dependent shapes and no autograd machinery. Bit packing uses multiplication and floor
+  division by powers of two rather than shift operators, which PopTorch does not list;
+- a fast one for CPU and CUDA tensors (``use_fast_path``): in-place arithmetic, uint8 codes
+  packed with shifts, one-pass min/max, and on the CPU host-side checks that skip the work
+  for huge or non-finite values when there are none. Its functions are marked host-only for
+  ``unroller lint``: they never run on an IPU.
+
+The IPU-safe formulation runs for tensors on any other device (``ipu`` under PopTorch), while
+``torch.jit`` traces, and everywhere when the module flag ``IPU_SAFE`` is True.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,7 +44,19 @@ __all__ = [
     "unpack_codes",
     "packed_code_bytes",
     "cached_constant",
+    "IPU_SAFE",
+    "use_fast_path",
+    "host_checks",
+    "pack_codes_fast",
+    "unpack_codes_fast",
 ]
+
+IPU_SAFE = False
+"""True: every compressor runs its IPU-safe formulation on every device (the one used for
+tensors that are not on "cpu" or "cuda"). Read at each call; the results are bit-identical
+either way, only the speed differs."""
+
+_FAST_DEVICES = ("cpu", "cuda")
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -271,3 +295,129 @@ def unpack_codes(packed: Tensor, bits: int, count: int) -> Tensor:
 def prod(values: tuple[int, ...] | list[int]) -> int:
     """Product of ints (1 for an empty sequence)."""
     return math.prod(values)
+
+
+# fast cpu/cuda path ----------------------------------------------------------------------
+
+
+def use_fast_path(*tensors: Tensor) -> bool:  # unroller-lint: host-only (dispatch)
+    """True when the fast formulation may run: ``IPU_SAFE`` is off, no ``torch.jit`` trace is
+    being recorded (the fast path branches on values) and every tensor is on "cpu" or
+    "cuda". Otherwise the IPU-safe formulation runs; both give bit-identical results."""
+    if IPU_SAFE or sys.byteorder != "little" or torch.jit.is_tracing():
+        return False
+    return all(t.device.type in _FAST_DEVICES for t in tensors)
+
+
+_HOST_SHORTCUTS = True  # tests switch it off to run the CUDA formulation on the CPU
+CHUNK_ELEMENTS = 1 << 20
+"""Elements per block of the fast path's elementwise chains on the CPU: each block's
+temporaries stay in the cache and are reused, instead of full-size buffers."""
+
+
+def host_checks(t: Tensor) -> bool:  # unroller-lint: host-only (dispatch)
+    """Whether the fast path may use host-side shortcuts for ``t``: read small tensors back
+    to skip work that no element needs, process the data in cache-sized blocks, call numpy.
+    True on the CPU; on CUDA a read-back would wait for the device, so the work is done
+    unconditionally there, in whole-tensor kernels."""
+    return _HOST_SHORTCUTS and t.device.type == "cpu"
+
+
+def row_blocks(  # unroller-lint: host-only (fast path)
+    rows: int, cols: int, blocked: bool, multiple: int = 1
+) -> list[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) blocks of about ``CHUNK_ELEMENTS`` elements covering a [rows, cols]
+    matrix in row-major order (one block if not ``blocked``); column splits (only for rows
+    longer than a block) fall on multiples of ``multiple``."""
+    if not blocked or rows * cols <= CHUNK_ELEMENTS:
+        return [(0, rows, 0, cols)]
+    if cols <= CHUNK_ELEMENTS:
+        step = max(1, CHUNK_ELEMENTS // cols)
+        return [(r, min(rows, r + step), 0, cols) for r in range(0, rows, step)]
+    width = max(multiple, CHUNK_ELEMENTS // multiple * multiple)
+    return [(r, r + 1, c, min(cols, c + width)) for r in range(rows) for c in range(0, cols, width)]
+
+
+def _unpack_table(bits: int, device: torch.device) -> Tensor:  # unroller-lint: host-only
+    """[256] integers whose little-endian bytes are the 8 // bits codes of each byte value
+    (int64 for 1 bit, int32 for 2, int16 for 4): the lookup table of ``unpack_codes_fast``."""
+    per = 8 // bits
+    dtype = {1: torch.int64, 2: torch.int32, 4: torch.int16}[bits]
+
+    def build() -> Tensor:
+        mask = (1 << bits) - 1
+        values = []
+        for v in range(256):
+            word = sum(((v >> (bits * i)) & mask) << (8 * i) for i in range(per))
+            values.append(word)  # at most 0x0101..01: positive in the signed dtype
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    return cached_constant(("unpack_table", bits, device), build)
+
+
+def pack_flat(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor:  # unroller-lint: host-only (fast path)
+    """Pack contiguous uint8 (or bool) codes [K], K a multiple of 8 // bits, into uint8
+    [K * bits // 8] (into ``out`` if given), code i of a byte in bits bits*i.. (fast path)."""
+    per = 8 // bits
+    c = codes.view(torch.uint8) if codes.dtype == torch.bool else codes
+    if bits == 8:
+        return c.clone() if out is None else out.copy_(c)
+    c = c.view(-1, per)
+    if bits == 1:  # needs the start 8-byte aligned
+        # 8 bytes of 0/1 in one int64 word (byte i's bit at 8i, little-endian). Each step ORs
+        # in the word shifted down so that byte j collects the bits of bytes j+1 (>> 7), then
+        # j+2, j+3 (>> 14), then j+4..j+7 (>> 28): byte 0 ends up holding bit i of byte i.
+        # The words stay non-negative (bit 63 is never set); the cast keeps byte 0.
+        w = c.view(torch.int64).view(-1)
+        w = torch.bitwise_or(w, torch.bitwise_right_shift(w, 7))
+        w.bitwise_or_(torch.bitwise_right_shift(w, 14))
+        w.bitwise_or_(torch.bitwise_right_shift(w, 28))
+        return w.to(torch.uint8) if out is None else out.copy_(w)
+    out = torch.bitwise_left_shift(c[:, per - 1], bits * (per - 1), out=out)
+    for i in range(per - 2, 0, -1):
+        out.bitwise_or_(torch.bitwise_left_shift(c[:, i], bits * i))
+    return out.bitwise_or_(c[:, 0])
+
+
+def pack_codes_fast(codes: Tensor, bits: int) -> Tensor:  # unroller-lint: host-only (fast path)
+    """``pack_codes`` for uint8 or bool codes [N, M] (values in [0, 2**bits)) on CPU or CUDA:
+    the same bytes, computed with shifts on uint8 (numpy's packbits for 1 bit on the CPU)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    n, m = codes.shape
+    if bits == 1 and host_checks(codes):
+        packed = np.packbits(codes.numpy(), axis=-1, bitorder="little")
+        return torch.from_numpy(packed)
+    per = 8 // bits
+    nbytes = packed_code_bytes(m, bits)
+    c = codes.view(torch.uint8) if codes.dtype == torch.bool else codes.to(torch.uint8)
+    if nbytes * per != m:
+        c = torch.nn.functional.pad(c, (0, nbytes * per - m))
+    elif not c.is_contiguous() or (bits == 1 and c.storage_offset() % 8):
+        c = c.clone(memory_format=torch.contiguous_format)
+    return pack_flat(c.reshape(-1), bits).view(n, nbytes)
+
+
+def unpack_codes_fast(  # unroller-lint: host-only (fast path)
+    packed: Tensor, bits: int, count: int
+) -> Tensor:
+    """``unpack_codes`` on CPU or CUDA, as uint8 codes [N, count] (0/1 for 1 bit): a lookup
+    table from each byte to its codes (numpy's unpackbits for 1 bit on the CPU)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    n, nbytes = packed.shape
+    if nbytes != packed_code_bytes(count, bits):
+        raise ValueError(
+            f"packed codes hold {nbytes} bytes per sample, expected "
+            f"{packed_code_bytes(count, bits)} for {count} codes of {bits} bits"
+        )
+    if bits == 8:
+        return packed
+    if bits == 1 and host_checks(packed):
+        codes = np.unpackbits(packed.numpy(), axis=-1, count=count, bitorder="little")
+        return torch.from_numpy(codes)
+    per = 8 // bits
+    table = _unpack_table(bits, packed.device)
+    idx = packed.reshape(-1).to(torch.int32)
+    codes = torch.index_select(table, 0, idx).view(torch.uint8).view(n, nbytes * per)
+    return codes if nbytes * per == count else codes[:, :count]

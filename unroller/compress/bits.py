@@ -7,7 +7,17 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .base import Compressor, ParamSpec, pack_codes, packed_code_bytes, prod, unpack_codes
+from .base import (
+    Compressor,
+    ParamSpec,
+    pack_codes,
+    pack_codes_fast,
+    packed_code_bytes,
+    prod,
+    unpack_codes,
+    unpack_codes_fast,
+    use_fast_path,
+)
 
 __all__ = ["Bits"]
 
@@ -40,7 +50,10 @@ class Bits(Compressor):
         if t.dim() < 1:
             raise ValueError(f"{self!r}: expected a batch dimension, got a 0-d tensor")
         n = t.shape[0]
-        return (pack_codes(t.reshape(n, prod(tuple(t.shape[1:]))), 1),)
+        flat = t.reshape(n, prod(tuple(t.shape[1:])))
+        if use_fast_path(t):
+            return (pack_codes_fast(flat, 1),)
+        return (pack_codes(flat, 1),)
 
     def decompress(
         self, packed: tuple[Tensor, ...], shape: tuple[int, ...], dtype: torch.dtype = torch.bool
@@ -49,6 +62,10 @@ class Bits(Compressor):
             raise ValueError(f"{self!r}: expected packed (bits,), got {len(packed)} tensors")
         (p,) = packed
         n = p.shape[0]
+        if use_fast_path(p):
+            mask = unpack_codes_fast(p, 1, prod(tuple(shape))).view(torch.bool)
+            mask = mask.reshape(n, *shape).contiguous()
+            return mask if dtype == torch.bool else mask.to(dtype)
         codes = unpack_codes(p, 1, prod(tuple(shape)))
         mask = codes.reshape(n, *shape) != 0
         return mask if dtype == torch.bool else mask.to(dtype)

@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Compressor, ParamSpec, cached_constant, work_dtype
+from .base import (
+    Compressor,
+    ParamSpec,
+    cached_constant,
+    host_checks,
+    use_fast_path,
+    work_dtype,
+)
 
 __all__ = ["Dct", "dct_matrix", "fold_index"]
 
@@ -124,6 +131,8 @@ class Dct(Compressor):
         n, c, h, w = t.shape
         hb, wb = self._geometry(c, h, w)
         wd = work_dtype(t.dtype)
+        if use_fast_path(t):
+            return self._compress_fast(t, hb, wb, wd)
         x = t.to(wd)
         if hb * b != h or wb * b != w:
             x = F.pad(x, (0, wb * b - w, 0, hb * b - h))
@@ -163,11 +172,14 @@ class Dct(Compressor):
         if self.params["storage"] == "int8":
             if len(packed) != 2:
                 raise ValueError(f"{self!r}: expected packed (q, scale), got {len(packed)} tensors")
+        elif len(packed) != 1:
+            raise ValueError(f"{self!r}: expected packed (coeffs,), got {len(packed)} tensors")
+        if use_fast_path(*packed):
+            return self._decompress_fast(packed, (c, h, w), hb, wb, wd, dtype)
+        if self.params["storage"] == "int8":
             q, scale = packed
             y = q.to(wd) * scale.to(wd).reshape(n, c, *([1] * (q.dim() - 2)))
         else:
-            if len(packed) != 1:
-                raise ValueError(f"{self!r}: expected packed (coeffs,), got {len(packed)} tensors")
             y = packed[0].to(wd)
         if self.params["fold"]:
             idx = fold_index(k, y.device).expand(y.shape)
@@ -180,4 +192,84 @@ class Dct(Compressor):
         # columns: [N, C, Hb, b, Wb, k] @ [k, b] -> [N, C, Hb, b, Wb, b]
         x = torch.matmul(x.reshape(n, c, hb, b, wb, k), tk)
         x = x.reshape(n, c, hb * b, wb * b)[:, :, :h, :w]
+        return x.to(dtype).contiguous()
+
+    # fast cpu/cuda path ------------------------------------------------------------------
+    # The matmuls are exactly the IPU-safe formulation's (same shapes and layouts: BLAS results
+    # can depend on the matrix sizes, so they are never split); the work around them is not.
+
+    def _fold_positions(  # unroller-lint: host-only (fast cpu/cuda path)
+        self, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """(rows, cols) of the kept coefficients i + j < keep, in ``fold_index`` order."""
+        k = self.params["keep"]
+        return cached_constant(
+            ("dct_fold_rc", k, device),
+            lambda: torch.stack([fold_index(k, device) // k, fold_index(k, device) % k]),
+        ).unbind(0)
+
+    def _compress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
+        self, t: Tensor, hb: int, wb: int, wd: torch.dtype
+    ) -> tuple[Tensor, ...]:
+        """``compress`` with the same packed tensors: the same two matmuls, the fold as one
+        gather from the un-permuted coefficients, the int8 scale from amax/amin (no |y|
+        temporary) and the quantisation in place."""
+        b, k = self.params["block"], self.params["keep"]
+        storage = self.params["storage"]
+        n, c, h, w = t.shape
+        x = t.to(wd)
+        if hb * b != h or wb * b != w:
+            x = F.pad(x, (0, wb * b - w, 0, hb * b - h))
+        tk = dct_matrix(b, k, wd, x.device)
+        y = torch.matmul(tk, x.reshape(n, c, hb, b, wb * b))
+        y = torch.matmul(y.reshape(n, c, hb, k, wb, b), tk.t())
+        if self.params["fold"]:
+            rows, cols = self._fold_positions(y.device)
+            y = y.permute(0, 1, 2, 4, 3, 5)[..., rows, cols]  # [N, C, Hb, Wb, kept]
+        if storage != "int8":
+            return (y.to(_STORAGE_DTYPES[storage]),)
+        flat = y.reshape(n, c, -1)
+        # max |y| = max(amax, -amin); abs() gives amax(|y|)'s +0.0 and NaN sign.
+        amax = torch.maximum(torch.amax(flat, dim=-1), torch.amin(flat, dim=-1).neg_()).abs_()
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / 127.0)
+        y.div_(scale.reshape(n, c, *([1] * (y.dim() - 2)))).round_().clamp_(-127.0, 127.0)
+        # y / scale is NaN only for a non-finite channel, or where amax / 127 underflowed to 0
+        if not host_checks(t) or not bool((torch.isfinite(scale) & (scale > 0)).all()):
+            y.nan_to_num_(0.0)  # defined cast; the channel's scale is NaN, inf or 0
+        return y.to(torch.int8), scale
+
+    def _decompress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
+        self,
+        packed: tuple[Tensor, ...],
+        shape: tuple[int, int, int],
+        hb: int,
+        wb: int,
+        wd: torch.dtype,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """``decompress`` with bit-identical output: dequantisation in one multiply, the folded
+        coefficients put straight into the layout the matmul reads, the same two matmuls,
+        the second one writing into the output when nothing is cropped or cast."""
+        b, k = self.params["block"], self.params["keep"]
+        c, h, w = shape
+        coeffs = packed[0]
+        n = coeffs.shape[0]
+        if len(packed) == 2:
+            scale = packed[1].to(wd).reshape(n, c, *([1] * (coeffs.dim() - 2)))
+            y = torch.mul(coeffs, scale)  # int8 * float: the codes are cast exactly
+        else:
+            y = coeffs.to(wd)
+        if self.params["fold"]:
+            rows, cols = self._fold_positions(y.device)
+            full = torch.zeros((n, c, hb, k, wb, k), dtype=wd, device=y.device)
+            full.permute(0, 1, 2, 4, 3, 5)[..., rows, cols] = y
+            y = full
+        tk = dct_matrix(b, k, wd, y.device)
+        x = torch.matmul(tk.t(), y.reshape(n, c, hb, k, wb * k))
+        x = x.reshape(n, c, hb, b, wb, k)
+        if hb * b == h and wb * b == w and dtype == wd:
+            out = torch.empty((n, c, h, w), dtype=wd, device=y.device)
+            torch.matmul(x, tk, out=out.view(n, c, hb, b, wb, b))
+            return out
+        x = torch.matmul(x, tk).reshape(n, c, hb * b, wb * b)[:, :, :h, :w]
         return x.to(dtype).contiguous()

@@ -10,10 +10,16 @@ from torch import Tensor
 from .base import (
     Compressor,
     ParamSpec,
+    host_checks,
     pack_codes,
+    pack_codes_fast,
+    pack_flat,
     packed_code_bytes,
     prod,
+    row_blocks,
     unpack_codes,
+    unpack_codes_fast,
+    use_fast_path,
     work_dtype,
 )
 
@@ -93,6 +99,8 @@ class Quant(Compressor):
         bits = self.params["bits"]
         levels = float((1 << bits) - 1)
         wd = work_dtype(t.dtype)
+        if use_fast_path(t):
+            return self._compress_fast(t, n, m, g, groups, levels, wd)
         big_range = torch.finfo(wd).max * 0.25
         x = t.reshape(n, m).to(wd)
         if groups * g != m:  # pad the last group with copies of the last element
@@ -134,6 +142,8 @@ class Quant(Compressor):
         bits = self.params["bits"]
         levels = float((1 << bits) - 1)
         wd = work_dtype(dtype)
+        if use_fast_path(codes, mn, scale):
+            return self._decompress_fast(codes, mn, scale, full, m, g, groups, levels, wd, dtype)
         fmax = torch.finfo(wd).max
         q = unpack_codes(codes, bits, m).to(wd)
         if groups * g != m:
@@ -150,3 +160,154 @@ class Quant(Compressor):
         x = x + (scale - scale)
         x = x.reshape(n, groups * g)[:, :m].reshape(full)
         return x.to(dtype).contiguous()
+
+    # fast cpu/cuda path ------------------------------------------------------------------
+
+    def _compress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
+        self, t: Tensor, n: int, m: int, g: int, groups: int, levels: float, wd: torch.dtype
+    ) -> tuple[Tensor, ...]:
+        """``compress`` with the same packed bytes. amin/amax on the input as it is (exact in
+        any float dtype), then per block of rows: v = (x - mn) / safe, round, clamp and uint8
+        codes, packed straight into the output, in place on one block-sized work buffer. The
+        group-halving and NaN steps run only when some group needs them (on the CPU, checked
+        on the small [N, G] tensors; on CUDA always, to avoid waiting for the device)."""
+        bits = self.params["bits"]
+        per = 8 // bits
+        rows = n * groups
+        x = t.reshape(n, m)
+        padded = groups * g != m
+        if padded:  # pad the last group with copies of the last element
+            x = torch.cat([x, x[:, m - 1 : m].expand(n, groups * g - m)], dim=1)
+        x = x.reshape(rows, g)
+        mn = torch.amin(x, dim=-1, keepdim=True).to(wd)  # NaN propagates
+        mx = torch.amax(x, dim=-1, keepdim=True).to(wd)
+        big_range = torch.finfo(wd).max * 0.25
+        half = torch.full_like(mn, 0.5)
+        s = torch.where(mx * 0.5 - mn * 0.5 > big_range, half, torch.ones_like(mn))
+        scale = (mx * s - mn * s) / levels / s
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        checks = host_checks(t)
+        halve = nonfinite = True
+        if checks:
+            halve = bool((s != 1.0).any())
+            nonfinite = not bool((torch.isfinite(mn) & torch.isfinite(mx)).all())
+        if halve:  # v = (x * s - mn * s) / (safe * s), as in the IPU-safe formulation
+            mn_s, safe_s = mn * s, safe * s
+        noise = torch.rand_like(x, dtype=wd) if self.params["stochastic"] else None
+        direct = not padded and g % per == 0  # whole bytes per row: pack block by block
+        if direct:
+            out = torch.empty(rows * g // per, dtype=torch.uint8, device=t.device)
+        else:
+            codes = torch.empty((rows, g), dtype=torch.uint8, device=t.device)
+        buf = None
+        for r0, r1, c0, c1 in row_blocks(rows, g, checks, multiple=per):
+            xb = x[r0:r1, c0:c1]
+            if buf is None or buf.numel() < xb.numel():
+                buf = torch.empty(xb.numel(), dtype=wd, device=t.device)
+            v = buf[: xb.numel()].view(xb.shape)
+            if halve:
+                torch.mul(xb, s[r0:r1], out=v).sub_(mn_s[r0:r1]).div_(safe_s[r0:r1])
+            else:
+                torch.sub(xb, mn[r0:r1], out=v).div_(safe[r0:r1])
+            if noise is not None:
+                v.add_(noise[r0:r1, c0:c1]).floor_()
+            else:
+                v.round_()
+            v.clamp_(0.0, levels)
+            if nonfinite:
+                v.nan_to_num_(0.0)  # defined cast; the group's scale is NaN or inf
+            if direct:
+                k0, k1 = (r0 * g + c0) // per, ((r1 - 1) * g + c1) // per
+                if bits == 8:
+                    out[k0:k1].view(v.shape).copy_(v)
+                else:
+                    pack_flat(v.to(torch.uint8).view(-1), bits, out=out[k0:k1])
+            else:
+                codes[r0:r1, c0:c1].copy_(v)
+        if direct:
+            packed = out.view(n, -1)
+        else:
+            packed = pack_codes_fast(codes.view(n, groups * g)[:, :m], bits)
+        return packed, mn.reshape(n, groups), scale.reshape(n, groups)
+
+    def _decompress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
+        self,
+        codes: Tensor,
+        mn: Tensor,
+        scale: Tensor,
+        full: tuple[int, ...],
+        m: int,
+        g: int,
+        groups: int,
+        levels: float,
+        wd: torch.dtype,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """``decompress`` with bit-identical output: per block of rows, codes unpacked by table
+        lookup and x = q * scale + mn written into the output (one multiply, one in-place
+        add); the halving, clamp and NaN steps only where some group needs them (always on
+        CUDA)."""
+        bits = self.params["bits"]
+        per = 8 // bits
+        n = codes.shape[0]
+        rows = n * groups
+        fmax = torch.finfo(wd).max
+        mn = mn.to(wd).reshape(rows, 1)
+        scale = scale.to(wd).reshape(rows, 1)
+        half = torch.full_like(scale, 0.5)
+        s = torch.where(scale > fmax / (2.0 * levels), half, torch.ones_like(scale))
+        checks = host_checks(codes)
+        halve = clamp = nonfinite = True
+        if checks:
+            halve = bool((s != 1.0).any())
+            # |q * scale + mn| <= |mn| + levels * scale well inside the range: no clamp (a
+            # NaN bound compares False and keeps it).
+            bound = float((mn.abs() + levels * scale).max())
+            clamp = not bound < fmax * 0.5
+            # scale - scale is +0 for finite scales >= +0, and x + 0 == x then (x is never
+            # -0.0: q * scale + mn with q * scale >= +0).
+            nonfinite = not bool((torch.isfinite(scale) & ~torch.signbit(scale)).all())
+        if halve:  # x = (mn * s + q * (scale * s)) / s, as in the IPU-safe formulation
+            scale_s, mn_s = scale * s, mn * s
+        if nonfinite:
+            nan_term = scale - scale  # NaN where the group held NaN or +-inf
+        padded = groups * g != m
+        direct = not padded and g % per == 0  # whole bytes per row: unpack block by block
+        if direct:
+            flat = codes.reshape(-1)
+            q_all = None
+        else:
+            q_all = unpack_codes_fast(codes, bits, m)
+            if padded:
+                q_all = torch.nn.functional.pad(q_all, (0, groups * g - m))
+            q_all = q_all.reshape(rows, g)
+        out_dtype = dtype if not padded else wd
+        out = torch.empty((rows, g), dtype=out_dtype, device=codes.device)
+        buf = None
+        for r0, r1, c0, c1 in row_blocks(rows, g, checks, multiple=per):
+            if q_all is None:
+                k0, k1 = (r0 * g + c0) // per, ((r1 - 1) * g + c1) // per
+                qb = unpack_codes_fast(flat[k0:k1].view(1, -1), bits, (k1 - k0) * per)
+                qb = qb.view(r1 - r0, c1 - c0)
+            else:
+                qb = q_all[r0:r1, c0:c1]
+            ob = out[r0:r1, c0:c1]
+            if out_dtype == wd:
+                xb = ob
+            else:
+                if buf is None or buf.numel() < qb.numel():
+                    buf = torch.empty(qb.numel(), dtype=wd, device=codes.device)
+                xb = buf[: qb.numel()].view(qb.shape)
+            if halve:
+                torch.mul(qb, scale_s[r0:r1], out=xb).add_(mn_s[r0:r1]).div_(s[r0:r1])
+            else:
+                torch.mul(qb, scale[r0:r1], out=xb).add_(mn[r0:r1])
+            if clamp:
+                xb.clamp_(-fmax, fmax)
+            if nonfinite:
+                xb.add_(nan_term[r0:r1])
+            if xb is not ob:
+                ob.copy_(xb)
+        if padded:
+            return out.view(n, groups * g)[:, :m].reshape(full).to(dtype).contiguous()
+        return out.view(full)

@@ -1,0 +1,251 @@
+"""Command-line flags of the harness, the two presets, and byte sizes such as ``2GiB``.
+
+Without ``--full`` the quick preset applies (what ``make bench`` runs): every published
+model at its ``quick_resolution``, a small batch, few timed rounds, the memory-budget
+search under an automatic budget. ``--full`` runs the published sizes (``paper_batch`` at
+``native_resolution``) with more rounds. Any explicit flag overrides its preset value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from unroller.schemes import SCHEMES
+
+PUBLISHED = ("resnet34", "emdenoise", "slstrcloud", "opticaldamage")
+PEERS = ("autograd", "checkpoint", "hooks")
+# schemes whose compressor the hook-based peer applies: scheme -> compressor name
+HOOK_SCHEMES = {"dct-dense": "dct", "quant": "quant"}
+DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "results"
+AUTO = "auto"
+NONE = "none"
+
+
+@dataclass(frozen=True)
+class Preset:
+    iterations: int
+    warmup: int
+    max_batch: int | None  # the batch: min(paper_batch, max_batch); None: paper_batch
+    full_size: bool  # native_resolution (else quick_resolution)
+    budget: str | None  # --memory-budget default
+    budget_factor: float  # "auto": autograd's predicted peak at factor x the run's batch
+
+
+QUICK = Preset(
+    iterations=3,
+    warmup=1,
+    max_batch=4,
+    full_size=False,
+    budget=AUTO,
+    budget_factor=3.0,
+)
+FULL = Preset(
+    iterations=15,
+    warmup=3,
+    max_batch=None,
+    full_size=True,
+    budget=AUTO,
+    budget_factor=2.0,
+)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``2GiB`` -> 2147483648. KiB/MiB/GiB and bare K/M/G are powers of 1024, KB/MB/GB of
+    1000; a bare number is bytes. Raises ValueError on anything else."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not found or found.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size such as 2GiB, 512MiB or 1e9 bytes, got {text!r}")
+    value = float(found.group(1)) * _UNITS[found.group(2).lower()]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"the size must be positive, got {text!r}")
+    return int(value)
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _budget(text: str) -> int | str:
+    if text.lower() in (AUTO, NONE, "off"):
+        return AUTO if text.lower() == AUTO else NONE
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two batch sizes A,B, got {text!r}") from None
+    if not 1 <= a < b:
+        raise argparse.ArgumentTypeError(f"expected 1 <= A < B, got {text!r}")
+    return a, b
+
+
+def build_parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Benchmark the generated unrolled training step, per compression scheme, against "
+            "its peers (autograd, torch.utils.checkpoint, autograd with the same compressor "
+            "in saved_tensors_hooks): step time, samples/s, stashed bytes, peak step memory, "
+            "and the largest batch under a memory budget. Writes JSON lines, CSV, Markdown "
+            "and PNG plots to --out-dir."
+        ),
+        epilog=(
+            "Example: unroll bench --benchmark resnet34 --scheme dct-dense --resolution 16 "
+            "--memory-budget 512MiB   (make bench: the quick preset; make bench FULL=1: --full)"
+        ),
+    )
+    add = parser.add_argument
+    add(
+        "--benchmark",
+        default="all",
+        help="a model of the registry, a comma list, or 'all' "
+        "(the four published models; default)",
+    )
+    add("--scheme", default="all", help=f"one of {', '.join(SCHEMES)}, a comma list, or 'all'")
+    add("--platform", choices=("gpu", "ipu"), default="gpu")
+    add("--device", choices=("cpu", "cuda"), default="cpu", help="where gpu-platform steps run")
+    add("--full", action="store_true", help="published sizes: paper batch, native resolution")
+    add("--iterations", type=_positive, help="timed rounds (each method once per round)")
+    add("--warmup", type=_non_negative, help="untimed rounds before timing")
+    add("--batch-size", type=_positive, help="samples per step (default: preset)")
+    add("--resolution", type=_positive, help="rows of image inputs (default: preset)")
+    add(
+        "--get-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the peak memory of one step per method (default: on)",
+    )
+    add(
+        "--memory-budget",
+        type=_budget,
+        help="find the largest batch per method whose peak fits this size (2GiB, 512MiB); "
+        "'auto': autograd's predicted peak at a multiple of the batch; 'none': skip "
+        "(default: auto)",
+    )
+    add(
+        "--probe-batches",
+        type=_pair,
+        help="the two batch sizes of the linear peak fit, A,B (default: the run's batch and "
+        "twice it)",
+    )
+    add("--device-batch-size", type=_positive, help="ipu: micro-batch per replica")
+    add("--num-ipus", type=int, choices=(1, 2, 4, 8, 16), default=1, help="ipu: pipeline stages")
+    add("--replication-factor", type=_positive, default=1, help="ipu: data-parallel replicas")
+    add("--profile", metavar="DIR", help="ipu: write a PopVision report to DIR")
+    add("--emulate", action="store_true", help="ipu: the CPU emulation of PopTorch")
+    add("--seed", type=int, default=0, help="weights and batch seed")
+    add("--threads", type=_positive, help="torch.set_num_threads (default: torch's)")
+    add(
+        "--out-dir",
+        type=Path,
+        default=DEFAULT_OUT_DIR,
+        help="results folder (default: benchmarks/results)",
+    )
+    add("--plots", action=argparse.BooleanOptionalAction, default=True, help="write PNG plots")
+    add("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    return parser
+
+
+def _choose(text: str, known: Sequence[str], every: Sequence[str], what: str, parser) -> list:
+    names = list(every) if text == "all" else [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        parser.error(f"unknown {what} {unknown or text!r}; known: {', '.join(known)}, all")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(
+    argv: Sequence[str] | None, known_benchmarks: Sequence[str], prog: str | None = None
+) -> argparse.Namespace:
+    """Parsed flags with the preset filled in (``args.preset``, ``args.benchmarks``,
+    ``args.schemes``); argparse exits 2 on bad flags."""
+    parser = build_parser(prog or "python -m benchmarks.run")
+    args = parser.parse_args(argv)
+    preset = FULL if args.full else QUICK
+    args.preset = preset
+    published = [b for b in PUBLISHED if b in known_benchmarks]
+    args.benchmarks = _choose(args.benchmark, known_benchmarks, published, "benchmark", parser)
+    args.schemes = _choose(args.scheme, SCHEMES, SCHEMES, "scheme", parser)
+    args.iterations = args.iterations or preset.iterations
+    args.warmup = preset.warmup if args.warmup is None else args.warmup
+    if args.memory_budget is None:
+        args.memory_budget = preset.budget
+    elif args.memory_budget == NONE:
+        args.memory_budget = None
+    ipu_only = ("device_batch_size", "profile")
+    if args.platform != "ipu":
+        given = [f"--{n.replace('_', '-')}" for n in ipu_only if getattr(args, n) is not None]
+        given += ["--emulate"] if args.emulate else []
+        given += ["--num-ipus"] if args.num_ipus != 1 else []
+        given += ["--replication-factor"] if args.replication_factor != 1 else []
+        if given:
+            parser.error(f"{', '.join(given)} only apply with --platform ipu")
+    elif args.device != "cpu":
+        parser.error("--platform ipu runs on IPUs (or their CPU emulation): drop --device")
+    return args
+
+
+def ipu_accumulation(num_ipus: int) -> int:
+    """Micro-batches per step, as the generated runner sets it: 2 x IPUs when pipelined."""
+    return 2 * num_ipus if num_ipus > 1 else 1
+
+
+def ipu_batch(args: argparse.Namespace, batch: int) -> tuple[int, int]:
+    """(device batch, whole batch): the whole batch one emulated call takes is device batch
+    x replicas x gradient-accumulation micro-batches; without --device-batch-size the
+    device batch is the preset's batch split over them (at least 1)."""
+    parts = args.replication_factor * ipu_accumulation(args.num_ipus)
+    device = args.device_batch_size or max(1, batch // parts)
+    return device, device * parts

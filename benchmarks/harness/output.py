@@ -1,0 +1,271 @@
+"""What the harness writes: JSON lines, CSV, Markdown; the progress bar and the summary.
+
+``PREFIX.jsonl``: one ``{"type": "meta"}`` line (machine, command, methods), one
+``{"type": "run"}`` line per benchmark and method, one ``{"type": "goal"}`` line per goal.
+``PREFIX.csv``: one row per run (``CSV_FIELDS``). ``PREFIX.md``: the table, the goals,
+the methods. The summary on screen: one row per method, one column per benchmark.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from benchmarks.harness.goals import verdict
+
+MIB = 1024.0 * 1024.0
+
+CSV_FIELDS = (
+    "benchmark",
+    "method",
+    "kind",
+    "scheme",
+    "platform",
+    "device",
+    "emulated",
+    "batch",
+    "resolution",
+    "time_median_ms",
+    "time_p10_ms",
+    "time_p90_ms",
+    "time_ratio_vs_autograd",
+    "samples_per_s",
+    "stash_raw_bytes",
+    "stash_stored_bytes",
+    "step_peak_bytes",
+    "total_peak_bytes",
+    "live_at_backward_bytes",
+    "peak_ratio_vs_autograd",
+    "memory_how",
+    "loss",
+    "budget_bytes",
+    "max_batch",
+    "max_batch_confirmed",
+    "max_batch_ratio_vs_autograd",
+)
+
+
+def _get(record: dict[str, Any], *path: str) -> Any:
+    for key in path:
+        if not isinstance(record, dict) or record.get(key) is None:
+            return None
+        record = record[key]
+    return record
+
+
+def csv_row(rec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "benchmark": rec["benchmark"],
+        "method": rec["method"],
+        "kind": rec["kind"],
+        "scheme": rec["scheme"],
+        "platform": rec["platform"],
+        "device": rec["device"],
+        "emulated": rec["emulated"],
+        "batch": rec["batch"],
+        "resolution": rec["resolution"],
+        "time_median_ms": _get(rec, "time_ms", "median"),
+        "time_p10_ms": _get(rec, "time_ms", "p10"),
+        "time_p90_ms": _get(rec, "time_ms", "p90"),
+        "time_ratio_vs_autograd": _get(rec, "time_ratio", "median"),
+        "samples_per_s": rec["samples_per_s"],
+        "stash_raw_bytes": _get(rec, "stash", "raw_bytes"),
+        "stash_stored_bytes": _get(rec, "stash", "stored_bytes"),
+        "step_peak_bytes": _get(rec, "memory", "step_peak_bytes"),
+        "total_peak_bytes": _get(rec, "memory", "total_peak_bytes"),
+        "live_at_backward_bytes": _get(rec, "memory", "live_at_backward_bytes"),
+        "peak_ratio_vs_autograd": rec.get("peak_ratio_vs_autograd"),
+        "memory_how": _get(rec, "memory", "how"),
+        "loss": rec["loss"],
+        "budget_bytes": _get(rec, "max_batch", "budget_bytes"),
+        "max_batch": _get(rec, "max_batch", "max_batch"),
+        "max_batch_confirmed": _get(rec, "max_batch", "confirmed"),
+        "max_batch_ratio_vs_autograd": rec.get("max_batch_ratio_vs_autograd"),
+    }
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def write_jsonl(path: Path, meta: dict, records: list[dict], goals: list[dict]) -> None:
+    lines = [{"type": "meta", **meta}]
+    lines += [{"type": "run", **rec} for rec in records]
+    lines += [{"type": "goal", **g} for g in goals]
+    text = "".join(json.dumps(line, default=_json_default) + "\n" for line in lines)
+    path.write_text(text, encoding="utf-8")
+
+
+def write_csv(path: Path, records: list[dict]) -> None:
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for rec in records:
+            writer.writerow(csv_row(rec))
+
+
+def _mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / MIB:.2f}"
+
+
+def _x(r: float | None, digits: int = 2) -> str:
+    return "n/a" if r is None else f"{r:.{digits}f}x"
+
+
+def _max_batch(rec: dict[str, Any]) -> str:
+    mb = rec.get("max_batch")
+    if not mb:
+        return "n/a"
+    mark = "" if mb["confirmed"] else " (unconfirmed)"
+    ratio = rec.get("max_batch_ratio_vs_autograd")
+    return f"{mb['max_batch']}{mark}" + ("" if ratio is None else f" ({ratio:.2f}x)")
+
+
+def markdown(meta: dict, records: list[dict], goals: list[dict]) -> str:
+    lines = [f"## unroller benchmark: {meta['title']}", ""]
+    lines += [f"- {line}" for line in meta["about"]]
+    lines += [
+        "",
+        "| benchmark | batch @ res | method | step ms median (p10/p90) | time vs autograd "
+        "| samples/s | stashed MiB raw / stored | step peak MiB | total peak MiB "
+        "| live at bwd MiB | peak vs autograd | final loss | max batch (vs autograd) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rec in records:
+        t, st, mem = rec["time_ms"], rec["stash"], rec.get("memory") or {}
+        lines.append(
+            f"| {rec['benchmark']} | {rec['batch']} @ {rec['resolution']} | {rec['method']} "
+            f"| {t['median']:.1f} ({t['p10']:.1f}/{t['p90']:.1f}) "
+            f"| {_x(_get(rec, 'time_ratio', 'median'), 3)} | {rec['samples_per_s']:.1f} "
+            f"| {_mib(st['raw_bytes'])} / {_mib(st['stored_bytes'])} "
+            f"| {_mib(mem.get('step_peak_bytes'))} | {_mib(mem.get('total_peak_bytes'))} "
+            f"| {_mib(mem.get('live_at_backward_bytes'))} "
+            f"| {_x(rec.get('peak_ratio_vs_autograd'))} | {rec['loss']:.6g} "
+            f"| {_max_batch(rec)} |"
+        )
+    lines += ["", "### Goals (reported, never asserted)", ""]
+    for g in goals:
+        lines.append(f"- {g['benchmark']}: {g['text']}: **{verdict(g['met'])}** ({g['figures']})")
+    budgets = [r for r in records if r.get("max_batch")]
+    if budgets:
+        lines += ["", "### Max batch under the memory budget", ""]
+        for rec in budgets:
+            mb = rec["max_batch"]
+            measured = ", ".join(
+                f"{m['batch']}: {_mib(m['total_peak_bytes'])}" for m in mb["measured"]
+            )
+            lines.append(
+                f"- {rec['benchmark']} {rec['method']}: budget {_mib(mb['budget_bytes'])} MiB, "
+                f"fit {_mib(mb['intercept_bytes'])} MiB + {_mib(mb['bytes_per_sample'])} MiB "
+                f"x batch, predicted {mb['predicted_max_batch']}, max {mb['max_batch']} "
+                f"({'confirmed' if mb['confirmed'] else 'not confirmed'}); measured total "
+                f"peaks MiB by batch: {measured}" + "".join(f"; {n}" for n in mb["notes"])
+            )
+    lines += ["", "### Methods", ""]
+    lines += [f"- {k}: {v}" for k, v in meta["methods"].items()]
+    lines += ["", "### Machine", ""]
+    for key in ("date", "processor", "machine", "platform", "cpu_count", "torch", "num_threads"):
+        lines.append(f"- {key}: {meta[key]}")
+    lines.append(f"- command: `{meta['command']}`")
+    lines.append(f"- wall time: {meta['wall_s']:.0f} s")
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(meta: dict, records: list[dict]) -> Table:
+    """Rows: methods; columns: benchmarks. Autograd's cell holds its own figures (ms,
+    step peak MiB, max batch); every other cell its ratios to autograd's."""
+    benches = list(dict.fromkeys(r["benchmark"] for r in records))
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    cells = {(r["benchmark"], r["method"]): r for r in records}
+    table = Table(title=meta["title"], caption="time x / peak x / max batch x (vs autograd)")
+    table.add_column("method")
+    for bench in benches:
+        first = next(r for r in records if r["benchmark"] == bench)
+        table.add_column(f"{bench} b{first['batch']}@{first['resolution']}", justify="right")
+    for method in methods:
+        row = [method]
+        for bench in benches:
+            rec = cells.get((bench, method))
+            if rec is None:
+                row.append("")
+            elif method == "autograd":
+                mem = rec.get("memory") or {}
+                mb = (rec.get("max_batch") or {}).get("max_batch")
+                row.append(
+                    f"{rec['time_ms']['median']:.0f} ms / "
+                    f"{_mib(mem.get('step_peak_bytes'))} MiB / {mb if mb is not None else 'n/a'}"
+                )
+            else:
+                row.append(
+                    f"{_x(_get(rec, 'time_ratio', 'median'))} / "
+                    f"{_x(rec.get('peak_ratio_vs_autograd'))} / "
+                    f"{_x(rec.get('max_batch_ratio_vs_autograd'), 1)}"
+                )
+        table.add_row(*row)
+    return table
+
+
+def print_summary(
+    console: Console, meta: dict, records: list[dict], goals: list[dict], files: list[Path]
+) -> None:
+    console.print(summary_table(meta, records))
+    for line in meta["about"]:
+        console.print(f"  {line}", markup=False, highlight=False)
+    by_goal: dict[str, list[dict]] = {}
+    for g in goals:
+        by_goal.setdefault(g["text"], []).append(g)
+    console.print("Goals (reported, not asserted):", markup=False)
+    for text, items in by_goal.items():
+        found = "; ".join(f"{g['benchmark']} {verdict(g['met'])} ({g['figures']})" for g in items)
+        console.print(f"- {text}: {found}", markup=False, highlight=False)
+    console.print(
+        f"wrote {', '.join(str(f) for f in files)} ({meta['wall_s']:.0f} s)", markup=False
+    )
+
+
+class Bar:
+    """A rich progress bar over the run's units of work, or nothing."""
+
+    def __init__(self, progress: Progress | None):
+        self.progress = progress
+        self.task = progress.add_task("starting", total=None) if progress else None
+
+    def add(self, units: int) -> None:
+        if self.progress is not None:
+            total = self.progress.tasks[0].total or 0
+            self.progress.update(self.task, total=total + units)
+
+    def advance(self, what: str, units: int = 1) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=units, description=what)
+
+    def note(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, description=what)
+
+
+@contextmanager
+def progress_bar(console: Console, enabled: bool) -> Iterator[Bar]:
+    if not enabled:
+        yield Bar(None)
+        return
+    columns = (
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as progress:
+        yield Bar(progress)

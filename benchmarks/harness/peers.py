@@ -1,0 +1,246 @@
+"""Every method the harness measures, ours and the peers, behind one small interface.
+
+A ``Method`` runs one training step on a batch (``run(batch, mark)`` returns the loss;
+with ``mark`` the autograd family wraps ``loss.backward()`` in core_bench's
+``record_function`` marker so the profiler sees where the backward pass begins) and
+reports what the last step kept for backward (``stash(batch)``).
+
+- ``ours:<scheme>``: the generated module, ``model.zero_grad(set_to_none=True);
+  loss = model(*batch)`` (core_bench.step_ours); stash from ``model.stash_report()``.
+  On ``--platform ipu``: the generated IPU module under ``poptorch.trainingModel`` (the
+  CPU emulation with ``--emulate``), one call per step, SGD with lr 0 so the weights
+  stay those of the peers (the update is still computed and applied);
+- ``autograd``: the ``torch.nn`` reference, ``loss = ref(*batch)[0]; loss.backward()``;
+- ``checkpoint``: the same with ``ref.forward_checkpointed`` (torch.utils.checkpoint at
+  stage boundaries);
+- ``hooks:<scheme>``: the reference under ``torch.autograd.graph.saved_tensors_hooks``
+  whose pack hook compresses, with the scheme's own compressor, every floating tensor of
+  at least 4 dims with H, W >= 8 that is not a parameter (dct: exactly 4 dims, as the
+  compressor requires), and whose unpack hook decompresses: how hook-based activation
+  compression libraries (ActNN, GACT) work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.profiler import record_function
+
+from benchmarks.core_bench import BACKWARD_MARK, count_autograd_saved, step_ours
+from unroller.compress import Compressor, packed_nbytes
+from unroller.schemes import builtin
+
+HOOK_MIN_HW = 8
+STASH_METHODS = {
+    "ours": "model.stash_report() after one step: bytes of the tensors the generated code "
+    "keeps (raw: as made; stored: after masks and compression)",
+    "autograd": "core_bench.count_autograd_saved: saved_tensors_hooks record every tensor "
+    "autograd saves in one forward, each storage once, parameters excluded (raw = stored)",
+    "checkpoint": "the same count over forward_checkpointed: what autograd saves outside the "
+    "checkpointed stages plus the stage inputs the checkpoints keep (raw = stored)",
+    "hooks": "the peer's pack hook in one step: raw = bytes of the tensors it was given, each "
+    "storage once, parameters excluded; stored = what it kept: the packed bytes of every "
+    "compressed call (a tensor saved twice is compressed twice) plus each uncompressed "
+    "storage once",
+}
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # "ours", "autograd", "checkpoint" or "hooks"
+    scheme: str | None
+    module: nn.Module
+    run: Callable[[list[Tensor], bool], Tensor]
+    stash: Callable[[list[Tensor]], dict[str, Any]]
+    backward_mark: str | None = None  # found later for ours (see measure.backward_mark)
+    notes: list[str] = field(default_factory=list)
+
+    def step(self, batch: list[Tensor]) -> Tensor:
+        return self.run(batch, False)
+
+
+def _backward(loss: Tensor, mark: bool) -> None:
+    with record_function(BACKWARD_MARK) if mark else contextlib.nullcontext():
+        loss.backward()
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def _stash_report(model: nn.Module) -> dict[str, Any]:
+    report = model.stash_report()
+    return {
+        "raw_bytes": report["total_raw_bytes"],
+        "stored_bytes": report["total_stored_bytes"],
+        "rows": report["rows"],
+    }
+
+
+def ours_gpu(scheme: str, model: nn.Module) -> Method:
+    def run(batch: list[Tensor], mark: bool) -> Tensor:
+        return step_ours(model, batch)
+
+    def stash(batch: list[Tensor]) -> dict[str, Any]:
+        step_ours(model, batch)
+        return _stash_report(model)
+
+    return Method(f"ours:{scheme}", "ours", scheme, model, run, stash)
+
+
+def ours_ipu(scheme: str, model: nn.Module, poptorch: Any, args: Any) -> Method:
+    """The generated IPU module under ``poptorch.trainingModel`` (real or emulated)."""
+    from benchmarks.harness.config import ipu_accumulation
+
+    opts = poptorch.Options()
+    opts.deviceIterations(1)
+    opts.replicationFactor(args.replication_factor)
+    opts.randomSeed(args.seed)
+    opts.Training.gradientAccumulation(ipu_accumulation(args.num_ipus))
+    opts.Training.accumulationAndReplicationReductionType(poptorch.ReductionType.Mean)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.0)
+    training = poptorch.trainingModel(model, opts, optimizer)
+
+    def run(batch: list[Tensor], mark: bool) -> Tensor:
+        out = training(*batch)
+        return out[1] if isinstance(out, tuple) else out
+
+    def stash(batch: list[Tensor]) -> dict[str, Any]:
+        run(batch, False)
+        found = _stash_report(model)
+        found["note"] = "the last micro-batch of the call"
+        return found
+
+    method = Method(f"ours:{scheme}", "ours", scheme, model, run, stash)
+    method.notes.append("one poptorch.trainingModel call (SGD, lr 0)")
+    return method
+
+
+# --------------------------------------------------------------------------- autograd family
+
+
+class _Checkpointed(nn.Module):
+    """The reference whose forward is its ``forward_checkpointed``, to count what it saves."""
+
+    def __init__(self, ref: nn.Module):
+        super().__init__()
+        self.ref = ref
+
+    def forward(self, *batch: Tensor):
+        return self.ref.forward_checkpointed(*batch)
+
+
+def _counted(module: nn.Module, batch: list[Tensor]) -> dict[str, Any]:
+    saved = count_autograd_saved(module, batch)
+    n = saved["without_params_bytes"]
+    return {"raw_bytes": n, "stored_bytes": n, "rows": None, "counted": saved}
+
+
+def autograd(ref: nn.Module) -> Method:
+    def run(batch: list[Tensor], mark: bool) -> Tensor:
+        ref.zero_grad(set_to_none=True)
+        loss = ref(*batch)[0]
+        _backward(loss, mark)
+        return loss
+
+    return Method("autograd", "autograd", None, ref, run, lambda b: _counted(ref, b), BACKWARD_MARK)
+
+
+def checkpointed(ref: nn.Module) -> Method:
+    wrapper = _Checkpointed(ref)
+
+    def run(batch: list[Tensor], mark: bool) -> Tensor:
+        ref.zero_grad(set_to_none=True)
+        loss = ref.forward_checkpointed(*batch)[0]
+        _backward(loss, mark)
+        return loss
+
+    def stash(batch: list[Tensor]) -> dict[str, Any]:
+        return _counted(wrapper, batch)
+
+    return Method("checkpoint", "checkpoint", None, ref, run, stash, BACKWARD_MARK)
+
+
+class CompressingHooks:
+    """pack: compress eligible saved tensors with ``codec``; unpack: decompress them."""
+
+    def __init__(self, codec: Compressor, module: nn.Module):
+        self.codec = codec
+        self.exact_4d = codec.name == "dct"
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.reset()
+
+    def reset(self) -> None:
+        self.raw: dict[int, int] = {}  # storage -> bytes of every tensor it was given
+        self.kept: dict[int, int] = {}  # storage -> bytes of those it kept uncompressed
+        self.packed_bytes = 0
+        self.compressed_calls = 0
+
+    def eligible(self, t: Tensor) -> bool:
+        """Floating, not a parameter, 4 dims or more (dct: exactly 4), H and W >= 8."""
+        dims_ok = t.dim() == 4 if self.exact_4d else t.dim() >= 4
+        return (
+            t.is_floating_point()
+            and dims_ok
+            and min(t.shape[-2:]) >= HOOK_MIN_HW
+            and not self.is_param(t)
+        )
+
+    def is_param(self, t: Tensor) -> bool:
+        return isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self.param_ptrs
+
+    def pack(self, t: Tensor) -> Any:
+        if self.is_param(t):
+            return t
+        ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        self.raw.setdefault(ptr, nbytes)
+        if not self.eligible(t):
+            self.kept.setdefault(ptr, nbytes)
+            return t
+        with torch.no_grad():
+            packed = self.codec.compress(t.detach())
+        self.packed_bytes += packed_nbytes(packed)
+        self.compressed_calls += 1
+        return (packed, tuple(t.shape[1:]), t.dtype)
+
+    def unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        data, shape, dtype = packed
+        with torch.no_grad():
+            return self.codec.decompress(data, shape, dtype)
+
+    def context(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def hooks(scheme: str, ref: nn.Module) -> Method:
+    codec = builtin(scheme).default.instance()
+    hk = CompressingHooks(codec, ref)
+
+    def run(batch: list[Tensor], mark: bool) -> Tensor:
+        ref.zero_grad(set_to_none=True)
+        hk.reset()
+        with hk.context():
+            loss = ref(*batch)[0]
+        _backward(loss, mark)
+        return loss
+
+    def stash(batch: list[Tensor]) -> dict[str, Any]:
+        run(batch, False)
+        return {
+            "raw_bytes": sum(hk.raw.values()),
+            "stored_bytes": hk.packed_bytes + sum(hk.kept.values()),
+            "rows": None,
+            "compressed_calls": hk.compressed_calls,
+            "compressor": repr(codec),
+        }
+
+    method = Method(f"hooks:{scheme}", "hooks", scheme, ref, run, stash, BACKWARD_MARK)
+    method.notes.append(f"saved_tensors_hooks with {codec!r}")
+    return method

@@ -1,0 +1,140 @@
+"""PNG plots of a run (matplotlib, Agg backend): one figure per question, one panel per model.
+
+- ``PREFIX_memory.png``: step peak and stashed (stored) bytes per method;
+- ``PREFIX_time_ratio.png``: step time / autograd's per method (median, p10-p90 bars);
+- ``PREFIX_layers.png``: stored bytes per kept tensor (stash_report rows) per scheme;
+- ``PREFIX_max_batch.png``: the largest batch under the budget per method (if searched).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MIB = 1024.0 * 1024.0
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _panels(plt, records: list[dict], height: float = 3.6):
+    benches = list(dict.fromkeys(r["benchmark"] for r in records))
+    fig, axes = plt.subplots(1, len(benches), figsize=(4.6 * len(benches), height), squeeze=False)
+    groups = [
+        (b, [r for r in records if r["benchmark"] == b], ax) for b, ax in zip(benches, axes[0])
+    ]
+    return fig, groups
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def memory(records: list[dict], path: Path) -> Path | None:
+    if not any(r.get("memory") for r in records):
+        return None
+    plt = _pyplot()
+    fig, groups = _panels(plt, records)
+    for bench, recs, ax in groups:
+        names = [r["method"] for r in recs]
+        xs = range(len(recs))
+        peak = [(r.get("memory") or {}).get("step_peak_bytes") or 0 for r in recs]
+        stored = [r["stash"]["stored_bytes"] or 0 for r in recs]
+        ax.bar([x - 0.2 for x in xs], [p / MIB for p in peak], 0.4, label="step peak")
+        ax.bar([x + 0.2 for x in xs], [s / MIB for s in stored], 0.4, label="stashed (stored)")
+        ax.set_xticks(list(xs), names, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("MiB")
+        ax.set_title(f"{bench} (batch {recs[0]['batch']})", fontsize=9)
+    groups[0][2].legend(fontsize=7)
+    fig.suptitle("Peak step memory and stashed bytes per scheme and peer", fontsize=10)
+    return _save(plt, fig, path)
+
+
+def time_ratio(records: list[dict], path: Path) -> Path:
+    plt = _pyplot()
+    fig, groups = _panels(plt, records)
+    for bench, recs, ax in groups:
+        names = [r["method"] for r in recs]
+        med = [r["time_ratio"]["median"] for r in recs]
+        lo = [m - r["time_ratio"]["p10"] for m, r in zip(med, recs)]
+        hi = [r["time_ratio"]["p90"] - m for m, r in zip(med, recs)]
+        ax.bar(range(len(recs)), med, yerr=[lo, hi], capsize=2, color="tab:green")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(list(range(len(recs))), names, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("step time / autograd")
+        ax.set_title(f"{bench} (batch {recs[0]['batch']})", fontsize=9)
+    fig.suptitle("Step time relative to autograd (median, p10-p90)", fontsize=10)
+    return _save(plt, fig, path)
+
+
+def layers(records: list[dict], path: Path) -> Path | None:
+    ours = [r for r in records if r["kind"] == "ours" and r["stash"].get("rows")]
+    if not ours:
+        return None
+    plt = _pyplot()
+    fig, groups = _panels(plt, ours, height=4.0)
+    for bench, recs, ax in groups:
+        for rec in recs:
+            rows = rec["stash"]["rows"]
+            ax.plot(
+                range(len(rows)),
+                [max(row["stored_bytes"], 1) for row in rows],
+                marker=".",
+                linewidth=0.8,
+                label=rec["scheme"],
+            )
+        ax.set_yscale("log")
+        ax.set_xlabel("kept tensor (forward order)")
+        ax.set_ylabel("stored bytes")
+        ax.set_title(f"{bench} (batch {recs[0]['batch']})", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle("Stored bytes per kept tensor (stash_report)", fontsize=10)
+    return _save(plt, fig, path)
+
+
+def max_batch(records: list[dict], path: Path) -> Path | None:
+    found = [r for r in records if r.get("max_batch")]
+    if not found:
+        return None
+    plt = _pyplot()
+    fig, groups = _panels(plt, found)
+    for bench, recs, ax in groups:
+        values = [r["max_batch"]["max_batch"] for r in recs]
+        bars = ax.bar(range(len(recs)), values, color="tab:purple")
+        for bar, rec in zip(bars, recs):
+            ratio = rec.get("max_batch_ratio_vs_autograd")
+            if ratio is not None:
+                ax.annotate(
+                    f"{ratio:.1f}x",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
+        budget = recs[0]["max_batch"]["budget_bytes"] / MIB
+        ax.set_xticks(
+            list(range(len(recs))), [r["method"] for r in recs], rotation=60, ha="right", fontsize=7
+        )
+        ax.set_ylabel("largest batch")
+        ax.set_title(f"{bench} (budget {budget:.0f} MiB)", fontsize=9)
+    fig.suptitle("Largest batch under the memory budget (x: vs autograd)", fontsize=10)
+    return _save(plt, fig, path)
+
+
+def write_all(records: list[dict[str, Any]], out_dir: Path, prefix: str) -> list[Path]:
+    made = [
+        memory(records, out_dir / f"{prefix}_memory.png"),
+        time_ratio(records, out_dir / f"{prefix}_time_ratio.png"),
+        layers(records, out_dir / f"{prefix}_layers.png"),
+        max_batch(records, out_dir / f"{prefix}_max_batch.png"),
+    ]
+    return [p for p in made if p is not None]
