@@ -625,14 +625,19 @@ def limits_paragraph(results: dict[str, Any]) -> str:
     clone = results["codecs"]["clone_pooled"]
     best = max(floats, key=lambda c: c["gbps"]["round_trip"])
     worst = min(floats, key=lambda c: c["gbps"]["round_trip"])
+    spread = (
+        ": a clone of a large tensor may or may not page-fault a fresh buffer, whatever the "
+        "allocator did before"
+        if clone["max_gbps"] > 1.5 * clone["median_gbps"]
+        else ""
+    )
     general = (
         "What limits these figures. The compressors are eager, unfused PyTorch: every "
         "reshape, matmul, cast, clamp and bit-packing step writes a full-size temporary, so "
         f"their round trips run at {worst['gbps']['round_trip']:.2f} ({worst['label']}) to "
         f"{best['gbps']['round_trip']:.2f} GB/s ({best['label']}) of raw float32 bytes, "
         f"against {clone['median_gbps']:.2f} GB/s for torch.clone (median of all float32 "
-        f"clones; best {clone['max_gbps']:.2f} GB/s: large clones are bimodal here, with or "
-        "without page faults for a fresh buffer). Their cost is paid in the forward "
+        f"clones; best {clone['max_gbps']:.2f} GB/s{spread}). Their cost is paid in the forward "
         "(compress) and in the backward (decompress) of every compressed tensor, and is "
         "compared with convolutions that run on 2 CPU cores; on an accelerator the "
         "convolutions speed up far more than these memory-bound op chains, so fused kernels "

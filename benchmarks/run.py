@@ -30,14 +30,27 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-from rich.console import Console
+# Before torch loads: the profiler (peak memory) would print two "USDT: ... profiler_start
+# / profiler_stop" lines per measured step on stderr.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-from benchmarks.core_bench import machine_info
-from benchmarks.harness import budget, config, goals, measure, models, output, peers, plots
-from benchmarks.harness.peers import STASH_METHODS, Method
-from unroller.codegen import Options
-from unroller.runtime import ipu_device
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from benchmarks.core_bench import machine_info  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    budget,
+    config,
+    goals,
+    measure,
+    models,
+    output,
+    peers,
+    plots,
+)
+from benchmarks.harness.peers import STASH_METHODS, Method  # noqa: E402
+from unroller.codegen import Options  # noqa: E402
+from unroller.runtime import ipu_device  # noqa: E402
 
 EMULATION_NOTE = (
     "IPU platform under the CPU EMULATION of PopTorch: 'ours' times are CPU-emulation "
@@ -128,9 +141,9 @@ def bench_one(
     phases = _Phases()
     resolution = models.resolution_of(bench, args)
     batch_size = models.batch_of(bench, args)
-    granularity = 1
+    granularity, device_batch = 1, None
     if args.platform == "ipu":
-        _, batch_size = config.ipu_batch(args, batch_size)
+        device_batch, batch_size = config.ipu_batch(args, batch_size)
         granularity = args.replication_factor * config.ipu_accumulation(args.num_ipus)
     label = f"{bench.name} b{batch_size}@{resolution}"
     bar.note(f"{label}: generating")
@@ -145,9 +158,6 @@ def bench_one(
     searching = args.memory_budget is not None
     bar.add(args.warmup + args.iterations + len(methods) * (1 + args.get_memory + searching))
     batch = make_batch(batch_size)
-    if device.type == "cpu" and (args.get_memory or searching):
-        for m in methods:
-            measure.find_backward_mark(m, batch)
     phases.done("generate")
 
     timing = measure.time_interleaved(
@@ -160,7 +170,7 @@ def bench_one(
     )
     phases.done("time")
     stash = {}
-    for m in methods:
+    for m in methods:  # before the memory phase: ours' first stash finds its backward mark
         stash[m.name] = m.stash(batch)
         bar.advance(f"{label}: stash {m.name}")
     phases.done("stash")
@@ -182,6 +192,7 @@ def bench_one(
                 device,
                 batch_size,
                 granularity,
+                memory,
                 lambda what: bar.note(f"{label}: {what}"),
             )
         )
@@ -200,7 +211,11 @@ def bench_one(
                 "kind": m.kind,
                 "scheme": m.scheme,
                 "platform": args.platform,
-                "device": "ipu" if args.platform == "ipu" and not args.emulate else device.type,
+                "device": (
+                    "ipu"
+                    if m.kind == "ours" and args.platform == "ipu" and not args.emulate
+                    else device.type
+                ),
                 "emulated": bool(args.platform == "ipu" and args.emulate),
                 "batch": batch_size,
                 "resolution": resolution,
@@ -224,6 +239,7 @@ def bench_one(
         "benchmark": bench.name,
         "batch": batch_size,
         "resolution": resolution,
+        "ipu_device_batch": device_batch,
         "methods": names,
         "phase_seconds": phases.seconds,
     }
@@ -247,20 +263,34 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str,
     }
     meta["args"]["preset"] = "full" if args.full else "quick"
     how = "cuda" if args.device == "cuda" else "cpu"
-    platform = f"platform {args.platform}"
     if args.platform == "ipu":
-        platform += f", {args.num_ipus} IPU(s) x {args.replication_factor} replica(s)"
-    meta["title"] = f"{platform}, device {meta['args']['device']} ({meta['args']['preset']})"
-    about = [
-        f"peak memory: {measure.MEMORY_METHODS[how]}",
-        f"{args.iterations} timed rounds after {args.warmup} warm-up rounds, methods "
-        "interleaved; ratios are against autograd on the same weights and batch",
+        where = "CPU EMULATION of PopTorch" if args.emulate else "PopTorch"
+        where += f", {args.num_ipus} IPU(s) x {args.replication_factor} replica(s)"
+    else:
+        where = f"device {args.device}"
+    meta["title"] = f"platform {args.platform} ({where}), {meta['args']['preset']} preset"
+    meta["about"] = [
+        f"peak memory: {measure.MEMORY_SHORT[how]}; time: {args.iterations} rounds after "
+        f"{args.warmup} warm-up, methods interleaved, same weights and batch"
     ]
     if args.platform == "ipu" and args.emulate:
-        about.insert(0, EMULATION_NOTE)
-    meta["about"] = about
+        meta["about"].insert(0, EMULATION_NOTE)
+        if args.profile:
+            meta["about"].append("--profile: the emulation writes no PopVision report")
+    parts = args.replication_factor * config.ipu_accumulation(args.num_ipus)
+    if args.platform == "ipu" and parts > 1:
+        meta["about"].append(
+            f"ours splits each batch into {parts} micro-batches (replicas x gradient "
+            "accumulation) run one after another, so its peak follows the micro-batch; the "
+            "peers take the whole batch at once"
+        )
+    elif args.platform == "ipu":
+        meta["about"].append(
+            "on the IPU the host measures no device memory: no peak or max batch here; "
+            "--profile DIR writes PopVision's memory report"
+        )
     meta["methods"] = {
-        "time": measure.__doc__.split("\n\n")[1].replace("\n", " "),
+        "time": measure.TIME_METHOD,
         "peak_memory": measure.MEMORY_METHODS[how],
         **{f"stash_{k}": v for k, v in STASH_METHODS.items()},
         "max_batch": budget.METHOD,
@@ -268,9 +298,20 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str,
             "autograd's predicted total peak at "
             f"{args.preset.budget_factor:g} x the run's batch, rounded up to a MiB"
         ),
-        "peers": peers.__doc__.split("\n\n", 2)[2].replace("\n", " "),
+        **{f"method_{k}": v for k, v in peers.METHODS.items()},
     }
     return meta
+
+
+def _check_sizes(args: argparse.Namespace, registry: dict[str, Any]) -> str | None:
+    """The one-line reason a benchmark cannot run at the chosen resolution, or None."""
+    for name in args.benchmarks:
+        bench = registry[name]
+        try:
+            bench.check_resolution(models.resolution_of(bench, args))
+        except ValueError as exc:
+            return f"unroll bench: error: {exc}"
+    return None
 
 
 def _setup_platform(args: argparse.Namespace) -> str | None:
@@ -297,7 +338,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.ru
     argv = list(sys.argv[1:] if argv is None else argv)
     registry = models.registry()
     args = config.parse_args(argv, list(registry), prog)
-    problem = _setup_platform(args)
+    problem = _check_sizes(args, registry) or _setup_platform(args)
     if problem:
         print(problem, file=sys.stderr)
         return 2

@@ -423,7 +423,9 @@ def bench(ctx: typer.Context) -> None:
     try:
         from benchmarks.run import main as run_bench
     except ImportError as exc:
-        raise fail(f"the benchmark harness is not importable here ({exc}): run from a checkout")
+        raise fail(
+            f"the benchmark harness is not importable here ({exc}): run from a checkout"
+        ) from None
     raise typer.Exit(run_bench(list(ctx.args), prog="unroll bench"))
 
 

@@ -20,17 +20,17 @@ from torch import Tensor
 from benchmarks.harness.measure import peak_step
 from benchmarks.harness.peers import Method
 
-MAX_STEPS = 4  # measurements beyond the two probes
+MAX_STEPS = 6  # measurements beyond the two probes
 MEMORY_SHARE = 0.5  # of the available memory, the most a confirmation step may need
 
 METHOD = (
     "peak(n) = a + b * n, a line through the total step peaks measured at two small batches "
     "(the run's batch and twice it, unless --probe-batches); predicted max batch = "
     "floor((budget - a) / b); confirmed by a measured step at that batch (must fit) and at "
-    "the next (must not), where memory allows; when one disagrees, the least-squares line "
-    "through every measured point predicts the next batch to measure, kept between the "
-    "largest measured batch that fits and the smallest that does not (at most 4 "
-    "measurements beyond the probes)"
+    "the next (must not), where memory allows; when one disagrees, the line through the "
+    "largest measured batch that fits and the smallest that does not (secant) predicts the "
+    "next batch to measure, kept strictly between them (at most 6 measurements beyond the "
+    "probes)"
 )
 
 
@@ -109,11 +109,12 @@ def search(
 ) -> dict[str, Any]:
     """Predict (from ``probe_fit``'s line) and confirm the largest batch under ``budget``.
 
-    Each further measurement is the batch the least-squares line through every point
-    measured so far predicts, kept strictly between the largest batch known to fit (lo)
-    and the smallest known not to (hi); a prediction of lo itself measures lo + 1 step,
-    the confirmation that the next batch does not fit. Stops when hi = lo + 1 step, after
-    ``MAX_STEPS`` measurements, or when the next batch would need too much memory."""
+    Each further measurement is the batch predicted by the line through the two measured
+    points nearest the limit (the largest batch known to fit, lo, and the smallest known
+    not to, hi; before hi is known, the two largest measured batches), kept strictly
+    between lo and hi; a prediction of lo itself measures lo + 1 step, the confirmation
+    that the next batch does not fit. Stops when hi = lo + 1 step, after ``MAX_STEPS``
+    measurements, or when the next batch would need too much memory."""
     g = granularity
     measured: dict[int, int] = dict(fit["points"])
     predicted = predict_max(fit["intercept_bytes"], fit["bytes_per_sample"], budget, g)
@@ -133,9 +134,13 @@ def search(
         if steps == MAX_STEPS:
             notes.append(f"stopped after {MAX_STEPS} measurements beyond the probes")
             break
-        a, b = fit_line(sorted(measured.items()))
+        if hi is not None and lo in measured:
+            near = [(lo, measured[lo]), (hi, measured[hi])]
+        else:
+            near = sorted(measured.items())[-2:]
+        a, b = fit_line(near)
         guess = predict_max(a, b, budget, g)
-        n = max(lo + g, 2 * lo if guess is None else guess)
+        n = max(lo + g, 2 * max(lo, g) if guess is None else guess)
         if hi is not None:
             n = min(n, hi - g)
         if limit is not None and a + b * n > MEMORY_SHARE * limit:

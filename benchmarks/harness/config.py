@@ -18,9 +18,7 @@ from pathlib import Path
 from unroller.schemes import SCHEMES
 
 PUBLISHED = ("resnet34", "emdenoise", "slstrcloud", "opticaldamage")
-PEERS = ("autograd", "checkpoint", "hooks")
-# schemes whose compressor the hook-based peer applies: scheme -> compressor name
-HOOK_SCHEMES = {"dct-dense": "dct", "quant": "quant"}
+HOOK_SCHEMES = ("dct-dense", "quant")  # schemes with a hook-based peer (same compressor)
 DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "results"
 AUTO = "auto"
 NONE = "none"
@@ -32,24 +30,21 @@ class Preset:
     warmup: int
     max_batch: int | None  # the batch: min(paper_batch, max_batch); None: paper_batch
     full_size: bool  # native_resolution (else quick_resolution)
-    budget: str | None  # --memory-budget default
     budget_factor: float  # "auto": autograd's predicted peak at factor x the run's batch
 
 
 QUICK = Preset(
-    iterations=3,
-    warmup=1,
+    iterations=7,
+    warmup=2,
     max_batch=4,
     full_size=False,
-    budget=AUTO,
     budget_factor=3.0,
 )
 FULL = Preset(
-    iterations=15,
-    warmup=3,
+    iterations=10,
+    warmup=2,
     max_batch=None,
     full_size=True,
-    budget=AUTO,
     budget_factor=2.0,
 )
 
@@ -76,20 +71,11 @@ def parse_bytes(text: str) -> int:
     1000; a bare number is bytes. Raises ValueError on anything else."""
     found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not found or found.group(2).lower() not in _UNITS:
-        raise ValueError(f"expected a size such as 2GiB, 512MiB or 1e9 bytes, got {text!r}")
+        raise ValueError(f"expected a size such as 2GiB, 512MiB or 1000000 (bytes), got {text!r}")
     value = float(found.group(1)) * _UNITS[found.group(2).lower()]
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"the size must be positive, got {text!r}")
     return int(value)
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _budget(text: str) -> int | str:
@@ -221,7 +207,7 @@ def parse_args(
     args.iterations = args.iterations or preset.iterations
     args.warmup = preset.warmup if args.warmup is None else args.warmup
     if args.memory_budget is None:
-        args.memory_budget = preset.budget
+        args.memory_budget = AUTO
     elif args.memory_budget == NONE:
         args.memory_budget = None
     ipu_only = ("device_batch_size", "profile")
@@ -234,6 +220,8 @@ def parse_args(
             parser.error(f"{', '.join(given)} only apply with --platform ipu")
     elif args.device != "cpu":
         parser.error("--platform ipu runs on IPUs (or their CPU emulation): drop --device")
+    elif not args.emulate:  # the host cannot see IPU memory: PopVision (--profile) does
+        args.get_memory, args.memory_budget = False, None
     return args
 
 

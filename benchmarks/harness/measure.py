@@ -1,16 +1,6 @@
-"""Step time (interleaved rounds), peak step memory and the backward marker.
+"""Step time (interleaved rounds) and peak step memory.
 
-Time: ``--warmup`` untimed rounds, then ``--iterations`` rounds in which every method runs
-one step; the order within a round rotates by one place each round, so no method always
-follows the same one; ``time.perf_counter`` around each step (CUDA: synchronised before
-and after), the garbage collector off. Per method the median, p10 and p90 (core_bench's
-``summary``) and the median over rounds of its time / autograd's time in the same round.
-
-Peak memory, CPU: core_bench's ``profile_step`` (profiler allocation events of one step,
-gradients None before it): the largest running total of the step's own allocations; the
-"total" adds what is resident before the step (parameters, buffers, the batch). CUDA:
-``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``; "step" subtracts
-what was allocated just before the step.
+``TIME_METHOD`` and ``MEMORY_METHODS`` say exactly how (they go into the results).
 """
 
 from __future__ import annotations
@@ -23,11 +13,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from benchmarks.compress_bench import backward_marker
 from benchmarks.core_bench import profile_step, summary
 from benchmarks.harness.models import state_bytes, tensor_bytes
 from benchmarks.harness.peers import Method
 
+TIME_METHOD = (
+    "--warmup untimed rounds, then --iterations rounds in which every method runs one step; "
+    "the order within a round rotates by one place each round, so no method always follows "
+    "the same one; time.perf_counter around each step (CUDA: synchronised before and "
+    "after), the garbage collector off; per method the median, p10 and p90 (core_bench."
+    "summary: linear interpolation between order statistics), samples/s = batch / median, "
+    "and the time ratio = the median over rounds of its time / autograd's in the same round"
+)
+MEMORY_SHORT = {
+    "cpu": "profiler CPU allocation events (core_bench.profile_step)",
+    "cuda": "torch.cuda.max_memory_allocated",
+}
 MEMORY_METHODS = {
     "cpu": (
         "torch.profiler CPU allocation events of one step (benchmarks.core_bench.profile_step)"
@@ -100,14 +101,6 @@ def time_interleaved(
         entry["loss"] = float(losses[name].float().mean()) if name in losses else None
         out[name] = entry
     return out
-
-
-def find_backward_mark(method: Method, batch: list[Tensor]) -> str | None:
-    """For ours: the first aten op of a step whose name contains 'backward'
-    (compress_bench.backward_marker); the autograd family marks loss.backward() itself."""
-    if method.backward_mark is None:
-        method.backward_mark = backward_marker(lambda: method.step(batch))
-    return method.backward_mark
 
 
 def peak_step(method: Method, batch: list[Tensor], device: torch.device) -> dict[str, Any]:

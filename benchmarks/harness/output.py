@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -157,7 +158,10 @@ def markdown(meta: dict, records: list[dict], goals: list[dict]) -> str:
         )
     lines += ["", "### Goals (reported, never asserted)", ""]
     for g in goals:
-        lines.append(f"- {g['benchmark']}: {g['text']}: **{verdict(g['met'])}** ({g['figures']})")
+        value = "" if g["value"] is None else f"{g['value']}; "
+        lines.append(
+            f"- {g['benchmark']}: {g['text']}: **{verdict(g['met'])}** ({value}{g['figures']})"
+        )
     budgets = [r for r in records if r.get("max_batch")]
     if budgets:
         lines += ["", "### Max batch under the memory budget", ""]
@@ -180,39 +184,57 @@ def markdown(meta: dict, records: list[dict], goals: list[dict]) -> str:
         lines.append(f"- {key}: {meta[key]}")
     lines.append(f"- command: `{meta['command']}`")
     lines.append(f"- wall time: {meta['wall_s']:.0f} s")
+    for info in meta.get("benchmarks", []):
+        phases = ", ".join(f"{k} {v:.0f} s" for k, v in info["phase_seconds"].items())
+        lines.append(
+            f"- {info['benchmark']} (batch {info['batch']} at {info['resolution']}): {phases}"
+        )
     return "\n".join(lines) + "\n"
 
 
 def summary_table(meta: dict, records: list[dict]) -> Table:
-    """Rows: methods; columns: benchmarks. Autograd's cell holds its own figures (ms,
-    step peak MiB, max batch); every other cell its ratios to autograd's."""
+    """Rows: methods; columns: benchmarks. Autograd's cell holds its own figures (step ms,
+    step peak MiB, max batch); every other cell its ratios to autograd's (time, step
+    peak, max batch)."""
     benches = list(dict.fromkeys(r["benchmark"] for r in records))
     methods = list(dict.fromkeys(r["method"] for r in records))
     cells = {(r["benchmark"], r["method"]): r for r in records}
-    table = Table(title=meta["title"], caption="time x / peak x / max batch x (vs autograd)")
-    table.add_column("method")
+    table = Table(
+        title=meta["title"],
+        caption="cells: step time, step peak, max batch under the budget, as ratios to "
+        "autograd's; autograd's row: ms, MiB, batch",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    table.add_column("method", no_wrap=True)
     for bench in benches:
         first = next(r for r in records if r["benchmark"] == bench)
-        table.add_column(f"{bench} b{first['batch']}@{first['resolution']}", justify="right")
+        table.add_column(
+            f"{bench}\nb{first['batch']}@{first['resolution']}", justify="right", no_wrap=True
+        )
     for method in methods:
         row = [method]
         for bench in benches:
             rec = cells.get((bench, method))
             if rec is None:
                 row.append("")
-            elif method == "autograd":
-                mem = rec.get("memory") or {}
-                mb = (rec.get("max_batch") or {}).get("max_batch")
+                continue
+            mb = rec.get("max_batch") or {}
+            if method == "autograd":
+                peak = (rec.get("memory") or {}).get("step_peak_bytes")
                 row.append(
-                    f"{rec['time_ms']['median']:.0f} ms / "
-                    f"{_mib(mem.get('step_peak_bytes'))} MiB / {mb if mb is not None else 'n/a'}"
+                    f"{rec['time_ms']['median']:.0f} "
+                    f"{'n/a' if peak is None else f'{peak / MIB:.0f}'} {mb.get('max_batch', 'n/a')}"
                 )
-            else:
-                row.append(
-                    f"{_x(_get(rec, 'time_ratio', 'median'))} / "
-                    f"{_x(rec.get('peak_ratio_vs_autograd'))} / "
-                    f"{_x(rec.get('max_batch_ratio_vs_autograd'), 1)}"
-                )
+                continue
+            figures = (
+                _get(rec, "time_ratio", "median"),
+                rec.get("peak_ratio_vs_autograd"),
+                rec.get("max_batch_ratio_vs_autograd"),
+            )
+            row.append(" ".join("n/a" if f is None else f"{f:.2f}" for f in figures[:2]))
+            row[-1] += " n/a" if figures[2] is None else f" {figures[2]:.1f}"
         table.add_row(*row)
     return table
 
@@ -220,19 +242,24 @@ def summary_table(meta: dict, records: list[dict]) -> Table:
 def print_summary(
     console: Console, meta: dict, records: list[dict], goals: list[dict], files: list[Path]
 ) -> None:
+    """The table, what the figures are, one line per goal, where the files went."""
     console.print(summary_table(meta, records))
     for line in meta["about"]:
-        console.print(f"  {line}", markup=False, highlight=False)
+        console.print(f"* {line}", markup=False, highlight=False)
+    console.print("Goals (reported, not asserted; details in the .md):", markup=False)
     by_goal: dict[str, list[dict]] = {}
     for g in goals:
         by_goal.setdefault(g["text"], []).append(g)
-    console.print("Goals (reported, not asserted):", markup=False)
     for text, items in by_goal.items():
-        found = "; ".join(f"{g['benchmark']} {verdict(g['met'])} ({g['figures']})" for g in items)
+        found = ", ".join(
+            f"{g['benchmark']} {verdict(g['met'])}"
+            + ("" if g["value"] is None else f" {g['value']}")
+            for g in items
+        )
         console.print(f"- {text}: {found}", markup=False, highlight=False)
-    console.print(
-        f"wrote {', '.join(str(f) for f in files)} ({meta['wall_s']:.0f} s)", markup=False
-    )
+    where = files[0].parent if files else "."
+    names = ", ".join(f.name for f in files)
+    console.print(f"wrote {where}/: {names} in {meta['wall_s']:.0f} s", markup=False)
 
 
 class Bar:

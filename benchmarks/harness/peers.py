@@ -3,21 +3,9 @@
 A ``Method`` runs one training step on a batch (``run(batch, mark)`` returns the loss;
 with ``mark`` the autograd family wraps ``loss.backward()`` in core_bench's
 ``record_function`` marker so the profiler sees where the backward pass begins) and
-reports what the last step kept for backward (``stash(batch)``).
-
-- ``ours:<scheme>``: the generated module, ``model.zero_grad(set_to_none=True);
-  loss = model(*batch)`` (core_bench.step_ours); stash from ``model.stash_report()``.
-  On ``--platform ipu``: the generated IPU module under ``poptorch.trainingModel`` (the
-  CPU emulation with ``--emulate``), one call per step, SGD with lr 0 so the weights
-  stay those of the peers (the update is still computed and applied);
-- ``autograd``: the ``torch.nn`` reference, ``loss = ref(*batch)[0]; loss.backward()``;
-- ``checkpoint``: the same with ``ref.forward_checkpointed`` (torch.utils.checkpoint at
-  stage boundaries);
-- ``hooks:<scheme>``: the reference under ``torch.autograd.graph.saved_tensors_hooks``
-  whose pack hook compresses, with the scheme's own compressor, every floating tensor of
-  at least 4 dims with H, W >= 8 that is not a parameter (dct: exactly 4 dims, as the
-  compressor requires), and whose unpack hook decompresses: how hook-based activation
-  compression libraries (ActNN, GACT) work.
+reports what a step keeps for backward (``stash(batch)``). ``METHODS`` says what each
+one runs and ``STASH_METHODS`` how its stashed bytes are counted (both go into the
+results).
 """
 
 from __future__ import annotations
@@ -31,11 +19,29 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from benchmarks.compress_bench import backward_marker
 from benchmarks.core_bench import BACKWARD_MARK, count_autograd_saved, step_ours
+from benchmarks.harness.config import ipu_accumulation
 from unroller.compress import Compressor, packed_nbytes
 from unroller.schemes import builtin
 
 HOOK_MIN_HW = 8
+METHODS = {
+    "ours": "the generated module: model.zero_grad(set_to_none=True); loss = model(*batch) "
+    "(core_bench.step_ours; forward and unrolled backward, gradients in .grad). --platform "
+    "ipu: the generated IPU module under poptorch.trainingModel (--emulate: the CPU "
+    "emulation), one call per step, SGD with lr 0 so the weights stay those of the peers "
+    "(the update is still computed and applied)",
+    "autograd": "the torch.nn reference: ref.zero_grad(set_to_none=True); loss = "
+    "ref(*batch)[0]; loss.backward()",
+    "checkpoint": "the same with ref.forward_checkpointed: torch.utils.checkpoint "
+    "(use_reentrant=False) around every stage of the reference",
+    "hooks": "the reference under torch.autograd.graph.saved_tensors_hooks whose pack hook "
+    "compresses, with the scheme's own compressor (dct-dense: dct block 8 keep 4 int8; "
+    "quant: 8 bits), every floating tensor of at least 4 dims (dct: exactly 4) with H, W "
+    ">= 8 that is not a parameter, and whose unpack hook decompresses it: how hook-based "
+    "activation-compression libraries (ActNN, GACT) work",
+}
 STASH_METHODS = {
     "ours": "model.stash_report() after one step: bytes of the tensors the generated code "
     "keeps (raw: as made; stored: after masks and compression)",
@@ -43,10 +49,9 @@ STASH_METHODS = {
     "autograd saves in one forward, each storage once, parameters excluded (raw = stored)",
     "checkpoint": "the same count over forward_checkpointed: what autograd saves outside the "
     "checkpointed stages plus the stage inputs the checkpoints keep (raw = stored)",
-    "hooks": "the peer's pack hook in one step: raw = bytes of the tensors it was given, each "
-    "storage once, parameters excluded; stored = what it kept: the packed bytes of every "
-    "compressed call (a tensor saved twice is compressed twice) plus each uncompressed "
-    "storage once",
+    "hooks": "the peer's pack hook in one step, parameters excluded: the tensors it keeps as "
+    "they are, each storage once (raw = stored), plus per compressing call (a tensor saved "
+    "by two ops is compressed twice) the tensor's bytes (raw) and the packed bytes (stored)",
 }
 
 
@@ -58,7 +63,7 @@ class Method:
     module: nn.Module
     run: Callable[[list[Tensor], bool], Tensor]
     stash: Callable[[list[Tensor]], dict[str, Any]]
-    backward_mark: str | None = None  # found later for ours (see measure.backward_mark)
+    backward_mark: str | None = None  # ours: found by its first stash (see _ours)
     notes: list[str] = field(default_factory=list)
 
     def step(self, batch: list[Tensor]) -> Tensor:
@@ -82,21 +87,30 @@ def _stash_report(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def ours_gpu(scheme: str, model: nn.Module) -> Method:
-    def run(batch: list[Tensor], mark: bool) -> Tensor:
-        return step_ours(model, batch)
+def _ours(scheme: str, model: nn.Module, run: Callable[[list[Tensor], bool], Tensor]) -> Method:
+    """Ours: ``stash`` runs one step and reads ``model.stash_report()``; the first time,
+    that step runs under the profiler to find where the backward pass begins (the first
+    aten op named '...backward...', compress_bench.backward_marker) for the memory phase."""
+    method = Method(f"ours:{scheme}", "ours", scheme, model, run, lambda batch: {})
 
     def stash(batch: list[Tensor]) -> dict[str, Any]:
-        step_ours(model, batch)
+        if method.backward_mark is None:
+            method.backward_mark = backward_marker(lambda: run(batch, False))
+        else:
+            run(batch, False)
         return _stash_report(model)
 
-    return Method(f"ours:{scheme}", "ours", scheme, model, run, stash)
+    method.stash = stash
+    return method
+
+
+def ours_gpu(scheme: str, model: nn.Module) -> Method:
+    return _ours(scheme, model, lambda batch, mark: step_ours(model, batch))
 
 
 def ours_ipu(scheme: str, model: nn.Module, poptorch: Any, args: Any) -> Method:
-    """The generated IPU module under ``poptorch.trainingModel`` (real or emulated)."""
-    from benchmarks.harness.config import ipu_accumulation
-
+    """The generated IPU module under ``poptorch.trainingModel`` (real or emulated); its
+    stash_report is that of the last micro-batch of the call."""
     opts = poptorch.Options()
     opts.deviceIterations(1)
     opts.replicationFactor(args.replication_factor)
@@ -110,13 +124,7 @@ def ours_ipu(scheme: str, model: nn.Module, poptorch: Any, args: Any) -> Method:
         out = training(*batch)
         return out[1] if isinstance(out, tuple) else out
 
-    def stash(batch: list[Tensor]) -> dict[str, Any]:
-        run(batch, False)
-        found = _stash_report(model)
-        found["note"] = "the last micro-batch of the call"
-        return found
-
-    method = Method(f"ours:{scheme}", "ours", scheme, model, run, stash)
+    method = _ours(scheme, model, run)
     method.notes.append("one poptorch.trainingModel call (SGD, lr 0)")
     return method
 
@@ -176,9 +184,9 @@ class CompressingHooks:
         self.reset()
 
     def reset(self) -> None:
-        self.raw: dict[int, int] = {}  # storage -> bytes of every tensor it was given
-        self.kept: dict[int, int] = {}  # storage -> bytes of those it kept uncompressed
-        self.packed_bytes = 0
+        self.kept: dict[int, int] = {}  # storage -> bytes, of the tensors kept as they are
+        self.compressed_raw_bytes = 0  # bytes of the tensors compressed, per call
+        self.packed_bytes = 0  # what those calls stored
         self.compressed_calls = 0
 
     def eligible(self, t: Tensor) -> bool:
@@ -197,13 +205,12 @@ class CompressingHooks:
     def pack(self, t: Tensor) -> Any:
         if self.is_param(t):
             return t
-        ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        self.raw.setdefault(ptr, nbytes)
-        if not self.eligible(t):
-            self.kept.setdefault(ptr, nbytes)
+        if not self.eligible(t):  # kept alive by autograd: its storage address is unique
+            self.kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             return t
         with torch.no_grad():
             packed = self.codec.compress(t.detach())
+        self.compressed_raw_bytes += t.numel() * t.element_size()
         self.packed_bytes += packed_nbytes(packed)
         self.compressed_calls += 1
         return (packed, tuple(t.shape[1:]), t.dtype)
@@ -234,7 +241,7 @@ def hooks(scheme: str, ref: nn.Module) -> Method:
     def stash(batch: list[Tensor]) -> dict[str, Any]:
         run(batch, False)
         return {
-            "raw_bytes": sum(hk.raw.values()),
+            "raw_bytes": hk.compressed_raw_bytes + sum(hk.kept.values()),
             "stored_bytes": hk.packed_bytes + sum(hk.kept.values()),
             "rows": None,
             "compressed_calls": hk.compressed_calls,

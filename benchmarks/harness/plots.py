@@ -1,8 +1,8 @@
-"""PNG plots of a run (matplotlib, Agg backend): one figure per question, one panel per model.
+"""PNG plots of a run (matplotlib, Agg backend): one figure per question, a panel per model.
 
 - ``PREFIX_memory.png``: step peak and stashed (stored) bytes per method;
 - ``PREFIX_time_ratio.png``: step time / autograd's per method (median, p10-p90 bars);
-- ``PREFIX_layers.png``: stored bytes per kept tensor (stash_report rows) per scheme;
+- ``PREFIX_layers.png``: stored bytes per block of the model (stash_report rows) per scheme;
 - ``PREFIX_max_batch.png``: the largest batch under the budget per method (if searched).
 """
 
@@ -24,12 +24,17 @@ def _pyplot():
 
 
 def _panels(plt, records: list[dict], height: float = 3.6):
+    """One panel per benchmark, two per row: [(benchmark, its records, axes)]."""
     benches = list(dict.fromkeys(r["benchmark"] for r in records))
-    fig, axes = plt.subplots(1, len(benches), figsize=(4.6 * len(benches), height), squeeze=False)
-    groups = [
-        (b, [r for r in records if r["benchmark"] == b], ax) for b, ax in zip(benches, axes[0])
+    cols = min(2, len(benches))
+    rows = -(-len(benches) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, height * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(benches) :]:
+        ax.set_visible(False)
+    return fig, [
+        (b, [r for r in records if r["benchmark"] == b], ax) for b, ax in zip(benches, flat)
     ]
-    return fig, groups
 
 
 def _save(plt, fig, path: Path) -> Path:
@@ -76,6 +81,21 @@ def time_ratio(records: list[dict], path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def _block(tensor: str) -> str:
+    """The top-level block a kept tensor belongs to: ``layer2.0.conv1`` -> ``layer2``."""
+    return tensor.split(":")[0].split(".")[0]
+
+
+def _blocks(recs: list[dict]) -> list[str]:
+    """Blocks in forward order: compressing schemes log each tensor right after the op that
+    made it, so their rows come first; the others add what is left."""
+    order: dict[str, None] = {}
+    for rec in sorted(recs, key=lambda r: r["scheme"] == "nocompress"):
+        for row in rec["stash"]["rows"]:
+            order.setdefault(_block(row["tensor"]))
+    return list(order)
+
+
 def layers(records: list[dict], path: Path) -> Path | None:
     ours = [r for r in records if r["kind"] == "ours" and r["stash"].get("rows")]
     if not ours:
@@ -83,21 +103,20 @@ def layers(records: list[dict], path: Path) -> Path | None:
     plt = _pyplot()
     fig, groups = _panels(plt, ours, height=4.0)
     for bench, recs, ax in groups:
-        for rec in recs:
-            rows = rec["stash"]["rows"]
-            ax.plot(
-                range(len(rows)),
-                [max(row["stored_bytes"], 1) for row in rows],
-                marker=".",
-                linewidth=0.8,
-                label=rec["scheme"],
-            )
+        blocks = _blocks(recs)
+        width = 0.8 / len(recs)
+        for i, rec in enumerate(recs):
+            stored = dict.fromkeys(blocks, 0)
+            for row in rec["stash"]["rows"]:
+                stored[_block(row["tensor"])] += row["stored_bytes"]
+            xs = [k + (i - (len(recs) - 1) / 2) * width for k in range(len(blocks))]
+            ax.bar(xs, [max(stored[b], 1) for b in blocks], width, label=rec["scheme"])
         ax.set_yscale("log")
-        ax.set_xlabel("kept tensor (forward order)")
+        ax.set_xticks(list(range(len(blocks))), blocks, rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("stored bytes")
         ax.set_title(f"{bench} (batch {recs[0]['batch']})", fontsize=9)
         ax.legend(fontsize=7)
-    fig.suptitle("Stored bytes per kept tensor (stash_report)", fontsize=10)
+    fig.suptitle("Stored bytes per block of the model (stash_report rows, summed)", fontsize=10)
     return _save(plt, fig, path)
 
 
@@ -125,6 +144,7 @@ def max_batch(records: list[dict], path: Path) -> Path | None:
             list(range(len(recs))), [r["method"] for r in recs], rotation=60, ha="right", fontsize=7
         )
         ax.set_ylabel("largest batch")
+        ax.margins(y=0.15)
         ax.set_title(f"{bench} (budget {budget:.0f} MiB)", fontsize=9)
     fig.suptitle("Largest batch under the memory budget (x: vs autograd)", fontsize=10)
     return _save(plt, fig, path)

@@ -47,6 +47,7 @@ __all__ = [
     "IPU_SAFE",
     "use_fast_path",
     "host_checks",
+    "skip_checks",
     "pack_codes_fast",
     "unpack_codes_fast",
 ]
@@ -313,14 +314,22 @@ _HOST_SHORTCUTS = True  # tests switch it off to run the CUDA formulation on the
 CHUNK_ELEMENTS = 1 << 20
 """Elements per block of the fast path's elementwise chains on the CPU: each block's
 temporaries stay in the cache and are reused, instead of full-size buffers."""
+CHECK_ELEMENTS = 1 << 16
+"""From this many elements on, the fast path on the CPU reads small per-group tensors back to
+skip steps that no element needs (below, the read-back costs more than the steps)."""
 
 
 def host_checks(t: Tensor) -> bool:  # unroller-lint: host-only (dispatch)
-    """Whether the fast path may use host-side shortcuts for ``t``: read small tensors back
-    to skip work that no element needs, process the data in cache-sized blocks, call numpy.
-    True on the CPU; on CUDA a read-back would wait for the device, so the work is done
-    unconditionally there, in whole-tensor kernels."""
+    """Whether the fast path may use host-side shortcuts for ``t``: process the data in
+    cache-sized blocks, call numpy, and (with ``skip_checks``) read small tensors back to skip
+    work that no element needs. True on the CPU; on CUDA a read-back would wait for the
+    device, so the work is done unconditionally there, in whole-tensor kernels."""
     return _HOST_SHORTCUTS and t.device.type == "cpu"
+
+
+def skip_checks(t: Tensor) -> bool:  # unroller-lint: host-only (dispatch)
+    """``host_checks`` and ``t`` has at least ``CHECK_ELEMENTS`` elements."""
+    return host_checks(t) and t.numel() >= CHECK_ELEMENTS
 
 
 def row_blocks(  # unroller-lint: host-only (fast path)
@@ -340,9 +349,9 @@ def row_blocks(  # unroller-lint: host-only (fast path)
 
 def _unpack_table(bits: int, device: torch.device) -> Tensor:  # unroller-lint: host-only
     """[256] integers whose little-endian bytes are the 8 // bits codes of each byte value
-    (int64 for 1 bit, int32 for 2, int16 for 4): the lookup table of ``unpack_codes_fast``."""
+    (int64 for 1 bit, int32 for 2): the lookup table of ``unpack_codes_fast``."""
     per = 8 // bits
-    dtype = {1: torch.int64, 2: torch.int32, 4: torch.int16}[bits]
+    dtype = {1: torch.int64, 2: torch.int32}[bits]
 
     def build() -> Tensor:
         mask = (1 << bits) - 1
@@ -355,28 +364,30 @@ def _unpack_table(bits: int, device: torch.device) -> Tensor:  # unroller-lint: 
     return cached_constant(("unpack_table", bits, device), build)
 
 
-def pack_flat(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor:  # unroller-lint: host-only (fast path)
-    """Pack contiguous uint8 (or bool) codes [K], K a multiple of 8 // bits, into uint8
-    [K * bits // 8] (into ``out`` if given), code i of a byte in bits bits*i.. (fast path)."""
-    per = 8 // bits
+def pack_flat(  # unroller-lint: host-only (fast cpu/cuda path)
+    codes: Tensor, bits: int, out: Tensor | None = None
+) -> Tensor:
+    """Pack contiguous uint8 (or bool) codes [K] into uint8 [K * bits // 8] (into ``out`` if
+    given), code i of a byte in bits bits*i..; K a multiple of 8 // bits and, for bits < 8,
+    the start aligned to 8 // bits bytes. Shifts on wider integer views: the 8 // bits codes
+    of one output byte sit in one int16 / int32 / int64 word (little-endian, code i in byte
+    i), a few shift-ORs gather them into byte 0, and the cast to uint8 keeps byte 0. Every
+    word stays non-negative (codes < 2**bits leave the top bits clear), so the right shifts
+    bring in zeros."""
     c = codes.view(torch.uint8) if codes.dtype == torch.bool else codes
     if bits == 8:
         return c.clone() if out is None else out.copy_(c)
-    c = c.view(-1, per)
-    if bits == 1:  # needs the start 8-byte aligned
-        # 8 bytes of 0/1 in one int64 word (byte i's bit at 8i, little-endian). Each step ORs
-        # in the word shifted down so that byte j collects the bits of bytes j+1 (>> 7), then
-        # j+2, j+3 (>> 14), then j+4..j+7 (>> 28): byte 0 ends up holding bit i of byte i.
-        # The words stay non-negative (bit 63 is never set); the cast keeps byte 0.
-        w = c.view(torch.int64).view(-1)
-        w = torch.bitwise_or(w, torch.bitwise_right_shift(w, 7))
-        w.bitwise_or_(torch.bitwise_right_shift(w, 14))
-        w.bitwise_or_(torch.bitwise_right_shift(w, 28))
-        return w.to(torch.uint8) if out is None else out.copy_(w)
-    out = torch.bitwise_left_shift(c[:, per - 1], bits * (per - 1), out=out)
-    for i in range(per - 2, 0, -1):
-        out.bitwise_or_(torch.bitwise_left_shift(c[:, i], bits * i))
-    return out.bitwise_or_(c[:, 0])
+    # (word dtype, shifts): each step ORs in the word shifted right by that many bits
+    word, steps = {
+        4: (torch.int16, (4,)),
+        2: (torch.int32, (6, 12)),
+        1: (torch.int64, (7, 14, 28)),
+    }[bits]
+    w = c.view(word)
+    w = torch.bitwise_or(w, torch.bitwise_right_shift(w, steps[0]))
+    for step in steps[1:]:
+        w.bitwise_or_(torch.bitwise_right_shift(w, step))
+    return w.to(torch.uint8) if out is None else out.copy_(w)
 
 
 def pack_codes_fast(codes: Tensor, bits: int) -> Tensor:  # unroller-lint: host-only (fast path)
@@ -393,7 +404,7 @@ def pack_codes_fast(codes: Tensor, bits: int) -> Tensor:  # unroller-lint: host-
     c = codes.view(torch.uint8) if codes.dtype == torch.bool else codes.to(torch.uint8)
     if nbytes * per != m:
         c = torch.nn.functional.pad(c, (0, nbytes * per - m))
-    elif not c.is_contiguous() or (bits == 1 and c.storage_offset() % 8):
+    elif not c.is_contiguous() or c.storage_offset() % per:
         c = c.clone(memory_format=torch.contiguous_format)
     return pack_flat(c.reshape(-1), bits).view(n, nbytes)
 
@@ -417,7 +428,11 @@ def unpack_codes_fast(  # unroller-lint: host-only (fast path)
         codes = np.unpackbits(packed.numpy(), axis=-1, count=count, bitorder="little")
         return torch.from_numpy(codes)
     per = 8 // bits
-    table = _unpack_table(bits, packed.device)
-    idx = packed.reshape(-1).to(torch.int32)
-    codes = torch.index_select(table, 0, idx).view(torch.uint8).view(n, nbytes * per)
+    if bits == 4:  # byte p -> int16 word p | p << 4, masked: bytes (p & 15, p >> 4)
+        w = packed.to(torch.int16)
+        codes = w.bitwise_or_(torch.bitwise_left_shift(w, 4)).bitwise_and_(0x0F0F)
+    else:  # a table of the 256 words whose bytes are a byte's codes
+        idx = packed.reshape(-1).to(torch.int32)
+        codes = torch.index_select(_unpack_table(bits, packed.device), 0, idx)
+    codes = codes.view(torch.uint8).view(n, nbytes * per)
     return codes if nbytes * per == count else codes[:, :count]

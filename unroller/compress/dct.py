@@ -13,7 +13,7 @@ from .base import (
     Compressor,
     ParamSpec,
     cached_constant,
-    host_checks,
+    skip_checks,
     use_fast_path,
     work_dtype,
 )
@@ -229,12 +229,16 @@ class Dct(Compressor):
         if storage != "int8":
             return (y.to(_STORAGE_DTYPES[storage]),)
         flat = y.reshape(n, c, -1)
-        # max |y| = max(amax, -amin); abs() gives amax(|y|)'s +0.0 and NaN sign.
-        amax = torch.maximum(torch.amax(flat, dim=-1), torch.amin(flat, dim=-1).neg_()).abs_()
-        scale = torch.where(amax == 0, torch.ones_like(amax), amax / 127.0)
+        checks = skip_checks(y)
+        if checks:  # max |y| = max(amax, -amin) without a |y| temporary; abs() gives
+            # amax(|y|)'s +0.0 for all-zero channels
+            amax = torch.maximum(torch.amax(flat, dim=-1), torch.amin(flat, dim=-1).neg_()).abs_()
+        else:
+            amax = torch.amax(torch.abs(flat), dim=-1)
+        scale = torch.where(amax == 0, 1.0, amax / 127.0)
         y.div_(scale.reshape(n, c, *([1] * (y.dim() - 2)))).round_().clamp_(-127.0, 127.0)
         # y / scale is NaN only for a non-finite channel, or where amax / 127 underflowed to 0
-        if not host_checks(t) or not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        if not checks or not bool(((scale > 0) & torch.isfinite(scale)).all()):
             y.nan_to_num_(0.0)  # defined cast; the channel's scale is NaN, inf or 0
         return y.to(torch.int8), scale
 

@@ -17,6 +17,7 @@ from .base import (
     packed_code_bytes,
     prod,
     row_blocks,
+    skip_checks,
     unpack_codes,
     unpack_codes_fast,
     use_fast_path,
@@ -163,14 +164,38 @@ class Quant(Compressor):
 
     # fast cpu/cuda path ------------------------------------------------------------------
 
+    @staticmethod
+    def _group_params(  # unroller-lint: host-only (fast cpu/cuda path)
+        x: Tensor, levels: float, wd: torch.dtype, checks: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+        """(mn, s, scale, safe, simple) of the groups (rows) of ``x``, as in the IPU-safe
+        formulation. ``simple`` (only found with host ``checks``): every group is finite and
+        needs no halving (s == 1), so v = (x - mn) / safe exactly and v has no NaN."""
+        mn = torch.amin(x, dim=-1, keepdim=True).to(wd)  # exact in any float dtype; NaN
+        mx = torch.amax(x, dim=-1, keepdim=True).to(wd)  # propagates
+        d = mx * 0.5 - mn * 0.5
+        big_range = torch.finfo(wd).max * 0.25
+        # NaN and +-inf make d NaN or inf: not simple
+        simple = checks and bool((d <= big_range).all())
+        if simple:  # s == 1: (mx * 1 - mn * 1) / levels / 1 is (mx - mn) / levels exactly
+            s = None
+            scale = (mx - mn) / levels
+        else:
+            half = torch.full_like(mn, 0.5)
+            s = torch.where(d > big_range, half, torch.ones_like(mn))
+            scale = (mx * s - mn * s) / levels / s
+        safe = torch.where(scale > 0, scale, 1.0)
+        return mn, s, scale, safe, simple
+
     def _compress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
         self, t: Tensor, n: int, m: int, g: int, groups: int, levels: float, wd: torch.dtype
     ) -> tuple[Tensor, ...]:
-        """``compress`` with the same packed bytes. amin/amax on the input as it is (exact in
-        any float dtype), then per block of rows: v = (x - mn) / safe, round, clamp and uint8
-        codes, packed straight into the output, in place on one block-sized work buffer. The
-        group-halving and NaN steps run only when some group needs them (on the CPU, checked
-        on the small [N, G] tensors; on CUDA always, to avoid waiting for the device)."""
+        """``compress`` with the same packed bytes. Per block of rows (groups): amin/amax on the
+        input as it is (exact in any float dtype), then v = (x - mn) / safe, round, clamp and
+        uint8 codes, packed straight into the output, in place on one block-sized buffer, so
+        the input is read from memory once. The group-halving and NaN steps run only when
+        some group of the block needs them (checked on the small per-group tensors on the
+        CPU; on CUDA always, to avoid waiting for the device)."""
         bits = self.params["bits"]
         per = 8 // bits
         rows = n * groups
@@ -179,56 +204,62 @@ class Quant(Compressor):
         if padded:  # pad the last group with copies of the last element
             x = torch.cat([x, x[:, m - 1 : m].expand(n, groups * g - m)], dim=1)
         x = x.reshape(rows, g)
-        mn = torch.amin(x, dim=-1, keepdim=True).to(wd)  # NaN propagates
-        mx = torch.amax(x, dim=-1, keepdim=True).to(wd)
-        big_range = torch.finfo(wd).max * 0.25
-        half = torch.full_like(mn, 0.5)
-        s = torch.where(mx * 0.5 - mn * 0.5 > big_range, half, torch.ones_like(mn))
-        scale = (mx * s - mn * s) / levels / s
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        checks = host_checks(t)
-        halve = nonfinite = True
-        if checks:
-            halve = bool((s != 1.0).any())
-            nonfinite = not bool((torch.isfinite(mn) & torch.isfinite(mx)).all())
-        if halve:  # v = (x * s - mn * s) / (safe * s), as in the IPU-safe formulation
-            mn_s, safe_s = mn * s, safe * s
-        noise = torch.rand_like(x, dtype=wd) if self.params["stochastic"] else None
+        blocks = row_blocks(rows, g, host_checks(t), multiple=per)
+        checks = skip_checks(t)
+        whole_rows = blocks[0][3] == g  # else rows longer than a block: stats first
+        if not whole_rows:
+            params = self._group_params(x, levels, wd, checks)
+        mn_out = torch.empty((rows, 1), dtype=wd, device=t.device)
+        scale_out = torch.empty((rows, 1), dtype=wd, device=t.device)
+        noise = None
+        if self.params["stochastic"]:  # one draw, as in the IPU-safe formulation
+            noise = torch.rand((rows, g), dtype=wd, device=t.device)
         direct = not padded and g % per == 0  # whole bytes per row: pack block by block
         if direct:
             out = torch.empty(rows * g // per, dtype=torch.uint8, device=t.device)
         else:
             codes = torch.empty((rows, g), dtype=torch.uint8, device=t.device)
         buf = None
-        for r0, r1, c0, c1 in row_blocks(rows, g, checks, multiple=per):
+        for r0, r1, c0, c1 in blocks:
             xb = x[r0:r1, c0:c1]
+            if whole_rows:
+                mn, s, scale, safe, simple = self._group_params(xb, levels, wd, checks)
+                mn_out[r0:r1], scale_out[r0:r1] = mn, scale
+            else:
+                mn, s, scale, safe, simple = params
+                mn, safe = mn[r0:r1], safe[r0:r1]
+                s = None if s is None else s[r0:r1]
             if buf is None or buf.numel() < xb.numel():
                 buf = torch.empty(xb.numel(), dtype=wd, device=t.device)
             v = buf[: xb.numel()].view(xb.shape)
-            if halve:
-                torch.mul(xb, s[r0:r1], out=v).sub_(mn_s[r0:r1]).div_(safe_s[r0:r1])
-            else:
-                torch.sub(xb, mn[r0:r1], out=v).div_(safe[r0:r1])
+            if simple:  # s == 1 everywhere: (x - mn) / safe
+                torch.sub(xb, mn, out=v).div_(safe)
+            else:  # v = (x * s - mn * s) / (safe * s), as in the IPU-safe formulation
+                torch.mul(xb, s, out=v).sub_(mn * s).div_(safe * s)
             if noise is not None:
                 v.add_(noise[r0:r1, c0:c1]).floor_()
             else:
                 v.round_()
             v.clamp_(0.0, levels)
-            if nonfinite:
-                v.nan_to_num_(0.0)  # defined cast; the group's scale is NaN or inf
+            if not simple:
+                v.nan_to_num_(0.0)  # defined cast where the group's scale is NaN or inf
+            # codes are whole numbers in [0, levels]: exact through int16 (or int8 for < 8
+            # bits), a much faster cast than float -> uint8
             if direct:
                 k0, k1 = (r0 * g + c0) // per, ((r1 - 1) * g + c1) // per
                 if bits == 8:
-                    out[k0:k1].view(v.shape).copy_(v)
+                    out[k0:k1].view(v.shape).copy_(v.to(torch.int16))
                 else:
-                    pack_flat(v.to(torch.uint8).view(-1), bits, out=out[k0:k1])
+                    pack_flat(v.to(torch.int8).view(torch.uint8).view(-1), bits, out=out[k0:k1])
             else:
-                codes[r0:r1, c0:c1].copy_(v)
+                codes[r0:r1, c0:c1].copy_(v.to(torch.int16))
+        if not whole_rows:
+            mn_out, scale_out = params[0], params[2]
         if direct:
             packed = out.view(n, -1)
         else:
             packed = pack_codes_fast(codes.view(n, groups * g)[:, :m], bits)
-        return packed, mn.reshape(n, groups), scale.reshape(n, groups)
+        return packed, mn_out.reshape(n, groups), scale_out.reshape(n, groups)
 
     def _decompress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
         self,
@@ -243,10 +274,10 @@ class Quant(Compressor):
         wd: torch.dtype,
         dtype: torch.dtype,
     ) -> Tensor:
-        """``decompress`` with bit-identical output: per block of rows, codes unpacked by table
-        lookup and x = q * scale + mn written into the output (one multiply, one in-place
-        add); the halving, clamp and NaN steps only where some group needs them (always on
-        CUDA)."""
+        """``decompress`` with bit-identical output: per block of rows, the codes unpacked with
+        shifts or a lookup table and x = q * scale + mn written into the output (one
+        multiply, one in-place add); the halving, clamp and NaN steps only when some group
+        needs them (on CUDA always)."""
         bits = self.params["bits"]
         per = 8 // bits
         n = codes.shape[0]
@@ -254,22 +285,17 @@ class Quant(Compressor):
         fmax = torch.finfo(wd).max
         mn = mn.to(wd).reshape(rows, 1)
         scale = scale.to(wd).reshape(rows, 1)
-        half = torch.full_like(scale, 0.5)
-        s = torch.where(scale > fmax / (2.0 * levels), half, torch.ones_like(scale))
-        checks = host_checks(codes)
-        halve = clamp = nonfinite = True
-        if checks:
-            halve = bool((s != 1.0).any())
-            # |q * scale + mn| <= |mn| + levels * scale well inside the range: no clamp (a
-            # NaN bound compares False and keeps it).
-            bound = float((mn.abs() + levels * scale).max())
-            clamp = not bound < fmax * 0.5
-            # scale - scale is +0 for finite scales >= +0, and x + 0 == x then (x is never
-            # -0.0: q * scale + mn with q * scale >= +0).
-            nonfinite = not bool((torch.isfinite(scale) & ~torch.signbit(scale)).all())
-        if halve:  # x = (mn * s + q * (scale * s)) / s, as in the IPU-safe formulation
+        # simple (only found with host checks): |q * scale + mn| <= |mn| + levels * scale stays
+        # far inside the range (no halving, no clamp) and every scale is finite and >= +0, so
+        # scale - scale is +0 and adding it changes nothing (x is never -0.0: q * scale >= +0).
+        # A NaN or inf scale or mn fails the comparison.
+        simple = skip_checks(codes) and bool(
+            ((mn.abs() + scale * levels < fmax * 0.5) & ~torch.signbit(scale)).all()
+        )
+        if not simple:  # x = (mn * s + q * (scale * s)) / s, as in the IPU-safe formulation
+            half = torch.full_like(scale, 0.5)
+            s = torch.where(scale > fmax / (2.0 * levels), half, torch.ones_like(scale))
             scale_s, mn_s = scale * s, mn * s
-        if nonfinite:
             nan_term = scale - scale  # NaN where the group held NaN or +-inf
         padded = groups * g != m
         direct = not padded and g % per == 0  # whole bytes per row: unpack block by block
@@ -284,7 +310,7 @@ class Quant(Compressor):
         out_dtype = dtype if not padded else wd
         out = torch.empty((rows, g), dtype=out_dtype, device=codes.device)
         buf = None
-        for r0, r1, c0, c1 in row_blocks(rows, g, checks, multiple=per):
+        for r0, r1, c0, c1 in row_blocks(rows, g, host_checks(codes), multiple=per):
             if q_all is None:
                 k0, k1 = (r0 * g + c0) // per, ((r1 - 1) * g + c1) // per
                 qb = unpack_codes_fast(flat[k0:k1].view(1, -1), bits, (k1 - k0) * per)
@@ -298,14 +324,11 @@ class Quant(Compressor):
                 if buf is None or buf.numel() < qb.numel():
                     buf = torch.empty(qb.numel(), dtype=wd, device=codes.device)
                 xb = buf[: qb.numel()].view(qb.shape)
-            if halve:
-                torch.mul(qb, scale_s[r0:r1], out=xb).add_(mn_s[r0:r1]).div_(s[r0:r1])
-            else:
+            if simple:
                 torch.mul(qb, scale[r0:r1], out=xb).add_(mn[r0:r1])
-            if clamp:
-                xb.clamp_(-fmax, fmax)
-            if nonfinite:
-                xb.add_(nan_term[r0:r1])
+            else:
+                torch.mul(qb, scale_s[r0:r1], out=xb).add_(mn_s[r0:r1]).div_(s[r0:r1])
+                xb.clamp_(-fmax, fmax).add_(nan_term[r0:r1])
             if xb is not ob:
                 ob.copy_(xb)
         if padded:
