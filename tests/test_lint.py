@@ -644,12 +644,6 @@ def test_real_compress_modules_report_no_new_kind_of_error():
     assert {(c.file.name, c.name) for c in report.errors} <= KNOWN_COMPRESS_ERRORS, report.format()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unroller/compress calls torch.tensor (base._place_values, dct.fold_index), "
-    "torch.empty (Dct.stored_bytes, Quant.stored_bytes) and torch.rand_like "
-    "(Quant.compress, stochastic), none of which is on PopTorch's list",
-)
 def test_real_compress_modules_lint_clean():
     report = lint_paths([COMPRESS])
     assert report.ok, report.format()

@@ -13,10 +13,11 @@ tensors:
   amax/amin, arithmetic, bitwise and/or, comparisons, casts): no Python loops over data, no
   data-dependent shapes and no autograd machinery. Bit packing uses multiplication and floor
   division by powers of two rather than shift operators, which PopTorch does not list;
-- a fast one for CPU and CUDA tensors (``use_fast_path``): in-place arithmetic, uint8 codes
-  packed with shifts, one-pass min/max, and on the CPU host-side checks that skip the work
-  for huge or non-finite values when there are none. Its functions are marked host-only for
-  ``unroller lint``: they never run on an IPU.
+- a fast one for CPU and CUDA tensors (``use_fast_path``): in-place arithmetic on cache-sized
+  blocks, codes packed with shifts on wider integer views (numpy's packbits for 1-bit masks
+  on the CPU), and on the CPU host-side checks that skip the steps for huge or non-finite
+  values when no group needs them. Its functions are marked host-only for ``unroll lint``:
+  they never run on an IPU.
 
 The IPU-safe formulation runs for tensors on any other device (``ipu`` under PopTorch), while
 ``torch.jit`` traces, and everywhere when the module flag ``IPU_SAFE`` is True.
@@ -50,6 +51,10 @@ __all__ = [
     "skip_checks",
     "pack_codes_fast",
     "unpack_codes_fast",
+    "pack_flat",
+    "row_blocks",
+    "CHUNK_ELEMENTS",
+    "CHECK_ELEMENTS",
 ]
 
 IPU_SAFE = False
@@ -244,8 +249,16 @@ def _place_values(bits: int, device: torch.device) -> Tensor:
     per = 8 // bits
     return cached_constant(
         ("place_values", bits, device),
-        lambda: torch.tensor([1 << (bits * i) for i in range(per)], dtype=torch.int32).to(device),
+        lambda: torch.stack(
+            [torch.full((), 1 << (bits * i), dtype=torch.int32, device=device) for i in range(per)]
+        ),
     )
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of a dtype, without making a tensor (planning runs on the host)."""
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    return info.bits // 8
 
 
 def packed_code_bytes(count: int, bits: int) -> int:

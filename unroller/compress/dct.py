@@ -13,6 +13,7 @@ from .base import (
     Compressor,
     ParamSpec,
     cached_constant,
+    itemsize,
     skip_checks,
     use_fast_path,
     work_dtype,
@@ -52,7 +53,7 @@ def fold_index(keep: int, device: torch.device | str) -> Tensor:
 
     def build() -> Tensor:
         idx = [i * keep + j for i in range(keep) for j in range(keep) if i + j < keep]
-        return torch.tensor(idx, dtype=torch.int64).to(device)
+        return torch.stack([torch.full((), i, dtype=torch.int64, device=device) for i in idx])
 
     return cached_constant(("dct_fold", keep, device), build)
 
@@ -113,10 +114,10 @@ class Dct(Compressor):
         n, c, h, w = shape
         hb, wb = self._geometry(c, h, w)
         storage = _STORAGE_DTYPES[self.params["storage"]]
-        elem = torch.empty((), dtype=storage).element_size()
+        elem = itemsize(storage)
         total = n * c * hb * wb * self._coeffs_per_tile() * elem
         if self.params["storage"] == "int8":
-            total += n * c * torch.empty((), dtype=work_dtype(dtype)).element_size()
+            total += n * c * itemsize(work_dtype(dtype))
         return total
 
     # compress ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from .base import (
     Compressor,
     ParamSpec,
     host_checks,
+    itemsize,
     pack_codes,
     pack_codes_fast,
     pack_flat,
@@ -89,7 +90,7 @@ class Quant(Compressor):
     def stored_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         self._float_dtype(dtype)
         n, m, _, groups = self.layout(tuple(shape))
-        side = torch.empty((), dtype=work_dtype(dtype)).element_size()
+        side = itemsize(work_dtype(dtype))
         return n * (packed_code_bytes(m, self.params["bits"]) + 2 * groups * side)
 
     # compress ----------------------------------------------------------------------------
@@ -116,7 +117,7 @@ class Quant(Compressor):
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: v = 0
         v = (x * s - mn * s) / (safe * s)
         if self.params["stochastic"]:
-            v = torch.floor(v + torch.rand_like(v))
+            v = torch.floor(v + torch.rand(v.shape, dtype=v.dtype, device=v.device))
         else:
             v = torch.round(v)
         v = torch.clamp(v, 0.0, levels)
