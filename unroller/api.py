@@ -15,10 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
+from unroller.ast import ModelAST
 from unroller.codegen import Options, render
 from unroller.errors import ModelError
 from unroller.graph import Graph, build_graph
-from unroller.ast import ModelAST
 from unroller.parser import parse
 
 
