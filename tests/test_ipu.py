@@ -179,3 +179,47 @@ def test_dilated_conv_is_refused_for_the_ipu():
     generate_from_text(text, Options(platform="gpu"))
     with pytest.raises(ModelError, match="dilation"):
         generate_from_text(text, Options(platform="ipu"))
+
+
+def test_per_ipu_report_in_unroll_graph(monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from unroller.cli import app
+
+    monkeypatch.chdir(model_path("resnet_like").parent.parent.parent)
+    args = ["graph", "benchmarks/models/unet_like.txt", "--platform", "ipu", "--num-ipus", "4"]
+    args += ["--scheme", "dct-dense", "--batch-size", "8"]
+    result = CliRunner().invoke(app, [*args, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    ipus = report["ipus"]
+    assert [r["ipu"] for r in ipus["ipus"]] == [0, 1, 2, 3]
+    assert (
+        sum(r["stash_stored_bytes"] for r in ipus["ipus"]) == report["stash"]["total_stored_bytes"]
+    )
+    assert sum(r["nodes"] for r in ipus["ipus"]) == len(report["nodes"])
+    assert len(ipus["boundaries"]) == 3 and all(b["forward_bytes"] > 0 for b in ipus["boundaries"])
+    table = CliRunner().invoke(app, args)
+    assert "of 900 MB" in table.stdout and "IPU 2 -> 3:" in table.stdout
+    wrong = CliRunner().invoke(app, ["graph", "benchmarks/models/unet_like.txt", "--num-ipus", "2"])
+    assert wrong.exit_code == 2
+
+
+def test_unroll_lint_passes_on_generated_ipu_code_and_fails_on_a_bad_module(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from unroller.cli import app
+
+    root = model_path("resnet_like").parent.parent.parent
+    monkeypatch.chdir(root)
+    ok = CliRunner().invoke(app, ["lint", "generated/ipu/resnet_like/dct-dense.py"])
+    assert ok.exit_code == 0, ok.output
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch\n\n\ndef f(x):\n    return torch.nn.functional.interpolate(x, scale_factor=2, mode='bilinear')\n"
+    )
+    result = CliRunner().invoke(app, ["lint", str(bad)])
+    assert result.exit_code == 1
+    assert f"{bad}:5:" in result.output and "bilinear" in result.output
