@@ -625,6 +625,7 @@ def limits_paragraph(results: dict[str, Any]) -> str:
     clone = results["codecs"]["clone_pooled"]
     best = max(floats, key=lambda c: c["gbps"]["round_trip"])
     worst = min(floats, key=lambda c: c["gbps"]["round_trip"])
+    threads = results["meta"]["num_threads"]
     spread = (
         ": a clone of a large tensor may or may not page-fault a fresh buffer, whatever the "
         "allocator did before"
@@ -639,7 +640,7 @@ def limits_paragraph(results: dict[str, Any]) -> str:
         f"against {clone['median_gbps']:.2f} GB/s for torch.clone (median of all float32 "
         f"clones; best {clone['max_gbps']:.2f} GB/s{spread}). Their cost is paid in the forward "
         "(compress) and in the backward (decompress) of every compressed tensor, and is "
-        "compared with convolutions that run on 2 CPU cores; on an accelerator the "
+        f"compared with convolutions that run on {threads} CPU thread(s); on an accelerator the "
         "convolutions speed up far more than these memory-bound op chains, so fused kernels "
         "matter more there. Stored bytes are exact (the packed tensors' bytes), but peak "
         "step memory falls much less than stored bytes: it also holds each raw tensor until "

@@ -862,10 +862,12 @@ def test_ipu_safe_dispatch(monkeypatch):
         roundtrip(c, x)
     roundtrip(Bits(), x > 0)
     monkeypatch.setattr(base, "_FAST_DEVICES", ("cpu", "cuda"))
-    monkeypatch.setattr(torch.jit, "is_tracing", lambda: True)
-    for c in comps:
-        roundtrip(c, x)
-    roundtrip(Bits(), x > 0)
+    for module, name in [(torch.jit, "is_tracing"), (torch.compiler, "is_compiling")]:
+        with monkeypatch.context() as m:
+            m.setattr(module, name, lambda: True)
+            for c in comps:
+                roundtrip(c, x)
+            roundtrip(Bits(), x > 0)
 
 
 @HYP_FAST

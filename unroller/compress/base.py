@@ -20,7 +20,8 @@ tensors:
   they never run on an IPU.
 
 The IPU-safe formulation runs for tensors on any other device (``ipu`` under PopTorch), while
-``torch.jit`` traces, and everywhere when the module flag ``IPU_SAFE`` is True.
+``torch.jit`` or ``torch.compile`` traces, and everywhere when the module flag ``IPU_SAFE`` is
+True.
 """
 
 from __future__ import annotations
@@ -314,11 +315,17 @@ def prod(values: tuple[int, ...] | list[int]) -> int:
 # fast cpu/cuda path ----------------------------------------------------------------------
 
 
+def _is_compiling() -> bool:  # unroller-lint: host-only (dispatch)
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+
+
 def use_fast_path(*tensors: Tensor) -> bool:  # unroller-lint: host-only (dispatch)
-    """True when the fast formulation may run: ``IPU_SAFE`` is off, no ``torch.jit`` trace is
-    being recorded (the fast path branches on values) and every tensor is on "cpu" or
-    "cuda". Otherwise the IPU-safe formulation runs; both give bit-identical results."""
-    if IPU_SAFE or sys.byteorder != "little" or torch.jit.is_tracing():
+    """True when the fast formulation may run: ``IPU_SAFE`` is off, no ``torch.jit`` trace or
+    ``torch.compile`` graph is being recorded (the fast path branches on values and calls
+    numpy) and every tensor is on "cpu" or "cuda". Otherwise the IPU-safe formulation runs;
+    both give bit-identical results."""
+    if IPU_SAFE or sys.byteorder != "little" or torch.jit.is_tracing() or _is_compiling():
         return False
     return all(t.device.type in _FAST_DEVICES for t in tensors)
 

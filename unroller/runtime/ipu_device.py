@@ -33,6 +33,11 @@ class PopTorchMissing(RuntimeError):
 def use_emulation(on: bool = True) -> ModuleType | None:
     """Route every ``poptorch.X`` of generated modules to the CPU emulation (or back)."""
     global _backend
+    from unroller.compress import base
+
+    # Under the emulation the compressors take their IPU-safe path, so the emulated
+    # step runs the same operations PopTorch would trace.
+    base.IPU_SAFE = on
     _backend = importlib.import_module("unroller.runtime.poptorch_emulation") if on else None
     return _backend
 
