@@ -7,6 +7,7 @@ backward and by the next convolution's) is stored once and counted once.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +202,4 @@ def format_dot(graph: Graph) -> str:
 
 
 def json_str(text: str) -> str:
-    import json
-
     return json.dumps(text)
