@@ -429,6 +429,15 @@ def bench(ctx: typer.Context) -> None:
     raise typer.Exit(run_bench(list(ctx.args), prog="unroll bench"))
 
 
+def _register_training_commands() -> None:
+    from unroller.cli_train import register
+
+    register(app)
+
+
+_register_training_commands()
+
+
 def version_callback(value: bool) -> None:
     if value:
         typer.echo(f"unroller {__version__}")

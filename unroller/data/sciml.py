@@ -1,0 +1,263 @@
+"""``sciml:PATH``: the real SciML-Bench 1.2.0 data, when the user has it on disk.
+
+Nothing is downloaded: PATH is a directory the user points at, and its contents say
+which benchmark it holds (the layouts SciML-Bench's own loaders read):
+
+- EMDenoise (``em_graphene_sim``): ``graphene_img_noise.h5`` and
+  ``graphene_img_clean.h5``, each with a dataset ``images`` of shape (N, H, W, 1)
+  (channels last; (N, H, W) and (N, 1, H, W) are accepted too). Found in PATH or in
+  ``PATH/train`` (then ``PATH/test`` is the test split if it has the pair, otherwise the
+  last 20 % of the training images are). Both are scaled to [0, 1] with the clean
+  training images' minimum and maximum (SciML-Bench 1.2.0 applies none; PSNR needs a
+  known range).
+- SLSTRCloud (``cloud_slstr_ds1``): HDF5 files ``S3A*.hdf`` (or ``*.h5``) anywhere
+  under PATH, each with ``refs`` (H, W, 6), ``bts`` (H, W, 3) and ``bayes`` (H, W, 1).
+  As SciML-Bench does: ``refs`` and ``bts`` are each standardised over the whole
+  array, stacked to 9 channels, and the mask is ``bayes != 0``; NaNs become 0. Each
+  scene is centre-cropped to a whole number of model-sized tiles and cut into them.
+  Scenes are split 80/20 in sorted-name order (a single scene: its tiles are).
+- OpticalDamage (``optical_damage_ds1``): TIFF images in ``training/undamaged`` and
+  ``validation/undamaged`` (the test split). As SciML-Bench does: each image is scaled
+  to [0, 1] by its minimum and maximum (NaNs to 0) and the 200 x 200 window at rows
+  150-350, columns 270-470 is cut out (the whole image, if smaller), then resized to
+  the model's size. These are TIFF files in the real data set, read with Pillow.
+
+Images of another size than the model's are resized with area averaging (masks are
+re-thresholded at 0.5).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from unroller.data.core import DatasetError, Signature, Split, TaskData, check
+
+EM_FILES = ("graphene_img_noise.h5", "graphene_img_clean.h5")
+SLSTR_PATTERNS = ("S3A*.hdf", "S3B*.hdf", "*.hdf", "*.h5")
+OPTICS_CROP = (150, 350, 270, 470)
+HOLDOUT = 0.2
+
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError:
+        raise DatasetError(
+            "sciml: datasets are read from HDF5 with h5py, which is not installed: "
+            "pip install h5py (or the project's [data] extra)"
+        ) from None
+    return h5py
+
+
+def _read(path: Path, key: str) -> Tensor:
+    h5py = _h5py()
+    try:
+        with h5py.File(path, "r") as handle:
+            if key not in handle:
+                raise DatasetError(f"{path}: no dataset '{key}' (found: {', '.join(handle)})")
+            return torch.from_numpy(handle[key][()]).to(torch.float64)
+    except OSError as exc:
+        raise DatasetError(f"{path}: not a readable HDF5 file ({exc})") from None
+
+
+def _channels_first(images: Tensor, path: Path) -> Tensor:
+    """(N, H, W), (N, H, W, 1) or (N, 1, H, W) -> (N, 1, H, W)."""
+    if images.dim() == 3:
+        return images[:, None]
+    if images.dim() == 4 and images.shape[-1] == 1:
+        return images.permute(0, 3, 1, 2)
+    if images.dim() == 4 and images.shape[1] == 1:
+        return images
+    raise DatasetError(f"{path}: expected single-channel images, got shape {list(images.shape)}")
+
+
+def _resize(images: Tensor, height: int, width: int) -> Tensor:
+    if tuple(images.shape[-2:]) == (height, width):
+        return images
+    return F.interpolate(images, size=(height, width), mode="area")
+
+
+def _holdout(count: int) -> int:
+    return max(1, round(count * HOLDOUT)) if count > 1 else 0
+
+
+# -- EMDenoise -------------------------------------------------------------------------
+
+
+def _em_pair(directory: Path) -> tuple[Tensor, Tensor]:
+    noisy = _channels_first(_read(directory / EM_FILES[0], "images"), directory / EM_FILES[0])
+    clean = _channels_first(_read(directory / EM_FILES[1], "images"), directory / EM_FILES[1])
+    if noisy.shape != clean.shape:
+        raise DatasetError(
+            f"{directory}: noisy images {list(noisy.shape)} and clean images "
+            f"{list(clean.shape)} differ in shape"
+        )
+    return noisy, clean
+
+
+def _em_denoise(root: Path, sig: Signature, name: str) -> TaskData:
+    check(sig, name, "denoising", channels=1)
+    train_dir = root / "train" if (root / "train" / EM_FILES[0]).exists() else root
+    noisy, clean = _em_pair(train_dir)
+    if (root / "test" / EM_FILES[0]).exists():
+        test_noisy, test_clean = _em_pair(root / "test")
+    else:
+        cut = len(noisy) - _holdout(len(noisy))
+        noisy, test_noisy = noisy[:cut], noisy[cut:]
+        clean, test_clean = clean[:cut], clean[cut:]
+    low, high = clean.min(), clean.max()
+    span = (high - low).clamp_min(1e-12)
+    _, height, width = sig.input_shape
+
+    def prepare(images: Tensor) -> Tensor:
+        return _resize((images - low) / span, height, width).float()
+
+    return TaskData(
+        name=name,
+        task="denoising",
+        synthetic=False,
+        description=f"SciML-Bench EMDenoise data from {root}, {len(noisy)} train / {len(test_noisy)} test",
+        train=Split(prepare(noisy), prepare(clean)),
+        test=Split(prepare(test_noisy), prepare(test_clean)),
+    )
+
+
+# -- SLSTRCloud ------------------------------------------------------------------------
+
+
+def _slstr_files(root: Path) -> list[Path]:
+    for pattern in SLSTR_PATTERNS:
+        found = sorted(p for p in root.rglob(pattern) if p.is_file())
+        if found:
+            return found
+    return []
+
+
+def _standardise(values: Tensor) -> Tensor:
+    values = torch.nan_to_num(values, nan=0.0)
+    return (values - values.mean()) / values.std().clamp_min(1e-12)
+
+
+def _tiles(images: Tensor, height: int, width: int) -> Tensor:
+    """(C, H, W) -> (T, C, height, width): centre crop to whole tiles, then cut."""
+    channels, full_h, full_w = images.shape
+    rows, cols = full_h // height, full_w // width
+    if rows == 0 or cols == 0:
+        return F.interpolate(images[None], size=(height, width), mode="area")
+    top, left = (full_h - rows * height) // 2, (full_w - cols * width) // 2
+    crop = images[:, top : top + rows * height, left : left + cols * width]
+    tiles = crop.reshape(channels, rows, height, cols, width).permute(1, 3, 0, 2, 4)
+    return tiles.reshape(rows * cols, channels, height, width)
+
+
+def _scene(path: Path, height: int, width: int) -> tuple[Tensor, Tensor]:
+    refs, bts, bayes = (_read(path, key) for key in ("refs", "bts", "bayes"))
+    if refs.dim() == 2:
+        refs = refs[..., None]
+    if bts.dim() == 2:
+        bts = bts[..., None]
+    if bayes.dim() == 3:
+        bayes = bayes[..., 0]
+    image = torch.cat([_standardise(refs), _standardise(bts)], dim=-1).permute(2, 0, 1)
+    mask = (torch.nan_to_num(bayes, nan=0.0) != 0).to(torch.float64)[None]
+    return _tiles(image, height, width), (_tiles(mask, height, width) > 0.5).to(torch.float64)
+
+
+def _slstr_cloud(root: Path, files: list[Path], sig: Signature, name: str) -> TaskData:
+    channels, height, width = sig.input_shape
+    check(sig, name, "segmentation", channels=None)
+    scenes = [_scene(path, height, width) for path in files]
+    if scenes[0][0].shape[1] != channels:
+        raise DatasetError(
+            f"{files[0]}: the scenes give {scenes[0][0].shape[1]}-channel images, but "
+            f"{sig.describe()} takes {channels}"
+        )
+    if len(scenes) > 1:
+        cut = len(scenes) - _holdout(len(scenes))
+        train, test = scenes[:cut], scenes[cut:]
+        x, y = torch.cat([s[0] for s in train]), torch.cat([s[1] for s in train])
+        tx, ty = torch.cat([s[0] for s in test]), torch.cat([s[1] for s in test])
+    else:
+        x, y = scenes[0]
+        cut = len(x) - _holdout(len(x))
+        x, tx, y, ty = x[:cut], x[cut:], y[:cut], y[cut:]
+    return TaskData(
+        name=name,
+        task="segmentation",
+        synthetic=False,
+        description=(
+            f"SciML-Bench SLSTRCloud data from {root}: {len(files)} scene(s), "
+            f"{len(x)} train / {len(tx)} test tiles of {height}x{width}"
+        ),
+        train=Split(x.float(), y.float()),
+        test=Split(tx.float(), ty.float()),
+    )
+
+
+# -- OpticalDamage ---------------------------------------------------------------------
+
+
+def _tiff_images(directory: Path, height: int, width: int) -> Tensor:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise DatasetError(
+            "reading the OpticalDamage TIFF images needs Pillow: pip install pillow"
+        ) from None
+    files = sorted(p for p in directory.iterdir() if p.suffix.lower() in (".tif", ".tiff"))
+    if not files:
+        raise DatasetError(f"{directory}: no TIFF images")
+    images = []
+    for path in files:
+        with Image.open(path) as handle:
+            array = torch.tensor(list(handle.convert("F").getdata()), dtype=torch.float64)
+            array = array.reshape(handle.size[1], handle.size[0])
+        array = torch.nan_to_num(array, nan=0.0)
+        array = (array - array.min()) / (array.max() - array.min()).clamp_min(1e-12)
+        top, bottom, left, right = OPTICS_CROP
+        if array.shape[0] >= bottom and array.shape[1] >= right:
+            array = array[top:bottom, left:right]
+        images.append(_resize(array[None, None], height, width)[0])
+    return torch.stack(images)
+
+
+def _optical_damage(root: Path, sig: Signature, name: str) -> TaskData:
+    check(sig, name, "autoencoding", channels=1)
+    _, height, width = sig.input_shape
+    train = _tiff_images(root / "training" / "undamaged", height, width)
+    test_dir = root / "validation" / "undamaged"
+    if test_dir.is_dir():
+        test = _tiff_images(test_dir, height, width)
+    else:
+        cut = len(train) - _holdout(len(train))
+        train, test = train[:cut], train[cut:]
+    return TaskData(
+        name=name,
+        task="autoencoding",
+        synthetic=False,
+        description=f"SciML-Bench OpticalDamage data from {root}, {len(train)} train / {len(test)} test",
+        train=Split(train.float(), None),
+        test=Split(test.float(), None),
+    )
+
+
+def build(sig: Signature, name: str, path: str, **_: object) -> TaskData:
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise DatasetError(f"sciml: no such directory: {root}")
+    if (root / EM_FILES[0]).exists() or (root / "train" / EM_FILES[0]).exists():
+        return _em_denoise(root, sig, name)
+    if (root / "training" / "undamaged").is_dir():
+        return _optical_damage(root, sig, name)
+    files = _slstr_files(root)
+    if files:
+        return _slstr_cloud(root, files, sig, name)
+    raise DatasetError(
+        f"sciml: {root} holds none of the known layouts: EMDenoise ({' + '.join(EM_FILES)}, "
+        "in it or in train/), SLSTRCloud (S3A*.hdf scenes with refs, bts, bayes) or "
+        "OpticalDamage (training/undamaged/*.TIFF)"
+    )

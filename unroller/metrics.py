@@ -1,0 +1,131 @@
+"""Evaluation metrics per task, computed over a whole test set.
+
+Each metric is a plain function of tensors (tested on hand-made cases), and a
+``MetricSet`` accumulates the sums those functions need batch by batch, so a test set
+is scored exactly as if it were one batch: accuracy counts correct samples, MSE sums
+squared errors, IoU sums the intersection and the union over every pixel. PSNR is
+computed from the test set's MSE (``10 log10(range^2 / MSE)``, range 1 for images in
+[0, 1]), not averaged per image, so it and the MSE always agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch.nn.functional as F
+from torch import Tensor
+
+TASKS = ("classification", "denoising", "segmentation", "autoencoding")
+
+# The metric each task is judged by (all are "higher is better") and the metrics it reports.
+PRIMARY = {
+    "classification": "accuracy",
+    "denoising": "psnr",
+    "segmentation": "iou",
+    "autoencoding": "psnr",
+}
+REPORTED = {
+    "classification": ("accuracy", "loss"),
+    "denoising": ("psnr", "mse"),
+    "segmentation": ("iou", "pixel_accuracy", "loss"),
+    "autoencoding": ("psnr", "mse"),
+}
+UNITS = {"accuracy": "%", "pixel_accuracy": "%", "iou": "", "psnr": "dB", "mse": "", "loss": ""}
+LABELS = {
+    "accuracy": "test accuracy (%)",
+    "pixel_accuracy": "test pixel accuracy (%)",
+    "iou": "test IoU",
+    "psnr": "test PSNR (dB)",
+    "mse": "test MSE",
+    "loss": "test loss",
+}
+
+
+def accuracy(logits: Tensor, target: Tensor) -> float:
+    """Percentage of rows whose largest logit is the target class."""
+    return 100.0 * (logits.argmax(dim=-1) == target).double().mean().item()
+
+
+def mse(pred: Tensor, target: Tensor) -> float:
+    return F.mse_loss(pred.double(), target.double()).item()
+
+
+def psnr(mean_squared_error: float, data_range: float = 1.0) -> float:
+    """Peak signal-to-noise ratio in dB; infinite for a perfect reconstruction."""
+    if mean_squared_error <= 0.0:
+        return math.inf
+    return 10.0 * math.log10(data_range**2 / mean_squared_error)
+
+
+def iou(pred_mask: Tensor, true_mask: Tensor) -> float:
+    """Intersection over union of two boolean masks; 1.0 when both are empty."""
+    pred_mask, true_mask = pred_mask.bool(), true_mask.bool()
+    union = (pred_mask | true_mask).sum().item()
+    if union == 0:
+        return 1.0
+    return (pred_mask & true_mask).sum().item() / union
+
+
+def pixel_accuracy(pred_mask: Tensor, true_mask: Tensor) -> float:
+    """Percentage of pixels where two boolean masks agree."""
+    return 100.0 * (pred_mask.bool() == true_mask.bool()).double().mean().item()
+
+
+@dataclass
+class MetricSet:
+    """Accumulates one task's metrics over batches of (prediction, target).
+
+    ``logits``: for segmentation, whether predictions are logits (``bce_with_logits``
+    models) rather than probabilities; the mask is ``prediction > 0`` or ``> 0.5``.
+    """
+
+    task: str
+    logits: bool = False
+    data_range: float = 1.0
+    sums: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r} (known: {', '.join(TASKS)})")
+
+    def _add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def update(self, pred: Tensor, target: Tensor) -> None:
+        pred, target = pred.detach().double(), target.detach()
+        if self.task == "classification":
+            self._add("samples", target.shape[0])
+            self._add("correct", (pred.argmax(dim=-1) == target).sum().item())
+            self._add("loss_sum", F.cross_entropy(pred, target, reduction="sum").item())
+        elif self.task in ("denoising", "autoencoding"):
+            self._add("elements", target.numel())
+            self._add("sq_err", ((pred - target.double()) ** 2).sum().item())
+        else:  # segmentation
+            truth = target > 0.5
+            predicted = pred > (0.0 if self.logits else 0.5)
+            self._add("elements", target.numel())
+            self._add("agree", (predicted == truth).sum().item())
+            self._add("inter", (predicted & truth).sum().item())
+            self._add("union", (predicted | truth).sum().item())
+            if self.logits:
+                loss = F.binary_cross_entropy_with_logits(pred, target.double(), reduction="sum")
+            else:
+                loss = F.binary_cross_entropy(pred.clamp(0, 1), target.double(), reduction="sum")
+            self._add("loss_sum", loss.item())
+
+    def result(self) -> dict[str, float]:
+        s = self.sums
+        if self.task == "classification":
+            return {
+                "accuracy": 100.0 * s["correct"] / s["samples"],
+                "loss": s["loss_sum"] / s["samples"],
+            }
+        if self.task in ("denoising", "autoencoding"):
+            err = s["sq_err"] / s["elements"]
+            return {"psnr": psnr(err, self.data_range), "mse": err}
+        return {
+            "iou": 1.0 if s["union"] == 0 else s["inter"] / s["union"],
+            "pixel_accuracy": 100.0 * s["agree"] / s["elements"],
+            "loss": s["loss_sum"] / s["elements"],
+        }
