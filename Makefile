@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 UNROLL := $(VENV)/bin/unroll
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv test bench generate check lint format clean
+.PHONY: venv test bench accuracy generate check lint format clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,16 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(if $(FULL),--full,)
+
+# Accuracy by scheme (README "Accuracy"): about 40 minutes on a 2-core CPU.
+ACCURACY := $(UNROLL) accuracy --schemes all --seeds 3 --quiet
+accuracy: $(STAMP)
+	$(ACCURACY) benchmarks/models/quick.txt --dataset digits --epochs 15 \
+		--out benchmarks/results/accuracy/digits
+	$(ACCURACY) benchmarks/models/emdenoise.txt --dataset denoise --resolution 64 --epochs 10 \
+		--lr 0.01 --batch-size 16 --out benchmarks/results/accuracy/denoise
+	$(ACCURACY) benchmarks/models/slstrcloud.txt --dataset clouds --resolution 32 --epochs 10 \
+		--lr 0.01 --batch-size 16 --out benchmarks/results/accuracy/clouds
 
 generate: $(STAMP)
 	$(PY) -m benchmarks.generate_all
