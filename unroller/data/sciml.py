@@ -13,7 +13,8 @@ which benchmark it holds (the layouts SciML-Bench's own loaders read):
 - SLSTRCloud (``cloud_slstr_ds1``): HDF5 files ``S3A*.hdf`` (or ``*.h5``) anywhere
   under PATH, each with ``refs`` (H, W, 6), ``bts`` (H, W, 3) and ``bayes`` (H, W, 1).
   As SciML-Bench does: ``refs`` and ``bts`` are each standardised over the whole
-  array, stacked to 9 channels, and the mask is ``bayes != 0``; NaNs become 0. Each
+  array (over its finite values), stacked to 9 channels, and the mask is
+  ``bayes != 0``; NaNs then become 0 (the mean). Each
   scene is centre-cropped to a whole number of model-sized tiles and cut into them.
   Scenes are split 80/20 in sorted-name order (a single scene: its tiles are).
 - OpticalDamage (``optical_damage_ds1``): TIFF images in ``training/undamaged`` and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,7 +39,8 @@ from torch import Tensor
 from unroller.data.core import DatasetError, Signature, Split, TaskData, check
 
 EM_FILES = ("graphene_img_noise.h5", "graphene_img_clean.h5")
-SLSTR_PATTERNS = ("S3A*.hdf", "S3B*.hdf", "*.hdf", "*.h5")
+# Sentinel-3A/B scene files first (SciML-Bench reads S3A*.hdf); any HDF5 file otherwise.
+SLSTR_PATTERNS = (("S3A*.hdf", "S3B*.hdf"), ("*.hdf", "*.h5"))
 OPTICS_CROP = (150, 350, 270, 470)
 HOLDOUT = 0.2
 
@@ -130,16 +133,20 @@ def _em_denoise(root: Path, sig: Signature, name: str) -> TaskData:
 
 
 def _slstr_files(root: Path) -> list[Path]:
-    for pattern in SLSTR_PATTERNS:
-        found = sorted(p for p in root.rglob(pattern) if p.is_file())
+    for patterns in SLSTR_PATTERNS:
+        found = sorted({p for pattern in patterns for p in root.rglob(pattern) if p.is_file()})
         if found:
             return found
     return []
 
 
 def _standardise(values: Tensor) -> Tensor:
-    values = torch.nan_to_num(values, nan=0.0)
-    return (values - values.mean()) / values.std().clamp_min(1e-12)
+    """Zero mean, unit std over the finite values; NaNs become 0 (the mean) afterwards."""
+    finite = values[torch.isfinite(values)]
+    if finite.numel() == 0:
+        return torch.zeros_like(values)
+    mean, std = finite.mean(), finite.std().nan_to_num(0.0).clamp_min(1e-12)
+    return torch.nan_to_num((values - mean) / std, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _tiles(images: Tensor, height: int, width: int) -> Tensor:
@@ -213,9 +220,11 @@ def _tiff_images(directory: Path, height: int, width: int) -> Tensor:
         raise DatasetError(f"{directory}: no TIFF images")
     images = []
     for path in files:
-        with Image.open(path) as handle:
-            array = torch.tensor(list(handle.convert("F").getdata()), dtype=torch.float64)
-            array = array.reshape(handle.size[1], handle.size[0])
+        try:
+            with Image.open(path) as handle:
+                array = torch.from_numpy(np.asarray(handle.convert("F"), dtype=np.float64).copy())
+        except OSError as exc:
+            raise DatasetError(f"{path}: not a readable TIFF image ({exc})") from None
         array = torch.nan_to_num(array, nan=0.0)
         array = (array - array.min()) / (array.max() - array.min()).clamp_min(1e-12)
         top, bottom, left, right = OPTICS_CROP

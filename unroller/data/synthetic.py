@@ -8,7 +8,8 @@ private ``torch.Generator``; the global RNG is untouched).
 
 - ``denoise`` (the EMDenoise task): smooth random fields in (0, 1) as clean images;
   the input is the clean image under Poisson shot noise at a low dose (mean 12
-  counts at full intensity), scaled back to intensity. Target: the clean image.
+  counts at full intensity), scaled back to intensity (a C-channel model gets C
+  independent exposures). Target: the one-channel clean image.
 - ``clouds`` (the SLSTRCloud task): C-channel images (9 for SLSTR: 6 "reflectances",
   3 "brightness temperatures") made of one smooth hidden cloud field mixed into every
   channel with seed-drawn weights, plus each channel's own smooth field and pixel
@@ -50,8 +51,10 @@ def smooth_fields(count: int, channels: int, height: int, width: int, sigma: flo
 
 def denoise(count: int, shape: tuple[int, int, int], gen, task_gen) -> Split:
     channels, height, width = shape
-    clean = torch.sigmoid(1.5 * smooth_fields(count, channels, height, width, height / 16, gen))
-    noisy = torch.poisson(clean * PHOTONS, generator=gen) / PHOTONS
+    clean = torch.sigmoid(1.5 * smooth_fields(count, 1, height, width, height / 16, gen))
+    # one clean image; each input channel is an independent noisy exposure of it
+    exposures = clean.expand(-1, channels, -1, -1)
+    noisy = torch.poisson(exposures * PHOTONS, generator=gen) / PHOTONS
     return Split(noisy.float(), clean.float())
 
 
