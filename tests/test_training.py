@@ -295,3 +295,40 @@ def test_cli_train_reports_model_file_errors_with_a_position(tmp_path):
     result = runner.invoke(app, ["train", model, "--out", str(tmp_path / "run")])
     assert result.exit_code == 2
     assert f"{model}:7:15: error: undefined name" in result.output and "error:" in result.output
+
+
+def test_cli_resume_takes_the_checkpoints_settings(tmp_path):
+    model = write_model(tmp_path, CLASSIFIER)
+    out = tmp_path / "run"
+    first = [
+        "train",
+        model,
+        "--epochs",
+        "1",
+        "--train-size",
+        "64",
+        "--test-size",
+        "32",
+        "--lr",
+        "0.1",
+        "--batch-size",
+        "16",
+        "--seed",
+        "4",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
+    assert runner.invoke(app, first).exit_code == 0
+    resumed = runner.invoke(
+        app, ["train", model, "--resume", str(out / "checkpoint.pt"), "--epochs", "2", "--quiet"]
+    )
+    assert resumed.exit_code == 0, resumed.output
+    records = read_metrics(out)
+    assert [r["epoch"] for r in records] == [1, 2]
+    info = json.loads((out / "run.json").read_text())
+    assert info["config"]["seed"] == 4 and info["config"]["lr"] == 0.1
+    clash = runner.invoke(
+        app, ["train", model, "--resume", str(out / "checkpoint.pt"), "--lr", "0.3"]
+    )
+    assert clash.exit_code == 2 and "lr 0.1 -> 0.3" in clash.output

@@ -59,9 +59,30 @@ def _model_error(exc: ModelError, model: Path) -> typer.Exit:
     return report_model_error(exc, model)
 
 
+def _resumed_config(ctx: typer.Context, config: TrainConfig, resume: Path) -> TrainConfig:
+    """The checkpoint's settings, overridden by the options given on the command line
+    (``train`` then refuses any that differ, except --epochs)."""
+    from unroller.training import load_checkpoint
+
+    try:
+        recorded = TrainConfig.from_dict(load_checkpoint(resume)["config"])
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    given = {
+        name
+        for name in config.to_dict()
+        # compared by name: typer may ship its own copy of click's ParameterSource
+        if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"
+    }
+    values = recorded.to_dict()
+    values.update({name: value for name, value in config.to_dict().items() if name in given})
+    return TrainConfig.from_dict(values)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def train(
+        ctx: typer.Context,
         model: Annotated[Path, typer.Argument(help="The model file (.txt).")],
         dataset: DatasetOpt = "digits",
         scheme: Annotated[
@@ -127,6 +148,10 @@ def register(app: typer.Typer) -> None:
             resolution=resolution,
             device=device,
         )
+        if resume is not None:
+            config = _resumed_config(ctx, config, resume)
+            if out is None:
+                out = resume.parent
         if out is None:
             data_name = dataset.split(":", 1)[0]
             label = scheme if compress_config is None else compress_config.stem

@@ -48,6 +48,7 @@ OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("cosine", "constant")
 # Fields that may differ between a checkpoint and the run resuming from it.
 RESUMABLE_CHANGES = ("epochs",)
+PATH_FIELDS = ("model", "compress_config", "init")
 
 
 class TrainError(ConfigError):
@@ -160,6 +161,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise TrainError(f"--resume: {path} is not an unroller training checkpoint")
     return payload
+
+
+def _same_setting(name: str, a: Any, b: Any) -> bool:
+    """Equal settings; file paths compare as the files they name (cwd may differ)."""
+    if name in PATH_FIELDS and a is not None and b is not None:
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b
 
 
 def make_optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
@@ -303,7 +311,7 @@ def train(
             f.name
             for f in dataclasses.fields(TrainConfig)
             if f.name not in RESUMABLE_CHANGES
-            and getattr(recorded, f.name) != getattr(config, f.name)
+            and not _same_setting(f.name, getattr(recorded, f.name), getattr(config, f.name))
         ]
         if changed:
             details = ", ".join(
