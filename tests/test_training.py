@@ -332,3 +332,29 @@ def test_cli_resume_takes_the_checkpoints_settings(tmp_path):
         app, ["train", model, "--resume", str(out / "checkpoint.pt"), "--lr", "0.3"]
     )
     assert clash.exit_code == 2 and "lr 0.1 -> 0.3" in clash.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_training_and_resume(tmp_path):
+    """On CUDA: data and model move to the device, the CUDA RNG state is checkpointed, and a
+    resumed run reproduces the uninterrupted one (cuDNN is put in deterministic mode)."""
+    config = TrainConfig(**{**stochastic_config(tmp_path, epochs=3).to_dict(), "device": "cuda"})
+    full = train(config, tmp_path / "full", progress=False, log=quiet)
+    checkpoint = load_checkpoint(tmp_path / "full" / "checkpoint.pt")
+    assert "cuda" in checkpoint["rng"]
+
+    def stop_after_first_epoch(line: str) -> None:
+        if line.startswith("epoch 1/"):
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train(config, tmp_path / "cut", progress=False, log=stop_after_first_epoch)
+    resumed = train(
+        config,
+        tmp_path / "cut",
+        resume=tmp_path / "cut" / "checkpoint.pt",
+        progress=False,
+        log=quiet,
+    )
+    assert without_times(resumed.history) == without_times(full.history)
+    assert full.history[-1]["test"]["accuracy"] > 50.0

@@ -326,6 +326,11 @@ def train(
                 f"--resume: the checkpoint is at epoch {checkpoint['epoch']}, past --epochs {config.epochs}"
             )
     device = resolve_device(config.device)
+    if device.type == "cuda":
+        # exact resumption needs run-to-run identical kernels: no autotuning, and the
+        # deterministic cuDNN algorithms
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
     source, sig, data = prepare(config)
     source_sha = hashlib.sha256(source.encode("utf-8")).hexdigest()
     if checkpoint is not None and checkpoint["generated_sha256"] != source_sha:
