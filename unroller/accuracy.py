@@ -370,6 +370,7 @@ def run_accuracy(
         "machine": (
             f"{platform.machine()} {platform.system()}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, device {base.device}"
+            + (f" ({torch.cuda.get_device_name()})" if base.device.startswith("cuda") else "")
         ),
         "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
