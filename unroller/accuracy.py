@@ -281,10 +281,30 @@ def csv_text(rows: list[Row]) -> str:
     return buffer.getvalue()
 
 
+def _curves(per_seed: dict[int, list[dict[str, Any]]], key: str):
+    """Per epoch: the epochs, and the mean, min and max over seeds of ``key``."""
+    xs, means, lows, highs = [], [], [], []
+    for epoch in sorted({r["epoch"] for h in per_seed.values() for r in h}):
+        values = [
+            r["train_loss"] if key == "train_loss" else r["test"][key]
+            for history in per_seed.values()
+            for r in history
+            if r["epoch"] == epoch and not r.get("diverged")
+        ]
+        if values:
+            xs.append(epoch)
+            means.append(statistics.fmean(values))
+            lows.append(min(values))
+            highs.append(max(values))
+    return xs, means, lows, highs
+
+
 def plot(
     results: dict[str, dict[int, list[dict[str, Any]]]], metric: str, title: str, out: Path
 ) -> list[Path]:
-    """``METRIC.png`` and ``train_loss.png``: per epoch, mean over seeds, band min-max."""
+    """``METRIC.png`` (all epochs, and the second half zoomed in, where the schemes'
+    differences show) and ``train_loss.png`` (log scale): per epoch, the mean over seeds
+    with a band from the minimum to the maximum."""
     try:
         import matplotlib
 
@@ -297,33 +317,29 @@ def plot(
         (metric, f"{metric}.png", LABELS[metric]),
         ("train_loss", "train_loss.png", "training loss"),
     ):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        zoom = key != "train_loss"
+        fig, axes = plt.subplots(1, 2 if zoom else 1, figsize=(12 if zoom else 7, 4.5))
+        axes = list(axes) if zoom else [axes]
         for scheme, per_seed in results.items():
-            epochs = sorted({r["epoch"] for h in per_seed.values() for r in h})
-            means, lows, highs, xs = [], [], [], []
-            for epoch in epochs:
-                values = []
-                for history in per_seed.values():
-                    for r in history:
-                        if r["epoch"] == epoch and not r.get("diverged"):
-                            values.append(
-                                r["test"][key] if key != "train_loss" else r["train_loss"]
-                            )
-                if values:
-                    xs.append(epoch)
-                    means.append(statistics.fmean(values))
-                    lows.append(min(values))
-                    highs.append(max(values))
-            if xs:
-                (line,) = ax.plot(xs, means, marker="o", markersize=3, label=label_of(scheme))
-                ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel(ylabel)
+            xs, means, lows, highs = _curves(per_seed, key)
+            if not xs:
+                continue
+            for index, ax in enumerate(axes):
+                first = 0 if index == 0 else len(xs) // 2
+                (line,) = ax.plot(
+                    xs[first:], means[first:], marker="o", markersize=3, label=label_of(scheme)
+                )
+                ax.fill_between(
+                    xs[first:], lows[first:], highs[first:], color=line.get_color(), alpha=0.15
+                )
+        for index, ax in enumerate(axes):
+            ax.set_xlabel("epoch")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.set_title(title if index == 0 else "second half of training", fontsize=10)
         if key == "train_loss":
-            ax.set_yscale("log")
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            axes[0].set_yscale("log")
+        axes[0].legend(fontsize=8)
         fig.tight_layout()
         path = out / name
         fig.savefig(path, dpi=110)
