@@ -202,3 +202,41 @@ def test_cli_accuracy_rejects_unknown_schemes(tmp_path):
     model.write_text(DENOISER, encoding="utf-8")
     result = CliRunner().invoke(app, ["accuracy", str(model), "--schemes", "gzip"])
     assert result.exit_code == 2 and "unknown scheme 'gzip'" in result.output
+
+
+def test_gradient_error_is_zero_for_nocompress_and_measured_for_lossy(experiment):
+    out, rows, _ = experiment
+    by_scheme = {row.scheme: row for row in rows}
+    assert by_scheme["nocompress"].grad_error == 0.0
+    lossy = by_scheme["quant-2bit"].grad_error
+    assert 1e-4 < lossy < 2.0
+    probes = [
+        json.loads((out / "runs" / "quant-2bit" / f"seed{s}" / "gradient_probe.json").read_text())
+        for s in (0, 1)
+    ]
+    assert lossy == pytest.approx(statistics.fmean(p["relative_l2"] for p in probes))
+    assert all(p["epoch"] == 2 and p["batch"] == 32 for p in probes)
+    assert "| 0 (exact) |" in (out / "accuracy.md").read_text()
+
+
+def test_gradient_error_matches_an_independent_computation(experiment):
+    """Recompute the probe of one run with the reference recipe: same weights, same RNG."""
+    from unroller.api import import_generated, load_graph
+    from unroller.data import load, signature
+
+    out, _, _ = experiment
+    run_dir = out / "runs" / "quant-2bit" / "seed1"
+    config = json.loads((run_dir / "run.json").read_text())["config"]
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
+    data = load("digits", signature(load_graph(config["model"])), 0, 128, 64)
+    x, y = data.train.inputs[:32], data.train.targets[:32]
+    grads = []
+    for i, path in enumerate((out / "init" / "model.py", run_dir / "model.py")):
+        model = import_generated(path, f"probe_check_{i}").Model()
+        model.load_state_dict(state)
+        torch.manual_seed(0)
+        model(x, y)
+        grads.append(torch.cat([p.grad.flatten().double() for p in model.parameters()]))
+    expected = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
+    probe = json.loads((run_dir / "gradient_probe.json").read_text())
+    assert probe["relative_l2"] == pytest.approx(expected, rel=1e-12)

@@ -114,6 +114,7 @@ class Row:
     time_vs_baseline: float | None
     secondary: dict[str, float]
     diverged: int
+    grad_error: float | None = None  # mean over seeds, see gradient_error()
 
 
 def initial_state(config: TrainConfig, seed: int, out: Path) -> Path:
@@ -153,12 +154,54 @@ def run_one(config: TrainConfig, run_dir: Path, progress: bool, log) -> list[dic
     return train(config, run_dir, resume=resume, progress=progress, log=log).history
 
 
+PROBE = "gradient_probe.json"
+
+
+def gradient_error(config: TrainConfig, run_dir: Path, baseline: Path, data) -> float | None:
+    """How far the scheme's gradients are from exact ones at the run's final weights:
+    ``||g_scheme - g_nocompress|| / ||g_nocompress||`` over all parameters, for one
+    training step on the first batch of the training split, both modules starting from
+    the same weights, buffers and RNG state (so dropout and stochastic rounding draw the
+    same numbers). Cached in the run folder as ``gradient_probe.json``."""
+    probe = run_dir / PROBE
+    checkpoint = load_checkpoint(run_dir / CHECKPOINT)
+    if probe.is_file():
+        cached = json.loads(probe.read_text(encoding="utf-8"))
+        if cached.get("epoch") == checkpoint["epoch"]:
+            return cached["relative_l2"]
+    if checkpoint["history"][-1].get("diverged"):
+        return None
+    device = torch.device(config.device)
+    count = min(config.batch_size, len(data.train))
+    args = [data.train.inputs[:count].to(device)]
+    if data.train.targets is not None:
+        args.append(data.train.targets[:count].to(device))
+    grads = []
+    for index, module in enumerate((baseline, run_dir / GENERATED)):
+        name = f"unroller_probe_{index}_{abs(hash(str(module.resolve())))}"
+        model = import_generated(module, name).Model()
+        model.load_state_dict(checkpoint["model"])
+        model.to(device)
+        torch.manual_seed(0)
+        model(*args)
+        grads.append(torch.cat([p.grad.flatten().double() for p in model.parameters()]))
+    exact, approx = grads
+    error = ((approx - exact).norm() / exact.norm().clamp_min(1e-300)).item()
+    record = {"epoch": checkpoint["epoch"], "batch": count, "relative_l2": error}
+    write_atomic(probe, json.dumps(record) + "\n")
+    return error
+
+
 def _final(history: list[dict[str, Any]], metric: str) -> float | None:
     last = history[-1]
     return None if last.get("diverged") else last["test"][metric]
 
 
-def summarise(results: dict[str, dict[int, list[dict[str, Any]]]], task: str) -> list[Row]:
+def summarise(
+    results: dict[str, dict[int, list[dict[str, Any]]]],
+    task: str,
+    probes: dict[str, dict[int, float | None]] | None = None,
+) -> list[Row]:
     """The table rows from each scheme's per-seed metric histories."""
     metric, *others = REPORTED[task]
     rows: list[Row] = []
@@ -191,6 +234,7 @@ def summarise(results: dict[str, dict[int, list[dict[str, Any]]]], task: str) ->
                 time_vs_baseline=None,
                 secondary=secondary,
                 diverged=sum(v is None for v in finals),
+                grad_error=_mean_of((probes or {}).get(scheme, {}).values()),
             )
         )
     base = next((r for r in rows if r.scheme == BASELINE), None)
@@ -203,6 +247,17 @@ def summarise(results: dict[str, dict[int, list[dict[str, Any]]]], task: str) ->
             if row.epoch_time_s and base.epoch_time_s:
                 row.time_vs_baseline = row.epoch_time_s / base.epoch_time_s
     return rows
+
+
+def _mean_of(values) -> float | None:
+    found = [v for v in values if v is not None]
+    return statistics.fmean(found) if found else None
+
+
+def _fmt_error(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "0 (exact)" if value == 0 else f"{value:.2g}"
 
 
 def _fmt(value: float | None, digits: int = 2, signed: bool = False) -> str:
@@ -226,8 +281,9 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
         f"- Machine: {header['machine']}; finished {header['finished']}",
         "",
         f"| scheme | {label}, mean ± std ({seeds} seeds) | min - max | vs nocompress{unit} "
-        "| stored activations vs nocompress | time / epoch (s) | time vs nocompress |",
-        "|---|---|---|---|---|---|---|",
+        "| gradient error | stored activations vs nocompress | time / epoch (s) "
+        "| time vs nocompress |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         stored = "-" if row.stored_vs_baseline is None else f"1/{row.stored_vs_baseline:.1f}"
@@ -238,11 +294,15 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
             mean += f" ({row.diverged} diverged)"
         lines.append(
             f"| {row.scheme} | {mean} | {_fmt(row.low)} - {_fmt(row.high)} "
-            f"| {_fmt(row.delta, signed=True)} | {stored} | {_fmt(row.epoch_time_s)} "
+            f"| {_fmt(row.delta, signed=True)} | {_fmt_error(row.grad_error)} | {stored} "
+            f"| {_fmt(row.epoch_time_s)} "
             f"| {_fmt(row.time_vs_baseline)}x |"
         )
     lines += [
         "",
+        "Gradient error: relative L2 distance of all parameter gradients from the exact "
+        "(nocompress) ones, one step on the first training batch at the run's final "
+        "weights, mean over seeds. "
         "Stored activations: bytes kept for the backward pass in one training step (first "
         "step, same batch), measured by `stash_report()`; 1/k means k times fewer than "
         "nocompress. Time: median seconds of training per epoch (evaluation excluded).",
@@ -264,13 +324,15 @@ def csv_text(rows: list[Row]) -> str:
     writer.writerow(
         ["scheme", "metric", "mean", "std", "min", "max", "delta_vs_nocompress"]
         + [f"seed{s}" for s in seeds]
-        + ["stored_bytes", "stored_vs_nocompress", "epoch_time_s", "time_vs_nocompress", "diverged"]
+        + ["gradient_error", "stored_bytes", "stored_vs_nocompress", "epoch_time_s"]
+        + ["time_vs_nocompress", "diverged"]
     )
     for row in rows:
         writer.writerow(
             [row.scheme, row.metric, row.mean, row.std, row.low, row.high, row.delta]
             + row.finals
             + [
+                row.grad_error,
                 row.stored_bytes,
                 row.stored_vs_baseline,
                 row.epoch_time_s,
@@ -362,6 +424,7 @@ def run_accuracy(
     out.mkdir(parents=True, exist_ok=True)
     _, sig, data = prepare(base)
     results: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    probes: dict[str, dict[int, float | None]] = {}
     for seed in seeds:
         init = initial_state(replace(base, seed=seed), seed, out)
         for scheme in schemes:
@@ -372,7 +435,10 @@ def run_accuracy(
             log(f"== {label_of(scheme)}, seed {seed}")
             run_dir = out / "runs" / label_of(scheme) / f"seed{seed}"
             results.setdefault(scheme, {})[seed] = run_one(config, run_dir, progress, log)
-    rows = summarise(results, data.task)
+            probes.setdefault(scheme, {})[seed] = gradient_error(
+                config, run_dir, out / "init" / GENERATED, data
+            )
+    rows = summarise(results, data.task, probes)
     header = {
         "model": sig.model,
         "dataset_title": data.title,
