@@ -254,6 +254,10 @@ def _mean_of(values) -> float | None:
     return statistics.fmean(found) if found else None
 
 
+def _fmt_sig(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 def _fmt_error(value: float | None) -> str:
     if value is None:
         return "-"
@@ -312,7 +316,7 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
         lines += ["", "| scheme | " + " | ".join(LABELS[k] + " (mean)" for k in others) + " |"]
         lines.append("|---|" + "---|" * len(others))
         for row in rows:
-            cells = " | ".join(_fmt(row.secondary.get(k), 4) for k in others)
+            cells = " | ".join(_fmt_sig(row.secondary.get(k)) for k in others)
             lines.append(f"| {row.scheme} | {cells} |")
     return "\n".join(lines) + "\n"
 
