@@ -11,7 +11,9 @@ generator seeded with ``(seed, e)``, the learning rate is a function of the epoc
 the checkpoint restores the global torch RNG states (stochastic compressors and dropout
 draw from them) and Python's ``random`` state, so a run resumed from the checkpoint of
 epoch ``e`` computes exactly what the uninterrupted run computed from epoch ``e + 1``
-on (bit for bit on the same machine; tested). NumPy's RNG is not used.
+on (bit for bit on the same machine; tested). NumPy's RNG is not used. On CUDA, cuDNN
+is put in deterministic mode for this; kernels that add with atomics (some pooling and
+upsampling backward passes) can still differ in the last bits from run to run.
 """
 
 from __future__ import annotations
@@ -204,6 +206,51 @@ def evaluate(
     return scores.result()
 
 
+def train_epoch(
+    model,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    split: datasets.Split,
+    epoch: int,
+    bounds: list[tuple[int, int]],
+    device: torch.device,
+    advance: Callable[[float], None],
+) -> dict[str, Any]:
+    """One pass over the training split; the epoch's metrics record (without ``test``).
+    Stops at the first loss that is not finite and marks the record ``diverged``."""
+    lr = config.lr_at(epoch)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    order = epoch_order(config, epoch, len(split))
+    loss_sum, seen, stash = 0.0, 0, None
+    began = time.perf_counter()
+    for first, last in bounds:
+        index = order[first:last]
+        args = [split.inputs[index].to(device)]
+        if split.targets is not None:
+            args.append(split.targets[index].to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(*args).item()
+        if not math.isfinite(loss):
+            return {"epoch": epoch, "lr": lr, "diverged": True, "train_loss": None, "test": None}
+        optimizer.step()
+        if stash is None:  # what the first step kept for backward
+            stash = model.stash_report()
+        loss_sum += loss * len(index)
+        seen += len(index)
+        advance(loss)
+    return {
+        "epoch": epoch,
+        "lr": lr,
+        "train_loss": loss_sum / seen,
+        "test": None,
+        "train_time_s": time.perf_counter() - began,
+        "stash_batch": bounds[0][1] - bounds[0][0],
+        "stash_raw_bytes": stash["total_raw_bytes"],
+        "stash_stored_bytes": stash["total_stored_bytes"],
+    }
+
+
 @dataclass
 class Run:
     """What ``train`` leaves behind, for callers (``unroll accuracy``, tests)."""
@@ -377,49 +424,27 @@ def train(
     if history and history[-1].get("diverged"):
         return run
 
-    train_x, train_y = data.train.inputs, data.train.targets
     bounds = batches(len(data.train), config.batch_size)
     with Progress(progress, log) as bar:
         for epoch in range(start, config.epochs + 1):
-            lr = config.lr_at(epoch)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            order = epoch_order(config, epoch, len(data.train))
-            task_id = bar.epoch(f"epoch {epoch}/{config.epochs}", len(bounds))
-            loss_sum, seen, stash, diverged = 0.0, 0, None, False
-            began = time.perf_counter()
-            for first, last in bounds:
-                index = order[first:last]
-                args = [train_x[index].to(device)]
-                if train_y is not None:
-                    args.append(train_y[index].to(device))
-                optimizer.zero_grad(set_to_none=True)
-                loss = model(*args).item()
-                if not math.isfinite(loss):
-                    diverged = True
-                    break
-                optimizer.step()
-                if stash is None:
-                    stash = model.stash_report()
-                loss_sum += loss * len(index)
-                seen += len(index)
-                bar.advance(task_id, loss)
-            train_time = time.perf_counter() - began
-            record: dict[str, Any] = {"epoch": epoch, "lr": lr}
-            if diverged:
-                record.update(diverged=True, train_loss=None, test=None)
-            else:
+            label = f"epoch {epoch}/{config.epochs}"
+            task_id = bar.epoch(label, len(bounds))
+            record = train_epoch(
+                model,
+                optimizer,
+                config,
+                data.train,
+                epoch,
+                bounds,
+                device,
+                lambda loss, t=task_id: bar.advance(t, loss),
+            )
+            if not record.get("diverged"):
                 began = time.perf_counter()
-                test = evaluate(model, data.test, data.task, sig.logits, config.batch_size, device)
-                record.update(
-                    train_loss=loss_sum / seen,
-                    test=test,
-                    train_time_s=train_time,
-                    eval_time_s=time.perf_counter() - began,
-                    stash_batch=bounds[0][1] - bounds[0][0],
-                    stash_raw_bytes=stash["total_raw_bytes"],
-                    stash_stored_bytes=stash["total_stored_bytes"],
+                record["test"] = evaluate(
+                    model, data.test, data.task, sig.logits, config.batch_size, device
                 )
+                record["eval_time_s"] = time.perf_counter() - began
             history.append(record)
             write_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
             save_atomic(
@@ -435,13 +460,13 @@ def train(
                     "history": history,
                 },
             )
-            if diverged:
-                bar.done(task_id, f"epoch {epoch}/{config.epochs}: loss is not finite; stopped")
+            if record.get("diverged"):
+                bar.done(task_id, f"{label}: loss is not finite; stopped")
                 break
             shown = ", ".join(f"{k} {v:.4g}" for k, v in record["test"].items())
             bar.done(
                 task_id,
-                f"epoch {epoch}/{config.epochs}: train loss {record['train_loss']:.4g}, "
-                f"test {shown} ({train_time:.1f} s)",
+                f"{label}: train loss {record['train_loss']:.4g}, test {shown} "
+                f"({record['train_time_s']:.1f} s)",
             )
     return run
