@@ -240,3 +240,20 @@ def test_gradient_error_matches_an_independent_computation(experiment):
     expected = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
     probe = json.loads((run_dir / "gradient_probe.json").read_text())
     assert probe["relative_l2"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_activation_error_script_reports_every_saved_activation(tmp_path, capsys):
+    from benchmarks.activation_error import main
+
+    model = tmp_path / "model.txt"
+    model.write_text(CLASSIFIER, encoding="utf-8")
+    main([str(model), "--dataset", "digits", "--batch-size", "16"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| conv1 |")]
+    assert len(rows) == 1
+    errors = [float(cell) for cell in rows[0].strip("|").split("|")[2:]]
+    assert len(errors) == 4
+    dct, q8, q4, q2 = errors
+    assert 0 < q8 < q4 < q2 < 1.0 and 0 < dct < 1.0  # fewer bits, larger error
+    assert "| x |" not in out  # model inputs are never compressed
+    assert "| 8 | " in out  # the per-size summary
