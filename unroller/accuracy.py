@@ -50,6 +50,7 @@ from unroller.training import (
 ALL = ("nocompress", "dct-first", "dct-dense", "quant-8bit", "quant-4bit", "quant-2bit")
 QUANT_BITS = {"quant-8bit": 8, "quant-4bit": 4, "quant-2bit": 2}
 BASELINE = "nocompress"
+DIGITS = {"iou": 4}  # decimals shown per metric (default 2)
 
 
 def parse_schemes(text: str) -> list[str]:
@@ -282,7 +283,7 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
         "",
         f"- Data: {header['dataset']}",
         f"- Training: {header['training']}",
-        f"- Machine: {header['machine']}; finished {header['finished']}",
+        f"- Machine: {header['machine']}; table written {header['finished']}",
         "",
         f"| scheme | {label}, mean ± std ({seeds} seeds) | min - max | vs nocompress{unit} "
         "| gradient error | stored activations vs nocompress | time / epoch (s) "
@@ -293,12 +294,17 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
         stored = "-" if row.stored_vs_baseline is None else f"1/{row.stored_vs_baseline:.1f}"
         if row.stored_vs_baseline is not None and row.stored_vs_baseline < 1.05:
             stored = f"{1 / row.stored_vs_baseline:.2f}x"
-        mean = f"{_fmt(row.mean)} ± {_fmt(row.std)}" if row.mean is not None else "diverged"
+        digits = DIGITS.get(row.metric, 2)
+        mean = (
+            f"{_fmt(row.mean, digits)} ± {_fmt(row.std, digits)}"
+            if row.mean is not None
+            else "diverged"
+        )
         if row.diverged and row.mean is not None:
             mean += f" ({row.diverged} diverged)"
         lines.append(
-            f"| {row.scheme} | {mean} | {_fmt(row.low)} - {_fmt(row.high)} "
-            f"| {_fmt(row.delta, signed=True)} | {_fmt_error(row.grad_error)} | {stored} "
+            f"| {row.scheme} | {mean} | {_fmt(row.low, digits)} - {_fmt(row.high, digits)} "
+            f"| {_fmt(row.delta, digits, signed=True)} | {_fmt_error(row.grad_error)} | {stored} "
             f"| {_fmt(row.epoch_time_s)} "
             f"| {_fmt(row.time_vs_baseline)}x |"
         )
