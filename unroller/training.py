@@ -318,6 +318,9 @@ class Progress:
     def done(self, task_id, line: str) -> None:
         if self.bar is not None and task_id is not None:
             self.bar.remove_task(task_id)
+            # through the live display's console, so the line does not tear the bar
+            self.bar.console.print(line, markup=False, highlight=False)
+            return
         self.log(line)
 
 
