@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import h5py
@@ -202,17 +203,19 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     out = tmp_path / "run"
     train(TrainConfig(**{**config.to_dict(), "epochs": 1}), out, progress=False, log=quiet)
     before = (out / "checkpoint.pt").read_bytes()
-    real_save = torch.save
+    real_replace = os.replace
 
-    def broken_save(obj, f, *args, **kwargs):
-        real_save(obj, f, *args, **kwargs)
-        raise OSError("disk full")
+    def disk_full_for_checkpoints(src, dst):
+        if str(dst).endswith("checkpoint.pt"):
+            raise OSError("disk full")
+        real_replace(src, dst)
 
-    monkeypatch.setattr(torch, "save", broken_save)
+    monkeypatch.setattr(os, "replace", disk_full_for_checkpoints)
     with pytest.raises(OSError, match="disk full"):
         train(config, out, resume=out / "checkpoint.pt", progress=False, log=quiet)
     assert (out / "checkpoint.pt").read_bytes() == before
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert load_checkpoint(out / "checkpoint.pt")["epoch"] == 1
 
 
 def test_divergence_is_recorded_and_stops(tmp_path):

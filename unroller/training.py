@@ -23,10 +23,8 @@ import hashlib
 import io
 import json
 import math
-import os
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,16 +124,7 @@ def save_atomic(path: Path, payload: dict[str, Any]) -> None:
     """torch.save through a temporary file and a rename: a crash never leaves half a file."""
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(buffer.getbuffer())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, buffer.getvalue())
 
 
 def rng_state() -> dict[str, Any]:
