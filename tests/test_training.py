@@ -132,13 +132,15 @@ class Interrupt(Exception):
     pass
 
 
+def stop_after_first_epoch(line: str) -> None:
+    """A log callback that interrupts a run right after epoch 1's checkpoint is saved."""
+    if line.startswith("epoch 1/"):
+        raise Interrupt
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     config = stochastic_config(tmp_path, epochs=3)
     full = train(config, tmp_path / "full", progress=False, log=quiet)
-
-    def stop_after_first_epoch(line: str) -> None:
-        if line.startswith("epoch 1/"):
-            raise Interrupt
 
     with pytest.raises(Interrupt):
         train(config, tmp_path / "cut", progress=False, log=stop_after_first_epoch)
@@ -345,10 +347,6 @@ def test_cuda_training_and_resume(tmp_path):
     full = train(config, tmp_path / "full", progress=False, log=quiet)
     checkpoint = load_checkpoint(tmp_path / "full" / "checkpoint.pt")
     assert "cuda" in checkpoint["rng"]
-
-    def stop_after_first_epoch(line: str) -> None:
-        if line.startswith("epoch 1/"):
-            raise Interrupt
 
     with pytest.raises(Interrupt):
         train(config, tmp_path / "cut", progress=False, log=stop_after_first_epoch)
