@@ -23,7 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(if $(FULL),--full,)
 
-# Accuracy by scheme (README "Training and accuracy analysis"): about an hour on a 2-core
+# Accuracy by scheme (README "Training and accuracy analysis"): about 25 minutes on a 2-core
 # CPU. Finished runs under each --out are reused, so an interrupted `make accuracy` resumes.
 ACCURACY := $(UNROLL) accuracy --schemes all --seeds 3 --quiet
 accuracy: $(STAMP)
