@@ -382,6 +382,7 @@ def plot(
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise TrainError("the plots need matplotlib: pip install matplotlib") from None
     written = []
@@ -405,6 +406,7 @@ def plot(
                     xs[first:], lows[first:], highs[first:], color=line.get_color(), alpha=0.15
                 )
         for index, ax in enumerate(axes):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("epoch")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
