@@ -257,3 +257,28 @@ def test_activation_error_script_reports_every_saved_activation(tmp_path, capsys
     assert 0 < q8 < q4 < q2 < 1.0 and 0 < dct < 1.0  # fewer bits, larger error
     assert "| x |" not in out  # model inputs are never compressed
     assert "| 8 | " in out  # the per-size summary
+
+
+def makefile_accuracy_commands() -> list[list[str]]:
+    """The `make accuracy` recipe's commands, as argument lists after `unroll`."""
+    import shlex
+
+    text = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    common = shlex.split(text.split("ACCURACY := $(UNROLL)", 1)[1].splitlines()[0])
+    recipe = text.split("\naccuracy: $(STAMP)\n", 1)[1].split("\n\n", 1)[0]
+    commands = recipe.replace("\\\n", " ").splitlines()
+    return [common + shlex.split(line.replace("$(ACCURACY)", "")) for line in commands]
+
+
+def test_make_accuracy_commands_run(tmp_path):
+    """Each `make accuracy` command, cut to one tiny epoch, runs and writes its table
+    (so the README's commands stay valid)."""
+    commands = makefile_accuracy_commands()
+    assert [c[c.index("--dataset") + 1] for c in commands] == ["digits", "denoise", "clouds"]
+    for index, args in enumerate(commands):
+        out = tmp_path / f"out{index}"
+        tiny = ["--schemes", "nocompress,dct-dense", "--seeds", "1", "--epochs", "1"]
+        tiny += ["--train-size", "16", "--test-size", "8", "--out", str(out)]
+        result = CliRunner().invoke(app, args + tiny)
+        assert result.exit_code == 0, result.output
+        assert "| dct-dense |" in (out / "accuracy.md").read_text()
