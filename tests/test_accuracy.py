@@ -282,3 +282,24 @@ def test_make_accuracy_commands_run(tmp_path):
         result = CliRunner().invoke(app, args + tiny)
         assert result.exit_code == 0, result.output
         assert "| dct-dense |" in (out / "accuracy.md").read_text()
+
+
+def test_one_seed_shows_no_spread():
+    ok = [
+        {
+            "epoch": 1,
+            "train_loss": 1.0,
+            "train_time_s": 1.0,
+            "stash_stored_bytes": 100,
+            "test": {"accuracy": 90.0, "loss": 0.3},
+        }
+    ]
+    rows = summarise({"nocompress": {0: ok}}, "classification")
+    assert rows[0].std is None and rows[0].mean == 90.0
+    from unroller.accuracy import markdown
+
+    header = {
+        k: "x"
+        for k in ("model", "dataset_title", "dataset", "command", "training", "machine", "finished")
+    }
+    assert "| nocompress | 90.00 | 90.00 - 90.00 |" in markdown(rows, header)

@@ -225,7 +225,7 @@ def summarise(
                 seeds=seeds,
                 finals=finals,
                 mean=statistics.fmean(good) if good else None,
-                std=statistics.stdev(good) if len(good) > 1 else (0.0 if good else None),
+                std=statistics.stdev(good) if len(good) > 1 else None,
                 low=min(good) if good else None,
                 high=max(good) if good else None,
                 delta=None,
@@ -295,11 +295,12 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
         if row.stored_vs_baseline is not None and row.stored_vs_baseline < 1.05:
             stored = f"{1 / row.stored_vs_baseline:.2f}x"
         digits = DIGITS.get(row.metric, 2)
-        mean = (
-            f"{_fmt(row.mean, digits)} ± {_fmt(row.std, digits)}"
-            if row.mean is not None
-            else "diverged"
-        )
+        if row.mean is None:
+            mean = "diverged"
+        elif row.std is None:  # one finished seed: no spread to show
+            mean = _fmt(row.mean, digits)
+        else:
+            mean = f"{_fmt(row.mean, digits)} ± {_fmt(row.std, digits)}"
         if row.diverged and row.mean is not None:
             mean += f" ({row.diverged} diverged)"
         lines.append(
