@@ -303,3 +303,11 @@ def test_one_seed_shows_no_spread():
         for k in ("model", "dataset_title", "dataset", "command", "training", "machine", "finished")
     }
     assert "| nocompress | 90.00 | 90.00 - 90.00 |" in markdown(rows, header)
+
+
+def test_a_results_folder_of_another_model_version_is_refused(tmp_path):
+    config = base_config(tmp_path, epochs=1, train_size=32, test_size=16)
+    run_accuracy(config, ["nocompress"], [0], tmp_path / "out", progress=False, log=quiet)
+    Path(config.model).write_text(CLASSIFIER.replace("out_channels=8", "out_channels=6"))
+    with pytest.raises(TrainError, match="another version of the model"):
+        run_accuracy(config, ["nocompress"], [0], tmp_path / "out", progress=False, log=quiet)

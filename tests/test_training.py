@@ -171,7 +171,7 @@ def test_resume_without_restoring_rng_differs(tmp_path, monkeypatch):
         progress=False,
         log=quiet,
     )
-    monkeypatch.setattr(training, "set_rng_state", lambda state: torch.manual_seed(12345))
+    monkeypatch.setattr(training, "set_rng_state", lambda state, device: torch.manual_seed(12345))
     resumed = train(
         config,
         tmp_path / "cut",
@@ -359,3 +359,47 @@ def test_cuda_training_and_resume(tmp_path):
     )
     assert without_times(resumed.history) == without_times(full.history)
     assert full.history[-1]["train_loss"] < full.history[0]["train_loss"]
+
+
+def test_a_new_run_refuses_a_folder_that_holds_one(tmp_path):
+    config = stochastic_config(tmp_path, epochs=1)
+    train(config, tmp_path / "run", progress=False, log=quiet)
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    with pytest.raises(TrainError, match="already holds a run; continue it with --resume"):
+        train(config, tmp_path / "run", progress=False, log=quiet)
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
+
+
+def test_extending_a_run_keeps_its_schedule_and_continues_at_the_final_lr(tmp_path):
+    config = TrainConfig(**{**stochastic_config(tmp_path, epochs=3).to_dict(), "lr": 0.1})
+    train(config, tmp_path / "run", progress=False, log=quiet)
+    longer = TrainConfig(**{**config.to_dict(), "epochs": 5})
+    run = train(longer, tmp_path / "run", resume=tmp_path / "run" / "checkpoint.pt", log=quiet)
+    lrs = [r["lr"] for r in run.history]
+    assert lrs[:3] == [pytest.approx(0.1), pytest.approx(0.0505), pytest.approx(0.001)]
+    assert lrs[3:] == [pytest.approx(0.001), pytest.approx(0.001)]
+    assert run.config.schedule_epochs == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("momentum", -1.0, "--momentum must be at least 0"), ("weight_decay", -0.1, "--weight-decay")],
+)
+def test_negative_optimizer_settings_are_refused(tmp_path, field, value, message):
+    config = TrainConfig(**{**stochastic_config(tmp_path, epochs=1).to_dict(), field: value})
+    with pytest.raises(TrainError, match=message):
+        train(config, tmp_path / "run", progress=False, log=quiet)
+
+
+def test_an_empty_test_split_is_refused(tmp_path):
+    from unroller.data import DatasetError
+
+    data_dir = tmp_path / "em"
+    (data_dir / "train").mkdir(parents=True)
+    images = np.random.default_rng(0).uniform(size=(1, 16, 16, 1)).astype(np.float32)
+    for name in ("graphene_img_noise.h5", "graphene_img_clean.h5"):
+        with h5py.File(data_dir / "train" / name, "w") as handle:
+            handle["images"] = images
+    config = TrainConfig(model=write_model(tmp_path, DENOISER), dataset=f"sciml:{data_dir}")
+    with pytest.raises(DatasetError, match="empty test split"):
+        train(config, tmp_path / "run", progress=False, log=quiet)

@@ -22,6 +22,7 @@ the path of a ``--compress-config`` TOML file. ``all`` is the first six.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import platform
@@ -44,6 +45,7 @@ from unroller.training import (
     TrainError,
     load_checkpoint,
     prepare,
+    resolve_device,
     train,
 )
 
@@ -119,12 +121,19 @@ class Row:
 
 
 def initial_state(config: TrainConfig, seed: int, out: Path) -> Path:
-    """The shared initial weights of a seed, made once from the nocompress module."""
+    """The shared initial weights of a seed, made once from the nocompress module (which
+    is also the exact reference of the gradient probe). A folder whose nocompress module
+    differs from what the model file generates now is refused: its runs are stale."""
     path = out / "init" / f"seed{seed}.pt"
+    module_path = out / "init" / GENERATED
+    source, _, _ = prepare(replace(config, scheme=BASELINE, compress_config=None, init=None))
+    if module_path.is_file() and module_path.read_text(encoding="utf-8") != source:
+        raise TrainError(
+            f"{out} holds runs of another version of the model (or of the generator); "
+            "use another --out or remove it"
+        )
     if path.is_file():
         return path
-    source, _, _ = prepare(replace(config, scheme=BASELINE, compress_config=None, init=None))
-    module_path = out / "init" / GENERATED
     write_atomic(module_path, source)
     Model = import_generated(module_path, f"unroller_init_{abs(hash(str(out.resolve())))}").Model
     torch.manual_seed(seed)
@@ -142,13 +151,19 @@ def run_one(config: TrainConfig, run_dir: Path, progress: bool, log) -> list[dic
     if checkpoint_path.is_file():
         checkpoint = load_checkpoint(checkpoint_path)
         recorded = TrainConfig.from_dict(checkpoint["config"])
-        if replace(recorded, epochs=config.epochs) != config:
+        # the same settings, epochs included (a longer cosine schedule is another run)
+        if replace(recorded, schedule_epochs=None) != config:
             raise TrainError(
                 f"{run_dir} holds a run with other settings; use another --out or remove it"
             )
+        source, _, _ = prepare(config)
+        if checkpoint["generated_sha256"] != hashlib.sha256(source.encode("utf-8")).hexdigest():
+            raise TrainError(
+                f"{run_dir} holds a run of another version of the model, its compression "
+                "config or the generator; use another --out or remove it"
+            )
         history = checkpoint["history"]
-        done = checkpoint["epoch"] >= config.epochs or (history and history[-1].get("diverged"))
-        if done and recorded.epochs == config.epochs:
+        if checkpoint["epoch"] >= config.epochs or (history and history[-1].get("diverged")):
             log(f"{run_dir}: finished earlier, reused")
             return history
         resume = checkpoint_path
@@ -162,8 +177,9 @@ def gradient_error(config: TrainConfig, run_dir: Path, baseline: Path, data) -> 
     """How far the scheme's gradients are from exact ones at the run's final weights:
     ``||g_scheme - g_nocompress|| / ||g_nocompress||`` over all parameters, for one
     training step on the first batch of the training split, both modules starting from
-    the same weights, buffers and RNG state (so dropout and stochastic rounding draw the
-    same numbers). Cached in the run folder as ``gradient_probe.json``."""
+    the same weights, buffers and global RNG state at the start of the step (the same
+    draws for dropout unless a stochastic compressor consumes some first). Cached in the run folder as ``gradient_probe.json``.
+    """
     probe = run_dir / PROBE
     checkpoint = load_checkpoint(run_dir / CHECKPOINT)
     if probe.is_file():
@@ -172,7 +188,7 @@ def gradient_error(config: TrainConfig, run_dir: Path, baseline: Path, data) -> 
             return cached["relative_l2"]
     if checkpoint["history"][-1].get("diverged"):
         return None
-    device = torch.device(config.device)
+    device = resolve_device(config.device)
     count = min(config.batch_size, len(data.train))
     args = [data.train.inputs[:count].to(device)]
     if data.train.targets is not None:
@@ -417,8 +433,10 @@ def plot(
         axes[0].legend(fontsize=8)
         fig.tight_layout()
         path = out / name
-        fig.savefig(path, dpi=110)
+        image = io.BytesIO()
+        fig.savefig(image, format="png", dpi=110)
         plt.close(fig)
+        write_atomic(path, image.getvalue())
         written.append(path)
     return written
 
@@ -434,6 +452,7 @@ def run_accuracy(
 ) -> list[Row]:
     """Train every scheme for every seed from shared initial weights; write the table."""
     out = Path(out)
+    device = resolve_device(base.device)
     out.mkdir(parents=True, exist_ok=True)
     _, sig, data = prepare(base)
     results: dict[str, dict[int, list[dict[str, Any]]]] = {}
@@ -464,8 +483,8 @@ def run_accuracy(
         ),
         "machine": (
             f"{platform.machine()} {platform.system()}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, device {base.device}"
-            + (f" ({torch.cuda.get_device_name()})" if base.device.startswith("cuda") else "")
+            f"{torch.get_num_threads()} threads, device {device}"
+            + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
         ),
         "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }

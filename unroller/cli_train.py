@@ -35,10 +35,14 @@ DataSeedOpt = Annotated[
     int, typer.Option("--data-seed", help="Seed of the synthetic datasets (not digits).")
 ]
 TrainSizeOpt = Annotated[
-    int | None, typer.Option("--train-size", help="Use the first K training samples.")
+    int | None,
+    typer.Option(
+        "--train-size",
+        help="K training samples: the first K of digits / sciml, K generated for synthetic sets.",
+    ),
 ]
 TestSizeOpt = Annotated[
-    int | None, typer.Option("--test-size", help="Use the first K test samples.")
+    int | None, typer.Option("--test-size", help="K test samples (as --train-size).")
 ]
 ResolutionOpt = Annotated[
     int | None,
@@ -130,10 +134,10 @@ def register(app: typer.Typer) -> None:
         if scheme not in SCHEMES:
             raise _fail(f"unknown scheme '{scheme}' (known: {', '.join(SCHEMES)})")
         config = TrainConfig(
-            model=str(model),
+            model=str(model.resolve()),  # absolute: a resume may start in another folder
             dataset=dataset,
             scheme=scheme,
-            compress_config=str(compress_config) if compress_config else None,
+            compress_config=str(compress_config.resolve()) if compress_config else None,
             epochs=epochs,
             batch_size=batch_size,
             lr=lr,
@@ -164,7 +168,10 @@ def register(app: typer.Typer) -> None:
         except ConfigError as exc:
             raise _fail(str(exc)) from None
         except KeyboardInterrupt:
-            typer.echo(f"interrupted; continue with --resume {out / 'checkpoint.pt'}", err=True)
+            if (out / "checkpoint.pt").is_file():
+                typer.echo(f"interrupted; continue with --resume {out / 'checkpoint.pt'}", err=True)
+            else:
+                typer.echo("interrupted before the first epoch ended; nothing to resume", err=True)
             raise typer.Exit(130) from None
         last = run.history[-1] if run.history else None
         if last is not None and last.get("diverged"):

@@ -23,6 +23,7 @@ import hashlib
 import io
 import json
 import math
+import pickle
 import random
 import sys
 import time
@@ -47,7 +48,7 @@ FORMAT = 1
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("cosine", "constant")
 # Fields that may differ between a checkpoint and the run resuming from it.
-RESUMABLE_CHANGES = ("epochs",)
+RESUMABLE_CHANGES = ("epochs", "schedule_epochs")
 PATH_FIELDS = ("model", "compress_config", "init")
 
 
@@ -77,6 +78,7 @@ class TrainConfig:
     resolution: int | None = None
     device: str = "cpu"
     init: str | None = None  # a state dict to start from instead of Model()'s initialisation
+    schedule_epochs: int | None = None  # the lr schedule's length (default: epochs)
 
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -90,6 +92,10 @@ class TrainConfig:
                 raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
         if not self.lr > 0:
             raise TrainError(f"--lr must be positive, got {self.lr}")
+        for name in ("momentum", "weight_decay"):
+            if not getattr(self, name) >= 0:
+                flag = name.replace("_", "-")
+                raise TrainError(f"--{flag} must be at least 0, got {getattr(self, name)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -100,11 +106,18 @@ class TrainConfig:
         return cls(**{k: v for k, v in values.items() if k in known})
 
     def lr_at(self, epoch: int) -> float:
-        """The learning rate of 1-based ``epoch``: constant, or cosine from lr to lr/100."""
-        if self.schedule == "constant" or self.epochs == 1:
-            return self.lr
-        progress = (epoch - 1) / (self.epochs - 1)
+        """The learning rate of 1-based ``epoch``: constant, or cosine from lr to lr/100
+        over the schedule's length; epochs past it (a run extended with --epochs) stay at
+        the final lr/100."""
+        total = self.schedule_epochs or self.epochs
         floor = self.lr / 100
+        if self.schedule == "constant":
+            return self.lr
+        if epoch > total:
+            return floor
+        if total == 1:
+            return self.lr
+        progress = (epoch - 1) / (total - 1)
         return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
@@ -117,6 +130,10 @@ def resolve_device(name: str) -> torch.device:
         raise TrainError(f"unknown device '{name}' (cpu, cuda, cuda:N or auto)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainError(f"--device {name}: this torch build or machine has no CUDA device")
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise TrainError(f"--device {name}: this machine has {count} CUDA device(s)")
     return device
 
 
@@ -127,18 +144,20 @@ def save_atomic(path: Path, payload: dict[str, Any]) -> None:
     write_atomic(path, buffer.getvalue())
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The RNG states a step draws from: torch's CPU generator, Python's, and the CUDA
+    generator of the training device (only that one: other GPUs are left alone)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -364,6 +383,15 @@ def train(
             raise TrainError(
                 f"--resume: the checkpoint is at epoch {checkpoint['epoch']}, past --epochs {config.epochs}"
             )
+        # the lr schedule keeps the length it was made with; extra epochs run at its end
+        config = dataclasses.replace(
+            config, schedule_epochs=recorded.schedule_epochs or recorded.epochs
+        )
+    elif (Path(out) / CHECKPOINT).exists():
+        raise TrainError(
+            f"{out} already holds a run; continue it with --resume {Path(out) / CHECKPOINT} "
+            "or choose another --out"
+        )
     device = resolve_device(config.device)
     if device.type == "cuda":
         # exact resumption needs run-to-run identical kernels: no autotuning, and the
@@ -387,8 +415,11 @@ def train(
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     model = Model()
-    if config.init is not None:
-        model.load_state_dict(torch.load(config.init, map_location="cpu", weights_only=True))
+    if config.init is not None and checkpoint is None:  # a resumed run has its weights
+        try:
+            model.load_state_dict(torch.load(config.init, map_location="cpu", weights_only=True))
+        except (OSError, RuntimeError, pickle.UnpicklingError) as exc:
+            raise TrainError(f"cannot start from {config.init}: {exc}") from None
     model.to(device)
     optimizer = make_optimizer(config, model.parameters())
     history: list[dict[str, Any]] = []
@@ -398,7 +429,7 @@ def train(
         optimizer.load_state_dict(checkpoint["optimizer"])
         history = list(checkpoint["history"])
         start = checkpoint["epoch"] + 1
-        set_rng_state(checkpoint["rng"])
+        set_rng_state(checkpoint["rng"], device)
 
     run = Run(config, out, data.task, data.description, data.synthetic, history)
     info = {
@@ -448,7 +479,7 @@ def train(
                     "generated_sha256": source_sha,
                     "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(),
-                    "rng": rng_state(),
+                    "rng": rng_state(device),
                     "history": history,
                 },
             )

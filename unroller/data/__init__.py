@@ -40,4 +40,9 @@ def load(
     if not data.synthetic and (train_size or test_size):
         data.train, data.test = data.train.head(train_size), data.test.head(test_size)
         data.description += f"; the first {len(data.train)} train / {len(data.test)} test used"
+    for split_name, split in (("training", data.train), ("test", data.test)):
+        if len(split) == 0:
+            raise DatasetError(
+                f"dataset '{spec}' has an empty {split_name} split ({data.description})"
+            )
     return data

@@ -62,7 +62,8 @@ def _read(path: Path, key: str) -> Tensor:
         with h5py.File(path, "r") as handle:
             if key not in handle:
                 raise DatasetError(f"{path}: no dataset '{key}' (found: {', '.join(handle)})")
-            return torch.from_numpy(handle[key][()]).to(torch.float64)
+            # np.asarray also converts big-endian or integer data to native float64
+            return torch.from_numpy(np.asarray(handle[key][()], dtype=np.float64))
     except OSError as exc:
         raise DatasetError(f"{path}: not a readable HDF5 file ({exc})") from None
 
