@@ -76,3 +76,14 @@ def test_metric_set_segmentation_thresholds_probabilities_and_logits():
 def test_unknown_task_is_refused():
     with pytest.raises(ValueError, match="unknown task"):
         MetricSet("regression")
+
+
+def test_a_perfect_reconstruction_has_a_finite_psnr_in_reports():
+    import json
+
+    scores = MetricSet("autoencoding")
+    image = torch.rand(2, 1, 4, 4)
+    scores.update(image, image)
+    result = scores.result()
+    assert result == {"psnr": 100.0, "mse": 0.0}
+    json.dumps(result, allow_nan=False)  # valid JSON
