@@ -43,9 +43,11 @@ from unroller.training import (
     GENERATED,
     TrainConfig,
     TrainError,
+    generate,
     load_checkpoint,
     prepare,
     resolve_device,
+    save_atomic,
     train,
 )
 
@@ -126,7 +128,7 @@ def initial_state(config: TrainConfig, seed: int, out: Path) -> Path:
     differs from what the model file generates now is refused: its runs are stale."""
     path = out / "init" / f"seed{seed}.pt"
     module_path = out / "init" / GENERATED
-    source, _, _ = prepare(replace(config, scheme=BASELINE, compress_config=None, init=None))
+    source = generate(replace(config, scheme=BASELINE, compress_config=None))
     if module_path.is_file() and module_path.read_text(encoding="utf-8") != source:
         raise TrainError(
             f"{out} holds runs of another version of the model (or of the generator); "
@@ -137,10 +139,7 @@ def initial_state(config: TrainConfig, seed: int, out: Path) -> Path:
     write_atomic(module_path, source)
     Model = import_generated(module_path, f"unroller_init_{abs(hash(str(out.resolve())))}").Model
     torch.manual_seed(seed)
-    state = Model().state_dict()
-    from unroller.training import save_atomic
-
-    save_atomic(path, state)
+    save_atomic(path, Model().state_dict())
     return path
 
 
@@ -156,7 +155,7 @@ def run_one(config: TrainConfig, run_dir: Path, progress: bool, log) -> list[dic
             raise TrainError(
                 f"{run_dir} holds a run with other settings; use another --out or remove it"
             )
-        source, _, _ = prepare(config)
+        source = generate(config)
         if checkpoint["generated_sha256"] != hashlib.sha256(source.encode("utf-8")).hexdigest():
             raise TrainError(
                 f"{run_dir} holds a run of another version of the model, its compression "

@@ -53,8 +53,9 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar o
 
 
 def _fail(message: str) -> typer.Exit:
-    typer.echo(f"unroll: error: {message}", err=True)
-    return typer.Exit(2)
+    from unroller.cli import fail  # imported late: cli.py imports this module
+
+    return fail(message)
 
 
 def _model_error(exc: ModelError, model: Path) -> typer.Exit:

@@ -336,16 +336,21 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def prepare(config: TrainConfig):
-    """Generate and import the model, read its signature, build the dataset."""
-    config.validate()
+def generate(config: TrainConfig) -> str:
+    """The text of the gpu-platform module the run trains."""
     options = Options(
         platform="gpu",
         scheme=config.scheme,
         compress_config=config.compress_config,
         resolution=config.resolution,
     )
-    source = generate_source(config.model, options)
+    return generate_source(config.model, options)
+
+
+def prepare(config: TrainConfig):
+    """Generate the model, read its signature, build the dataset."""
+    config.validate()
+    source = generate(config)
     graph = load_graph(config.model, config.resolution)
     sig = datasets.signature(graph)
     data = datasets.load(config.dataset, sig, config.data_seed, config.train_size, config.test_size)
