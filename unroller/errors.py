@@ -2,7 +2,8 @@
 
 Every problem the front end finds in a model file is a ``ModelError`` carrying a
 ``Loc``; the CLI formats it with the source line and a caret and exits 2, with no
-traceback. Warnings use the same format.
+traceback. Warnings use the same format. Errors in config files (``--compress-config``)
+are ``ConfigFileError``s, formatted the same way when they are raised.
 """
 
 from __future__ import annotations
@@ -28,6 +29,26 @@ class ModelError(Exception):
 
 class ConfigError(Exception):
     """A user error outside model files (CLI options, config files); printed as is."""
+
+
+class ConfigFileError(ConfigError):
+    """A ``ConfigError`` at a position in a config file, already formatted like a model-file
+    error (``FILE:LINE:COL: error: ...``, the source line and a caret); printed as is.
+
+    ``message`` is the bare message, ``loc`` its position (None: the file as a whole)."""
+
+    def __init__(
+        self,
+        message: str,
+        loc: Loc | None,
+        filename: str,
+        source: str,
+        hint: str | None = None,
+    ):
+        super().__init__(format_diagnostic("error", message, loc, filename, source, hint))
+        self.message = message
+        self.loc = loc
+        self.filename = filename
 
 
 def format_diagnostic(

@@ -21,14 +21,20 @@ Unknown keys, compressors or parameter values are errors that name the file's li
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import hashlib
+import math
+import os
+import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unroller.errors import ConfigError
+from unroller.ast import Loc
+from unroller.errors import ConfigError, ConfigFileError, did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -124,107 +130,535 @@ def disabled() -> CompressionConfig:
 
 # -- config files ----------------------------------------------------------------------
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A compression config is a few lines; anything above 1 MiB is refused unread."""
+MAX_INT = 1 << 16
+"""The largest magnitude an integer in a config may have (parameters, ``min_size``)."""
+MAX_NAME = 200
+"""The longest ``name`` glob a rule may have."""
+MAX_WORD = 64
+"""The longest string value a compressor parameter may have."""
+MASK_CODECS = frozenset({"bits"})
+"""Registered compressors that are not for activations: ``bits`` is the lossless 1-bit codec
+of boolean masks, turned on by ``masks = true``."""
 
-def _line_of(lines: list[str], key: str, section: str | None, index: int = 0) -> int:
-    """The 1-based line of ``key =`` inside the ``index``-th ``section`` (best effort)."""
-    start, seen = 0, -1
-    if section is not None:
-        for i, line in enumerate(lines):
-            stripped = line.strip()
-            if stripped in (f"[{section}]", f"[[{section}]]"):
-                seen += 1
-                if seen == index:
-                    start = i
-                    break
-    for i in range(start, len(lines)):
-        stripped = lines[i].strip()
-        if i > start and stripped.startswith("[") and section is not None:
-            break
-        if section is None and stripped.startswith("["):
-            break
-        if stripped.split("=", 1)[0].strip() == key:
-            return i + 1
-    return start + 1
+_TOP_KEYS = ("masks", "default", "rule")
+_GLOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-")
+_WORD = re.compile(r"[A-Za-z0-9_.+-]*\Z")
+_SIMPLE = re.compile(r"[A-Za-z0-9_.*?\[\]!+ -]{0,60}\Z")
+_TOML_POSITION = re.compile(r"(?s)(.*) \(at (?:line (\d+), column (\d+)|end of document)\)\Z")
+# what the source line of a diagnostic may show as is: no terminal controls, no line breaks
+_UNSHOWN = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def activation_compressors() -> tuple[str, ...]:
+    """The compressor names a config may use, ``"none"`` last."""
+    from unroller.compress import COMPRESSORS
+
+    return (*(n for n in COMPRESSORS if n not in MASK_CODECS), "none")
+
+
+def _show(value: Any) -> str:
+    """A user string (or other value) for a message: quoted, escaped if unusual, cut short."""
+    if isinstance(value, str) and _SIMPLE.match(value):
+        return f"'{value}'"
+    text = ascii(value)
+    return text if len(text) <= 64 else text[:60] + "...'"
+
+
+def _kind(value: Any) -> str:
+    """What a TOML value is, in words."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return "a date or time"
+
+
+class _Locator:
+    """Where the keys, values and table headers of a TOML document are.
+
+    tomllib gives no positions, so this scans the source (which tomllib has accepted) once
+    and records, for each path of keys and array indices (``("rule", 2, "bits")``), the
+    offset and length of its key and of its value. ``[[rule]]`` headers count the array
+    elements; dotted keys, quoted keys, inline tables, arrays (of inline tables too),
+    multi-line strings and comments are understood. Lookups fall back to the closest
+    enclosing key or header, and to line 1, column 1."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.keys: dict[tuple, tuple[int, int]] = {}
+        self.values: dict[tuple, tuple[int, int]] = {}
+        self.line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
+        try:
+            self._document()
+        except (ValueError, IndexError, KeyError, RecursionError, tomllib.TOMLDecodeError):
+            pass  # a scanner bug costs precision, never the error itself
+
+    # lookups -----------------------------------------------------------------------------
+
+    def loc(self, offset: int, length: int = 1) -> Loc:
+        line = bisect.bisect_right(self.line_starts, offset)
+        return Loc(line, offset - self.line_starts[line - 1] + 1, max(1, length))
+
+    def key(self, path: tuple) -> Loc:
+        """The key (or table header) at ``path``, else the closest enclosing one."""
+        for end in range(len(path), 0, -1):
+            found = self.keys.get(path[:end]) or self.values.get(path[:end])
+            if found:
+                return self.loc(*found)
+        return Loc(1, 1)
+
+    def value(self, path: tuple) -> Loc:
+        """The value at ``path``, else its key, else the closest enclosing key or header."""
+        found = self.values.get(path)
+        return self.loc(*found) if found else self.key(path)
+
+    # scanning ----------------------------------------------------------------------------
+
+    def _skip(self, i: int, newlines: bool = True) -> int:
+        """Past blanks (and line breaks and comments if ``newlines``)."""
+        text, n = self.text, len(self.text)
+        while i < n:
+            c = text[i]
+            if c in " \t" or (newlines and c in "\r\n"):
+                i += 1
+            elif c == "#" and newlines:
+                j = text.find("\n", i)
+                i = n if j < 0 else j + 1
+            else:
+                break
+        return i
+
+    def _record(self, table: dict, path: tuple, span: tuple[int, int]) -> None:
+        table.setdefault(path, span)
+
+    def _document(self) -> None:
+        text, n = self.text, len(self.text)
+        prefix: tuple = ()
+        arrays: dict[tuple, int] = {}  # array-of-tables path -> elements so far
+        i = self._skip(0)
+        while i < n:
+            if text[i] == "[":
+                array = text.startswith("[[", i)
+                parts, j = self._key(self._skip(i + (2 if array else 1), False))
+                j = self._skip(j, False) + (2 if array else 1)
+                span = (i, j - i)
+                path: tuple = ()
+                for index, (name, _start, _end) in enumerate(parts):
+                    path += (name,)
+                    last = index == len(parts) - 1
+                    if last and array:
+                        self._record(self.keys, path, span)
+                        self._record(self.values, path, span)
+                        arrays[path] = arrays.get(path, 0) + 1
+                        path += (arrays[path] - 1,)
+                    elif path in arrays:
+                        path += (arrays[path] - 1,)
+                    self._record(self.keys, path, span)
+                self._record(self.values, path, span)
+                prefix = path
+                i = j
+            else:
+                i = self._pair(i, prefix)
+            i = self._skip(i)
+
+    def _pair(self, i: int, prefix: tuple) -> int:
+        """``key = value`` at ``i`` inside the table at ``prefix``; returns the offset after."""
+        parts, i = self._key(i)
+        path = prefix
+        for name, start, end in parts:
+            path += (name,)
+            self._record(self.keys, path, (start, end - start))
+        i = self._skip(i, False)
+        if self.text[i] != "=":
+            raise ValueError("expected '='")
+        return self._value(self._skip(i + 1, False), path)
+
+    def _key(self, i: int) -> tuple[list[tuple[str, int, int]], int]:
+        """A dotted key at ``i``: its parts as (name, start, end), and the offset after."""
+        text = self.text
+        parts = []
+        while True:
+            start = i
+            if text[i] in "\"'":
+                i = self._string(i)
+                name = tomllib.loads(f"k = {text[start:i]}")["k"]
+            else:
+                while i < len(text) and (
+                    text[i].isascii() and (text[i].isalnum() or text[i] in "_-")
+                ):
+                    i += 1
+                if i == start:
+                    raise ValueError("expected a key")
+                name = text[start:i]
+            parts.append((name, start, i))
+            j = self._skip(i, False)
+            if j < len(text) and text[j] == ".":
+                i = self._skip(j + 1, False)
+            else:
+                return parts, i
+
+    def _string(self, i: int) -> int:
+        """The offset after the string (any of the four kinds) that starts at ``i``."""
+        text = self.text
+        quote = text[i]
+        if text.startswith(quote * 3, i):
+            j = i + 3
+            while True:
+                if quote == '"' and text[j] == "\\":
+                    j += 2
+                elif text.startswith(quote * 3, j):
+                    end = j + 3
+                    while end < min(len(text), j + 5) and text[end] == quote:
+                        end += 1  # up to two quotes may end the content
+                    return end
+                else:
+                    j += 1
+        j = i + 1
+        while text[j] != quote:
+            j += 2 if quote == '"' and text[j] == "\\" else 1
+        return j + 1
+
+    def _value(self, i: int, path: tuple) -> int:
+        """The value at ``i`` (recorded under ``path``, its parts too); the offset after."""
+        text = self.text
+        c = text[i]
+        if c in "\"'":
+            end = self._string(i)
+        elif c == "[":
+            end, index = self._skip(i + 1), 0
+            while text[end] != "]":
+                end = self._skip(self._value(end, path + (index,)))
+                index += 1
+                if text[end] == ",":
+                    end = self._skip(end + 1)
+            end += 1
+        elif c == "{":
+            end = self._skip(i + 1)
+            while text[end] != "}":
+                end = self._skip(self._pair(end, path))
+                if text[end] == ",":
+                    end = self._skip(end + 1)
+            end += 1
+        else:
+            end = i
+            while end < len(text) and text[end] not in ",]}#\n":
+                end += 1
+            end = len(text[i:end].rstrip()) + i
+        self._record(self.values, path, (i, end - i))
+        return end
+
+
+def _read(path: Path) -> bytes:
+    """The bytes of a config file, refusing what is not a small regular file (never blocking
+    on a FIFO or a device)."""
+    label = str(path)
+
+    def fail(message: str) -> ConfigFileError:
+        return ConfigFileError(message, None, label, "")
+
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise fail("no such compression config file") from None
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise fail(f"cannot read the compression config: {why}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise fail("this is a directory, not a compression config file")
+    if not stat.S_ISREG(info.st_mode):
+        raise fail("not a regular file (a FIFO, socket or device?); expected a TOML file")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise fail(
+            f"the compression config is {info.st_size} bytes; at most {MAX_CONFIG_BYTES} "
+            "are read"
+        )
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise fail("not a regular file; expected a TOML file")
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise fail(f"cannot read the compression config: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise fail(f"the compression config is over {MAX_CONFIG_BYTES} bytes")
+    return data
+
+
+def _decode(data: bytes, label: str) -> str:
+    """UTF-8 text (a leading byte-order mark dropped, CRLF line ends made LF)."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_start = data.rfind(b"\n", 0, exc.start) + 1
+        loc = Loc(
+            data.count(b"\n", 0, exc.start) + 1,
+            len(data[line_start : exc.start].decode("utf-8")) + 1,
+        )
+        bad = data[exc.start : exc.end].hex(" ")
+        raise ConfigFileError(
+            f"the compression config is not UTF-8 text: bytes {bad} ({exc.reason})",
+            loc,
+            label,
+            _displayable(data.decode("utf-8", "replace")),
+        ) from None
+    return text.replace("\r\n", "\n")
+
+
+def _displayable(text: str) -> str:
+    """``text`` with control, bidi and line-separator characters replaced one for one (so
+    columns stay right): a diagnostic's source line must not drive the terminal."""
+    return _UNSHOWN.sub("\ufffd", text)
+
+
+def _parse(text: str, label: str) -> dict[str, Any]:
+    def fail(message: str, loc: Loc) -> ConfigFileError:
+        return ConfigFileError(message, loc, label, _displayable(text))
+
+    def near(pattern: str) -> Loc:
+        found = re.search(pattern, text)
+        return _Locator(text).loc(found.start()) if found else Loc(1, 1)
+
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        match = _TOML_POSITION.match(str(exc))
+        message = match.group(1) if match else str(exc)
+        message = f"invalid TOML: {message[:1].lower()}{message[1:]}"
+        if match and match.group(2):
+            line, col = int(match.group(2)), int(match.group(3))
+            if message.startswith("invalid TOML: unescaped '\\'") and col > 2:
+                col -= 2  # tomllib points just past the bad escape
+            loc = Loc(line, col)
+        else:  # at the end of the document: just after the last non-blank line
+            lines = text.rstrip().split("\n")
+            loc = Loc(len(lines), len(lines[-1]) + 1)
+        raise fail(message, loc) from None
+    except RecursionError:
+        raise fail("arrays or tables nested too deeply", near(r"[\[{](\s*[\[{]){15}")) from None
+    except ValueError as exc:  # e.g. an integer with more digits than Python converts
+        message = f"invalid TOML: {str(exc).split(';')[0]}"
+        raise fail(message, near(r"[0-9_]{100}")) from None
+
+
+class _Checker:
+    """Turns parsed TOML into a ``CompressionConfig``; every problem is a ``ConfigFileError``
+    at the offending key or value."""
+
+    def __init__(self, label: str, text: str):
+        self.label = label
+        self.text = text
+        self.where = _Locator(text)
+
+    def fail_at(self, message: str, loc: Loc, hint: str | None = None) -> ConfigFileError:
+        return ConfigFileError(message, loc, self.label, _displayable(self.text), hint)
+
+    def at_key(self, path: tuple, message: str, hint: str | None = None) -> ConfigFileError:
+        return self.fail_at(message, self.where.key(path), hint)
+
+    def at_value(self, path: tuple, message: str, hint: str | None = None) -> ConfigFileError:
+        return self.fail_at(message, self.where.value(path), hint)
+
+    def unknown(
+        self, path: tuple, known: tuple[str, ...] | list[str], what: str
+    ) -> ConfigFileError:
+        key = path[-1]
+        listed = ", ".join(known) if known else "none"
+        return self.at_key(
+            path, f"unknown key {_show(key)}{did_you_mean(key, known)}; {what}: {listed}"
+        )
+
+    def config(self, data: dict[str, Any]) -> CompressionConfig:
+        if not data:
+            raise self.fail_at(
+                "the compression config sets nothing; expected masks, [default] or [[rule]]",
+                Loc(1, 1),
+            )
+        for key in data:
+            if key not in _TOP_KEYS:
+                raise self.unknown((key,), _TOP_KEYS, "expected masks, [default], [[rule]]")
+        masks = data.get("masks", True)
+        if not isinstance(masks, bool):
+            raise self.at_value(("masks",), f"'masks' must be true or false, not {_kind(masks)}")
+        default = None
+        if "default" in data:
+            table = data["default"]
+            if not isinstance(table, dict):
+                raise self.at_value(
+                    ("default",), f"'default' must be a table ([default]), not {_kind(table)}"
+                )
+            default = self.codec(table, ("default",), ())
+        raw_rules = data.get("rule", [])
+        if not isinstance(raw_rules, list):
+            raise self.at_value(
+                ("rule",),
+                f"rules are written [[rule]] (an array of tables), not {_kind(raw_rules)}",
+            )
+        rules = [self.rule(table, ("rule", i)) for i, table in enumerate(raw_rules)]
+        return CompressionConfig(
+            default=default,
+            rules=rules,
+            masks=masks,
+            source=self.label,
+            sha256=hashlib.sha256(self.text.encode("utf-8")).hexdigest(),
+        )
+
+    def rule(self, table: Any, path: tuple) -> Rule:
+        if not isinstance(table, dict):
+            raise self.at_value(
+                path, f"each rule must be a table ([[rule]] or {{...}}), not {_kind(table)}"
+            )
+        op = table.get("op")
+        if op is not None:
+            self.check_op(op, path + ("op",))
+        name = table.get("name")
+        if name is not None:
+            self.check_glob(name, path + ("name",))
+        codec = self.codec(table, path, ("op", "name"))
+        line = self.where.key(path + ("compressor",)).line
+        return Rule(codec, op, name, line)
+
+    def check_op(self, op: Any, path: tuple) -> None:
+        if not isinstance(op, str):
+            raise self.at_value(path, f"'op' must be a string (an op name), not {_kind(op)}")
+        from unroller.registry import load_registry
+
+        ops = load_registry()
+        if op not in ops:
+            raise self.at_value(path, f"unknown op {_show(op)} in a rule{did_you_mean(op, ops)}")
+
+    def check_glob(self, name: Any, path: tuple) -> None:
+        if not isinstance(name, str):
+            raise self.at_value(
+                path, f"'name' must be a string (a glob on node names), not {_kind(name)}"
+            )
+        if not name:
+            raise self.at_value(path, "'name' is empty; expected a glob such as \"layer4.*\"")
+        if len(name) > MAX_NAME:
+            raise self.at_value(path, f"'name' is {len(name)} characters long; at most {MAX_NAME}")
+        bad = next((c for c in name if c not in _GLOB_CHARS), None)
+        if bad is not None:
+            raise self.at_value(
+                path,
+                f"'name' {_show(name)} contains {ascii(bad)}, which no node name has",
+                "a name glob has letters, digits, '_' and '.', and the glob characters "
+                "'*', '?', '[', ']', '!' and '-'",
+            )
+
+    def codec(self, table: dict[str, Any], path: tuple, extra: tuple[str, ...]) -> Codec | None:
+        from unroller.compress import get
+
+        names = activation_compressors()
+        if "compressor" not in table:
+            raise self.at_key(
+                path, f"missing 'compressor' (one of {', '.join(repr(n) for n in names)})"
+            )
+        name = table["compressor"]
+        where = path + ("compressor",)
+        if not isinstance(name, str):
+            raise self.at_value(where, f"'compressor' must be a string, not {_kind(name)}")
+        if name in MASK_CODECS:
+            raise self.at_value(
+                where,
+                f"{_show(name)} is the 1-bit codec of boolean masks, not a compressor of "
+                f"activations; use one of {', '.join(names)}",
+                "'masks = true' (the default) already packs masks into bits",
+            )
+        if name not in names:
+            raise self.at_value(
+                where,
+                f"unknown compressor {_show(name)}{did_you_mean(name, names)}; "
+                f"known: {', '.join(names)}",
+            )
+        spec = {} if name == "none" else get(name).PARAMS
+        allowed = (*extra, "compressor", *(() if name == "none" else ("min_size",)), *spec)
+        params: dict[str, Any] = {}
+        min_size = 0
+        for key, value in table.items():
+            at = path + (key,)
+            if key in extra or key == "compressor":
+                continue
+            if key not in allowed:
+                if name == "none":
+                    raise self.at_key(
+                        at, f'unknown key {_show(key)} (compressor "none" takes no parameters)'
+                    )
+                raise self.unknown(at, allowed, "allowed here")
+            if key == "min_size":
+                min_size = self.check_min_size(value, at)
+            else:
+                params[key] = self.check_param(key, value, at)
+        if name == "none":
+            return None
+        try:
+            return make_codec(name, params, min_size)
+        except (ValueError, TypeError) as exc:
+            message = str(exc)
+            bad = next((k for k in params if f"'{k}'" in message), None)
+            if bad is None:
+                raise self.at_value(where, message) from None
+            raise self.at_value(path + (bad,), message) from None
+
+    def check_min_size(self, value: Any, path: tuple) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.at_value(path, f"'min_size' must be an integer, not {_kind(value)}")
+        if not 0 <= value <= MAX_INT:
+            raise self.at_value(path, f"'min_size' must be between 0 and {MAX_INT}, not {value}")
+        return value
+
+    def check_param(self, key: str, value: Any, path: tuple) -> Any:
+        """A parameter value as plain data: a boolean, a bounded integer, a finite float or a
+        short word; the compressor checks the rest."""
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int):
+            if abs(value) > MAX_INT:
+                which = "large" if value > 0 else "small"
+                raise self.at_value(
+                    path, f"{_show(key)} = {value} is too {which} (at most {MAX_INT} in size)"
+                )
+            return value
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise self.at_value(path, f"{_show(key)} must be a finite number, not {value}")
+            return value
+        if isinstance(value, str):
+            if len(value) > MAX_WORD or not _WORD.match(value):
+                raise self.at_value(
+                    path,
+                    f"{_show(key)} = {_show(value)} is not a parameter value "
+                    f"(a word of at most {MAX_WORD} letters, digits, '_', '.', '+', '-')",
+                )
+            return value
+        raise self.at_value(
+            path,
+            f"{_show(key)} must be a boolean, an integer, a float or a string, not {_kind(value)}",
+        )
 
 
 def load_config(path: str | Path) -> CompressionConfig:
+    """Read and check a compression config (TOML). Every problem is a ``ConfigFileError``
+    (a ``ConfigError``) formatted ``FILE:LINE:COL: error: ...`` with the source line and a
+    caret, like an error in a model file; problems with the file as a whole (missing, a
+    directory, too big) are ``FILE: error: ...``."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the compression config: {exc.strerror}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    lines = text.splitlines()
-
-    def fail(message: str, key: str, section: str | None = None, index: int = 0) -> ConfigError:
-        return ConfigError(f"{path}:{_line_of(lines, key, section, index)}: error: {message}")
-
-    for key in data:
-        if key not in ("masks", "default", "rule"):
-            raise fail(f"unknown key '{key}' (expected masks, [default], [[rule]])", key)
-    masks = data.get("masks", True)
-    if not isinstance(masks, bool):
-        raise fail("'masks' must be true or false", "masks")
-
-    def codec_of(
-        table: dict[str, Any], section: str, index: int, allowed: set[str]
-    ) -> Codec | None:
-        name = table.get("compressor")
-        if not isinstance(name, str):
-            raise fail(
-                "missing 'compressor' (a compressor name or \"none\")", "compressor", section, index
-            )
-        params = {k: v for k, v in table.items() if k not in allowed | {"compressor", "min_size"}}
-        if name == "none":
-            if params or "min_size" in table:
-                key = next(iter(params), "min_size")
-                raise fail(
-                    f"unknown key '{key}' (compressor \"none\" takes no parameters)",
-                    key,
-                    section,
-                    index,
-                )
-            return None
-        min_size = table.get("min_size", 0)
-        if not isinstance(min_size, int) or isinstance(min_size, bool) or min_size < 0:
-            raise fail("'min_size' must be a non-negative integer", "min_size", section, index)
-        try:
-            return make_codec(name, params, min_size)
-        except ValueError as exc:
-            bad = next((k for k in params if f"'{k}'" in str(exc)), "compressor")
-            raise fail(str(exc), bad, section, index) from None
-
-    default = None
-    if "default" in data:
-        if not isinstance(data["default"], dict):
-            raise fail("[default] must be a table", "default")
-        default = codec_of(data["default"], "default", 0, set())
-    rules = []
-    raw_rules = data.get("rule", [])
-    if not isinstance(raw_rules, list):
-        raise fail("rules are written [[rule]]", "rule")
-    for i, table in enumerate(raw_rules):
-        codec = codec_of(table, "rule", i, {"op", "name"})
-        for key in ("op", "name"):
-            if key in table and not isinstance(table[key], str):
-                raise fail(f"'{key}' must be a string", key, "rule", i)
-        op = table.get("op")
-        if op is not None:
-            from unroller.registry import load_registry
-
-            if op not in load_registry():
-                raise fail(f"unknown op '{op}' in a rule", "op", "rule", i)
-        rules.append(Rule(codec, op, table.get("name"), _line_of(lines, "compressor", "rule", i)))
-    return CompressionConfig(
-        default=default,
-        rules=rules,
-        masks=masks,
-        source=str(path),
-        sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-    )
+    label = str(path)
+    text = _decode(_read(path), label)
+    return _Checker(label, text).config(_parse(text, label))
 
 
 def resolve(scheme: str, config: str | Path | None = None, opt_level: int = 1) -> CompressionConfig:
