@@ -6,6 +6,18 @@ torch optimizer. After every epoch the test split is scored through ``predict()`
 JSON line of metrics is appended to ``metrics.jsonl``, and ``checkpoint.pt`` (weights,
 optimizer, epoch, RNG states, metrics so far, config) is replaced atomically.
 
+The checkpoint file. ``checkpoint.pt`` is what ``torch.save`` writes (a zip archive,
+still readable with ``torch.load(..., weights_only=True)``) with one addition: the
+archive's comment, the last bytes of the file, is ``unroller-checkpoint sha256:`` and
+the SHA-256 (hex) of every byte before it. ``load_checkpoint`` checks that digest
+before anything is deserialised, so a flipped byte anywhere in the file (tensor data,
+zip headers, the digest itself) is refused instead of resumed from; it then loads with
+``weights_only=True`` (a checkpoint is user-supplied input: no pickled code runs) and
+checks the structure (keys, types, the config's fields, the history). ``train`` checks
+the weights and the optimizer state against the model being resumed (names, shapes,
+dtypes) and the RNG states before it writes anything. Checkpoints of format 1 (before
+the digest) are refused: their contents cannot be verified.
+
 Exact resumption. The order of the training samples in epoch ``e`` comes from a private
 generator seeded with ``(seed, e)``, the learning rate is a function of the epoch, and
 the checkpoint restores the global torch RNG states (stochastic compressors and dropout
@@ -27,12 +39,14 @@ import pickle
 import random
 import sys
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from unroller import data as datasets
 from unroller.api import generate_source, import_generated, load_graph, write_atomic
@@ -44,7 +58,13 @@ CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 RUN_INFO = "run.json"
 GENERATED = "model.py"
-FORMAT = 1
+FORMAT = 2  # 2: the payload's SHA-256 in the zip comment (see the module docstring)
+# The zip comment torch.save leaves empty: this prefix, then 64 hex digits.
+DIGEST_PREFIX = b"unroller-checkpoint sha256:"
+DIGEST_SIZE = len(DIGEST_PREFIX) + 64
+ZIP_START = b"PK\x03\x04"
+ZIP_END = b"PK\x05\x06"  # the end-of-central-directory record: 22 bytes + the comment
+ZIP_END_SIZE = 22
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("cosine", "constant")
 # Fields that may differ between a checkpoint and the run resuming from it.
@@ -54,6 +74,10 @@ PATH_FIELDS = ("model", "compress_config", "init")
 
 class TrainError(ConfigError):
     """A training run that cannot start or continue (printed as is, exit 2)."""
+
+
+class CheckpointError(TrainError):
+    """A checkpoint that is missing, damaged, or not one this version can resume from."""
 
 
 @dataclass(frozen=True)
@@ -160,17 +184,281 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise TrainError(f"--resume: no such checkpoint: {path}")
+def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    """torch.save, with the SHA-256 of the bytes in the zip comment, written atomically."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    end = data[-ZIP_END_SIZE:]
+    if not (end.startswith(ZIP_END) and end.endswith(b"\0\0")):  # torch writes no comment
+        raise RuntimeError("torch.save wrote an archive without the expected end record")
+    body = data[:-2] + DIGEST_SIZE.to_bytes(2, "little")  # the comment's length, then it
+    digest = hashlib.sha256(body).hexdigest().encode("ascii")
+    write_atomic(path, body + DIGEST_PREFIX + digest)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0].strip() if text else type(exc).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _verified_bytes(path: Path) -> bytes:
+    """The file's bytes, once its digest matches them."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({_one_line(exc)})") from None
+    if not data:
+        raise CheckpointError(f"{path}: the checkpoint is empty (0 bytes)")
+    trailer = data[-DIGEST_SIZE:]
+    if len(data) > DIGEST_SIZE + ZIP_END_SIZE and trailer.startswith(DIGEST_PREFIX):
+        body = data[:-DIGEST_SIZE]
+        if hashlib.sha256(body).hexdigest().encode("ascii") != trailer[len(DIGEST_PREFIX) :]:
+            raise CheckpointError(
+                f"{path}: the checkpoint is corrupted: its SHA-256 does not match the one "
+                "recorded in it (the file was damaged or changed after it was written)"
+            )
+        return data
+    if not data.startswith(ZIP_START):
+        raise CheckpointError(
+            f"{path}: not an unroller training checkpoint (not a PyTorch archive)"
+        )
+    end = data[-ZIP_END_SIZE:]
+    if end.startswith(ZIP_END) and end.endswith(b"\0\0"):
+        raise CheckpointError(
+            f"{path}: the checkpoint has no SHA-256 (format 1, written before checkpoints "
+            "carried one, or by torch.save directly), so its contents cannot be verified; "
+            "it is not resumed from: start the run again"
+        )
+    raise CheckpointError(
+        f"{path}: the checkpoint is truncated or damaged (the SHA-256 recorded at its end "
+        "is missing)"
+    )
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_config(values: dict[str, Any]) -> str | None:
+    """What is wrong with a recorded config (None: nothing)."""
+    hints = typing.get_type_hints(TrainConfig)
+    for field in dataclasses.fields(TrainConfig):
+        if field.name not in values:
+            return f"its config has no '{field.name}'"
+        value = values[field.name]
+        allowed = typing.get_args(hints[field.name]) or (hints[field.name],)
+        fits = any(
+            (kind is type(None) and value is None)
+            or (kind is str and isinstance(value, str))
+            or (kind is int and isinstance(value, int) and not isinstance(value, bool))
+            or (kind is float and _is_number(value))
+            for kind in allowed
+        )
+        if not fits:
+            return f"its config's '{field.name}' is {_kind(value)}"
+    return None
+
+
+def _check_history(history: Any, epoch: int) -> str | None:
+    if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
+        return f"its 'history' is {_kind(history)}, not a list of epoch records"
+    if [r.get("epoch") for r in history] != list(range(1, epoch + 1)):
+        return f"its 'history' does not hold one record for each of epochs 1 to {epoch}"
+    for record in history:
+        if record.get("diverged"):
+            continue
+        test = record.get("test")
+        if not (
+            _is_number(record.get("train_loss"))
+            and isinstance(test, dict)
+            and all(isinstance(k, str) and _is_number(v) for k, v in test.items())
+        ):
+            return (
+                f"its 'history' record of epoch {record['epoch']} has no numeric losses and metrics"
+            )
+    try:
+        json.dumps(history)
+    except (TypeError, ValueError) as exc:
+        return f"its 'history' is not JSON data ({_one_line(exc)})"
+    return None
+
+
+def _check_rng(state: Any) -> str | None:
+    if not isinstance(state, dict):
+        return f"its 'rng' is {_kind(state)}, not a dict"
+    for key in ("torch", "python"):
+        if key not in state:
+            return f"its 'rng' has no '{key}' state"
+    for key in ("torch", "cuda"):
+        value = state.get(key)
+        if key in state and not (
+            isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+        ):
+            return f"its '{key}' RNG state is {_kind(value)}, not a uint8 vector"
+    try:
+        torch.Generator().set_state(state["torch"])
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return f"its 'torch' RNG state is not one ({_one_line(exc)})"
+    try:
+        random.Random().setstate(state["python"])
+    except (TypeError, ValueError, OverflowError) as exc:
+        return f"its 'python' RNG state is not one ({_one_line(exc)})"
+    return None
+
+
+def _check_optimizer_shape(state: Any) -> str | None:
+    if not isinstance(state, dict):
+        return f"its 'optimizer' is {_kind(state)}, not a state dict"
+    groups, per_param = state.get("param_groups"), state.get("state")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict)
+        and isinstance(g.get("params"), list)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in g["params"])
+        for g in groups
+    ):
+        return "its optimizer state has no list of parameter groups"
+    if not isinstance(per_param, dict) or not all(
+        isinstance(v, dict) and all(isinstance(k, str) for k in v) for v in per_param.values()
+    ):
+        return "its optimizer state has no per-parameter state dict"
+    return None
+
+
+def _check_structure(payload: dict[str, Any]) -> str | None:
+    """What is wrong with a loaded checkpoint's structure (None: nothing)."""
+    kinds = {
+        "epoch": int,
+        "config": dict,
+        "generated_sha256": str,
+        "model": dict,
+        "optimizer": dict,
+        "rng": dict,
+        "history": list,
+    }
+    for key, kind in kinds.items():
+        if key not in payload:
+            return f"it has no '{key}'"
+        value = payload[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return (
+                f"its '{key}' is {_kind(value)}, not {'an' if kind is int else 'a'} {kind.__name__}"
+            )
+    epoch = payload["epoch"]
+    if epoch < 1:
+        return f"its 'epoch' is {epoch}"
+    bad = [
+        str(k)
+        for k, v in payload["model"].items()
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor)
+    ]
+    if bad:
+        return f"its 'model' weights hold entries that are not named tensors ({', '.join(bad[:3])})"
+    for check in (
+        lambda: _check_config(payload["config"]),
+        lambda: _check_history(payload["history"], epoch),
+        lambda: _check_rng(payload["rng"]),
+        lambda: _check_optimizer_shape(payload["optimizer"]),
+    ):
+        problem = check()
+        if problem:
+            return problem
+    return None
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's payload: its digest verified before it is deserialised (tensors and
+    plain data only), its structure checked; ``CheckpointError`` (one line) otherwise."""
+    path = Path(path)
+    data = _verified_bytes(path)
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same message
-        raise TrainError(f"--resume: {path} is not a readable checkpoint ({exc})") from None
+        raise CheckpointError(f"{path}: not a readable checkpoint ({_one_line(exc)})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise TrainError(f"--resume: {path} is not an unroller training checkpoint")
+        found = payload.get("format") if isinstance(payload, dict) else None
+        detail = f" (format {found!r}, this version reads {FORMAT})" if found is not None else ""
+        raise CheckpointError(f"{path}: not an unroller training checkpoint{detail}")
+    problem = _check_structure(payload)
+    if problem:
+        raise CheckpointError(f"{path}: not a usable checkpoint: {problem}")
     return payload
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:4])
+    return shown + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+
+
+def check_model_state(path: Path, state: dict[str, Tensor], model: torch.nn.Module) -> None:
+    """Refuse weights that do not fit ``model``: names, shapes and dtypes must match."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    problems = []
+    if missing:
+        problems.append(f"missing {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_names(unexpected)}")
+    for name, want in expected.items():
+        got = state.get(name)
+        if got is None or (got.shape == want.shape and got.dtype == want.dtype):
+            continue
+        problems.append(f"{name} is {_kind(got)}, the model's is {_kind(want)}")
+    if problems:
+        raise CheckpointError(
+            f"{path}: the checkpoint's weights do not fit the model: {'; '.join(problems[:3])}"
+        )
+
+
+def check_optimizer_state(path: Path, state: dict[str, Any], optimizer) -> None:
+    """Refuse an optimizer state that does not fit ``optimizer``'s parameters."""
+    fresh = optimizer.state_dict()["param_groups"]
+    groups = state["param_groups"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    prefix = f"{path}: the checkpoint's optimizer state does not fit the model"
+    if len(groups) != len(fresh) or any(
+        g["params"] != f["params"] for g, f in zip(groups, fresh, strict=False)
+    ):
+        raise CheckpointError(f"{prefix}: its parameter groups differ")
+    for index, (group, want) in enumerate(zip(groups, fresh, strict=True)):
+        for key, value in want.items():
+            got = group.get(key)
+            if _is_number(value) and not _is_number(got):
+                raise CheckpointError(f"{prefix}: group {index}'s '{key}' is {_kind(got)}")
+            if isinstance(value, tuple) and not (
+                isinstance(got, tuple | list)
+                and len(got) == len(value)
+                and all(_is_number(v) for v in got)
+            ):
+                raise CheckpointError(f"{prefix}: group {index}'s '{key}' is {_kind(got)}")
+    for index, entries in state["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            raise CheckpointError(f"{prefix}: it has state for parameter {index!r}")
+        shape = params[index].shape
+        for key, value in entries.items():
+            if value is None or _is_number(value):
+                continue
+            ok = isinstance(value, torch.Tensor) and (
+                (value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool)
+                or (value.shape == shape and value.is_floating_point())
+            )
+            if not ok:
+                raise CheckpointError(
+                    f"{prefix}: '{key}' of parameter {index} is {_kind(value)}, the "
+                    f"parameter is {list(shape)}"
+                )
 
 
 def _same_setting(name: str, a: Any, b: Any) -> bool:
@@ -368,6 +656,7 @@ def train(
     (the checkpoint's config is used, except ``epochs``, which may grow)."""
     checkpoint = None
     if resume is not None:
+        resume = Path(resume)
         checkpoint = load_checkpoint(resume)
         recorded = TrainConfig.from_dict(checkpoint["config"])
         changed = [
@@ -410,10 +699,19 @@ def train(
             "--resume: the generated model differs from the checkpoint's (the model file, "
             "the scheme's config or the generator changed)"
         )
+    if checkpoint is not None:
+        for record in checkpoint["history"]:
+            if not record.get("diverged") and PRIMARY[data.task] not in record["test"]:
+                raise CheckpointError(
+                    f"{resume}: not a usable checkpoint: its 'history' record of epoch "
+                    f"{record['epoch']} has no {PRIMARY[data.task]}"
+                )
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / GENERATED, source)
+    generated = out / GENERATED
+    if not generated.is_file() or generated.read_text(encoding="utf-8") != source:
+        write_atomic(generated, source)
     module_name = f"unroller_train_{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"
     Model = import_generated(out / GENERATED, module_name).Model
 
@@ -423,15 +721,27 @@ def train(
     if config.init is not None and checkpoint is None:  # a resumed run has its weights
         try:
             model.load_state_dict(torch.load(config.init, map_location="cpu", weights_only=True))
-        except (OSError, RuntimeError, pickle.UnpicklingError) as exc:
-            raise TrainError(f"cannot start from {config.init}: {exc}") from None
+        except (OSError, RuntimeError, ValueError, TypeError, pickle.UnpicklingError) as exc:
+            raise TrainError(f"cannot start from {config.init}: {_one_line(exc)}") from None
     model.to(device)
     optimizer = make_optimizer(config, model.parameters())
     history: list[dict[str, Any]] = []
     start = 1
     if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        # everything is checked before anything is loaded or written
+        check_model_state(resume, checkpoint["model"], model)
+        check_optimizer_state(resume, checkpoint["optimizer"], optimizer)
+        cuda_state = checkpoint["rng"].get("cuda")
+        if device.type == "cuda" and cuda_state is not None:
+            if cuda_state.numel() != torch.cuda.get_rng_state(device).numel():
+                raise CheckpointError(f"{resume}: its CUDA RNG state is not one of this device")
+        try:
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"{resume}: the checkpoint does not fit the model ({_one_line(exc)})"
+            ) from None
         history = list(checkpoint["history"])
         start = checkpoint["epoch"] + 1
         set_rng_state(checkpoint["rng"], device)
@@ -475,7 +785,7 @@ def train(
                 record["eval_time_s"] = time.perf_counter() - began
             history.append(record)
             write_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
-            save_atomic(
+            save_checkpoint(
                 out / CHECKPOINT,
                 {
                     "format": FORMAT,
