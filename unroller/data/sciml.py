@@ -56,16 +56,75 @@ def _h5py():
     return h5py
 
 
-def _read(path: Path, key: str) -> Tensor:
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    line = lines[0].strip() if lines else type(exc).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _dtype_name(dtype: np.dtype) -> str:
     h5py = _h5py()
+    if h5py.check_string_dtype(dtype) is not None or dtype.kind in "SU":
+        return "strings"
+    if dtype.kind == "V":
+        return "compound records" if dtype.names else "opaque bytes"
+    if dtype.kind == "c":
+        return "complex numbers"
+    if dtype.kind == "O":
+        return "object references or variable-length data"
+    return f"values of type {dtype}"
+
+
+# h5py reports damaged files and objects with these (DatasetError is none of them)
+H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+
+
+def _read(path: Path, key: str, finite: str | None = None) -> Tensor:
+    """The HDF5 dataset ``key`` of ``path`` as float64: a non-empty array of real
+    numbers; ``finite`` is "all" (no NaN or infinity allowed) or "any" (at least one
+    finite value)."""
+    h5py = _h5py()
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a directory, not an HDF5 file")
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file")
     try:
-        with h5py.File(path, "r") as handle:
+        handle = h5py.File(path, "r")
+    except H5_ERRORS as exc:
+        raise DatasetError(f"{path}: not a readable HDF5 file ({_one_line(exc)})") from None
+    try:
+        with handle:
             if key not in handle:
-                raise DatasetError(f"{path}: no dataset '{key}' (found: {', '.join(handle)})")
+                found = ", ".join(handle) or "nothing"
+                raise DatasetError(f"{path}: no dataset '{key}' (found: {found})")
+            item = handle[key]
+            if not isinstance(item, h5py.Dataset):
+                kind = "a group" if isinstance(item, h5py.Group) else f"a {type(item).__name__}"
+                raise DatasetError(f"{path}: '{key}' is {kind}, not a dataset of numbers")
+            if item.dtype.kind not in "biuf":
+                raise DatasetError(
+                    f"{path}: dataset '{key}' holds {_dtype_name(item.dtype)}, not numbers"
+                )
+            if item.shape is None or item.size == 0:
+                shape = "no dataspace" if item.shape is None else f"shape {list(item.shape)}"
+                raise DatasetError(f"{path}: dataset '{key}' is empty ({shape})")
             # np.asarray also converts big-endian or integer data to native float64
-            return torch.from_numpy(np.asarray(handle[key][()], dtype=np.float64))
-    except OSError as exc:
-        raise DatasetError(f"{path}: not a readable HDF5 file ({exc})") from None
+            values = torch.from_numpy(np.asarray(item[()], dtype=np.float64))
+    except H5_ERRORS as exc:
+        raise DatasetError(f"{path}: cannot read dataset '{key}' ({_one_line(exc)})") from None
+    if finite is not None:
+        good = int(torch.isfinite(values).sum())
+        if good == 0:
+            raise DatasetError(
+                f"{path}: dataset '{key}' holds no finite values (all {values.numel()} are "
+                "NaN or infinite)"
+            )
+        if finite == "all" and good < values.numel():
+            raise DatasetError(
+                f"{path}: dataset '{key}' holds {values.numel() - good} NaN or infinite "
+                f"value(s) (of {values.numel()}); these images must be finite"
+            )
+    return values
 
 
 def _channels_first(images: Tensor, path: Path) -> Tensor:
@@ -76,7 +135,10 @@ def _channels_first(images: Tensor, path: Path) -> Tensor:
         return images.permute(0, 3, 1, 2)
     if images.dim() == 4 and images.shape[1] == 1:
         return images
-    raise DatasetError(f"{path}: expected single-channel images, got shape {list(images.shape)}")
+    raise DatasetError(
+        f"{path}: dataset 'images' has shape {list(images.shape)}; expected single-channel "
+        "images (N, H, W), (N, H, W, 1) or (N, 1, H, W)"
+    )
 
 
 def _resize(images: Tensor, height: int, width: int) -> Tensor:
@@ -93,8 +155,9 @@ def _holdout(count: int) -> int:
 
 
 def _em_pair(directory: Path) -> tuple[Tensor, Tensor]:
-    noisy = _channels_first(_read(directory / EM_FILES[0], "images"), directory / EM_FILES[0])
-    clean = _channels_first(_read(directory / EM_FILES[1], "images"), directory / EM_FILES[1])
+    noisy_path, clean_path = directory / EM_FILES[0], directory / EM_FILES[1]
+    noisy = _channels_first(_read(noisy_path, "images", finite="all"), noisy_path)
+    clean = _channels_first(_read(clean_path, "images", finite="all"), clean_path)
     if noisy.shape != clean.shape:
         raise DatasetError(
             f"{directory}: noisy images {list(noisy.shape)} and clean images "
@@ -163,13 +226,27 @@ def _tiles(images: Tensor, height: int, width: int) -> Tensor:
 
 
 def _scene(path: Path, height: int, width: int) -> tuple[Tensor, Tensor]:
-    refs, bts, bayes = (_read(path, key) for key in ("refs", "bts", "bayes"))
+    refs, bts, bayes = (_read(path, key, finite="any") for key in ("refs", "bts", "bayes"))
     if refs.dim() == 2:
         refs = refs[..., None]
     if bts.dim() == 2:
         bts = bts[..., None]
-    if bayes.dim() == 3:
+    if bayes.dim() == 3 and bayes.shape[-1] == 1:
         bayes = bayes[..., 0]
+    for key, values, layout in (
+        ("refs", refs, "(H, W, C)"),
+        ("bts", bts, "(H, W, C)"),
+        ("bayes", bayes, "(H, W) or (H, W, 1)"),
+    ):
+        if values.dim() != (2 if key == "bayes" else 3):
+            raise DatasetError(
+                f"{path}: dataset '{key}' has shape {list(values.shape)}; expected {layout}"
+            )
+    if not refs.shape[:2] == bts.shape[:2] == bayes.shape:
+        raise DatasetError(
+            f"{path}: datasets 'refs' {list(refs.shape)}, 'bts' {list(bts.shape)} and "
+            f"'bayes' {list(bayes.shape)} differ in height and width"
+        )
     image = torch.cat([_standardise(refs), _standardise(bts)], dim=-1).permute(2, 0, 1)
     mask = (torch.nan_to_num(bayes, nan=0.0) != 0).to(torch.float64)[None]
     return _tiles(image, height, width), (_tiles(mask, height, width) > 0.5).to(torch.float64)
@@ -224,8 +301,10 @@ def _tiff_images(directory: Path, height: int, width: int) -> Tensor:
         try:
             with Image.open(path) as handle:
                 array = torch.from_numpy(np.asarray(handle.convert("F"), dtype=np.float64).copy())
-        except OSError as exc:
-            raise DatasetError(f"{path}: not a readable TIFF image ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a bad file
+            raise DatasetError(f"{path}: not a readable TIFF image ({_one_line(exc)})") from None
+        if array.numel() == 0 or not torch.isfinite(array).any():
+            raise DatasetError(f"{path}: the image holds no finite values")
         array = torch.nan_to_num(array, nan=0.0)
         array = (array - array.min()) / (array.max() - array.min()).clamp_min(1e-12)
         top, bottom, left, right = OPTICS_CROP
@@ -257,6 +336,8 @@ def _optical_damage(root: Path, sig: Signature, name: str) -> TaskData:
 
 def build(sig: Signature, name: str, path: str, **_: object) -> TaskData:
     root = Path(path).expanduser()
+    if root.exists() and not root.is_dir():
+        raise DatasetError(f"sciml: {root} is a file; PATH must be a SciML-Bench data folder")
     if not root.is_dir():
         raise DatasetError(f"sciml: no such directory: {root}")
     if (root / EM_FILES[0]).exists() or (root / "train" / EM_FILES[0]).exists():
