@@ -18,7 +18,7 @@ from typing import Any
 import black
 import jinja2
 
-from unroller import __version__
+from unroller import __version__, safe
 from unroller.errors import ModelError
 from unroller.graph import Graph, Node, Value
 from unroller.pipeline import Pipeline, split
@@ -81,13 +81,8 @@ class Options:
         return resolve(self.scheme, self.compress_config, self.opt_level)
 
 
-def literal(value: Any) -> str:
-    """A Python literal for a validated constant (numbers, bools, strings, tuples)."""
-    return repr(value)
-
-
-def kwargs_text(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={literal(v)}" for k, v in kwargs.items())
+literal = safe.literal  # repr() of a type-checked constant
+kwargs_text = safe.kwargs  # key=literal, ... with identifier keys
 
 
 class Emitter:
@@ -468,16 +463,16 @@ def render_steps(steps: list[Step], staged: bool = False) -> list[str]:
             ):
                 common += 1
             for depth, text in enumerate(step.blocks[common:], start=common):
-                lines.append(f"# {'  ' * depth}[block] {text}")
+                lines.append(f"# {'  ' * depth}[block] {safe.comment_text(text)}")
             current_blocks = step.blocks
         if step.comment:
             prefix = "  " * len(step.blocks)
-            lines.append(f"# {prefix}{step.comment}")
-        lines.extend(step.lines)
+            lines.append(f"# {prefix}{safe.comment_text(step.comment)}")
+        lines.extend(safe.code(line) for line in step.lines)
         if step.release:
             lines.append(f"del {', '.join(step.release)}")
         lines[start:] = [indent + line if line else line for line in lines[start:]]
-    return lines
+    return [safe.Code(line) for line in lines]
 
 
 def layer_lines(graph: Graph, names: Namer) -> list[tuple[str, str, str]]:
@@ -487,8 +482,8 @@ def layer_lines(graph: Graph, names: Namer) -> list[tuple[str, str, str]]:
         if not (node.params or node.buffers):
             continue
         env = {**node.args, **node.derived}
-        ctor = node.op.module.format(**{k: literal(v) for k, v in env.items()})
-        layers.append((node.text, node.name, ctor))
+        ctor = safe.code(node.op.module.format(**{k: literal(v) for k, v in env.items()}))
+        layers.append((safe.comment_text(node.text), safe.literal(node.name), ctor))
     return layers
 
 
@@ -506,13 +501,20 @@ def header_comment(
     return HEADER_TAG + json.dumps(meta, sort_keys=False)
 
 
-def render(graph: Graph, source_path: str, options: Options) -> str:
-    """The complete generated module, formatted, with header and checksum."""
+def render(
+    graph: Graph, source_path: str, options: Options, config: CompressionConfig | None = None
+) -> str:
+    """The complete generated module, formatted, with header and checksum.
+
+    ``config`` overrides the compression config the options name (tests use it to feed
+    configs that no loader would accept, to check the emitter on its own).
+    """
     if options.platform not in PLATFORMS:
         raise ValueError(f"unknown platform '{options.platform}' (known: {', '.join(PLATFORMS)})")
     if options.scheme not in SCHEMES:
         raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
-    config = options.compression()
+    if config is None:
+        config = options.compression()
     plan = plan_stash(graph, config)
     pipeline = None
     if options.platform == "ipu":
@@ -523,6 +525,70 @@ def render(graph: Graph, source_path: str, options: Options) -> str:
     staged = pipeline is not None and pipeline.num_ipus > 1
     training = render_steps(emitter.training_steps(), staged)
     predict = render_steps(emitter.predict_steps())
+    text = _template(options.platform).render(
+        header=safe.comment_text(header_comment(graph, source_path, options, config)),
+        codecs=[
+            (safe.identifier(name), safe.literal(codec.name), kwargs_text(codec.kwargs))
+            for codec, name in emitter.codec_names.items()
+        ],
+        compression=safe.doc_text(_describe(config)),
+        version=safe.doc_text(__version__),
+        source_path=safe.doc_text(source_path),
+        model_name=safe.doc_text(graph.name),
+        platform=safe.doc_text(options.platform),
+        scheme=safe.doc_text(options.scheme),
+        kernel_imports=[
+            (safe.dotted(module), safe.identifier(alias))
+            for module, alias in sorted(emitter.kernel_alias.items(), key=lambda kv: kv[1])
+        ],
+        layers=layer_lines(graph, emitter.names),
+        train_args=[safe.identifier(emitter.ident(v)) for v in graph.inputs],
+        train_checks=_input_checks(emitter, graph.inputs),
+        predict_checks=_input_checks(emitter, graph.model_inputs),
+        predict_args=[safe.identifier(emitter.ident(v)) for v in graph.model_inputs],
+        training=training,
+        predict=predict or [safe.Code("pass")],
+        loss=safe.identifier(emitter.ident(graph.loss)),
+        preds=[safe.identifier(emitter.ident(v)) for v in graph.preds],
+        signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
+        input_specs=safe.literal(
+            [
+                (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), _value_range(v))
+                for v in graph.inputs
+            ]
+        ),
+        surrogate_groups=[
+            (stage, safe.literal(keys)) for stage, keys in _surrogate_groups(graph, pipeline)
+        ],
+        num_ipus=pipeline.num_ipus if pipeline else 1,
+        stages=(
+            [(i, safe.doc_text(s)) for i, s in enumerate(["(first node)", *pipeline.starts])]
+            if pipeline
+            else []
+        ),
+    )
+    text = black.format_str(text, mode=black.Mode(line_length=GENERATED_LINE_LENGTH))
+    return add_checksum(text)
+
+
+def _input_checks(emitter: Emitter, values: list[Value]) -> safe.Code:
+    """Arguments of ``K.check_inputs``: (name, tensor, dtype, dims after N) per input."""
+    return safe.Code(
+        ", ".join(
+            f"({safe.literal(v.name)}, {safe.identifier(emitter.ident(v))}, "
+            f"{safe.literal(v.type.dtype)}, {safe.literal(tuple(v.type.shape[1:]))})"
+            for v in values
+        )
+    )
+
+
+def _join(items: list[safe.Code], separator: str = "") -> safe.Code:
+    """Jinja's ``join`` for vetted parts: the separator is the template's own text."""
+    return safe.Code(separator.join(safe.template_value(item) for item in items))
+
+
+def _template(platform: str) -> jinja2.Template:
+    """The platform's module template, in an environment that emits only vetted text."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(resource_dir("templates"))),
         undefined=jinja2.StrictUndefined,
@@ -530,43 +596,10 @@ def render(graph: Graph, source_path: str, options: Options) -> str:
         autoescape=False,
         trim_blocks=True,
         lstrip_blocks=True,
+        finalize=safe.template_value,
     )
-    env.filters["pyrepr"] = repr
-    template = env.get_template(f"{options.platform}/module.py.j2")
-    preds = [emitter.ident(v) for v in graph.preds]
-    text = template.render(
-        header=header_comment(graph, source_path, options, config),
-        codecs=[
-            (name, codec.name, kwargs_text(codec.kwargs))
-            for codec, name in emitter.codec_names.items()
-        ],
-        compression=_describe(config),
-        version=__version__,
-        source_path=json.dumps(source_path),
-        model_name=graph.name,
-        options=options,
-        kernel_imports=sorted(emitter.kernel_alias.items(), key=lambda kv: kv[1]),
-        layers=layer_lines(graph, emitter.names),
-        train_args=[emitter.ident(v) for v in graph.inputs],
-        predict_args=[emitter.ident(v) for v in graph.model_inputs],
-        training=training,
-        predict=predict or ["pass"],
-        loss=emitter.ident(graph.loss),
-        preds=preds,
-        signature=[f"{v.name}: {v.type}" for v in graph.inputs],
-        input_specs=[
-            (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), _value_range(v))
-            for v in graph.inputs
-        ],
-        surrogate_groups=_surrogate_groups(graph, pipeline),
-        num_ipus=pipeline.num_ipus if pipeline else 1,
-        stages=(
-            [(i, s) for i, s in enumerate(["(first node)", *pipeline.starts])] if pipeline else []
-        ),
-        grads="grads",
-    )
-    text = black.format_str(text, mode=black.Mode(line_length=GENERATED_LINE_LENGTH))
-    return add_checksum(text)
+    env.filters["join"] = _join
+    return env.get_template(f"{platform}/module.py.j2")
 
 
 def _value_range(value: Value) -> int:
@@ -595,7 +628,7 @@ def _describe(config: CompressionConfig) -> str:
     else:
         parts = [f"default {config.default.label() if config.default else 'none'}"]
         parts += [
-            f"rule{' op=' + r.op if r.op else ''}{' name=' + r.name if r.name else ''}: "
+            f"rule{' op=' + repr(r.op) if r.op else ''}{' name=' + repr(r.name) if r.name else ''}: "
             f"{r.codec.label() if r.codec else 'none'}"
             for r in config.rules
         ]

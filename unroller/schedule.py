@@ -10,29 +10,23 @@ possibly Python keywords) into unique, valid Python names.
 
 from __future__ import annotations
 
+import builtins
 import keyword
+import re
 from dataclasses import dataclass, field
 
-# Names the generated module itself uses; model names never take them.
-RESERVED = frozenset(
+# Names the generated modules (every platform's template) use themselves, and every
+# builtin (a template may call any of them, e.g. ``sum``): model names never take them.
+# tests/test_reserved_names.py checks this against every name each template emits.
+TEMPLATE_NAMES = frozenset(
     {
-        "self",
-        "torch",
-        "K",
-        "P",
-        "C",
-        "Model",
-        "super",
-        "None",
-        "True",
-        "False",
-        "_",
-        "stash",
-        "grads",
-        "poptorch",
-        "surrogate",
+        "self", "torch", "sys", "K", "P", "C", "Model", "stash", "grads", "poptorch",
+        "surrogate", "run_main", "terms", "total", "NUM_IPUS", "INPUTS", "_",
     }
-)
+)  # fmt: skip
+RESERVED = TEMPLATE_NAMES | frozenset(dir(builtins)) | frozenset(keyword.kwlist)
+# Families the emitter numbers as it goes: kernel module aliases (K2, K3, ...) and codecs.
+_RESERVED_PATTERN = re.compile(r"(K[0-9]+|CODEC_\w*)$")
 
 
 class Namer:
@@ -49,7 +43,7 @@ class Namer:
         base = (base or key).replace(".", "_")
         if not base.isidentifier():
             base = "v_" + "".join(c if c.isalnum() or c == "_" else "_" for c in base)
-        if keyword.iskeyword(base) or keyword.issoftkeyword(base):
+        if keyword.iskeyword(base) or keyword.issoftkeyword(base) or _RESERVED_PATTERN.match(base):
             base += "_"
         ident, n = base, 1
         while ident in self.taken:

@@ -49,7 +49,7 @@ __all__ = [
     "l1_loss", "l1_loss_backward",
     "bce_loss", "bce_loss_backward",
     "bce_with_logits", "bce_with_logits_backward",
-    "accumulate", "add_layer", "tensors",
+    "accumulate", "add_layer", "tensors", "check_inputs",
 ]
 # fmt: on
 
@@ -704,6 +704,41 @@ def tensors(root: torch.nn.Module) -> dict[str, Tensor]:
     out: dict[str, Tensor] = dict(root.named_parameters(remove_duplicate=False))
     out.update(root.named_buffers(remove_duplicate=False))
     return out
+
+
+_INT_DTYPES = {"i64": torch.int64, "i32": torch.int32}
+
+
+def check_inputs(*specs: tuple[str, object, str, tuple[int, ...]]) -> None:
+    """Refuse, at the entry of a step, inputs that differ from the model's declarations.
+
+    Each spec is (model name, tensor, declared dtype, declared dims after N). A wrong
+    shape would otherwise fail deep inside a kernel or a codec with a message about
+    something else. Float declarations accept any floating dtype, because a module moved
+    with ``.double()`` or ``.half()`` computes in its parameters' dtype; integer ones
+    (class indices) need exactly the declared dtype. All inputs share one batch size.
+    """
+    batch = None
+    for name, value, dtype, dims in specs:
+        if not isinstance(value, Tensor):
+            raise ValueError(f"input '{name}': expected a tensor, got {type(value).__name__}")
+        expected = f"{dtype}[N, {', '.join(map(str, dims))}]" if dims else f"{dtype}[N]"
+        given = f"{value.dtype} of shape {list(value.shape)}"
+        if tuple(value.shape[1:]) != tuple(dims) or value.dim() != len(dims) + 1:
+            raise ValueError(f"input '{name}': expected shape {expected}, got {given}")
+        wanted = _INT_DTYPES.get(dtype)
+        if (value.dtype != wanted) if wanted is not None else not value.is_floating_point():
+            kind = wanted if wanted is not None else "a floating-point dtype"
+            raise ValueError(f"input '{name}': expected {expected} ({kind}), got {given}")
+        if batch is None:
+            batch = (name, value.shape[0])
+        elif value.shape[0] != batch[1]:
+            raise ValueError(
+                f"input '{name}': batch size {value.shape[0]} differs from "
+                f"'{batch[0]}' ({batch[1]})"
+            )
+    if batch is not None and batch[1] == 0:
+        raise ValueError(f"input '{batch[0]}': the batch is empty")
 
 
 # ---------------------------------------------------------------- stash accounting

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from unroller.runtime.gpu import add_layer, stash, stash_raw, stash_report, tensors
+from unroller.runtime.gpu import add_layer, check_inputs, stash, stash_raw, stash_report, tensors
 
 # fmt: off
 __all__ = [
@@ -90,7 +90,7 @@ __all__ = [
     "bce_loss", "bce_loss_backward",
     "bce_with_logits", "bce_with_logits_backward",
     "unsupported",
-    "add_layer", "tensors", "stash", "stash_raw", "stash_report",
+    "add_layer", "tensors", "stash", "stash_raw", "stash_report", "check_inputs",
 ]
 # fmt: on
 
