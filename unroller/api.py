@@ -3,14 +3,24 @@
 ``load_graph`` reads and checks a model file; ``generate_source`` returns the text of
 the generated module; ``write_atomic`` replaces an output file only once the new text
 is complete, so a failed run never leaves a half-written file behind.
+
+Output and existing-file paths: ``output_target`` says where a write to a path lands (the
+path itself, or the regular file a symbolic link points to) and refuses folders, FIFOs,
+devices, sockets and dangling links; ``read_bounded`` reads a regular file only, at most
+``MAX_READ_BYTES``, and never blocks on a FIFO; ``stale_temps`` finds the temporary files
+(``.NAME.unroller-tmp-PID-RANDOM``) an interrupted write left behind.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import secrets
+import stat
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -30,15 +40,155 @@ def source_label(path: str | Path) -> str:
     return resolved.as_posix()
 
 
+MAX_READ_BYTES = 64 * 1024 * 1024  # the most read from a model, config or existing output file
+TEMP_MARK = ".unroller-tmp-"  # write_atomic's temporary files: .NAME.unroller-tmp-PID-RANDOM
+STALE_TEMP_SECONDS = 600  # a temporary file this old (or its writer gone) is stale
+
+
+class PathError(OSError):
+    """A path that is not what it must be (a folder, FIFO, device, dangling link, too big)."""
+
+
+def file_kind(mode: int) -> str:
+    """What a stat mode is, for messages: 'a folder', 'a named pipe (FIFO)', ..."""
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_limited(handle, limit: int, what: str) -> bytes:
+    """At most ``limit`` bytes from a binary stream; PathError beyond that."""
+    data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise PathError(f"{what} is larger than {limit // 2**20} MiB")
+    return data
+
+
 def read_model_text(path: str | Path) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as handle:
+            data = read_limited(handle, MAX_READ_BYTES, "the model file")
+        return data.decode("utf-8")
     except FileNotFoundError:
         raise ModelError(f"no such model file: {path}") from None
     except UnicodeDecodeError as exc:
         raise ModelError(f"the model file is not UTF-8 text ({exc.reason})") from None
+    except PathError as exc:
+        raise ModelError(str(exc)) from None
     except OSError as exc:
         raise ModelError(f"cannot read the model file: {exc.strerror}") from None
+
+
+def read_bounded(path: str | Path, limit: int = MAX_READ_BYTES) -> bytes:
+    """The bytes of the regular file at ``path`` (a symbolic link is followed), at most
+    ``limit`` of them. Anything else (folder, FIFO, device, socket, a bigger file) raises
+    PathError without being read: a FIFO never blocks, /dev/zero is never read."""
+    path = Path(path)
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise PathError(f"{path} is {file_kind(mode)}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(fd).st_mode  # the file opened, should it have changed meanwhile
+        if not stat.S_ISREG(mode):
+            raise PathError(f"{path} is {file_kind(mode)}, not a regular file")
+        return read_limited(handle, limit, str(path))
+
+
+def output_target(path: str | Path) -> Path:
+    """Where a write to ``path`` lands: ``path`` itself (existing or not), or, for a
+    symbolic link, the regular file it finally points to (so the link survives the write).
+    PathError for a folder, FIFO, device, socket, a dangling link or a link loop."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # new (or its folder is not a folder)
+        return path
+    if stat.S_ISLNK(mode):
+        real = Path(os.path.realpath(path))
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise PathError(
+                f"{path} is a symbolic link to {real}, which does not exist "
+                "(a link is followed only to an existing regular file)"
+            ) from None
+        except OSError as exc:
+            raise PathError(
+                f"{path} is a symbolic link that cannot be followed ({exc.strerror})"
+            ) from None
+        if stat.S_ISDIR(mode):
+            raise PathError(f"{path} is a symbolic link to the folder {real}")
+        if not stat.S_ISREG(mode):
+            raise PathError(
+                f"{path} is a symbolic link to {real}, which is {file_kind(mode)}, "
+                "not a regular file"
+            )
+        return real
+    if stat.S_ISDIR(mode):
+        raise PathError(f"{path} is a folder")
+    if not stat.S_ISREG(mode):
+        raise PathError(f"{path} is {file_kind(mode)}, not a regular file")
+    return path
+
+
+def temp_path(target: Path) -> Path:
+    """A fresh, recognisable temporary name beside ``target``."""
+    return target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+_TEMP_RE = re.compile(r"^\.(?P<name>.+?)(?:" + re.escape(TEMP_MARK) + r"(?P<pid>\d+)-[0-9a-f]+)$")
+_OLD_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")  # older: mkstemp's names
+
+
+def _running_here(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError, ValueError):  # someone else's process, or unknowable
+        return True
+    return True
+
+
+def stale_temps(
+    directory: str | Path, name: str | None = None, max_age: float = STALE_TEMP_SECONDS
+) -> list[Path]:
+    """write_atomic's temporary files in ``directory`` (for the target ``name``, or any)
+    left behind by an interrupted write: older than ``max_age`` seconds, or written by a
+    process no longer running on this machine more than a minute ago."""
+    found = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for entry in entries:
+        match = _TEMP_RE.match(entry.name) or _OLD_TEMP_RE.match(entry.name)
+        if not match or (name is not None and match["name"] != name):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            continue
+        age = now - info.st_mtime
+        pid = match.groupdict().get("pid")
+        gone = pid is not None and int(pid) != os.getpid() and not _running_here(int(pid))
+        gone = gone and age > 60
+        if age > max_age or gone:
+            found.append(Path(directory) / entry.name)
+    return sorted(found)
 
 
 def at_resolution(model: ModelAST, resolution: int) -> ModelAST:
@@ -84,22 +234,60 @@ def generate_from_text(source: str, options: Options | None = None, label: str =
     return render(graph_from_text(source, label, options.resolution), label, options)
 
 
-def write_atomic(path: str | Path, text: str | bytes) -> None:
+def write_atomic(path: str | Path, text: str | bytes, *, parents: bool = True) -> Path:
     """Write ``text`` (UTF-8, ``\\n`` line ends) or bytes to ``path`` through a temporary
-    file and a rename, so a reader or a crash never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    file and a rename, so a reader or a crash never sees half a file; returns the file
+    written.
+
+    A symbolic link is followed to the existing regular file it points to, which is
+    replaced (the link stays a link); a folder, FIFO, device, socket or dangling link
+    raises PathError and nothing is written. ``parents=False``: a missing folder is an
+    error (FileNotFoundError) instead of being created. The temporary file,
+    ``.NAME.unroller-tmp-PID-RANDOM`` beside the target, is removed on any failure,
+    KeyboardInterrupt included; the new file keeps the mode of the one it replaces."""
+    target = output_target(path)
+    if parents:
+        target.parent.mkdir(parents=True, exist_ok=True)
     data = text.encode("utf-8") if isinstance(text, str) else text
+    tmp = temp_path(target)
+    done = False
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         with os.fdopen(fd, "wb") as handle:
+            try:
+                os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
+            except FileNotFoundError:
+                pass
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        try:
+            mode = os.lstat(target).st_mode
+        except FileNotFoundError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):  # swapped for a FIFO, link or folder meanwhile
+            raise PathError(f"{target} is no longer a regular file")
+        os.replace(tmp, target)
+        done = True
+    finally:
+        if not done:
+            tmp.unlink(missing_ok=True)
+    _sync_folder(target.parent)
+    return target
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the rename durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def import_generated(path: str | Path, name: str | None = None) -> ModuleType:
