@@ -5,6 +5,12 @@ against the operator registry, infers shapes and dtypes, sizes parameters and
 buffers, and records consumers (fan-out), which values need a gradient and which
 nodes need a backward step. Statement order is a topological order, because a name
 must be defined before it is used and is assigned once.
+
+Sizes are bounded so that nothing the generated module builds can ask for terabytes:
+every dim of every tensor (declared, inferred, parameter) is at most ``shapes.MAX_DIM``,
+every tensor holds at most ``shapes.MAX_ELEMENTS`` elements per sample, all parameters
+together at most ``MAX_PARAMETERS``; block calls nest at most ``MAX_BLOCK_DEPTH`` deep and
+a model inlines to at most ``MAX_NODES`` operator calls.
 """
 
 from __future__ import annotations
@@ -18,9 +24,24 @@ from unroller import shapes
 from unroller.ast import Block, BlockParam, Call, Const, Expr, Loc, ModelAST, Ref, TupleExpr
 from unroller.errors import ModelError, ModelWarning, did_you_mean
 from unroller.registry import ArgSpec, OpSpec, eval_expr, load_registry
-from unroller.shapes import FLOAT_DTYPES, ShapeError, TensorType
+from unroller.shapes import (
+    FLOAT_DTYPES,
+    MAX_DIM,
+    ShapeError,
+    TensorType,
+    size_problem,
+)
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4, "bool": 1}
+
+#: How deeply block calls may nest (a block calling a block calling a block ...).
+MAX_BLOCK_DEPTH = 32
+#: The most operator calls a model may inline to (code generation takes a few ms each).
+MAX_NODES = 10_000
+#: The most parameter and buffer elements a model may have, all together.
+MAX_PARAMETERS = 2**34
+#: The largest magnitude of a float argument (the float32 range: kernels take float32).
+MAX_FLOAT = 3.4e38
 
 
 @dataclass(eq=False)
@@ -180,6 +201,7 @@ class GraphBuilder:
         self.nodes: list[Node] = []
         self.all_names: dict[str, Loc] = {}
         self.warnings: list[ModelWarning] = []
+        self.parameter_elements = 0
 
     # -- entry point -------------------------------------------------------------------
 
@@ -187,7 +209,18 @@ class GraphBuilder:
         model = self.model
         inputs: list[Value] = []
         scope = _Scope({}, {}, set(), {}, "", (), ())
+        first_float = next((d for d in model.decls if d.dtype in FLOAT_DTYPES), None)
         for decl in model.decls:
+            if first_float and decl.dtype in FLOAT_DTYPES and decl.dtype != first_float.dtype:
+                raise ModelError(
+                    f"{decl.kind} '{decl.name}' is {decl.dtype} but {first_float.kind} "
+                    f"'{first_float.name}' (line {first_float.loc.line}) is {first_float.dtype}: "
+                    "every floating-point input and target has the same dtype",
+                    decl.dtype_loc,
+                )
+            problem = size_problem(tuple(decl.dims))
+            if problem:
+                raise ModelError(f"{decl.kind} '{decl.name}' is too large: {problem}", decl.loc)
             value = Value(decl.name, TensorType(decl.dtype, tuple(decl.dims)), decl.loc)
             value.kind = decl.kind
             self._define(scope, decl.name, value, decl.loc)
@@ -257,6 +290,12 @@ class GraphBuilder:
             raise ModelError(
                 f"'{expr.name}' is a tensor value; keyword arguments take constants", expr.loc
             )
+        if expr.name.lower() in ("nan", "inf", "infinity"):
+            raise ModelError(
+                f"undefined constant '{expr.name}': there is no NaN or infinity literal; "
+                "keyword values are finite numbers",
+                expr.loc,
+            )
         hint = did_you_mean(expr.name, scope.consts)
         raise ModelError(
             f"undefined constant '{expr.name}'{hint}: keyword values are numbers, true/false, "
@@ -290,18 +329,36 @@ class GraphBuilder:
                 f"({', '.join(op.inputs)}), got {len(stmt.args)}",
                 stmt.args[len(op.inputs)].loc if len(stmt.args) > len(op.inputs) else stmt.op_loc,
             )
+        if len(self.nodes) >= MAX_NODES:
+            raise ModelError(
+                f"the model has more than {MAX_NODES:,} operator calls once blocks are "
+                f"inlined (here: '{full_name}')",
+                stmt.op_loc,
+            )
         inputs = [self._lookup(scope, ref) for ref in stmt.args]
         given = self._kwargs(stmt, scope)
         args = self._check_args(op, stmt, given)
         try:
             result = shapes.rule(op.shape)(op.name, [v.type for v in inputs], args)
         except ShapeError as exc:
-            loc = stmt.op_loc
+            loc, hint = stmt.op_loc, None
             if exc.input_index is not None and exc.input_index < len(stmt.args):
                 loc = stmt.args[exc.input_index].loc
+                culprit = inputs[exc.input_index]
+                if culprit.kind in ("input", "target"):
+                    hint = (
+                        f"{culprit.kind} '{culprit.name}' is declared {culprit.type} at line "
+                        f"{culprit.loc.line}"
+                    )
             elif exc.arg is not None:
                 loc = next((kw.loc for kw in stmt.kwargs if kw.name == exc.arg), loc)
-            raise ModelError(f"{full_name}: {exc.message}", loc) from None
+            raise ModelError(f"{full_name}: {exc.message}", loc, hint) from None
+        problem = size_problem(result.type.shape)
+        if problem:
+            raise ModelError(
+                f"{full_name}: the output of {op.name} would be {result.type}: {problem}",
+                stmt.op_loc,
+            )
         env = {**args, **result.derived}
         float_dtype = next(
             (v.type.dtype for v in inputs if v.type.dtype in FLOAT_DTYPES), result.type.dtype
@@ -320,6 +377,23 @@ class GraphBuilder:
                 for spec in specs
             ]
 
+        params, buffers = tensors(op.params, True), tensors(op.buffers, False)
+        for tensor in params + buffers:
+            problem = size_problem(tensor.shape)
+            if problem:
+                raise ModelError(
+                    f"{full_name}: {op.name}'s {tensor.name} would be "
+                    f"[{', '.join(map(str, tensor.shape))}]: {problem}",
+                    stmt.op_loc,
+                )
+            self.parameter_elements += math.prod(tensor.shape) if tensor.present else 0
+        if self.parameter_elements > MAX_PARAMETERS:
+            raise ModelError(
+                f"{full_name}: the model's parameters and buffers reach "
+                f"{self.parameter_elements:,} elements, more than the limit of "
+                f"{MAX_PARAMETERS:,} (2**34)",
+                stmt.op_loc,
+            )
         extras = []
         input_types = dict(zip(op.input_names(len(inputs)), (v.type for v in inputs)))
         for extra in op.extras:
@@ -341,8 +415,8 @@ class GraphBuilder:
             args=args,
             derived=result.derived,
             output=value,
-            params=tensors(op.params, True),
-            buffers=tensors(op.buffers, False),
+            params=params,
+            buffers=buffers,
             extras=extras,
             loc=stmt.loc,
             text=f"{full_name} = {op.name}({', '.join(args_text + kw_text)})",
@@ -394,9 +468,15 @@ class GraphBuilder:
     def _block_call(self, stmt: Call, scope: _Scope) -> Value:
         block = self.blocks[stmt.op]
         if block.name in scope.stack:
-            chain = " -> ".join((*scope.stack, block.name))
+            chain = _chain((*scope.stack, block.name))
             raise ModelError(
                 f"recursive block call ({chain}); blocks cannot call themselves", stmt.op_loc
+            )
+        if len(scope.stack) >= MAX_BLOCK_DEPTH:
+            raise ModelError(
+                f"block calls nested more than {MAX_BLOCK_DEPTH} deep "
+                f"({_chain((*scope.stack, block.name))})",
+                stmt.op_loc,
             )
         params: tuple[BlockParam, ...] = block.params
         if len(stmt.args) > len(params):
@@ -500,6 +580,15 @@ class GraphBuilder:
                 )
 
 
+def _chain(names: tuple[str, ...], limit: int = 8) -> str:
+    """``a -> b -> c``, with the middle of a long chain left out."""
+    if len(names) > limit:
+        half = limit // 2
+        skipped = len(names) - 2 * half
+        names = (*names[:half], f"... {skipped} more ...", *names[-half:])
+    return " -> ".join(names)
+
+
 def _target_behind(value: Value) -> Value | None:
     """A target that ``value`` is computed from (the first found), or None."""
     stack, seen = [value], set()
@@ -516,12 +605,22 @@ def _target_behind(value: Value) -> Value | None:
 
 
 def _is_loss(value: Value) -> bool:
-    node = value.producer
-    if node is None or value.type.shape != ():
-        return False
-    if node.op.is_loss:
-        return True
-    return node.op.name in ("add", "mul") and all(_is_loss(v) for v in node.inputs)
+    """Made by a loss op, or by add/mul of such values (walked without recursion)."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        node = v.producer
+        if node is None or v.type.shape != ():
+            return False
+        if node.op.is_loss:
+            continue
+        if node.op.name not in ("add", "mul"):
+            return False
+        stack.extend(node.inputs)
+    return True
 
 
 # -- argument validation -------------------------------------------------------------------
@@ -562,6 +661,12 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
             raise bad(f" >= {spec.min}")
         if spec.max is not None and v > spec.max:
             raise bad(f" <= {spec.max}")
+        # Whatever the registry says, no kernel takes an integer beyond int32 or a float
+        # beyond float32 (torch refuses to convert it at run time).
+        if is_int(v) and abs(v) > MAX_DIM:
+            raise bad(f" (at most {MAX_DIM:,} in magnitude)")
+        if isinstance(v, float) and abs(v) > MAX_FLOAT:
+            raise bad(f" (at most {MAX_FLOAT:g} in magnitude)")
 
     if spec.type == "int":
         if not is_int(value):
@@ -597,6 +702,8 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
         items = (value,) if is_int(value) else value
         if not isinstance(items, tuple) or not items or not all(is_int(v) for v in items):
             raise bad()
+        for v in items:
+            bounded(v)
         return tuple(items)
     raise AssertionError(spec.type)
 

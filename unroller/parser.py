@@ -8,13 +8,19 @@ and shapes are not resolved here: that is the graph builder's job.
 
 Every problem is raised as a ``ModelError`` with the location of the offending text;
 Lark's exceptions never escape, and its internal terminal names never reach a message.
+Hostile text is refused before it can cost much: a file over ``MAX_SOURCE_BYTES``, a
+byte that is not UTF-8, a control or bidirectional-override character, an integer that
+does not fit in 64 bits (checked by its length before any conversion), a float that
+overflows or underflows, and tuples nested deeper than ``MAX_TUPLE_DEPTH``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import re
+import stat
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
@@ -38,14 +44,40 @@ from unroller.ast import (
 )
 from unroller.errors import ModelError, closest
 from unroller.resources import resource_dir
+from unroller.shapes import MAX_DIM
 
-__all__ = ["DTYPES", "parse", "parse_file"]
+__all__ = [
+    "DTYPES",
+    "MAX_INT",
+    "MAX_SOURCE_BYTES",
+    "MAX_TUPLE_DEPTH",
+    "parse",
+    "parse_file",
+    "read_source",
+]
 
 #: The dtypes a declaration may use, in the order error messages list them.
 DTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "f64", "i64", "i32")
 
+#: The largest model file (and model text) accepted, in bytes (characters for text).
+MAX_SOURCE_BYTES = 4 * 1024 * 1024
+#: The largest integer literal: every integer must fit in a signed 64-bit integer.
+MAX_INT = 2**63 - 1
+#: How deeply tuples may nest in a keyword value (no operator takes a nested tuple).
+MAX_TUPLE_DEPTH = 16
+
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _INTEGER = re.compile(r"(0|[1-9][0-9]*)\Z")
+_BOM = "\ufeff"
+# Characters refused anywhere in a model file, even in comments and strings: C0 and C1
+# controls other than tab, line feed, carriage return and form feed; DEL; line and
+# paragraph separators; the bidirectional controls that can make text display in an
+# order other than the one it is read in ("Trojan Source"); lone surrogates.
+_FORBIDDEN = re.compile(
+    "[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
+    "\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,7 +93,12 @@ def _lark() -> Lark:
 
 
 def parse(source: str, filename: str = "<string>") -> ModelAST:
-    """Parse the text of a model file; raise ``ModelError`` on any mistake in it."""
+    """Parse the text of a model file; raise ``ModelError`` on any mistake in it.
+
+    A leading byte-order mark is ignored (columns count from after it)."""
+    if source.startswith(_BOM):
+        source = source[1:]
+    _check_text(source)
     try:
         tree = _lark().parse(source)
     except UnexpectedInput as exc:
@@ -72,25 +109,104 @@ def parse(source: str, filename: str = "<string>") -> ModelAST:
     return model
 
 
-def parse_file(path: str | Path) -> ModelAST:
-    """Read a UTF-8 model file (a leading byte-order mark is ignored) and parse it."""
+def read_source(path: str | Path) -> str:
+    """The text of a model file: a regular file of at most ``MAX_SOURCE_BYTES`` bytes of
+    UTF-8 (a leading byte-order mark is dropped). A file that is missing, not a regular
+    file (a directory, a FIFO, a device: reading one could block or never end), too large
+    or not UTF-8 is a ``ModelError``; a bad byte is reported at its line and column."""
     path = Path(path)
-    data = path.read_bytes()
     try:
-        source = data.decode("utf-8-sig")
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ModelError(f"no such model file: {path}") from None
+    except OSError as exc:
+        raise ModelError(f"cannot read the model file: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ModelError(f"the model file is a directory, not a file: {path}")
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelError(f"the model file is not a regular file (a FIFO, socket or device): {path}")
+    if info.st_size > MAX_SOURCE_BYTES:
+        raise ModelError(_too_large(info.st_size))
+    try:
+        # O_NONBLOCK: should the path be swapped for a FIFO after the check, open() and
+        # read() return at once instead of waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ModelError(f"the model file is not a regular file: {path}")
+            with os.fdopen(fd, "rb", closefd=False) as handle:
+                data = handle.read(MAX_SOURCE_BYTES + 1)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ModelError(f"cannot read the model file: {exc.strerror or exc}") from None
+    if len(data) > MAX_SOURCE_BYTES:
+        raise ModelError(_too_large(len(data)))
+    try:
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise _decode_error(data, exc) from None
-    return parse(source, filename=str(path))
+
+
+def parse_file(path: str | Path) -> ModelAST:
+    """Read a UTF-8 model file (a leading byte-order mark is ignored) and parse it."""
+    return parse(read_source(path), filename=str(path))
+
+
+def _too_large(size: int) -> str:
+    return (
+        f"the model file is too large ({size:,} bytes; the limit is "
+        f"{MAX_SOURCE_BYTES // (1024 * 1024)} MiB)"
+    )
 
 
 def _decode_error(data: bytes, exc: UnicodeDecodeError) -> ModelError:
-    before = data[: exc.start]
+    start = exc.start
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]  # utf-8-sig counts from after the byte-order mark
+        start -= 3
+    before = data[:start]
     line = before.count(b"\n") + 1
     line_start = before.rfind(b"\n") + 1
     col = len(before[line_start:].decode("utf-8", errors="replace")) + 1
     return ModelError(
-        f"the file is not valid UTF-8 (byte 0x{data[exc.start]:02x})", Loc(line, col, 1)
+        f"the file is not valid UTF-8 (byte 0x{data[start]:02x})",
+        Loc(line, col, 1),
+        "save the file as UTF-8",
     )
+
+
+def _loc_at(source: str, pos: int, length: int = 1) -> Loc:
+    """The line and column of the character at ``pos``."""
+    line = source.count("\n", 0, pos) + 1
+    return Loc(line, pos - (source.rfind("\n", 0, pos) + 1) + 1, length)
+
+
+def _check_text(source: str) -> None:
+    """Refuse text too large to parse, and characters no model file may hold."""
+    if len(source) > MAX_SOURCE_BYTES:
+        raise ModelError(
+            f"the model text is too large ({len(source):,} characters; the limit is "
+            f"{MAX_SOURCE_BYTES:,})",
+            _loc_at(source, MAX_SOURCE_BYTES),
+        )
+    bad = _FORBIDDEN.search(source)
+    if bad is None:
+        return
+    ch = bad.group()
+    code = f"U+{ord(ch):04X}"
+    if ch in _BIDI:
+        what = (
+            f"bidirectional control character {code} (it can make the text display in "
+            "another order than it is read)"
+        )
+    elif ch in "\u2028\u2029":
+        what = f"line or paragraph separator {code} (end lines with a line feed)"
+    elif 0xD800 <= ord(ch) <= 0xDFFF:
+        what = f"lone surrogate {code} (not a character)"
+    else:
+        what = f"control character {code}"
+    raise ModelError(f"{what} is not allowed in a model file", _loc_at(source, bad.start()))
 
 
 # --------------------------------------------------------------------------------------
@@ -316,6 +432,34 @@ def _syntax_error(exc: UnexpectedInput, source: str) -> ModelError:
 
 def _tok_loc(tok: Token) -> Loc:
     return Loc(tok.line, tok.column, max(1, len(tok.value)))
+
+
+def _int_token(tok: Token) -> int:
+    """The value of an INT token, which must fit in a signed 64-bit integer. The digits
+    are counted before any conversion, so a 5,000-digit literal costs nothing."""
+    sign = "-" if tok.value.startswith("-") else ""
+    digits = tok.value.lstrip("+-").lstrip("0")
+    if len(digits) > len(str(MAX_INT)) or abs(number := int(sign + (digits or "0"))) > MAX_INT:
+        shown = tok.value if len(tok.value) <= 24 else f"{tok.value[:12]}...({len(digits)} digits)"
+        raise ModelError(
+            f"integer {shown} is too large (an integer must fit in 64 bits: at most "
+            f"{MAX_INT:,} in magnitude)",
+            _tok_loc(tok),
+        )
+    return number
+
+
+def _float_token(tok: Token) -> float:
+    """The value of a FLOAT token: finite, and not a nonzero literal that rounds to 0."""
+    shown = _short(tok.value)
+    number = float(tok.value)
+    if not math.isfinite(number):
+        raise ModelError(f"number '{shown}' is too large for a float", _tok_loc(tok))
+    if number == 0 and any(c in "123456789" for c in tok.value.lower().partition("e")[0]):
+        raise ModelError(
+            f"number '{shown}' is too small for a float (it would round to 0)", _tok_loc(tok)
+        )
+    return number
 
 
 def _tree_loc(tree: Tree) -> Loc:
@@ -557,8 +701,12 @@ class _Builder:
                         _tok_loc(tok),
                     )
                 dims.append("N")
-            elif tok.type == "INT" and int(tok.value) > 0:
-                dims.append(int(tok.value))
+            elif tok.type == "INT" and (size := _int_token(tok)) > 0:
+                if size > MAX_DIM:
+                    raise ModelError(
+                        f"dim {size} is too large (a dim is at most {MAX_DIM:,})", _tok_loc(tok)
+                    )
+                dims.append(size)
             elif tok.value == "N":
                 raise ModelError(
                     "only the first dim is N; the other dims must be positive integers",
@@ -659,16 +807,13 @@ class _Builder:
 
     # ---- keyword values ------------------------------------------------------------------
 
-    def value(self, node: Tree | Token) -> Expr:
+    def value(self, node: Tree | Token, depth: int = 0) -> Expr:
         if isinstance(node, Token):
             loc = _tok_loc(node)
             if node.type == "INT":
-                return Const(int(node.value), loc)
+                return Const(_int_token(node), loc)
             if node.type == "FLOAT":
-                number = float(node.value)
-                if not math.isfinite(number):
-                    raise ModelError(f"number '{node}' is too large for a float", loc)
-                return Const(number, loc)
+                return Const(_float_token(node), loc)
             if node.type == "STRING":
                 return Const(_decode_string(node), loc)
             if node.type in ("TRUE", "FALSE"):
@@ -689,7 +834,13 @@ class _Builder:
                 "parentheses around a single value: write (v,) for a 1-tuple, or drop them",
                 loc,
             )
-        items = tuple(self.value(child) for child in node.children[1:])
+        if depth >= MAX_TUPLE_DEPTH:
+            raise ModelError(
+                f"tuples nested more than {MAX_TUPLE_DEPTH} deep (no argument takes a "
+                "nested tuple)",
+                Loc(loc.line, loc.col, 1),
+            )
+        items = tuple(self.value(child, depth + 1) for child in node.children[1:])
         if all(isinstance(item, Const) for item in items):
             return Const(tuple(item.value for item in items), loc)
         return TupleExpr(items, loc)

@@ -20,6 +20,12 @@ INT_DTYPES = ("i64", "i32")
 DTYPES = FLOAT_DTYPES + INT_DTYPES
 BATCH = "N"
 
+#: The largest size of any dim of any tensor, and the largest integer argument.
+MAX_DIM = 2**31 - 1
+#: The most elements one sample of any tensor, or one parameter or buffer, may have
+#: (64 GiB in f32: more than any accelerator holds with room for the backward pass).
+MAX_ELEMENTS = 2**34
+
 Dim = int | str
 
 
@@ -56,6 +62,18 @@ class ShapeError(Exception):
 
 
 Rule = Callable[[str, list[TensorType], dict[str, Any]], ShapeResult]
+
+
+def size_problem(shape: tuple[Dim, ...]) -> str | None:
+    """Why a shape (the batch dim counted as 1) is too large to allocate, or None."""
+    for d in shape:
+        if d != BATCH and not 1 <= d <= MAX_DIM:  # type: ignore[operator]
+            return f"dim {d} is out of range (a dim is 1 to {MAX_DIM:,})"
+    numel = math.prod(1 if d == BATCH else d for d in shape)  # type: ignore[misc]
+    if numel > MAX_ELEMENTS:
+        per = " per sample" if BATCH in shape else ""
+        return f"{numel:,} elements{per}, more than the limit of {MAX_ELEMENTS:,} (2**34)"
+    return None
 
 
 def _float(op: str, t: TensorType, index: int = 0) -> None:
@@ -279,7 +297,7 @@ def cross_entropy(op: str, inputs: list[TensorType], args: dict[str, Any]) -> Sh
     logits, target = inputs
     _float(op, logits, 0)
     _rank(op, logits, 2, "of logits [N, C]", 0)
-    if target.dtype not in INT_DTYPES or target.shape != (BATCH,):
+    if target.dtype != "i64" or target.shape != (BATCH,):
         raise ShapeError(f"{op} needs class indices i64[N] as its target, got {target}", 1)
     return ShapeResult(TensorType(logits.dtype, ()))
 
@@ -290,6 +308,8 @@ def pair_loss(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeR
     _float(op, b, 1)
     if a.shape != b.shape:
         raise ShapeError(f"{op} needs two tensors of the same shape, got {a} and {b}", 1)
+    if a.dtype != b.dtype:
+        raise ShapeError(f"{op} needs two tensors of the same dtype, got {a} and {b}", 1)
     return ShapeResult(TensorType(a.dtype, ()))
 
 
