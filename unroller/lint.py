@@ -67,8 +67,8 @@ linted module's folder first on ``sys.path``, as when it runs as a script; the f
   names in it (``K2.clip``, ``getattr(K2, "clip")``, ``from X import clip``) counts, with
   what that uses, transitively, as for names imported from the package; a module used other
   than through a constant attribute (passed around, ``getattr`` with a variable) counts whole;
-* ``torch``, the standard library and installed third-party libraries (``numpy``,
-  ``poptorch``) are not followed.
+* ``torch``, ``poptorch`` (installed or not), the standard library and installed
+  third-party libraries (``numpy``) are not followed.
 
 A followed module that cannot be found, is not a Python source file (a compiled extension),
 cannot be read or parsed, is not a regular file, is larger than ``MAX_SOURCE_BYTES`` or is not
@@ -583,7 +583,9 @@ class _ModuleScanner:
         self.is_package = is_package
         self.ops = ops
         self.roots = roots
-        self.resolve = resolve or (lambda module: _find_in_roots(module, roots))
+        self.resolve = resolve or (
+            lambda m: _find_in_roots(m, roots) if m.split(".")[0] in roots else _Found(_LIBRARY)
+        )
         self.lines = re.split(r"\r\n|\r|\n", source)
         self.calls: list[LintCall] = []
         self.host_only: list[HostOnly] = []
@@ -672,9 +674,6 @@ class _ModuleScanner:
         if self._qual(func) == "importlib.import_module":
             return name
         return None
-
-    def _in_roots(self, module: str) -> bool:
-        return module.split(".")[0] in self.roots
 
     def _collect_aliases(self, nodes: list[ast.AST]) -> None:
         assigns: list[ast.Assign | ast.AnnAssign] = []
@@ -1028,7 +1027,23 @@ class _ModuleScanner:
                 and not self._type_test(node)
             ):
                 return
-        elif obj is _UNKNOWN or isinstance(obj, type(torch)) or not callable(obj):
+        elif isinstance(obj, type(torch)):
+            if isinstance(parent, (ast.Assign, ast.AnnAssign)) and all(
+                isinstance(t, ast.Name)
+                for t in (parent.targets if isinstance(parent, ast.Assign) else [parent.target])
+            ):
+                return  # `F2 = torch.nn.functional`: an alias, followed like an import
+            self._add(
+                node,
+                q,
+                DYNAMIC,
+                True,
+                "a torch module used as a value: what is called through it elsewhere cannot "
+                "be checked",
+                warning=True,
+            )
+            return
+        elif obj is _UNKNOWN or not callable(obj):
             return
         self._check_reference(node, kind, short)
 
@@ -1513,6 +1528,11 @@ def _module_name(path: Path, roots: dict[str, Path]) -> tuple[str | None, bool]:
     return None, False
 
 
+# Never followed, installed or not: torch itself, and the IPU software stack (absent where
+# the IPU code is only generated and linted; what it does is not a torch call).
+_NOT_FOLLOWED = frozenset({"torch", "poptorch", "popart", "poplar"})
+
+
 def _find_in_roots(module: str, roots: dict[str, Path]) -> _Found:
     path = _module_file(module, roots)
     if path is None:
@@ -1600,7 +1620,7 @@ class _Resolver:
         top = module.split(".")[0]
         if top in self.roots:
             return _find_in_roots(module, self.roots)
-        if top == "torch":
+        if top in _NOT_FOLLOWED:
             return _Found(_LIBRARY, module=module)
         try:
             spec = self._spec(module, base)
@@ -1753,9 +1773,10 @@ class _Linter:
             self.entries.add(path)
             if path not in self.module:
                 name, is_package = _module_name(path, self.roots)
-                base = path.parent
                 if name is None:
                     name, is_package, base = _entry_module(path)
+                else:  # a package module: imported from the folder above its package
+                    base = self.roots[name.split(".")[0]].resolve().parent
                 self.module[path], self.base[path] = (name, is_package), base
         sources: dict[Path, str | _Unreadable] = {}
         problems: list[LintCall] = []

@@ -440,21 +440,32 @@ def test_dynamic_calls_lint_cannot_resolve_are_reported(tmp_path):
                 d = x.erf
                 e = getattr(x, "erf")()
                 f = getattr(torch, name)(x)
-                return a, b, c, acts, d, e, f
+                g = run(torch.nn.functional, x)
+                T = torch.ops
+                F2 = torch.nn.functional
+                return a, b, c, acts, d, e, f, g, T, F2.gelu(x)
             """),
         encoding="utf-8",
     )
     report = lint_module(path, "ipu")
     errors = [(c.line, c.name) for c in report.errors]
     warnings = [(c.line, c.name) for c in report.warnings]
-    assert errors == [(11, "torch.erf"), (14, "getattr(torch, name)")]
+    assert errors == [
+        (11, "torch.erf"),
+        (14, "getattr(torch, name)"),
+        (16, "torch.ops"),
+        (18, "torch.ops"),  # every use of a torch.ops object
+    ]
     assert warnings == [
         (8, "getattr(x, name)"),
         (9, "importlib.import_module(mod)"),
         (10, "__import__(mod)"),
         (12, "Tensor.erf"),
         (13, "Tensor.erf"),
+        (15, "torch.nn.functional"),  # a torch module passed on: calls through it unseen
     ]
+    ok = [(c.line, c.name) for c in report.calls if c.severity == "ok"]
+    assert ok == [(11, "torch.nn.functional.gelu"), (18, "torch.nn.functional.gelu")]
 
 
 def test_the_kernel_module_is_found_where_python_would_find_it(user_op, monkeypatch):
@@ -473,6 +484,38 @@ def test_the_kernel_module_is_found_where_python_would_find_it(user_op, monkeypa
     monkeypatch.delenv("UNROLLER_OPS")
     report = lint_module(op.generated, "ipu")
     assert [(c.kind, c.name) for c in report.errors] == [("import", op.name)]
+
+
+def test_a_kernel_package_with_relative_imports(tmp_path, monkeypatch):
+    """kernels.ipu = "pkg.ipu": ``from . import helpers as H`` and ``from .impl import f``
+    resolve inside the user package; what they reach is checked."""
+    pkg_name = f"adv_pkg_{os.getpid()}"
+    ops = tmp_path / "ops"
+    pkg = ops / pkg_name
+    (pkg / "impl").mkdir(parents=True)
+    (ops / "registry.toml").write_text(
+        REGISTRY.replace("KERNELS", f"{pkg_name}.ipu"), encoding="utf-8"
+    )
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ipu.py").write_text(
+        "from . import helpers as H\nfrom .impl import deep\n\n\n"
+        "def clip(x):\n    return H.clamp(x) + deep(x)\n" + BACKWARD
+    )
+    (pkg / "helpers.py").write_text("import torch\n\n\ndef clamp(x):\n    return torch.erf(x)\n")
+    (pkg / "impl" / "__init__.py").write_text("from ..helpers import clamp as deep\n")
+    monkeypatch.setenv("UNROLLER_OPS", str(ops / "registry.toml"))
+    monkeypatch.syspath_prepend(str(ops))
+    try:
+        text = generate_from_text(MODEL, Options(platform="ipu"), label="adv.txt")
+    finally:
+        for name in [m for m in sys.modules if m.startswith(pkg_name)]:
+            del sys.modules[name]
+    generated = write_atomic(tmp_path / "gen" / "adv_ipu.py", text)
+    report = lint_module(generated, "ipu")
+    [error] = report.errors
+    assert (error.file, error.line, error.name) == ((pkg / "helpers.py").resolve(), 5, "torch.erf")
+    assert chain_names(error) == ["K2.clip", "H.clamp"]
+    assert report.partial[(pkg / "impl" / "__init__.py").resolve()] == ("deep",)
 
 
 def test_a_kernel_module_shared_by_many_generated_modules_is_read_once(
