@@ -213,6 +213,13 @@ def _verified_bytes(path: Path) -> bytes:
         data = path.read_bytes()
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({_one_line(exc)})") from None
+    check_digest(path, data)
+    return data
+
+
+def check_digest(path: Path, data: bytes) -> None:
+    """Refuse ``data`` (the bytes of the checkpoint ``path``) unless it ends in the
+    SHA-256 of the bytes before it; says what it is otherwise."""
     if not data:
         raise CheckpointError(f"{path}: the checkpoint is empty (0 bytes)")
     trailer = data[-DIGEST_SIZE:]
@@ -223,7 +230,7 @@ def _verified_bytes(path: Path) -> bytes:
                 f"{path}: the checkpoint is corrupted: its SHA-256 does not match the one "
                 "recorded in it (the file was damaged or changed after it was written)"
             )
-        return data
+        return
     if not data.startswith(ZIP_START):
         raise CheckpointError(
             f"{path}: not an unroller training checkpoint (not a PyTorch archive)"
