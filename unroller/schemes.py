@@ -16,7 +16,18 @@ configs too; ``--compress-config FILE`` reads one from TOML:
     compressor = "quant"
     bits = 4
 
-Unknown keys, compressors or parameter values are errors that name the file's line.
+What a config may hold is checked before anything is built from it: ``compressor`` is an
+activation compressor (``dct``, ``quant``) or ``"none"`` (``bits``, the 1-bit mask codec, is
+``masks``'s business); ``op`` is an op of the registry; ``name`` is a glob of at most 200
+letters, digits, ``_ . * ? [ ] ! -``; ``min_size`` and integer parameters are at most
+2**16 in size; parameter values are booleans, integers, finite floats or short words, then
+checked by the compressor itself. The file is a regular UTF-8 file (a byte-order mark is
+allowed) of at most 1 MiB.
+
+Every problem is a ``ConfigError`` formatted like an error in a model file: ``FILE:LINE:COL:
+error: message``, then the source line and a caret under the offending key or value (TOML
+syntax errors and bytes that are not UTF-8 too); a file that cannot be read at all (missing,
+a directory, a FIFO, too big) is ``FILE: error: message``.
 """
 
 from __future__ import annotations
@@ -185,6 +196,12 @@ def _kind(value: Any) -> str:
     return "a date or time"
 
 
+def _position(line_starts: list[int], offset: int, length: int = 1) -> Loc:
+    """The ``Loc`` of a character offset, given the offsets at which lines start."""
+    line = bisect.bisect_right(line_starts, offset)
+    return Loc(line, offset - line_starts[line - 1] + 1, max(1, length))
+
+
 class _Locator:
     """Where the keys, values and table headers of a TOML document are.
 
@@ -200,16 +217,17 @@ class _Locator:
         self.keys: dict[tuple, tuple[int, int]] = {}
         self.values: dict[tuple, tuple[int, int]] = {}
         self.line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
+        self.complete = False  # whether the scan understood the whole document
         try:
             self._document()
+            self.complete = True
         except (ValueError, IndexError, KeyError, RecursionError, tomllib.TOMLDecodeError):
             pass  # a scanner bug costs precision, never the error itself
 
     # lookups -----------------------------------------------------------------------------
 
     def loc(self, offset: int, length: int = 1) -> Loc:
-        line = bisect.bisect_right(self.line_starts, offset)
-        return Loc(line, offset - self.line_starts[line - 1] + 1, max(1, length))
+        return _position(self.line_starts, offset, length)
 
     def key(self, path: tuple) -> Loc:
         """The key (or table header) at ``path``, else the closest enclosing one."""
@@ -239,6 +257,13 @@ class _Locator:
             else:
                 break
         return i
+
+    @staticmethod
+    def _progress(before: int, after: int) -> int:
+        """``after``, which must be past ``before`` (a scan that stands still is a bug)."""
+        if after <= before:
+            raise ValueError("the scan does not advance")
+        return after
 
     def _record(self, table: dict, path: tuple, span: tuple[int, int]) -> None:
         table.setdefault(path, span)
@@ -270,7 +295,7 @@ class _Locator:
                 prefix = path
                 i = j
             else:
-                i = self._pair(i, prefix)
+                i = self._progress(i, self._pair(i, prefix))
             i = self._skip(i)
 
     def _pair(self, i: int, prefix: tuple) -> int:
@@ -339,7 +364,7 @@ class _Locator:
         elif c == "[":
             end, index = self._skip(i + 1), 0
             while text[end] != "]":
-                end = self._skip(self._value(end, path + (index,)))
+                end = self._skip(self._progress(end, self._value(end, path + (index,))))
                 index += 1
                 if text[end] == ",":
                     end = self._skip(end + 1)
@@ -347,7 +372,7 @@ class _Locator:
         elif c == "{":
             end = self._skip(i + 1)
             while text[end] != "}":
-                end = self._skip(self._pair(end, path))
+                end = self._skip(self._progress(end, self._pair(end, path)))
                 if text[end] == ",":
                     end = self._skip(end + 1)
             end += 1
@@ -431,7 +456,9 @@ def _parse(text: str, label: str) -> dict[str, Any]:
 
     def near(pattern: str) -> Loc:
         found = re.search(pattern, text)
-        return _Locator(text).loc(found.start()) if found else Loc(1, 1)
+        if not found:
+            return Loc(1, 1)
+        return _position([0] + [m.end() for m in re.finditer("\n", text)], found.start())
 
     try:
         return tomllib.loads(text)
@@ -439,14 +466,18 @@ def _parse(text: str, label: str) -> dict[str, Any]:
         match = _TOML_POSITION.match(str(exc))
         message = match.group(1) if match else str(exc)
         message = f"invalid TOML: {message[:1].lower()}{message[1:]}"
+        lines = text.split("\n")
         if match and match.group(2):
             line, col = int(match.group(2)), int(match.group(3))
-            if message.startswith("invalid TOML: unescaped '\\'") and col > 2:
-                col -= 2  # tomllib points just past the bad escape
-            loc = Loc(line, col)
         else:  # at the end of the document: just after the last non-blank line
-            lines = text.rstrip().split("\n")
-            loc = Loc(len(lines), len(lines[-1]) + 1)
+            line = len(text.rstrip().split("\n"))
+            col = len(lines[line - 1]) + 1
+        if message.startswith("invalid TOML: unescaped '\\'") and col > 2:
+            col -= 2  # tomllib points just past the bad escape
+        elif message.startswith(("invalid TOML: cannot overwrite", "invalid TOML: cannot declare")):
+            if line <= len(lines):  # tomllib points at the line's end: show its key
+                col = len(lines[line - 1]) - len(lines[line - 1].lstrip(" \t")) + 1
+        loc = Loc(line, col)
         raise fail(message, loc) from None
     except RecursionError:
         raise fail("arrays or tables nested too deeply", near(r"[\[{](\s*[\[{]){15}")) from None
@@ -473,14 +504,9 @@ class _Checker:
     def at_value(self, path: tuple, message: str, hint: str | None = None) -> ConfigFileError:
         return self.fail_at(message, self.where.value(path), hint)
 
-    def unknown(
-        self, path: tuple, known: tuple[str, ...] | list[str], what: str
-    ) -> ConfigFileError:
+    def unknown(self, path: tuple, known: tuple[str, ...], expected: str) -> ConfigFileError:
         key = path[-1]
-        listed = ", ".join(known) if known else "none"
-        return self.at_key(
-            path, f"unknown key {_show(key)}{did_you_mean(key, known)}; {what}: {listed}"
-        )
+        return self.at_key(path, f"unknown key {_show(key)}{did_you_mean(key, known)}; {expected}")
 
     def config(self, data: dict[str, Any]) -> CompressionConfig:
         if not data:
@@ -490,7 +516,7 @@ class _Checker:
             )
         for key in data:
             if key not in _TOP_KEYS:
-                raise self.unknown((key,), _TOP_KEYS, "expected masks, [default], [[rule]]")
+                raise self.unknown((key,), _TOP_KEYS, "expected masks, [default] or [[rule]]")
         masks = data.get("masks", True)
         if not isinstance(masks, bool):
             raise self.at_value(("masks",), f"'masks' must be true or false, not {_kind(masks)}")
@@ -597,7 +623,7 @@ class _Checker:
                     raise self.at_key(
                         at, f'unknown key {_show(key)} (compressor "none" takes no parameters)'
                     )
-                raise self.unknown(at, allowed, "allowed here")
+                raise self.unknown(at, allowed, f"allowed here: {', '.join(allowed)}")
             if key == "min_size":
                 min_size = self.check_min_size(value, at)
             else:
