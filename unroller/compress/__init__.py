@@ -1,7 +1,8 @@
 """Compressors for activations saved between a forward op and its backward step.
 
 ``make("dct", keep=4)`` builds one from a name and parameters (validated against the class's
-``PARAMS``); ``COMPRESSORS`` maps names to classes. Adding a compressor: one module with a
+``PARAMS``: a bad or unknown parameter raises ``ParamError``, a ValueError whose ``param`` is
+the parameter's name, also quoted in the message); ``COMPRESSORS`` maps names to classes. Adding a compressor: one module with a
 ``Compressor`` subclass, one line in ``COMPRESSORS``. See docs/compressors.md.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Compressor, ParamSpec, packed_nbytes
+from .base import Compressor, ParamError, ParamSpec, packed_nbytes
 from .bits import Bits
 from .dct import Dct
 from .quant import Quant
@@ -19,6 +20,7 @@ __all__ = [
     "Bits",
     "Compressor",
     "Dct",
+    "ParamError",
     "ParamSpec",
     "Quant",
     "get",

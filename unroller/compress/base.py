@@ -39,6 +39,7 @@ from torch import Tensor
 
 __all__ = [
     "Compressor",
+    "ParamError",
     "ParamSpec",
     "packed_nbytes",
     "work_dtype",
@@ -54,6 +55,8 @@ __all__ = [
     "unpack_codes_fast",
     "pack_flat",
     "row_blocks",
+    "saturate",
+    "saturate_fast",
     "CHUNK_ELEMENTS",
     "CHECK_ELEMENTS",
 ]
@@ -68,6 +71,15 @@ _FAST_DEVICES = ("cpu", "cuda")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+class ParamError(ValueError):
+    """A bad or unknown compressor parameter. ``param`` is its name (also in the message, in
+    quotes), for callers that point at the offending config entry."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter of a compressor: its type, default, allowed values and a one-line doc.
@@ -75,6 +87,11 @@ class ParamSpec:
     ``type`` is ``int``, ``bool`` or ``str``; ``choices`` (if given) lists the allowed values;
     ``min``/``max`` bound an ``int``; ``optional`` also allows ``None``. Checks that involve
     several parameters (``keep <= block``) live in ``Compressor.check_params``.
+
+    Types are strict: an ``int`` parameter refuses bools, floats (8.0, NaN, inf), strings and
+    other integer-like objects; a ``bool`` one refuses 0 and 1; a ``str`` one refuses
+    anything but a ``str``. Every refusal is a ValueError whose message names the parameter
+    in quotes (``'block'``), which the config loader maps back to the config line.
     """
 
     type: type
@@ -110,8 +127,11 @@ class ParamSpec:
         """Return ``value`` if it is allowed, else raise a ValueError naming the parameter."""
         if value is None and self.optional:
             return None
-        bad = ValueError(
-            f"{owner}: bad value {value!r} for parameter {name!r}: expected {self.allowed()}"
+        shown = repr(value)
+        if len(shown) > 60:  # a huge string or number: enough to recognise it
+            shown = shown[:40] + f"... ({len(shown)} characters)"
+        bad = ParamError(
+            f"{owner}: bad value {shown} for parameter {name!r}: expected {self.allowed()}", name
         )
         # bool is a subclass of int: keep True out of int parameters and 1 out of bool ones.
         if self.type is bool:
@@ -158,8 +178,9 @@ class Compressor(abc.ABC):
         unknown = [k for k in params if k not in cls.PARAMS]
         if unknown:
             known = ", ".join(cls.PARAMS) or "none"
-            raise ValueError(
-                f"{cls.__name__}: unknown parameter {unknown[0]!r}; allowed parameters: {known}"
+            raise ParamError(
+                f"{cls.__name__}: unknown parameter {unknown[0]!r}; allowed parameters: {known}",
+                unknown[0],
             )
         out = {
             k: spec.check(cls.__name__, k, params.get(k, spec.default))
@@ -307,6 +328,17 @@ def unpack_codes(packed: Tensor, bits: int, count: int) -> Tensor:
     return codes[:, :count]
 
 
+def saturate(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` with its finite values clamped to the finite range of ``dtype`` (the output dtype
+    it is about to be cast to), so that the cast makes no inf from a finite value; NaN, +inf
+    and -inf stay as they are. A no-op (``x`` itself) unless ``dtype`` is narrower than
+    ``x``'s dtype (float16 or bfloat16 from float32 work)."""
+    top = torch.finfo(dtype).max
+    if top >= torch.finfo(x.dtype).max:
+        return x
+    return torch.where(torch.abs(x) < math.inf, torch.clamp(x, -top, top), x)
+
+
 def prod(values: tuple[int, ...] | list[int]) -> int:
     """Product of ints (1 for an empty sequence)."""
     return math.prod(values)
@@ -408,6 +440,20 @@ def pack_flat(  # unroller-lint: host-only (fast cpu/cuda path)
     for step in steps[1:]:
         w.bitwise_or_(torch.bitwise_right_shift(w, step))
     return w.to(torch.uint8) if out is None else out.copy_(w)
+
+
+def saturate_fast(x: Tensor, dtype: torch.dtype) -> Tensor:  # unroller-lint: host-only (fast)
+    """``saturate(x, dtype).to(dtype).contiguous()`` with the same bits: on the CPU the clamp
+    runs only when the plain cast made an inf (a finite value past ``dtype``'s max, or a
+    non-finite one); on CUDA always (no read-back). Casting a value below the overflow
+    threshold gives what casting it clamped gives, so skipping is exact."""
+    if torch.finfo(dtype).max >= torch.finfo(x.dtype).max:
+        return x.to(dtype).contiguous()
+    if host_checks(x):
+        out = x.to(dtype).contiguous()
+        if not bool(torch.isinf(out).any()):
+            return out
+    return saturate(x, dtype).to(dtype).contiguous()
 
 
 def pack_codes_fast(codes: Tensor, bits: int) -> Tensor:  # unroller-lint: host-only (fast path)

@@ -11,15 +11,18 @@ from torch import Tensor
 
 from .base import (
     Compressor,
+    ParamError,
     ParamSpec,
     cached_constant,
     itemsize,
+    saturate,
+    saturate_fast,
     skip_checks,
     use_fast_path,
     work_dtype,
 )
 
-__all__ = ["Dct", "dct_matrix", "fold_index"]
+__all__ = ["MAX_BLOCK", "Dct", "dct_matrix", "fold_index", "prescale_exponent"]
 
 _STORAGE_DTYPES = {
     "int8": torch.int8,
@@ -29,11 +32,20 @@ _STORAGE_DTYPES = {
 }
 
 
-def dct_matrix(block: int, keep: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """The first ``keep`` rows of the orthonormal DCT-II matrix of size ``block`` (keep x block).
+MAX_BLOCK = 64
+"""Largest ``block`` (and so ``keep``): the tiles of one plane are padded to multiples of it."""
+
+
+def dct_matrix(
+    block: int, keep: int, dtype: torch.dtype, device: torch.device | str, exponent: int = 0
+) -> Tensor:
+    """The first ``keep`` rows of the orthonormal DCT-II matrix of size ``block`` (keep x block),
+    times ``2**exponent``.
 
     T[0, j] = 1/sqrt(block); T[i, j] = sqrt(2/block) cos((2j+1) i pi / (2 block)). Built in
-    float64 on the host, then cast and moved; cached per (block, keep, dtype, device)."""
+    float64 on the host, then cast and moved; cached per (block, keep, dtype, device,
+    exponent). Multiplying by a power of two is exact, so a product with the scaled matrix is
+    the product with T scaled exactly (barring underflow to subnormals)."""
     device = torch.device(device)
 
     def build() -> Tensor:
@@ -41,9 +53,15 @@ def dct_matrix(block: int, keep: int, dtype: torch.dtype, device: torch.device |
         j = torch.arange(block, dtype=torch.float64).unsqueeze(0)
         t = torch.cos((2 * j + 1) * i * (math.pi / (2 * block))) * math.sqrt(2.0 / block)
         t = torch.where(i == 0, 1.0 / math.sqrt(block), t)
-        return t.to(dtype=dtype, device=device)
+        return (t * 2.0**exponent).to(dtype=dtype, device=device)
 
-    return cached_constant(("dct", block, keep, dtype, device), build)
+    return cached_constant(("dct", block, keep, dtype, device, exponent), build)
+
+
+def prescale_exponent(block: int) -> int:
+    """e = ceil(log2(block)): coefficients are stored divided by 2**e >= block, so that none
+    exceeds the largest |input| of its tile (|T B T^T|_ij <= block * max|B|)."""
+    return (block - 1).bit_length()
 
 
 def fold_index(keep: int, device: torch.device | str) -> Tensor:
@@ -61,28 +79,66 @@ def fold_index(keep: int, device: torch.device | str) -> Tensor:
 class Dct(Compressor):
     """DCT+Chop for 4-D activations [N, C, H, W].
 
-    Each H x W plane is zero-padded to multiples of ``block`` and cut into block x block tiles;
-    each tile B gets the orthonormal 2-D DCT-II and only the top-left ``keep`` x ``keep``
-    coefficients ``Tk @ B @ Tk^T`` are kept (with ``fold``, only those with i + j < keep).
-    Decompression zero-fills the rest, applies ``Tk^T @ C @ Tk`` and crops the padding.
+    Each H x W plane is padded to multiples of ``block`` by replicating its last row and last
+    column (edge replication: a constant plane stays constant, so its tiles' DC coefficients
+    carry it exactly) and cut into block x block tiles; each tile B gets the orthonormal 2-D
+    DCT-II and only the top-left ``keep`` x ``keep`` coefficients ``Tk @ B @ Tk^T`` are kept
+    (with ``fold``, only those with i + j < keep). The kept coefficients are stored divided by
+    2**e, e = ceil(log2(block)) (a power of two: exact), so that no stored coefficient exceeds
+    the largest |value| of its tile. Decompression zero-fills the rest, applies
+    ``Tk^T @ C @ Tk`` times 2**e and crops the padding.
 
     Packed form: ``storage='int8'``: (q int8, scale [N, C]) with a symmetric per
-    (sample, channel) scale amax|coeffs| / 127 (float32, or float64 for float64 inputs);
-    otherwise (coeffs,) in bf16 / f16 / f32. Coefficient tensors are [N, C, Hb, keep, Wb, keep],
-    or [N, C, Hb, Wb, keep*(keep+1)/2] with ``fold``.
+    (sample, channel) scale amax|stored coeffs| / 127 (float32, or float64 for float64
+    inputs; 1 for an all-zero channel); otherwise (coeffs,) in bf16 / f16 / f32. Coefficient
+    tensors are [N, C, Hb, keep, Wb, keep], or [N, C, Hb, Wb, keep*(keep+1)/2] with ``fold``.
 
-    Non-finite input: a NaN or inf makes its tile's coefficients non-finite, so the whole tile
-    decompresses to NaN/inf; with int8 storage the (sample, channel) scale becomes NaN or inf
-    and the whole channel of that sample decompresses to NaN/inf. Finite values larger than
-    about 4e37 (float32) can overflow the transform, and f16 storage turns coefficients above
-    65504 into inf.
+    Zero-size inputs (N, C, H or W of 0) round-trip: the packed tensors have the same shapes as
+    for any other input (zero-size coefficient tensors; with int8 a scale [N, C] of ones) and
+    decompress to an empty tensor of the right shape and dtype.
+
+    Error (float32 work; float64 inputs: the same with 2**-53 for float rounding):
+
+    - the difference from the exact chop (of the replicated-padded planes, saturated to the
+      output dtype's range) is the storage rounding only: per (sample, channel) in L2 at most
+      sqrt(kept coefficients) * 2**e * scale / 2 for int8 (the inverse transform is an
+      isometry), 2**-8 / 2**-11 / 2**-24 (the unit roundoff) of the padded plane's norm for
+      bf16 / f16 / f32 storage (edge replication makes that norm at most ``block`` times the
+      input's; f16 storage rounds no finer than its subnormal step 2**-24 * 2**e, reached
+      for values below about 6e-5), plus float rounding (~1e-6 relative, and the output
+      dtype's rounding for float16 / bfloat16);
+    - ``keep == block`` with f32 storage is lossless up to float rounding (~1e-6 relative);
+    - a constant plane, of any H and W (1 x 1 and 7 x 13 included), comes back to float
+      rounding (~1e-6 relative) with int8 and f32 storage, and to the storage precision
+      (2**-8 bf16, 2**-11 f16 relative: their unit roundoff) otherwise; an all-zero channel
+      comes back as zeros.
+
+    Non-finite input (propagated, never turned into finite values): a NaN or inf makes its
+    tile's coefficients non-finite, so with float storage that tile decompresses to NaN/inf
+    (padding copies an edge value only into the edge tile that already holds it); with int8
+    storage the (sample, channel) scale becomes NaN or inf and the whole channel of that
+    sample decompresses to NaN/inf.
+
+    Extreme finite values: the forward transform never overflows, and no stored coefficient
+    exceeds the largest |value| of its tile. So int8 storage holds any finite input, f16
+    storage any float16 input and bf16 storage any input up to bfloat16's max (about
+    3.39e38; f32 storage: float32's max); a coefficient beyond the storage format's range
+    (possible only for inputs beyond it, e.g. float32 values above 65504 with f16) is
+    stored as inf, and its tile decompresses to NaN/inf. The decompressed values are
+    saturated to the output dtype's finite range (``base.saturate``), so a float16 input of
+    65504 never comes back as inf, whatever the storage. The inverse transform cannot
+    overflow the work dtype for inputs up to its largest value / (1.3 * block) (about 3e37
+    for float32 work and block 8); above, a reconstruction can overflow to inf, never to a
+    finite wrong value.
     """
 
     name: ClassVar[str] = "dct"
     lossless: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, ParamSpec]] = {
-        "block": ParamSpec(int, 8, "side of the square DCT tiles", min=1),
-        "keep": ParamSpec(int, 4, "side of the kept low-frequency corner (<= block)", min=1),
+        "block": ParamSpec(int, 8, "side of the square DCT tiles", min=1, max=MAX_BLOCK),
+        "keep": ParamSpec(
+            int, 4, "side of the kept low-frequency corner (<= block)", min=1, max=MAX_BLOCK
+        ),
         "storage": ParamSpec(
             str, "int8", "precision of the kept coefficients", choices=tuple(_STORAGE_DTYPES)
         ),
@@ -92,9 +148,10 @@ class Dct(Compressor):
     @classmethod
     def check_params(cls, params: dict) -> None:
         if params["keep"] > params["block"]:
-            raise ValueError(
+            raise ParamError(
                 f"Dct: bad value {params['keep']!r} for parameter 'keep': expected an int "
-                f"<= block ({params['block']})"
+                f"<= block ({params['block']})",
+                "keep",
             )
 
     # layout ------------------------------------------------------------------------------
@@ -106,6 +163,12 @@ class Dct(Compressor):
     def _coeffs_per_tile(self) -> int:
         k = self.params["keep"]
         return k * (k + 1) // 2 if self.params["fold"] else k * k
+
+    def _coeff_shape(self, n: int, c: int, hb: int, wb: int) -> tuple[int, ...]:
+        k = self.params["keep"]
+        if self.params["fold"]:
+            return (n, c, hb, wb, self._coeffs_per_tile())
+        return (n, c, hb, k, wb, k)
 
     def stored_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         self._float_dtype(dtype)
@@ -120,6 +183,35 @@ class Dct(Compressor):
             total += n * c * itemsize(work_dtype(dtype))
         return total
 
+    def _matrices(self, wd: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """(Tk, Tk / 2**e, Tk * 2**e): the DCT rows, and the ones that divide the coefficients
+        by 2**e in the first forward product and multiply them back in the last inverse one."""
+        b, k = self.params["block"], self.params["keep"]
+        e = prescale_exponent(b)
+        return (
+            dct_matrix(b, k, wd, device),
+            dct_matrix(b, k, wd, device, -e),
+            dct_matrix(b, k, wd, device, e),
+        )
+
+    def _pad(self, x: Tensor, hb: int, wb: int) -> Tensor:
+        """``x`` [N, C, H, W] (H, W >= 1) padded to [N, C, Hb*b, Wb*b] by edge replication."""
+        b = self.params["block"]
+        h, w = x.shape[-2:]
+        if hb * b == h and wb * b == w:
+            return x
+        return F.pad(x, (0, wb * b - w, 0, hb * b - h), mode="replicate")
+
+    def _empty_packed(
+        self, n: int, c: int, hb: int, wb: int, wd: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, ...]:
+        """The packed form of a zero-size input (shapes only: nothing to transform)."""
+        storage = _STORAGE_DTYPES[self.params["storage"]]
+        coeffs = torch.zeros(self._coeff_shape(n, c, hb, wb), dtype=storage, device=device)
+        if self.params["storage"] != "int8":
+            return (coeffs,)
+        return coeffs, torch.ones((n, c), dtype=wd, device=device)
+
     # compress ----------------------------------------------------------------------------
 
     def compress(self, t: Tensor) -> tuple[Tensor, ...]:
@@ -132,14 +224,14 @@ class Dct(Compressor):
         n, c, h, w = t.shape
         hb, wb = self._geometry(c, h, w)
         wd = work_dtype(t.dtype)
+        if n * c * h * w == 0:  # same on both paths: a shape-only branch
+            return self._empty_packed(n, c, hb, wb, wd, t.device)
         if use_fast_path(t):
             return self._compress_fast(t, hb, wb, wd)
-        x = t.to(wd)
-        if hb * b != h or wb * b != w:
-            x = F.pad(x, (0, wb * b - w, 0, hb * b - h))
-        tk = dct_matrix(b, k, wd, x.device)
-        # rows of each tile: [k, b] @ [N, C, Hb, b, Wp] -> [N, C, Hb, k, Wp]
-        y = torch.matmul(tk, x.reshape(n, c, hb, b, wb * b))
+        x = self._pad(t.to(wd), hb, wb)
+        tk, tk_down, _ = self._matrices(wd, x.device)
+        # rows of each tile: [k, b] @ [N, C, Hb, b, Wp] -> [N, C, Hb, k, Wp], divided by 2**e
+        y = torch.matmul(tk_down, x.reshape(n, c, hb, b, wb * b))
         # columns: [N, C, Hb, k, Wb, b] @ [b, k] -> [N, C, Hb, k, Wb, k]
         y = torch.matmul(y.reshape(n, c, hb, k, wb, b), tk.t())
         if self.params["fold"]:
@@ -159,22 +251,28 @@ class Dct(Compressor):
 
     # decompress --------------------------------------------------------------------------
 
-    def decompress(
-        self, packed: tuple[Tensor, ...], shape: tuple[int, ...], dtype: torch.dtype
-    ) -> Tensor:
-        self._float_dtype(dtype)
+    def _check_packed(self, packed: tuple[Tensor, ...], shape: tuple[int, ...]) -> int:
+        """N, after checking the number of packed tensors and the per-sample shape."""
         if len(shape) != 3:
             raise ValueError(f"{self!r}: expected a per-sample shape (C, H, W), got {shape}")
-        b, k = self.params["block"], self.params["keep"]
-        c, h, w = shape
-        hb, wb = self._geometry(c, h, w)
-        wd = work_dtype(dtype)
-        n = packed[0].shape[0]
         if self.params["storage"] == "int8":
             if len(packed) != 2:
                 raise ValueError(f"{self!r}: expected packed (q, scale), got {len(packed)} tensors")
         elif len(packed) != 1:
             raise ValueError(f"{self!r}: expected packed (coeffs,), got {len(packed)} tensors")
+        return packed[0].shape[0]
+
+    def decompress(
+        self, packed: tuple[Tensor, ...], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Tensor:
+        self._float_dtype(dtype)
+        n = self._check_packed(packed, tuple(shape))
+        b, k = self.params["block"], self.params["keep"]
+        c, h, w = shape
+        hb, wb = self._geometry(c, h, w)
+        wd = work_dtype(dtype)
+        if n * c * h * w == 0:  # same on both paths: a shape-only branch
+            return torch.zeros((n, c, h, w), dtype=dtype, device=packed[0].device)
         if use_fast_path(*packed):
             return self._decompress_fast(packed, (c, h, w), hb, wb, wd, dtype)
         if self.params["storage"] == "int8":
@@ -187,13 +285,13 @@ class Dct(Compressor):
             full = torch.zeros((n, c, hb, wb, k * k), dtype=wd, device=y.device)
             y = torch.scatter(full, -1, idx, y).reshape(n, c, hb, wb, k, k)
             y = y.permute(0, 1, 2, 4, 3, 5)
-        tk = dct_matrix(b, k, wd, y.device)
+        tk, _, tk_up = self._matrices(wd, y.device)
         # rows: [b, k] @ [N, C, Hb, k, Wb*k] -> [N, C, Hb, b, Wb*k]
         x = torch.matmul(tk.t(), y.reshape(n, c, hb, k, wb * k))
-        # columns: [N, C, Hb, b, Wb, k] @ [k, b] -> [N, C, Hb, b, Wb, b]
-        x = torch.matmul(x.reshape(n, c, hb, b, wb, k), tk)
+        # columns, times 2**e: [N, C, Hb, b, Wb, k] @ [k, b] -> [N, C, Hb, b, Wb, b]
+        x = torch.matmul(x.reshape(n, c, hb, b, wb, k), tk_up)
         x = x.reshape(n, c, hb * b, wb * b)[:, :, :h, :w]
-        return x.to(dtype).contiguous()
+        return saturate(x, dtype).to(dtype).contiguous()
 
     # fast cpu/cuda path ------------------------------------------------------------------
     # The matmuls are exactly the IPU-safe formulation's (same shapes and layouts: BLAS results
@@ -212,17 +310,15 @@ class Dct(Compressor):
     def _compress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
         self, t: Tensor, hb: int, wb: int, wd: torch.dtype
     ) -> tuple[Tensor, ...]:
-        """``compress`` with the same packed tensors: the same two matmuls, the fold as one
-        gather from the un-permuted coefficients, the int8 scale from amax/amin (no |y|
-        temporary) and the quantisation in place."""
+        """``compress`` with the same packed tensors: the same padding and two matmuls, the
+        fold as one gather from the un-permuted coefficients, the int8 scale from amax/amin
+        (no |y| temporary) and the quantisation in place."""
         b, k = self.params["block"], self.params["keep"]
         storage = self.params["storage"]
         n, c, h, w = t.shape
-        x = t.to(wd)
-        if hb * b != h or wb * b != w:
-            x = F.pad(x, (0, wb * b - w, 0, hb * b - h))
-        tk = dct_matrix(b, k, wd, x.device)
-        y = torch.matmul(tk, x.reshape(n, c, hb, b, wb * b))
+        x = self._pad(t.to(wd), hb, wb)
+        tk, tk_down, _ = self._matrices(wd, x.device)
+        y = torch.matmul(tk_down, x.reshape(n, c, hb, b, wb * b))
         y = torch.matmul(y.reshape(n, c, hb, k, wb, b), tk.t())
         if self.params["fold"]:
             rows, cols = self._fold_positions(y.device)
@@ -254,7 +350,9 @@ class Dct(Compressor):
     ) -> Tensor:
         """``decompress`` with bit-identical output: dequantisation in one multiply, the folded
         coefficients put straight into the layout the matmul reads, the same two matmuls,
-        the second one writing into the output when nothing is cropped or cast."""
+        the second one writing into the output when nothing is cropped or cast, and the
+        saturation to a narrower output dtype only when the cast made an inf (on the CPU;
+        on CUDA always)."""
         b, k = self.params["block"], self.params["keep"]
         c, h, w = shape
         coeffs = packed[0]
@@ -269,12 +367,12 @@ class Dct(Compressor):
             full = torch.zeros((n, c, hb, k, wb, k), dtype=wd, device=y.device)
             full.permute(0, 1, 2, 4, 3, 5)[..., rows, cols] = y
             y = full
-        tk = dct_matrix(b, k, wd, y.device)
+        tk, _, tk_up = self._matrices(wd, y.device)
         x = torch.matmul(tk.t(), y.reshape(n, c, hb, k, wb * k))
         x = x.reshape(n, c, hb, b, wb, k)
         if hb * b == h and wb * b == w and dtype == wd:
             out = torch.empty((n, c, h, w), dtype=wd, device=y.device)
-            torch.matmul(x, tk, out=out.view(n, c, hb, b, wb, b))
+            torch.matmul(x, tk_up, out=out.view(n, c, hb, b, wb, b))
             return out
-        x = torch.matmul(x, tk).reshape(n, c, hb * b, wb * b)[:, :, :h, :w]
-        return x.to(dtype).contiguous()
+        x = torch.matmul(x, tk_up).reshape(n, c, hb * b, wb * b)[:, :, :h, :w]
+        return saturate_fast(x, dtype)

@@ -43,6 +43,9 @@ class Quant(Compressor):
     per-sample element count and G the groups per sample; mn and scale are float32 (float64 for
     float64 inputs). Work is done in float32 (float64 for float64 inputs).
 
+    Zero-size inputs round-trip: N = 0 gives packed tensors with N = 0; empty samples (M = 0,
+    e.g. C, H or W of 0) have no groups (codes [N, 0], mn and scale [N, 0]).
+
     Constant groups (mx == mn, all-zero tensors included) decompress exactly. Huge finite
     values (up to the dtype's max) never overflow: when mx - mn could exceed the dtype's range,
     the group is computed on halved values.
@@ -78,8 +81,8 @@ class Quant(Compressor):
             raise ValueError(f"{self!r}: expected a batch dimension, got shape {tuple(shape)}")
         n = shape[0]
         m = prod(tuple(shape[1:]))
-        if m == 0:
-            raise ValueError(f"{self!r}: empty samples (shape {tuple(shape)}) are not supported")
+        if m == 0:  # empty samples: no groups
+            return n, 0, 1, 0
         gs = self.params["group_size"]
         if gs is None:
             g = prod(tuple(shape[2:])) if len(shape) >= 3 else m
@@ -101,6 +104,12 @@ class Quant(Compressor):
         bits = self.params["bits"]
         levels = float((1 << bits) - 1)
         wd = work_dtype(t.dtype)
+        if n * m == 0:  # zero-size input; same on both paths (a shape-only branch, no draw)
+            return (
+                torch.zeros((n, packed_code_bytes(m, bits)), dtype=torch.uint8, device=t.device),
+                torch.zeros((n, groups), dtype=wd, device=t.device),
+                torch.zeros((n, groups), dtype=wd, device=t.device),
+            )
         if use_fast_path(t):
             return self._compress_fast(t, n, m, g, groups, levels, wd)
         big_range = torch.finfo(wd).max * 0.25
@@ -144,6 +153,8 @@ class Quant(Compressor):
         bits = self.params["bits"]
         levels = float((1 << bits) - 1)
         wd = work_dtype(dtype)
+        if n * m == 0:  # zero-size tensor; same on both paths
+            return torch.zeros(full, dtype=dtype, device=codes.device)
         if use_fast_path(codes, mn, scale):
             return self._decompress_fast(codes, mn, scale, full, m, g, groups, levels, wd, dtype)
         fmax = torch.finfo(wd).max
