@@ -27,9 +27,14 @@ and simple assignments such as ``_aten = torch.ops.aten``):
   warnings ("unknown receiver, check by hand"), never errors;
 * ``torch.ops.aten.X``, ``torch.ops.aten.X.default`` (and any ``torch.ops`` access) anywhere:
   always an error;
-* a torch function named without being called (``acts = {"erf": torch.erf}``, ``F.gelu``
-  passed as an argument, ``x.erf`` taken as a bound method): checked as a call to it, since
-  it may be called later through a variable;
+* a torch function or ``torch.nn`` module class named without being called (``acts =
+  {"erf": torch.erf}``, ``F.gelu`` passed as an argument): checked as a call to it, since it
+  may be called later through a variable (a restricted one, whose arguments are then unseen,
+  is a warning); ``isinstance``/``issubclass``/``except`` class arguments and annotations do
+  not count;
+* a tensor method taken as a bound method (``f = x.erf``, ``getattr(x, "erf")``) on a
+  receiver that may be a tensor: data attributes of other objects share these names
+  (``device.type``), so only a name the platform does not support is reported, as a warning;
 * ``getattr(torch..., "name")`` with a string literal is checked as the call it names;
   ``getattr(torch..., name)`` with anything else is an error (cannot be checked);
 * a class derived from ``torch.autograd.Function``: an error (PopTorch has no custom
@@ -39,11 +44,12 @@ Dynamic calls the linter cannot resolve are never passed silently. ``getattr`` w
 non-literal name on a torch object is an error (above); on a followed module (``getattr(K2,
 name)``) all of that module is checked and the access is a warning; on any other object it is
 a warning (it may yield a torch function or tensor method). ``__import__``/``importlib.
-import_module`` with a non-literal name is a warning. Calls through variables, containers and
-parameters (``fn(x)``, ``table[k](x)``) are not reported by themselves: every torch function
-or tensor method that can end up in such a variable is reported where the code names it (the
-reference rule above), and every function of a followed module that the checked code names is
-checked.
+import_module`` with a non-literal name is a warning, and so is a torch module passed on as a
+value (``run(torch.nn.functional, x)``; assigning it to a name, ``F2 = torch.nn.functional``,
+is an alias and followed). Calls through variables, containers and parameters (``fn(x)``,
+``table[k](x)``) are not reported by themselves: every torch function or tensor method that
+can end up in such a variable is reported where the code names it (the reference rules
+above), and every function of a followed module that the checked code names is checked.
 
 Argument restrictions (interpolate's mode, conv_transpose dilation, max_pool return_indices,
 topk sorted, ...) are checked when the value is a literal in the call; a value the linter
@@ -1571,6 +1577,8 @@ def _library_dirs() -> tuple[Path, ...]:
     except (AttributeError, TypeError):  # pragma: no cover - a stripped-down site module
         pass
     found.update(p for p in sys.path if Path(p).name in ("site-packages", "dist-packages"))
+    found.add(os.path.dirname(os.__file__))  # the standard library, whatever the layout
+    found.add(os.path.dirname(os.path.dirname(torch.__file__)))  # where torch is installed
     return tuple(sorted({Path(p).resolve() for p in found if p}))
 
 

@@ -486,6 +486,22 @@ def test_the_kernel_module_is_found_where_python_would_find_it(user_op, monkeypa
     assert [(c.kind, c.name) for c in report.errors] == [("import", op.name)]
 
 
+def test_installed_modules_are_followed_only_when_the_registry_names_them(user_op, monkeypatch):
+    """A kernel module installed among the libraries (site-packages) is still followed: the
+    registry names it; a helper installed there that it imports is a library, not followed."""
+    op = user_op(
+        "import HELPERS as H\n\n\ndef clip(x):\n    return H.clamp(x)\n",
+        "import torch\n\n\ndef clamp(x):\n    return torch.ops.aten.hardtanh(x)\n",
+    )
+    assert not lint_module(op.generated, "ipu").ok  # both in a user folder: followed
+    libraries = (*lint._library_dirs(), op.ops.resolve())
+    monkeypatch.setattr(lint, "_library_dirs", lambda: libraries)
+    report = lint_module(op.generated, "ipu")
+    assert report.ok, report.format()
+    assert op.kernels.resolve() in report.files
+    assert op.helpers.resolve() not in report.files
+
+
 def test_a_kernel_package_with_relative_imports(tmp_path, monkeypatch):
     """kernels.ipu = "pkg.ipu": ``from . import helpers as H`` and ``from .impl import f``
     resolve inside the user package; what they reach is checked."""
