@@ -96,6 +96,7 @@ class Emitter:
         pipeline: Pipeline | None = None,
     ):
         self.graph = graph
+        self.node_named = {node.name: node for node in graph.nodes}
         self.platform = platform
         self.default_kernels = f"unroller.runtime.{platform}"
         self.pipeline = pipeline or Pipeline(1, {})
@@ -189,7 +190,7 @@ class Emitter:
         """The identifier of a saved tensor as the forward pass made it."""
         if ":" in key:
             node_name, extra = key.split(":", 1)
-            return self.extra(self.graph.node(node_name), extra)
+            return self.extra(self.node_named[node_name], extra)
         return self.names(key)
 
     def packed_ident(self, key: str, form: Form) -> str:
@@ -293,7 +294,7 @@ class Emitter:
         for form in stashed.forms:
             source = raw
             if form.kind == "mask" and form.mask_kernel:
-                reader = self.graph.node(form.mask_node)
+                reader = self.node_named[form.mask_node]
                 args = ", ".join(a for a in [raw, kwargs_text(reader.backward_kwargs)] if a)
                 source = f"{self.kernels(reader)}.{form.mask_kernel}({args})"
             ident = self.packed_ident(stashed.key, form)
@@ -328,27 +329,28 @@ class Emitter:
     def restore_steps(self, node: Node) -> list[Step]:
         """Right before a backward step: decompress what it reads, unless already done."""
         steps = []
-        for stashed in self.plan.entries:
-            for reader, _, form in stashed.readers:
-                if reader is not node or form.kind == "raw" or (stashed.key, form) in self.restored:
-                    continue
-                ident = self.restored_ident(stashed.key, form)
-                self.restored[(stashed.key, form)] = ident
-                packed = self.packed_ident(stashed.key, form)
-                logical = form.type or stashed.type
-                shape = tuple(logical.shape[1:])
-                dtype = "torch.bool" if form.kind == "mask" else f"{self.grad(node.output)}.dtype"
-                line = f"{ident} = {self.codec_names[form.codec]}.decompress({packed}, {shape!r}, {dtype})"
-                steps.append(
-                    Step(
-                        "backward",
-                        [line],
-                        reads=[packed, self.grad(node.output)],
-                        writes=[ident],
-                        comment=f"restore {stashed.key}: {form.label()}",
-                        stage=self.stage(node),
-                    )
+        for stashed, _, form in self.plan.reads_of(node):
+            if form.kind == "raw" or (stashed.key, form) in self.restored:
+                continue
+            ident = self.restored_ident(stashed.key, form)
+            self.restored[(stashed.key, form)] = ident
+            packed = self.packed_ident(stashed.key, form)
+            logical = form.type or stashed.type
+            shape = tuple(logical.shape[1:])
+            dtype = "torch.bool" if form.kind == "mask" else f"{self.grad(node.output)}.dtype"
+            line = (
+                f"{ident} = {self.codec_names[form.codec]}.decompress({packed}, {shape!r}, {dtype})"
+            )
+            steps.append(
+                Step(
+                    "backward",
+                    [line],
+                    reads=[packed, self.grad(node.output)],
+                    writes=[ident],
+                    comment=f"restore {stashed.key}: {form.label()}",
+                    stage=self.stage(node),
                 )
+            )
         return steps
 
     def training_steps(self) -> list[Step]:

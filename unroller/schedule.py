@@ -79,8 +79,9 @@ def release_dead(steps: list[Step], keep: set[str]) -> None:
         for ident in step.reads:
             order.setdefault(ident, len(order))
             last_use[ident] = i
+    dying: dict[int, list[str]] = {}
+    for ident, last in last_use.items():
+        if ident not in keep:
+            dying.setdefault(last, []).append(ident)
     for i, step in enumerate(steps):
-        step.release = sorted(
-            (ident for ident, last in last_use.items() if last == i and ident not in keep),
-            key=order.__getitem__,
-        )
+        step.release = sorted(dying.get(i, []), key=order.__getitem__)

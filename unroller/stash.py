@@ -75,11 +75,24 @@ class StashPlan:
     def by_key(self) -> dict[str, Stashed]:
         return {e.key: e for e in self.entries}
 
+    def reads_of(self, node: Node) -> list[tuple[Stashed, str, Form]]:
+        """(stashed, saved entry, form) for each saved tensor ``node`` reads, in plan order.
+
+        Indexed once, so that emitting a model of n statements stays linear in n.
+        """
+        index = self.__dict__.get("_reads")
+        if index is None:
+            index = {}
+            for stashed in self.entries:
+                for reader, saved, form in stashed.readers:
+                    index.setdefault(id(reader), []).append((stashed, saved.entry, form))
+            self.__dict__["_reads"] = index
+        return index.get(id(node), [])
+
     def form_for(self, node: Node, entry: str) -> tuple[Stashed, Form] | None:
-        for stashed in self.entries:
-            for reader, saved, form in stashed.readers:
-                if reader is node and saved.entry == entry:
-                    return stashed, form
+        for stashed, saved_entry, form in self.reads_of(node):
+            if saved_entry == entry:
+                return stashed, form
         return None
 
     def codecs(self) -> list[Codec]:
@@ -152,7 +165,7 @@ def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
                 value_name = saved.key.split(":")[0]
                 entries[saved.key] = Stashed(saved.key, saved.type, producers[value_name])
             entries[saved.key].readers.append((node, saved, _reader_form(node, saved, config)))
-    ordered = sorted(entries.values(), key=lambda s: (s.producer, list(entries).index(s.key)))
+    ordered = sorted(entries.values(), key=lambda s: s.producer)  # stable: first reads first
     if config.first_only:
         _keep_first_compressed(ordered)
     for stashed in ordered:
