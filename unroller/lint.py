@@ -44,9 +44,9 @@ Dynamic calls the linter cannot resolve are never passed silently. ``getattr`` w
 non-literal name on a torch object is an error (above); on a followed module (``getattr(K2,
 name)``) all of that module is checked and the access is a warning; on any other object it is
 a warning (it may yield a torch function or tensor method). ``__import__``/``importlib.
-import_module`` with a non-literal name is a warning, and so is a torch module passed on as a
-value (``run(torch.nn.functional, x)``; assigning it to a name, ``F2 = torch.nn.functional``,
-is an alias and followed). Calls through variables, containers and parameters (``fn(x)``,
+import_module`` with a non-literal name is a warning; so are ``eval``/``exec`` and a torch
+module passed on as a value (``run(torch.nn.functional, x)``; assigning it to a name, ``F2 =
+torch.nn.functional``, is an alias and followed). Calls through variables, containers and parameters (``fn(x)``,
 ``table[k](x)``) are not reported by themselves: every torch function or tensor method that
 can end up in such a variable is reported where the code names it (the reference rules
 above), and every function of a followed module that the checked code names is checked.
@@ -1119,6 +1119,19 @@ class _ModuleScanner:
             return  # a function of some other module (K.conv2d, math.prod, C.make)
         if isinstance(func, ast.Name) and func.id == "__import__" and func.id not in self.aliases:
             self._dynamic_import(node)
+        elif (
+            isinstance(func, ast.Name)
+            and func.id in ("eval", "exec")
+            and func.id not in self.aliases
+        ):
+            self._add(
+                func,
+                f"{func.id}(...)",
+                DYNAMIC,
+                True,
+                "code run from a string cannot be checked",
+                warning=True,
+            )
         elif isinstance(func, ast.Attribute):
             self._method_call(node, func)
 
