@@ -43,6 +43,7 @@ from unroller.training import (
     GENERATED,
     TrainConfig,
     TrainError,
+    check_model_state,
     generate,
     load_checkpoint,
     prepare,
@@ -196,6 +197,7 @@ def gradient_error(config: TrainConfig, run_dir: Path, baseline: Path, data) -> 
     for index, module in enumerate((baseline, run_dir / GENERATED)):
         name = f"unroller_probe_{index}_{abs(hash(str(module.resolve())))}"
         model = import_generated(module, name).Model()
+        check_model_state(run_dir / CHECKPOINT, checkpoint["model"], model)
         model.load_state_dict(checkpoint["model"])
         model.to(device)
         torch.manual_seed(0)

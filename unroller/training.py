@@ -677,12 +677,13 @@ def train(
                 f"{n} {getattr(recorded, n)!r} -> {getattr(config, n)!r}" for n in changed
             )
             raise TrainError(
-                f"--resume: the checkpoint was made with other settings ({details}); "
+                f"--resume: {resume}: the checkpoint was made with other settings ({details}); "
                 "only --epochs may change"
             )
         if checkpoint["epoch"] > config.epochs:
             raise TrainError(
-                f"--resume: the checkpoint is at epoch {checkpoint['epoch']}, past --epochs {config.epochs}"
+                f"--resume: {resume}: the checkpoint is at epoch {checkpoint['epoch']}, "
+                f"past --epochs {config.epochs}"
             )
         # the lr schedule keeps the length it was made with; extra epochs run at its end
         config = dataclasses.replace(
@@ -703,8 +704,8 @@ def train(
     source_sha = hashlib.sha256(source.encode("utf-8")).hexdigest()
     if checkpoint is not None and checkpoint["generated_sha256"] != source_sha:
         raise TrainError(
-            "--resume: the generated model differs from the checkpoint's (the model file, "
-            "the scheme's config or the generator changed)"
+            f"--resume: {resume}: the generated model differs from the checkpoint's (the "
+            "model file, the scheme's config or the generator changed)"
         )
     if checkpoint is not None:
         for record in checkpoint["history"]:
@@ -740,8 +741,12 @@ def train(
         check_optimizer_state(resume, checkpoint["optimizer"], optimizer)
         cuda_state = checkpoint["rng"].get("cuda")
         if device.type == "cuda" and cuda_state is not None:
-            if cuda_state.numel() != torch.cuda.get_rng_state(device).numel():
-                raise CheckpointError(f"{resume}: its CUDA RNG state is not one of this device")
+            size = torch.cuda.get_rng_state(device).numel()
+            if cuda_state.numel() != size:
+                raise CheckpointError(
+                    f"{resume}: not a usable checkpoint: its CUDA RNG state has "
+                    f"{cuda_state.numel()} bytes, this device's has {size}"
+                )
         try:
             model.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])
