@@ -659,9 +659,10 @@ def read_header(text: str) -> dict[str, Any] | None:
     for line in text.splitlines()[:10]:
         if line.startswith(HEADER_TAG):
             try:
-                return json.loads(line[len(HEADER_TAG) :])
-            except json.JSONDecodeError:
+                found = json.loads(line[len(HEADER_TAG) :])
+            except (json.JSONDecodeError, RecursionError):
                 return None
+            return found if isinstance(found, dict) else None
     return None
 
 
