@@ -161,10 +161,8 @@ def _too_large(size: int) -> str:
 
 
 def _decode_error(data: bytes, exc: UnicodeDecodeError) -> ModelError:
-    start = exc.start
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]  # utf-8-sig counts from after the byte-order mark
-        start -= 3
+    # The utf-8-sig codec reports positions in the bytes after the byte-order mark.
+    data, start = bytes(exc.object), exc.start
     before = data[:start]
     line = before.count(b"\n") + 1
     line_start = before.rfind(b"\n") + 1
