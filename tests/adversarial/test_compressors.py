@@ -94,7 +94,8 @@ def run(c: Compressor, x: torch.Tensor, dtype: torch.dtype | None = None, seed: 
     out_dtype = dtype or x.dtype
     shape = tuple(x.shape[1:])
     results = {}
-    for name in FORMULATIONS:
+    # on CUDA the fast path has no host shortcuts or blocks: "device" and "blocks" are "fast"
+    for name in FORMULATIONS if x.device.type == "cpu" else ("safe", "fast"):
         with formulation(name), torch.no_grad():
             torch.manual_seed(seed)
             packed = c.compress(x)
@@ -102,6 +103,8 @@ def run(c: Compressor, x: torch.Tensor, dtype: torch.dtype | None = None, seed: 
     packed_safe, y_safe = results["safe"]
     assert isinstance(packed_safe, tuple)
     assert all(isinstance(p, torch.Tensor) and p.shape[0] == x.shape[0] for p in packed_safe)
+    assert all(p.device == x.device for p in packed_safe)
+    assert all(y.device == x.device for _, y in results.values())
     assert packed_nbytes(packed_safe) == c.stored_bytes(tuple(x.shape), x.dtype), c
     assert y_safe.shape == x.shape and y_safe.dtype == out_dtype and y_safe.is_contiguous()
     for name, (packed, y) in results.items():
@@ -580,21 +583,32 @@ def relayout(r: random.Random, x: torch.Tensor) -> tuple[str, torch.Tensor]:
     return "contiguous", x
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_property_every_compressor(seed):
+def property_case(seed: int, device: str) -> None:
     r = random.Random(seed)
     c = draw_compressor(r)
     shape = draw_shape(r, c)
     dtype = torch.bool if isinstance(c, Bits) else r.choice(FLOATS)
     kind, x = draw_values(r, shape, dtype, torch.Generator().manual_seed(seed))
     how, v = relayout(r, x)
-    context = (c, shape, dtype, kind, how)
-    packed, y = run(c, v, seed=seed)
+    context = (c, shape, dtype, kind, how, device)
+    packed, y = run(c, v.to(device) if device != "cpu" else v, seed=seed)
     if how != "contiguous":  # the layout changes nothing
-        packed_c, y_c = run(c, x.contiguous(), seed=seed)
+        packed_c, y_c = run(c, x.contiguous().to(device), seed=seed)
         assert all(same_bits(p, q) for p, q in zip(packed, packed_c)), context
         assert same_bits(y, y_c), context
     try:
-        check(c, x, packed, y)
+        check(c, x, tuple(p.cpu() for p in packed), y.cpu())
     except AssertionError as exc:
         raise AssertionError(f"{context}: {exc}") from None
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_property_every_compressor(seed):
+    property_case(seed, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("seed", range(1000, 1150))
+def test_property_every_compressor_cuda(seed):
+    """On CUDA: the fast path and the IPU-safe path on CUDA tensors, bit for bit."""
+    property_case(seed, "cuda")

@@ -26,7 +26,8 @@ class Bits(Compressor):
     """Packs a bool tensor [N, ...] into uint8 [N, ceil(M / 8)] (M = elements per sample),
     8 values per byte, element i of a byte in bit i; each sample is zero-padded to a multiple
     of 8. Lossless. Only bool input is accepted (ValueError otherwise): a mask is expected,
-    and silently treating nonzero floats as True would hide a wiring mistake.
+    and silently treating nonzero floats as True would hide a wiring mistake. Zero-size
+    inputs (N = 0 or an empty sample) round-trip on both paths.
     """
 
     name: ClassVar[str] = "bits"

@@ -112,6 +112,12 @@ class Dct(Compressor):
       rounding (~1e-6 relative) with int8 and f32 storage, and to the storage precision
       (2**-8 bf16, 2**-11 f16 relative: their unit roundoff) otherwise; an all-zero channel
       comes back as zeros.
+    - padding trade-off: edge replication gives edge tiles interior-sized coefficients (a
+      corner tile holding one pixel becomes that pixel's constant, DC = block * value), so
+      on white-noise-like planes whose H or W is not a multiple of ``block`` the int8 scale
+      is coarser than with zero padding: keep 8, int8, N(0, 1) 33 x 33 planes: 0.019
+      relative error (zero padding: 0.008). With keep 4, and on smooth data at any keep, it
+      is as good or better (7 x 13 smooth planes, keep 4: 0.19 against 0.30).
 
     Non-finite input (propagated, never turned into finite values): a NaN or inf makes its
     tile's coefficients non-finite, so with float storage that tile decompresses to NaN/inf
