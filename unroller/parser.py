@@ -59,8 +59,9 @@ __all__ = [
 #: The dtypes a declaration may use, in the order error messages list them.
 DTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "f64", "i64", "i32")
 
-#: The largest model file (and model text) accepted, in bytes (characters for text).
-MAX_SOURCE_BYTES = 4 * 1024 * 1024
+#: The largest model file (and model text) accepted, in bytes (characters for text): a
+#: real model is a few KiB, and 1 MiB already holds more statements than MAX_NODES.
+MAX_SOURCE_BYTES = 1024 * 1024
 #: The largest integer literal: every integer must fit in a signed 64-bit integer.
 MAX_INT = 2**63 - 1
 #: How deeply tuples may nest in a keyword value (no operator takes a nested tuple).

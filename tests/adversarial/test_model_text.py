@@ -566,7 +566,7 @@ def test_model_file_that_is_too_large(tmp_path: Path):
     with open(path, "wb") as handle:
         handle.write(stmts().encode())
         handle.truncate(MAX_SOURCE_BYTES + 1)  # sparse: nothing is really written
-    with pytest.raises(ModelError, match=r"too large \(4,194,305 bytes; the limit is 4 MiB\)"):
+    with pytest.raises(ModelError, match=r"too large \(1,048,577 bytes; the limit is 1 MiB\)"):
         read_source(path)
 
 
