@@ -93,11 +93,18 @@ def _image(op: str, t: TensorType) -> tuple[int, int, int]:
     return c, h, w  # type: ignore[return-value]
 
 
-def _positive(op: str, out: tuple[int, int], inp: tuple[int, int]) -> None:
+def _positive(
+    op: str,
+    out: tuple[int, int],
+    inp: tuple[int, int],
+    why: str = "the input is too small for this kernel, stride and padding",
+    arg: str | None = None,
+) -> None:
     if min(out) < 1:
         raise ShapeError(
             f"{op} output size would be {out[0]}x{out[1]} (below 1) for input size "
-            f"{inp[0]}x{inp[1]}: the input is too small for this kernel, stride and padding"
+            f"{inp[0]}x{inp[1]}: {why}",
+            arg=arg,
         )
 
 
@@ -217,7 +224,7 @@ def upsample(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeRe
             arg="scale_factor",
         )
     size = tuple(int(math.floor(v)) for v in scaled)
-    _positive(op, size, (h, w))
+    _positive(op, size, (h, w), "the scale factor is too small", arg="scale_factor")
     return ShapeResult(TensorType(x.dtype, (*x.shape[:2], *size)), {"input_hw": (h, w)})
 
 

@@ -350,6 +350,13 @@ CASES = [
         ("'scale_factor' must be a number or a pair (h, w)", "at most 3.4e+38"),
     ),
     Case(
+        "upsample-scale-1e-300",
+        stmts("a = upsample(x, scale_factor=(0.5, 1e-300))"),
+        4,
+        21,
+        ("upsample output size would be 4x0 (below 1)", "the scale factor is too small"),
+    ),
+    Case(
         "i32-target-for-cross-entropy",
         stmts(head=HEAD.replace("i64[N]", "i32[N]")),
         6,
