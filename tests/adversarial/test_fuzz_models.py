@@ -450,10 +450,8 @@ def make_inputs(graph, gen: torch.Generator) -> list[torch.Tensor]:
     return tensors
 
 
-def run_module(source: str, graph, directory: Path, name: str) -> None:
-    path = directory / f"{name}.py"
-    write_atomic(path, source)
-    module = import_generated(path, name)
+def run_step(module, graph) -> None:
+    """Model(), in the model's float dtype; one training step and predict() at batch 2."""
     torch.manual_seed(0)
     model = module.Model()
     dtype = TORCH_DTYPES[graph.float_dtype]
@@ -491,14 +489,13 @@ def check_mutant(
         return Outcome("error", formatted.splitlines()[0])
     except Exception:
         return Outcome("crash", traceback.format_exc(limit=-6))
-    if not run or step_cost(graph) > RUN_ELEMENTS:
-        try:
-            compile(source, "<generated>", "exec")
-        except SyntaxError:
-            return Outcome("crash", traceback.format_exc(limit=-3))
-        return Outcome("generated")
     try:
-        run_module(source, graph, directory, name)
+        path = directory / f"{name}.py"
+        write_atomic(path, source)
+        module = import_generated(path, name)
+        if not run or step_cost(graph) > RUN_ELEMENTS:
+            return Outcome("generated")
+        run_step(module, graph)
     except Exception:
         return Outcome("crash", traceback.format_exc(limit=-6))
     return Outcome("ran")
