@@ -648,8 +648,10 @@ def lint(
 ) -> None:
     """Check every torch call reachable from generated modules against what the platform runs.
 
-    Follows the modules they import from the unroller package (kernels, compressors) and
-    fails, with file and line, on any call outside the platform's supported list.
+    Follows every module they import (unroller kernels and compressors, user operator
+    modules from UNROLLER_OPS, and what those call) and fails, with file, line and the
+    chain of calls, on any call outside the platform's supported list or any module it
+    cannot find or read.
 
     Example: unroll lint generated/ipu generated/multiipu --platform ipu
     """
