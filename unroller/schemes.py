@@ -277,7 +277,10 @@ class _Locator:
             if text[i] == "[":
                 array = text.startswith("[[", i)
                 parts, j = self._key(self._skip(i + (2 if array else 1), False))
-                j = self._skip(j, False) + (2 if array else 1)
+                j = self._skip(j, False)
+                if not text.startswith("]]" if array else "]", j):
+                    raise ValueError("expected the end of a table header")
+                j += 2 if array else 1
                 span = (i, j - i)
                 path: tuple = ()
                 for index, (name, _start, _end) in enumerate(parts):
@@ -340,7 +343,7 @@ class _Locator:
         quote = text[i]
         if text.startswith(quote * 3, i):
             j = i + 3
-            while True:
+            while j < len(text):
                 if quote == '"' and text[j] == "\\":
                     j += 2
                 elif text.startswith(quote * 3, j):
@@ -350,6 +353,7 @@ class _Locator:
                     return end
                 else:
                     j += 1
+            raise ValueError("an unterminated string")
         j = i + 1
         while text[j] != quote:
             j += 2 if quote == '"' and text[j] == "\\" else 1
@@ -684,7 +688,8 @@ def load_config(path: str | Path) -> CompressionConfig:
     path = Path(path)
     label = str(path)
     text = _decode(_read(path), label)
-    return _Checker(label, text).config(_parse(text, label))
+    data = _parse(text, label)  # first: the locator scans only documents tomllib accepts
+    return _Checker(label, text).config(data)
 
 
 def resolve(scheme: str, config: str | Path | None = None, opt_level: int = 1) -> CompressionConfig:

@@ -14,6 +14,7 @@ compiles and has the same shape as the one from a clean config.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import random
 import re
@@ -186,13 +187,8 @@ def test_files_that_are_not_small_regular_files(tmp_path):
     assert "at most" in refused(big)
     fifo = tmp_path / "fifo.toml"
     os.mkfifo(fifo)
-    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("blocked on a FIFO"))
-    signal.alarm(10)
-    try:
+    with time_limit(10, "blocked on a FIFO"):
         message = refused(fifo)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
     assert message.startswith(f"{fifo}: error: not a regular file"), message
 
 
@@ -273,6 +269,16 @@ def test_multiline_strings_do_not_confuse_the_locator():
     assert where.key(("rule", 0, "d", "h.i")) == where.loc(text.index("'h.i'"), 5)
     assert where.key(("rule", 5, "nothing")) == where.key(("rule",))
     assert where.key(("nothing",)) == where.value(("nothing",)) == where.loc(0)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["a = '''abc", 'a = """abc', "a = 'abc", 'a = "abc\\', "a = [1, {b = 2", "[a", "a = {b = [}"],
+)
+def test_the_locator_stops_on_text_it_does_not_understand(text):
+    where = _Locator(text)  # load_config never scans such text, but the scan must still end
+    assert not where.complete
+    assert where.key(("a", "b")).line == 1
 
 
 def test_a_compressor_valueerror_points_at_its_parameter(tmp_path, monkeypatch):
@@ -524,6 +530,22 @@ def mutate(rng: random.Random) -> bytes:
     return bytes(data)
 
 
+@contextlib.contextmanager
+def time_limit(seconds: int, message: str):
+    """Fail (rather than hang) if the block runs longer than ``seconds``."""
+
+    def expired(*_):
+        pytest.fail(message)
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def module_shape(source: str) -> list[str]:
     """The module compiles; its top-level statements by kind (the run of codec constants,
     ``CODEC_X = C.make(...)`` with literal arguments, as one item), and the methods of
@@ -559,8 +581,16 @@ def test_fuzzed_configs_are_refused_cleanly_or_generate_valid_code(tmp_path):
     for case in range(FUZZ_CASES):
         data = mutate(rng)
         path = write(tmp_path, data, f"fuzz{case % 7}.toml")
+        try:  # TOML that tomllib reads, the locator understands to the end
+            text = data.decode("utf-8-sig").replace("\r\n", "\n")
+            tomllib.loads(text)
+        except (ValueError, RecursionError):
+            pass
+        else:
+            assert _Locator(text).complete, data
         try:
-            config = load_config(path)
+            with time_limit(10, f"case {case} hangs: {data!r}"):
+                config = load_config(path)
         except ConfigError as exc:
             message = str(exc)
             head = check_format(message, path)
