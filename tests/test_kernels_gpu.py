@@ -637,4 +637,5 @@ def test_names():
         "accumulate",
         "add_layer",
         "tensors",
+        "check_inputs",
     }

@@ -812,7 +812,7 @@ def test_names():
         assert name in K.__all__ and f"{name}_backward" in K.__all__
     for name in K.__all__:
         assert callable(getattr(K, name)), name
-    for name in ["add_layer", "tensors", "stash", "stash_raw", "stash_report"]:
+    for name in ["add_layer", "tensors", "stash", "stash_raw", "stash_report", "check_inputs"]:
         assert getattr(K, name) is getattr(G, name)
 
 

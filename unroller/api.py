@@ -74,18 +74,11 @@ def read_limited(handle, limit: int, what: str) -> bytes:
 
 
 def read_model_text(path: str | Path) -> str:
-    try:
-        with open(path, "rb") as handle:
-            data = read_limited(handle, MAX_READ_BYTES, "the model file")
-        return data.decode("utf-8")
-    except FileNotFoundError:
-        raise ModelError(f"no such model file: {path}") from None
-    except UnicodeDecodeError as exc:
-        raise ModelError(f"the model file is not UTF-8 text ({exc.reason})") from None
-    except PathError as exc:
-        raise ModelError(str(exc)) from None
-    except OSError as exc:
-        raise ModelError(f"cannot read the model file: {exc.strerror}") from None
+    """The model file's text (``parser.read_source``: a bounded regular file, UTF-8, a bad
+    byte reported at its line and column)."""
+    from unroller.parser import read_source
+
+    return read_source(path)
 
 
 def read_bounded(path: str | Path, limit: int = MAX_READ_BYTES) -> bytes:
