@@ -19,10 +19,10 @@ configs too; ``--compress-config FILE`` reads one from TOML:
 What a config may hold is checked before anything is built from it: ``compressor`` is an
 activation compressor (``dct``, ``quant``) or ``"none"`` (``bits``, the 1-bit mask codec, is
 ``masks``'s business); ``op`` is an op of the registry; ``name`` is a glob of at most 200
-letters, digits, ``_ . * ? [ ] ! -``; ``min_size`` and integer parameters are at most
-2**16 in size; parameter values are booleans, integers, finite floats or short words, then
-checked by the compressor itself. The file is a regular UTF-8 file (a byte-order mark is
-allowed) of at most 1 MiB.
+letters, digits, ``_ . * ? [ ] ! -``; ``min_size`` and integer parameters are at most 2**16
+in size; parameter values are booleans, integers, finite floats or short words, then checked
+by the compressor itself; there are at most 1000 rules. The file is a regular UTF-8 file (a
+byte-order mark is allowed) of at most 1 MiB.
 
 Every problem is a ``ConfigError`` formatted like an error in a model file: ``FILE:LINE:COL:
 error: message``, then the source line and a caret under the offending key or value (TOML
@@ -149,6 +149,8 @@ MAX_NAME = 200
 """The longest ``name`` glob a rule may have."""
 MAX_WORD = 64
 """The longest string value a compressor parameter may have."""
+MAX_RULES = 1000
+"""The most rules a config may have (each one is described in the generated module)."""
 MASK_CODECS = frozenset({"bits"})
 """Registered compressors that are not for activations: ``bits`` is the lossless 1-bit codec
 of boolean masks, turned on by ``masks = true``."""
@@ -158,10 +160,6 @@ _GLOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 _WORD = re.compile(r"[A-Za-z0-9_.+-]*\Z")
 _SIMPLE = re.compile(r"[A-Za-z0-9_.*?\[\]!+ -]{0,60}\Z")
 _TOML_POSITION = re.compile(r"(?s)(.*) \(at (?:line (\d+), column (\d+)|end of document)\)\Z")
-# what the source line of a diagnostic may show as is: no terminal controls, no line breaks
-_UNSHOWN = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]"
-)
 
 
 def activation_compressors() -> tuple[str, ...]:
@@ -449,9 +447,13 @@ def _decode(data: bytes, label: str) -> str:
 
 
 def _displayable(text: str) -> str:
-    """``text`` with control, bidi and line-separator characters replaced one for one (so
-    columns stay right): a diagnostic's source line must not drive the terminal."""
-    return _UNSHOWN.sub("\ufffd", text)
+    """``text`` with every character Python does not call printable (controls, bidi marks,
+    line separators, unassigned code points...) but tab and newline replaced by U+FFFD, one
+    for one so that columns stay right: a diagnostic's source line must not drive the
+    terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\t\n" else "\ufffd" for c in text)
 
 
 def _parse(text: str, label: str) -> dict[str, Any]:
@@ -537,6 +539,10 @@ class _Checker:
             raise self.at_value(
                 ("rule",),
                 f"rules are written [[rule]] (an array of tables), not {_kind(raw_rules)}",
+            )
+        if len(raw_rules) > MAX_RULES:
+            raise self.at_key(
+                ("rule", MAX_RULES), f"too many rules: {len(raw_rules)} (at most {MAX_RULES})"
             )
         rules = [self.rule(table, ("rule", i)) for i, table in enumerate(raw_rules)]
         return CompressionConfig(

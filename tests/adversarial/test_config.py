@@ -281,6 +281,12 @@ def test_the_locator_stops_on_text_it_does_not_understand(text):
     assert where.key(("a", "b")).line == 1
 
 
+def test_too_many_rules(tmp_path):
+    rule = '[[rule]]\ncompressor = "quant"\n'
+    error_at(tmp_path, rule * 1001, 2001, 1, "too many rules: 1001 (at most 1000)")
+    assert len(load_config(write(tmp_path, rule * 1000, "ok.toml")).rules) == 1000
+
+
 def test_a_compressor_valueerror_points_at_its_parameter(tmp_path, monkeypatch):
     """The compressors bound their parameters (ValueError naming the parameter); the error
     lands on that parameter's value, wherever it is."""
@@ -313,6 +319,11 @@ HOSTILE_NAMES = [
     '"a\\u2029b"',
     '"a\\u0085b"',  # NEL
     '"a\\u202eb"',  # right-to-left override
+    '"a\u2028b"',  # the same characters written raw into the file
+    '"a\u202eb"',
+    '"a\u200bb"',
+    '"a\u00a0b"',
+    '"\ud7ff"',  # unassigned
     '"a\\u001b[2Jb"',  # a terminal escape
     '"a\\tb"',
     '"a b"',
