@@ -362,3 +362,30 @@ def test_the_original_report_in_a_real_process(work: Path):
     assert lines[2] == "gen/c.py: header damaged: 'source' is None, not a string"
     assert lines[3] == "0 up to date, 0 stale, 3 damaged/not generated (3 .py files under gen)"
     assert len(lines) == 4
+
+
+def test_parallel_check_reports_like_a_sequential_one(tmp_path: Path, monkeypatch) -> None:
+    """``--jobs 2`` regenerates in worker processes; verdicts and lines are the same."""
+    from unroller.api import generate_from_text
+
+    monkeypatch.chdir(tmp_path)
+    Path("m.txt").write_text(MODEL)
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    text = generate_from_text(MODEL, label="m.txt")
+    for i in range(4):
+        (gen / f"f{i}.py").write_text(text)
+    (gen / "f1.py").write_text(text + "import os\n")  # edited after generation
+    (gen / "f2.py").write_text(text.replace("# unroller: ", "#unroller: ", 1))  # damaged
+    results = {}
+    for jobs in ("1", "2"):
+        out = subprocess.run(
+            [str(UNROLL), "check", "gen", "--jobs", jobs],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        results[jobs] = (out.returncode, out.stderr)
+    assert results["1"] == results["2"]
+    assert results["2"][0] == 1
+    assert "2 up to date, 1 stale, 1 damaged/not generated" in results["2"][1]
