@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from unroller.errors import ConfigError, ModelError
+from unroller.errors import ConfigError, ConfigFileError, ModelError
 from unroller.schemes import SCHEMES
 from unroller.training import OPTIMIZERS, TrainConfig
 
@@ -56,6 +56,13 @@ def _fail(message: str) -> typer.Exit:
     from unroller.cli import fail  # imported late: cli.py imports this module
 
     return fail(message)
+
+
+def _config_error(exc: ConfigError) -> typer.Exit:
+    """A config file's error is already ``FILE:LINE:COL: error: ...``: printed as is."""
+    from unroller.cli import fail_plain
+
+    return fail_plain(str(exc)) if isinstance(exc, ConfigFileError) else _fail(str(exc))
 
 
 def _model_error(exc: ModelError, model: Path) -> typer.Exit:
@@ -167,7 +174,7 @@ def register(app: typer.Typer) -> None:
         except ModelError as exc:
             raise _model_error(exc, model) from None
         except ConfigError as exc:
-            raise _fail(str(exc)) from None
+            raise _config_error(exc) from None
         except KeyboardInterrupt:
             if (out / "checkpoint.pt").is_file():
                 typer.echo(f"interrupted; continue with --resume {out / 'checkpoint.pt'}", err=True)
@@ -253,7 +260,7 @@ def register(app: typer.Typer) -> None:
         except ModelError as exc:
             raise _model_error(exc, model) from None
         except ConfigError as exc:
-            raise _fail(str(exc)) from None
+            raise _config_error(exc) from None
         except KeyboardInterrupt:
             typer.echo("interrupted; run the same command again to continue", err=True)
             raise typer.Exit(130) from None

@@ -385,8 +385,8 @@ def test_cli_train_refuses_a_bad_config(tmp_path, monkeypatch):
     )
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
-    # train prefixes its errors with "unroll: error: " (cli_train's own report)
-    message = result.stderr.rstrip("\n").removeprefix("unroll: error: ")
+    message = result.stderr.rstrip("\n")
+    assert not message.startswith("unroll: error: ")  # the same format as generate's
     head = check_format(message, (tmp_path / "bad.toml").resolve(), 1, 38)
     assert "'block'" in head
     assert not (tmp_path / "run").exists()
