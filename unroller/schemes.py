@@ -644,7 +644,9 @@ class _Checker:
             return make_codec(name, params, min_size)
         except (ValueError, TypeError) as exc:
             message = str(exc)
-            bad = next((k for k in params if f"'{k}'" in message), None)
+            bad = getattr(exc, "param", None)  # compress.ParamError names its parameter
+            if bad not in params:
+                bad = next((k for k in params if f"'{k}'" in message), None)
             if bad is None:
                 raise self.at_value(where, message) from None
             raise self.at_value(path + (bad,), message) from None

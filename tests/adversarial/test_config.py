@@ -628,3 +628,10 @@ def test_fuzzed_configs_are_refused_cleanly_or_generate_valid_code(tmp_path):
         assert generated[key] == clean, (data, generated[key])
     # the generator explores both sides: neither outcome may be (nearly) absent
     assert outcomes["refused"] >= FUZZ_CASES // 4 and outcomes["accepted"] >= FUZZ_CASES // 20
+
+
+def test_a_bad_value_that_names_another_parameter_points_at_its_own_key(tmp_path):
+    path = write(tmp_path, '[default]\ncompressor = "dct"\nstorage = "keep"\nkeep = 4\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    check_format(str(info.value), path, 3, 11)
