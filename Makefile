@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 UNROLL := $(VENV)/bin/unroll
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv test bench accuracy generate check lint format clean
+.PHONY: venv test test-slow bench accuracy generate check lint format clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,13 @@ test: $(STAMP)
 	$(UNROLL) check generated
 	$(UNROLL) lint generated/ipu generated/multiipu --platform ipu
 	$(PY) -m pytest -q
+
+# Everything `make test` runs, plus the slow tests (benchmark scripts end to end, the
+# make accuracy commands) and the fuzz tests at thousands of mutants.
+test-slow: $(STAMP)
+	$(UNROLL) check generated
+	$(UNROLL) lint generated/ipu generated/multiipu --platform ipu
+	SLOW=1 $(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(if $(FULL),--full,)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,24 @@ if str(ROOT) not in sys.path:
 
 from unroller.api import import_generated, write_atomic  # noqa: E402
 from unroller.codegen import Options  # noqa: E402
+
+SLOW = os.environ.get("SLOW") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: end-to-end runs of the benchmark scripts; only with SLOW=1"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` stays within its time budget: slow tests run under `make test-slow`."""
+    if SLOW:
+        return
+    skip = pytest.mark.skip(reason="slow: run with SLOW=1 (make test-slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -270,6 +270,7 @@ def makefile_accuracy_commands() -> list[list[str]]:
     return [common + shlex.split(line.replace("$(ACCURACY)", "")) for line in commands]
 
 
+@pytest.mark.slow  # trains every scheme of the three experiments: make test-slow
 def test_make_accuracy_commands_run(tmp_path):
     """Each `make accuracy` command, cut to one tiny epoch, runs and writes its table
     (so the README's commands stay valid)."""

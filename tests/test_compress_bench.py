@@ -12,6 +12,9 @@ import torch
 from benchmarks import compress_bench
 from unroller.schemes import SCHEMES
 
+# Runs the benchmark script end to end: `make test-slow` (SLOW=1), not `make test`.
+pytestmark = pytest.mark.slow
+
 MODELS = list(compress_bench.DEFAULT_MODELS)
 COMPRESSING = [s for s in SCHEMES if s != compress_bench.BASELINE]
 

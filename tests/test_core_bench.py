@@ -13,6 +13,9 @@ from benchmarks import core_bench
 from benchmarks.reference import REFERENCES, make_batch, model_path
 from unroller.api import load_model_class
 
+# Runs the benchmark script end to end: `make test-slow` (SLOW=1), not `make test`.
+pytestmark = pytest.mark.slow
+
 STEMS = sorted(REFERENCES)
 LOSS_TOL = 1e-5  # relative, float32
 

@@ -21,6 +21,9 @@ from benchmarks.harness import budget, config, peers
 from unroller.cli import app
 from unroller.schemes import builtin
 
+# Runs the benchmark script end to end: `make test-slow` (SLOW=1), not `make test`.
+pytestmark = pytest.mark.slow
+
 TINY = ["--benchmark", "quick", "--resolution", "16", "--batch-size", "2"]
 TINY += ["--iterations", "1", "--warmup", "0", "--no-progress"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
