@@ -20,10 +20,12 @@ fuzz needs to know: is it valid Python), and a few per seed file by black itself
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import re
+import signal
 import tempfile
 import traceback
 from dataclasses import dataclass, field
@@ -56,6 +58,9 @@ RUN_ELEMENTS = 3_000_000
 #: The share of small generated mutants that are run, and how many are formatted by black.
 RUN_SHARE = 0.6
 BLACK_PER_SEED = 1
+#: A mutant that takes longer than this (to refuse, generate or run) is a failure: the
+#: front end must refuse exponential or huge work quickly.
+MUTANT_SECONDS = 60
 
 TORCH_DTYPES = {
     "f32": torch.float32,
@@ -416,6 +421,29 @@ class Outcome:
     detail: str = ""
 
 
+class MutantTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Raise MutantTimeout in the block after ``seconds`` (where SIGALRM exists)."""
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise MutantTimeout(f"took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def fast_format(text: str, mode: black.Mode) -> str:
     """Stands in for black.format_str: the text unchanged, once it compiles."""
     compile(text, "<generated>", "exec")
@@ -651,7 +679,11 @@ def test_mutants_error_cleanly_or_run(base: str, monkeypatch: pytest.MonkeyPatch
             )
             module = f"fuzz_{re.sub(r'[^A-Za-z0-9]', '_', base)}_{FUZZ_SEED}_{index}"
             run = rng.random() < RUN_SHARE
-            outcome = check_mutant(mutant, resolutions[which], directory, module, run)
+            try:
+                with deadline(MUTANT_SECONDS):
+                    outcome = check_mutant(mutant, resolutions[which], directory, module, run)
+            except MutantTimeout as exc:
+                outcome = Outcome("crash", str(exc))
             counts[outcome.kind] += 1
             if outcome.kind == "crash":
                 shown = mutant.text if mutant.text is not None else repr(mutant.data)
