@@ -119,13 +119,11 @@ def read_source(path: str | Path) -> str:
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise ModelError(f"no such model file: {path}") from None
+        raise ModelError("no such model file") from None
     except OSError as exc:
         raise ModelError(f"cannot read the model file: {exc.strerror or exc}") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise ModelError(f"the model file is a directory, not a file: {path}")
     if not stat.S_ISREG(info.st_mode):
-        raise ModelError(f"the model file is not a regular file (a FIFO, socket or device): {path}")
+        raise ModelError(f"the model file is {_file_kind(info.st_mode)}, not a regular file")
     if info.st_size > MAX_SOURCE_BYTES:
         raise ModelError(_too_large(info.st_size))
     try:
@@ -133,8 +131,9 @@ def read_source(path: str | Path) -> str:
         # read() return at once instead of waiting for a writer.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ModelError(f"the model file is not a regular file: {path}")
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise ModelError(f"the model file is {_file_kind(mode)}, not a regular file")
             with os.fdopen(fd, "rb", closefd=False) as handle:
                 data = handle.read(MAX_SOURCE_BYTES + 1)
         finally:
@@ -152,6 +151,18 @@ def read_source(path: str | Path) -> str:
 def parse_file(path: str | Path) -> ModelAST:
     """Read a UTF-8 model file (a leading byte-order mark is ignored) and parse it."""
     return parse(read_source(path), filename=str(path))
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a file"  # pragma: no cover
 
 
 def _too_large(size: int) -> str:
