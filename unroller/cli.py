@@ -73,9 +73,11 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def report_model_error(exc: ModelError, path: str | Path) -> typer.Exit:
-    try:
-        source = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+    from unroller.parser import read_source
+
+    try:  # the same bounded read of a regular file as the parser's: a FIFO never blocks
+        source = read_source(path)
+    except ModelError:
         source = ""
     typer.echo(exc.format(str(path), source), err=True)
     return typer.Exit(2)

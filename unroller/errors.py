@@ -51,6 +51,9 @@ class ConfigFileError(ConfigError):
         self.filename = filename
 
 
+SHOWN_LINE = 100  # columns of a long source line shown under a diagnostic
+
+
 def format_diagnostic(
     severity: str,
     message: str,
@@ -59,7 +62,12 @@ def format_diagnostic(
     source: str,
     hint: str | None = None,
 ) -> str:
-    """``FILE:LINE:COL: severity: message``, then the source line and a caret line."""
+    """``FILE:LINE:COL: severity: message``, then the source line and a caret line.
+
+    The quoted line shows every non-printable character as ``?`` (one for one, so the
+    caret stays under its column, and no escape sequence reaches the terminal), and a
+    long line only around the caret.
+    """
     if loc is None:
         text = f"{filename}: {severity}: {message}"
     else:
@@ -67,8 +75,19 @@ def format_diagnostic(
         lines = source.split("\n")
         if 1 <= loc.line <= len(lines):
             line = lines[loc.line - 1].rstrip("\r").expandtabs(1)
-            width = max(1, min(loc.length, len(line) - loc.col + 1))
-            text += f"\n    {line}\n    {' ' * (loc.col - 1)}^{'~' * (width - 1)}"
+            line = "".join(ch if ch.isprintable() else "?" for ch in line)
+            col = loc.col
+            width = max(1, min(loc.length, len(line) - col + 1))
+            if len(line) > SHOWN_LINE:
+                start = max(0, col - 1 - SHOWN_LINE // 2)
+                end = start + SHOWN_LINE
+                shown = line[start:end]
+                if start:
+                    shown, col = "..." + shown[3:], col - start
+                if end < len(line):
+                    shown = shown[:-3] + "..."
+                line, width = shown, max(1, min(width, len(shown) - col + 1))
+            text += f"\n    {line}\n    {' ' * (col - 1)}^{'~' * (width - 1)}"
     if hint:
         text += f"\n  note: {hint}"
     return text

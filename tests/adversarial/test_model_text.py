@@ -653,12 +653,6 @@ def test_cli_reports_each_case_and_writes_nothing(tmp_path: Path):
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
-@pytest.mark.xfail(
-    reason="unroller/cli.py report_model_error reads the model file again with "
-    "Path.read_text to show the source line, and opening a FIFO for reading blocks",
-    raises=subprocess.TimeoutExpired,
-    strict=False,
-)
 def test_cli_model_file_that_is_a_fifo(tmp_path: Path):
     os.mkfifo(tmp_path / FILE)
     process = _unroll(tmp_path)
@@ -670,3 +664,18 @@ def test_cli_model_file_that_is_a_fifo(tmp_path: Path):
     assert process.returncode == 2 and "Traceback" not in stderr
     assert stderr.startswith(f"{FILE}: error: the model file is a named pipe (FIFO)"), stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [FILE]
+
+
+def test_the_quoted_source_line_is_printable_and_windowed():
+    """No terminal escape reaches the user's screen; a 5,000-digit literal is not printed
+    whole; the caret stays under its column."""
+    from unroller.ast import Loc
+    from unroller.errors import format_diagnostic
+
+    text = format_diagnostic("error", "bad", Loc(1, 3, 1), "f.txt", "a\x1b= b")
+    assert text.splitlines()[1:] == ["    a?= b", "      ^"]
+    long = "x = " + "1" * 5000 + " + y"
+    text = format_diagnostic("error", "big", Loc(1, 5007, 1), "f.txt", long)
+    shown, caret = text.splitlines()[1:]
+    assert len(shown) < 120 and shown.startswith("    ...")
+    assert shown[caret.index("^")] == "+"
