@@ -675,7 +675,7 @@ def test_the_quoted_source_line_is_printable_and_windowed():
     text = format_diagnostic("error", "bad", Loc(1, 3, 1), "f.txt", "a\x1b= b")
     assert text.splitlines()[1:] == ["    a?= b", "      ^"]
     long = "x = " + "1" * 5000 + " + y"
-    text = format_diagnostic("error", "big", Loc(1, 5007, 1), "f.txt", long)
+    text = format_diagnostic("error", "big", Loc(1, 5006, 1), "f.txt", long)
     shown, caret = text.splitlines()[1:]
     assert len(shown) < 120 and shown.startswith("    ...")
     assert shown[caret.index("^")] == "+"
