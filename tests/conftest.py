@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -36,6 +38,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int, error: BaseException):
+    """Raise ``error`` inside the block once it has run ``seconds``: a test that could
+    block (a FIFO, a device, a runaway input) fails instead of hanging the suite."""
+
+    def expired(signum, frame):
+        raise error
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import time_limit
 from typer.testing import CliRunner
 
 from unroller.cli import app
@@ -44,15 +44,8 @@ runner = CliRunner()
 @pytest.fixture(autouse=True)
 def alarm():
     """No case may block (a FIFO among the files, or recorded as the source)."""
-
-    def expired(signum, frame):
-        raise TimeoutError("blocked for 30 s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(30)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    with time_limit(30, TimeoutError("blocked for 30 s")):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,13 @@ import contextlib
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import tomllib
+from conftest import time_limit as shared_time_limit
 from typer.testing import CliRunner
 
 from unroller.api import load_graph
@@ -544,17 +544,8 @@ def mutate(rng: random.Random) -> bytes:
 @contextlib.contextmanager
 def time_limit(seconds: int, message: str):
     """Fail (rather than hang) if the block runs longer than ``seconds``."""
-
-    def expired(*_):
-        pytest.fail(message)
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
+    with shared_time_limit(seconds, pytest.fail.Exception(message, pytrace=False)):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def module_shape(source: str) -> list[str]:

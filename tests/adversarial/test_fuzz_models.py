@@ -34,6 +34,7 @@ from pathlib import Path
 import black
 import pytest
 import torch
+from conftest import time_limit
 
 from unroller import codegen
 from unroller.api import at_resolution, import_generated, write_atomic
@@ -432,16 +433,8 @@ def deadline(seconds: int):
         yield
         return
 
-    def expire(signum, frame):
-        raise MutantTimeout(f"took more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
+    with time_limit(seconds, MutantTimeout(f"took more than {seconds} s")):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def fast_format(text: str, mode: black.Mode) -> str:

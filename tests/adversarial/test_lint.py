@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib.machinery
 import itertools
 import os
-import signal
 import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import time_limit
 from typer.testing import CliRunner
 
 from unroller import lint
@@ -600,15 +600,8 @@ def test_unroll_generate_then_lint_from_the_cli(tmp_path, monkeypatch):
 @pytest.fixture
 def alarm():
     """Fail instead of hanging should lint ever block on a FIFO or read a device."""
-
-    def ring(*_):
-        raise TimeoutError("lint blocked")
-
-    old = signal.signal(signal.SIGALRM, ring)
-    signal.alarm(10)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    with time_limit(10, TimeoutError("lint blocked")):
+        yield
 
 
 def test_only_regular_files_are_read(tmp_path, alarm):

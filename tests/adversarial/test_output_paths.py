@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import resource
-import signal
 import stat
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import time_limit
 from typer.testing import CliRunner
 
 from unroller import api
@@ -52,15 +52,8 @@ runner = CliRunner()
 @pytest.fixture(autouse=True)
 def alarm():
     """No case may block: a FIFO opened for reading or writing would hang forever."""
-
-    def expired(signum, frame):
-        raise TimeoutError("blocked for 30 s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(30)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    with time_limit(30, TimeoutError("blocked for 30 s")):
+        yield
 
 
 @pytest.fixture
