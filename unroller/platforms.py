@@ -1,0 +1,64 @@
+"""The platforms code is generated for: one definition each, the only place they differ.
+
+A platform is what the emitter and the CLI need to know about a target: which template
+lays out the module, which runtime module holds the kernels an operator does not name
+itself, where parameter gradients go, and whether the step may be split into pipeline
+stages. The emitter and the CLI ask the platform; they never test its name. Adding a
+platform means one ``Platform`` below, one template under ``templates/<name>/`` and one
+runtime module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str
+    summary: str  # one line for --help and error messages
+    template: str  # path under templates/
+    kernels: str  # runtime module for operators whose registry entry names no other
+    #: Where a backward step hands its parameter gradients: "accumulate" adds them into
+    #: each parameter's ``.grad`` (K.accumulate); "collect" gathers them in a dict the
+    #: module returns through a surrogate loss (PopTorch owns the optimizer step).
+    grads: str
+    max_stages: int = 1  # pipeline stages (one per device); 1: no pipelining
+    stage_counts: tuple[int, ...] = (1,)  # the stage counts that are accepted
+
+    @property
+    def pipelined(self) -> bool:
+        return self.max_stages > 1
+
+
+GPU = Platform(
+    name="gpu",
+    summary="plain PyTorch (CUDA or CPU)",
+    template="gpu/module.py.j2",
+    kernels="unroller.runtime.gpu",
+    grads="accumulate",
+)
+
+IPU = Platform(
+    name="ipu",
+    summary="Graphcore IPU through PopTorch, one IPU or a pipeline over several",
+    template="ipu/module.py.j2",
+    kernels="unroller.runtime.ipu",
+    grads="collect",
+    max_stages=16,
+    stage_counts=(1, 2, 4, 8, 16),
+)
+
+PLATFORMS: dict[str, Platform] = {p.name: p for p in (GPU, IPU)}
+
+#: The platform names as an Enum, for typer options.
+PlatformName = Enum("PlatformName", {name.upper(): name for name in PLATFORMS}, type=str)
+
+
+def platform(name: str) -> Platform:
+    """The platform called ``name``; ValueError naming the known ones otherwise."""
+    found = PLATFORMS.get(str(getattr(name, "value", name)))
+    if found is None:
+        raise ValueError(f"unknown platform '{name}' (known: {', '.join(PLATFORMS)})")
+    return found
