@@ -1,10 +1,11 @@
-"""Graph -> step program -> Jinja template -> black -> source text.
+"""Graph -> step IR -> the platform's Jinja template -> black -> source text.
 
-``emit_gpu`` lays out the training step as explicit code: every forward kernel call,
-then the seed gradient of the loss, then every backward kernel call in reverse
+``Emitter`` lays out the training step as ``ir.Step`` values: every forward kernel
+call, then the seed gradient of the loss, then every backward kernel call in reverse
 topological order, summing gradients where a value has several consumers, handing
-parameter gradients to ``K.accumulate``, and deleting each tensor right after its
-last use. The template only arranges these lines into a module.
+parameter gradients where the platform wants them, and deleting each tensor right
+after its last use. ``render`` turns the steps into lines (``ir.render_steps``) and the
+platform's template arranges them into a module; black formats it.
 """
 
 from __future__ import annotations
@@ -20,14 +21,34 @@ import jinja2
 
 from unroller import __version__, safe
 from unroller.errors import ModelError
-from unroller.graph import Graph, Node, Value
+from unroller.graph import Graph, Node, SavedArg, Value, explicit_kwargs
+from unroller.ir import (
+    AddTo,
+    Assign,
+    Attr,
+    CallExpr,
+    Const,
+    DictExpr,
+    Do,
+    Expr,
+    Global,
+    Layer,
+    Statement,
+    Step,
+    TupleExpr,
+    Var,
+    release_dead,
+    render_expr,
+    render_steps,
+)
 from unroller.pipeline import Pipeline, split
+from unroller.platforms import GPU, PLATFORMS, Platform  # noqa: F401 (PLATFORMS re-exported)
+from unroller.platforms import platform as get_platform
 from unroller.resources import resource_dir
-from unroller.schedule import RESERVED, Namer, Step, release_dead
+from unroller.schedule import RESERVED, Namer
 from unroller.schemes import SCHEMES, Codec, CompressionConfig, builtin, resolve
 from unroller.stash import Form, Stashed, StashPlan, plan_stash
 
-PLATFORMS = ("gpu", "ipu")
 HEADER_TAG = "# unroller: "
 CHECKSUM_TAG = "# unroller-checksum: "
 # Generated code favours one line per step over the 100 columns of hand-written code.
@@ -81,24 +102,19 @@ class Options:
         return resolve(self.scheme, self.compress_config, self.opt_level)
 
 
-literal = safe.literal  # repr() of a type-checked constant
-kwargs_text = safe.kwargs  # key=literal, ... with identifier keys
-
-
 class Emitter:
-    """Builds the step program of one graph for one platform (and pipeline split)."""
+    """Builds the step program (``ir.Step``) of one graph for one platform and pipeline."""
 
     def __init__(
         self,
         graph: Graph,
         plan: StashPlan | None = None,
-        platform: str = "gpu",
+        platform: Platform | str = GPU,
         pipeline: Pipeline | None = None,
     ):
         self.graph = graph
         self.node_named = {node.name: node for node in graph.nodes}
-        self.platform = platform
-        self.default_kernels = f"unroller.runtime.{platform}"
+        self.platform = get_platform(platform) if isinstance(platform, str) else platform
         self.pipeline = pipeline or Pipeline(1, {})
         self.plan = plan if plan is not None else plan_stash(graph, builtin("nocompress"))
         self.codec_names: dict[Codec, str] = {}
@@ -107,221 +123,209 @@ class Emitter:
             same = sum(1 for c in self.codec_names if c.name == codec.name)
             self.codec_names[codec] = f"{base}_{same + 1}" if same else base
         self.names = Namer(RESERVED | set(self.codec_names.values()))
-        self.kernel_alias: dict[str, str] = {self.default_kernels: "K"}
+        self.kernel_alias: dict[str, str] = {self.platform.kernels: "K"}
         for value in graph.inputs:
             self.names(value.name)
         for node in graph.nodes:
             self.names(node.output.name)
-        self.restored: dict[tuple[str, Form], str] = {}
+        self.restored: dict[tuple[str, Form], Var] = {}
         for node in graph.nodes:
             self.check_supported(node)
 
+    def kernel_module(self, node: Node) -> str:
+        return node.op.kernels.get(self.platform.name, self.platform.kernels)
+
     def check_supported(self, node: Node) -> None:
         """Refuse, at generate time, what the platform's kernels cannot run."""
-        module = importlib.import_module(self.kernel_module(node))
-        why = getattr(module, "unsupported", lambda op, args: None)(node.op.name, node.args)
-        if why:
-            raise ModelError(f"{node.name}: {why} (platform {self.platform})", node.loc)
-
-    def kernel_module(self, node: Node) -> str:
-        module = node.op.kernels.get(self.platform)
-        if module is None:
+        name = self.kernel_module(node)
+        module = importlib.import_module(name)
+        op = node.op.name
+        wanted = [op, f"{op}_backward"] + ([f"{op}_eval"] if node.op.has_eval else [])
+        missing = [f for f in wanted if not callable(getattr(module, f, None))]
+        if missing:
             raise ModelError(
-                f"operator '{node.op.name}' has no kernels for platform {self.platform}", node.loc
+                f"operator '{op}' has no kernels for platform {self.platform.name} "
+                f"({name} lacks {', '.join(missing)})",
+                node.loc,
             )
-        return module
+        why = getattr(module, "unsupported", lambda op, args: None)(op, node.args)
+        if why:
+            raise ModelError(f"{node.name}: {why} (platform {self.platform.name})", node.loc)
 
     def stage(self, node: Node | None) -> int:
         return self.pipeline.stage(node.name) if node is not None else 0
 
-    # -- identifiers -------------------------------------------------------------------
+    # -- names ---------------------------------------------------------------------------
 
-    def ident(self, value: Value) -> str:
-        return self.names(value.name)
+    def var(self, value: Value) -> Var:
+        return Var(self.names(value.name))
 
-    def grad(self, value: Value) -> str:
-        return self.names(f"grad:{value.name}", f"grad_{self.ident(value)}")
+    def grad(self, value: Value) -> Var:
+        return Var(self.names(f"grad:{value.name}", f"grad_{self.var(value).name}"))
 
-    def extra(self, node: Node, name: str) -> str:
-        return self.names(f"extra:{node.name}:{name}", f"{self.ident(node.output)}_{name}")
+    def extra(self, node: Node, name: str) -> Var:
+        return Var(self.names(f"extra:{node.name}:{name}", f"{self.var(node.output).name}_{name}"))
 
-    def kernels(self, node: Node) -> str:
+    def kernel(self, node: Node, func: str) -> Global:
         module = self.kernel_module(node)
         if module not in self.kernel_alias:
             self.kernel_alias[module] = f"K{len(self.kernel_alias) + 1}"
-        return self.kernel_alias[module]
+        return Global(f"{self.kernel_alias[module]}.{func}")
+
+    def raw_var(self, key: str) -> Var:
+        """The variable of a saved tensor as the forward pass made it."""
+        if ":" in key:
+            node_name, extra = key.split(":", 1)
+            return self.extra(self.node_named[node_name], extra)
+        return Var(self.names(key))
+
+    def packed_var(self, key: str, form: Form) -> Var:
+        suffix = "bits" if form.kind == "mask" else form.codec.name
+        base = self.raw_var(key).name
+        return Var(self.names(f"packed:{key}:{form}", f"{base}_{suffix}"))
+
+    def restored_var(self, key: str, form: Form) -> Var:
+        suffix = "mask" if form.kind == "mask" else "restored"
+        return Var(self.names(f"restored:{key}:{form}", f"{self.raw_var(key).name}_{suffix}"))
 
     @staticmethod
-    def param(key: str) -> str:
-        return f"P[{key!r}]"
+    def kwargs(op_kwargs: dict[str, Any]) -> tuple[tuple[str, Expr], ...]:
+        return tuple((k, Const(v)) for k, v in op_kwargs.items())
 
-    # -- forward -----------------------------------------------------------------------
+    # -- forward -------------------------------------------------------------------------
 
-    def forward_step(self, node: Node, saved_extras: set[str], eval_mode: bool = False) -> Step:
+    def forward_step(self, node: Node, eval_mode: bool = False) -> Step:
+        """``out[, extras] = K.op(inputs..., [layer], **non-default args)``."""
         op = node.op
-        inputs = [self.ident(v) for v in node.inputs]
-        tensors = [self.param(p.key) if p.present else "None" for p in node.params]
-        tensors += [self.param(b.key) for b in node.buffers]
-        call_args = ", ".join(a for a in [*inputs, *tensors, kwargs_text(node.kernel_kwargs)] if a)
-        func = f"{op.name}_eval" if eval_mode and op.has_eval else op.name
-        outputs = [self.ident(node.output)]
-        writes = [self.ident(node.output)]
-        if op.extras and not (eval_mode and op.has_eval):
-            for extra in node.extras:
-                if extra.name in saved_extras:
-                    outputs.append(self.extra(node, extra.name))
-                    writes.append(outputs[-1])
-                else:
-                    outputs.append("_")
-        line = f"{', '.join(outputs)} = {self.kernels(node)}.{func}({call_args})"
+        evaluating = eval_mode and op.has_eval
+        args: list[Expr] = [self.var(v) for v in node.inputs]
+        if node.params or node.buffers:
+            args.append(Layer(node.name))
+        call = CallExpr(
+            self.kernel(node, f"{op.name}_eval" if evaluating else op.name),
+            tuple(args),
+            self.kwargs(explicit_kwargs(op, node.kernel_kwargs)),
+        )
+        targets: list[Var | None] = [self.var(node.output)]
+        if op.extras and not evaluating:
+            kept = {a.entry for a in node.saved if a.kind == "extra"} if not eval_mode else set()
+            targets += [self.extra(node, e.name) if e.name in kept else None for e in node.extras]
         return Step(
             "forward",
-            [line],
-            reads=inputs,
-            writes=writes,
+            [Assign(tuple(targets), call)],
             comment=node.text,
             blocks=tuple(b.text for b in node.blocks),
             stage=self.stage(node),
         )
 
-    # -- backward ----------------------------------------------------------------------
+    # -- backward ------------------------------------------------------------------------
 
-    def raw_ident(self, key: str) -> str:
-        """The identifier of a saved tensor as the forward pass made it."""
-        if ":" in key:
-            node_name, extra = key.split(":", 1)
-            return self.extra(self.node_named[node_name], extra)
-        return self.names(key)
-
-    def packed_ident(self, key: str, form: Form) -> str:
-        suffix = "bits" if form.kind == "mask" else form.codec.name
-        base = self.raw_ident(key)
-        return self.names(f"packed:{key}:{form}", f"{base}_{suffix}")
-
-    def restored_ident(self, key: str, form: Form) -> str:
-        suffix = "mask" if form.kind == "mask" else "restored"
-        return self.names(f"restored:{key}:{form}", f"{self.raw_ident(key)}_{suffix}")
-
-    def saved_expr(self, node: Node, entry: str) -> str:
-        found = self.plan.form_for(node, entry)
+    def saved_arg(self, node: Node, arg: SavedArg) -> Expr:
+        if arg.kind == "layer":
+            return Layer(node.name)
+        if arg.kind == "none":
+            return Const(None)
+        found = self.plan.form_for(node, arg.entry)
         if found is not None and found[1].kind != "raw":
-            return self.restored_ident(found[0].key, found[1])
-        names = node.input_names
-        if entry in names:
-            return self.ident(node.inputs[names.index(entry)])
-        if entry == "output":
-            return self.ident(node.output)
-        for p in (*node.params, *node.buffers):
-            if p.name == entry:
-                return self.param(p.key)
-        return self.extra(node, entry)
+            return self.restored_var(found[0].key, found[1])
+        return self.raw_var(arg.key)
 
     def backward_step(self, node: Node, owned: dict[int, bool]) -> Step:
-        """One backward kernel call, gradient sums for fan-out, parameter accumulation.
+        """One backward kernel call, gradient sums for fan-out, parameter gradients.
 
         ``owned`` maps each value that already has a gradient to whether that tensor is
         exclusively ours (then later contributions are added in place, as autograd's
         input buffers do) or may alias another gradient (then the sum is out of place).
         """
         op = node.op
-        grad_out = self.grad(node.output)
-        saved = [self.saved_expr(node, entry) for entry in op.saved]
-        reads = [grad_out] + [s for s in saved if not s.startswith("P[")]
-        outputs: list[str] = []
-        extra_lines: list[str] = []
-        writes: list[str] = []
+        targets: list[Var | None] = []
+        sums: list[Statement] = []
         for position, value in enumerate(node.inputs):
             if not value.requires_grad:
-                outputs.append("_")
+                targets.append(None)
             elif id(value) not in owned:
                 owned[id(value)] = not op.grad_aliases
-                outputs.append(self.grad(value))
-                writes.append(outputs[-1])
+                targets.append(self.grad(value))
             else:
-                partial = self.names(
-                    f"partial:{node.name}:{position}",
-                    f"{self.grad(value)}_from_{self.ident(node.output)}",
+                partial = Var(
+                    self.names(
+                        f"partial:{node.name}:{position}",
+                        f"{self.grad(value).name}_from_{self.var(node.output).name}",
+                    )
                 )
-                outputs.append(partial)
-                writes.append(partial)
-                total = self.grad(value)
-                if owned[id(value)]:
-                    extra_lines.append(f"{total} += {partial}")
-                else:
-                    extra_lines.append(f"{total} = {total} + {partial}")
-                    owned[id(value)] = True
-                reads += [total, partial]
+                targets.append(partial)
+                sums.append(AddTo(self.grad(value), partial, in_place=owned[id(value)]))
+                owned[id(value)] = True
+        param_grads: list[tuple[str, Expr]] = []
         for p in node.params:
             if not p.present:
-                outputs.append("_")
+                targets.append(None)
                 continue
-            ident = self.names(f"pgrad:{p.key}", f"grad_{self.ident(node.output)}_{p.name}")
-            outputs.append(ident)
-            writes.append(ident)
-            if self.platform == "ipu":
-                extra_lines.append(f"grads[{p.key!r}] = {ident}")
-                reads.append("grads")
-            else:
-                extra_lines.append(f"{self.kernels(node)}.accumulate({self.param(p.key)}, {ident})")
-            reads.append(ident)
-        needs = f"needs={tuple(node.needs)!r}"
-        call_args = ", ".join(
-            a for a in [grad_out, *saved, kwargs_text(node.backward_kwargs), needs] if a
+            grad = Var(self.names(f"pgrad:{p.key}", f"grad_{self.var(node.output).name}_{p.name}"))
+            targets.append(grad)
+            param_grads.append((p.name, grad))
+        kwargs = self.kwargs(explicit_kwargs(op, node.backward_kwargs))
+        call = CallExpr(
+            self.kernel(node, f"{op.name}_backward"),
+            (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),
+            (*kwargs, ("needs", Const(tuple(node.needs)))),
         )
-        targets = ", ".join(outputs) if len(outputs) > 1 else f"({outputs[0]},)"
-        line = f"{targets} = {self.kernels(node)}.{op.name}_backward({call_args})"
+        statements: list[Statement] = [Assign(tuple(targets), call, unpack=len(targets) == 1)]
+        statements += sums
+        if param_grads:
+            statements.append(Do(self.param_grads(node, tuple(param_grads))))
         return Step(
             "backward",
-            [line, *extra_lines],
-            reads=reads,
-            writes=writes,
+            statements,
             comment=node.text,
             blocks=tuple(b.text for b in node.blocks),
             stage=self.stage(node),
         )
 
-    # -- whole methods -----------------------------------------------------------------
+    def param_grads(self, node: Node, grads: tuple[tuple[str, Expr], ...]) -> CallExpr:
+        """Where the platform wants a layer's parameter gradients."""
+        if self.platform.grads == "accumulate":  # into each parameter's .grad
+            return CallExpr(Global("K.accumulate"), (Layer(node.name),), grads)
+        # "collect": into the step's dict, by state-dict name, for the surrogate loss
+        return CallExpr(Global("K.collect"), (Var("grads"), Const(node.name)), grads)
 
-    def saved_extras(self, node: Node) -> set[str]:
-        if not node.needs_backward:
-            return set()
-        return {e.name for e in node.extras if e.name in node.op.saved}
+    # -- whole methods -------------------------------------------------------------------
 
     def stash_step(self, stashed: Stashed, blocks: tuple[str, ...]) -> Step:
         """Right after the tensor is made: compress it (once per form) and record the bytes."""
-        raw = self.raw_ident(stashed.key)
-        lines, writes, packs = [], [], []
+        raw = self.raw_var(stashed.key)
+        statements: list[Statement] = []
+        packs: list[Expr] = []
         for form in stashed.forms:
-            source = raw
+            source: Expr = raw
             if form.kind == "mask" and form.mask_kernel:
                 reader = self.node_named[form.mask_node]
-                args = ", ".join(a for a in [raw, kwargs_text(reader.backward_kwargs)] if a)
-                source = f"{self.kernels(reader)}.{form.mask_kernel}({args})"
-            ident = self.packed_ident(stashed.key, form)
+                source = CallExpr(
+                    self.kernel(reader, form.mask_kernel),
+                    (raw,),
+                    self.kwargs(reader.backward_kwargs),
+                )
+            packed = self.packed_var(stashed.key, form)
             codec = self.codec_names[form.codec]
-            lines.append(f"{ident} = {codec}.compress({source})")
-            writes.append(ident)
-            packs.append(f"({codec}, {ident})")
-        lines.append(f"K.stash(stash, {stashed.key!r}, {raw}, {', '.join(packs)})")
-        comment = f"keep {stashed.key} as {' + '.join(f.label() for f in stashed.forms)}"
+            statements.append(Assign((packed,), CallExpr(Global(f"{codec}.compress"), (source,))))
+            packs.append(TupleExpr((Global(codec), packed)))
+        record = CallExpr(Global("K.stash"), (Var("stash"), Const(stashed.key), raw, *packs))
+        statements.append(Do(record))
+        producer = self.graph.nodes[stashed.producer] if stashed.producer >= 0 else None
         return Step(
             "forward",
-            lines,
-            reads=["stash", raw, *writes],
-            writes=writes,
-            comment=comment,
+            statements,
+            comment=f"keep {stashed.key} as {' + '.join(f.label() for f in stashed.forms)}",
             blocks=blocks,
-            stage=self.stage(self.graph.nodes[stashed.producer] if stashed.producer >= 0 else None),
+            stage=self.stage(producer),
         )
 
     def stash_raw_step(self, entries: list[Stashed]) -> Step:
         """At the end of the forward pass: record what is kept uncompressed."""
-        items = ", ".join(f"{s.key!r}: {self.raw_ident(s.key)}" for s in entries)
+        kept = DictExpr(tuple((s.key, self.raw_var(s.key)) for s in entries))
         return Step(
             "forward",
-            [f"K.stash_raw(stash, {{{items}}})"],
-            reads=["stash", *(self.raw_ident(s.key) for s in entries)],
-            writes=[],
+            [Do(CallExpr(Global("K.stash_raw"), (Var("stash"), kept)))],
             comment="kept as they are for backward",
             stage=self.pipeline.num_ipus - 1,
         )
@@ -332,21 +336,23 @@ class Emitter:
         for stashed, _, form in self.plan.reads_of(node):
             if form.kind == "raw" or (stashed.key, form) in self.restored:
                 continue
-            ident = self.restored_ident(stashed.key, form)
-            self.restored[(stashed.key, form)] = ident
-            packed = self.packed_ident(stashed.key, form)
+            restored = self.restored_var(stashed.key, form)
+            self.restored[(stashed.key, form)] = restored
             logical = form.type or stashed.type
-            shape = tuple(logical.shape[1:])
-            dtype = "torch.bool" if form.kind == "mask" else f"{self.grad(node.output)}.dtype"
-            line = (
-                f"{ident} = {self.codec_names[form.codec]}.decompress({packed}, {shape!r}, {dtype})"
+            dtype: Expr
+            if form.kind == "mask":
+                dtype = Global("torch.bool")
+            else:
+                dtype = Attr(self.grad(node.output), "dtype")
+            codec = self.codec_names[form.codec]
+            call = CallExpr(
+                Global(f"{codec}.decompress"),
+                (self.packed_var(stashed.key, form), Const(tuple(logical.shape[1:])), dtype),
             )
             steps.append(
                 Step(
                     "backward",
-                    [line],
-                    reads=[packed, self.grad(node.output)],
-                    writes=[ident],
+                    [Assign((restored,), call)],
                     comment=f"restore {stashed.key}: {form.label()}",
                     stage=self.stage(node),
                 )
@@ -358,44 +364,24 @@ class Emitter:
         stash_after: dict[int, list[Stashed]] = {}
         for stashed in self.plan.entries:
             stash_after.setdefault(stashed.producer, []).append(stashed)
-        steps = [
-            Step(
-                "forward",
-                ["stash = self.stash_log = []"],
-                reads=[],
-                writes=["stash"],
-                comment="what is kept for backward, with its bytes (stash_report())",
-            )
-        ]
-        if self.platform == "ipu":
-            steps.append(
-                Step(
-                    "forward",
-                    ["grads = {}"],
-                    reads=[],
-                    writes=["grads"],
-                    comment="parameter gradients, by state-dict name",
-                )
-            )
 
         def compressed(found: list[Stashed]) -> list[Stashed]:
             return [s for s in found if s.forms != [Form("raw")]]
 
-        steps += [self.stash_step(s, ()) for s in compressed(stash_after.get(-1, []))]
+        steps = [self.stash_step(s, ()) for s in compressed(stash_after.get(-1, []))]
         for n in graph.nodes:
-            steps.append(self.forward_step(n, self.saved_extras(n)))
+            steps.append(self.forward_step(n))
             blocks = tuple(b.text for b in n.blocks)
             steps += [self.stash_step(s, blocks) for s in compressed(stash_after.get(n.index, []))]
         raw = [s for s in self.plan.entries if s.forms == [Form("raw")]]
         if raw:
             steps.append(self.stash_raw_step(raw))
-        loss = self.ident(graph.loss)
+        loss = self.var(graph.loss)
+        seed = CallExpr(Global("torch.ones_like"), (loss,))
         steps.append(
             Step(
                 "backward",
-                [f"{self.grad(graph.loss)} = torch.ones_like({loss})"],
-                reads=[loss],
-                writes=[self.grad(graph.loss)],
+                [Assign((self.grad(graph.loss),), seed)],
                 comment="d loss / d loss = 1",
                 stage=self.stage(graph.loss.producer),
             )
@@ -407,7 +393,7 @@ class Emitter:
                 steps.append(self.backward_step(node, owned))
         # A forward step whose output is saved by a backward step must keep it alive:
         # liveness sees the read in the backward step, so nothing more to do here.
-        release_dead(steps, keep={loss, "grads"})
+        release_dead(steps, keep={loss.name, "grads", "stash"})
         return steps
 
     def predict_steps(self) -> list[Step]:
@@ -423,69 +409,33 @@ class Emitter:
                     value.loc,
                 )
         steps = [
-            self.forward_step(n, set(), eval_mode=True)
-            for n in graph.nodes
-            if id(n.output) in needed
+            self.forward_step(n, eval_mode=True) for n in graph.nodes if id(n.output) in needed
         ]
-        release_dead(steps, keep={self.ident(v) for v in graph.preds})
+        release_dead(steps, keep={self.var(v).name for v in graph.preds})
         return steps
 
 
-def render_steps(steps: list[Step], staged: bool = False) -> list[str]:
-    """Lines of a method body: block and statement comments, code, and releases.
+def layer_lines(graph: Graph) -> list[tuple[str, str, str]]:
+    """(comment, state-dict prefix, constructor) for each node that has parameters.
 
-    With ``staged``, consecutive steps of one pipeline stage go inside
-    ``with poptorch.Block(...)`` so PopTorch places them on that stage's IPU.
+    The constructor leaves out keywords equal to the registry default, which the registry
+    keeps equal to the torch.nn class's own (``torch.nn.Conv2d(3, 64, (3, 3), bias=False)``).
     """
-    lines: list[str] = []
-    current_blocks: tuple[str, ...] = ()
-    section = ""
-    stage = None
-    indent = ""
-    for step in steps:
-        if step.section != section or (staged and step.stage != stage):
-            if step.section != section:
-                section = step.section
-                lines.append("")
-                lines.append(f"# ---- {section} " + "-" * 60)
-            if staged:
-                stage = step.stage
-                lines.append(
-                    f'with poptorch.Block(user_id="{section}{stage}", ipu_id={stage}):'
-                    f"  # IPU {stage}"
-                )
-                indent = "    "
-            current_blocks = ()
-        start = len(lines)
-        if step.blocks != current_blocks:
-            common = 0
-            while (
-                common < min(len(step.blocks), len(current_blocks))
-                and step.blocks[common] == current_blocks[common]
-            ):
-                common += 1
-            for depth, text in enumerate(step.blocks[common:], start=common):
-                lines.append(f"# {'  ' * depth}[block] {safe.comment_text(text)}")
-            current_blocks = step.blocks
-        if step.comment:
-            prefix = "  " * len(step.blocks)
-            lines.append(f"# {prefix}{safe.comment_text(step.comment)}")
-        lines.extend(safe.code(line) for line in step.lines)
-        if step.release:
-            lines.append(f"del {', '.join(step.release)}")
-        lines[start:] = [indent + line if line else line for line in lines[start:]]
-    return [safe.Code(line) for line in lines]
-
-
-def layer_lines(graph: Graph, names: Namer) -> list[tuple[str, str, str]]:
-    """(comment, state-dict prefix, constructor) for each node that has parameters."""
     layers = []
     for node in graph.nodes:
         if not (node.params or node.buffers):
             continue
+        spec = node.op.module
         env = {**node.args, **node.derived}
-        ctor = safe.code(node.op.module.format(**{k: literal(v) for k, v in env.items()}))
-        layers.append((safe.comment_text(node.text), safe.literal(node.name), ctor))
+        kwargs = explicit_kwargs(node.op, {k: env[k] for k in spec.kwargs})
+        ctor = CallExpr(
+            Global(spec.cls),
+            tuple(Const(env[a]) for a in spec.args),
+            Emitter.kwargs(kwargs),
+        )
+        layers.append(
+            (safe.comment_text(node.text), safe.literal(node.name), safe.code(render_expr(ctor)))
+        )
     return layers
 
 
@@ -511,47 +461,46 @@ def render(
     ``config`` overrides the compression config the options name (tests use it to feed
     configs that no loader would accept, to check the emitter on its own).
     """
-    if options.platform not in PLATFORMS:
-        raise ValueError(f"unknown platform '{options.platform}' (known: {', '.join(PLATFORMS)})")
+    target = get_platform(options.platform)
     if options.scheme not in SCHEMES:
         raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
     if config is None:
         config = options.compression()
     plan = plan_stash(graph, config)
     pipeline = None
-    if options.platform == "ipu":
+    if target.pipelined:
         pipeline = split(graph, plan, options.num_ipus, list(options.stage_starts) or None)
     elif options.num_ipus != 1 or options.stage_starts:
-        raise ValueError("--num-ipus and stage starts are for the ipu platform")
-    emitter = Emitter(graph, plan, options.platform, pipeline)
+        raise ValueError(f"--num-ipus and stage starts are not for platform {target.name}")
+    emitter = Emitter(graph, plan, target, pipeline)
     staged = pipeline is not None and pipeline.num_ipus > 1
-    training = render_steps(emitter.training_steps(), staged)
+    training = render_steps(emitter.training_steps(), target.stage_block if staged else None)
     predict = render_steps(emitter.predict_steps())
-    text = _template(options.platform).render(
+    text = _template(target).render(
         header=safe.comment_text(header_comment(graph, source_path, options, config)),
         codecs=[
-            (safe.identifier(name), safe.literal(codec.name), kwargs_text(codec.kwargs))
+            (safe.identifier(name), safe.literal(codec.name), safe.kwargs(codec.kwargs))
             for codec, name in emitter.codec_names.items()
         ],
         compression=safe.doc_text(_describe(config)),
         version=safe.doc_text(__version__),
         source_path=safe.doc_text(source_path),
         model_name=safe.doc_text(graph.name),
-        platform=safe.doc_text(options.platform),
+        platform=safe.doc_text(target.name),
         scheme=safe.doc_text(options.scheme),
         kernel_imports=[
             (safe.dotted(module), safe.identifier(alias))
             for module, alias in sorted(emitter.kernel_alias.items(), key=lambda kv: kv[1])
         ],
-        layers=layer_lines(graph, emitter.names),
-        train_args=[safe.identifier(emitter.ident(v)) for v in graph.inputs],
+        layers=layer_lines(graph),
+        train_args=[safe.identifier(emitter.var(v).name) for v in graph.inputs],
         train_checks=_input_checks(emitter, graph.inputs),
         predict_checks=_input_checks(emitter, graph.model_inputs),
-        predict_args=[safe.identifier(emitter.ident(v)) for v in graph.model_inputs],
+        predict_args=[safe.identifier(emitter.var(v).name) for v in graph.model_inputs],
         training=training,
         predict=predict or [safe.Code("pass")],
-        loss=safe.identifier(emitter.ident(graph.loss)),
-        preds=[safe.identifier(emitter.ident(v)) for v in graph.preds],
+        loss=safe.identifier(emitter.var(graph.loss).name),
+        preds=[safe.identifier(emitter.var(v).name) for v in graph.preds],
         signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
         input_specs=safe.literal(
             [
@@ -577,7 +526,7 @@ def _input_checks(emitter: Emitter, values: list[Value]) -> safe.Code:
     """Arguments of ``K.check_inputs``: (name, tensor, dtype, dims after N) per input."""
     return safe.Code(
         ", ".join(
-            f"({safe.literal(v.name)}, {safe.identifier(emitter.ident(v))}, "
+            f"({safe.literal(v.name)}, {safe.identifier(emitter.var(v).name)}, "
             f"{safe.literal(v.type.dtype)}, {safe.literal(tuple(v.type.shape[1:]))})"
             for v in values
         )
@@ -589,7 +538,7 @@ def _join(items: list[safe.Code], separator: str = "") -> safe.Code:
     return safe.Code(separator.join(safe.template_value(item) for item in items))
 
 
-def _template(platform: str) -> jinja2.Template:
+def _template(platform: Platform) -> jinja2.Template:
     """The platform's module template, in an environment that emits only vetted text."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(resource_dir("templates"))),
@@ -601,7 +550,7 @@ def _template(platform: str) -> jinja2.Template:
         finalize=safe.template_value,
     )
     env.filters["join"] = _join
-    return env.get_template(f"{platform}/module.py.j2")
+    return env.get_template(platform.template)
 
 
 def _value_range(value: Value) -> int:
@@ -672,6 +621,3 @@ def edited_by_hand(text: str) -> bool:
         if line.startswith(CHECKSUM_TAG):
             return line[len(CHECKSUM_TAG) :].strip() != body_checksum(text)
     return True
-
-
-GpuEmitter = Emitter  # the gpu platform's emitter, by its older name

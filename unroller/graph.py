@@ -22,17 +22,15 @@ from typing import Any
 
 from unroller import shapes
 from unroller.ast import Block, BlockParam, Call, Const, Expr, Loc, ModelAST, Ref, TupleExpr
+from unroller.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 from unroller.errors import ModelError, ModelWarning, did_you_mean
 from unroller.registry import ArgSpec, OpSpec, eval_expr, load_registry
 from unroller.shapes import (
-    FLOAT_DTYPES,
     MAX_DIM,
     ShapeError,
     TensorType,
     size_problem,
 )
-
-DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4, "bool": 1}
 
 #: How deeply block calls may nest (a block calling a block calling a block ...).
 MAX_BLOCK_DEPTH = 32
@@ -96,6 +94,29 @@ class Extra:
     present: bool = True  # False: the kernel returns None for it with these arguments
 
 
+@dataclass(frozen=True)
+class SavedArg:
+    """One argument of a node's backward kernel after the output gradient.
+
+    Resolved once, when the graph is built, from the registry's ``saved`` list: an input
+    or the output (``value``), an extra output of the forward kernel (``extra``), the
+    node's parameters and buffers as one layer handle (``layer``, in place of the first
+    parameter entry), or ``none`` for an extra the kernel returns as None with these
+    arguments. The stash planner, the byte report and the code generator all read this.
+    """
+
+    entry: str  # the registry's saved entry ("x", "output", "save_mean"; "weight" for layer)
+    kind: str  # "value", "extra", "layer" or "none"
+    key: str = ""  # stash identity of a tensor: the value's name, or "node:extra"
+    type: TensorType | None = None
+    activation: bool = False  # a compressor may replace it
+
+    @property
+    def is_tensor(self) -> bool:
+        """A runtime tensor the forward pass makes (kept for backward, maybe compressed)."""
+        return self.kind in ("value", "extra")
+
+
 @dataclass(eq=False)
 class Node:
     """One operator call: ``output = op(inputs..., args...)``."""
@@ -114,6 +135,7 @@ class Node:
     blocks: tuple[BlockCall, ...] = ()
     index: int = 0
     needs_backward: bool = False
+    saved: tuple[SavedArg, ...] = ()  # what the backward kernel reads (needs_backward only)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -564,6 +586,9 @@ class GraphBuilder:
                 for v in node.inputs:
                     reaches_loss.add(id(v))
                 node.needs_backward = node.output.requires_grad
+        for node in graph.nodes:
+            if node.needs_backward:
+                node.saved = _saved_args(node)
         used = {id(v) for v in graph.preds} | {id(graph.loss)}
         for value in graph.inputs:
             if not value.consumers:
@@ -578,6 +603,34 @@ class GraphBuilder:
                         node.loc,
                     )
                 )
+
+
+def _saved_args(node: Node) -> tuple[SavedArg, ...]:
+    """The backward kernel's arguments after the output gradient (see ``SavedArg``)."""
+    names = node.input_names
+    layer_entries = {p.name for p in (*node.params, *node.buffers)}
+    extras = {e.name: e for e in node.extras}
+    found: list[SavedArg] = []
+    for entry in node.op.saved:
+        if entry in layer_entries:
+            if not any(a.kind == "layer" for a in found):
+                found.append(SavedArg(entry, "layer"))
+            continue
+        if entry in names:
+            value = node.inputs[names.index(entry)]
+            # A model input is the caller's tensor: compressing it would free nothing.
+            activation = entry in node.op.activations and value.producer is not None
+            found.append(SavedArg(entry, "value", value.name, value.type, activation))
+        elif entry == "output":
+            activation = entry in node.op.activations
+            found.append(SavedArg(entry, "value", node.output.name, node.output.type, activation))
+        elif extras[entry].present:
+            activation = entry in node.op.activations
+            key = f"{node.name}:{entry}"
+            found.append(SavedArg(entry, "extra", key, extras[entry].type, activation))
+        else:
+            found.append(SavedArg(entry, "none"))
+    return tuple(found)
 
 
 def _chain(names: tuple[str, ...], limit: int = 8) -> str:
@@ -710,3 +763,21 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
 
 def build_graph(model: ModelAST, registry: dict[str, OpSpec] | None = None) -> Graph:
     return GraphBuilder(model, registry).build()
+
+
+def normalized_default(op: OpSpec, name: str) -> Any:
+    """The registry default of argument ``name`` in the kernels' form, or ``_NO_DEFAULT``
+    when it has none (a required argument, one defaulting to another, a derived value)."""
+    spec = op.args.get(name)
+    if spec is None or spec.default_from is not None or spec.required:
+        return _NO_DEFAULT
+    return normalize_arg(op.name, spec, spec.default, Loc(0, 0))
+
+
+def explicit_kwargs(op: OpSpec, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` without the arguments equal to their registry default: generated calls
+    leave those to the callee, whose defaults are the registry's (tests check this)."""
+    return {k: v for k, v in values.items() if normalized_default(op, k) != v}
+
+
+_NO_DEFAULT = object()

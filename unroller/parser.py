@@ -42,6 +42,7 @@ from unroller.ast import (
     TensorDecl,
     TupleExpr,
 )
+from unroller.dtypes import DTYPES
 from unroller.errors import ModelError, closest
 from unroller.resources import resource_dir
 from unroller.shapes import MAX_DIM
@@ -56,8 +57,6 @@ __all__ = [
     "read_source",
 ]
 
-#: The dtypes a declaration may use, in the order error messages list them.
-DTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "f64", "i64", "i32")
 
 #: The largest model file (and model text) accepted, in bytes (characters for text): a
 #: real model is a few KiB, and 1 MiB already holds more statements than MAX_NODES.

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from unroller.dtypes import DTYPE_BYTES
 from unroller.errors import ModelError
-from unroller.graph import DTYPE_BYTES, Graph
+from unroller.graph import Graph
 from unroller.stash import StashPlan
 
 VALID_NUM_IPUS = (1, 2, 4, 8, 16)

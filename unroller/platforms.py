@@ -26,6 +26,9 @@ class Platform:
     grads: str
     max_stages: int = 1  # pipeline stages (one per device); 1: no pipelining
     stage_counts: tuple[int, ...] = (1,)  # the stage counts that are accepted
+    #: Pipelined: the ``with`` line that places the steps after it on one stage's device
+    #: (formatted with ``section`` and ``stage``).
+    stage_block: str = ""
 
     @property
     def pipelined(self) -> bool:
@@ -48,6 +51,7 @@ IPU = Platform(
     grads="collect",
     max_stages=16,
     stage_counts=(1, 2, 4, 8, 16),
+    stage_block='with poptorch.Block(user_id="{section}{stage}", ipu_id={stage}):  # IPU {stage}',
 )
 
 PLATFORMS: dict[str, Platform] = {p.name: p for p in (GPU, IPU)}

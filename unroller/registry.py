@@ -2,7 +2,8 @@
 
 Everything the core knows about an operator comes from here: its arguments and their
 validation, its parameters and buffers, what its backward step reads, which of those
-are activations, and which runtime module holds its kernels per platform. Extra
+are activations, and which runtime module holds its kernels where that is not the
+platform's default (``unroller.platforms``). Extra
 registry files (``UNROLLER_OPS``, os.pathsep-separated, or ``load_registry(extra)``)
 add or replace entries, which is how an operator is added without touching the core.
 """
@@ -82,6 +83,20 @@ class MaskSpec:
 
 
 @dataclass(frozen=True)
+class ModuleSpec:
+    """The torch.nn class that holds an op's parameters and buffers, and how to build it.
+
+    ``args`` are passed positionally, ``kwargs`` by name; both name op arguments or
+    values the shape rule derives. A keyword equal to its registry default is left out
+    of the generated constructor call, so those defaults must be the class's own.
+    """
+
+    cls: str  # "torch.nn.Conv2d"
+    args: tuple[str, ...] = ()
+    kwargs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class OpSpec:
     name: str
     doc: str
@@ -92,7 +107,7 @@ class OpSpec:
     shape: str
     params: tuple[TensorSpec, ...] = ()
     buffers: tuple[TensorSpec, ...] = ()
-    module: str | None = None
+    module: ModuleSpec | None = None
     extras: tuple[ExtraSpec, ...] = ()
     saved: tuple[str, ...] = ()
     activations: tuple[str, ...] = ()
@@ -101,7 +116,7 @@ class OpSpec:
     backward_args: tuple[str, ...] = ()
     has_eval: bool = False
     grad_aliases: bool = False
-    kernels: dict[str, str] = field(default_factory=dict)
+    kernels: dict[str, str] = field(default_factory=dict)  # platform -> module, if not default
 
     @property
     def is_loss(self) -> bool:
@@ -201,7 +216,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
         raise RegistryError(f"{where}: unknown field(s) {sorted(unknown)}")
-    for required in ("doc", "kind", "shape", "kernels"):
+    for required in ("doc", "kind", "shape"):
         if required not in raw:
             raise RegistryError(f"{where}: missing field '{required}'")
     if raw["kind"] not in KINDS:
@@ -231,7 +246,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         shape=raw["shape"],
         params=_tensor_specs(name, raw.get("params", [])),
         buffers=_tensor_specs(name, raw.get("buffers", [])),
-        module=raw.get("module"),
+        module=_module_spec(where, raw.get("module")),
         extras=tuple(_extra_specs(name, raw.get("extras", []))),
         saved=tuple(raw.get("saved", ())),
         activations=tuple(raw.get("activations", ())),
@@ -243,7 +258,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         backward_args=tuple(raw.get("backward_args", raw.get("kernel_args", ()))),
         has_eval=bool(raw.get("eval", False)),
         grad_aliases=bool(raw.get("grad_aliases", False)),
-        kernels=dict(raw["kernels"]),
+        kernels=_kernels(where, raw.get("kernels", {})),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}
@@ -260,6 +275,27 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
     if (spec.params or spec.buffers) and not spec.module:
         raise RegistryError(f"{where}: an op with parameters needs 'module'")
     return spec
+
+
+def _module_spec(where: str, raw: Any) -> ModuleSpec | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("class"), str):
+        raise RegistryError(f'{where}: module must be {{ class = "torch.nn.X", args, kwargs }}')
+    if set(raw) - {"class", "args", "kwargs"}:
+        raise RegistryError(f"{where}: module keys are class, args and kwargs")
+    names = [*raw.get("args", []), *raw.get("kwargs", [])]
+    if not all(isinstance(n, str) and n.isidentifier() for n in names):
+        raise RegistryError(f"{where}: module args and kwargs are argument names")
+    return ModuleSpec(raw["class"], tuple(raw.get("args", ())), tuple(raw.get("kwargs", ())))
+
+
+def _kernels(where: str, raw: Any) -> dict[str, str]:
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
+    ):
+        raise RegistryError(f"{where}: kernels must map platform names to module names")
+    return dict(raw)
 
 
 def _read(path: Path) -> dict[str, OpSpec]:

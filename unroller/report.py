@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from unroller.graph import DTYPE_BYTES, Graph, Node
+from unroller.dtypes import DTYPE_BYTES
+from unroller.graph import Graph, Node
 from unroller.shapes import TensorType
 
 
@@ -29,29 +30,11 @@ class SavedTensor:
 
 def saved_tensors(node: Node) -> list[SavedTensor]:
     """Runtime tensors (not parameters) that ``node``'s backward step reads."""
-    if not node.needs_backward:
-        return []
-    names = node.input_names
-    params = {p.name for p in (*node.params, *node.buffers)}
-    extras = {e.name: e for e in node.extras}
-    found = []
-    for entry in node.op.saved:
-        if entry in params:
-            continue
-        if entry in names:
-            value = node.inputs[names.index(entry)]
-            key, ttype = value.name, value.type
-        elif entry == "output":
-            key, ttype = node.output.name, node.output.type
-        elif extras[entry].present:
-            key, ttype = f"{node.name}:{entry}", extras[entry].type
-        else:
-            continue  # the kernel gives None for it (e.g. dropout with p=0)
-        # A model input is the caller's tensor: compressing it would free nothing.
-        from_input = entry in names and node.inputs[names.index(entry)].producer is None
-        activation = entry in node.op.activations and not from_input
-        found.append(SavedTensor(node.name, entry, key, ttype, activation))
-    return found
+    return [
+        SavedTensor(node.name, a.entry, a.key, a.type, a.activation)
+        for a in node.saved
+        if a.is_tensor
+    ]
 
 
 def graph_report(graph: Graph, batch: int) -> dict[str, Any]:

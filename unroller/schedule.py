@@ -1,11 +1,8 @@
-"""The step program: forward and unrolled backward as a list of steps, with liveness.
+"""Names in generated code: what templates reserve, and model names made identifiers.
 
-A ``Step`` is one statement of the model (or one gradient seed) turned into lines of
-Python, plus the identifiers those lines read and write. ``release_dead`` walks the
-program once and attaches to every step the identifiers whose last use it is, so the
-generated code drops each activation, saved tensor and gradient as soon as nothing
-later needs it. Identifiers come from a ``Namer`` that turns model names (dotted,
-possibly Python keywords) into unique, valid Python names.
+A ``Namer`` turns model names (dotted, possibly Python keywords) and derived names
+(``grad:x``) into unique, valid Python identifiers, in a deterministic order, never
+one a template uses itself. The steps that use them live in ``unroller.ir``.
 """
 
 from __future__ import annotations
@@ -13,14 +10,13 @@ from __future__ import annotations
 import builtins
 import keyword
 import re
-from dataclasses import dataclass, field
 
 # Names the generated modules (every platform's template) use themselves, and every
 # builtin (a template may call any of them, e.g. ``sum``): model names never take them.
 # tests/test_reserved_names.py checks this against every name each template emits.
 TEMPLATE_NAMES = frozenset(
     {
-        "self", "torch", "sys", "K", "P", "C", "Model", "stash", "grads", "poptorch",
+        "self", "torch", "sys", "K", "P", "L", "C", "Model", "stash", "grads", "poptorch",
         "surrogate", "run_main", "terms", "total", "NUM_IPUS", "INPUTS", "_",
     }
 )  # fmt: skip
@@ -52,36 +48,3 @@ class Namer:
         self.taken.add(ident)
         self.by_key[key] = ident
         return ident
-
-
-@dataclass
-class Step:
-    """Lines of code for one model statement, in the forward or backward section."""
-
-    section: str  # "forward" or "backward"
-    lines: list[str]
-    reads: list[str]
-    writes: list[str]
-    comment: str = ""  # the model statement, shown above the lines
-    blocks: tuple[str, ...] = ()  # enclosing block calls, outermost first
-    stage: int = 0  # pipeline stage (IPU) the step runs on
-    release: list[str] = field(default_factory=list)
-
-
-def release_dead(steps: list[Step], keep: set[str]) -> None:
-    """After each step, release what no later step reads (except ``keep``)."""
-    last_use: dict[str, int] = {}
-    order: dict[str, int] = {}
-    for i, step in enumerate(steps):
-        for ident in step.writes:
-            order.setdefault(ident, len(order))
-            last_use.setdefault(ident, i)
-        for ident in step.reads:
-            order.setdefault(ident, len(order))
-            last_use[ident] = i
-    dying: dict[int, list[str]] = {}
-    for ident, last in last_use.items():
-        if ident not in keep:
-            dying.setdefault(last, []).append(ident)
-    for i, step in enumerate(steps):
-        step.release = sorted(dying.get(i, []), key=order.__getitem__)

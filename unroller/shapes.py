@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-FLOAT_DTYPES = ("f32", "f16", "bf16", "f64")
-INT_DTYPES = ("i64", "i32")
-DTYPES = FLOAT_DTYPES + INT_DTYPES
+from unroller.dtypes import DTYPES, FLOAT_DTYPES, INT_DTYPES  # noqa: F401 (re-exported)
+
 BATCH = "N"
 
 #: The largest size of any dim of any tensor, and the largest integer argument.

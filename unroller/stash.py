@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from unroller.graph import DTYPE_BYTES, Graph, Node
+from unroller.dtypes import DTYPE_BYTES, is_float, torch_dtype
+from unroller.graph import Graph, Node
 from unroller.registry import eval_expr
 from unroller.report import SavedTensor, saved_tensors
 from unroller.schemes import Codec, CompressionConfig
@@ -63,7 +64,7 @@ class Stashed:
                 t = form.type or self.type
                 shape = tuple(batch if d == "N" else d for d in t.shape)
                 dtype = "bool" if form.kind == "mask" else t.dtype
-                total += form.codec.instance().stored_bytes(shape, _torch_dtype(dtype))
+                total += form.codec.instance().stored_bytes(shape, torch_dtype(dtype))
         return total
 
 
@@ -122,20 +123,6 @@ class StashPlan:
         }
 
 
-def _torch_dtype(name: str):
-    import torch
-
-    return {
-        "f32": torch.float32,
-        "f16": torch.float16,
-        "bf16": torch.bfloat16,
-        "f64": torch.float64,
-        "i64": torch.int64,
-        "i32": torch.int32,
-        "bool": torch.bool,
-    }[name]
-
-
 def _reader_form(node: Node, saved: SavedTensor, config: CompressionConfig) -> Form:
     mask = node.op.masks.get(saved.entry)
     if config.masks and mask is not None:
@@ -146,7 +133,7 @@ def _reader_form(node: Node, saved: SavedTensor, config: CompressionConfig) -> F
                 names = node.input_names
                 like = node.inputs[names.index(mask.like)].type
             return Form("mask", BITS, mask.kernel, node.name, TensorType("bool", like.shape))
-    if saved.activation and saved.type.dtype in ("f32", "f16", "bf16", "f64"):
+    if saved.activation and is_float(saved.type.dtype):
         codec = config.choose(node.op.name, node.name, saved.type.shape)
         if codec is not None:
             return Form("codec", codec)

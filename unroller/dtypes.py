@@ -1,0 +1,39 @@
+"""The model language's dtypes: their names, sizes and torch equivalents, in one place.
+
+Everything that needs a fact about a dtype (the parser's list, shape rules, byte counts
+for the stash plan and the pipeline split, synthetic data) asks here, so a new dtype is
+one line in each table below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FLOAT_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "f64")
+INT_DTYPES: tuple[str, ...] = ("i64", "i32")
+#: What a declaration may use, in the order error messages list them.
+DTYPES: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES
+#: Bytes per element, including the bool of 1-bit masks before packing.
+DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4}
+DTYPE_BYTES["bool"] = 1
+
+_TORCH_NAMES = {
+    "f32": "float32",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f64": "float64",
+    "i64": "int64",
+    "i32": "int32",
+    "bool": "bool",
+}
+
+
+def is_float(dtype: str) -> bool:
+    return dtype in FLOAT_DTYPES
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch.dtype of a model dtype name (torch imported only when asked)."""
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[name])
