@@ -1,0 +1,5 @@
+"""``python -m unroller.cli``: the same as the ``unroll`` script."""
+
+from unroller.cli import main
+
+main()

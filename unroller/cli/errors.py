@@ -1,0 +1,59 @@
+"""How every command reports a user error: one line, or ``FILE:LINE:COL`` with a caret.
+
+A user error is never a traceback: commands raise what these helpers return (a
+``typer.Exit``, status 2 unless said otherwise) after the message is on standard error.
+Model-file and config-file errors keep the compiler-like ``FILE:LINE:COL: error: ...``
+form, with the source line and a caret, so editors can jump to them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from unroller.errors import ConfigError, ConfigFileError, ModelError
+
+USER_ERROR = 2  # exit status of every refused command line or input file
+
+
+def fail(message: str, code: int = USER_ERROR) -> typer.Exit:
+    """``unroll: error: MESSAGE`` on standard error; raise the result."""
+    typer.echo(f"unroll: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def fail_plain(message: str) -> typer.Exit:
+    """A message that is already formatted (``FILE:LINE:COL: error: ...``), printed as is."""
+    typer.echo(message, err=True)
+    return typer.Exit(USER_ERROR)
+
+
+def config_error(exc: ConfigError) -> typer.Exit:
+    """A config file's error is already ``FILE:LINE:COL: error: ...``; any other is one line."""
+    return fail_plain(str(exc)) if isinstance(exc, ConfigFileError) else fail(str(exc))
+
+
+def model_error(exc: ModelError, path: str | Path) -> typer.Exit:
+    """``FILE:LINE:COL: error: ...`` with the model's line and a caret under the column."""
+    from unroller.parser import read_source
+
+    try:  # the same bounded read of a regular file as the parser's: a FIFO never blocks
+        source = read_source(path)
+    except ModelError:
+        source = ""
+    typer.echo(exc.format(str(path), source), err=True)
+    return typer.Exit(USER_ERROR)
+
+
+def print_warnings(path: str | Path) -> None:
+    """The model's warnings, in the same ``FILE:LINE:COL`` form; a broken model has none
+    here (its error is reported where it is loaded)."""
+    from unroller.api import load_graph
+
+    try:
+        graph = load_graph(path)
+    except ModelError:
+        return
+    for warning in graph.warnings:
+        typer.echo(warning.format(str(path), graph.source), err=True)

@@ -1,0 +1,145 @@
+"""Commands that look at a model or generated code without writing anything:
+``unroll graph`` (nodes, saved bytes, the stash, per-stage bytes), ``unroll lint`` (torch
+calls a platform cannot run) and ``unroll ops`` (the operator registry)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from unroller.api import load_graph, read_model_text
+from unroller.cli.errors import fail, model_error
+from unroller.cli.options import (
+    DEFAULT_PLATFORM,
+    DEFAULT_SCHEME,
+    ConfigOpt,
+    ModelArg,
+    NumIpusOpt,
+    OptLevelOpt,
+    PlatformOpt,
+    SchemeOpt,
+    StagesOpt,
+    value_of,
+)
+from unroller.cli.stdout import write_stdout
+from unroller.cli.target import make_options
+from unroller.errors import ModelError
+from unroller.pipeline import ipu_report, split
+from unroller.platforms import PlatformName
+from unroller.platforms import platform as platform_named
+from unroller.report import format_dot, format_ipus, format_stash, format_table, graph_report
+from unroller.stash import plan_stash
+
+FORMATS = ("table", "json", "dot")
+#: lint checks against a platform's list of supported calls; the IPU is the one with a short list.
+LINT_PLATFORM = PlatformName("ipu")
+
+
+def graph(
+    model: ModelArg,
+    batch_size: Annotated[int, typer.Option(min=1, help="Batch size for byte counts.")] = 32,
+    fmt: Annotated[str, typer.Option("--format", help="table, json or dot.")] = "table",
+    scheme: SchemeOpt = DEFAULT_SCHEME,
+    compress_config: ConfigOpt = None,
+    opt_level: OptLevelOpt = 1,
+    platform: PlatformOpt = DEFAULT_PLATFORM,
+    num_ipus: NumIpusOpt = 1,
+    stage_starts: StagesOpt = None,
+) -> None:
+    """Show the node graph: op, output shape, parameters and bytes saved for backward,
+    and per saved tensor the form the scheme keeps it in, raw and stored bytes.
+
+    With a pipelined platform (--platform ipu): per stage its parameter bytes, stashed
+    bytes (raw and stored) and the bytes crossing each stage boundary.
+
+    Example: unroll graph models/resnet34.txt --batch-size 32 --scheme dct-dense
+    """
+    options = make_options(platform, scheme, compress_config, opt_level, num_ipus, stage_starts)
+    if fmt not in FORMATS:
+        raise fail(f"unknown format '{fmt}' (table, json or dot)")
+    try:
+        read_model_text(model)
+        g = load_graph(model)
+    except ModelError as exc:
+        raise model_error(exc, model) from None
+    for warning in g.warnings:
+        typer.echo(warning.format(str(model), g.source), err=True)
+    plan = plan_stash(g, options.compression())
+    stash = plan.report(batch_size)
+    per_stage = None
+    if platform_named(options.platform).pipelined:
+        try:
+            pipe = split(g, plan, num_ipus, list(options.stage_starts) or None)
+        except ModelError as exc:
+            raise model_error(exc, model) from None
+        per_stage = ipu_report(g, plan, pipe, batch_size)
+    if fmt == "dot":
+        out = [format_dot(g)]
+    elif fmt == "json":
+        found = {**graph_report(g, batch_size), "stash": stash}
+        if per_stage is not None:
+            found["ipus"] = per_stage
+        out = [json.dumps(found, indent=2)]
+    else:
+        out = [format_table(graph_report(g, batch_size)), ""]
+        shown = value_of(scheme) if compress_config is None else str(compress_config)
+        out.append(format_stash(stash, shown))
+        if per_stage is not None:
+            out += ["", format_ipus(per_stage)]
+    write_stdout("".join(f"{line}\n" for line in out))
+
+
+def lint(
+    paths: Annotated[list[Path], typer.Argument(help="Generated modules or folders of them.")],
+    platform: PlatformOpt = LINT_PLATFORM,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every call.")] = False,
+) -> None:
+    """Check every torch call reachable from generated modules against what the platform runs.
+
+    Follows every module they import (unroller kernels and compressors, user operator
+    modules from UNROLLER_OPS, and what those call) and fails, with file, line and the
+    chain of calls, on any call outside the platform's supported list or any module it
+    cannot find or read.
+
+    Example: unroll lint generated/ipu generated/multiipu --platform ipu
+    """
+    from unroller.lint import lint_paths
+
+    try:
+        report = lint_paths(paths, value_of(platform))
+    except (FileNotFoundError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    write_stdout(f"{report.format(verbose=verbose)}\n")
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def ops() -> None:
+    """List the operators of the registry with their arguments.
+
+    Example: unroll ops
+    """
+    from unroller.registry import load_registry
+
+    out = []
+    for name, spec in load_registry().items():
+        args = ", ".join(
+            (
+                a.name
+                if a.required
+                else f"{a.name}={a.default if a.default_from is None else a.default_from}"
+            )
+            for a in spec.args.values()
+        )
+        inputs = "*inputs" if spec.variadic else ", ".join(spec.inputs)
+        out.append(f"{name}({inputs}{', ' + args if args else ''})  -- {spec.doc}\n")
+    write_stdout("".join(out))
+
+
+def register(app: typer.Typer) -> None:
+    """Add graph, lint and ops to ``app``."""
+    app.command()(graph)
+    app.command()(lint)
+    app.command()(ops)

@@ -1,0 +1,153 @@
+"""Every option two or more commands take, declared once.
+
+Commands annotate their parameters with these aliases, so a name, a short flag, a help
+text or a set of choices is changed in one place. Platforms and schemes are Enums built
+from ``unroller.platforms.PLATFORMS`` and ``unroller.schemes.SCHEMES``: --help lists
+their choices, and adding a platform or scheme there adds it here.
+
+An unknown choice is refused with the message users know (``unroll: error: unknown
+platform 'tpu' (known: gpu, ipu)``, status 2) rather than click's generic one: the
+parsers below do the refusing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+
+from unroller.cli.errors import fail
+from unroller.platforms import PLATFORMS, PlatformName
+from unroller.schemes import SCHEMES
+
+#: The scheme names as an Enum, for typer options (``Scheme("dct-dense")``).
+Scheme = Enum("Scheme", {name.upper().replace("-", "_"): name for name in SCHEMES}, type=str)
+
+#: The defaults of --platform and --scheme where a command does not say otherwise.
+DEFAULT_PLATFORM = PlatformName("gpu")
+DEFAULT_SCHEME = Scheme("nocompress")
+
+#: Where checked-in generated files live (``unroll check``, ``unroll diff``).
+GENERATED = Path("generated")
+
+E = TypeVar("E", bound=Enum)
+
+
+def value_of(choice: Enum | str) -> str:
+    """The plain name behind a choice (what Options, headers and messages hold)."""
+    return str(getattr(choice, "value", choice))
+
+
+def _choice_parser(enum: type[E], noun: str) -> Callable[[object], E]:
+    """A typer parser that turns a name into ``enum``'s member, or refuses it (status 2)."""
+
+    def parse(value: object) -> E:
+        if isinstance(value, enum):
+            return value
+        try:
+            return enum(value)
+        except ValueError:
+            known = ", ".join(value_of(member) for member in enum)
+            raise fail(f"unknown {noun} '{value}' (known: {known})") from None
+
+    return parse
+
+
+parse_platform = _choice_parser(PlatformName, "platform")
+parse_scheme = _choice_parser(Scheme, "scheme")
+
+
+def _platforms_help() -> str:
+    return "; ".join(f"{p.name}: {p.summary}" for p in PLATFORMS.values()) + "."
+
+
+def _stages_help() -> str:
+    """Which platforms pipeline, and the stage counts each accepts."""
+    pipelined = [p for p in PLATFORMS.values() if p.pipelined]
+    counts = "; ".join(f"{p.name}: {', '.join(map(str, p.stage_counts))}" for p in pipelined)
+    return f"Pipeline stages, one per device ({counts})."
+
+
+# ---- the model and its target (generate, diff, graph, lint, train, accuracy) -----------
+
+ModelArg = Annotated[Path, typer.Argument(help="The model file (.txt).")]
+PlatformOpt = Annotated[
+    PlatformName,
+    typer.Option("--platform", "-p", parser=parse_platform, help=_platforms_help()),
+]
+NumIpusOpt = Annotated[int, typer.Option("--num-ipus", help=_stages_help())]
+StagesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--stage-starts",
+        help="Pipelined platforms: comma-separated first node of each stage after the first "
+        "(default: balance parameter + stashed bytes).",
+    ),
+]
+
+# ---- compression (generate, diff, graph, train) ----------------------------------------
+
+SchemeOpt = Annotated[
+    Scheme, typer.Option("--scheme", parser=parse_scheme, help="Compression scheme.")
+]
+SchemesOpt = Annotated[
+    list[Scheme] | None,
+    typer.Option("--scheme", parser=parse_scheme, help="A scheme; give two to compare schemes."),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--compress-config", help="TOML file with a default and rules (replaces the scheme's)."
+    ),
+]
+OptLevelOpt = Annotated[
+    int, typer.Option("--opt-level", min=0, max=1, help="0: no compression and no masks.")
+]
+
+# ---- training (train, accuracy) --------------------------------------------------------
+
+DatasetOpt = Annotated[
+    str,
+    typer.Option(
+        "--dataset",
+        "-d",
+        help="digits (real, from scikit-learn), denoise / clouds / optics (synthetic), "
+        "or sciml:PATH (SciML-Bench data on disk).",
+    ),
+]
+EpochsOpt = Annotated[int, typer.Option("--epochs", help="Epochs to train.", min=1)]
+BatchOpt = Annotated[int, typer.Option("--batch-size", help="Samples per step.", min=1)]
+LrOpt = Annotated[float, typer.Option("--lr", help="Peak learning rate.")]
+# The names are unroller.training.OPTIMIZERS (tests/test_cli_layout.py checks): not imported,
+# because importing training imports torch, which would slow every `unroll` command.
+OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="sgd or adam.")]
+MomentumOpt = Annotated[float, typer.Option("--momentum", help="SGD momentum.")]
+DecayOpt = Annotated[float, typer.Option("--weight-decay", help="L2 weight decay.")]
+ScheduleOpt = Annotated[
+    str, typer.Option("--schedule", help="cosine (lr to lr/100 over the epochs) or constant.")
+]
+DataSeedOpt = Annotated[
+    int, typer.Option("--data-seed", help="Seed of the synthetic datasets (not digits).")
+]
+TrainSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--train-size",
+        help="K training samples: the first K of digits / sciml, K generated for synthetic sets.",
+    ),
+]
+TestSizeOpt = Annotated[
+    int | None, typer.Option("--test-size", help="K test samples (as --train-size).")
+]
+ResolutionOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--resolution",
+        help="Rewrite the model's image inputs and targets to R rows (as unroll bench).",
+    ),
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or epoch lines.")]

@@ -1,0 +1,236 @@
+"""``unroll train`` and ``unroll accuracy``: train generated gpu modules on a dataset.
+
+Both commands take one set of training options (``TRAINING`` below, declared in
+``unroller.cli.options``) and turn it into a ``TrainConfig`` the same way; ``train`` adds
+a scheme, a seed and --resume, ``accuracy`` a list of schemes and a number of seeds.
+Training imports torch, so it is imported only when one of these commands runs.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from unroller.cli.errors import config_error, model_error
+from unroller.cli.options import (
+    DEFAULT_SCHEME,
+    BatchOpt,
+    ConfigOpt,
+    DataSeedOpt,
+    DatasetOpt,
+    DecayOpt,
+    DeviceOpt,
+    EpochsOpt,
+    LrOpt,
+    ModelArg,
+    MomentumOpt,
+    OptimizerOpt,
+    QuietOpt,
+    ResolutionOpt,
+    ScheduleOpt,
+    SchemeOpt,
+    TestSizeOpt,
+    TrainSizeOpt,
+    value_of,
+)
+from unroller.errors import ConfigError, ModelError
+
+if TYPE_CHECKING:
+    from unroller.training import TrainConfig
+
+#: The options train and accuracy share, by parameter name: each is a TrainConfig field.
+TRAINING = (
+    "dataset",
+    "epochs",
+    "batch_size",
+    "lr",
+    "optimizer",
+    "momentum",
+    "weight_decay",
+    "schedule",
+    "data_seed",
+    "train_size",
+    "test_size",
+    "resolution",
+    "device",
+)
+
+
+def training_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """The shared training options out of a command's parameters (its ``locals()``)."""
+    return {name: values[name] for name in TRAINING}
+
+
+def _logger(quiet: bool):
+    return (lambda line: None) if quiet else (lambda line: typer.echo(line, err=True))
+
+
+def _resumed_config(ctx: typer.Context, config: TrainConfig, resume: Path) -> TrainConfig:
+    """The checkpoint's settings, overridden by the options given on the command line
+    (``train`` then refuses any that differ, except --epochs)."""
+    from unroller.training import TrainConfig, load_checkpoint
+
+    try:
+        recorded = TrainConfig.from_dict(load_checkpoint(resume)["config"])
+    except ConfigError as exc:
+        raise config_error(exc) from None
+    given = {
+        name
+        for name in config.to_dict()
+        # compared by name: typer may ship its own copy of click's ParameterSource
+        if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"
+    }
+    values = recorded.to_dict()
+    values.update({name: value for name, value in config.to_dict().items() if name in given})
+    return TrainConfig.from_dict(values)
+
+
+def train(
+    ctx: typer.Context,
+    model: ModelArg,
+    dataset: DatasetOpt = "digits",
+    scheme: SchemeOpt = DEFAULT_SCHEME,
+    compress_config: ConfigOpt = None,
+    epochs: EpochsOpt = 10,
+    batch_size: BatchOpt = 64,
+    lr: LrOpt = 0.05,
+    optimizer: OptimizerOpt = "sgd",
+    momentum: MomentumOpt = 0.9,
+    weight_decay: DecayOpt = 5e-4,
+    schedule: ScheduleOpt = "cosine",
+    seed: Annotated[int, typer.Option(help="Seed of the initial weights and data order.")] = 0,
+    data_seed: DataSeedOpt = 0,
+    train_size: TrainSizeOpt = None,
+    test_size: TestSizeOpt = None,
+    resolution: ResolutionOpt = None,
+    device: DeviceOpt = "cpu",
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Run folder (default runs/MODEL-DATASET-SCHEME-sSEED)."),
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(help="Continue from this checkpoint.pt (same settings; --epochs may grow)."),
+    ] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Train the generated gpu-platform model of MODEL on a dataset.
+
+    Writes OUT/metrics.jsonl (one line per epoch), OUT/checkpoint.pt (after every
+    epoch, atomically), OUT/run.json and OUT/model.py (the generated module).
+
+    Example: unroll train benchmarks/models/quick.txt --dataset digits --scheme dct-dense --epochs 15
+    """
+    from unroller.training import TrainConfig
+    from unroller.training import train as run_training
+
+    config = TrainConfig(
+        **training_settings(locals()),
+        model=str(model.resolve()),  # absolute: a resume may start in another folder
+        scheme=value_of(scheme),
+        compress_config=str(compress_config.resolve()) if compress_config else None,
+        seed=seed,
+    )
+    if resume is not None:
+        config = _resumed_config(ctx, config, resume)
+        if out is None:
+            out = resume.parent
+    if out is None:
+        data_name = dataset.split(":", 1)[0]
+        label = value_of(scheme) if compress_config is None else compress_config.stem
+        out = Path("runs") / f"{model.stem}-{data_name}-{label}-s{seed}"
+    try:
+        run = run_training(config, out, resume=resume, progress=not quiet, log=_logger(quiet))
+    except ModelError as exc:
+        raise model_error(exc, model) from None
+    except ConfigError as exc:
+        raise config_error(exc) from None
+    except KeyboardInterrupt:
+        if (out / "checkpoint.pt").is_file():
+            typer.echo(f"interrupted; continue with --resume {out / 'checkpoint.pt'}", err=True)
+        else:
+            typer.echo("interrupted before the first epoch ended; nothing to resume", err=True)
+        raise typer.Exit(130) from None
+    last = run.history[-1] if run.history else None
+    if last is not None and last.get("diverged"):
+        typer.echo(f"the loss stopped being finite at epoch {last['epoch']}", err=True)
+        raise typer.Exit(1)
+    if not quiet and last is not None:
+        typer.echo(
+            f"{run.primary} {last['test'][run.primary]:.4g} after epoch {last['epoch']}; "
+            f"metrics in {out / 'metrics.jsonl'}",
+            err=True,
+        )
+
+
+def accuracy(
+    model: ModelArg,
+    dataset: DatasetOpt = "digits",
+    schemes: Annotated[
+        str,
+        typer.Option(
+            help="all (nocompress, dct-first, dct-dense, quant-8bit, quant-4bit, "
+            "quant-2bit) or a comma-separated list of those and .toml configs."
+        ),
+    ] = "all",
+    seeds: Annotated[int, typer.Option(help="Seeds 0..K-1 per scheme.", min=1)] = 3,
+    epochs: EpochsOpt = 10,
+    batch_size: BatchOpt = 64,
+    lr: LrOpt = 0.05,
+    optimizer: OptimizerOpt = "sgd",
+    momentum: MomentumOpt = 0.9,
+    weight_decay: DecayOpt = 5e-4,
+    schedule: ScheduleOpt = "cosine",
+    data_seed: DataSeedOpt = 0,
+    train_size: TrainSizeOpt = None,
+    test_size: TestSizeOpt = None,
+    resolution: ResolutionOpt = None,
+    device: DeviceOpt = "cpu",
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Results folder (default runs/accuracy-MODEL-DATASET)."),
+    ] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Train every scheme over several seeds from the same initial weights; write
+    OUT/accuracy.md, accuracy.csv, summary.json and per-epoch PNG plots.
+
+    Runs already finished in OUT are reused, unfinished ones continue.
+
+    Example: unroll accuracy benchmarks/models/quick.txt --dataset digits --schemes all --seeds 3
+    """
+    from unroller.accuracy import parse_schemes, run_accuracy
+    from unroller.training import TrainConfig
+
+    if out is None:
+        out = Path("runs") / f"accuracy-{model.stem}-{dataset.split(':', 1)[0]}"
+    base = TrainConfig(model=str(model), **training_settings(locals()))
+    command = "unroll " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    try:
+        run_accuracy(
+            base,
+            parse_schemes(schemes),
+            list(range(seeds)),
+            out,
+            command,
+            not quiet,
+            _logger(quiet),
+        )
+    except ModelError as exc:
+        raise model_error(exc, model) from None
+    except ConfigError as exc:
+        raise config_error(exc) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted; run the same command again to continue", err=True)
+        raise typer.Exit(130) from None
+    typer.echo((out / "accuracy.md").read_text(encoding="utf-8"))
+
+
+def register(app: typer.Typer) -> None:
+    """Add train and accuracy to ``app``."""
+    app.command()(train)
+    app.command()(accuracy)
