@@ -41,8 +41,10 @@ accuracy: $(STAMP)
 	$(ACCURACY) benchmarks/models/slstrcloud.txt --dataset clouds --resolution 32 --epochs 8 \
 		--optimizer adam --lr 0.001 --batch-size 16 --out benchmarks/results/accuracy/clouds
 
+# The golden files under generated/; `make generate ALL=1` also writes every benchmark
+# module (each platform, scheme, pipeline) under build/generated/.
 generate: $(STAMP)
-	$(PY) -m benchmarks.generate_all
+	$(PY) -m benchmarks.generate_all $(if $(ALL),--all,)
 
 check: $(STAMP)
 	$(UNROLL) check generated

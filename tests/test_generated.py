@@ -31,8 +31,8 @@ def test_checked_in_file_exists_and_is_untouched(model, options, out):
 
 def test_one_golden_file_regenerates_byte_identically(monkeypatch):
     monkeypatch.chdir(ROOT)
-    model = ROOT / "benchmarks/models/resnet_like.txt"
-    golden = ROOT / "generated/gpu/resnet_like/dct-dense.py"
+    model = ROOT / "benchmarks/models/quick.txt"
+    golden = ROOT / "generated/gpu/quick/dct-dense.py"
     label = model.relative_to(ROOT).as_posix()
     assert golden.read_text() == generate_source(model, Options(scheme="dct-dense"), label=label)
     result = CliRunner().invoke(app, ["diff", label, "--platform", "gpu", "--scheme", "dct-dense"])
@@ -42,17 +42,17 @@ def test_one_golden_file_regenerates_byte_identically(monkeypatch):
 def test_diff_shows_a_changed_model(tmp_path, monkeypatch):
     """Edit a copy of a golden model: diff exits 1 and shows the changed lines."""
     monkeypatch.chdir(ROOT)
-    src = (ROOT / "benchmarks/models/resnet_like.txt").read_text()
-    changed = tmp_path / "resnet_like.txt"
+    src = (ROOT / "benchmarks/models/quick.txt").read_text()
+    changed = tmp_path / "quick.txt"
     changed.write_text(src.replace("out_features=10", "out_features=7"))
-    golden = ROOT / "generated/gpu/resnet_like/nocompress.py"
+    golden = ROOT / "generated/gpu/quick/nocompress.py"
     result = CliRunner().invoke(app, ["diff", str(changed), "--against", str(golden)])
     assert result.exit_code == 1
     assert (
-        '-        K.add_layer(self, "linear", torch.nn.Linear(64, 10, bias=True))' in result.output
+        '-        K.add_layer(self, "linear", torch.nn.Linear(64, 10))' in result.output
     )
     assert (
-        '+        K.add_layer(self, "linear", torch.nn.Linear(64, 7, bias=True))' in result.output
+        '+        K.add_layer(self, "linear", torch.nn.Linear(64, 7))' in result.output
     )
 
 

@@ -214,7 +214,7 @@ def test_unroll_lint_passes_on_generated_ipu_code_and_fails_on_a_bad_module(tmp_
 
     root = model_path("resnet_like").parent.parent.parent
     monkeypatch.chdir(root)
-    ok = CliRunner().invoke(app, ["lint", "generated/ipu/resnet_like/dct-dense.py"])
+    ok = CliRunner().invoke(app, ["lint", "generated/ipu/quick/dct-dense.py"])
     assert ok.exit_code == 0, ok.output
     bad = tmp_path / "bad.py"
     bad.write_text(
