@@ -1,13 +1,13 @@
 """Forward and backward kernels of the ``ipu`` platform (PopTorch, Graphcore's PyTorch).
 
-Same calling convention as ``unroller.runtime.gpu``:
-
-* forward: ``op(*inputs, *params, *buffers, **kernel_args)`` returns the output, or
-  ``(output, *extras)`` (batchnorm2d, maxpool2d, dropout, cross_entropy);
-* backward: ``op_backward(grad_out, *saved, **backward_args, needs)`` returns one gradient per
-  input then per trainable param, ``None`` where ``needs`` is False (nothing unneeded is
-  computed); ``op_eval`` for batchnorm2d and dropout; ``<op>_mask`` kernels make the 1-bit
-  masks the registry may keep in place of a saved tensor.
+Same calling convention as ``unroller.runtime.gpu`` (described in ``unroller.runtime.common``:
+layer handles in place of parameter tensors, registry defaults as keyword defaults, one
+gradient per input then per parameter, ``None`` where ``needs`` is False, nothing unneeded
+computed). The kernels whose code is the same on both platforms (linear, relu, sigmoid, tanh,
+add, mul, concat, flatten, reshape, l1_loss's forward, the mask kernels of relu and
+leaky_relu, dropout_eval) and the helpers generated code calls come from
+``unroller.runtime.common``; this module defines only what PopTorch needs done differently,
+and ``collect`` (not ``accumulate``) hands parameter gradients to PopTorch.
 
 Every kernel uses only operations PopTorch runs on the IPU (see PopTorch's list of supported
 operations): no aten backward kernels, no autograd, no max-pool indices, no bilinear
@@ -61,44 +61,45 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from unroller.runtime.gpu import add_layer, check_inputs, stash, stash_raw, stash_report, tensors
+from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ at the end)
+    IGNORE_INDEX,
+    Grads,
+    Needs,
+    Pair,
+    _exports,
+    _fit,
+    _need,
+    _norm_tensors,
+    _weight_bias,
+    add,
+    add_backward,
+    add_layer,
+    check_inputs,
+    collect,
+    concat,
+    concat_backward,
+    dropout_eval,
+    flatten,
+    flatten_backward,
+    l1_loss,
+    layers,
+    leaky_relu_mask,
+    linear,
+    linear_backward,
+    mul,
+    mul_backward,
+    relu,
+    relu_mask,
+    reshape,
+    reshape_backward,
+    sigmoid,
+    stash,
+    stash_raw,
+    stash_report,
+    tanh,
+    tensors,
+)
 
-# fmt: off
-__all__ = [
-    "conv2d", "conv2d_backward",
-    "conv_transpose2d", "conv_transpose2d_backward",
-    "linear", "linear_backward",
-    "batchnorm2d", "batchnorm2d_backward", "batchnorm2d_eval",
-    "relu", "relu_backward", "relu_mask",
-    "sigmoid", "sigmoid_backward",
-    "tanh", "tanh_backward",
-    "gelu", "gelu_backward",
-    "leaky_relu", "leaky_relu_backward", "leaky_relu_mask",
-    "maxpool2d", "maxpool2d_backward", "maxpool2d_mask",
-    "avgpool2d", "avgpool2d_backward",
-    "adaptive_avgpool2d", "adaptive_avgpool2d_backward",
-    "upsample", "upsample_backward",
-    "add", "add_backward",
-    "mul", "mul_backward",
-    "concat", "concat_backward",
-    "flatten", "flatten_backward",
-    "reshape", "reshape_backward",
-    "dropout", "dropout_backward", "dropout_eval",
-    "cross_entropy", "cross_entropy_backward",
-    "mse_loss", "mse_loss_backward",
-    "l1_loss", "l1_loss_backward",
-    "bce_loss", "bce_loss_backward",
-    "bce_with_logits", "bce_with_logits_backward",
-    "unsupported",
-    "add_layer", "tensors", "stash", "stash_raw", "stash_report", "check_inputs",
-]
-# fmt: on
-
-_Pair = tuple[int, int]
-_Needs = tuple[bool, ...]
-_Grads = tuple[Tensor | None, ...]
-
-_IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 # the clamp of (1 - p) * p in binary_cross_entropy's gradient: PyTorch's EPSILON, 1e-12 as a float32
 _BCE_EPS = struct.unpack("f", struct.pack("f", 1e-12))[0]
 _BCE_LOG_MIN = -100.0  # binary_cross_entropy clamps its logs at -100
@@ -111,17 +112,6 @@ _PHI_SERIES = tuple((-1) ** n / (2**n * math.factorial(n) * (2 * n + 1)) for n i
 
 
 # ---------------------------------------------------------------- small helpers
-
-
-def _need(needs: _Needs, i: int) -> bool:
-    return i < len(needs) and bool(needs[i])
-
-
-def _fit(grads: tuple | list, needs: _Needs) -> _Grads:
-    """One entry per element of ``needs``: the gradient where needed, else None."""
-    out = list(grads)[: len(needs)]
-    out += [None] * (len(needs) - len(out))
-    return tuple(t if _need(needs, i) else None for i, t in enumerate(out))
 
 
 def _pair(v: Any) -> tuple:
@@ -183,9 +173,9 @@ def _weight_grad(
     data: Tensor,
     filt: Tensor,
     kernel_hw: tuple[int, int],
-    stride: _Pair,
-    dilation: _Pair,
-    padding: _Pair,
+    stride: Pair,
+    dilation: Pair,
+    padding: Pair,
     groups: int,
 ) -> Tensor:
     """sum over n, i, j of data_pad[n, g*Dc + d, a*stride + i*dilation, ...] * filt[n, g*Fc + f,
@@ -202,30 +192,31 @@ def _weight_grad(
 
 def conv2d(
     x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
+    layer: torch.nn.Module,
     *,
-    stride: _Pair,
-    padding: _Pair,
-    dilation: _Pair,
-    groups: int,
+    stride: Pair = (1, 1),
+    padding: Pair = (0, 0),
+    dilation: Pair = (1, 1),
+    groups: int = 1,
 ) -> Tensor:
-    """F.conv2d."""
+    """F.conv2d with the layer's weight and bias."""
+    weight, bias = _weight_bias(layer)
     return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
 
 def conv2d_backward(
     g: Tensor,
     x: Tensor,
-    weight: Tensor,
+    layer: torch.nn.Module,
     *,
-    stride: _Pair,
-    padding: _Pair,
-    dilation: _Pair,
-    groups: int,
-    needs: _Needs,
-) -> _Grads:
+    stride: Pair = (1, 1),
+    padding: Pair = (0, 0),
+    dilation: Pair = (1, 1),
+    groups: int = 1,
+    needs: Needs,
+) -> Grads:
     """gx = conv_transpose2d(g, weight) (dilation 1 only), gW = conv of x with g, gb = sum."""
+    weight = layer.weight
     s, p, d = _pair(stride), _pair(padding), _pair(dilation)
     kh, kw = weight.shape[2:]
     gx = gw = gb = None
@@ -245,16 +236,16 @@ def conv2d_backward(
 
 def conv_transpose2d(
     x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
+    layer: torch.nn.Module,
     *,
-    stride: _Pair,
-    padding: _Pair,
-    output_padding: _Pair,
-    dilation: _Pair,
-    groups: int,
+    stride: Pair = (1, 1),
+    padding: Pair = (0, 0),
+    output_padding: Pair = (0, 0),
+    dilation: Pair = (1, 1),
+    groups: int = 1,
 ) -> Tensor:
     """F.conv_transpose2d; dilation 1 only (PopTorch has no dilated ConvTranspose)."""
+    weight, bias = _weight_bias(layer)
     _no_dilation("conv_transpose2d", dilation)
     return F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups)
 
@@ -262,17 +253,18 @@ def conv_transpose2d(
 def conv_transpose2d_backward(
     g: Tensor,
     x: Tensor,
-    weight: Tensor,
+    layer: torch.nn.Module,
     *,
-    stride: _Pair,
-    padding: _Pair,
-    output_padding: _Pair,
-    dilation: _Pair,
-    groups: int,
-    needs: _Needs,
-) -> _Grads:
+    stride: Pair = (1, 1),
+    padding: Pair = (0, 0),
+    output_padding: Pair = (0, 0),
+    dilation: Pair = (1, 1),
+    groups: int = 1,
+    needs: Needs,
+) -> Grads:
     """gx = conv2d(g, weight), gW = conv of g with x (weight is [in, out/groups, kh, kw]),
     gb = sum. Uses only conv2d, so any dilation works here."""
+    weight = layer.weight
     s, p, d = _pair(stride), _pair(padding), _pair(dilation)
     gx = gw = gb = None
     if _need(needs, 0):
@@ -284,23 +276,6 @@ def conv_transpose2d_backward(
     return _fit((gx, gw, gb), needs)
 
 
-# ---------------------------------------------------------------- linear
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """F.linear."""
-    return F.linear(x, weight, bias)
-
-
-def linear_backward(g: Tensor, x: Tensor, weight: Tensor, *, needs: _Needs) -> _Grads:
-    """gx = g @ W, gW = g^T @ x over the flattened leading dims, gb = sum of g."""
-    gx = g.matmul(weight) if _need(needs, 0) else None
-    g2 = g.reshape(-1, g.shape[-1])
-    gw = g2.t().matmul(x.reshape(-1, x.shape[-1])) if _need(needs, 1) else None
-    gb = g2.sum(0) if _need(needs, 2) else None
-    return _fit((gx, gw, gb), needs)
-
-
 # ---------------------------------------------------------------- batch norm
 
 
@@ -309,54 +284,54 @@ def _per_channel(t: Tensor) -> Tensor:
 
 
 def batchnorm2d(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    num_batches_tracked: Tensor | None,
-    *,
-    eps: float,
-    momentum: float | None,
+    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
 ) -> tuple[Tensor, Tensor, Tensor]:
     """As nn.BatchNorm2d.train(): normalizes with the batch statistics (biased var), updates
-    running_mean / running_var (unbiased var) with the momentum in place and adds 1 to
-    num_batches_tracked; momentum None: cumulative average. Returns (y, mean, invstd)."""
+    the layer's running_mean / running_var (unbiased var) with the momentum in place and adds
+    1 to its num_batches_tracked; momentum None: cumulative average. Returns (y, mean, invstd)."""
+    weight, bias, running_mean, running_var, num_batches_tracked = _norm_tensors(layer)
     dims = (0, 2, 3)
-    count = x.numel() // x.shape[1]
     mean = x.mean(dims)
     centered = x - _per_channel(mean)
     sq = centered.square()
-    var = sq.mean(dims)
-    invstd = torch.rsqrt(var + eps)
+    invstd = torch.rsqrt(sq.mean(dims) + eps)
     scale = invstd if weight is None else invstd * weight
     y = centered * _per_channel(scale)
     if bias is not None:
         y = y + _per_channel(bias)
+    factor = _momentum_factor(num_batches_tracked, momentum, x.dtype)
+    if running_mean is not None:
+        running_mean.mul_(1 - factor).add_(mean * factor)
+    if running_var is not None:
+        unbiased = sq.sum(dims) / (x.numel() // x.shape[1] - 1)  # inf / nan for one value
+        running_var.mul_(1 - factor).add_(unbiased * factor)
+    return y, mean, invstd
+
+
+def _momentum_factor(
+    num_batches_tracked: Tensor | None, momentum: float | None, dtype: torch.dtype
+) -> float | Tensor:
+    """Counts the batch and gives the running-stat update factor, as nn.BatchNorm2d: the
+    momentum, or 1 / num_batches_tracked (cumulative average) for momentum None."""
     factor: float | Tensor = 0.0 if momentum is None else momentum
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)
         if momentum is None:
-            factor = num_batches_tracked.to(x.dtype).reciprocal()
-    if running_mean is not None:
-        running_mean.mul_(1 - factor).add_(mean * factor)
-    if running_var is not None:
-        unbiased = sq.sum(dims) / (count - 1)  # inf / nan for a single value, as PyTorch
-        running_var.mul_(1 - factor).add_(unbiased * factor)
-    return y, mean, invstd
+            factor = num_batches_tracked.to(dtype).reciprocal()
+    return factor
 
 
 def batchnorm2d_backward(
     g: Tensor,
     x: Tensor,
-    weight: Tensor | None,
+    layer: torch.nn.Module,
     save_mean: Tensor,
     save_invstd: Tensor,
     *,
-    eps: float,
-    momentum: float | None,
-    needs: _Needs,
-) -> _Grads:
+    eps: float = 1e-05,
+    momentum: float | None = 0.1,
+    needs: Needs,
+) -> Grads:
     """Closed form: with xhat = (x - mean) * invstd, gb = sum(g), gW = sum(g * xhat),
     gx = (g - gb/M - xhat * gW/M) * invstd * W (sums over N, H, W; M their count)."""
     if not any(_need(needs, i) for i in range(3)):
@@ -368,23 +343,17 @@ def batchnorm2d_backward(
     gw = (g * xhat).sum(dims) if (_need(needs, 0) or _need(needs, 1)) else None
     gx = None
     if _need(needs, 0):
+        weight = getattr(layer, "weight", None)
         scale = save_invstd if weight is None else save_invstd * weight
         gx = (g - _per_channel(gb / count) - xhat * _per_channel(gw / count)) * _per_channel(scale)
     return _fit((gx, gw, gb), needs)
 
 
 def batchnorm2d_eval(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    num_batches_tracked: Tensor | None,
-    *,
-    eps: float,
-    momentum: float | None,
+    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
 ) -> Tensor:
     """As nn.BatchNorm2d.eval(): normalizes with the running statistics, changes nothing."""
+    weight, bias, running_mean, running_var, _ = _norm_tensors(layer)
     if running_mean is None or running_var is None:  # no running stats: batch statistics
         mean = x.mean((0, 2, 3))
         var = (x - _per_channel(mean)).square().mean((0, 2, 3))
@@ -400,12 +369,7 @@ def batchnorm2d_eval(
 # ---------------------------------------------------------------- activations
 
 
-def relu(x: Tensor) -> Tensor:
-    """torch.relu; the backward reads the output (or its mask y > 0)."""
-    return torch.relu(x)
-
-
-def relu_backward(g: Tensor, y: Tensor, *, needs: _Needs) -> _Grads:
+def relu_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
     """where(y > 0, g, 0); y may be the bool mask y > 0 (same result, bit for bit)."""
     if not _need(needs, 0):
         return (None,)
@@ -413,27 +377,12 @@ def relu_backward(g: Tensor, y: Tensor, *, needs: _Needs) -> _Grads:
     return (torch.where(keep, g, _zero(g)),)
 
 
-def relu_mask(y: Tensor) -> Tensor:
-    """What relu's backward needs of its output: y > 0."""
-    return y > 0
-
-
-def sigmoid(x: Tensor) -> Tensor:
-    """torch.sigmoid; the backward reads the output."""
-    return torch.sigmoid(x)
-
-
-def sigmoid_backward(g: Tensor, y: Tensor, *, needs: _Needs) -> _Grads:
+def sigmoid_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
     """g * (1 - y) * y."""
     return (g * (1 - y) * y if _need(needs, 0) else None,)
 
 
-def tanh(x: Tensor) -> Tensor:
-    """torch.tanh; the backward reads the output."""
-    return torch.tanh(x)
-
-
-def tanh_backward(g: Tensor, y: Tensor, *, needs: _Needs) -> _Grads:
+def tanh_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
     """g * (1 - y^2)."""
     return (g * (1 - y * y) if _need(needs, 0) else None,)
 
@@ -458,7 +407,7 @@ def _std_normal_cdf(x: Tensor) -> Tensor:
     return torch.where(small, series, from_gelu)
 
 
-def gelu(x: Tensor, *, approximate: str) -> Tensor:
+def gelu(x: Tensor, *, approximate: str = "none") -> Tensor:
     """F.gelu for "none" (GELU runs on the IPU); the tanh form written out."""
     if approximate == "tanh":
         _, t = _gelu_tanh_parts(x)
@@ -468,7 +417,7 @@ def gelu(x: Tensor, *, approximate: str) -> Tensor:
     raise ValueError(f"gelu: unknown approximate={approximate!r}")
 
 
-def gelu_backward(g: Tensor, x: Tensor, *, approximate: str, needs: _Needs) -> _Grads:
+def gelu_backward(g: Tensor, x: Tensor, *, approximate: str = "none", needs: Needs) -> Grads:
     """none: g * (Phi(x) + x * phi(x)), Phi without erf (see _std_normal_cdf); tanh: the
     derivative of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     if not _need(needs, 0):
@@ -485,12 +434,14 @@ def gelu_backward(g: Tensor, x: Tensor, *, approximate: str, needs: _Needs) -> _
     raise ValueError(f"gelu: unknown approximate={approximate!r}")
 
 
-def leaky_relu(x: Tensor, *, negative_slope: float) -> Tensor:
+def leaky_relu(x: Tensor, *, negative_slope: float = 0.01) -> Tensor:
     """F.leaky_relu; the backward reads the input (or its mask x > 0)."""
     return F.leaky_relu(x, negative_slope)
 
 
-def leaky_relu_backward(g: Tensor, x: Tensor, *, negative_slope: float, needs: _Needs) -> _Grads:
+def leaky_relu_backward(
+    g: Tensor, x: Tensor, *, negative_slope: float = 0.01, needs: Needs
+) -> Grads:
     """where(x > 0, g, g * negative_slope); x may be the bool mask x > 0."""
     if not _need(needs, 0):
         return (None,)
@@ -498,15 +449,10 @@ def leaky_relu_backward(g: Tensor, x: Tensor, *, negative_slope: float, needs: _
     return (torch.where(keep, g, g * negative_slope),)
 
 
-def leaky_relu_mask(x: Tensor, *, negative_slope: float) -> Tensor:
-    """What leaky_relu's backward needs of its input: x > 0."""
-    return x > 0
-
-
 # ---------------------------------------------------------------- pooling
 
 
-def _pool_output_padding(input_hw: _Pair, out_hw: Any, k: tuple, s: tuple, p: tuple) -> _Pair:
+def _pool_output_padding(input_hw: Pair, out_hw: Any, k: tuple, s: tuple, p: tuple) -> Pair:
     return tuple(_restore_padding(input_hw[i], out_hw[i], k[i], s[i], p[i]) for i in (0, 1))
 
 
@@ -531,7 +477,7 @@ def _ones_bank(channels: int, kh: int, kw: int, dtype: torch.dtype, dev: torch.d
 
 
 def maxpool2d(
-    x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair
+    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0)
 ) -> tuple[Tensor, Tensor]:
     """F.max_pool2d (dilation 1, floor mode) and, in place of indices, the bool selection
     ``sel[N, C, kh*kw, Ho, Wo]``: offset q = (i, j) (row-major) of each window is selected when
@@ -561,12 +507,12 @@ def maxpool2d_backward(
     g: Tensor,
     indices: Tensor,
     *,
-    kernel_size: _Pair,
-    stride: _Pair,
-    padding: _Pair,
-    input_hw: _Pair,
-    needs: _Needs,
-) -> _Grads:
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Pair = (0, 0),
+    input_hw: Pair,
+    needs: Needs,
+) -> Grads:
     """conv_transpose2d of where(sel, g, 0) (C * kh*kw channels) with the one-hot kernel bank
     (groups C, stride s, padding p): each input element gets the sum of g over the windows that
     selected it, as PyTorch's gradient. ``indices`` may instead be the input-shaped bool mask
@@ -588,7 +534,7 @@ def maxpool2d_backward(
 
 
 def maxpool2d_mask(
-    indices: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair, input_hw: _Pair
+    indices: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), input_hw: Pair
 ) -> Tensor:
     """The selected positions as a bool mask of the input's shape (one per window, ties
     resolved as PyTorch does). Enough for the backward only for non-overlapping windows."""
@@ -600,7 +546,7 @@ def maxpool2d_mask(
     return F.conv_transpose2d(sel, bank, None, s, p, op, c) > 0.5
 
 
-def avgpool2d(x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair) -> Tensor:
+def avgpool2d(x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0)) -> Tensor:
     """F.avg_pool2d (count_include_pad, floor mode); the backward needs no activation."""
     k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
     return F.avg_pool2d(x, k, s, p, ceil_mode=False, count_include_pad=True)
@@ -609,12 +555,12 @@ def avgpool2d(x: Tensor, *, kernel_size: _Pair, stride: _Pair, padding: _Pair) -
 def avgpool2d_backward(
     g: Tensor,
     *,
-    kernel_size: _Pair,
-    stride: _Pair,
-    padding: _Pair,
-    input_hw: _Pair,
-    needs: _Needs,
-) -> _Grads:
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Pair = (0, 0),
+    input_hw: Pair,
+    needs: Needs,
+) -> Grads:
     """conv_transpose2d of g / (kh*kw) with a ones kernel per channel (groups C, stride s,
     padding p, output_padding up to input_hw)."""
     if not _need(needs, 0):
@@ -641,7 +587,7 @@ def _adaptive_matrix(out: int, size: int, dtype: torch.dtype, dev: torch.device)
     return _constant(("adaptive", out, size, dtype), dev, build)
 
 
-def adaptive_avgpool2d(x: Tensor, *, output_size: _Pair) -> Tensor:
+def adaptive_avgpool2d(x: Tensor, *, output_size: Pair) -> Tensor:
     """A_h @ x @ A_w^T with the averaging matrices (a mean over H, W for 1x1)."""
     ho, wo = _pair(output_size)
     if (ho, wo) == (1, 1):
@@ -653,8 +599,8 @@ def adaptive_avgpool2d(x: Tensor, *, output_size: _Pair) -> Tensor:
 
 
 def adaptive_avgpool2d_backward(
-    g: Tensor, *, output_size: _Pair, input_hw: _Pair, needs: _Needs
-) -> _Grads:
+    g: Tensor, *, output_size: Pair, input_hw: Pair, needs: Needs
+) -> Grads:
     """A_h^T @ g @ A_w (g / (H*W) expanded for 1x1)."""
     if not _need(needs, 0):
         return (None,)
@@ -670,7 +616,7 @@ def adaptive_avgpool2d_backward(
 # ---------------------------------------------------------------- upsampling
 
 
-def _upsample_size(hw: Any, scale: tuple[float, float]) -> _Pair:
+def _upsample_size(hw: Any, scale: tuple[float, float]) -> Pair:
     # as torch.nn.functional.interpolate: floor(in * scale)
     return int(math.floor(hw[0] * scale[0])), int(math.floor(hw[1] * scale[1]))
 
@@ -737,8 +683,8 @@ def upsample(
     x: Tensor,
     *,
     scale_factor: tuple[float, float],
-    mode: str,
-    align_corners: bool | None,
+    mode: str = "nearest",
+    align_corners: bool | None = False,
 ) -> Tensor:
     """As nn.Upsample(scale_factor=...): M_h @ x @ M_w^T with interpolation matrices."""
     scale = tuple(float(v) for v in _pair(scale_factor))
@@ -751,11 +697,11 @@ def upsample_backward(
     g: Tensor,
     *,
     scale_factor: tuple[float, float],
-    mode: str,
-    align_corners: bool | None,
-    input_hw: _Pair,
-    needs: _Needs,
-) -> _Grads:
+    mode: str = "nearest",
+    align_corners: bool | None = False,
+    input_hw: Pair,
+    needs: Needs,
+) -> Grads:
     """M_h^T @ g @ M_w."""
     if not _need(needs, 0):
         return (None,)
@@ -764,64 +710,10 @@ def upsample_backward(
     return (torch.matmul(m_h.t(), torch.matmul(g, m_w)),)
 
 
-# ---------------------------------------------------------------- arithmetic and shapes
-
-
-def add(a: Tensor, b: Tensor) -> Tensor:
-    """a + b."""
-    return a + b
-
-
-def add_backward(g: Tensor, *, needs: _Needs) -> _Grads:
-    """Both gradients are g itself."""
-    return (g if _need(needs, 0) else None, g if _need(needs, 1) else None)
-
-
-def mul(a: Tensor, b: Tensor) -> Tensor:
-    """a * b."""
-    return a * b
-
-
-def mul_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: _Needs) -> _Grads:
-    """(g * b, g * a)."""
-    return (g * b if _need(needs, 0) else None, g * a if _need(needs, 1) else None)
-
-
-def concat(*xs: Tensor, dim: int) -> Tensor:
-    """torch.cat."""
-    return torch.cat(xs, dim)
-
-
-def concat_backward(g: Tensor, *, dim: int, sizes: tuple[int, ...], needs: _Needs) -> _Grads:
-    """torch.split of g along dim."""
-    parts = torch.split(g, list(sizes), dim)
-    return tuple(part if _need(needs, i) else None for i, part in enumerate(parts))
-
-
-def flatten(x: Tensor, *, start_dim: int) -> Tensor:
-    """x reshaped, merging the dims from start_dim on."""
-    return x.reshape(*x.shape[:start_dim], -1)
-
-
-def flatten_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs) -> _Grads:
-    """g reshaped to (N, *input_shape)."""
-    return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
-
-
-def reshape(x: Tensor, *, shape: tuple[int, ...]) -> Tensor:
-    """x.reshape(N, *shape)."""
-    return x.reshape(x.shape[0], *shape)
-
-
-def reshape_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: _Needs) -> _Grads:
-    """g reshaped to (N, *input_shape)."""
-    return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
-
-
 # ---------------------------------------------------------------- dropout
 
 
-def dropout(x: Tensor, *, p: float) -> tuple[Tensor, Tensor | None]:
+def dropout(x: Tensor, *, p: float = 0.5) -> tuple[Tensor, Tensor | None]:
     """Training dropout: keep = rand >= p (probability 1 - p), y = x * keep / (1 - p).
     Returns (y, keep); keep is None for p == 0 (identity) and p == 1 (all dropped). Draws
     come from torch.rand (on the IPU seeded by poptorch.Options().randomSeed), not the gpu
@@ -834,7 +726,7 @@ def dropout(x: Tensor, *, p: float) -> tuple[Tensor, Tensor | None]:
     return x * (keep.to(x.dtype) / (1 - p)), keep
 
 
-def dropout_backward(g: Tensor, mask: Tensor | None, *, p: float, needs: _Needs) -> _Grads:
+def dropout_backward(g: Tensor, mask: Tensor | None, *, p: float = 0.5, needs: Needs) -> Grads:
     """g * keep / (1 - p)."""
     if not _need(needs, 0):
         return (None,)
@@ -845,11 +737,6 @@ def dropout_backward(g: Tensor, mask: Tensor | None, *, p: float, needs: _Needs)
     return (g * (mask.to(g.dtype) / (1 - p)),)
 
 
-def dropout_eval(x: Tensor, *, p: float) -> Tensor:
-    """Identity, as nn.Dropout.eval()."""
-    return x
-
-
 # ---------------------------------------------------------------- losses (mean reduction)
 
 
@@ -857,7 +744,7 @@ def cross_entropy(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     """As F.cross_entropy (mean, ignore_index -100): log_softmax, gather of the targets'
     log-probabilities, sum over the kept rows / their count. Returns (loss, log_probs)."""
     log_probs = F.log_softmax(logits, 1)
-    kept = target != _IGNORE_INDEX
+    kept = target != IGNORE_INDEX
     safe = torch.where(kept, target, _zero(target))
     picked = torch.gather(log_probs, 1, safe.unsqueeze(1)).squeeze(1)
     total = kept.sum().to(log_probs.dtype)
@@ -865,14 +752,12 @@ def cross_entropy(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     return loss, log_probs
 
 
-def cross_entropy_backward(
-    g: Tensor, log_probs: Tensor, target: Tensor, *, needs: _Needs
-) -> _Grads:
+def cross_entropy_backward(g: Tensor, log_probs: Tensor, target: Tensor, *, needs: Needs) -> Grads:
     """(softmax - one_hot(target)) * g / count on the kept rows, zero on ignored rows; the
     softmax is exp(log_probs), the one-hot a comparison with arange(C)."""
     if not _need(needs, 0):
         return _fit((), needs)
-    kept = target != _IGNORE_INDEX
+    kept = target != IGNORE_INDEX
     total = kept.sum().to(log_probs.dtype)
     classes = torch.arange(log_probs.shape[1], device=log_probs.device).unsqueeze(0)
     one_hot = (classes == target.unsqueeze(1)).to(log_probs.dtype)
@@ -885,7 +770,7 @@ def mse_loss(a: Tensor, b: Tensor) -> Tensor:
     return (a - b).square().mean()
 
 
-def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: _Needs) -> _Grads:
+def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs) -> Grads:
     """2 (a - b) g / numel for a, its negation for b."""
     if not (_need(needs, 0) or _need(needs, 1)):
         return (None, None)
@@ -893,12 +778,7 @@ def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: _Needs) -> _Gra
     return (ga if _need(needs, 0) else None, ga.neg() if _need(needs, 1) else None)
 
 
-def l1_loss(a: Tensor, b: Tensor) -> Tensor:
-    """mean(|a - b|)."""
-    return (a - b).abs().mean()
-
-
-def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: _Needs) -> _Grads:
+def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs) -> Grads:
     """sign(a - b) g / numel for a, its negation for b."""
     if not (_need(needs, 0) or _need(needs, 1)):
         return (None, None)
@@ -913,7 +793,7 @@ def bce_loss(p: Tensor, t: Tensor) -> Tensor:
     return ((t - 1) * log_q - t * log_p).mean()
 
 
-def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: _Needs) -> _Grads:
+def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: Needs) -> Grads:
     """g (p - t) / max((1 - p) p, eps) / numel for p (PyTorch's formula, eps = float32(1e-12)); for t,
     -log(p / (1 - p)) g / numel."""
     gp = gt = None
@@ -930,8 +810,11 @@ def bce_with_logits(x: Tensor, t: Tensor) -> Tensor:
     return ((1 - t) * x + softplus_neg).mean()
 
 
-def bce_with_logits_backward(g: Tensor, x: Tensor, t: Tensor, *, needs: _Needs) -> _Grads:
+def bce_with_logits_backward(g: Tensor, x: Tensor, t: Tensor, *, needs: Needs) -> Grads:
     """(sigmoid(x) - t) g / numel for x, -x g / numel for t."""
     gx = (torch.sigmoid(x) - t) * (g / x.numel()) if _need(needs, 0) else None
     gt = x.neg() * (g / t.numel()) if _need(needs, 1) else None
     return (gx, gt)
+
+
+__all__ = _exports(globals())

@@ -1,0 +1,368 @@
+"""What the ``gpu`` and ``ipu`` runtime modules share: one copy, imported by both.
+
+Three kinds of code live here, so that a fix reaches both platforms at once:
+
+* the helpers generated code calls around the kernels (``add_layer``, ``layers``,
+  ``tensors``, ``check_inputs``, ``accumulate``, ``collect``, the ``stash`` accounting);
+* the ``needs`` / gradient-padding helpers every backward kernel uses (``_need``, ``_fit``,
+  ``_need_mask``) and the accessors that read a layer handle's parameters and buffers;
+* every kernel whose code is the same on both platforms. These use only operations PopTorch
+  runs on the IPU, because ``unroller.runtime.ipu`` imports them: ``unroll lint --platform ipu``
+  checks each name ipu imports from here, with what it uses.
+
+Kernel conventions (both platforms):
+
+* forward: ``op(*inputs, [layer], **kernel_args)`` returns the output, or ``(output, *extras)``;
+  ``layer`` is the module holding the op's parameters and buffers as attributes (registry
+  names: ``weight``, ``bias``, ``running_mean``, ...), for the ops that have any.
+* backward: ``op_backward(g, *saved, **backward_args, needs)``: ``saved`` in the registry's
+  order with its parameter entries replaced by one ``layer`` (at the first one's place);
+  returns one gradient per input then one per parameter, ``None`` where ``needs`` says so.
+* every keyword with a registry default has that default (normalised as the graph gives it),
+  because the code generator leaves out arguments equal to their default.
+
+``accumulate`` is deliberately not re-exported by ``ipu``: it allocates with
+``torch.empty_like`` and runs only on the host platform (the IPU hands gradients to
+PopTorch through ``collect``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+Pair = tuple[int, int]
+Needs = tuple[bool, ...]
+Grads = tuple[Tensor | None, ...]
+
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
+_INT_DTYPES = {"i64": torch.int64, "i32": torch.int32}
+_RUNTIME_PACKAGE = "unroller.runtime."
+
+
+# ---------------------------------------------------------------- needs and gradient padding
+
+
+def _need(needs: Needs, i: int) -> bool:
+    """Whether gradient ``i`` is wanted; a short ``needs`` wants nothing past its end."""
+    return i < len(needs) and bool(needs[i])
+
+
+def _need_mask(needs: Needs, n: int = 3) -> list[bool]:
+    """``needs`` as the fixed-length ``output_mask`` aten backward kernels take."""
+    return [_need(needs, i) for i in range(n)]
+
+
+def _fit(grads: Iterable[Tensor | None], needs: Needs) -> Grads:
+    """One entry per element of ``needs``: the gradient where needed, else None, so a kernel
+    never hands back a gradient nobody asked for (the caller would accumulate it)."""
+    out = list(grads)[: len(needs)]
+    out += [None] * (len(needs) - len(out))
+    return tuple(t if _need(needs, i) else None for i, t in enumerate(out))
+
+
+# ---------------------------------------------------------------- layer handles
+
+
+def _weight_bias(layer: Any) -> tuple[Tensor, Tensor | None]:
+    """A conv / linear layer's parameters; ``bias`` may be absent or None (bias=False)."""
+    return layer.weight, getattr(layer, "bias", None)
+
+
+def _norm_tensors(layer: Any) -> tuple[Tensor | None, ...]:
+    """A batch-norm layer's (weight, bias, running_mean, running_var, num_batches_tracked);
+    each may be None, as in nn.BatchNorm2d(affine=False, track_running_stats=False). Literal
+    names, so that ``unroll lint`` sees every attribute read."""
+    return (
+        getattr(layer, "weight", None),
+        getattr(layer, "bias", None),
+        getattr(layer, "running_mean", None),
+        getattr(layer, "running_var", None),
+        getattr(layer, "num_batches_tracked", None),
+    )
+
+
+# ---------------------------------------------------------------- kernels shared by both
+
+
+def linear(x: Tensor, layer: Any) -> Tensor:
+    """F.linear; the backward reads x and the layer's weight."""
+    weight, bias = _weight_bias(layer)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_backward(g: Tensor, x: Tensor, layer: Any, *, needs: Needs) -> Grads:
+    """gx = g @ W, gW = g^T @ x over the flattened leading dims (mm_mat2_backward's order:
+    matmul of two matrices is aten::mm), gb = the sum of g over them."""
+    weight = layer.weight
+    gx = g.matmul(weight) if _need(needs, 0) else None
+    g2 = g.reshape(-1, g.shape[-1])
+    gw = g2.t().matmul(x.reshape(-1, x.shape[-1])) if _need(needs, 1) else None
+    gb = g2.sum(0) if _need(needs, 2) else None
+    return _fit((gx, gw, gb), needs)
+
+
+def relu(x: Tensor) -> Tensor:
+    """torch.relu; the backward reads the output (or its mask y > 0)."""
+    return torch.relu(x)
+
+
+def relu_mask(y: Tensor) -> Tensor:
+    """What relu's backward needs of its output: y > 0, one bit per element when packed."""
+    return y > 0
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """torch.sigmoid; the backward reads the output."""
+    return torch.sigmoid(x)
+
+
+def tanh(x: Tensor) -> Tensor:
+    """torch.tanh; the backward reads the output."""
+    return torch.tanh(x)
+
+
+def leaky_relu_mask(x: Tensor, *, negative_slope: float = 0.01) -> Tensor:
+    """What leaky_relu's backward needs of its input: x > 0 (the slope is not needed)."""
+    return x > 0
+
+
+def add(a: Tensor, b: Tensor) -> Tensor:
+    """a + b; saves nothing."""
+    return a + b
+
+
+def add_backward(g: Tensor, *, needs: Needs) -> Grads:
+    """Both gradients are g itself (shared: accumulate() copies before any in-place add)."""
+    return (g if _need(needs, 0) else None, g if _need(needs, 1) else None)
+
+
+def mul(a: Tensor, b: Tensor) -> Tensor:
+    """a * b; the backward reads both factors."""
+    return a * b
+
+
+def mul_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs) -> Grads:
+    """(g * b, g * a), out of place, so a and b may be the same tensor."""
+    return (g * b if _need(needs, 0) else None, g * a if _need(needs, 1) else None)
+
+
+def concat(*xs: Tensor, dim: int = 1) -> Tensor:
+    """torch.cat; saves nothing."""
+    return torch.cat(xs, dim)
+
+
+def concat_backward(g: Tensor, *, dim: int = 1, sizes: tuple[int, ...], needs: Needs) -> Grads:
+    """Views of g along dim (torch.split), as cat's backward (narrow)."""
+    parts = torch.split(g, list(sizes), dim)
+    return tuple(part if _need(needs, i) else None for i, part in enumerate(parts))
+
+
+def flatten(x: Tensor, *, start_dim: int = 1) -> Tensor:
+    """torch.flatten (a reshape: resolved before the IPU); saves nothing."""
+    return torch.flatten(x, start_dim)
+
+
+def flatten_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: Needs) -> Grads:
+    """g reshaped to (N, *input_shape)."""
+    return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
+
+
+def reshape(x: Tensor, *, shape: tuple[int, ...]) -> Tensor:
+    """x.reshape(N, *shape), keeping the batch dim; saves nothing."""
+    return x.reshape(x.shape[0], *shape)
+
+
+def reshape_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: Needs) -> Grads:
+    """g reshaped to (N, *input_shape)."""
+    return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
+
+
+def dropout_eval(x: Tensor, *, p: float = 0.5) -> Tensor:
+    """Identity, as nn.Dropout.eval()."""
+    return x
+
+
+def l1_loss(a: Tensor, b: Tensor) -> Tensor:
+    """As F.l1_loss: (a - b).abs().mean() (l1_loss is a composite op)."""
+    return (a - b).abs().mean()
+
+
+def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
+    """Why a node with these args cannot run on this platform, or None: every op and argument
+    runs here. The code generator asks before emitting a call (ipu overrides this)."""
+    return None
+
+
+# ---------------------------------------------------------------- helpers for generated code
+
+
+def accumulate(layer: Any, /, **grads: Tensor | None) -> None:
+    """Add each ``name=grad`` into ``getattr(layer, name).grad``, as autograd's AccumulateGrad:
+    the first gradient is stored, later ones added in place; None (not needed) is skipped.
+
+    The first one is always copied, into a tensor with the param's layout (as autograd's
+    clone_obey_contract), because a kernel's gradient may be shared (add_backward returns g
+    for both inputs) or a view (concat_backward): a later in-place add must not write into it.
+    """
+    for name, grad in grads.items():
+        if grad is not None:
+            _accumulate_one(_param(layer, name), grad)
+
+
+def _param(layer: Any, name: str) -> Tensor:
+    """The layer's parameter ``name``; a gradient for a missing one is a generator bug."""
+    param = getattr(layer, name, None)
+    if param is None:
+        raise ValueError(f"accumulate: {type(layer).__name__} has no parameter '{name}'")
+    return param
+
+
+def _accumulate_one(param: Tensor, grad: Tensor) -> None:
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
+        else:
+            param.grad += grad
+
+
+def collect(grads: dict[str, Tensor], layer_name: str, /, **named: Tensor | None) -> None:
+    """Store each non-None ``name=grad`` as ``grads["<layer_name>.<name>"]`` (state-dict
+    names): the ipu step returns them through its surrogate loss instead of writing .grad,
+    because PopTorch owns the optimizer step."""
+    for name, grad in named.items():
+        if grad is not None:
+            grads[f"{layer_name}.{name}"] = grad
+
+
+def add_layer(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    """Attach `module` at the dotted `path` of `root`, creating plain nn.Module containers for
+    missing intermediate parts, so that root.state_dict() has keys "<path>.<name>".
+
+    Children are written into ``_modules`` directly, not through ``add_module``/``setattr``:
+    ``add_module`` refuses a name that is already an attribute of the module ("forward",
+    "training", "double", a method of a subclass such as "predict"), and attribute syntax
+    cannot spell a keyword or a digit ("class", "0"). state_dict, load_state_dict,
+    named_parameters, named_buffers, .to() and .double() all walk ``_modules``, so they work
+    with any such name; only attribute access ``root.forward`` still finds the method. One
+    caveat: a child named "training" makes its parent's ``.train()``/``.eval()`` raise,
+    because nn.Module.__setattr__ refuses to assign the bool flag over a child's name.
+    """
+    parts = path.split(".")
+    if not all(parts):
+        raise ValueError(f"add_layer: bad path {path!r}")
+    node = root
+    for part in parts[:-1]:
+        child = node._modules.get(part)
+        if child is None:
+            child = torch.nn.Module()
+            node._modules[part] = child
+        node = child
+    node._modules[parts[-1]] = module
+
+
+def layers(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Dotted name -> submodule (shared ones under every name), the layer handles kernels
+    take. Rebuilt on each call, like ``tensors``, so nothing stale survives .to()/.double();
+    read through ``_modules``, so names add_layer allowed ("forward", "0") work too."""
+    found = root.named_modules(remove_duplicate=False)
+    return {name: module for name, module in found if name}
+
+
+def tensors(root: torch.nn.Module) -> dict[str, Tensor]:
+    """State-dict name -> live parameter or buffer (shared ones under every name), rebuilt on
+    each call so it follows .to()/.double(), which replace the tensors."""
+    out: dict[str, Tensor] = dict(root.named_parameters(remove_duplicate=False))
+    out.update(root.named_buffers(remove_duplicate=False))
+    return out
+
+
+def check_inputs(*specs: tuple[str, object, str, tuple[int, ...]]) -> None:
+    """Refuse, at the entry of a step, inputs that differ from the model's declarations.
+
+    Each spec is (model name, tensor, declared dtype, declared dims after N). A wrong
+    shape would otherwise fail deep inside a kernel or a codec with a message about
+    something else. Float declarations accept any floating dtype, because a module moved
+    with ``.double()`` or ``.half()`` computes in its parameters' dtype; integer ones
+    (class indices) need exactly the declared dtype. All inputs share one batch size.
+    """
+    batch = None
+    for name, value, dtype, dims in specs:
+        _check_input(name, value, dtype, dims)
+        if batch is None:
+            batch = (name, value.shape[0])
+        elif value.shape[0] != batch[1]:
+            raise ValueError(
+                f"input '{name}': batch size {value.shape[0]} differs from "
+                f"'{batch[0]}' ({batch[1]})"
+            )
+    if batch is not None and batch[1] == 0:
+        raise ValueError(f"input '{batch[0]}': the batch is empty")
+
+
+def _check_input(name: str, value: object, dtype: str, dims: tuple[int, ...]) -> None:
+    """One input against its declaration: a tensor, the declared dims after N, the dtype."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"input '{name}': expected a tensor, got {type(value).__name__}")
+    expected = f"{dtype}[N, {', '.join(map(str, dims))}]" if dims else f"{dtype}[N]"
+    given = f"{value.dtype} of shape {list(value.shape)}"
+    if tuple(value.shape[1:]) != tuple(dims) or value.dim() != len(dims) + 1:
+        raise ValueError(f"input '{name}': expected shape {expected}, got {given}")
+    wanted = _INT_DTYPES.get(dtype)
+    if (value.dtype != wanted) if wanted is not None else not value.is_floating_point():
+        kind = wanted if wanted is not None else "a floating-point dtype"
+        raise ValueError(f"input '{name}': expected {expected} ({kind}), got {given}")
+
+
+# ---------------------------------------------------------------- stash accounting
+
+
+def stash(log: list, key: str, raw: Tensor, *forms: tuple) -> None:
+    """Record one tensor kept compressed: its raw bytes and the bytes of each stored form
+    (``(compressor, packed tensors)`` pairs)."""
+    stored = sum(t.numel() * t.element_size() for _, packed in forms for t in packed)
+    label = " + ".join(repr(codec) for codec, _ in forms)
+    log.append((key, label, tuple(raw.shape), raw.numel() * raw.element_size(), stored))
+
+
+def stash_raw(log: list, tensors: dict[str, Tensor]) -> None:
+    """Record the tensors kept as they are."""
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        log.append((key, "raw", tuple(t.shape), nbytes, nbytes))
+
+
+def stash_report(log: list) -> dict:
+    """The rows ``stash`` recorded, with totals (what ``model.stash_report()`` returns)."""
+    rows = [
+        {"tensor": k, "compressor": c, "shape": list(s), "raw_bytes": r, "stored_bytes": b}
+        for k, c, s, r, b in log
+    ]
+    return {
+        "rows": rows,
+        "total_raw_bytes": sum(r["raw_bytes"] for r in rows),
+        "total_stored_bytes": sum(r["stored_bytes"] for r in rows),
+    }
+
+
+# ---------------------------------------------------------------- the public surface
+
+
+def _exports(namespace: Mapping[str, Any]) -> list[str]:
+    """A runtime module's ``__all__``: every public function in ``namespace`` that a runtime
+    module defines (its own or imported from here), so the list cannot drift from what the
+    module offers, as a hand-kept list did; torch functions and typing names are left out."""
+    return sorted(
+        name
+        for name, obj in namespace.items()
+        if not name.startswith("_")
+        and inspect.isfunction(obj)
+        and obj.__module__.startswith(_RUNTIME_PACKAGE)
+    )
+
+
+__all__ = _exports(globals())
