@@ -259,8 +259,8 @@ def test_diff_against_a_file(work: Path):
     assert lines[0] == "--- out.py"
     assert lines[1].startswith("+++ small.txt")
     assert any(line.startswith("@@ -") for line in lines)
-    assert '-        K.add_layer(self, "fc", torch.nn.Linear(64, 10, bias=True))' in lines
-    assert '+        K.add_layer(self, "fc", torch.nn.Linear(64, 7, bias=True))' in lines
+    assert any(line.startswith("-") and "torch.nn.Linear(64, 10" in line for line in lines)
+    assert any(line.startswith("+") and "torch.nn.Linear(64, 7" in line for line in lines)
     # Only the recorded hash, the checksum and what follows from the edit changed.
     changed = [line for line in lines[2:] if line[:1] in "+-"]
     assert len(changed) == 14, changed

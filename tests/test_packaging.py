@@ -1,7 +1,9 @@
-"""The wheel carries grammars/ and templates/, so an install outside the checkout works."""
+"""The wheel carries grammars/, templates/ and the CLI package, and nothing in it needs the
+checkout (no import of the benchmarks/ folder), so an install outside the checkout works."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -59,3 +61,58 @@ def test_installed_wheel_generates_outside_the_checkout(wheel, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("# unroller: ")
+
+
+def test_wheel_carries_the_cli_package_and_its_entry_point(wheel):
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+    for module in sorted((ROOT / "unroller" / "cli").glob("*.py")):
+        assert f"unroller/cli/{module.name}" in names
+    assert "unroller/cli.py" not in names and "unroller/cli_train.py" not in names
+    (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
+    lines = archive.read(entry_points).decode().splitlines()
+    assert any(line.replace(" ", "") == "unroll=unroller.cli:main" for line in lines), lines
+
+
+def imports_benchmarks(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+            return True
+    return False
+
+
+def test_wheel_code_does_not_import_the_benchmarks_folder(wheel):
+    archive = zipfile.ZipFile(wheel)
+    offenders = [
+        name
+        for name in archive.namelist()
+        if name.endswith(".py") and imports_benchmarks(archive.read(name).decode("utf-8"))
+    ]
+    assert offenders == []
+
+
+def test_installed_wheel_runs_the_cli(wheel, tmp_path):
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)
+    code = (
+        "import os, sys, unroller.cli as c;"
+        "assert c.__file__.startswith(os.environ['PYTHONPATH']), c.__file__;"
+        "sys.argv[0] = 'unroll'; c.main()"
+    )
+    for args in (["--help"], ["generate", "--help"], ["ops"]):
+        result = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout
