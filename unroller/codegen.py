@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,8 @@ HEADER_TAG = "# unroller: "
 CHECKSUM_TAG = "# unroller-checksum: "
 # Generated code favours one line per step over the 100 columns of hand-written code.
 GENERATED_LINE_LENGTH = 120
+# What one line of K.stash_raw may take, after the method body's indent (and a stage's).
+RAW_RECORD_WIDTH = GENERATED_LINE_LENGTH - 16
 
 
 @dataclass
@@ -123,11 +126,12 @@ class Emitter:
             same = sum(1 for c in self.codec_names if c.name == codec.name)
             self.codec_names[codec] = f"{base}_{same + 1}" if same else base
         self.names = Namer(RESERVED | set(self.codec_names.values()))
+        self.key_of: dict[str, tuple[str, ...]] = {}  # variable -> its structured key
         self.kernel_alias: dict[str, str] = {self.platform.kernels: "K"}
         for value in graph.inputs:
-            self.names(value.name)
+            self.var(value)
         for node in graph.nodes:
-            self.names(node.output.name)
+            self.var(node.output)
         self.restored: dict[tuple[str, Form], Var] = {}
         for node in graph.nodes:
             self.check_supported(node)
@@ -157,14 +161,20 @@ class Emitter:
 
     # -- names ---------------------------------------------------------------------------
 
+    def name(self, *key: str) -> Var:
+        """The variable for a structured key (``base_name`` says which kinds there are)."""
+        ident = self.names("\0".join(key), base_name(key))
+        self.key_of[ident] = key
+        return Var(ident)
+
     def var(self, value: Value) -> Var:
-        return Var(self.names(value.name))
+        return self.name("value", value.name)
 
     def grad(self, value: Value) -> Var:
-        return Var(self.names(f"grad:{value.name}", f"grad_{self.var(value).name}"))
+        return self.name("grad", value.name)
 
     def extra(self, node: Node, name: str) -> Var:
-        return Var(self.names(f"extra:{node.name}:{name}", f"{self.var(node.output).name}_{name}"))
+        return self.name("extra", node.name, name)
 
     def kernel(self, node: Node, func: str) -> Global:
         module = self.kernel_module(node)
@@ -176,17 +186,16 @@ class Emitter:
         """The variable of a saved tensor as the forward pass made it."""
         if ":" in key:
             node_name, extra = key.split(":", 1)
-            return self.extra(self.node_named[node_name], extra)
-        return Var(self.names(key))
+            return self.name("extra", node_name, extra)
+        return self.name("value", key)
 
     def packed_var(self, key: str, form: Form) -> Var:
         suffix = "bits" if form.kind == "mask" else form.codec.name
-        base = self.raw_var(key).name
-        return Var(self.names(f"packed:{key}:{form}", f"{base}_{suffix}"))
+        return self.name("packed", key, suffix, str(form))
 
     def restored_var(self, key: str, form: Form) -> Var:
         suffix = "mask" if form.kind == "mask" else "restored"
-        return Var(self.names(f"restored:{key}:{form}", f"{self.raw_var(key).name}_{suffix}"))
+        return self.name("restored", key, suffix, str(form))
 
     @staticmethod
     def kwargs(op_kwargs: dict[str, Any]) -> tuple[tuple[str, Expr], ...]:
@@ -247,12 +256,7 @@ class Emitter:
                 owned[id(value)] = not op.grad_aliases
                 targets.append(self.grad(value))
             else:
-                partial = Var(
-                    self.names(
-                        f"partial:{node.name}:{position}",
-                        f"{self.grad(value).name}_from_{self.var(node.output).name}",
-                    )
-                )
+                partial = self.name("partial", value.name, node.output.name, str(position))
                 targets.append(partial)
                 sums.append(AddTo(self.grad(value), partial, in_place=owned[id(value)]))
                 owned[id(value)] = True
@@ -261,7 +265,9 @@ class Emitter:
             if not p.present:
                 targets.append(None)
                 continue
-            grad = Var(self.names(f"pgrad:{p.key}", f"grad_{self.var(node.output).name}_{p.name}"))
+            # One name per parameter kind (grad_weight, grad_bias), reused by every layer:
+            # each is handed over on the next line, so a per-layer name would only be noise.
+            grad = self.name("pgrad", p.name)
             targets.append(grad)
             param_grads.append((p.name, grad))
         kwargs = self.kwargs(explicit_kwargs(op, node.backward_kwargs))
@@ -321,14 +327,30 @@ class Emitter:
         )
 
     def stash_raw_step(self, entries: list[Stashed]) -> Step:
-        """At the end of the forward pass: record what is kept uncompressed."""
-        kept = DictExpr(tuple((s.key, self.raw_var(s.key)) for s in entries))
+        """At the end of the forward pass: record what is kept uncompressed.
+
+        One ``K.stash_raw`` call per line's worth of entries, so the record reads as a
+        short paragraph rather than one entry per line.
+        """
+        statements: list[Statement] = []
+        chunk: list[tuple[str, Expr]] = []
+        for stashed in entries:
+            item = (stashed.key, self.raw_var(stashed.key))
+            if chunk and len(render_expr(self._raw_record([*chunk, item]))) > RAW_RECORD_WIDTH:
+                statements.append(Do(self._raw_record(chunk)))
+                chunk = []
+            chunk.append(item)
+        statements.append(Do(self._raw_record(chunk)))
         return Step(
             "forward",
-            [Do(CallExpr(Global("K.stash_raw"), (Var("stash"), kept)))],
+            statements,
             comment="kept as they are for backward",
             stage=self.pipeline.num_ipus - 1,
         )
+
+    @staticmethod
+    def _raw_record(items: list[tuple[str, Expr]]) -> CallExpr:
+        return CallExpr(Global("K.stash_raw"), (Var("stash"), DictExpr(tuple(items))))
 
     def restore_steps(self, node: Node) -> list[Step]:
         """Right before a backward step: decompress what it reads, unless already done."""
@@ -413,6 +435,31 @@ class Emitter:
         ]
         release_dead(steps, keep={self.var(v).name for v in graph.preds})
         return steps
+
+
+def base_name(key: tuple[str, ...], rel: Callable[[str], str] = lambda name: name) -> str:
+    """The readable name a variable is given, from its structured key.
+
+    ``rel`` maps a model name to the name to show: the identity at module level, the
+    block-relative name inside a block function (``layer1.0.conv1`` -> ``conv1``).
+    """
+    kind = key[0]
+    if kind == "value":
+        return rel(key[1])
+    if kind == "grad":
+        return f"grad_{rel(key[1])}"
+    if kind == "extra":
+        return f"{rel(key[1])}_{key[2]}"
+    if kind in ("packed", "restored"):
+        stashed, _, extra = key[1].partition(":")
+        return f"{rel(stashed)}_{extra + '_' if extra else ''}{key[2]}"
+    if kind == "partial":
+        return f"grad_{rel(key[1])}_from_{rel(key[2])}"
+    if kind == "pgrad":
+        return f"grad_{key[1]}"
+    if kind == "saved":
+        return f"{rel(key[1])}_saved"
+    raise ValueError(f"unknown variable kind {kind!r}")
 
 
 def layer_lines(graph: Graph) -> list[tuple[str, str, str]]:

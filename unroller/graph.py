@@ -83,6 +83,8 @@ class BlockCall:
     name: str  # the full OUT name, e.g. "layer1.0"
     block: str
     text: str  # the call statement rendered in model syntax
+    #: (parameter name, full name of the value bound to it) for each tensor parameter
+    inputs: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class Node:
     extras: list[Extra]
     loc: Loc
     text: str  # the statement in model syntax, with full names
+    local_text: str = ""  # the statement as written (inside a block: the block's own names)
     blocks: tuple[BlockCall, ...] = ()
     index: int = 0
     needs_backward: bool = False
@@ -200,6 +203,21 @@ def render_const(value: Any) -> str:
     if isinstance(value, str):
         return repr(value)
     return repr(value)
+
+
+def _statement_text(stmt: Call) -> str:
+    """An operator call as written in the model file (block parameters by name)."""
+
+    def expr(e: Expr) -> str:
+        if isinstance(e, Ref):
+            return e.name
+        if isinstance(e, TupleExpr):
+            items = [expr(i) for i in e.items]
+            return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+        return render_const(e.value)
+
+    parts = [r.name for r in stmt.args] + [f"{kw.name}={expr(kw.value)}" for kw in stmt.kwargs]
+    return f"{stmt.target} = {stmt.op}({', '.join(parts)})"
 
 
 @dataclass
@@ -442,6 +460,7 @@ class GraphBuilder:
             extras=extras,
             loc=stmt.loc,
             text=f"{full_name} = {op.name}({', '.join(args_text + kw_text)})",
+            local_text=_statement_text(stmt),
             blocks=scope.blocks,
             index=len(self.nodes),
         )
@@ -542,7 +561,9 @@ class GraphBuilder:
         call_args = [scope.values[r.name].name for r in stmt.args]
         call_kw = [f"{k}={render_const(inner.consts[k])}" for k in (kw.name for kw in stmt.kwargs)]
         text = f"{scope.prefix}{stmt.target} = {block.name}({', '.join(call_args + call_kw)})"
-        inner.blocks = (*scope.blocks, BlockCall(scope.prefix + stmt.target, block.name, text))
+        bound = tuple((p.name, inner.values[p.name].name) for p in params if p.name in inner.values)
+        call = BlockCall(scope.prefix + stmt.target, block.name, text, bound)
+        inner.blocks = (*scope.blocks, call)
         for body_stmt in block.body:
             self._statement(body_stmt, inner)
         return self._lookup(inner, block.ret)
