@@ -4,10 +4,11 @@ first backward reader, compressed once, raw released when the forward pass is do
 from __future__ import annotations
 
 import torch
-from reference_models import make_inputs, model_path
 from typer.testing import CliRunner
 
 from unroller.api import load_graph
+from unroller.bench.reference import make_inputs
+from unroller.bench.reference import suite_model_path as model_path
 from unroller.cli import app
 from unroller.codegen import GpuEmitter, Options
 from unroller.stash import plan_stash

@@ -9,9 +9,11 @@ import sys
 import pytest
 import torch
 from conftest import rel_err
-from reference_models import REFERENCES, make_inputs, model_path
 
 from unroller.api import load_graph
+from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
+from unroller.bench.reference import make_inputs
+from unroller.bench.reference import suite_model_path as model_path
 from unroller.codegen import Options
 from unroller.schemes import SCHEMES
 from unroller.stash import plan_stash

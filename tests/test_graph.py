@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
-from reference_models import REFERENCES, model_path
 
 import unroller.runtime.gpu as K
 from unroller.api import graph_from_text, load_graph, load_model_class
+from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
+from unroller.bench.reference import suite_model_path as model_path
 from unroller.codegen import GpuEmitter
 from unroller.report import graph_report
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
-from reference_models import REFERENCES, make_inputs, model_path
+
+from unroller.bench.reference import DECLS, make_inputs
+from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
+from unroller.bench.reference import suite_model_path as model_path
 
 TOL = 1e-10
 
@@ -59,7 +62,7 @@ def test_gradients_match_autograd(build, stem):
 def test_predict_matches_eval_mode(build, stem):
     ref, gen = run_both(build, stem, steps=1)
     inputs = make_inputs(stem, 2, seed=7)
-    n_inputs = sum(1 for d in __import__("reference_models").DECLS[stem] if d.kind == "input")
+    n_inputs = sum(1 for d in DECLS[stem] if d.kind == "input")
     want = ref.predict(*inputs[:n_inputs])
     got = gen.predict(*inputs[:n_inputs])
     got = got if isinstance(got, tuple) else (got,)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from reference_models import model_path
 
 from unroller.api import load_graph
+from unroller.bench.reference import suite_model_path as model_path
 from unroller.errors import ConfigError
 from unroller.schemes import builtin, load_config, resolve
 from unroller.stash import plan_stash

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.compress_bench import same_activations
+from unroller.bench.stashed import same_activations
 
 NOCOMPRESS_TIME = 1.05  # ours:nocompress / autograd, step time
 DENSE_BYTES = 1.0 / 12.0  # ours:dct-dense stored / nocompress stored, same activations

@@ -1,7 +1,7 @@
 """Every method the harness measures, ours and the peers, behind one small interface.
 
 A ``Method`` runs one training step on a batch (``run(batch, mark)`` returns the loss;
-with ``mark`` the autograd family wraps ``loss.backward()`` in core_bench's
+with ``mark`` the autograd family wraps ``loss.backward()`` in the profiler's
 ``record_function`` marker so the profiler sees where the backward pass begins) and
 reports what a step keeps for backward (``stash(batch)``). ``METHODS`` says what each
 one runs and ``STASH_METHODS`` how its stashed bytes are counted (both go into the
@@ -10,25 +10,24 @@ results).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.profiler import record_function
 
-from benchmarks.compress_bench import backward_marker
-from benchmarks.core_bench import BACKWARD_MARK, count_autograd_saved, step_ours
-from benchmarks.harness.config import ipu_accumulation
+from unroller.bench.config import ipu_accumulation
+from unroller.bench.profiling import BACKWARD_MARK, backward_marker
+from unroller.bench.saved import count_autograd_saved
+from unroller.bench.steps import backward, step_autograd, step_ours
 from unroller.compress import Compressor, packed_nbytes
 from unroller.schemes import builtin
 
 HOOK_MIN_HW = 8
 METHODS = {
     "ours": "the generated module: model.zero_grad(set_to_none=True); loss = model(*batch) "
-    "(core_bench.step_ours; forward and unrolled backward, gradients in .grad). --platform "
+    "(unroller.bench.steps.step_ours; forward and unrolled backward, gradients in .grad). --platform "
     "ipu: the generated IPU module under poptorch.trainingModel (--emulate: the CPU "
     "emulation), one call per step, SGD with lr 0 so the weights stay those of the peers "
     "(the update is still computed and applied)",
@@ -45,7 +44,7 @@ METHODS = {
 STASH_METHODS = {
     "ours": "model.stash_report() after one step: bytes of the tensors the generated code "
     "keeps (raw: as made; stored: after masks and compression)",
-    "autograd": "core_bench.count_autograd_saved: saved_tensors_hooks record every tensor "
+    "autograd": "unroller.bench.saved.count_autograd_saved: saved_tensors_hooks record every tensor "
     "autograd saves in one forward, each storage once, parameters excluded (raw = stored)",
     "checkpoint": "the same count over forward_checkpointed: what autograd saves outside the "
     "checkpointed stages plus the stage inputs the checkpoints keep (raw = stored)",
@@ -70,11 +69,6 @@ class Method:
         return self.run(batch, False)
 
 
-def _backward(loss: Tensor, mark: bool) -> None:
-    with record_function(BACKWARD_MARK) if mark else contextlib.nullcontext():
-        loss.backward()
-
-
 # --------------------------------------------------------------------------- ours
 
 
@@ -90,7 +84,7 @@ def _stash_report(model: nn.Module) -> dict[str, Any]:
 def _ours(scheme: str, model: nn.Module, run: Callable[[list[Tensor], bool], Tensor]) -> Method:
     """Ours: ``stash`` runs one step and reads ``model.stash_report()``; the first time,
     that step runs under the profiler to find where the backward pass begins (the first
-    aten op named '...backward...', compress_bench.backward_marker) for the memory phase."""
+    aten op named '...backward...', profiling.backward_marker) for the memory phase."""
     method = Method(f"ours:{scheme}", "ours", scheme, model, run, lambda batch: {})
 
     def stash(batch: list[Tensor]) -> dict[str, Any]:
@@ -151,10 +145,7 @@ def _counted(module: nn.Module, batch: list[Tensor]) -> dict[str, Any]:
 
 def autograd(ref: nn.Module) -> Method:
     def run(batch: list[Tensor], mark: bool) -> Tensor:
-        ref.zero_grad(set_to_none=True)
-        loss = ref(*batch)[0]
-        _backward(loss, mark)
-        return loss
+        return step_autograd(ref, batch, mark)
 
     return Method("autograd", "autograd", None, ref, run, lambda b: _counted(ref, b), BACKWARD_MARK)
 
@@ -165,7 +156,7 @@ def checkpointed(ref: nn.Module) -> Method:
     def run(batch: list[Tensor], mark: bool) -> Tensor:
         ref.zero_grad(set_to_none=True)
         loss = ref.forward_checkpointed(*batch)[0]
-        _backward(loss, mark)
+        backward(loss, mark)
         return loss
 
     def stash(batch: list[Tensor]) -> dict[str, Any]:
@@ -235,7 +226,7 @@ def hooks(scheme: str, ref: nn.Module) -> Method:
         hk.reset()
         with hk.context():
             loss = ref(*batch)[0]
-        _backward(loss, mark)
+        backward(loss, mark)
         return loss
 
     def stash(batch: list[Tensor]) -> dict[str, Any]:

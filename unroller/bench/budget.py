@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from benchmarks.harness.measure import peak_step
-from benchmarks.harness.peers import Method
+from unroller.bench.measure import peak_step
+from unroller.bench.peers import Method
 
 MAX_STEPS = 6  # measurements beyond the two probes
 MEMORY_SHARE = 0.5  # of the available memory, the most a confirmation step may need

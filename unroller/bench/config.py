@@ -1,4 +1,4 @@
-"""Command-line flags of the harness, the two presets, and byte sizes such as ``2GiB``.
+"""Flags of the benchmark suite (the default preset) and its quick and full sizes.
 
 Without ``--full`` the quick preset applies (what ``make bench`` runs): every published
 model at its ``quick_resolution``, a small batch, few timed rounds, the memory-budget
@@ -9,17 +9,17 @@ search under an automatic budget. ``--full`` runs the published sizes (``paper_b
 from __future__ import annotations
 
 import argparse
-import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from unroller.bench.options import add_common, choose, non_negative, pair, parse_bytes, positive
+from unroller.bench.paths import default_results_dir
+from unroller.bench.reference import BENCHMARKS
 from unroller.schemes import SCHEMES
 
 PUBLISHED = ("resnet34", "emdenoise", "slstrcloud", "opticaldamage")
 HOOK_SCHEMES = ("dct-dense", "quant")  # schemes with a hook-based peer (same compressor)
-DEFAULT_OUT_DIR = Path(__file__).resolve().parents[1] / "results"
 AUTO = "auto"
 NONE = "none"
 
@@ -48,35 +48,6 @@ FULL = Preset(
     budget_factor=2.0,
 )
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1024**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1024**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1024**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """``2GiB`` -> 2147483648. KiB/MiB/GiB and bare K/M/G are powers of 1024, KB/MB/GB of
-    1000; a bare number is bytes. Raises ValueError on anything else."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not found or found.group(2).lower() not in _UNITS:
-        raise ValueError(f"expected a size such as 2GiB, 512MiB or 1000000 (bytes), got {text!r}")
-    value = float(found.group(1)) * _UNITS[found.group(2).lower()]
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"the size must be positive, got {text!r}")
-    return int(value)
-
 
 def _budget(text: str) -> int | str:
     if text.lower() in (AUTO, NONE, "off"):
@@ -87,37 +58,7 @@ def _budget(text: str) -> int | str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _pair(text: str) -> tuple[int, int]:
-    try:
-        a, b = (int(p) for p in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected two batch sizes A,B, got {text!r}") from None
-    if not 1 <= a < b:
-        raise argparse.ArgumentTypeError(f"expected 1 <= A < B, got {text!r}")
-    return a, b
-
-
-def build_parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
+def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description=(
@@ -129,7 +70,10 @@ def build_parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentPar
         ),
         epilog=(
             "Example: unroll bench --benchmark resnet34 --scheme dct-dense --resolution 16 "
-            "--memory-budget 512MiB   (make bench: the quick preset; make bench FULL=1: --full)"
+            "--memory-budget 512MiB   (make bench: the quick preset; make bench FULL=1: --full). "
+            f"Two more reports: '{prog} core --help' (generated step vs autograd, "
+            f"python -m benchmarks.core_bench) and '{prog} compress --help' (compressors "
+            "and schemes, python -m benchmarks.compress_bench)."
         ),
     )
     add = parser.add_argument
@@ -143,10 +87,10 @@ def build_parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentPar
     add("--platform", choices=("gpu", "ipu"), default="gpu")
     add("--device", choices=("cpu", "cuda"), default="cpu", help="where gpu-platform steps run")
     add("--full", action="store_true", help="published sizes: paper batch, native resolution")
-    add("--iterations", type=_positive, help="timed rounds (each method once per round)")
-    add("--warmup", type=_non_negative, help="untimed rounds before timing")
-    add("--batch-size", type=_positive, help="samples per step (default: preset)")
-    add("--resolution", type=_positive, help="rows of image inputs (default: preset)")
+    add("--iterations", type=positive, help="timed rounds (each method once per round)")
+    add("--warmup", type=non_negative, help="untimed rounds before timing")
+    add("--batch-size", type=positive, help="samples per step (default: preset)")
+    add("--resolution", type=positive, help="rows of image inputs (default: preset)")
     add(
         "--get-memory",
         action=argparse.BooleanOptionalAction,
@@ -162,48 +106,37 @@ def build_parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentPar
     )
     add(
         "--probe-batches",
-        type=_pair,
+        type=pair,
         help="the two batch sizes of the linear peak fit, A,B (default: the run's batch and "
         "twice it)",
     )
-    add("--device-batch-size", type=_positive, help="ipu: micro-batch per replica")
+    add("--device-batch-size", type=positive, help="ipu: micro-batch per replica")
     add("--num-ipus", type=int, choices=(1, 2, 4, 8, 16), default=1, help="ipu: pipeline stages")
-    add("--replication-factor", type=_positive, default=1, help="ipu: data-parallel replicas")
+    add("--replication-factor", type=positive, default=1, help="ipu: data-parallel replicas")
     add("--profile", metavar="DIR", help="ipu: write a PopVision report to DIR")
     add("--emulate", action="store_true", help="ipu: the CPU emulation of PopTorch")
-    add("--seed", type=int, default=0, help="weights and batch seed")
-    add("--threads", type=_positive, help="torch.set_num_threads (default: torch's)")
+    add_common(parser)
     add(
         "--out-dir",
         type=Path,
-        default=DEFAULT_OUT_DIR,
-        help="results folder (default: benchmarks/results)",
+        help="results folder (default: benchmarks/results/ of the checkout; outside one "
+        "./benchmark-results)",
     )
     add("--plots", action=argparse.BooleanOptionalAction, default=True, help="write PNG plots")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     return parser
 
 
-def _choose(text: str, known: Sequence[str], every: Sequence[str], what: str, parser) -> list:
-    names = list(every) if text == "all" else [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        parser.error(f"unknown {what} {unknown or text!r}; known: {', '.join(known)}, all")
-    return list(dict.fromkeys(names))
-
-
-def parse_args(
-    argv: Sequence[str] | None, known_benchmarks: Sequence[str], prog: str | None = None
-) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argparse.Namespace:
     """Parsed flags with the preset filled in (``args.preset``, ``args.benchmarks``,
-    ``args.schemes``); argparse exits 2 on bad flags."""
-    parser = build_parser(prog or "python -m benchmarks.run")
+    ``args.schemes``, ``args.out_dir``); argparse exits 2 on bad flags."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     preset = FULL if args.full else QUICK
     args.preset = preset
-    published = [b for b in PUBLISHED if b in known_benchmarks]
-    args.benchmarks = _choose(args.benchmark, known_benchmarks, published, "benchmark", parser)
-    args.schemes = _choose(args.scheme, SCHEMES, SCHEMES, "scheme", parser)
+    args.benchmarks = choose(args.benchmark, list(BENCHMARKS), PUBLISHED, "benchmark", parser)
+    args.schemes = choose(args.scheme, SCHEMES, SCHEMES, "scheme", parser)
+    args.out_dir = args.out_dir or default_results_dir()
     args.iterations = args.iterations or preset.iterations
     args.warmup = preset.warmup if args.warmup is None else args.warmup
     if args.memory_budget is None:

@@ -1,6 +1,6 @@
-"""The benchmark models: the registry of ``benchmarks/reference.py`` and generated modules.
+"""The suite's models: a benchmark's reference and generated module at the run's sizes.
 
-A benchmark (``benchmarks.reference.BENCHMARKS[name]``) gives the reference ``torch.nn``
+A benchmark (``unroller.bench.reference.BENCHMARKS[name]``) gives the reference ``torch.nn``
 module at a resolution (``build``; ``forward_checkpointed`` on it is the checkpoint
 peer), synthetic batches (``make_batch``), its sizes (``native_resolution``,
 ``quick_resolution``, ``paper_batch``) and the generated module of any ``Options``
@@ -16,12 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks.reference import BENCHMARKS
 from unroller.codegen import Options
-
-
-def registry() -> dict[str, Any]:
-    return dict(BENCHMARKS)
 
 
 def resolution_of(bench: Any, args: Any) -> int:

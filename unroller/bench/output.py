@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from benchmarks.harness.goals import verdict
+from unroller.bench.goals import verdict
 
 MIB = 1024.0 * 1024.0
 

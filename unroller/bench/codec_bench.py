@@ -1,0 +1,196 @@
+"""The compress preset, part 1: compressor throughput and error on a realistic activation.
+
+A compressor's cost is what its round trip (compress, then decompress) takes against
+``torch.clone`` of the same tensor, the cheapest thing that reads and writes it once;
+both run interleaved in every round, so load on the machine hits them alike. The input
+is the output of a real conv layer on smooth images (``activation_tensor``) and its
+ReLU mask, since white noise would be the worst case for DCT+Chop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unroller.bench.stats import summary
+from unroller.bench.timing import time_pair
+from unroller.compress import make, packed_nbytes
+
+BLUR_SIGMA = 3.0  # pixels
+
+# (label, compressor name, parameters, input): input "activation" (float32) or "mask" (bool)
+CODEC_CONFIGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
+    ("dct default (b8 keep4 int8)", "dct", {}, "activation"),
+    ("dct fold=True", "dct", {"fold": True}, "activation"),
+    ("dct storage=bf16", "dct", {"storage": "bf16"}, "activation"),
+    ("quant bits=8", "quant", {"bits": 8}, "activation"),
+    ("quant bits=4", "quant", {"bits": 4}, "activation"),
+    ("quant bits=2", "quant", {"bits": 2}, "activation"),
+    ("bits (bool mask)", "bits", {}, "mask"),
+)
+
+ACTIVATION_TEXT = (
+    "the output of torch.nn.Conv2d(3, C, 3, padding=1) (torch's default initialisation, "
+    "seeded) applied to a batch of smooth images: a standard normal field [N, 3, H, W] "
+    "blurred by a separable Gaussian of std {sigma} pixels (replicate padding) and "
+    "normalised to zero mean and unit std per (sample, channel); float32, contiguous. "
+    "The mask is that activation > 0 (a ReLU mask), torch.bool"
+)
+
+
+def gaussian_blur(x: Tensor, sigma: float) -> Tensor:
+    """Separable Gaussian blur of [N, C, H, W] per channel, replicate padding."""
+    radius = max(1, int(math.ceil(3 * sigma)))
+    offsets = torch.arange(-radius, radius + 1, dtype=x.dtype)
+    kernel = torch.exp(-0.5 * (offsets / sigma) ** 2)
+    kernel = kernel / kernel.sum()
+    c = x.shape[1]
+    rows = kernel.reshape(1, 1, 1, -1).expand(c, 1, 1, -1)
+    cols = kernel.reshape(1, 1, -1, 1).expand(c, 1, -1, 1)
+    x = F.conv2d(F.pad(x, (radius, radius, 0, 0), mode="replicate"), rows, groups=c)
+    return F.conv2d(F.pad(x, (0, 0, radius, radius), mode="replicate"), cols, groups=c)
+
+
+def activation_tensor(shape: Sequence[int], seed: int) -> Tensor:
+    """A smooth-ish float32 activation [N, C, H, W]: a real conv layer on smooth images."""
+    n, c, h, w = shape
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        images = gaussian_blur(torch.randn(n, 3, h, w, generator=gen), BLUR_SIGMA)
+        mean = images.mean(dim=(2, 3), keepdim=True)
+        std = images.std(dim=(2, 3), keepdim=True).clamp_min(1e-12)
+        images = (images - mean) / std
+        torch.manual_seed(seed)
+        conv = nn.Conv2d(3, c, 3, padding=1)
+        return conv(images).contiguous()
+
+
+def rel_l2(x_hat: Tensor, x: Tensor) -> float:
+    x64, d = x.double(), x_hat.double() - x.double()
+    return float(d.norm() / max(float(x64.norm()), 1e-300))
+
+
+def bench_codec(
+    label: str, name: str, params: dict[str, Any], x: Tensor, warmup: int, repeats: int
+) -> dict[str, Any]:
+    codec = make(name, **params)
+    shape, dtype = tuple(x.shape[1:]), x.dtype
+    raw = x.numel() * x.element_size()
+    with torch.no_grad():
+        packed = codec.compress(x)
+        x_hat = codec.decompress(packed, shape, dtype)
+    stored = packed_nbytes(packed)
+    predicted = codec.stored_bytes(tuple(x.shape), dtype)
+    error = rel_l2(x_hat, x)
+    exact = bool(torch.equal(x_hat, x))
+    del packed, x_hat
+
+    comp_ms: list[float] = []
+    decomp_ms: list[float] = []
+
+    def round_trip() -> None:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            p = codec.compress(x)
+            t1 = time.perf_counter()
+            out = codec.decompress(p, shape, dtype)
+            t2 = time.perf_counter()
+        comp_ms.append((t1 - t0) * 1e3)
+        decomp_ms.append((t2 - t1) * 1e3)
+        del p, out
+
+    def clone() -> None:
+        with torch.no_grad():
+            out = x.clone()
+        del out
+
+    pair = time_pair(round_trip, clone, warmup, repeats)
+    timing = {"trip": pair["first"], "clone": pair["second"]}
+    comp_ms, decomp_ms = comp_ms[warmup:], decomp_ms[warmup:]
+    trip = timing["trip"]["samples"]
+    clone_ms = timing["clone"]["samples"]
+    ratio_samples = [c / r for r, c in zip(trip, clone_ms)]
+
+    def gbps(ms: float) -> float:
+        return raw / (ms * 1e-3) / 1e9
+
+    return {
+        "label": label,
+        "compressor": repr(codec),
+        "name": name,
+        "params": codec.params,
+        "input": "mask" if dtype == torch.bool else "activation",
+        "shape": list(x.shape),
+        "dtype": str(dtype).replace("torch.", ""),
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "stored_bytes_predicted": predicted,
+        "stored_over_raw": stored / raw,
+        "stored_over_float32": stored / (x.numel() * 4),
+        "rel_l2_error": error,
+        "exact": exact,
+        "time_ms": {
+            "compress": summary(comp_ms),
+            "decompress": summary(decomp_ms),
+            "round_trip": timing["trip"],
+            "clone": timing["clone"],
+        },
+        "gbps": {
+            "round_trip": gbps(timing["trip"]["median"]),
+            "compress": gbps(statistics.median(comp_ms)),
+            "decompress": gbps(statistics.median(decomp_ms)),
+            "clone": gbps(timing["clone"]["median"]),
+        },
+        "ratio_to_clone": summary(ratio_samples),
+        "ratio_to_clone_of_medians": timing["clone"]["median"] / timing["trip"]["median"],
+    }
+
+
+def bench_codecs(args: argparse.Namespace) -> dict[str, Any]:
+    """Every configuration of ``CODEC_CONFIGS`` on the activation of ``--shape`` or its
+    mask, and all float32 clones pooled (the reference throughput)."""
+    act = activation_tensor(args.shape, args.seed)
+    mask = act > 0
+    inputs = {"activation": act, "mask": mask}
+    results = [
+        bench_codec(label, name, params, inputs[kind], args.warmup, args.repeats)
+        for label, name, params, kind in CODEC_CONFIGS
+    ]
+    a64 = act.double()
+    raw = act.numel() * act.element_size()
+    pooled = [
+        ms for c in results if c["input"] == "activation" for ms in c["time_ms"]["clone"]["samples"]
+    ]
+    pooled_gbps = raw / (statistics.median(pooled) * 1e-3) / 1e9
+    for c in results:  # the mask against its own clone (medians)
+        c["ratio_to_pooled_clone"] = (
+            c["gbps"]["round_trip"] / pooled_gbps
+            if c["input"] == "activation"
+            else c["ratio_to_clone_of_medians"]
+        )
+    return {
+        "clone_pooled": {
+            "what": "every timed torch.clone of the float32 activation, all configurations",
+            "time_ms": summary(pooled),
+            "median_gbps": pooled_gbps,
+            "max_gbps": raw / (min(pooled) * 1e-3) / 1e9,
+        },
+        "activation": {
+            "description": ACTIVATION_TEXT.format(sigma=BLUR_SIGMA),
+            "shape": list(act.shape),
+            "dtype": "float32",
+            "raw_bytes": act.numel() * act.element_size(),
+            "mean": float(a64.mean()),
+            "std": float(a64.std()),
+            "fraction_positive": float(mask.double().mean()),
+        },
+        "configs": results,
+    }

@@ -1,0 +1,54 @@
+"""The machine and the command a run was made on, written at the top of every report.
+
+Timings mean little without the machine, its load and the exact command; one
+description serves every preset, so their reports say the same things the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def loadavg() -> list[float] | None:
+    """The 1/5/15-minute load averages (other jobs on the machine), or None."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def describe(prog: str, argv: Sequence[str]) -> dict[str, Any]:
+    """Date, processor, platform, versions, threads, load, and the command line."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "processor": platform.processor(),
+        "cpu_model": cpu_model(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "loadavg_start": loadavg(),
+        "command": shlex.join([*prog.split(), *argv]),
+        "executable": sys.executable,
+    }

@@ -1,0 +1,79 @@
+"""Peak step memory on the CPU, from the allocation events of the PyTorch profiler.
+
+The CPU allocator keeps no peak counter like CUDA's ``max_memory_allocated``, so one
+step runs under ``torch.profiler`` with ``profile_memory=True`` and its allocation and
+free events are summed in time order. A marker (the first event of a named op) says
+when the backward pass begins, which gives the bytes alive at that moment: what a step
+really keeps for backward, next to what it says it keeps.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+from torch.profiler import ProfilerActivity, profile
+
+BACKWARD_MARK = "unroller.bench::autograd_backward"  # record_function around loss.backward()
+SEED_OP = "aten::ones_like"  # the generated step's seed gradient: torch.ones_like(loss)
+
+
+def allocation_trace(prof: profile) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """(time_ns, signed bytes) of every CPU allocation event in time order, and the first
+    start time of each op name."""
+    from torch._C._profiler import _EventType
+
+    allocs: list[tuple[int, int]] = []
+    first_start: dict[str, int] = {}
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            fields = event.extra_fields
+            if fields.device.type == "cpu":
+                allocs.append((event.start_time_ns, int(fields.alloc_size)))
+        else:
+            name = event.name
+            t = event.start_time_ns
+            if name not in first_start or t < first_start[name]:
+                first_start[name] = t
+        stack.extend(event.children)
+    allocs.sort(key=lambda a: a[0])
+    return allocs, first_start
+
+
+def profile_step(run: Callable[[], Any], backward_mark: str) -> dict[str, Any]:
+    """Peak, retained and live-at-backward bytes of one step, from the allocation trace."""
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as p:
+        result = run()
+    del result
+    allocs, first_start = allocation_trace(p)
+    mark = first_start.get(backward_mark)
+    running = peak = 0
+    at_backward = None
+    for t, size in allocs:
+        if mark is not None and at_backward is None and t >= mark:
+            at_backward = running
+        running += size
+        peak = max(peak, running)
+    if mark is not None and at_backward is None:
+        at_backward = running
+    return {
+        "peak_bytes": peak,
+        "retained_bytes": running,
+        "live_at_backward_bytes": at_backward,
+        "allocation_events": len(allocs),
+    }
+
+
+def backward_marker(run: Callable[[], Any]) -> str | None:
+    """The first aten op of the step whose name contains 'backward' (the loss backward):
+    the marker for generated steps whose compressors call ``SEED_OP`` in the forward."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = run()
+    del result
+    _, first_start = allocation_trace(prof)
+    found = [(t, name) for name, t in first_start.items() if "backward" in name]
+    return min(found)[1] if found else None
