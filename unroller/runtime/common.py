@@ -230,13 +230,15 @@ def _accumulate_one(param: Tensor, grad: Tensor) -> None:
             param.grad += grad
 
 
-def collect(grads: dict[str, Tensor], layer_name: str, /, **named: Tensor | None) -> None:
-    """Store each non-None ``name=grad`` as ``grads["<layer_name>.<name>"]`` (state-dict
-    names): the ipu step returns them through its surrogate loss instead of writing .grad,
-    because PopTorch owns the optimizer step."""
-    for name, grad in named.items():
+def collect(grads: dict[str, Tensor], layers: Layers, name: str, /, **named: Tensor | None) -> None:
+    """Store each non-None ``param=grad`` of layer ``name`` as ``grads["<path>.<param>"]``
+    (state-dict names; ``layers`` may be a block's scoped view): the ipu step returns them
+    through its surrogate loss instead of writing .grad, because PopTorch owns the
+    optimizer step."""
+    path = layers.path(name)
+    for param, grad in named.items():
         if grad is not None:
-            grads[f"{layer_name}.{name}"] = grad
+            grads[f"{path}.{param}"] = grad
 
 
 def add_layer(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
@@ -265,12 +267,32 @@ def add_layer(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None
     node._modules[parts[-1]] = module
 
 
-def layers(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
+class Layers(dict):
+    """Layer handles by dotted name; ``within(prefix)`` is a block instance's view.
+
+    Generated code indexes it (``L["layer1.0.conv1"]``); a block function gets the view
+    of its instance (``L.within("layer1.0")["conv1"]`` is the same module) and ``path``
+    gives a name's full state-dict prefix back.
+    """
+
+    prefix = ""
+
+    def within(self, prefix: str) -> Layers:
+        start = prefix + "."
+        view = Layers((name[len(start) :], m) for name, m in self.items() if name.startswith(start))
+        view.prefix = self.path(prefix)
+        return view
+
+    def path(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+
+def layers(root: torch.nn.Module) -> Layers:
     """Dotted name -> submodule (shared ones under every name), the layer handles kernels
     take. Rebuilt on each call, like ``tensors``, so nothing stale survives .to()/.double();
     read through ``_modules``, so names add_layer allowed ("forward", "0") work too."""
     found = root.named_modules(remove_duplicate=False)
-    return {name: module for name, module in found if name}
+    return Layers((name, module) for name, module in found if name)
 
 
 def tensors(root: torch.nn.Module) -> dict[str, Tensor]:
@@ -321,19 +343,52 @@ def _check_input(name: str, value: object, dtype: str, dims: tuple[int, ...]) ->
 # ---------------------------------------------------------------- stash accounting
 
 
+class StashLog(list):
+    """The rows ``stash``/``stash_raw`` record in one step; ``within(prefix)`` is the view a
+    block function writes through, so its rows carry the instance's full names."""
+
+    prefix = ""
+
+    def within(self, prefix: str) -> StashLog:
+        view = _ScopedLog()
+        view.root = getattr(self, "root", self)
+        view.prefix = f"{self.prefix}.{prefix}" if self.prefix else prefix
+        return view
+
+    def add(self, key: str, row: tuple) -> None:
+        full = f"{self.prefix}.{key}" if self.prefix else key
+        getattr(self, "root", self).append((full, *row))
+
+
+class _ScopedLog(StashLog):
+    root: StashLog
+
+
+def stash_log() -> StashLog:
+    """An empty log for one step (``model.stash_log``; ``stash_report`` reads it)."""
+    return StashLog()
+
+
+def _log_row(log: list, key: str, row: tuple) -> None:
+    if isinstance(log, StashLog):
+        log.add(key, row)
+    else:  # a plain list (older callers)
+        log.append((key, *row))
+
+
 def stash(log: list, key: str, raw: Tensor, *forms: tuple) -> None:
     """Record one tensor kept compressed: its raw bytes and the bytes of each stored form
     (``(compressor, packed tensors)`` pairs)."""
     stored = sum(t.numel() * t.element_size() for _, packed in forms for t in packed)
     label = " + ".join(repr(codec) for codec, _ in forms)
-    log.append((key, label, tuple(raw.shape), raw.numel() * raw.element_size(), stored))
+    _log_row(log, key, (label, tuple(raw.shape), raw.numel() * raw.element_size(), stored))
 
 
 def stash_raw(log: list, tensors: dict[str, Tensor]) -> None:
     """Record the tensors kept as they are."""
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        log.append((key, "raw", tuple(t.shape), nbytes, nbytes))
+        _log_row(log, key, ("raw", tuple(t.shape), nbytes, nbytes))
 
 
 def stash_report(log: list) -> dict:

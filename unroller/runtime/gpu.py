@@ -53,6 +53,7 @@ from unroller.runtime.common import (  # noqa: F401
     reshape_backward,
     sigmoid,
     stash,
+    stash_log,
     stash_raw,
     stash_report,
     tanh,

@@ -94,6 +94,7 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     reshape_backward,
     sigmoid,
     stash,
+    stash_log,
     stash_raw,
     stash_report,
     tanh,
