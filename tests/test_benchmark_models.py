@@ -1,9 +1,9 @@
 """The benchmark networks (benchmarks/models/*.txt) against their torch.nn references
-(benchmarks/reference.py, ``BENCHMARKS``).
+(unroller.bench.reference, ``BENCHMARKS``).
 
-For every benchmark, at batch 2 and a reduced resolution (ResNets at their native 32), in
-float64: the generated gpu module has the reference's state-dict keys (same order, strict
-load both ways); one training step gives the loss, every parameter gradient and the
+For every benchmark, at batch 2 and a reduced resolution (the small ResNets at their
+native 32), in float64: the generated gpu module has the reference's state-dict keys
+(same order, strict load both ways); one training step gives the loss, every parameter gradient and the
 batch-norm running statistics of autograd on the reference to 1e-10 relative; and the
 reference's ``forward_checkpointed`` gives what its plain ``forward`` gives, running
 every stage again in backward. Also: the registry, the synthetic batches, and
@@ -22,24 +22,30 @@ import pytest
 import torch
 from conftest import rel_err
 
-from benchmarks.reference import BENCHMARKS, REFERENCES, make_batch
 from unroller.api import at_resolution, graph_from_text
+from unroller.bench.reference import BENCHMARKS
 from unroller.codegen import Options
 from unroller.parser import parse
 
 TOL = 1e-10
 BATCH = 2
-# Reduced resolutions for the float64 checks (ResNets at their native 32).
+# Reduced resolutions for the float64 checks, small enough that the module stays within
+# `make test`'s budget (ResNet-34 at its native 32 took most of it); the small ResNets
+# keep their native 32, so both the resized and the declared size are checked.
 TEST_RESOLUTION = {
-    "resnet34": 32,
+    "resnet34": 16,
     "quick": 32,
     "resnet_like": 32,
     "emdenoise": 32,
-    "slstrcloud": 32,
-    "unet_like": 32,
-    "opticaldamage": 48,
+    "slstrcloud": 16,
+    "unet_like": 16,
+    "opticaldamage": 16,
 }
 STEMS = sorted(BENCHMARKS)
+# ResNet-34 (21M parameters) is the same ResNet family as quick and resnet_like; its
+# float64 steps run with SLOW=1 (`make test-slow`) so `make test` stays within budget.
+HEAVY = ("resnet34",)
+CHECKED = [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in STEMS]
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +139,6 @@ def test_registry():
         assert model.name == name
         heights = {d.dims[2] for d in model.decls if len(d.dims) == 4}
         assert heights == {bench.native_resolution}
-    assert set(REFERENCES) == {"resnet_like", "unet_like"}
 
 
 @pytest.mark.parametrize("name", STEMS)
@@ -168,15 +173,14 @@ def test_make_batch(name):
         assert float(x[:, 6:].abs().max()) < 3.0
     elif name == "opticaldamage":
         assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
-    if name in ("resnet_like", "unet_like"):  # the older interface, at the native size
-        native = make_batch(name, 2, seed=1)
-        assert all(torch.equal(a, b) for a, b in zip(native, bench.make_batch(2, None, 1)))
+    native = bench.make_batch(2, None, seed=1)  # None: the size the model file declares
+    assert all(t.shape[-1] == bench.native_resolution for t in native if t.dim() == 4)
 
 
 # --------------------------------------------------------------------------- generated vs reference
 
 
-@pytest.mark.parametrize("name", STEMS)
+@pytest.mark.parametrize("name", CHECKED)
 def test_state_dict_keys(generated, name):
     ref = BENCHMARKS[name].build(TEST_RESOLUTION[name])
     gen = generated(name)()
@@ -185,7 +189,7 @@ def test_state_dict_keys(generated, name):
     ref.load_state_dict(gen.state_dict(), strict=True)
 
 
-@pytest.mark.parametrize("name", STEMS)
+@pytest.mark.parametrize("name", CHECKED)
 def test_step_matches_autograd(generated, reference_step, name):
     want = reference_step(name)
     gen = generated(name)().double()
@@ -196,7 +200,7 @@ def test_step_matches_autograd(generated, reference_step, name):
     assert_same_state(gen, want.model)
 
 
-@pytest.mark.parametrize("name", STEMS)
+@pytest.mark.parametrize("name", CHECKED)
 def test_checkpointed_matches_forward(reference_step, name):
     want = reference_step(name)
     bench = BENCHMARKS[name]

@@ -1,5 +1,6 @@
-"""Smoke test of the compression benchmark (benchmarks/compress_bench.py): it runs in-process
-at a tiny size and writes sane numbers. No speed or memory target is asserted here."""
+"""Smoke test of the compress preset (unroller.bench.compress, `python -m
+benchmarks.compress_bench`): it runs in-process at a tiny size and writes sane numbers
+(slow). No speed or memory target is asserted here."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import math
 import pytest
 import torch
 
-from benchmarks import compress_bench
+from unroller.bench import compress, stashed
+from unroller.bench.codec_bench import CODEC_CONFIGS
+from unroller.bench.scheme_bench import BASELINE
 from unroller.schemes import SCHEMES
 
 # Runs the benchmark script end to end: `make test-slow` (SLOW=1), not `make test`.
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow
 
-MODELS = list(compress_bench.DEFAULT_MODELS)
-COMPRESSING = [s for s in SCHEMES if s != compress_bench.BASELINE]
+MODELS = list(compress.DEFAULT_MODELS)
+COMPRESSING = [s for s in SCHEMES if s != BASELINE]
+PROG = "python -m benchmarks.compress_bench"
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def run(tmp_path_factory):
     argv = ["--models", ",".join(MODELS), "--batch-size", "2", "--repeats", "2"]
     argv += ["--warmup", "1", "--shape", "2,8,16,16", "--out", str(out)]
     argv += ["--threads", str(torch.get_num_threads())]
-    assert compress_bench.main(argv) == 0
+    assert compress.main(argv, prog=PROG) == 0
     return json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
@@ -39,6 +43,7 @@ def _summary_ok(s: dict, n: int) -> None:
     assert len(s["samples"]) == n
 
 
+@slow
 def test_meta_and_markdown(run):
     results, md = run
     meta = results["meta"]
@@ -57,13 +62,14 @@ def test_meta_and_markdown(run):
     assert md.count(" met") + md.count("NOT met") >= 2
 
 
+@slow
 def test_codec_numbers(run):
     results, _ = run
     codecs = results["codecs"]
     assert codecs["activation"]["shape"] == [2, 8, 16, 16]
     assert _positive(codecs["clone_pooled"]["median_gbps"])
     labels = [c["label"] for c in codecs["configs"]]
-    assert labels == [label for label, *_ in compress_bench.CODEC_CONFIGS]
+    assert labels == [label for label, *_ in CODEC_CONFIGS]
     for c in codecs["configs"]:
         assert _positive(c["raw_bytes"]) and _positive(c["stored_bytes"])
         assert c["stored_bytes"] == c["stored_bytes_predicted"]
@@ -79,6 +85,7 @@ def test_codec_numbers(run):
             assert 0 < c["rel_l2_error"] < 1.5 and c["dtype"] == "float32"
 
 
+@slow
 @pytest.mark.parametrize("index", range(len(MODELS)))
 def test_scheme_numbers(run, index):
     results, _ = run
@@ -86,7 +93,7 @@ def test_scheme_numbers(run, index):
     assert m["model"] == MODELS[index] and m["batch_size"] == 2
     by = {s["scheme"]: s for s in m["schemes"]}
     assert list(by) == list(SCHEMES)
-    base = by[compress_bench.BASELINE]
+    base = by[BASELINE]
     assert base["ratio_all"] == 1.0 and base["same_activations"]["count"] == 0
     for s in m["schemes"]:
         assert _positive(s["total_stored_bytes"]) and _positive(s["total_raw_bytes"])
@@ -115,10 +122,10 @@ def test_scheme_numbers(run, index):
 
 
 def test_lossy_labels_and_shape_argument():
-    assert compress_bench._lossy("Bits() + Dct(block=8, keep=4, storage='int8', fold=False)")
-    assert compress_bench._lossy("Quant(bits=8, group_size=None, stochastic=False)")
-    assert not compress_bench._lossy("raw")
-    assert not compress_bench._lossy("Bits()")
-    assert compress_bench.parse_args(["--shape", "1,2,8,8"]).shape == (1, 2, 8, 8)
+    assert stashed.lossy("Bits() + Dct(block=8, keep=4, storage='int8', fold=False)")
+    assert stashed.lossy("Quant(bits=8, group_size=None, stochastic=False)")
+    assert not stashed.lossy("raw")
+    assert not stashed.lossy("Bits()")
+    assert compress.parse_args(["--shape", "1,2,8,8"]).shape == (1, 2, 8, 8)
     with pytest.raises(SystemExit):
-        compress_bench.parse_args(["--shape", "1,2,8"])
+        compress.parse_args(["--shape", "1,2,8"])

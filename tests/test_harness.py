@@ -1,13 +1,17 @@
-"""Smoke tests of the benchmark harness (benchmarks/run.py, benchmarks/harness/).
+"""Smoke tests of the benchmark harness (unroller.bench: the suite and the command line).
 
-Tiny sizes (the quick ResNet-8 at 16 x 16, batch 2, one timed round), every peer, one
-scheme; the memory-budget search on a tiny budget and, with a stand-in for the memory
-measure, on a known peak curve; the output files parse; the IPU path under the CPU
-emulation; `unroll bench --help`. Nothing here asserts speed or memory targets.
+Marked slow (they run the suite end to end): tiny sizes (the quick ResNet-8 at 16 x 16,
+batch 2, one timed round), every peer, one scheme; the memory-budget search on a tiny
+budget; the output files parse; the IPU path under the CPU emulation. Fast: the search
+on a known peak curve (a stand-in for the memory measure), sizes, the hook peer, bad
+arguments, the presets' dispatch, the model files outside a checkout, that the package
+never imports the checkout's ``benchmarks``, `unroll bench --help`. Nothing here
+asserts speed or memory targets.
 """
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 from pathlib import Path
@@ -16,13 +20,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from benchmarks import run
-from benchmarks.harness import budget, config, peers
+import unroller
+from unroller.bench import budget, cli, config, main, paths, peers
+from unroller.bench.reference import BENCHMARKS
 from unroller.cli import app
 from unroller.schemes import builtin
 
 # Runs the benchmark script end to end: `make test-slow` (SLOW=1), not `make test`.
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow
 
 TINY = ["--benchmark", "quick", "--resolution", "16", "--batch-size", "2"]
 TINY += ["--iterations", "1", "--warmup", "0", "--no-progress"]
@@ -37,10 +42,11 @@ def _lines(path: Path) -> list[dict]:
 def gpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = [*TINY, "--scheme", "dct-dense", "--memory-budget", "1KiB", "--out-dir", str(out)]
-    assert run.main(argv) == 0
+    assert main(argv) == 0
     return out
 
 
+@slow
 def test_outputs_exist_and_parse(gpu_run: Path):
     lines = _lines(gpu_run / "bench.jsonl")
     assert lines[0]["type"] == "meta"
@@ -60,6 +66,7 @@ def test_outputs_exist_and_parse(gpu_run: Path):
         assert (gpu_run / f"bench_{name}.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@slow
 def test_every_run_has_the_measures(gpu_run: Path):
     runs = [line for line in _lines(gpu_run / "bench.jsonl") if line["type"] == "run"]
     by = {r["method"]: r for r in runs}
@@ -80,6 +87,7 @@ def test_every_run_has_the_measures(gpu_run: Path):
     assert by["hooks:dct-dense"]["stash"]["compressed_calls"] > 0
 
 
+@slow
 def test_tiny_budget_fits_no_batch_and_says_so(gpu_run: Path):
     runs = [line for line in _lines(gpu_run / "bench.jsonl") if line["type"] == "run"]
     for r in runs:
@@ -152,10 +160,11 @@ def test_hook_peer_compresses_only_eligible_tensors():
     assert hooks.packed_bytes < x.numel() * 4
 
 
+@slow
 def test_ipu_emulation_runs_and_says_so(tmp_path: Path, capsys):
     argv = [*TINY, "--platform", "ipu", "--emulate", "--scheme", "nocompress"]
     argv += ["--memory-budget", "none", "--no-plots", "--no-get-memory", "--out-dir", str(tmp_path)]
-    assert run.main(argv) == 0
+    assert main(argv) == 0
     screen = " ".join(capsys.readouterr().out.split())
     assert "CPU EMULATION" in screen and "not IPU timings" in screen
     lines = _lines(tmp_path / "bench_ipu.jsonl")
@@ -172,7 +181,7 @@ def test_ipu_without_poptorch_or_emulate_exits_2(tmp_path: Path, capsys):
         pass
     else:
         pytest.skip("PopTorch is installed here")
-    assert run.main([*TINY, "--platform", "ipu", "--out-dir", str(tmp_path)]) == 2
+    assert main([*TINY, "--platform", "ipu", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "PopTorch" in err[0] and "--emulate" in err[0]
     assert not list(tmp_path.iterdir())
@@ -180,16 +189,16 @@ def test_ipu_without_poptorch_or_emulate_exits_2(tmp_path: Path, capsys):
 
 def test_bad_arguments_exit_2():
     with pytest.raises(SystemExit) as exc:
-        run.main(["--benchmark", "no-such-model"])
+        main(["--benchmark", "no-such-model"])
     assert exc.value.code == 2
     with pytest.raises(SystemExit) as exc:
-        run.main(["--emulate"])  # an IPU flag without --platform ipu
+        main(["--emulate"])  # an IPU flag without --platform ipu
     assert exc.value.code == 2
 
 
 def test_a_resolution_the_model_cannot_take_exits_2(tmp_path: Path, capsys):
     argv = ["--benchmark", "emdenoise", "--resolution", "60", "--out-dir", str(tmp_path)]
-    assert run.main(argv) == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert "multiple of 8" in err and len(err.strip().splitlines()) == 1
 
@@ -200,3 +209,49 @@ def test_unroll_bench_help():
     for flag in ("--benchmark", "--scheme", "--memory-budget", "--emulate", "--full"):
         assert flag in result.output
     assert "Example: unroll bench" in " ".join(result.output.split())
+
+
+def test_presets_share_one_command_line(capsys):
+    """`unroll bench core|compress ...` reach their presets, under the caller's name."""
+    for preset in ("core", "compress"):
+        with pytest.raises(SystemExit) as exc:
+            cli.run([preset, "--help"], prog="python -m benchmarks.run")
+        assert exc.value.code == 0
+        usage = " ".join(capsys.readouterr().out.split())
+        assert f"usage: python -m benchmarks.run {preset}" in usage
+        assert "--models-dir" in usage and "--threads" in usage
+    with pytest.raises(SystemExit) as exc:
+        main(["core", "--models", "no-such-model"])
+    assert exc.value.code == 2
+    assert "unknown models" in capsys.readouterr().err
+
+
+def test_model_files_outside_a_checkout(monkeypatch, tmp_path: Path, capsys):
+    """Installed without a checkout: one clear line and exit 2, unless --models-dir."""
+    quick = BENCHMARKS["quick"].path.read_text(encoding="utf-8")
+    monkeypatch.setattr(paths, "checkout_root", lambda: None)
+    for argv in (["--benchmark", "quick"], ["core"], ["compress"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--models-dir" in err[0] and "checkout" in err[0], err
+    assert paths.default_results_dir() == paths.OUTSIDE_RESULTS
+    assert main(["--benchmark", "quick", "--models-dir", str(tmp_path)]) == 2
+    assert "quick.txt: no such model file" in capsys.readouterr().err
+    copy = tmp_path / "quick.txt"
+    copy.write_text(quick, encoding="utf-8")
+    assert BENCHMARKS["quick"].with_models_dir(tmp_path).path == copy
+    assert BENCHMARKS["quick"].with_models_dir(tmp_path).label == "benchmarks/models/quick.txt"
+
+
+def test_the_package_never_imports_the_checkouts_benchmarks():
+    """``benchmarks`` is not in the wheel: nothing under unroller/ may import it."""
+    package = Path(unroller.__file__).parent
+    moving = {package / "cli.py"}  # its `unroll bench` is being switched to unroller.bench.main
+    for path in set(package.rglob("*.py")) - moving:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] == "benchmarks" for n in names), path
