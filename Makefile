@@ -27,6 +27,10 @@ test-slow: $(STAMP)
 	$(UNROLL) lint generated/ipu generated/multiipu --platform ipu
 	SLOW=1 $(PY) -m pytest -q
 
+# The benchmark suite (unroller.bench, as `unroll bench`): its quick preset, or with FULL=1
+# the published sizes; writes benchmarks/results/bench.*. The two other reports of the same
+# harness: `unroll bench core` (python -m benchmarks.core_bench) and `unroll bench compress`
+# (python -m benchmarks.compress_bench).
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(if $(FULL),--full,)
 
