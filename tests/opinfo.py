@@ -1,0 +1,702 @@
+"""OpInfo-style table of the operators: one row per registry operator, for tests/test_kernels.py.
+
+A row says how to check the kernels of one operator on every platform: the torch reference
+of its forward (torch.nn modules / torch.nn.functional, differentiated by torch.autograd
+for the gradients) and the sample inputs to run it on, each with the kernel keywords it
+takes. Everything else the harness needs (which inputs and parameters get gradients, what
+the backward reads, the mask kernels, the eval kernel) comes from the registry, so the
+table holds only what the registry cannot know: what the operator means in torch, and the
+inputs that exercise its edge cases (ties, ignored targets, probabilities at 0 and 1, ...).
+
+Adding an operator: one ``OpInfo`` in ``ROWS`` (tests/test_kernels.py refuses a registry
+operator without one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unroller.ast import Loc
+from unroller.graph import normalize_arg
+from unroller.registry import OpSpec
+
+F64, F32 = torch.float64, torch.float32
+BOTH = (F64, F32)
+PLATFORMS = ("gpu", "ipu")
+
+
+@dataclass
+class Sample:
+    """One call of an operator: tensor inputs (the float ones are autograd leaves), the layer
+    module of a parameterised op (the reference runs it; kernels get a copy), the kernel
+    keywords (registry-normalised; omitted ones take the kernel defaults) and the values the
+    shape rule derives for the backward (input_hw, sizes, input_shape)."""
+
+    inputs: tuple[Tensor, ...]
+    layer: nn.Module | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    derived: dict[str, Any] = field(default_factory=dict)
+    #: platforms whose forward equals the reference bit for bit (None: the row's setting)
+    exact_forward: tuple[str, ...] | None = None
+    seed: int = 0  # torch's seed right before the kernel's forward (and a seeded reference)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A named sample builder; ``make(dtype)`` seeds torch itself, so samples repeat."""
+
+    label: str
+    make: Callable[[torch.dtype], Sample]
+    dtypes: tuple[torch.dtype, ...] = BOTH
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a reference may need of the kernel run it is compared with."""
+
+    platform: str
+    extras: tuple[Any, ...]
+
+
+Reference = Callable[[Sample, Ctx], Tensor]
+ExtrasCheck = Callable[[str, Sample, Tensor, tuple[Any, ...]], None]
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """How to check one operator's kernels; see the module docstring."""
+
+    name: str
+    reference: Reference
+    cases: tuple[Case, ...]
+    eval_reference: Callable[[Sample], Tensor] | None = None
+    #: platforms whose forward equals the reference bit for bit on the CPU: gpu for every op
+    #: (its kernels call the aten kernels torch calls), ipu where it calls the same op
+    exact_forward: tuple[str, ...] = ("gpu",)
+    #: platforms whose gradients equal torch.autograd's bit for bit on the CPU: gpu for every
+    #: op (float32 and float64), ipu where its formula is autograd's
+    exact_grads: tuple[str, ...] = ("gpu",)
+    #: on ipu, what raises NotImplementedError when ``ipu.unsupported`` refuses the args
+    ipu_unsupported: str = ""  # "forward" | "input_grad"
+    check_extras: ExtrasCheck | None = None
+    contiguous_grads: bool = False  # the input gradient is contiguous (as autograd's)
+    #: extra checks of a mask kernel's mask: (sample, mask, forward output)
+    check_mask: Callable[[Sample, Tensor, Tensor], None] | None = None
+
+
+# ---------------------------------------------------------------- sample helpers
+
+
+def _seeded(seed: int = 1234) -> None:
+    torch.manual_seed(seed)
+
+
+def randn(*shape: int, dtype: torch.dtype) -> Tensor:
+    """A standard-normal autograd leaf."""
+    return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+
+def leaf(t: Tensor) -> Tensor:
+    return t.detach().requires_grad_()
+
+
+def _pair(v: Any) -> tuple:
+    return tuple(v) if isinstance(v, tuple) else (v, v)
+
+
+def _hw(s: Sample) -> tuple[int, int]:
+    return tuple(s.inputs[0].shape[-2:])
+
+
+# ---------------------------------------------------------------- convolutions and linear
+
+# cin, cout, kernel, stride, padding, dilation, groups, bias
+CONV_CASES = [
+    (4, 6, (3, 2), (2, 1), (1, 2), (1, 2), 2, True),
+    (4, 4, (3, 3), (1, 1), (1, 1), (1, 1), 4, False),  # depthwise
+    (3, 5, (1, 3), (1, 2), (0, 1), (2, 1), 1, True),
+    (2, 3, (2, 2), (2, 2), (0, 0), (1, 1), 1, False),
+    (4, 6, (3, 2), (2, 3), (1, 0), (1, 1), 2, True),  # strides leaving input rows unused
+    (6, 3, (2, 3), (3, 1), (1, 1), (1, 1), 3, True),
+]
+
+
+def _conv_case(cin, cout, k, s, p, d, groups, bias) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        layer = nn.Conv2d(cin, cout, k, s, p, d, groups, bias).to(dtype)
+        kwargs = dict(stride=s, padding=p, dilation=d, groups=groups)
+        return Sample((randn(2, cin, 7, 6, dtype=dtype),), layer, kwargs)
+
+    return Case(
+        f"{cin}x{cout}-k{k[0]}{k[1]}-s{s[0]}{s[1]}-p{p[0]}{p[1]}-d{d[0]}{d[1]}-g{groups}"
+        f"-{'bias' if bias else 'nobias'}",
+        make,
+    )
+
+
+def _conv_defaults(dtype: torch.dtype) -> Sample:
+    """No keywords: the kernel defaults must be nn.Conv2d's (stride 1, no padding, ...)."""
+    _seeded()
+    return Sample((randn(2, 3, 6, 5, dtype=dtype),), nn.Conv2d(3, 4, 3).to(dtype))
+
+
+# cin, cout, kernel, stride, padding, output_padding, dilation, groups, bias
+CONVT_CASES = [
+    (4, 6, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 2, True),
+    (3, 2, (3, 2), (2, 3), (1, 0), (1, 2), (1, 1), 1, False),
+    (2, 4, (2, 3), (2, 2), (0, 1), (1, 0), (2, 1), 2, True),
+    (4, 4, (3, 3), (2, 1), (1, 1), (0, 0), (1, 1), 4, False),  # depthwise
+    (2, 3, (2, 2), (1, 1), (0, 0), (0, 0), (2, 2), 1, True),
+]
+
+
+def _convt_case(cin, cout, k, s, p, op, d, groups, bias) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        layer = nn.ConvTranspose2d(cin, cout, k, s, p, op, groups, bias, d).to(dtype)
+        kwargs = dict(stride=s, padding=p, output_padding=op, dilation=d, groups=groups)
+        return Sample((randn(2, cin, 5, 4, dtype=dtype),), layer, kwargs)
+
+    return Case(
+        f"{cin}x{cout}-k{k[0]}{k[1]}-s{s[0]}{s[1]}-p{p[0]}{p[1]}-op{op[0]}{op[1]}"
+        f"-d{d[0]}{d[1]}-g{groups}-{'bias' if bias else 'nobias'}",
+        make,
+    )
+
+
+def _convt_defaults(dtype: torch.dtype) -> Sample:
+    _seeded()
+    return Sample((randn(2, 3, 5, 4, dtype=dtype),), nn.ConvTranspose2d(3, 2, 3).to(dtype))
+
+
+def _linear_case(shape: tuple[int, ...], bias: bool) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        return Sample((randn(*shape, dtype=dtype),), nn.Linear(4, 3, bias=bias).to(dtype))
+
+    return Case(f"{'x'.join(map(str, shape))}-{'bias' if bias else 'nobias'}", make)
+
+
+def _layer_reference(s: Sample, ctx: Ctx) -> Tensor:
+    return s.layer(s.inputs[0])
+
+
+# ---------------------------------------------------------------- batch norm
+
+
+def _bn_case(momentum: float | None, affine: bool, defaults: bool = False) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs = {} if defaults else dict(eps=1e-3, momentum=momentum)
+        layer = nn.BatchNorm2d(3, affine=affine, **kwargs).to(dtype)
+        with torch.no_grad():
+            if affine:
+                layer.weight.copy_(torch.rand(3) + 0.5)
+                layer.bias.copy_(torch.randn(3))
+            layer.running_mean.copy_(torch.randn(3))
+            layer.running_var.copy_(torch.rand(3) + 0.5)
+            layer.num_batches_tracked.fill_(4)
+        return Sample((randn(4, 3, 5, 4, dtype=dtype),), layer.train(), kwargs)
+
+    label = "defaults" if defaults else f"momentum{momentum}-{'affine' if affine else 'plain'}"
+    return Case(label, make)
+
+
+def _bn_eval_reference(s: Sample) -> Tensor:
+    return s.layer.eval()(s.inputs[0])
+
+
+def _bn_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
+    """save_mean and save_invstd are the batch statistics (biased variance)."""
+    x, eps = s.inputs[0].detach(), s.kwargs.get("eps", 1e-5)
+    mean, invstd = extras
+    tol = 1e-12 if x.dtype == F64 else 1e-6
+    assert rel(mean, x.mean((0, 2, 3))) <= tol
+    assert rel(invstd, 1 / (x.var((0, 2, 3), unbiased=False) + eps).sqrt()) <= tol
+
+
+# ---------------------------------------------------------------- activations
+
+
+def _activation_case(label: str, kwargs: dict[str, Any]) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        x = torch.randn(3, 4, 5, dtype=dtype)
+        x[0, 0, :2] = 0.0  # the kink of relu / leaky_relu, and gelu's series branch
+        return Sample((leaf(x),), kwargs=kwargs)
+
+    return Case(label, make)
+
+
+def _gelu_reference(s: Sample, ctx: Ctx) -> Tensor:
+    return F.gelu(s.inputs[0], approximate=s.kwargs.get("approximate", "none"))
+
+
+def _leaky_reference(s: Sample, ctx: Ctx) -> Tensor:
+    return F.leaky_relu(s.inputs[0], s.kwargs.get("negative_slope", 0.01))
+
+
+# ---------------------------------------------------------------- pooling
+
+# kernel, stride, padding, input hw
+MAXPOOL_CASES = [
+    ((3, 3), (2, 2), (1, 1), (9, 8)),
+    ((2, 3), (1, 2), (1, 1), (9, 8)),
+    ((2, 2), (2, 2), (0, 0), (9, 8)),
+    ((3, 2), (1, 1), (1, 1), (6, 7)),  # heavy overlap
+    ((3, 3), (3, 2), (1, 0), (10, 7)),
+    ((2, 2), (3, 3), (1, 1), (8, 8)),  # gaps between windows
+    ((3, 2), (3, 2), (1, 0), (10, 7)),  # non-overlapping: the 1-bit mask applies
+    ((2, 2), (3, 3), (0, 0), (8, 8)),
+    ((2, 3), (2, 4), (1, 1), (7, 9)),
+]
+TIE_KINDS = ("random", "small_ints", "constant", "neg_inf")
+
+
+def ties_input(hw: tuple[int, int], kind: str, dtype: torch.dtype) -> Tensor:
+    """Pooling inputs with ties: small integers tie in nearly every window, a constant in
+    all of them; -inf fills a whole window and borders the padding."""
+    if kind == "random":
+        return torch.randn(2, 3, *hw, dtype=dtype)
+    if kind == "small_ints":
+        return torch.randint(0, 3, (2, 3, *hw)).to(dtype)
+    if kind == "constant":
+        return torch.full((2, 3, *hw), 0.5, dtype=dtype)
+    if kind == "neg_inf":
+        x = torch.randint(0, 2, (2, 3, *hw)).to(dtype)
+        x[:, :, :3, :3] = -math.inf
+        return x
+    raise AssertionError(kind)
+
+
+def _maxpool_case(k, s, p, hw, kind: str) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        x = leaf(ties_input(hw, kind, dtype))
+        kwargs = dict(kernel_size=k, stride=s, padding=p)
+        return Sample((x,), kwargs=kwargs, derived=dict(input_hw=hw))
+
+    label = f"k{k[0]}{k[1]}-s{s[0]}{s[1]}-p{p[0]}{p[1]}-{hw[0]}x{hw[1]}-{kind}"
+    return Case(label, make)
+
+
+def _maxpool_reference(s: Sample, ctx: Ctx) -> Tensor:
+    k = s.kwargs
+    return nn.MaxPool2d(k["kernel_size"], k["stride"], k.get("padding", 0))(s.inputs[0])
+
+
+def selection_from_indices(idx: Tensor, k, s, p, w: int) -> Tensor:
+    """PyTorch's indices as the one-hot offset within each window, [N, C, kh*kw, Ho, Wo]:
+    the ipu kernel's selection."""
+    ho, wo = idx.shape[-2:]
+    row0 = (torch.arange(ho) * s[0] - p[0]).reshape(ho, 1)
+    col0 = (torch.arange(wo) * s[1] - p[1]).reshape(1, wo)
+    q = (idx // w - row0) * k[1] + (idx % w - col0)
+    return F.one_hot(q, k[0] * k[1]).permute(0, 1, 4, 2, 3).bool()
+
+
+def _maxpool_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
+    """gpu keeps PyTorch's indices; ipu a bool selection that picks the same elements
+    (the first maximum of each window in row-major order, PyTorch's tie rule)."""
+    (idx,) = extras
+    k, st, p = s.kwargs["kernel_size"], s.kwargs["stride"], s.kwargs.get("padding", (0, 0))
+    _, ref_idx = F.max_pool2d(s.inputs[0].detach(), k, st, p, return_indices=True)
+    if platform == "gpu":
+        assert torch.equal(idx, ref_idx)
+        return
+    assert idx.dtype == torch.bool and idx.shape == (2, 3, k[0] * k[1], *y.shape[-2:])
+    assert torch.equal(idx, selection_from_indices(ref_idx, k, st, p, s.inputs[0].shape[-1]))
+
+
+def _maxpool_mask(s: Sample, mask: Tensor, y: Tensor) -> None:
+    """One argmax per window."""
+    assert int(mask.sum()) == y.numel()
+
+
+# kernel, stride, padding, input hw
+AVGPOOL_CASES = [
+    ((3, 2), (2, 1), (1, 1), (7, 6)),
+    ((2, 2), (2, 2), (0, 0), (7, 6)),
+    ((3, 3), (1, 1), (1, 1), (7, 6)),
+    ((2, 3), (3, 2), (1, 1), (8, 7)),
+]
+
+
+def _avgpool_case(k, s, p, hw) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs = dict(kernel_size=k, stride=s, padding=p)
+        return Sample((randn(2, 3, *hw, dtype=dtype),), kwargs=kwargs, derived=dict(input_hw=hw))
+
+    return Case(f"k{k[0]}{k[1]}-s{s[0]}{s[1]}-p{p[0]}{p[1]}-{hw[0]}x{hw[1]}", make)
+
+
+def _avgpool_reference(s: Sample, ctx: Ctx) -> Tensor:
+    k = s.kwargs
+    return nn.AvgPool2d(k["kernel_size"], k["stride"], k.get("padding", 0))(s.inputs[0])
+
+
+ADAPTIVE_CASES = [((7, 5), (1, 1)), ((7, 5), (3, 2)), ((8, 8), (4, 4)), ((5, 7), (3, 4))]
+ADAPTIVE_CASES += [((3, 4), (5, 6))]  # more outputs than inputs
+
+
+def _adaptive_case(in_hw, out_hw) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        x = randn(2, 3, *in_hw, dtype=dtype)
+        return Sample((x,), kwargs=dict(output_size=out_hw), derived=dict(input_hw=in_hw))
+
+    return Case(f"{in_hw[0]}x{in_hw[1]}-to-{out_hw[0]}x{out_hw[1]}", make)
+
+
+def _adaptive_reference(s: Sample, ctx: Ctx) -> Tensor:
+    return nn.AdaptiveAvgPool2d(s.kwargs["output_size"])(s.inputs[0])
+
+
+# ---------------------------------------------------------------- upsampling
+
+UPSAMPLE_CASES = [
+    (2.0, "nearest", None),
+    (1.5, "nearest", None),
+    ((2.0, 3.0), "nearest", None),
+    ((2.0, 1.5), "nearest", None),
+    (0.6, "nearest", None),
+    (1.1, "nearest", None),  # output size == input size for 5 x 4: a copy
+    (2.0, "bilinear", False),
+    (2.0, "bilinear", True),
+    (1.5, "bilinear", False),
+    (1.5, "bilinear", True),
+    ((2.0, 3.0), "bilinear", False),
+    ((2.0, 3.0), "bilinear", True),
+    ((1.5, 3.0), "bilinear", False),
+    (0.6, "bilinear", False),
+    (1.1, "bilinear", True),
+]
+
+
+def _upsample_case(scale, mode: str, align: bool | None, hw: tuple[int, int]) -> Case:
+    """Nearest: the same source index as PyTorch (float32 arithmetic on ipu), so both
+    forwards are exact; bilinear: exact on gpu, PyTorch's weights on ipu (within rounding)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        sf = tuple(float(v) for v in _pair(scale))
+        kwargs = dict(scale_factor=sf, mode=mode, align_corners=bool(align))
+        exact = PLATFORMS if mode == "nearest" else ("gpu",)
+        x = randn(2, 3, *hw, dtype=dtype)
+        return Sample((x,), kwargs=kwargs, derived=dict(input_hw=hw), exact_forward=exact)
+
+    label = f"{'x'.join(map(str, _pair(scale)))}-{mode}-align{align}-{hw[0]}x{hw[1]}"
+    return Case(label, make)
+
+
+def _upsample_defaults(dtype: torch.dtype) -> Sample:
+    """Only scale_factor: the defaults are nn.Upsample's (nearest)."""
+    _seeded()
+    x = randn(2, 3, 5, 4, dtype=dtype)
+    return Sample((x,), kwargs=dict(scale_factor=(2.0, 2.0)), derived=dict(input_hw=(5, 4)))
+
+
+def _upsample_reference(s: Sample, ctx: Ctx) -> Tensor:
+    mode = s.kwargs.get("mode", "nearest")
+    align = s.kwargs.get("align_corners", False) if mode == "bilinear" else None
+    up = nn.Upsample(scale_factor=s.kwargs["scale_factor"], mode=mode, align_corners=align)
+    return up(s.inputs[0])
+
+
+# ---------------------------------------------------------------- arithmetic and shapes
+
+
+def _pair_case(label: str = "3d") -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        return Sample((randn(2, 3, 4, dtype=dtype), randn(2, 3, 4, dtype=dtype)))
+
+    return Case(label, make)
+
+
+def _concat_case(dim: int | None, counts: tuple[int, ...]) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        shapes = [[2, 3, 3, 2] for _ in counts]
+        for shape, n in zip(shapes, counts):
+            shape[1 if dim is None else dim] = n
+        xs = tuple(randn(*shape, dtype=dtype) for shape in shapes)
+        kwargs = {} if dim is None else dict(dim=dim)
+        return Sample(xs, kwargs=kwargs, derived=dict(sizes=counts))
+
+    return Case(f"dim{dim}-{'-'.join(map(str, counts))}", make)
+
+
+def _concat_reference(s: Sample, ctx: Ctx) -> Tensor:
+    return torch.cat(s.inputs, s.kwargs.get("dim", 1))
+
+
+def _flatten_case(start_dim: int | None) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs = {} if start_dim is None else dict(start_dim=start_dim)
+        x = randn(2, 3, 4, 5, dtype=dtype)
+        return Sample((x,), kwargs=kwargs, derived=dict(input_shape=(3, 4, 5)))
+
+    return Case(f"start{start_dim}", make)
+
+
+def _reshape_case(shape: tuple[int, ...]) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        x = randn(2, 3, 4, 5, dtype=dtype)
+        return Sample((x,), kwargs=dict(shape=shape), derived=dict(input_shape=(3, 4, 5)))
+
+    return Case("x".join(map(str, shape)), make)
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def _dropout_case(p: float | None, shape: tuple[int, ...]) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs = {} if p is None else dict(p=p)
+        edge = p in (0.0, 1.0)
+        exact = PLATFORMS if edge else ("gpu",)
+        return Sample((randn(*shape, dtype=dtype),), kwargs=kwargs, exact_forward=exact, seed=7)
+
+    return Case(f"p{p}-{'x'.join(map(str, shape))}", make)
+
+
+def _dropout_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """gpu: nn.Dropout itself, same seed, same draws. ipu draws from torch.rand, another
+    stream: x * keep / (1 - p) with the kernel's keep-mask."""
+    x, p = s.inputs[0], s.kwargs.get("p", 0.5)
+    (mask,) = ctx.extras
+    if ctx.platform == "gpu" or mask is None:
+        torch.manual_seed(s.seed)
+        return nn.Dropout(p).train()(x)
+    return x * mask.to(x.dtype) / (1 - p)
+
+
+def _dropout_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
+    """The keep-mask is bool, x's shape, and zero exactly where dropped (or x is zero)."""
+    (mask,) = extras
+    if mask is None:
+        return
+    x = s.inputs[0].detach()
+    assert mask.dtype == torch.bool and mask.shape == x.shape
+    assert torch.equal(y == 0, ~mask | (x == 0))
+
+
+# ---------------------------------------------------------------- losses
+
+
+def _cross_entropy_case(ignored: tuple[int, ...]) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        logits = randn(6, 5, dtype=dtype)
+        target = torch.randint(0, 5, (6,))
+        target[list(ignored)] = -100
+        return Sample((logits, target))
+
+    return Case(f"ignore{len(ignored)}", make)
+
+
+def _cross_entropy_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
+    (log_probs,) = extras
+    ref = F.log_softmax(s.inputs[0].detach(), 1)
+    assert rel(log_probs, ref) <= (1e-12 if ref.dtype == F64 else 1e-6)
+
+
+def _two_normal(dtype: torch.dtype) -> Sample:
+    _seeded()
+    return Sample((randn(4, 5, dtype=dtype), randn(4, 5, dtype=dtype)))
+
+
+def _probabilities(dtype: torch.dtype) -> Sample:
+    _seeded()
+    p = torch.sigmoid(torch.randn(4, 5, dtype=dtype))
+    return Sample((leaf(p), leaf(torch.rand(4, 5, dtype=dtype))))
+
+
+def _extreme_probabilities(dtype: torch.dtype) -> Sample:
+    """Probabilities at and next to 0 and 1: the -100 clamp of the logs and the 1e-12 clamp
+    of the gradient's denominator (the target's gradient is infinite at 0 and 1)."""
+    p = torch.tensor([[0.0, 1e-50, 1e-8, 0.3], [1 - 1e-9, 0.5, 0.9, 1.0 - 2**-40]], dtype=dtype)
+    t = torch.tensor([[0.0, 0.2, 1.0, 0.7], [1.0, 0.5, 0.1, 0.0]], dtype=dtype)
+    return Sample((leaf(p), leaf(t)))
+
+
+def _extreme_logits(dtype: torch.dtype) -> Sample:
+    _seeded()
+    big = torch.tensor([[-60.0, 60.0, 0.0, 30.0, -1e-3]])
+    x = torch.cat([torch.randn(3, 5), big]).to(dtype)
+    return Sample((leaf(x), leaf(torch.rand(4, 5, dtype=dtype))))
+
+
+def _two_inputs(fn: Callable[[Tensor, Tensor], Tensor]) -> Reference:
+    return lambda s, ctx: fn(*s.inputs)
+
+
+def _one_input(fn: Callable[[Tensor], Tensor]) -> Reference:
+    return lambda s, ctx: fn(s.inputs[0])
+
+
+def rel(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b||: the measure the tolerances are stated in."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / max(b.norm().item(), 1e-300)).item()
+
+
+# ---------------------------------------------------------------- the table
+
+_SAME_OP = dict(exact_forward=PLATFORMS, exact_grads=PLATFORMS)  # ipu computes as torch does
+_SAME_FORWARD = dict(exact_forward=PLATFORMS)  # ipu's forward is torch's op, its gradient not
+
+ROWS: tuple[OpInfo, ...] = (
+    OpInfo(
+        "conv2d",
+        _layer_reference,
+        tuple(_conv_case(*c) for c in CONV_CASES) + (Case("defaults", _conv_defaults),),
+        ipu_unsupported="input_grad",
+        **_SAME_FORWARD,
+    ),
+    OpInfo(
+        "conv_transpose2d",
+        _layer_reference,
+        tuple(_convt_case(*c) for c in CONVT_CASES) + (Case("defaults", _convt_defaults),),
+        ipu_unsupported="forward",
+        **_SAME_FORWARD,
+    ),
+    OpInfo(
+        "linear",
+        _layer_reference,
+        tuple(_linear_case(s, b) for s in [(5, 4), (2, 3, 4), (2, 2, 3, 4)] for b in (True, False)),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "batchnorm2d",
+        _layer_reference,
+        tuple(_bn_case(m, a) for m in (0.2, None) for a in (True, False))
+        + (_bn_case(0.1, True, defaults=True),),
+        eval_reference=_bn_eval_reference,
+        check_extras=_bn_extras,
+    ),
+    OpInfo("relu", _one_input(torch.relu), (_activation_case("plain", {}),), **_SAME_OP),
+    OpInfo(
+        "leaky_relu",
+        _leaky_reference,
+        (
+            _activation_case("slope0.1", {"negative_slope": 0.1}),
+            _activation_case("slope0", {"negative_slope": 0.0}),
+            _activation_case("defaults", {}),
+        ),
+        **_SAME_OP,
+    ),
+    OpInfo("sigmoid", _one_input(torch.sigmoid), (_activation_case("plain", {}),), **_SAME_FORWARD),
+    OpInfo("tanh", _one_input(torch.tanh), (_activation_case("plain", {}),), **_SAME_FORWARD),
+    OpInfo(
+        "gelu",
+        _gelu_reference,
+        (
+            _activation_case("none", {"approximate": "none"}),
+            _activation_case("tanh", {"approximate": "tanh"}),
+            _activation_case("defaults", {}),
+        ),
+    ),
+    OpInfo(
+        "maxpool2d",
+        _maxpool_reference,
+        tuple(_maxpool_case(*c, kind) for c in MAXPOOL_CASES for kind in TIE_KINDS),
+        check_extras=_maxpool_extras,
+        contiguous_grads=True,
+        check_mask=_maxpool_mask,
+        **_SAME_FORWARD,
+    ),
+    OpInfo(
+        "avgpool2d",
+        _avgpool_reference,
+        tuple(_avgpool_case(*c) for c in AVGPOOL_CASES),
+        contiguous_grads=True,
+        **_SAME_FORWARD,
+    ),
+    OpInfo(
+        "adaptive_avgpool2d",
+        _adaptive_reference,
+        tuple(_adaptive_case(*c) for c in ADAPTIVE_CASES),
+    ),
+    OpInfo(
+        "upsample",
+        _upsample_reference,
+        tuple(_upsample_case(*c, hw) for c in UPSAMPLE_CASES for hw in [(5, 4), (7, 9)])
+        + (Case("defaults", _upsample_defaults),),
+    ),
+    OpInfo("add", _two_inputs(torch.add), (_pair_case(),), **_SAME_OP),
+    OpInfo("mul", _two_inputs(torch.mul), (_pair_case(),), **_SAME_OP),
+    OpInfo(
+        "concat",
+        _concat_reference,
+        (_concat_case(1, (2, 3, 1)), _concat_case(2, (1, 3)), _concat_case(None, (2, 2))),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "flatten",
+        lambda s, ctx: nn.Flatten(s.kwargs.get("start_dim", 1))(s.inputs[0]),
+        (_flatten_case(1), _flatten_case(2), _flatten_case(None)),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "reshape",
+        lambda s, ctx: s.inputs[0].reshape(s.inputs[0].shape[0], *s.kwargs["shape"]),
+        tuple(_reshape_case(shape) for shape in [(-1,), (4, -1), (6, 2, 5), (-1, 3, 2)]),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "dropout",
+        _dropout_reference,
+        tuple(_dropout_case(p, sh) for p in (0.3, 0.5, 0.9) for sh in [(4, 50), (2, 3, 5, 4)])
+        + tuple(_dropout_case(p, (3, 4)) for p in (0.0, 1.0, None)),
+        eval_reference=lambda s: nn.Dropout(s.kwargs.get("p", 0.5)).eval()(s.inputs[0]),
+        check_extras=_dropout_extras,
+    ),
+    OpInfo(
+        "cross_entropy",
+        lambda s, ctx: F.cross_entropy(*s.inputs),
+        (_cross_entropy_case(()), _cross_entropy_case((2,)), _cross_entropy_case((2, 4))),
+        check_extras=_cross_entropy_extras,
+    ),
+    OpInfo("mse_loss", _two_inputs(F.mse_loss), (Case("normal", _two_normal),)),
+    OpInfo("l1_loss", _two_inputs(F.l1_loss), (Case("normal", _two_normal),), **_SAME_FORWARD),
+    OpInfo(
+        "bce_loss",
+        _two_inputs(F.binary_cross_entropy),
+        (Case("probabilities", _probabilities), Case("extremes", _extreme_probabilities, (F64,))),
+    ),
+    OpInfo(
+        "bce_with_logits",
+        _two_inputs(F.binary_cross_entropy_with_logits),
+        (Case("probabilities", _probabilities), Case("extremes", _extreme_logits, (F64,))),
+    ),
+)
+
+BY_NAME: dict[str, OpInfo] = {row.name: row for row in ROWS}
+
+
+def normalized_defaults(op: OpSpec) -> dict[str, Any]:
+    """The registry defaults of ``op``'s arguments in the form the graph hands kernels
+    (``graph.normalize_arg``: a pair default 1 is (1, 1)); arguments without one (required,
+    or defaulting from another argument) are left out."""
+    loc = Loc(1, 1)
+    return {
+        name: normalize_arg(op.name, spec, spec.default, loc)
+        for name, spec in op.args.items()
+        if not spec.required and spec.default_from is None
+    }
