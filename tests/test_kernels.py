@@ -249,6 +249,7 @@ def _check_backward(run: Run, g: Tensor, saved: list, refs: list) -> None:
     exact = _exact(run.row.exact_grads, run)
     slots = _slots(run.op, run.s)
     limited = run.unsupported() is not None and run.row.ipu_unsupported == "input_grad"
+    first = None
     for needs in _needs_variants(slots):
         if limited and needs[0]:
             with pytest.raises(NotImplementedError, match="dilation"):
@@ -258,6 +259,8 @@ def _check_backward(run: Run, g: Tensor, saved: list, refs: list) -> None:
         assert_grads(grads, refs, needs, tol, exact)
         if run.row.contiguous_grads and needs[0]:
             assert grads[0].is_contiguous()
+        first = first if first is not None else grads  # fewer needs must not change any
+        assert all(torch.equal(a, b) for a, b in zip(grads, first) if None not in (a, b))
     if run.op.params:  # layer kernels fit their gradients to needs, even an empty one
         assert run.backward(g, saved, ()) == ()
 
