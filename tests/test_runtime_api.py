@@ -18,6 +18,7 @@ import torch
 from opinfo import normalized_defaults
 from torch import nn
 
+from unroller import platforms
 from unroller.registry import OpSpec, load_registry
 from unroller.runtime import common, gpu, ipu
 
@@ -81,6 +82,13 @@ def test_kernels_exist_and_are_exported(platform, name):
     for kernel in kernel_names(OPS[name]):
         assert callable(getattr(K, kernel, None)), kernel
         assert kernel in K.__all__, kernel
+
+
+@pytest.mark.parametrize("platform,name", PER_OP)
+def test_registry_names_these_modules(platform, name):
+    """Each op's kernels live in the module the registry names, or the platform's default."""
+    module = OPS[name].kernels.get(platform, platforms.platform(platform).kernels)
+    assert module == KERNELS[platform].__name__
 
 
 @pytest.mark.parametrize("platform", list(KERNELS))

@@ -1,1 +1,6 @@
-"""Runtime kernels imported by generated training code (``from unroller.runtime import gpu as K``)."""
+"""Runtime kernels imported by generated training code (``from unroller.runtime import gpu as K``).
+
+``gpu`` (plain PyTorch) and ``ipu`` (PopTorch-safe) hold each platform's kernels; ``common``
+holds what they share (the helpers generated code calls, the ``needs`` helpers and the
+kernels whose code is the same on both), so neither copies the other.
+"""
