@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import typer
 
@@ -33,22 +33,22 @@ DEFAULT_SCHEME = Scheme("nocompress")
 #: Where checked-in generated files live (``unroll check``, ``unroll diff``).
 GENERATED = Path("generated")
 
-E = TypeVar("E", bound=Enum)
-
 
 def value_of(choice: Enum | str) -> str:
     """The plain name behind a choice (what Options, headers and messages hold)."""
     return str(getattr(choice, "value", choice))
 
 
-def _choice_parser(enum: type[E], noun: str) -> Callable[[object], E]:
-    """A typer parser that turns a name into ``enum``'s member, or refuses it (status 2)."""
+def _choice_parser(enum: type[Enum], noun: str) -> Callable[[object], str]:
+    """A typer parser that checks a name against ``enum``, or refuses it (status 2).
 
-    def parse(value: object) -> E:
-        if isinstance(value, enum):
-            return value
+    It returns the plain name, not the member: typer releases differ in what follows a
+    parser (older ones map the name to the member themselves, and would turn a member
+    into None), so commands read every choice through ``value_of``."""
+
+    def parse(value: object) -> str:
         try:
-            return enum(value)
+            return value_of(enum(value))
         except ValueError:
             known = ", ".join(value_of(member) for member in enum)
             raise fail(f"unknown {noun} '{value}' (known: {known})") from None
@@ -58,6 +58,12 @@ def _choice_parser(enum: type[E], noun: str) -> Callable[[object], E]:
 
 parse_platform = _choice_parser(PlatformName, "platform")
 parse_scheme = _choice_parser(Scheme, "scheme")
+
+
+def _metavar(enum: type[Enum]) -> str:
+    """``[a|b|c]``: the choices, shown in --help by every typer release (older ones would
+    show the parser's name)."""
+    return "[" + "|".join(value_of(member) for member in enum) + "]"
 
 
 def _platforms_help() -> str:
@@ -76,7 +82,13 @@ def _stages_help() -> str:
 ModelArg = Annotated[Path, typer.Argument(help="The model file (.txt).")]
 PlatformOpt = Annotated[
     PlatformName,
-    typer.Option("--platform", "-p", parser=parse_platform, help=_platforms_help()),
+    typer.Option(
+        "--platform",
+        "-p",
+        parser=parse_platform,
+        metavar=_metavar(PlatformName),
+        help=_platforms_help(),
+    ),
 ]
 NumIpusOpt = Annotated[int, typer.Option("--num-ipus", help=_stages_help())]
 StagesOpt = Annotated[
@@ -91,11 +103,19 @@ StagesOpt = Annotated[
 # ---- compression (generate, diff, graph, train) ----------------------------------------
 
 SchemeOpt = Annotated[
-    Scheme, typer.Option("--scheme", parser=parse_scheme, help="Compression scheme.")
+    Scheme,
+    typer.Option(
+        "--scheme", parser=parse_scheme, metavar=_metavar(Scheme), help="Compression scheme."
+    ),
 ]
 SchemesOpt = Annotated[
     list[Scheme] | None,
-    typer.Option("--scheme", parser=parse_scheme, help="A scheme; give two to compare schemes."),
+    typer.Option(
+        "--scheme",
+        parser=parse_scheme,
+        metavar=_metavar(Scheme),
+        help="A scheme; give two to compare schemes.",
+    ),
 ]
 ConfigOpt = Annotated[
     Path | None,
