@@ -10,13 +10,13 @@ from unroller.api import load_graph
 from unroller.bench.reference import make_inputs
 from unroller.bench.reference import suite_model_path as model_path
 from unroller.cli import app
-from unroller.codegen import GpuEmitter, Options
+from unroller.codegen import Emitter, Options
 from unroller.stash import plan_stash
 
 
-def emitter(stem: str, scheme: str) -> GpuEmitter:
+def emitter(stem: str, scheme: str) -> Emitter:
     graph = load_graph(model_path(stem))
-    return GpuEmitter(graph, plan_stash(graph, Options(scheme=scheme).compression()))
+    return Emitter(graph, plan_stash(graph, Options(scheme=scheme).compression()))
 
 
 def test_compress_follows_the_producer_and_raw_is_released_in_forward():
@@ -25,10 +25,10 @@ def test_compress_follows_the_producer_and_raw_is_released_in_forward():
     compressed = [s for s in em.plan.entries if all(f.kind != "raw" for f in s.forms)]
     assert compressed
     for stashed in compressed:
-        raw = em.raw_ident(stashed.key)
-        made = next(i for i, s in enumerate(steps) if raw in s.writes)
+        raw = em.raw_var(stashed.key).name
+        made = next(i for i, s in enumerate(steps) if raw in s.writes())
         # the next step compresses it (once per form), before any other forward op
-        assert any(".compress(" in line for line in steps[made + 1].lines), stashed.key
+        assert any(".compress(" in line for line in steps[made + 1].text()), stashed.key
         released = next(i for i, s in enumerate(steps) if raw in s.release)
         assert steps[released].section == "forward", f"{stashed.key} kept raw into backward"
 
@@ -37,17 +37,17 @@ def test_decompress_comes_right_before_the_first_reader():
     em = emitter("unet_like", "dct-dense")
     steps = em.training_steps()
     for i, step in enumerate(steps):
-        if any(".decompress(" in line for line in step.lines):
-            restored = step.writes[0]
+        if any(".decompress(" in line for line in step.text()):
+            restored = step.writes()[0]
             j = i + 1
-            while any(".decompress(" in line for line in steps[j].lines):
+            while any(".decompress(" in line for line in steps[j].text()):
                 j += 1
-            assert restored in steps[j].reads, (restored, steps[j].comment)
+            assert restored in steps[j].reads(), (restored, steps[j].comment)
 
 
 def test_a_tensor_shared_by_two_readers_is_compressed_once():
     em = emitter("resnet_like", "dct-dense")
-    text = "\n".join(line for s in em.training_steps() for line in s.lines)
+    text = "\n".join(line for s in em.training_steps() for line in s.text())
     # r feeds layer1.0.conv1 (dct) and the residual add; relu reads its mask
     assert text.count("r_dct = CODEC_DCT.compress(r)") == 1
     assert text.count("CODEC_DCT.decompress(r_dct") == 1

@@ -11,7 +11,7 @@ import unroller.runtime.gpu as K
 from unroller.api import graph_from_text, load_graph, load_model_class
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import suite_model_path as model_path
-from unroller.codegen import GpuEmitter
+from unroller.codegen import Emitter
 from unroller.report import graph_report
 
 # (input shape after N, op call) -- the inferred shape must equal the kernel's output.
@@ -64,22 +64,20 @@ def test_inferred_shape_equals_kernel_output(in_shape, call):
     graph = graph_from_text(text, "m.txt")
     node = graph.node("y")
     x = torch.randn(2, *in_shape)
-    params = []
+    layer = []
     if node.params or node.buffers:
-        ctor = node.op.module.format(
-            **{k: repr(v) for k, v in {**node.args, **node.derived}.items()}
-        )
-        module = eval(
-            ctor, {"torch": torch}
-        )  # the registry's constructor, as generated code runs it
+        spec, env = node.op.module, {**node.args, **node.derived}
+        cls = getattr(torch.nn, spec.cls.rsplit(".", 1)[1])
+        # the registry's constructor, as generated code calls it
+        module = cls(*(env[a] for a in spec.args), **{k: env[k] for k in spec.kwargs})
         state = module.state_dict()
         for p in node.params:
-            want = tuple(state[p.name].shape) if p.present else None
             if p.present:
-                assert tuple(p.shape) == want, (p.name, p.shape, want)
-            params.append(state[p.name] if p.present else None)
-        params += [state[b.name] for b in node.buffers]
-    out = getattr(K, node.op.name)(x, *params, **node.kernel_kwargs)
+                assert tuple(p.shape) == tuple(state[p.name].shape), (p.name, p.shape)
+            else:
+                assert getattr(module, p.name) is None
+        layer = [module]
+    out = getattr(K, node.op.name)(x, *layer, **node.kernel_kwargs)
     out = out[0] if isinstance(out, tuple) else out
     assert (2, *node.output.type.shape[1:]) == tuple(out.shape)
 
@@ -115,16 +113,17 @@ def test_saved_bytes_are_counted_once_when_shared():
 
 def test_liveness_releases_each_tensor_after_its_last_use():
     graph = load_graph(model_path("resnet_like"))
-    steps = GpuEmitter(graph).training_steps()
+    emitter = Emitter(graph)
+    steps = emitter.training_steps()
     defined: set[str] = set()
     released: set[str] = set()
     for step in steps:
-        for ident in step.reads:
+        for ident in step.reads():
             assert ident not in released, f"{ident} read after release"
-        defined.update(step.writes)
+        defined.update(step.writes())
         released.update(step.release)
     # everything except the returned loss (and the inputs) is released
-    loss = GpuEmitter(graph).ident(graph.loss)
+    loss = emitter.var(graph.loss).name
     leftovers = defined - released - {loss}
     assert not leftovers, leftovers
 

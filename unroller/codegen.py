@@ -22,18 +22,19 @@ import jinja2
 
 from unroller import __version__, safe
 from unroller.errors import ModelError
-from unroller.graph import Graph, Node, SavedArg, Value, explicit_kwargs
+from unroller.graph import BlockCall, Graph, Node, SavedArg, Value, explicit_kwargs
 from unroller.ir import (
     AddTo,
     Assign,
     Attr,
     CallExpr,
     Const,
-    DictExpr,
     Do,
     Expr,
     Global,
     Layer,
+    ModelName,
+    RecordRaw,
     Statement,
     Step,
     TupleExpr,
@@ -42,6 +43,7 @@ from unroller.ir import (
     render_expr,
     render_steps,
 )
+from unroller.outline import Function, Outliner
 from unroller.pipeline import Pipeline, split
 from unroller.platforms import GPU, PLATFORMS, Platform  # noqa: F401 (PLATFORMS re-exported)
 from unroller.platforms import platform as get_platform
@@ -54,8 +56,6 @@ HEADER_TAG = "# unroller: "
 CHECKSUM_TAG = "# unroller-checksum: "
 # Generated code favours one line per step over the 100 columns of hand-written code.
 GENERATED_LINE_LENGTH = 120
-# What one line of K.stash_raw may take, after the method body's indent (and a stage's).
-RAW_RECORD_WIDTH = GENERATED_LINE_LENGTH - 16
 
 
 @dataclass
@@ -223,7 +223,8 @@ class Emitter:
             "forward",
             [Assign(tuple(targets), call)],
             comment=node.text,
-            blocks=tuple(b.text for b in node.blocks),
+            calls=node.blocks,
+            local_comment=node.local_text,
             stage=self.stage(node),
         )
 
@@ -284,7 +285,8 @@ class Emitter:
             "backward",
             statements,
             comment=node.text,
-            blocks=tuple(b.text for b in node.blocks),
+            calls=node.blocks,
+            local_comment=node.local_text,
             stage=self.stage(node),
         )
 
@@ -293,11 +295,11 @@ class Emitter:
         if self.platform.grads == "accumulate":  # into each parameter's .grad
             return CallExpr(Global("K.accumulate"), (Layer(node.name),), grads)
         # "collect": into the step's dict, by state-dict name, for the surrogate loss
-        return CallExpr(Global("K.collect"), (Var("grads"), Const(node.name)), grads)
+        return CallExpr(Global("K.collect"), (Var("grads"), Var("L"), ModelName(node.name)), grads)
 
     # -- whole methods -------------------------------------------------------------------
 
-    def stash_step(self, stashed: Stashed, blocks: tuple[str, ...]) -> Step:
+    def stash_step(self, stashed: Stashed, calls: tuple[BlockCall, ...]) -> Step:
         """Right after the tensor is made: compress it (once per form) and record the bytes."""
         raw = self.raw_var(stashed.key)
         statements: list[Statement] = []
@@ -315,42 +317,31 @@ class Emitter:
             codec = self.codec_names[form.codec]
             statements.append(Assign((packed,), CallExpr(Global(f"{codec}.compress"), (source,))))
             packs.append(TupleExpr((Global(codec), packed)))
-        record = CallExpr(Global("K.stash"), (Var("stash"), Const(stashed.key), raw, *packs))
-        statements.append(Do(record))
+        key = ModelName(stashed.key)
+        statements.append(Do(CallExpr(Global("K.stash"), (Var("stash"), key, raw, *packs))))
         producer = self.graph.nodes[stashed.producer] if stashed.producer >= 0 else None
+        labels = " + ".join(f.label() for f in stashed.forms)
         return Step(
             "forward",
             statements,
-            comment=f"keep {stashed.key} as {' + '.join(f.label() for f in stashed.forms)}",
-            blocks=blocks,
+            comment=f"keep {stashed.key} as {labels}",
+            calls=calls,
+            local_comment=f"keep {relative(stashed.key, calls)} as {labels}",
             stage=self.stage(producer),
         )
 
-    def stash_raw_step(self, entries: list[Stashed]) -> Step:
-        """At the end of the forward pass: record what is kept uncompressed.
-
-        One ``K.stash_raw`` call per line's worth of entries, so the record reads as a
-        short paragraph rather than one entry per line.
-        """
-        statements: list[Statement] = []
-        chunk: list[tuple[str, Expr]] = []
-        for stashed in entries:
-            item = (stashed.key, self.raw_var(stashed.key))
-            if chunk and len(render_expr(self._raw_record([*chunk, item]))) > RAW_RECORD_WIDTH:
-                statements.append(Do(self._raw_record(chunk)))
-                chunk = []
-            chunk.append(item)
-        statements.append(Do(self._raw_record(chunk)))
+    def stash_raw_step(self, entries: list[Stashed], after: Node | None) -> Step:
+        """Record what is kept uncompressed, right after ``after`` (None: before any node),
+        the last node of the run of nodes (a block instance, or statements between) that
+        made them."""
+        items = tuple((ModelName(s.key), self.raw_var(s.key)) for s in entries)
         return Step(
             "forward",
-            statements,
+            [RecordRaw(Var("stash"), items)],
             comment="kept as they are for backward",
-            stage=self.pipeline.num_ipus - 1,
+            calls=after.blocks[:1] if after is not None else (),
+            stage=self.stage(after),
         )
-
-    @staticmethod
-    def _raw_record(items: list[tuple[str, Expr]]) -> CallExpr:
-        return CallExpr(Global("K.stash_raw"), (Var("stash"), DictExpr(tuple(items))))
 
     def restore_steps(self, node: Node) -> list[Step]:
         """Right before a backward step: decompress what it reads, unless already done."""
@@ -376,6 +367,8 @@ class Emitter:
                     "backward",
                     [Assign((restored,), call)],
                     comment=f"restore {stashed.key}: {form.label()}",
+                    calls=node.blocks,
+                    local_comment=f"restore {relative(stashed.key, node.blocks)}: {form.label()}",
                     stage=self.stage(node),
                 )
             )
@@ -390,14 +383,25 @@ class Emitter:
         def compressed(found: list[Stashed]) -> list[Stashed]:
             return [s for s in found if s.forms != [Form("raw")]]
 
+        raw_after: dict[int, list[Stashed]] = {}
+        for stashed in self.plan.entries:
+            if stashed.forms == [Form("raw")]:
+                raw_after.setdefault(stashed.producer, []).append(stashed)
         steps = [self.stash_step(s, ()) for s in compressed(stash_after.get(-1, []))]
-        for n in graph.nodes:
+        if raw_after.get(-1):  # model inputs: recorded before any block runs
+            steps.append(self.stash_raw_step(raw_after[-1], None))
+        pending: list[Stashed] = []
+        for i, n in enumerate(graph.nodes):
             steps.append(self.forward_step(n))
-            blocks = tuple(b.text for b in n.blocks)
-            steps += [self.stash_step(s, blocks) for s in compressed(stash_after.get(n.index, []))]
-        raw = [s for s in self.plan.entries if s.forms == [Form("raw")]]
-        if raw:
-            steps.append(self.stash_raw_step(raw))
+            steps += [
+                self.stash_step(s, n.blocks) for s in compressed(stash_after.get(n.index, []))
+            ]
+            pending += raw_after.get(n.index, [])
+            following = graph.nodes[i + 1] if i + 1 < len(graph.nodes) else None
+            if pending and (following is None or _run_of(following) is not _run_of(n)):
+                # the raw record closes each block instance's run (and each run between)
+                steps.append(self.stash_raw_step(pending, n))
+                pending = []
         loss = self.var(graph.loss)
         seed = CallExpr(Global("torch.ones_like"), (loss,))
         steps.append(
@@ -415,8 +419,31 @@ class Emitter:
                 steps.append(self.backward_step(node, owned))
         # A forward step whose output is saved by a backward step must keep it alive:
         # liveness sees the read in the backward step, so nothing more to do here.
-        release_dead(steps, keep={loss.name, "grads", "stash"})
+        release_dead(steps, keep=self.training_keep())
         return steps
+
+    def training_keep(self) -> set[str]:
+        return {self.var(self.graph.loss).name, "grads", "stash", "L"}
+
+    def predict_keep(self) -> set[str]:
+        return {self.var(v).name for v in self.graph.preds} | {"L"}
+
+    def outliner(self) -> Outliner:
+        """Turns block runs into shared functions, with names no model name can take."""
+
+        def global_name(key: tuple[str, ...], base: str) -> str:
+            return self.names("\0".join(key), base or base_name(key))
+
+        reserved = RESERVED | set(self.codec_names.values()) | set(self.kernel_alias.values())
+        outliner = Outliner(self.key_of, base_name, global_name, frozenset(reserved))
+        counts: dict[str, int] = {}
+        seen: set[str] = set()
+        for node in self.graph.nodes:
+            if node.blocks and node.blocks[0].name not in seen:
+                seen.add(node.blocks[0].name)
+                counts[node.blocks[0].block] = counts.get(node.blocks[0].block, 0) + 1
+        outliner.reserve(sorted(counts), counts)
+        return outliner
 
     def predict_steps(self) -> list[Step]:
         graph = self.graph
@@ -433,8 +460,27 @@ class Emitter:
         steps = [
             self.forward_step(n, eval_mode=True) for n in graph.nodes if id(n.output) in needed
         ]
-        release_dead(steps, keep={self.var(v).name for v in graph.preds})
+        release_dead(steps, keep=self.predict_keep())
         return steps
+
+
+def _run_of(node: Node) -> BlockCall | None:
+    """The top-level block instance a node belongs to (None: the model's own statements)."""
+    return node.blocks[0] if node.blocks else None
+
+
+def relative(name: str, calls: tuple[BlockCall, ...]) -> str:
+    """A model name (or stash key ``node:extra``) as the outermost enclosing block calls it:
+    its own names without the instance prefix, a bound value by its parameter name."""
+    if not calls:
+        return name
+    value, colon, extra = name.partition(":")
+    prefix = calls[0].name + "."
+    if value.startswith(prefix):
+        value = value[len(prefix) :]
+    else:
+        value = next((param for param, bound in calls[0].inputs if bound == value), value)
+    return value + colon + extra
 
 
 def base_name(key: tuple[str, ...], rel: Callable[[str], str] = lambda name: name) -> str:
@@ -521,8 +567,12 @@ def render(
         raise ValueError(f"--num-ipus and stage starts are not for platform {target.name}")
     emitter = Emitter(graph, plan, target, pipeline)
     staged = pipeline is not None and pipeline.num_ipus > 1
-    training = render_steps(emitter.training_steps(), target.stage_block if staged else None)
-    predict = render_steps(emitter.predict_steps())
+    training_steps, predict_steps = emitter.training_steps(), emitter.predict_steps()
+    outliner = emitter.outliner()
+    training_steps = outliner.outline(training_steps, emitter.training_keep())
+    predict_steps = outliner.outline(predict_steps, emitter.predict_keep(), predict=True)
+    training = render_steps(training_steps, target.stage_block if staged else None)
+    predict = render_steps(predict_steps)
     text = _template(target).render(
         header=safe.comment_text(header_comment(graph, source_path, options, config)),
         codecs=[
@@ -540,6 +590,7 @@ def render(
             for module, alias in sorted(emitter.kernel_alias.items(), key=lambda kv: kv[1])
         ],
         layers=layer_lines(graph),
+        functions=[_function_view(f) for f in outliner.functions],
         train_args=[safe.identifier(emitter.var(v).name) for v in graph.inputs],
         train_checks=_input_checks(emitter, graph.inputs),
         predict_checks=_input_checks(emitter, graph.model_inputs),
@@ -567,6 +618,21 @@ def render(
     )
     text = black.format_str(text, mode=black.Mode(line_length=GENERATED_LINE_LENGTH))
     return add_checksum(text)
+
+
+def _function_view(function: Function) -> tuple[safe.Code, list[safe.Code], safe.Code, list]:
+    """(name, parameters, docstring, body lines) of one block function, for the template."""
+    shown = function.instances[:4]
+    more = len(function.instances) - len(shown)
+    where = ", ".join(shown) + (f" and {more} more" if more else "")
+    what = {"forward": "Forward", "backward": "Backward", "predict": "Prediction"}[function.section]
+    doc = f"{what} of block `{function.block}`, for {where}."
+    return (
+        safe.identifier(function.name),
+        [safe.identifier(p) for p in function.signature()],
+        safe.doc_text(doc),
+        function.lines(),
+    )
 
 
 def _input_checks(emitter: Emitter, values: list[Value]) -> safe.Code:

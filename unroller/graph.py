@@ -85,6 +85,7 @@ class BlockCall:
     text: str  # the call statement rendered in model syntax
     #: (parameter name, full name of the value bound to it) for each tensor parameter
     inputs: tuple[tuple[str, str], ...] = ()
+    local_text: str = ""  # the call as written (inside a block: that block's names)
 
 
 @dataclass(frozen=True)
@@ -562,7 +563,7 @@ class GraphBuilder:
         call_kw = [f"{k}={render_const(inner.consts[k])}" for k in (kw.name for kw in stmt.kwargs)]
         text = f"{scope.prefix}{stmt.target} = {block.name}({', '.join(call_args + call_kw)})"
         bound = tuple((p.name, inner.values[p.name].name) for p in params if p.name in inner.values)
-        call = BlockCall(scope.prefix + stmt.target, block.name, text, bound)
+        call = BlockCall(scope.prefix + stmt.target, block.name, text, bound, _statement_text(stmt))
         inner.blocks = (*scope.blocks, call)
         for body_stmt in block.body:
             self._statement(body_stmt, inner)

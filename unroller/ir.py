@@ -8,10 +8,12 @@ is ``render_*`` below, from validated identifiers and ``repr()``'d literals.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from unroller import safe
+from unroller.graph import BlockCall
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,14 @@ class Const:
 
 
 @dataclass(frozen=True)
+class ModelName:
+    """A model name as a string (a stash key, a layer name): block-relative inside a
+    block function, where the scoped ``stash`` and ``L`` add the instance's prefix."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Global:
     """A name the module defines or imports (``CODEC_DCT``, ``torch.bool``, ``K``)."""
 
@@ -54,7 +64,7 @@ class Attr:
 class CallExpr:
     """``func(*args, **kwargs)``; ``func`` is a module-level name (``K.conv2d``)."""
 
-    func: Global
+    func: Global | Attr
     args: tuple[Expr, ...] = ()
     kwargs: tuple[tuple[str, Expr], ...] = ()
 
@@ -69,7 +79,7 @@ class DictExpr:
     items: tuple[tuple[str, Expr], ...]  # str keys, rendered as literals
 
 
-Expr = Var | Layer | Const | Global | Attr | CallExpr | TupleExpr | DictExpr
+Expr = Var | Layer | Const | ModelName | Global | Attr | CallExpr | TupleExpr | DictExpr
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,16 @@ class Do:
     value: Expr
 
 
-Statement = Assign | AddTo | Do
+@dataclass(frozen=True)
+class RecordRaw:
+    """``K.stash_raw(stash, {key: tensor, ...})`` for tensors kept as they are, rendered as
+    a few calls of about one line each rather than one dict entry per line."""
+
+    log: Var
+    items: tuple[tuple[ModelName, Var], ...]
+
+
+Statement = Assign | AddTo | Do | RecordRaw
 
 
 @dataclass
@@ -107,7 +126,8 @@ class Step:
     section: str  # "forward" or "backward"
     statements: list[Statement]
     comment: str = ""  # the model statement, shown above the code
-    blocks: tuple[str, ...] = ()  # enclosing block calls, outermost first
+    calls: tuple[BlockCall, ...] = ()  # enclosing block calls, outermost first
+    local_comment: str = ""  # the comment inside a block function (block-relative names)
     stage: int = 0  # pipeline stage (device) the step runs on
     release: list[str] = field(default_factory=list)  # variables dead after this step
 
@@ -116,6 +136,8 @@ class Step:
         for statement in self.statements:
             if isinstance(statement, AddTo):
                 found += [statement.total.name, statement.part.name]
+            elif isinstance(statement, RecordRaw):
+                found += [statement.log.name, *(v.name for _, v in statement.items)]
             else:
                 found += _vars(statement.value)
         return found
@@ -127,6 +149,25 @@ class Step:
                 found += [t.name for t in statement.targets if t is not None]
         return found
 
+    def text(self) -> list[str]:
+        """The statements as Python lines (no comments, no releases)."""
+        return [line for s in self.statements for line in render_statement(s).split("\n")]
+
+    def events(self) -> list[tuple[str, str]]:
+        """(variable, "r" or "w") in execution order; ``total += part`` reads, then writes."""
+        found: list[tuple[str, str]] = []
+        for statement in self.statements:
+            if isinstance(statement, AddTo):
+                found += [(statement.total.name, "r"), (statement.part.name, "r")]
+                found.append((statement.total.name, "w"))
+            elif isinstance(statement, RecordRaw):
+                found += [(statement.log.name, "r"), *((v.name, "r") for _, v in statement.items)]
+            else:
+                found += [(name, "r") for name in _vars(statement.value)]
+                if isinstance(statement, Assign):
+                    found += [(t.name, "w") for t in statement.targets if t is not None]
+        return found
+
 
 def _vars(expr: Expr) -> list[str]:
     if isinstance(expr, Var):
@@ -134,7 +175,7 @@ def _vars(expr: Expr) -> list[str]:
     if isinstance(expr, Attr):
         return [expr.var.name]
     if isinstance(expr, CallExpr):
-        found = [name for arg in expr.args for name in _vars(arg)]
+        found = _vars(expr.func) + [name for arg in expr.args for name in _vars(arg)]
         return found + [name for _, arg in expr.kwargs for name in _vars(arg)]
     if isinstance(expr, TupleExpr):
         return [name for item in expr.items for name in _vars(item)]
@@ -174,6 +215,8 @@ def render_expr(expr: Expr) -> str:
         return f"{LAYERS}[{safe.literal(expr.path)}]"
     if isinstance(expr, Const):
         return safe.literal(expr.value)
+    if isinstance(expr, ModelName):
+        return safe.literal(expr.name)
     if isinstance(expr, Global):
         return safe.dotted(expr.dotted)
     if isinstance(expr, Attr):
@@ -190,7 +233,11 @@ def render_expr(expr: Expr) -> str:
     raise TypeError(f"not an IR expression: {expr!r}")
 
 
+RECORD_WIDTH = 100  # what one K.stash_raw line may take, indent not counted
+
+
 def render_statement(statement: Statement) -> str:
+    """One statement as Python (``RecordRaw`` may take several lines)."""
     if isinstance(statement, Assign):
         names = [safe.identifier(t.name) if t is not None else "_" for t in statement.targets]
         targets = f"({names[0]},)" if statement.unpack else ", ".join(names)
@@ -200,23 +247,42 @@ def render_statement(statement: Statement) -> str:
         return f"{total} += {part}" if statement.in_place else f"{total} = {total} + {part}"
     if isinstance(statement, Do):
         return render_expr(statement.value)
+    if isinstance(statement, RecordRaw):
+        log = safe.identifier(statement.log.name)
+        calls: list[str] = []
+        chunk: list[str] = []
+        for key, var in statement.items:
+            item = f"{safe.literal(key.name)}: {safe.identifier(var.name)}"
+            if chunk and len(f"K.stash_raw({log}, {{{', '.join([*chunk, item])}}})") > RECORD_WIDTH:
+                calls.append(f"K.stash_raw({log}, {{{', '.join(chunk)}}})")
+                chunk = []
+            chunk.append(item)
+        calls.append(f"K.stash_raw({log}, {{{', '.join(chunk)}}})")
+        return "\n".join(calls)
     raise TypeError(f"not an IR statement: {statement!r}")
 
 
-def render_steps(steps: list[Step], stage_block: str | None = None) -> list[safe.Code]:
+def render_steps(
+    steps: list[Step],
+    stage_block: str | None = None,
+    block_text: Callable[[BlockCall], str] = lambda call: call.text,
+    depth: int = 0,
+) -> list[safe.Code]:
     """Lines of a method body: block and statement comments, code, and releases.
 
     With ``stage_block`` (a format string with {section} and {stage}), consecutive steps
     of one pipeline stage go inside that ``with`` statement, so the platform places
-    them on that stage's device.
+    them on that stage's device. Inside a block function (``depth`` 1) the outermost
+    block is the function itself: comments start below it and use the block's names.
     """
     lines: list[str] = []
-    current_blocks: tuple[str, ...] = ()
+    current: tuple[BlockCall, ...] = ()
     section = ""
     stage = None
     indent = ""
     for step in steps:
-        if step.section != section or (stage_block and step.stage != stage):
+        calls = step.calls[depth:]
+        if depth == 0 and (step.section != section or (stage_block and step.stage != stage)):
             if step.section != section:
                 section = step.section
                 lines.append("")
@@ -225,22 +291,19 @@ def render_steps(steps: list[Step], stage_block: str | None = None) -> list[safe
                 stage = step.stage
                 lines.append(stage_block.format(section=section, stage=stage))
                 indent = "    "
-            current_blocks = ()
+            current = ()
         start = len(lines)
-        if step.blocks != current_blocks:
+        if calls != current:
             common = 0
-            while (
-                common < min(len(step.blocks), len(current_blocks))
-                and step.blocks[common] == current_blocks[common]
-            ):
+            while common < min(len(calls), len(current)) and calls[common] is current[common]:
                 common += 1
-            for depth, text in enumerate(step.blocks[common:], start=common):
-                lines.append(f"# {'  ' * depth}[block] {safe.comment_text(text)}")
-            current_blocks = step.blocks
-        if step.comment:
-            prefix = "  " * len(step.blocks)
-            lines.append(f"# {prefix}{safe.comment_text(step.comment)}")
-        lines.extend(render_statement(s) for s in step.statements)
+            for level, call in enumerate(calls[common:], start=common):
+                lines.append(f"# {'  ' * level}[block] {safe.comment_text(block_text(call))}")
+            current = calls
+        comment = step.local_comment if depth and step.local_comment else step.comment
+        if comment:
+            lines.append(f"# {'  ' * len(calls)}{safe.comment_text(comment)}")
+        lines.extend(line for s in step.statements for line in render_statement(s).split("\n"))
         if step.release:
             lines.append(f"del {', '.join(safe.identifier(name) for name in step.release)}")
         lines[start:] = [indent + line if line else line for line in lines[start:]]

@@ -1,0 +1,404 @@
+"""Block instances as calls of shared functions.
+
+The emitter lays out one flat step program per method, with its liveness. The steps
+of one top-level block instance form a contiguous run in each section: its forward
+kernels with the stash steps right after them, its backward kernels with the restores
+right before them, its predict kernels. Each run becomes a function whose parameters
+are the variables the run reads before writing and whose results are the variables
+read after it, named as the block names them (``layer1.0.conv1`` -> ``conv1``, the value
+bound to block parameter ``x`` -> ``x``). Instances whose functions come out as the same
+text share one function: a ResNet's thirteen ``basic`` blocks call one ``basic_forward``
+and one ``basic_backward``.
+
+Memory stays what the flat program holds: what a forward run makes only for its own
+backward run travels in one list (``saved``) that the backward function empties on
+entry, so each tensor is still freed right after its last use. What the caller passes
+in lives until the call returns (the caller holds it); a block's input is usually kept
+for its backward anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from unroller import safe
+from unroller.graph import BlockCall
+from unroller.ir import (
+    AddTo,
+    Assign,
+    Attr,
+    CallExpr,
+    DictExpr,
+    Do,
+    Expr,
+    Layer,
+    ModelName,
+    RecordRaw,
+    Statement,
+    Step,
+    TupleExpr,
+    Var,
+    release_dead,
+    render_steps,
+)
+from unroller.ir import Global as GlobalName
+from unroller.schedule import Namer
+
+#: Variables the templates define in each method; functions take them scoped.
+SCOPED = ("stash",)
+#: ... and as they are.
+SHARED = ("grads",)
+
+
+@dataclass
+class Function:
+    """One generated function: a block run with block-relative names."""
+
+    name: str
+    block: str
+    section: str  # "forward", "backward" or "predict"
+    params: list[str]  # after L, the method variables it uses, and `saved`
+    context: list[str]  # method variables it uses (stash, grads)
+    returns: list[str]
+    saved_out: list[str] = field(default_factory=list)  # forward: for its backward
+    saved_in: list[str] = field(default_factory=list)  # backward: what forward saved
+    steps: list[Step] = field(default_factory=list)
+    instances: list[str] = field(default_factory=list)
+
+    def signature(self) -> list[str]:
+        return ["L", *self.context, *(["saved"] if self.saved_in else []), *self.params]
+
+    def lines(self) -> list[safe.Code]:
+        """The body: unpack what the forward function saved, the steps, the return."""
+        out: list[str] = []
+        if self.saved_in:
+            names = [safe.identifier(n) for n in self.saved_in]
+            out.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = saved")
+            out.append("saved.clear()  # so each tensor is freed after its last use below")
+        out += render_steps(self.steps, block_text=_local_text, depth=1)
+        results = [safe.identifier(n) for n in self.returns]
+        if self.saved_out:
+            results.append("[" + ", ".join(safe.identifier(n) for n in self.saved_out) + "]")
+        if results:
+            out.append(f"return {', '.join(results)}")
+        while out and not out[0].strip():
+            out.pop(0)
+        return [safe.Code(line) for line in out or ["pass"]]
+
+
+def _local_text(call: BlockCall) -> str:
+    return call.local_text or call.text
+
+
+@dataclass
+class _Run:
+    instance: BlockCall
+    start: int
+    end: int  # exclusive
+
+
+class Outliner:
+    """Replaces the block runs of step programs by calls of shared functions.
+
+    ``key_of`` gives each variable's structured key and ``base_name`` the readable name
+    of a key (both from the emitter), so a variable is renamed by what it is, not by
+    rewriting its text; ``global_name`` hands out module-level and method-level names
+    that cannot clash with the model's.
+    """
+
+    def __init__(
+        self,
+        key_of: dict[str, tuple[str, ...]],
+        base_name: Callable[[tuple[str, ...], Callable[[str], str]], str],
+        global_name: Callable[[tuple[str, ...], str], str],
+        reserved: frozenset[str],
+    ):
+        self.key_of = key_of
+        self.base_name = base_name
+        self.global_name = global_name
+        self.reserved = reserved
+        self.functions: list[Function] = []
+        self._by_text: dict[str, Function] = {}
+        self._saved: dict[str, tuple[str, list[str]]] = {}  # instance -> (list var, names)
+        self._function_names: dict[tuple[str, str, int], str] = {}
+
+    def reserve(self, blocks: list[str], counts: dict[str, int]) -> None:
+        """Claim every function name that may be needed before any local is named."""
+        for block in blocks:
+            for section in ("forward", "backward", "predict"):
+                for variant in range(1, counts[block] + 1):
+                    base = f"{block}_{section}" + (f"_v{variant}" if variant > 1 else "")
+                    key = ("function", block, section, str(variant))
+                    self._function_names[(block, section, variant)] = self.global_name(key, base)
+
+    @property
+    def function_names(self) -> set[str]:
+        return set(self._function_names.values())
+
+    # -- one program -------------------------------------------------------------------
+
+    def outline(self, steps: list[Step], keep: set[str], predict: bool = False) -> list[Step]:
+        """The program with each top-level block run replaced by a call (liveness redone)."""
+        runs = _runs(steps)
+        # An instance split over pipeline stages stays inline: one run per section each.
+        count: dict[tuple[str, str], int] = {}
+        for r in runs:
+            key = (r.instance.name, steps[r.start].section)
+            count[key] = count.get(key, 0) + 1
+        split = {name for (name, _), n in count.items() if n > 1}
+        runs = [r for r in runs if r.instance.name not in split]
+        events = _events(steps)
+        backward = {r.instance.name: r for r in runs if steps[r.start].section == "backward"}
+        out: list[Step] = []
+        previous = 0
+        for run in runs:
+            out += steps[previous : run.start]
+            previous = run.end
+            if not _outlinable(steps[run.start : run.end], run.instance):
+                out += steps[run.start : run.end]
+                continue
+            section = "predict" if predict else steps[run.start].section
+            later = backward.get(run.instance.name) if section == "forward" else None
+            out.append(self._call(steps, run, events, keep, section, later))
+        out += steps[previous:]
+        release_dead(out, keep)
+        return out
+
+    def _call(
+        self,
+        steps: list[Step],
+        run: _Run,
+        events: dict[str, list[tuple[int, str]]],
+        keep: set[str],
+        section: str,
+        backward: _Run | None,
+    ) -> Step:
+        body = steps[run.start : run.end]
+        free_in, written = _free_and_written(body)
+        context = [n for n in (*SCOPED, *SHARED) if n in free_in]
+        free_in = [n for n in free_in if n not in context and n != "L"]
+        live_out = [n for n in written if n in keep or _read_after(events, n, run.end)]
+        saved_out: list[str] = []
+        if backward is not None:
+            saved_out = [
+                n for n in live_out if n not in keep and _read_only_in(events, n, run, backward)
+            ]
+        returns = [n for n in live_out if n not in saved_out]
+        saved_in: list[str] = []
+        saved_var = None
+        if section == "backward" and run.instance.name in self._saved:
+            saved_var, saved_in = self._saved[run.instance.name]
+            free_in = [n for n in free_in if n not in saved_in]
+        function = self._function(
+            run.instance, section, body, free_in, context, returns, saved_out, saved_in
+        )
+        where = ModelName(run.instance.name)
+        args: list[Expr] = [CallExpr(Attr(Var("L"), "within"), (where,))]
+        for name in context:
+            scoped = CallExpr(Attr(Var(name), "within"), (where,))
+            args.append(scoped if name in SCOPED else Var(name))
+        if saved_var is not None:
+            args.append(Var(saved_var))
+        args += [Var(n) for n in free_in]
+        targets: list[Var | None] = [Var(n) for n in returns]
+        if saved_out:
+            saved_var = self.global_name(("saved", run.instance.name), "")
+            self._saved[run.instance.name] = (saved_var, saved_out)
+            targets.append(Var(saved_var))
+        call = CallExpr(GlobalName(function.name), tuple(args))
+        statement: Statement = Assign(tuple(targets), call) if targets else Do(call)
+        comment = f"[block] {run.instance.text}"
+        return Step(body[0].section, [statement], comment=comment, stage=body[0].stage)
+
+    def _function(
+        self,
+        instance: BlockCall,
+        section: str,
+        body: list[Step],
+        free_in: list[str],
+        context: list[str],
+        returns: list[str],
+        saved_out: list[str],
+        saved_in: list[str],
+    ) -> Function:
+        rename = _Renamer(
+            instance, self.key_of, self.base_name, self.reserved | self.function_names
+        )
+        for name in [*saved_in, *free_in]:  # parameters first: they get the plain names
+            rename(name)
+        local = [_rename_step(step, rename, instance) for step in body]
+        params = [rename(n) for n in free_in]
+        results = [rename(n) for n in returns] + [rename(n) for n in saved_out]
+        release_dead(local, {*params, *results, *context})
+        candidate = Function(
+            name="",
+            block=instance.block,
+            section=section,
+            params=params,
+            context=context,
+            returns=[rename(n) for n in returns],
+            saved_out=[rename(n) for n in saved_out],
+            saved_in=[rename(n) for n in saved_in],
+            steps=local,
+        )
+        text = "\n".join([section, instance.block, *candidate.signature(), *candidate.lines()])
+        found = self._by_text.get(text)
+        if found is None:
+            variant = 1 + sum(
+                1 for f in self.functions if f.block == instance.block and f.section == section
+            )
+            candidate.name = self._function_names[(instance.block, section, variant)]
+            self._by_text[text] = candidate
+            self.functions.append(candidate)
+            found = candidate
+        found.instances.append(instance.name)
+        return found
+
+
+class _Renamer:
+    """Method variable -> the name it has inside one block function."""
+
+    def __init__(self, instance, key_of, base_name, reserved):
+        self.instance = instance
+        self.key_of = key_of
+        self.base_name = base_name
+        self.names = Namer(frozenset(reserved) | {"L", "saved", *SCOPED, *SHARED})
+        self.prefix = instance.name + "."
+        self.bound = {value: param for param, value in reversed(instance.inputs)}
+
+    def model_name(self, name: str) -> str:
+        if name.startswith(self.prefix):
+            return name[len(self.prefix) :]
+        return self.bound.get(name, name)
+
+    def key_name(self, name: str) -> str:
+        value, colon, extra = name.partition(":")
+        return self.model_name(value) + colon + extra
+
+    def __call__(self, name: str) -> str:
+        key = self.key_of.get(name)
+        if key is None:  # a method variable the template defines (stash, grads)
+            return name
+        local = tuple(self.key_name(part) if i == 1 else part for i, part in enumerate(key))
+        return self.names("\0".join(local), self.base_name(key, self.key_name))
+
+
+def _rename_step(step: Step, rename: _Renamer, instance: BlockCall) -> Step:
+    def expr(e: Expr) -> Expr:
+        if isinstance(e, Var):
+            return Var(rename(e.name))
+        if isinstance(e, Layer):
+            return Layer(rename.model_name(e.path))
+        if isinstance(e, ModelName):
+            return ModelName(rename.key_name(e.name))
+        if isinstance(e, Attr):
+            return Attr(expr(e.var), e.name)
+        if isinstance(e, CallExpr):
+            kwargs = tuple((k, expr(v)) for k, v in e.kwargs)
+            return CallExpr(e.func, tuple(expr(a) for a in e.args), kwargs)
+        if isinstance(e, TupleExpr):
+            return TupleExpr(tuple(expr(i) for i in e.items))
+        if isinstance(e, DictExpr):
+            return DictExpr(tuple((rename.key_name(k), expr(v)) for k, v in e.items))
+        return e
+
+    def statement(s: Statement) -> Statement:
+        if isinstance(s, Assign):
+            targets = tuple(Var(rename(t.name)) if t is not None else None for t in s.targets)
+            return Assign(targets, expr(s.value), s.unpack)
+        if isinstance(s, AddTo):
+            return AddTo(Var(rename(s.total.name)), Var(rename(s.part.name)), s.in_place)
+        if isinstance(s, RecordRaw):
+            items = tuple(
+                (ModelName(rename.key_name(k.name)), Var(rename(v.name))) for k, v in s.items
+            )
+            return RecordRaw(Var(rename(s.log.name)), items)
+        return Do(expr(s.value))
+
+    return replace(step, statements=[statement(s) for s in step.statements], release=[])
+
+
+def _outlinable(body: list[Step], instance: BlockCall) -> bool:
+    """A run can become a function when every model name it spells (stash keys, layer
+    names) is the instance's own, so the scoped ``L`` and ``stash`` restore them."""
+    prefix = instance.name + "."
+
+    def names(e: Expr) -> list[str]:
+        if isinstance(e, (ModelName, Layer)):
+            return [e.name if isinstance(e, ModelName) else e.path]
+        if isinstance(e, CallExpr):
+            return [n for a in (*e.args, *(v for _, v in e.kwargs)) for n in names(a)]
+        if isinstance(e, TupleExpr):
+            return [n for i in e.items for n in names(i)]
+        if isinstance(e, DictExpr):
+            return [k for k, _ in e.items] + [n for _, v in e.items for n in names(v)]
+        return []
+
+    for step in body:
+        for statement in step.statements:
+            if isinstance(statement, AddTo):
+                continue
+            if isinstance(statement, RecordRaw):
+                if not all(k.name.startswith(prefix) for k, _ in statement.items):
+                    return False
+                continue
+            if not all(n.startswith(prefix) for n in names(statement.value)):
+                return False
+    return True
+
+
+def _runs(steps: list[Step]) -> list[_Run]:
+    """Maximal runs of consecutive steps of one top-level block instance, section, stage."""
+    found: list[_Run] = []
+    for i, step in enumerate(steps):
+        if not step.calls:
+            continue
+        last = found[-1] if found else None
+        if (
+            last is not None
+            and last.end == i
+            and last.instance is step.calls[0]
+            and steps[last.start].section == step.section
+            and steps[last.start].stage == step.stage
+        ):
+            last.end = i + 1
+        else:
+            found.append(_Run(step.calls[0], i, i + 1))
+    return found
+
+
+def _events(steps: list[Step]) -> dict[str, list[tuple[int, str]]]:
+    """Per variable, (step index, "r" or "w") in program order."""
+    found: dict[str, list[tuple[int, str]]] = {}
+    for i, step in enumerate(steps):
+        for name, kind in step.events():
+            found.setdefault(name, []).append((i, kind))
+    return found
+
+
+def _free_and_written(body: list[Step]) -> tuple[list[str], list[str]]:
+    """Variables read before any write in ``body`` (in order), and every one it writes."""
+    free: dict[str, None] = {}
+    written: dict[str, None] = {}
+    for step in body:
+        for name, kind in step.events():
+            if kind == "r" and name not in written:
+                free.setdefault(name)
+            elif kind == "w":
+                written.setdefault(name)
+    return list(free), list(written)
+
+
+def _read_after(events: dict[str, list[tuple[int, str]]], name: str, end: int) -> bool:
+    """Does a step from ``end`` on read ``name`` before writing it again?"""
+    for index, kind in events.get(name, []):
+        if index >= end:
+            return kind == "r"
+    return False
+
+
+def _read_only_in(events, name: str, run: _Run, backward: _Run) -> bool:
+    """Is every use of ``name`` after ``run`` a read inside ``backward``?"""
+    after = [(i, k) for i, k in events.get(name, []) if i >= run.end]
+    return bool(after) and all(k == "r" and backward.start <= i < backward.end for i, k in after)
