@@ -44,6 +44,16 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {F64: (1e-12, 1e-10), F32: (1e-6, 1e-5)}  # (forward, backward) relative errors
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The samples are tiny: torch's intra-op threads would only contend with each other and
+    with other processes (three times the wall time on two busy cores). Restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_every_registry_operator_has_a_row():
     assert set(BY_NAME) == set(OPS)
 
