@@ -111,10 +111,6 @@ def _pair(v: Any) -> tuple:
     return tuple(v) if isinstance(v, tuple) else (v, v)
 
 
-def _hw(s: Sample) -> tuple[int, int]:
-    return tuple(s.inputs[0].shape[-2:])
-
-
 # ---------------------------------------------------------------- convolutions and linear
 
 # cin, cout, kernel, stride, padding, dilation, groups, bias
