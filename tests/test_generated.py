@@ -48,12 +48,8 @@ def test_diff_shows_a_changed_model(tmp_path, monkeypatch):
     golden = ROOT / "generated/gpu/quick/nocompress.py"
     result = CliRunner().invoke(app, ["diff", str(changed), "--against", str(golden)])
     assert result.exit_code == 1
-    assert (
-        '-        K.add_layer(self, "linear", torch.nn.Linear(64, 10))' in result.output
-    )
-    assert (
-        '+        K.add_layer(self, "linear", torch.nn.Linear(64, 7))' in result.output
-    )
+    assert '-        K.add_layer(self, "linear", torch.nn.Linear(64, 10))' in result.output
+    assert '+        K.add_layer(self, "linear", torch.nn.Linear(64, 7))' in result.output
 
 
 def test_generation_is_deterministic():

@@ -173,20 +173,35 @@ def test_mangled_names_are_distinct(names_source: str):
     graph = graph_from_text(NAMES_MODEL, "names.txt")
     assert graph.node("a.b") is not graph.node("a_b")
     tree = ast.parse(names_source)
+    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
     forward = next(
         f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "forward"
     )
-    targets: list[str] = []
+
+    def kernel_targets(function: ast.FunctionDef) -> list[str]:
+        targets: list[str] = []
+        for node in ast.walk(function):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                func = node.value.func
+                is_kernel = isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "K"
+                if (
+                    is_kernel
+                    and func.attr not in ("layers", "stash_log")
+                    and "_backward" not in func.attr
+                ):
+                    first = node.targets[0]
+                    name = first.elts[0] if isinstance(first, ast.Tuple) else first
+                    targets.append(name.id)
+        assert len(set(targets)) == len(targets), (function.name, targets)
+        return targets
+
+    # each node's output has one identifier: in forward, or in the forward function of
+    # its block, called once per instance
+    count = len(kernel_targets(forward))
     for node in ast.walk(forward):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            func = node.value.func
-            is_kernel = isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "K"
-            if is_kernel and func.attr not in ("tensors",) and "_backward" not in func.attr:
-                first = node.targets[0]
-                name = first.elts[0] if isinstance(first, ast.Tuple) else first
-                targets.append(name.id)
-    assert len(targets) == len(graph.nodes)
-    assert len(set(targets)) == len(targets), targets
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in functions:
+            count += len(kernel_targets(functions[node.func.id]))
+    assert count == len(graph.nodes)
 
 
 def test_names_state_dict_keys(build):

@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 
+from unroller.platforms import PLATFORMS
 from unroller.registry import RegistryError, eval_expr, load_registry
 
 OPS = load_registry()
@@ -28,25 +29,30 @@ def positional(func) -> list[inspect.Parameter]:
     ]
 
 
+@pytest.mark.parametrize("platform", sorted(PLATFORMS))
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_kernels_take_what_the_registry_passes(name):
+def test_kernels_take_what_the_registry_passes(name, platform):
     op = OPS[name]
-    module = importlib.import_module(op.kernels["gpu"])
+    module = importlib.import_module(op.kernels.get(platform, PLATFORMS[platform].kernels))
     forward, backward = getattr(module, name), getattr(module, f"{name}_backward")
     assert keyword_only(forward) == set(op.kernel_args)
     assert keyword_only(backward) == set(op.backward_args) | {"needs"}
-    n_tensors = len(op.inputs) + len(op.params) + len(op.buffers)
+    # the tensor inputs, then one layer handle for all parameters and buffers
+    has_layer = bool(op.params or op.buffers)
     fwd_pos = positional(forward)
     if op.variadic:
         assert fwd_pos[0].kind is inspect.Parameter.VAR_POSITIONAL
     else:
-        assert len(fwd_pos) == n_tensors, (name, fwd_pos)
-    # backward: the output gradient, then the saved entries in registry order
-    assert len(positional(backward)) == 1 + len(op.saved), name
+        assert len(fwd_pos) == len(op.inputs) + has_layer, (name, fwd_pos)
+    # backward: the output gradient, then the saved entries in registry order, the
+    # parameter entries as one layer handle
+    layer_entries = {t.name for t in (*op.params, *op.buffers)}
+    saved = [e for e in op.saved if e not in layer_entries]
+    assert len(positional(backward)) == 1 + len(saved) + bool(layer_entries & set(op.saved))
     if op.has_eval:
         ev = getattr(module, f"{name}_eval")
         assert keyword_only(ev) == set(op.kernel_args)
-        assert len(positional(ev)) == n_tensors
+        assert len(positional(ev)) == len(op.inputs) + has_layer
 
 
 def test_every_spec_op_is_registered():

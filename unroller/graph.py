@@ -472,12 +472,8 @@ class GraphBuilder:
         return value
 
     def _kwargs(self, stmt: Call, scope: _Scope) -> dict[str, Any]:
-        given: dict[str, Any] = {}
-        for kw in stmt.kwargs:
-            if kw.name in given:
-                raise ModelError(f"keyword argument '{kw.name}' is given twice", kw.loc)
-            given[kw.name] = self._expr(scope, kw.value)
-        return given
+        # The parser refuses a keyword given twice, so each name comes once here.
+        return {kw.name: self._expr(scope, kw.value) for kw in stmt.kwargs}
 
     def _check_args(self, op: OpSpec, stmt: Call, given: dict[str, Any]) -> dict[str, Any]:
         locs = {kw.name: kw.value.loc for kw in stmt.kwargs}

@@ -121,7 +121,7 @@ def test_model_comments_and_layout_never_reach_code(graph):
 
 
 def test_the_template_refuses_unvetted_text(graph, monkeypatch):
-    def raw_layers(graph, names):
+    def raw_layers(graph):
         return [("comment", "'key'", "K.Conv()")]  # plain str, not safe.Code
 
     monkeypatch.setattr(codegen, "layer_lines", raw_layers)

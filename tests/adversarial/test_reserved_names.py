@@ -17,6 +17,7 @@ from conftest import rel_err
 
 from unroller.api import generate_from_text
 from unroller.codegen import Options
+from unroller.registry import load_registry
 from unroller.runtime import ipu_device, poptorch_emulation
 from unroller.schedule import _RESERVED_PATTERN, RESERVED, TEMPLATE_NAMES
 
@@ -36,6 +37,7 @@ NAMES = sorted(TEMPLATE_NAMES - {"_", "total"}) + [
     "CODEC_QUANT",
     "CODEC_DCT_2",
     "grad_x",
+    "grad_weight",
     "lambda",
     "class",
     "None",
@@ -124,6 +126,10 @@ def test_every_name_a_template_uses_is_reserved(options):
             used.add(node.arg)
         elif isinstance(node, ast.alias):
             used.add(node.asname or node.name.split(".")[0])
-    from_template = {n for n in used if "zz" not in n}
+    # The per-parameter gradient temporaries (grad_weight, ...) are named by the same
+    # Namer as model values, after them, so a value named so keeps its name and the
+    # temporary becomes grad_weight_2 (the hostile model above has one).
+    temporaries = {f"grad_{p.name}" for op in load_registry().values() for p in op.params}
+    from_template = {n for n in used if "zz" not in n} - temporaries
     unreserved = {n for n in from_template if n not in RESERVED and not _RESERVED_PATTERN.match(n)}
     assert not unreserved, f"template names a model value could take: {sorted(unreserved)}"
