@@ -45,7 +45,7 @@ from unroller.ir import (
 )
 from unroller.outline import Function, Outliner
 from unroller.pipeline import Pipeline, split
-from unroller.platforms import GPU, PLATFORMS, Platform  # noqa: F401 (PLATFORMS re-exported)
+from unroller.platforms import GPU, Platform
 from unroller.platforms import platform as get_platform
 from unroller.resources import resource_dir
 from unroller.schedule import RESERVED, Namer

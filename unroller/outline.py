@@ -230,7 +230,7 @@ class Outliner:
         local = [_rename_step(step, rename, instance) for step in body]
         params = [rename(n) for n in free_in]
         results = [rename(n) for n in returns] + [rename(n) for n in saved_out]
-        release_dead(local, {*params, *results, *context})
+        release_dead(local, {*params, *results, *context, "L"})
         candidate = Function(
             name="",
             block=instance.block,
