@@ -17,17 +17,6 @@ DTYPES: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4}
 DTYPE_BYTES["bool"] = 1
 
-_TORCH_NAMES = {
-    "f32": "float32",
-    "f16": "float16",
-    "bf16": "bfloat16",
-    "f64": "float64",
-    "i64": "int64",
-    "i32": "int32",
-    "bool": "bool",
-}
-
-
 def is_float(dtype: str) -> bool:
     return dtype in FLOAT_DTYPES
 
@@ -36,4 +25,12 @@ def torch_dtype(name: str) -> Any:
     """The torch.dtype of a model dtype name (torch imported only when asked)."""
     import torch
 
-    return getattr(torch, _TORCH_NAMES[name])
+    return {
+        "f32": torch.float32,
+        "f16": torch.float16,
+        "bf16": torch.bfloat16,
+        "f64": torch.float64,
+        "i64": torch.int64,
+        "i32": torch.int32,
+        "bool": torch.bool,
+    }[name]

@@ -35,12 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from unroller.dtypes import is_float, torch_dtype
+
 Pair = tuple[int, int]
 Needs = tuple[bool, ...]
 Grads = tuple[Tensor | None, ...]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
-_INT_DTYPES = {"i64": torch.int64, "i32": torch.int32}
 _RUNTIME_PACKAGE = "unroller.runtime."
 
 
@@ -334,7 +335,7 @@ def _check_input(name: str, value: object, dtype: str, dims: tuple[int, ...]) ->
     given = f"{value.dtype} of shape {list(value.shape)}"
     if tuple(value.shape[1:]) != tuple(dims) or value.dim() != len(dims) + 1:
         raise ValueError(f"input '{name}': expected shape {expected}, got {given}")
-    wanted = _INT_DTYPES.get(dtype)
+    wanted = None if is_float(dtype) else torch_dtype(dtype)
     if (value.dtype != wanted) if wanted is not None else not value.is_floating_point():
         kind = wanted if wanted is not None else "a floating-point dtype"
         raise ValueError(f"input '{name}': expected {expected} ({kind}), got {given}")

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from unroller.dtypes import is_float, torch_dtype
+
 MISSING = (
     "unroll: PopTorch (Graphcore's Poplar SDK) is required to run this module on an IPU and "
     "is not installed; pass --emulate to run the CPU emulation instead"
@@ -78,21 +80,15 @@ def surrogate(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], k
 def synthetic_batch(inputs: list, batch: int, seed: int = 0) -> list[torch.Tensor]:
     """Inputs and targets of the declared shapes: normal floats, class indices for ints."""
     gen = torch.Generator().manual_seed(seed)
-    dtypes = {
-        "f32": torch.float32,
-        "f16": torch.float16,
-        "bf16": torch.bfloat16,
-        "f64": torch.float64,
-    }
     tensors = []
     for _name, _kind, dtype, dims, high in inputs:
-        if dtype in dtypes:
-            t = torch.randn(batch, *dims, generator=gen).to(dtypes[dtype])
+        if is_float(dtype):
+            t = torch.randn(batch, *dims, generator=gen).to(torch_dtype(dtype))
             if high == 1:  # probabilities (bce targets)
-                t = torch.rand(batch, *dims, generator=gen).to(dtypes[dtype])
+                t = torch.rand(batch, *dims, generator=gen).to(torch_dtype(dtype))
         else:
             t = torch.randint(0, max(1, high), (batch, *dims), generator=gen)
-            t = t.to(torch.int32 if dtype == "i32" else torch.int64)
+            t = t.to(torch_dtype(dtype))
         tensors.append(t)
     return tensors
 
