@@ -17,6 +17,7 @@ DTYPES: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4}
 DTYPE_BYTES["bool"] = 1
 
+
 def is_float(dtype: str) -> bool:
     return dtype in FLOAT_DTYPES
 

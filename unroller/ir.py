@@ -75,11 +75,16 @@ class TupleExpr:
 
 
 @dataclass(frozen=True)
+class ListExpr:
+    items: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
 class DictExpr:
     items: tuple[tuple[str, Expr], ...]  # str keys, rendered as literals
 
 
-Expr = Var | Layer | Const | ModelName | Global | Attr | CallExpr | TupleExpr | DictExpr
+Expr = Var | Layer | Const | ModelName | Global | Attr | CallExpr | TupleExpr | ListExpr | DictExpr
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,7 @@ def _vars(expr: Expr) -> list[str]:
     if isinstance(expr, CallExpr):
         found = _vars(expr.func) + [name for arg in expr.args for name in _vars(arg)]
         return found + [name for _, arg in expr.kwargs for name in _vars(arg)]
-    if isinstance(expr, TupleExpr):
+    if isinstance(expr, (TupleExpr, ListExpr)):
         return [name for item in expr.items for name in _vars(item)]
     if isinstance(expr, DictExpr):
         return [name for _, item in expr.items for name in _vars(item)]
@@ -228,6 +233,8 @@ def render_expr(expr: Expr) -> str:
     if isinstance(expr, TupleExpr):
         items = [render_expr(i) for i in expr.items]
         return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    if isinstance(expr, ListExpr):
+        return "[" + ", ".join(render_expr(i) for i in expr.items) + "]"
     if isinstance(expr, DictExpr):
         return "{" + ", ".join(f"{safe.literal(k)}: {render_expr(v)}" for k, v in expr.items) + "}"
     raise TypeError(f"not an IR expression: {expr!r}")

@@ -33,6 +33,7 @@ from unroller.ir import (
     Do,
     Expr,
     Layer,
+    ListExpr,
     ModelName,
     RecordRaw,
     Statement,
@@ -62,20 +63,24 @@ class Function:
     context: list[str]  # method variables it uses (stash, grads)
     returns: list[str]
     saved_out: list[str] = field(default_factory=list)  # forward: for its backward
-    saved_in: list[str] = field(default_factory=list)  # backward: what forward saved
+    saved_in: list[str] = field(default_factory=list)  # what it owns: forward's saved + handed
+    owner: str = "saved"  # the parameter holding them: "saved", or "handed" (no saved list)
     steps: list[Step] = field(default_factory=list)
     instances: list[str] = field(default_factory=list)
 
     def signature(self) -> list[str]:
-        return ["L", *self.context, *(["saved"] if self.saved_in else []), *self.params]
+        return ["L", *self.context, *([self.owner] if self.saved_in else []), *self.params]
 
     def lines(self) -> list[safe.Code]:
         """The body: unpack what the forward function saved, the steps, the return."""
         out: list[str] = []
         if self.saved_in:
             names = [safe.identifier(n) for n in self.saved_in]
-            out.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = saved")
-            out.append("saved.clear()  # so each tensor is freed after its last use below")
+            targets = f"({names[0]},)" if len(names) == 1 else ", ".join(names)
+            out.append(f"{targets} = {self.owner}")
+            out.append(
+                f"{self.owner}.clear()  # the caller let go: each is freed after its last use"
+            )
         out += render_steps(self.steps, block_text=_local_text, depth=1)
         results = [safe.identifier(n) for n in self.returns]
         if self.saved_out:
@@ -160,7 +165,7 @@ class Outliner:
                 continue
             section = "predict" if predict else steps[run.start].section
             later = backward.get(run.instance.name) if section == "forward" else None
-            out.append(self._call(steps, run, events, keep, section, later))
+            out += self._call(steps, run, events, keep, section, later)
         out += steps[previous:]
         release_dead(out, keep)
         return out
@@ -173,7 +178,8 @@ class Outliner:
         keep: set[str],
         section: str,
         backward: _Run | None,
-    ) -> Step:
+    ) -> list[Step]:
+        """The call of the run's function, after handing over what dies inside it."""
         body = steps[run.start : run.end]
         free_in, written = _free_and_written(body)
         context = [n for n in (*SCOPED, *SHARED) if n in free_in]
@@ -190,8 +196,31 @@ class Outliner:
         if section == "backward" and run.instance.name in self._saved:
             saved_var, saved_in = self._saved[run.instance.name]
             free_in = [n for n in free_in if n not in saved_in]
+        # What the caller would delete right after the call is handed over in the list the
+        # function empties, so it is freed inside at its last use, as in the flat program.
+        handed = [n for n in free_in if n not in keep and not _read_after(events, n, run.end)]
+        free_in = [n for n in free_in if n not in handed]
+        before: list[Step] = []
+        owner = "saved" if saved_var is not None else "handed"
+        if handed:
+            items = tuple(Var(n) for n in handed)
+            if saved_var is None:
+                saved_var = self.global_name(("handed",), "handed")
+                hand = Assign((Var(saved_var),), ListExpr(items))
+            else:
+                hand = Do(CallExpr(Attr(Var(saved_var), "extend"), (ListExpr(items),)))
+            note = f"handed to the block, which frees {'them' if len(handed) > 1 else 'it'}"
+            before.append(Step(body[0].section, [hand], comment=note, stage=body[0].stage))
         function = self._function(
-            run.instance, section, body, free_in, context, returns, saved_out, saved_in
+            run.instance,
+            section,
+            body,
+            free_in,
+            context,
+            returns,
+            saved_out,
+            [*saved_in, *handed],
+            owner,
         )
         where = ModelName(run.instance.name)
         args: list[Expr] = [CallExpr(Attr(Var("L"), "within"), (where,))]
@@ -209,7 +238,7 @@ class Outliner:
         call = CallExpr(GlobalName(function.name), tuple(args))
         statement: Statement = Assign(tuple(targets), call) if targets else Do(call)
         comment = f"[block] {run.instance.text}"
-        return Step(body[0].section, [statement], comment=comment, stage=body[0].stage)
+        return [*before, Step(body[0].section, [statement], comment=comment, stage=body[0].stage)]
 
     def _function(
         self,
@@ -221,6 +250,7 @@ class Outliner:
         returns: list[str],
         saved_out: list[str],
         saved_in: list[str],
+        owner: str,
     ) -> Function:
         rename = _Renamer(
             instance, self.key_of, self.base_name, self.reserved | self.function_names
@@ -240,6 +270,7 @@ class Outliner:
             returns=[rename(n) for n in returns],
             saved_out=[rename(n) for n in saved_out],
             saved_in=[rename(n) for n in saved_in],
+            owner=owner,
             steps=local,
         )
         text = "\n".join([section, instance.block, *candidate.signature(), *candidate.lines()])
@@ -263,7 +294,7 @@ class _Renamer:
         self.instance = instance
         self.key_of = key_of
         self.base_name = base_name
-        self.names = Namer(frozenset(reserved) | {"L", "saved", *SCOPED, *SHARED})
+        self.names = Namer(frozenset(reserved) | {"L", "saved", "handed", *SCOPED, *SHARED})
         self.prefix = instance.name + "."
         self.bound = {value: param for param, value in reversed(instance.inputs)}
 
