@@ -151,8 +151,13 @@ class Outliner:
         for r in runs:
             key = (r.instance.name, steps[r.start].section)
             count[key] = count.get(key, 0) + 1
-        split = {name for (name, _), n in count.items() if n > 1}
-        runs = [r for r in runs if r.instance.name not in split]
+        inline = {name for (name, _), n in count.items() if n > 1}
+        # ... and so does one whose code names something outside it (a forward run is
+        # outlined only together with its backward run: they share the saved list).
+        inline |= {
+            r.instance.name for r in runs if not _outlinable(steps[r.start : r.end], r.instance)
+        }
+        runs = [r for r in runs if r.instance.name not in inline]
         events = _events(steps)
         backward = {r.instance.name: r for r in runs if steps[r.start].section == "backward"}
         out: list[Step] = []
@@ -160,9 +165,6 @@ class Outliner:
         for run in runs:
             out += steps[previous : run.start]
             previous = run.end
-            if not _outlinable(steps[run.start : run.end], run.instance):
-                out += steps[run.start : run.end]
-                continue
             section = "predict" if predict else steps[run.start].section
             later = backward.get(run.instance.name) if section == "forward" else None
             out += self._call(steps, run, events, keep, section, later)
