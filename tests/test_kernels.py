@@ -274,6 +274,10 @@ def _check_backward(run: Run, g: Tensor, saved: list, refs: list) -> None:
         assert all(torch.equal(a, b) for a, b in zip(grads, first) if None not in (a, b))
     if run.op.params:  # layer kernels fit their gradients to needs, even an empty one
         assert run.backward(g, saved, ()) == ()
+    if all(slots) and not limited:  # needs=None (generated code leaves it out) is all of them
+        every = run.backward(g, saved, None)
+        assert len(every) == len(slots)
+        assert all(torch.equal(a, b) for a, b in zip(every, run.backward(g, saved, slots)))
 
 
 def _forward_or_reference(run: Run) -> tuple[Tensor, tuple, Tensor, bool]:

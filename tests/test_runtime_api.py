@@ -147,10 +147,11 @@ def test_positional_arguments_follow_the_registry(platform, name):
 @pytest.mark.parametrize("platform,name", PER_OP)
 def test_keyword_defaults_are_the_normalised_registry_defaults(platform, name):
     """An argument with a registry default has it (a pair default 1 as (1, 1)); one without
-    (required, or defaulting from another), a derived value (input_hw, sizes, ...) and
-    ``needs`` have none: leaving them out is an error, not a silent default."""
+    (required, or defaulting from another) and a derived value (input_hw, sizes, ...) have
+    none: leaving them out is an error, not a silent default. ``needs`` defaults to None,
+    every gradient (generated code leaves it out when it wants them all)."""
     op, K = OPS[name], KERNELS[platform]
-    defaults = normalized_defaults(op)
+    defaults = {**normalized_defaults(op), "needs": None}
     for kernel in kernel_names(op):
         for pname, param in keyword_only(getattr(K, kernel)).items():
             if pname in defaults:

@@ -275,7 +275,8 @@ class Emitter:
         call = CallExpr(
             self.kernel(node, f"{op.name}_backward"),
             (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),
-            (*kwargs, ("needs", Const(tuple(node.needs)))),
+            # every gradient wanted is the kernels' default (needs=None)
+            (*kwargs, *(() if all(node.needs) else (("needs", Const(tuple(node.needs))),))),
         )
         statements: list[Statement] = [Assign(tuple(targets), call, unpack=len(targets) == 1)]
         statements += sums

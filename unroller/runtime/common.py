@@ -48,19 +48,23 @@ _RUNTIME_PACKAGE = "unroller.runtime."
 # ---------------------------------------------------------------- needs and gradient padding
 
 
-def _need(needs: Needs, i: int) -> bool:
-    """Whether gradient ``i`` is wanted; a short ``needs`` wants nothing past its end."""
-    return i < len(needs) and bool(needs[i])
+def _need(needs: Needs | None, i: int) -> bool:
+    """Whether gradient ``i`` is wanted; a short ``needs`` wants nothing past its end, and
+    None (the default, which generated code leaves out) wants every one."""
+    return needs is None or (i < len(needs) and bool(needs[i]))
 
 
-def _need_mask(needs: Needs, n: int = 3) -> list[bool]:
+def _need_mask(needs: Needs | None, n: int = 3) -> list[bool]:
     """``needs`` as the fixed-length ``output_mask`` aten backward kernels take."""
     return [_need(needs, i) for i in range(n)]
 
 
-def _fit(grads: Iterable[Tensor | None], needs: Needs) -> Grads:
+def _fit(grads: Iterable[Tensor | None], needs: Needs | None) -> Grads:
     """One entry per element of ``needs``: the gradient where needed, else None, so a kernel
-    never hands back a gradient nobody asked for (the caller would accumulate it)."""
+    never hands back a gradient nobody asked for (the caller would accumulate it); with
+    ``needs`` None, every gradient the kernel made."""
+    if needs is None:
+        return tuple(grads)
     out = list(grads)[: len(needs)]
     out += [None] * (len(needs) - len(out))
     return tuple(t if _need(needs, i) else None for i, t in enumerate(out))
@@ -96,7 +100,7 @@ def linear(x: Tensor, layer: Any) -> Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def linear_backward(g: Tensor, x: Tensor, layer: Any, *, needs: Needs) -> Grads:
+def linear_backward(g: Tensor, x: Tensor, layer: Any, *, needs: Needs | None = None) -> Grads:
     """gx = g @ W, gW = g^T @ x over the flattened leading dims (mm_mat2_backward's order:
     matmul of two matrices is aten::mm), gb = the sum of g over them."""
     weight = layer.weight
@@ -137,7 +141,7 @@ def add(a: Tensor, b: Tensor) -> Tensor:
     return a + b
 
 
-def add_backward(g: Tensor, *, needs: Needs) -> Grads:
+def add_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
     """Both gradients are g itself (shared: accumulate() copies before any in-place add)."""
     return (g if _need(needs, 0) else None, g if _need(needs, 1) else None)
 
@@ -147,7 +151,7 @@ def mul(a: Tensor, b: Tensor) -> Tensor:
     return a * b
 
 
-def mul_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs) -> Grads:
+def mul_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
     """(g * b, g * a), out of place, so a and b may be the same tensor."""
     return (g * b if _need(needs, 0) else None, g * a if _need(needs, 1) else None)
 
@@ -157,7 +161,9 @@ def concat(*xs: Tensor, dim: int = 1) -> Tensor:
     return torch.cat(xs, dim)
 
 
-def concat_backward(g: Tensor, *, dim: int = 1, sizes: tuple[int, ...], needs: Needs) -> Grads:
+def concat_backward(
+    g: Tensor, *, dim: int = 1, sizes: tuple[int, ...], needs: Needs | None = None
+) -> Grads:
     """Views of g along dim (torch.split), as cat's backward (narrow)."""
     parts = torch.split(g, list(sizes), dim)
     return tuple(part if _need(needs, i) else None for i, part in enumerate(parts))
@@ -168,7 +174,9 @@ def flatten(x: Tensor, *, start_dim: int = 1) -> Tensor:
     return torch.flatten(x, start_dim)
 
 
-def flatten_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: Needs) -> Grads:
+def flatten_backward(
+    g: Tensor, *, input_shape: tuple[int, ...], needs: Needs | None = None
+) -> Grads:
     """g reshaped to (N, *input_shape)."""
     return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
 
@@ -178,7 +186,9 @@ def reshape(x: Tensor, *, shape: tuple[int, ...]) -> Tensor:
     return x.reshape(x.shape[0], *shape)
 
 
-def reshape_backward(g: Tensor, *, input_shape: tuple[int, ...], needs: Needs) -> Grads:
+def reshape_backward(
+    g: Tensor, *, input_shape: tuple[int, ...], needs: Needs | None = None
+) -> Grads:
     """g reshaped to (N, *input_shape)."""
     return (g.reshape(g.shape[0], *input_shape) if _need(needs, 0) else None,)
 

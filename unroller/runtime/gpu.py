@@ -103,7 +103,7 @@ def conv2d_backward(
     padding: Pair = (0, 0),
     dilation: Pair = (1, 1),
     groups: int = 1,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """aten::convolution_backward (transposed=False)."""
     mask = _need_mask(needs)
@@ -153,7 +153,7 @@ def conv_transpose2d_backward(
     output_padding: Pair = (0, 0),
     dilation: Pair = (1, 1),
     groups: int = 1,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """aten::convolution_backward (transposed=True); weight is [in, out/groups, kh, kw]."""
     mask = _need_mask(needs)
@@ -203,7 +203,7 @@ def batchnorm2d_backward(
     *,
     eps: float = 1e-05,
     momentum: float | None = 0.1,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """aten::native_batch_norm_backward(train=True); running stats are not read in training."""
     mask = _need_mask(needs)
@@ -230,7 +230,7 @@ def batchnorm2d_eval(
 # ---------------------------------------------------------------- activations
 
 
-def relu_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
+def relu_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
     """aten::threshold_backward(g, y, 0); y may be the bool mask y > 0 (same result)."""
     if not _need(needs, 0):
         return (None,)
@@ -239,12 +239,12 @@ def relu_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
     return (_aten.threshold_backward(g, y, 0),)
 
 
-def sigmoid_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
+def sigmoid_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
     """aten::sigmoid_backward(g, y)."""
     return (_aten.sigmoid_backward(g, y) if _need(needs, 0) else None,)
 
 
-def tanh_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
+def tanh_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
     """aten::tanh_backward(g, y)."""
     return (_aten.tanh_backward(g, y) if _need(needs, 0) else None,)
 
@@ -254,7 +254,9 @@ def gelu(x: Tensor, *, approximate: str = "none") -> Tensor:
     return _aten.gelu(x, approximate=approximate)
 
 
-def gelu_backward(g: Tensor, x: Tensor, *, approximate: str = "none", needs: Needs) -> Grads:
+def gelu_backward(
+    g: Tensor, x: Tensor, *, approximate: str = "none", needs: Needs | None = None
+) -> Grads:
     """aten::gelu_backward(g, x, approximate)."""
     return (_aten.gelu_backward(g, x, approximate=approximate) if _need(needs, 0) else None,)
 
@@ -265,7 +267,7 @@ def leaky_relu(x: Tensor, *, negative_slope: float = 0.01) -> Tensor:
 
 
 def leaky_relu_backward(
-    g: Tensor, x: Tensor, *, negative_slope: float = 0.01, needs: Needs
+    g: Tensor, x: Tensor, *, negative_slope: float = 0.01, needs: Needs | None = None
 ) -> Grads:
     """aten::leaky_relu_backward(g, x, negative_slope, self_is_result=False); x may be the
     bool mask x > 0."""
@@ -294,7 +296,7 @@ def maxpool2d_backward(
     stride: Pair,
     padding: Pair = (0, 0),
     input_hw: Pair,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """aten::max_pool2d_with_indices_backward, which reads only the input's sizes, so no
     activation is kept: just the indices, or (non-overlapping windows) a bool mask of the
@@ -343,7 +345,7 @@ def avgpool2d_backward(
     stride: Pair,
     padding: Pair = (0, 0),
     input_hw: Pair,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """aten::avg_pool2d_backward; it reads only the input's shape, given as a 0-stride tensor."""
     if not _need(needs, 0):
@@ -360,7 +362,7 @@ def adaptive_avgpool2d(x: Tensor, *, output_size: Pair) -> Tensor:
 
 
 def adaptive_avgpool2d_backward(
-    g: Tensor, *, output_size: Pair, input_hw: Pair, needs: Needs
+    g: Tensor, *, output_size: Pair, input_hw: Pair, needs: Needs | None = None
 ) -> Grads:
     """mean's backward (expand / numel) for 1x1, else aten::_adaptive_avg_pool2d_backward
     given a 0-stride tensor of the input's shape."""
@@ -407,7 +409,7 @@ def upsample_backward(
     mode: str = "nearest",
     align_corners: bool | None = False,
     input_hw: Pair,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """aten::upsample_{nearest,bilinear}2d_backward; sizes come from g and input_hw."""
     if not _need(needs, 0):
@@ -442,7 +444,9 @@ def dropout(x: Tensor, *, p: float = 0.5) -> tuple[Tensor, Tensor | None]:
     return x * noise.div_(1 - p), mask
 
 
-def dropout_backward(g: Tensor, mask: Tensor | None, *, p: float = 0.5, needs: Needs) -> Grads:
+def dropout_backward(
+    g: Tensor, mask: Tensor | None, *, p: float = 0.5, needs: Needs | None = None
+) -> Grads:
     """g * noise with noise rebuilt from the mask exactly as forward made it (CPU), or
     aten::native_dropout_backward (fused devices)."""
     if not _need(needs, 0):
@@ -467,7 +471,9 @@ def cross_entropy(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     return loss, log_probs
 
 
-def cross_entropy_backward(g: Tensor, log_probs: Tensor, target: Tensor, *, needs: Needs) -> Grads:
+def cross_entropy_backward(
+    g: Tensor, log_probs: Tensor, target: Tensor, *, needs: Needs | None = None
+) -> Grads:
     """aten::nll_loss_backward then aten::_log_softmax_backward_data; the total weight is the
     count of non-ignored targets, as nll_loss_forward computes it."""
     if not _need(needs, 0):
@@ -482,14 +488,14 @@ def mse_loss(a: Tensor, b: Tensor) -> Tensor:
     return _aten.mse_loss(a, b, _MEAN)
 
 
-def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs) -> Grads:
+def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
     """aten::mse_loss_backward for a, and with the arguments swapped for b (derivatives.yaml)."""
     ga = _aten.mse_loss_backward(g, a, b, _MEAN) if _need(needs, 0) else None
     gb = _aten.mse_loss_backward(g, b, a, _MEAN) if _need(needs, 1) else None
     return (ga, gb)
 
 
-def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs) -> Grads:
+def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
     """mean -> abs -> sub backward: sgn(a - b) * g / numel for a, its negation for b."""
     if not (_need(needs, 0) or _need(needs, 1)):
         return (None, None)
@@ -503,7 +509,7 @@ def bce_loss(p: Tensor, t: Tensor) -> Tensor:
     return _aten.binary_cross_entropy(p, t, None, _MEAN)
 
 
-def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: Needs) -> Grads:
+def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: Needs | None = None) -> Grads:
     """aten::binary_cross_entropy_backward for p; for t, -logit(p) * g / numel (autograd's
     binary_cross_entropy_target_backward)."""
     gp = _aten.binary_cross_entropy_backward(g, p, t, None, _MEAN) if _need(needs, 0) else None
@@ -516,7 +522,9 @@ def bce_with_logits(x: Tensor, t: Tensor) -> Tensor:
     return _aten.binary_cross_entropy_with_logits(x, t, None, None, _MEAN)
 
 
-def bce_with_logits_backward(g: Tensor, x: Tensor, t: Tensor, *, needs: Needs) -> Grads:
+def bce_with_logits_backward(
+    g: Tensor, x: Tensor, t: Tensor, *, needs: Needs | None = None
+) -> Grads:
     """(sigmoid(x) - t) * g / numel for x and -x * g / numel for t, as autograd's
     binary_cross_entropy_with_logits_{,target_}backward."""
     gx = (x.sigmoid() - t).mul_(g).div_(x.numel()) if _need(needs, 0) else None

@@ -214,7 +214,7 @@ def conv2d_backward(
     padding: Pair = (0, 0),
     dilation: Pair = (1, 1),
     groups: int = 1,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """gx = conv_transpose2d(g, weight) (dilation 1 only), gW = conv of x with g, gb = sum."""
     weight = layer.weight
@@ -261,7 +261,7 @@ def conv_transpose2d_backward(
     output_padding: Pair = (0, 0),
     dilation: Pair = (1, 1),
     groups: int = 1,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """gx = conv2d(g, weight), gW = conv of g with x (weight is [in, out/groups, kh, kw]),
     gb = sum. Uses only conv2d, so any dilation works here."""
@@ -331,7 +331,7 @@ def batchnorm2d_backward(
     *,
     eps: float = 1e-05,
     momentum: float | None = 0.1,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """Closed form: with xhat = (x - mean) * invstd, gb = sum(g), gW = sum(g * xhat),
     gx = (g - gb/M - xhat * gW/M) * invstd * W (sums over N, H, W; M their count)."""
@@ -370,7 +370,7 @@ def batchnorm2d_eval(
 # ---------------------------------------------------------------- activations
 
 
-def relu_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
+def relu_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
     """where(y > 0, g, 0); y may be the bool mask y > 0 (same result, bit for bit)."""
     if not _need(needs, 0):
         return (None,)
@@ -378,12 +378,12 @@ def relu_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
     return (torch.where(keep, g, _zero(g)),)
 
 
-def sigmoid_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
+def sigmoid_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
     """g * (1 - y) * y."""
     return (g * (1 - y) * y if _need(needs, 0) else None,)
 
 
-def tanh_backward(g: Tensor, y: Tensor, *, needs: Needs) -> Grads:
+def tanh_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
     """g * (1 - y^2)."""
     return (g * (1 - y * y) if _need(needs, 0) else None,)
 
@@ -418,7 +418,9 @@ def gelu(x: Tensor, *, approximate: str = "none") -> Tensor:
     raise ValueError(f"gelu: unknown approximate={approximate!r}")
 
 
-def gelu_backward(g: Tensor, x: Tensor, *, approximate: str = "none", needs: Needs) -> Grads:
+def gelu_backward(
+    g: Tensor, x: Tensor, *, approximate: str = "none", needs: Needs | None = None
+) -> Grads:
     """none: g * (Phi(x) + x * phi(x)), Phi without erf (see _std_normal_cdf); tanh: the
     derivative of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     if not _need(needs, 0):
@@ -441,7 +443,7 @@ def leaky_relu(x: Tensor, *, negative_slope: float = 0.01) -> Tensor:
 
 
 def leaky_relu_backward(
-    g: Tensor, x: Tensor, *, negative_slope: float = 0.01, needs: Needs
+    g: Tensor, x: Tensor, *, negative_slope: float = 0.01, needs: Needs | None = None
 ) -> Grads:
     """where(x > 0, g, g * negative_slope); x may be the bool mask x > 0."""
     if not _need(needs, 0):
@@ -512,7 +514,7 @@ def maxpool2d_backward(
     stride: Pair,
     padding: Pair = (0, 0),
     input_hw: Pair,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """conv_transpose2d of where(sel, g, 0) (C * kh*kw channels) with the one-hot kernel bank
     (groups C, stride s, padding p): each input element gets the sum of g over the windows that
@@ -560,7 +562,7 @@ def avgpool2d_backward(
     stride: Pair,
     padding: Pair = (0, 0),
     input_hw: Pair,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """conv_transpose2d of g / (kh*kw) with a ones kernel per channel (groups C, stride s,
     padding p, output_padding up to input_hw)."""
@@ -600,7 +602,7 @@ def adaptive_avgpool2d(x: Tensor, *, output_size: Pair) -> Tensor:
 
 
 def adaptive_avgpool2d_backward(
-    g: Tensor, *, output_size: Pair, input_hw: Pair, needs: Needs
+    g: Tensor, *, output_size: Pair, input_hw: Pair, needs: Needs | None = None
 ) -> Grads:
     """A_h^T @ g @ A_w (g / (H*W) expanded for 1x1)."""
     if not _need(needs, 0):
@@ -701,7 +703,7 @@ def upsample_backward(
     mode: str = "nearest",
     align_corners: bool | None = False,
     input_hw: Pair,
-    needs: Needs,
+    needs: Needs | None = None,
 ) -> Grads:
     """M_h^T @ g @ M_w."""
     if not _need(needs, 0):
@@ -727,7 +729,9 @@ def dropout(x: Tensor, *, p: float = 0.5) -> tuple[Tensor, Tensor | None]:
     return x * (keep.to(x.dtype) / (1 - p)), keep
 
 
-def dropout_backward(g: Tensor, mask: Tensor | None, *, p: float = 0.5, needs: Needs) -> Grads:
+def dropout_backward(
+    g: Tensor, mask: Tensor | None, *, p: float = 0.5, needs: Needs | None = None
+) -> Grads:
     """g * keep / (1 - p)."""
     if not _need(needs, 0):
         return (None,)
@@ -753,7 +757,9 @@ def cross_entropy(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     return loss, log_probs
 
 
-def cross_entropy_backward(g: Tensor, log_probs: Tensor, target: Tensor, *, needs: Needs) -> Grads:
+def cross_entropy_backward(
+    g: Tensor, log_probs: Tensor, target: Tensor, *, needs: Needs | None = None
+) -> Grads:
     """(softmax - one_hot(target)) * g / count on the kept rows, zero on ignored rows; the
     softmax is exp(log_probs), the one-hot a comparison with arange(C)."""
     if not _need(needs, 0):
@@ -771,7 +777,7 @@ def mse_loss(a: Tensor, b: Tensor) -> Tensor:
     return (a - b).square().mean()
 
 
-def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs) -> Grads:
+def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
     """2 (a - b) g / numel for a, its negation for b."""
     if not (_need(needs, 0) or _need(needs, 1)):
         return (None, None)
@@ -779,7 +785,7 @@ def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs) -> Grads
     return (ga if _need(needs, 0) else None, ga.neg() if _need(needs, 1) else None)
 
 
-def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs) -> Grads:
+def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
     """sign(a - b) g / numel for a, its negation for b."""
     if not (_need(needs, 0) or _need(needs, 1)):
         return (None, None)
@@ -794,7 +800,7 @@ def bce_loss(p: Tensor, t: Tensor) -> Tensor:
     return ((t - 1) * log_q - t * log_p).mean()
 
 
-def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: Needs) -> Grads:
+def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: Needs | None = None) -> Grads:
     """g (p - t) / max((1 - p) p, eps) / numel for p (PyTorch's formula, eps = float32(1e-12)); for t,
     -log(p / (1 - p)) g / numel."""
     gp = gt = None
@@ -811,7 +817,9 @@ def bce_with_logits(x: Tensor, t: Tensor) -> Tensor:
     return ((1 - t) * x + softplus_neg).mean()
 
 
-def bce_with_logits_backward(g: Tensor, x: Tensor, t: Tensor, *, needs: Needs) -> Grads:
+def bce_with_logits_backward(
+    g: Tensor, x: Tensor, t: Tensor, *, needs: Needs | None = None
+) -> Grads:
     """(sigmoid(x) - t) g / numel for x, -x g / numel for t."""
     gx = (torch.sigmoid(x) - t) * (g / x.numel()) if _need(needs, 0) else None
     gt = x.neg() * (g / t.numel()) if _need(needs, 1) else None
