@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 UNROLL := $(VENV)/bin/unroll
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv test test-slow bench accuracy generate check lint format clean
+.PHONY: venv test test-slow test-all bench accuracy generate check lint format clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,7 @@ test: $(STAMP)
 
 # Everything `make test` runs, plus the slow tests (benchmark scripts end to end, the
 # make accuracy commands) and the fuzz tests at thousands of mutants.
+test-all: test-slow
 test-slow: $(STAMP)
 	$(UNROLL) check generated
 	$(UNROLL) lint generated/ipu generated/multiipu --platform ipu

@@ -211,8 +211,7 @@ class Outliner:
                 hand = Assign((Var(saved_var),), ListExpr(items))
             else:
                 hand = Do(CallExpr(Attr(Var(saved_var), "extend"), (ListExpr(items),)))
-            note = f"handed to the block, which frees {'them' if len(handed) > 1 else 'it'}"
-            before.append(Step(body[0].section, [hand], comment=note, stage=body[0].stage))
+            before.append(Step(body[0].section, [hand], stage=body[0].stage))
         function = self._function(
             run.instance,
             section,
@@ -239,8 +238,9 @@ class Outliner:
             targets.append(Var(saved_var))
         call = CallExpr(GlobalName(function.name), tuple(args))
         statement: Statement = Assign(tuple(targets), call) if targets else Do(call)
-        comment = f"[block] {run.instance.text}"
-        return [*before, Step(body[0].section, [statement], comment=comment, stage=body[0].stage)]
+        steps_out = [*before, Step(body[0].section, [statement], stage=body[0].stage)]
+        steps_out[0].comment = f"[block] {run.instance.text}"
+        return steps_out
 
     def _function(
         self,
