@@ -28,6 +28,7 @@ from unroller.bench.stashed import same_activations
 from unroller.bench.steps import step_ours
 from unroller.bench.timing import time_pair
 from unroller.codegen import Options
+from unroller.dtypes import torch_dtype
 from unroller.schemes import SCHEMES
 from unroller.stash import plan_stash
 
@@ -36,9 +37,6 @@ DENSE = "dct-dense"
 DENSE_BYTES_GOAL = 1.0 / 12.0  # dct-dense stored / nocompress stored, same activations
 DENSE_TIME_GOAL = 1.3  # dct-dense step time / nocompress step time
 CODEC_COST_REPEATS = 7  # timed calls per stored form in codec_cost (at most --repeats)
-
-_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-_DTYPES["f64"] = torch.float64
 
 
 def plan_figures(path: Path, scheme: str, batch: int) -> dict[str, Any]:
@@ -55,7 +53,7 @@ def plan_figures(path: Path, scheme: str, batch: int) -> dict[str, Any]:
                 continue
             t = form.type or entry.type
             shape = tuple(batch if d == "N" else d for d in t.shape)
-            dtype = torch.bool if form.kind == "mask" else _DTYPES[t.dtype]
+            dtype = torch_dtype("bool" if form.kind == "mask" else t.dtype)
             codec = form.codec.instance()
             forms.append((entry.key, form.kind, codec, shape, dtype))
             if form.kind == "mask":

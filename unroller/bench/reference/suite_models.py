@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from unroller.bench.paths import suite_models_dir
 from unroller.bench.reference.base import Reference, StageRunner
 from unroller.bench.reference.blocks import CifarResNet, UNet
+from unroller.dtypes import torch_dtype
 
 
 def suite_model_path(stem: str) -> Path:
@@ -88,8 +89,6 @@ DECLS: dict[str, list[Decl]] = {
     ],
 }
 
-_INT_DTYPES = {"i64": torch.int64, "i32": torch.int32}
-
 
 def make_inputs(
     stem: str, batch: int, dtype: torch.dtype = torch.float64, seed: int = 0
@@ -107,7 +106,7 @@ def make_inputs(
         if decl.fill.startswith("classes:"):
             k = int(decl.fill.split(":", 1)[1])
             t = torch.randint(0, k, shape, generator=gen, dtype=torch.int64)
-            out.append(t.to(_INT_DTYPES.get(decl.dtype, torch.int64)))
+            out.append(t.to(torch_dtype(decl.dtype)))
             continue
         if decl.fill == "normal":
             t = torch.randn(shape, generator=gen, dtype=torch.float64)
