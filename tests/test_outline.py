@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import rel_err
 
@@ -146,3 +147,12 @@ def test_block_local_names_never_shadow_the_module_functions():
     y = torch.randn(3, 2, 4, 4, dtype=torch.float64)
     loss = model(x, y)
     assert torch.isfinite(loss)
+
+
+@pytest.mark.slow
+def test_equivalence_tool_finds_the_working_tree_equal_to_head(capsys):
+    """benchmarks/equivalence.py: HEAD against itself is bit-identical (the tool runs)."""
+    from benchmarks.equivalence import main
+
+    assert main(["--before", "HEAD", "--models", "fanout", "--schemes", "nocompress"]) == 0
+    assert "bit-identical" in capsys.readouterr().out
