@@ -190,22 +190,34 @@ def _vars(expr: Expr) -> list[str]:
 
 
 def release_dead(steps: list[Step], keep: set[str]) -> None:
-    """After each step, release what no later step reads (except ``keep``)."""
-    last_use: dict[str, int] = {}
+    """After each step, release what no later step reads (except ``keep``).
+
+    Liveness is per definition: a name written again (the per-parameter gradient
+    temporaries ``grad_weight``, reused by every layer) is released after the last read of
+    each value it holds, so the allocator can reuse that memory before the next kernel
+    runs. Within a step, writes come first (a kernel's outputs, then what reads them).
+    """
+    last_read: dict[str, int] = {}  # the step of the last read of the current value
     order: dict[str, int] = {}
+    dying: dict[int, list[str]] = {}
+
+    def close(name: str) -> None:
+        if name not in keep:
+            dying.setdefault(last_read[name], []).append(name)
+
     for i, step in enumerate(steps):
         for name in step.writes():
             order.setdefault(name, len(order))
-            last_use.setdefault(name, i)
+            if name in last_read:
+                close(name)
+            last_read[name] = i
         for name in step.reads():
             order.setdefault(name, len(order))
-            last_use[name] = i
-    dying: dict[int, list[str]] = {}
-    for name, last in last_use.items():
-        if name not in keep:
-            dying.setdefault(last, []).append(name)
+            last_read[name] = i
+    for name in last_read:
+        close(name)
     for i, step in enumerate(steps):
-        step.release = sorted(dying.get(i, []), key=order.__getitem__)
+        step.release = sorted(dict.fromkeys(dying.get(i, [])), key=order.__getitem__)
 
 
 # -- rendering ---------------------------------------------------------------------------

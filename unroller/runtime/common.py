@@ -73,15 +73,38 @@ def _fit(grads: Iterable[Tensor | None], needs: Needs | None) -> Grads:
 # ---------------------------------------------------------------- layer handles
 
 
+# A torch.nn.Module's tensors are read from its parameter and buffer dicts: attribute
+# syntax would go through Module.__getattr__, a few microseconds each, hundreds of times
+# per step. Any other object with the attributes works too. Literal names throughout, so
+# that `unroll lint` sees every attribute read.
+
+
+def _dicts(layer: Any) -> tuple[dict, dict] | None:
+    params = getattr(layer, "_parameters", None)
+    return (params, layer._buffers) if isinstance(params, dict) else None
+
+
 def _weight_bias(layer: Any) -> tuple[Tensor, Tensor | None]:
     """A conv / linear layer's parameters; ``bias`` may be absent or None (bias=False)."""
+    found = _dicts(layer)
+    if found is not None:
+        return found[0]["weight"], found[0].get("bias")
     return layer.weight, getattr(layer, "bias", None)
 
 
 def _norm_tensors(layer: Any) -> tuple[Tensor | None, ...]:
     """A batch-norm layer's (weight, bias, running_mean, running_var, num_batches_tracked);
-    each may be None, as in nn.BatchNorm2d(affine=False, track_running_stats=False). Literal
-    names, so that ``unroll lint`` sees every attribute read."""
+    each may be None, as in nn.BatchNorm2d(affine=False, track_running_stats=False)."""
+    found = _dicts(layer)
+    if found is not None:
+        params, buffers = found
+        return (
+            params.get("weight"),
+            params.get("bias"),
+            buffers.get("running_mean"),
+            buffers.get("running_var"),
+            buffers.get("num_batches_tracked"),
+        )
     return (
         getattr(layer, "weight", None),
         getattr(layer, "bias", None),
@@ -227,7 +250,8 @@ def accumulate(layer: Any, /, **grads: Tensor | None) -> None:
 
 def _param(layer: Any, name: str) -> Tensor:
     """The layer's parameter ``name``; a gradient for a missing one is a generator bug."""
-    param = getattr(layer, name, None)
+    found = _dicts(layer)
+    param = found[0].get(name) if found is not None else getattr(layer, name, None)
     if param is None:
         raise ValueError(f"accumulate: {type(layer).__name__} has no parameter '{name}'")
     return param
@@ -241,7 +265,9 @@ def _accumulate_one(param: Tensor, grad: Tensor) -> None:
             param.grad += grad
 
 
-def collect(grads: dict[str, Tensor], layers: Layers, name: str, /, **named: Tensor | None) -> None:
+def collect(
+    grads: dict[str, Tensor], layers: Layers | LayersView, name: str, /, **named: Tensor | None
+) -> None:
     """Store each non-None ``param=grad`` of layer ``name`` as ``grads["<path>.<param>"]``
     (state-dict names; ``layers`` may be a block's scoped view): the ipu step returns them
     through its surrogate loss instead of writing .grad, because PopTorch owns the
@@ -283,19 +309,34 @@ class Layers(dict):
 
     Generated code indexes it (``L["layer1.0.conv1"]``); a block function gets the view
     of its instance (``L.within("layer1.0")["conv1"]`` is the same module) and ``path``
-    gives a name's full state-dict prefix back.
+    gives a name's full state-dict prefix back. A view is two fields, made per call.
     """
 
     prefix = ""
 
-    def within(self, prefix: str) -> Layers:
-        start = prefix + "."
-        view = Layers((name[len(start) :], m) for name, m in self.items() if name.startswith(start))
-        view.prefix = self.path(prefix)
-        return view
+    def within(self, prefix: str) -> LayersView:
+        return LayersView(self, prefix)
 
     def path(self, name: str) -> str:
-        return f"{self.prefix}.{name}" if self.prefix else name
+        return name
+
+
+class LayersView:
+    """The layers under one prefix, by their names relative to it."""
+
+    __slots__ = ("root", "prefix")
+
+    def __init__(self, root: Layers, prefix: str):
+        self.root, self.prefix = root, prefix
+
+    def __getitem__(self, name: str) -> torch.nn.Module:
+        return self.root[f"{self.prefix}.{name}"]
+
+    def within(self, prefix: str) -> LayersView:
+        return LayersView(self.root, self.path(prefix))
+
+    def path(self, name: str) -> str:
+        return f"{self.prefix}.{name}"
 
 
 def layers(root: torch.nn.Module) -> Layers:
