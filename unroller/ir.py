@@ -195,27 +195,21 @@ def release_dead(steps: list[Step], keep: set[str]) -> None:
     Liveness is per definition: a name written again (the per-parameter gradient
     temporaries ``grad_weight``, reused by every layer) is released after the last read of
     each value it holds, so the allocator can reuse that memory before the next kernel
-    runs. Within a step, writes come first (a kernel's outputs, then what reads them).
+    runs. A value last read by the step that writes the name again needs no release: the
+    new binding frees it (``grad_a = block_backward(..., grad_a)``).
     """
-    last_read: dict[str, int] = {}  # the step of the last read of the current value
+    last_read: dict[str, int] = {}  # the step of the last read of the name's current value
     order: dict[str, int] = {}
     dying: dict[int, list[str]] = {}
-
-    def close(name: str) -> None:
-        if name not in keep:
-            dying.setdefault(last_read[name], []).append(name)
-
     for i, step in enumerate(steps):
-        for name in step.writes():
+        for name, kind in step.events():
             order.setdefault(name, len(order))
-            if name in last_read:
-                close(name)
+            if kind == "w" and name in last_read and last_read[name] < i and name not in keep:
+                dying.setdefault(last_read[name], []).append(name)
             last_read[name] = i
-        for name in step.reads():
-            order.setdefault(name, len(order))
-            last_read[name] = i
-    for name in last_read:
-        close(name)
+    for name, last in last_read.items():
+        if name not in keep:
+            dying.setdefault(last, []).append(name)
     for i, step in enumerate(steps):
         step.release = sorted(dict.fromkeys(dying.get(i, [])), key=order.__getitem__)
 
