@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -156,6 +157,17 @@ class Emitter:
         if why:
             raise ModelError(f"{node.name}: {why} (platform {self.platform.name})", node.loc)
 
+    def needs_implied(self, node: Node) -> bool:
+        """Can the backward call leave ``needs`` out? When every gradient is wanted and the
+        kernel says so by default (``needs=None``); an out-of-tree kernel written before
+        that default existed still gets it spelled out."""
+        if not all(node.needs):
+            return False
+        module = importlib.import_module(self.kernel_module(node))
+        kernel = getattr(module, f"{node.op.name}_backward")
+        needs = inspect.signature(kernel).parameters.get("needs")
+        return needs is not None and needs.default is None
+
     def stage(self, node: Node | None) -> int:
         return self.pipeline.stage(node.name) if node is not None else 0
 
@@ -275,8 +287,7 @@ class Emitter:
         call = CallExpr(
             self.kernel(node, f"{op.name}_backward"),
             (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),
-            # every gradient wanted is the kernels' default (needs=None)
-            (*kwargs, *(() if all(node.needs) else (("needs", Const(tuple(node.needs))),))),
+            (*kwargs, *(() if self.needs_implied(node) else (("needs", Const(node.needs)),))),
         )
         statements: list[Statement] = [Assign(tuple(targets), call, unpack=len(targets) == 1)]
         statements += sums
