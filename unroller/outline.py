@@ -259,7 +259,7 @@ class Outliner:
         )
         for name in [*saved_in, *free_in]:  # parameters first: they get the plain names
             rename(name)
-        local = [_rename_step(step, rename, instance) for step in body]
+        local = [_rename_step(step, rename) for step in body]
         params = [rename(n) for n in free_in]
         results = [rename(n) for n in returns] + [rename(n) for n in saved_out]
         release_dead(local, {*params, *results, *context, "L"})
@@ -317,7 +317,7 @@ class _Renamer:
         return self.names("\0".join(local), self.base_name(key, self.key_name))
 
 
-def _rename_step(step: Step, rename: _Renamer, instance: BlockCall) -> Step:
+def _rename_step(step: Step, rename: _Renamer) -> Step:
     def expr(e: Expr) -> Expr:
         if isinstance(e, Var):
             return Var(rename(e.name))
