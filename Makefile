@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 UNROLL := $(VENV)/bin/unroll
 STAMP  := $(VENV)/.installed-stamp
+# pytest worker processes (pytest-xdist): the suite is mostly single-threaded Python
+WORKERS ?= 2
 
 .PHONY: venv test test-slow test-all bench accuracy generate check lint format clean
 
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(UNROLL) check generated
 	$(UNROLL) lint generated/ipu generated/multiipu --platform ipu
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS)
 
 # Everything `make test` runs, plus the slow tests (benchmark scripts end to end, the
 # make accuracy commands) and the fuzz tests at thousands of mutants.
@@ -26,7 +28,7 @@ test-all: test-slow
 test-slow: $(STAMP)
 	$(UNROLL) check generated
 	$(UNROLL) lint generated/ipu generated/multiipu --platform ipu
-	SLOW=1 $(PY) -m pytest -q
+	SLOW=1 $(PY) -m pytest -q -n $(WORKERS)
 
 # The benchmark suite (unroller.bench, as `unroll bench`): its quick preset, or with FULL=1
 # the published sizes; writes benchmarks/results/bench.*. The two other reports of the same
