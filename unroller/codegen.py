@@ -44,7 +44,7 @@ from unroller.ir import (
     render_expr,
     render_steps,
 )
-from unroller.outline import Function, Outliner
+from unroller.outline import Function, Outliner, relative
 from unroller.pipeline import Pipeline, split
 from unroller.platforms import GPU, Platform
 from unroller.platforms import platform as get_platform
@@ -134,6 +134,7 @@ class Emitter:
         for node in graph.nodes:
             self.var(node.output)
         self.restored: dict[tuple[str, Form], Var] = {}
+        self.needs_default: dict[str, bool] = {}  # op -> its backward defaults needs=None
         for node in graph.nodes:
             self.check_supported(node)
 
@@ -153,6 +154,9 @@ class Emitter:
                 f"({name} lacks {', '.join(missing)})",
                 node.loc,
             )
+        if op not in self.needs_default:
+            needs = inspect.signature(getattr(module, f"{op}_backward")).parameters.get("needs")
+            self.needs_default[op] = needs is not None and needs.default is None
         why = getattr(module, "unsupported", lambda op, args: None)(op, node.args)
         if why:
             raise ModelError(f"{node.name}: {why} (platform {self.platform.name})", node.loc)
@@ -161,12 +165,7 @@ class Emitter:
         """Can the backward call leave ``needs`` out? When every gradient is wanted and the
         kernel says so by default (``needs=None``); an out-of-tree kernel written before
         that default existed still gets it spelled out."""
-        if not all(node.needs):
-            return False
-        module = importlib.import_module(self.kernel_module(node))
-        kernel = getattr(module, f"{node.op.name}_backward")
-        needs = inspect.signature(kernel).parameters.get("needs")
-        return needs is not None and needs.default is None
+        return all(node.needs) and self.needs_default[node.op.name]
 
     def stage(self, node: Node | None) -> int:
         return self.pipeline.stage(node.name) if node is not None else 0
@@ -338,7 +337,7 @@ class Emitter:
             statements,
             comment=f"keep {stashed.key} as {labels}",
             calls=calls,
-            local_comment=f"keep {relative(stashed.key, calls)} as {labels}",
+            local_comment=f"keep {_relative(stashed.key, calls)} as {labels}",
             stage=self.stage(producer),
         )
 
@@ -380,7 +379,7 @@ class Emitter:
                     [Assign((restored,), call)],
                     comment=f"restore {stashed.key}: {form.label()}",
                     calls=node.blocks,
-                    local_comment=f"restore {relative(stashed.key, node.blocks)}: {form.label()}",
+                    local_comment=f"restore {_relative(stashed.key, node.blocks)}: {form.label()}",
                     stage=self.stage(node),
                 )
             )
@@ -481,18 +480,10 @@ def _run_of(node: Node) -> BlockCall | None:
     return node.blocks[0] if node.blocks else None
 
 
-def relative(name: str, calls: tuple[BlockCall, ...]) -> str:
-    """A model name (or stash key ``node:extra``) as the outermost enclosing block calls it:
-    its own names without the instance prefix, a bound value by its parameter name."""
-    if not calls:
-        return name
-    value, colon, extra = name.partition(":")
-    prefix = calls[0].name + "."
-    if value.startswith(prefix):
-        value = value[len(prefix) :]
-    else:
-        value = next((param for param, bound in calls[0].inputs if bound == value), value)
-    return value + colon + extra
+def _relative(name: str, calls: tuple[BlockCall, ...]) -> str:
+    """``name`` as the outermost enclosing block instance names it (for comments inside
+    block functions); the name itself outside any block."""
+    return relative(name, calls[0]) if calls else name
 
 
 def base_name(key: tuple[str, ...], rel: Callable[[str], str] = lambda name: name) -> str:
@@ -643,7 +634,7 @@ def _function_view(function: Function) -> tuple[safe.Code, list[safe.Code], safe
         safe.identifier(function.name),
         [safe.identifier(p) for p in function.signature()],
         safe.doc_text(doc),
-        function.lines(),
+        function.body,
     )
 
 

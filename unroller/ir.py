@@ -137,22 +137,10 @@ class Step:
     release: list[str] = field(default_factory=list)  # variables dead after this step
 
     def reads(self) -> list[str]:
-        found: list[str] = []
-        for statement in self.statements:
-            if isinstance(statement, AddTo):
-                found += [statement.total.name, statement.part.name]
-            elif isinstance(statement, RecordRaw):
-                found += [statement.log.name, *(v.name for _, v in statement.items)]
-            else:
-                found += _vars(statement.value)
-        return found
+        return [name for name, kind in self.events() if kind == "r"]
 
     def writes(self) -> list[str]:
-        found: list[str] = []
-        for statement in self.statements:
-            if isinstance(statement, Assign):
-                found += [t.name for t in statement.targets if t is not None]
-        return found
+        return [name for name, kind in self.events() if kind == "w"]
 
     def text(self) -> list[str]:
         """The statements as Python lines (no comments, no releases)."""

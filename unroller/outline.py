@@ -12,9 +12,8 @@ and one ``basic_backward``.
 
 Memory stays what the flat program holds: what a forward run makes only for its own
 backward run travels in one list (``saved``) that the backward function empties on
-entry, so each tensor is still freed right after its last use. What the caller passes
-in lives until the call returns (the caller holds it); a block's input is usually kept
-for its backward anyway.
+entry, and what the caller would delete right after a call is handed over in that list
+(or in ``handed``) first, so each tensor is still freed right after its last use.
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ class Function:
     owner: str = "saved"  # the parameter holding them: "saved", or "handed" (no saved list)
     steps: list[Step] = field(default_factory=list)
     instances: list[str] = field(default_factory=list)
+    body: list[safe.Code] = field(default_factory=list)  # lines(), kept once rendered
 
     def signature(self) -> list[str]:
         return ["L", *self.context, *([self.owner] if self.saved_in else []), *self.params]
@@ -127,6 +127,7 @@ class Outliner:
         self._by_text: dict[str, Function] = {}
         self._saved: dict[str, tuple[str, list[str]]] = {}  # instance -> (list var, names)
         self._function_names: dict[tuple[str, str, int], str] = {}
+        self._local_reserved = reserved  # and the function names, once reserved
 
     def reserve(self, blocks: list[str], counts: dict[str, int]) -> None:
         """Claim every function name that may be needed before any local is named."""
@@ -136,10 +137,7 @@ class Outliner:
                     base = f"{block}_{section}" + (f"_v{variant}" if variant > 1 else "")
                     key = ("function", block, section, str(variant))
                     self._function_names[(block, section, variant)] = self.global_name(key, base)
-
-    @property
-    def function_names(self) -> set[str]:
-        return set(self._function_names.values())
+        self._local_reserved = self.reserved | set(self._function_names.values())
 
     # -- one program -------------------------------------------------------------------
 
@@ -254,9 +252,7 @@ class Outliner:
         saved_in: list[str],
         owner: str,
     ) -> Function:
-        rename = _Renamer(
-            instance, self.key_of, self.base_name, self.reserved | self.function_names
-        )
+        rename = _Renamer(instance, self.key_of, self.base_name, self._local_reserved)
         for name in [*saved_in, *free_in]:  # parameters first: they get the plain names
             rename(name)
         local = [_rename_step(step, rename) for step in body]
@@ -275,7 +271,8 @@ class Outliner:
             owner=owner,
             steps=local,
         )
-        text = "\n".join([section, instance.block, *candidate.signature(), *candidate.lines()])
+        candidate.body = candidate.lines()
+        text = "\n".join([section, instance.block, *candidate.signature(), *candidate.body])
         found = self._by_text.get(text)
         if found is None:
             variant = 1 + sum(
@@ -289,6 +286,18 @@ class Outliner:
         return found
 
 
+def relative(name: str, call: BlockCall) -> str:
+    """A model name (or stash key ``node:extra``) as block instance ``call`` names it: its
+    own names without the instance prefix, a value bound to a parameter by that name."""
+    value, colon, extra = name.partition(":")
+    prefix = call.name + "."
+    if value.startswith(prefix):
+        value = value[len(prefix) :]
+    else:
+        value = next((param for param, bound in call.inputs if bound == value), value)
+    return value + colon + extra
+
+
 class _Renamer:
     """Method variable -> the name it has inside one block function."""
 
@@ -297,24 +306,15 @@ class _Renamer:
         self.key_of = key_of
         self.base_name = base_name
         self.names = Namer(frozenset(reserved) | {"L", "saved", "handed", *SCOPED, *SHARED})
-        self.prefix = instance.name + "."
-        self.bound = {value: param for param, value in reversed(instance.inputs)}
 
     def model_name(self, name: str) -> str:
-        if name.startswith(self.prefix):
-            return name[len(self.prefix) :]
-        return self.bound.get(name, name)
-
-    def key_name(self, name: str) -> str:
-        value, colon, extra = name.partition(":")
-        return self.model_name(value) + colon + extra
+        return relative(name, self.instance)
 
     def __call__(self, name: str) -> str:
         key = self.key_of.get(name)
         if key is None:  # a method variable the template defines (stash, grads)
             return name
-        local = tuple(self.key_name(part) if i == 1 else part for i, part in enumerate(key))
-        return self.names("\0".join(local), self.base_name(key, self.key_name))
+        return self.names("\0".join(key), self.base_name(key, self.model_name))
 
 
 def _rename_step(step: Step, rename: _Renamer) -> Step:
@@ -324,7 +324,7 @@ def _rename_step(step: Step, rename: _Renamer) -> Step:
         if isinstance(e, Layer):
             return Layer(rename.model_name(e.path))
         if isinstance(e, ModelName):
-            return ModelName(rename.key_name(e.name))
+            return ModelName(rename.model_name(e.name))
         if isinstance(e, Attr):
             return Attr(expr(e.var), e.name)
         if isinstance(e, CallExpr):
@@ -333,7 +333,7 @@ def _rename_step(step: Step, rename: _Renamer) -> Step:
         if isinstance(e, TupleExpr):
             return TupleExpr(tuple(expr(i) for i in e.items))
         if isinstance(e, DictExpr):
-            return DictExpr(tuple((rename.key_name(k), expr(v)) for k, v in e.items))
+            return DictExpr(tuple((rename.model_name(k), expr(v)) for k, v in e.items))
         return e
 
     def statement(s: Statement) -> Statement:
@@ -344,7 +344,7 @@ def _rename_step(step: Step, rename: _Renamer) -> Step:
             return AddTo(Var(rename(s.total.name)), Var(rename(s.part.name)), s.in_place)
         if isinstance(s, RecordRaw):
             items = tuple(
-                (ModelName(rename.key_name(k.name)), Var(rename(v.name))) for k, v in s.items
+                (ModelName(rename.model_name(k.name)), Var(rename(v.name))) for k, v in s.items
             )
             return RecordRaw(Var(rename(s.log.name)), items)
         return Do(expr(s.value))

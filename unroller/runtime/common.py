@@ -312,8 +312,6 @@ class Layers(dict):
     gives a name's full state-dict prefix back. A view is two fields, made per call.
     """
 
-    prefix = ""
-
     def within(self, prefix: str) -> LayersView:
         return LayersView(self, prefix)
 
