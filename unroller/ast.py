@@ -43,7 +43,21 @@ class TupleExpr:
     loc: Loc
 
 
-Expr = Const | Ref | TupleExpr
+@dataclass(frozen=True)
+class BinOp:
+    """Integer arithmetic in a keyword value: ``planes * 4``, ``k // 2``, ``-pad``.
+
+    ``op`` is one of ``+ - * //``, or ``neg`` (then ``left`` is None). The graph builder
+    evaluates it once the block parameters are bound, and refuses non-integers.
+    """
+
+    op: str
+    left: Expr | None
+    right: Expr
+    loc: Loc  # the operator (for a unary minus: the sign)
+
+
+Expr = Const | Ref | TupleExpr | BinOp
 ConstValue = int | float | bool | str | tuple
 
 

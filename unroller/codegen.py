@@ -220,7 +220,7 @@ class Emitter:
         evaluating = eval_mode and op.has_eval
         args: list[Expr] = [self.var(v) for v in node.inputs]
         if node.params or node.buffers:
-            args.append(Layer(node.name))
+            args.append(Layer(node.layer))
         call = CallExpr(
             self.kernel(node, f"{op.name}_eval" if evaluating else op.name),
             tuple(args),
@@ -243,7 +243,7 @@ class Emitter:
 
     def saved_arg(self, node: Node, arg: SavedArg) -> Expr:
         if arg.kind == "layer":
-            return Layer(node.name)
+            return Layer(node.layer)
         if arg.kind == "none":
             return Const(None)
         found = self.plan.form_for(node, arg.entry)
@@ -272,7 +272,9 @@ class Emitter:
                 targets.append(partial)
                 sums.append(AddTo(self.grad(value), partial, in_place=owned[id(value)]))
                 owned[id(value)] = True
-        param_grads: list[tuple[str, Expr]] = []
+        # parameter gradients by the module holding them (a parameter "out_proj.weight" is
+        # held by the node's submodule out_proj; a free parameter by its parent)
+        param_grads: dict[str, list[tuple[str, Expr]]] = {}
         for p in node.params:
             if not p.present:
                 targets.append(None)
@@ -281,7 +283,8 @@ class Emitter:
             # each is handed over on the next line, so a per-layer name would only be noise.
             grad = self.name("pgrad", p.name)
             targets.append(grad)
-            param_grads.append((p.name, grad))
+            owner, _, attr = p.key.rpartition(".")
+            param_grads.setdefault(owner, []).append((attr, grad))
         kwargs = self.kwargs(explicit_kwargs(op, node.backward_kwargs))
         call = CallExpr(
             self.kernel(node, f"{op.name}_backward"),
@@ -290,8 +293,8 @@ class Emitter:
         )
         statements: list[Statement] = [Assign(tuple(targets), call, unpack=len(targets) == 1)]
         statements += sums
-        if param_grads:
-            statements.append(Do(self.param_grads(node, tuple(param_grads))))
+        for owner, grads in param_grads.items():
+            statements.append(Do(self.param_grads(owner, tuple(grads))))
         return Step(
             "backward",
             statements,
@@ -301,12 +304,12 @@ class Emitter:
             stage=self.stage(node),
         )
 
-    def param_grads(self, node: Node, grads: tuple[tuple[str, Expr], ...]) -> CallExpr:
-        """Where the platform wants a layer's parameter gradients."""
+    def param_grads(self, owner: str, grads: tuple[tuple[str, Expr], ...]) -> CallExpr:
+        """Where the platform wants the gradients of the parameters module ``owner`` holds."""
         if self.platform.grads == "accumulate":  # into each parameter's .grad
-            return CallExpr(Global("K.accumulate"), (Layer(node.name),), grads)
+            return CallExpr(Global("K.accumulate"), (Layer(owner),), grads)
         # "collect": into the step's dict, by state-dict name, for the surrogate loss
-        return CallExpr(Global("K.collect"), (Var("grads"), Var("L"), ModelName(node.name)), grads)
+        return CallExpr(Global("K.collect"), (Var("grads"), Var("L"), ModelName(owner)), grads)
 
     # -- whole methods -------------------------------------------------------------------
 

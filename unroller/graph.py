@@ -21,7 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unroller import shapes
-from unroller.ast import Block, BlockParam, Call, Const, Expr, Loc, ModelAST, Ref, TupleExpr
+from unroller.ast import (
+    BinOp,
+    Block,
+    BlockParam,
+    Call,
+    Const,
+    Expr,
+    Loc,
+    ModelAST,
+    Ref,
+    TupleExpr,
+)
 from unroller.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 from unroller.errors import ModelError, ModelWarning, did_you_mean
 from unroller.registry import ArgSpec, OpSpec, eval_expr, load_registry
@@ -40,6 +51,9 @@ MAX_NODES = 10_000
 MAX_PARAMETERS = 2**34
 #: The largest magnitude of a float argument (the float32 range: kernels take float32).
 MAX_FLOAT = 3.4e38
+#: The largest magnitude of an integer argument (and of arithmetic in keyword values).
+MAX_INT = 2**31 - 1
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "//": 2, "neg": 3}
 
 
 @dataclass(eq=False)
@@ -146,6 +160,12 @@ class Node:
         return self.op.input_names(len(self.inputs))
 
     @property
+    def layer(self) -> str:
+        """The state-dict prefix of the module holding this node's parameters and buffers:
+        the node's own name, or for a free parameter its parent ("" at the top level)."""
+        return self.name.rpartition(".")[0] if self.op.free else self.name
+
+    @property
     def kernel_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the forward kernel."""
         values = {**self.args, **self.derived}
@@ -215,7 +235,25 @@ def _statement_text(stmt: Call) -> str:
         if isinstance(e, TupleExpr):
             items = [expr(i) for i in e.items]
             return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+        if isinstance(e, BinOp):
+            return _arith_text(e)
         return render_const(e.value)
+
+    def _arith_text(e: BinOp) -> str:
+        def side(child: Expr, right: bool) -> str:
+            """A child in parentheses where it binds looser than ``e`` (or equally, on the
+            right: ``a - (b - c)``)."""
+            text = expr(child)
+            if isinstance(child, BinOp) and child.op != "neg":
+                outer = _PRECEDENCE[e.op]
+                if _PRECEDENCE[child.op] < outer or right and _PRECEDENCE[child.op] == outer:
+                    return f"({text})"
+            return text
+
+        if e.op == "neg":
+            return f"-{side(e.right, True)}"
+        assert e.left is not None
+        return f"{side(e.left, False)} {e.op} {side(e.right, True)}"
 
     parts = [r.name for r in stmt.args] + [f"{kw.name}={expr(kw.value)}" for kw in stmt.kwargs]
     return f"{stmt.target} = {stmt.op}({', '.join(parts)})"
@@ -243,6 +281,7 @@ class GraphBuilder:
         self.all_names: dict[str, Loc] = {}
         self.warnings: list[ModelWarning] = []
         self.parameter_elements = 0
+        self.float_dtype = "f32"  # the model's floating-point dtype (its first float input)
 
     # -- entry point -------------------------------------------------------------------
 
@@ -251,6 +290,7 @@ class GraphBuilder:
         inputs: list[Value] = []
         scope = _Scope({}, {}, set(), {}, "", (), ())
         first_float = next((d for d in model.decls if d.dtype in FLOAT_DTYPES), None)
+        self.float_dtype = first_float.dtype if first_float else "f32"
         for decl in model.decls:
             if first_float and decl.dtype in FLOAT_DTYPES and decl.dtype != first_float.dtype:
                 raise ModelError(
@@ -278,14 +318,13 @@ class GraphBuilder:
         for stmt in model.stmts:
             self._statement(stmt, scope)
         loss, preds = self._returns(scope)
-        float_dtypes = [v.type.dtype for v in inputs if v.type.dtype in FLOAT_DTYPES]
         graph = Graph(
             name=model.name,
             inputs=inputs,
             nodes=self.nodes,
             loss=loss,
             preds=preds,
-            float_dtype=float_dtypes[0] if float_dtypes else "f32",
+            float_dtype=self.float_dtype,
             filename=model.filename,
             source=model.source,
             warnings=self.warnings,
@@ -325,6 +364,8 @@ class GraphBuilder:
             return expr.value
         if isinstance(expr, TupleExpr):
             return tuple(self._expr(scope, item) for item in expr.items)
+        if isinstance(expr, BinOp):
+            return self._arith(scope, expr)
         if expr.name in scope.consts:
             return scope.consts[expr.name]
         if expr.name in scope.value_params or expr.name in scope.values:
@@ -343,6 +384,38 @@ class GraphBuilder:
             f"strings, tuples, or parameters of the enclosing block",
             expr.loc,
         )
+
+    def _arith(self, scope: _Scope, expr: BinOp) -> int:
+        """Integer arithmetic of literals and block parameters (``planes * 4``, ``k // 2``)."""
+        operands = [expr.right] if expr.left is None else [expr.left, expr.right]
+        values = []
+        for operand in operands:
+            value = self._expr(scope, operand)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ModelError(
+                    f"arithmetic in a keyword value takes integers, got {render_const(value)}",
+                    operand.loc,
+                )
+            values.append(value)
+        if expr.op == "neg":
+            result = -values[0]
+        elif expr.op == "+":
+            result = values[0] + values[1]
+        elif expr.op == "-":
+            result = values[0] - values[1]
+        elif expr.op == "*":
+            result = values[0] * values[1]
+        else:  # "//": floor division, as Python and torch shape arithmetic
+            if values[1] == 0:
+                raise ModelError("integer division by zero in a keyword value", expr.loc)
+            result = values[0] // values[1]
+        if abs(result) > MAX_INT:
+            raise ModelError(
+                f"arithmetic in a keyword value gives {result:,}, beyond the integer limit "
+                f"of {MAX_INT:,}",
+                expr.loc,
+            )
+        return result
 
     # -- statements --------------------------------------------------------------------
 
@@ -394,6 +467,9 @@ class GraphBuilder:
             elif exc.arg is not None:
                 loc = next((kw.loc for kw in stmt.kwargs if kw.name == exc.arg), loc)
             raise ModelError(f"{full_name}: {exc.message}", loc, hint) from None
+        if op.free:  # the model's float dtype; the parameter's attribute name
+            result.type = TensorType(self.float_dtype, result.type.shape)
+            result.derived = {**result.derived, "name": full_name.rpartition(".")[2]}
         problem = size_problem(result.type.shape)
         if problem:
             raise ModelError(
@@ -408,8 +484,8 @@ class GraphBuilder:
         def tensors(specs: tuple, trainable: bool) -> list[ParamTensor]:
             return [
                 ParamTensor(
-                    name=spec.name,
-                    key=f"{full_name}.{spec.name}",
+                    name=result.derived["name"] if op.free else spec.name,
+                    key=full_name if op.free else f"{full_name}.{spec.name}",
                     shape=tuple(eval_expr(spec.shape, env)),
                     dtype=spec.dtype or float_dtype,
                     trainable=trainable,
@@ -793,9 +869,14 @@ def normalized_default(op: OpSpec, name: str) -> Any:
 
 
 def explicit_kwargs(op: OpSpec, values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` without the arguments equal to their registry default: generated calls
-    leave those to the callee, whose defaults are the registry's (tests check this)."""
-    return {k: v for k, v in values.items() if normalized_default(op, k) != v}
+    """``values`` without the arguments equal to their registry default and without derived
+    values that are None ("not needed": kernels default them to None): generated calls leave
+    those to the callee, whose defaults are the registry's (tests check this)."""
+    return {
+        k: v
+        for k, v in values.items()
+        if normalized_default(op, k) != v and not (v is None and k not in op.args)
+    }
 
 
 _NO_DEFAULT = object()

@@ -291,7 +291,9 @@ def relative(name: str, call: BlockCall) -> str:
     own names without the instance prefix, a value bound to a parameter by that name."""
     value, colon, extra = name.partition(":")
     prefix = call.name + "."
-    if value.startswith(prefix):
+    if value == call.name:  # the instance's own module (holding a free parameter)
+        value = ""
+    elif value.startswith(prefix):
         value = value[len(prefix) :]
     else:
         value = next((param for param, bound in call.inputs if bound == value), value)

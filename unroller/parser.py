@@ -29,6 +29,7 @@ from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
 from unroller.ast import (
+    BinOp,
     Block,
     BlockParam,
     Call,
@@ -65,6 +66,8 @@ MAX_SOURCE_BYTES = 1024 * 1024
 MAX_INT = 2**63 - 1
 #: How deeply tuples may nest in a keyword value (no operator takes a nested tuple).
 MAX_TUPLE_DEPTH = 16
+#: How deep integer arithmetic may nest in one keyword value (``a + b + ...`` terms).
+MAX_EXPR_DEPTH = 32
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _INTEGER = re.compile(r"(0|[1-9][0-9]*)\Z")
@@ -838,7 +841,26 @@ class _Builder:
                     _tok_loc(tok),
                 )
             return Ref(tok.value, _tok_loc(tok))
+        if node.data in ("binop", "neg") and depth >= MAX_EXPR_DEPTH:
+            raise ModelError(
+                f"arithmetic nested more than {MAX_EXPR_DEPTH} deep in a keyword value",
+                Loc(loc.line, loc.col, 1),
+            )
+        if node.data == "binop":
+            left, op, right = node.children
+            return BinOp(
+                op.value,
+                self.value(left, depth + 1),
+                self.value(right, depth + 1),
+                _tok_loc(op),
+            )
+        if node.data == "neg":
+            sign, operand = node.children
+            return BinOp("neg", None, self.value(operand, depth + 1), _tok_loc(sign))
         if node.data == "paren_value":
+            inner = node.children[1]
+            if isinstance(inner, Tree) and inner.data in ("binop", "neg"):
+                return self.value(inner, depth + 1)
             raise ModelError(
                 "parentheses around a single value: write (v,) for a 1-tuple, or drop them",
                 loc,

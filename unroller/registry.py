@@ -117,6 +117,9 @@ class OpSpec:
     has_eval: bool = False
     grad_aliases: bool = False
     kernels: dict[str, str] = field(default_factory=dict)  # platform -> module, if not default
+    #: a free parameter (``parameter(...)``): no tensor inputs, one parameter whose state-dict
+    #: key is the statement's own name, held by the module at the name's parent path
+    free: bool = False
 
     @property
     def is_loss(self) -> bool:
@@ -212,6 +215,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "eval",
         "grad_aliases",
         "kernels",
+        "free",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -221,7 +225,10 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
             raise RegistryError(f"{where}: missing field '{required}'")
     if raw["kind"] not in KINDS:
         raise RegistryError(f"{where}: kind must be one of {KINDS}")
-    if not raw.get("variadic") and not raw.get("inputs"):
+    if raw.get("free"):
+        if raw.get("inputs") or raw.get("variadic") or len(raw.get("params", [])) != 1:
+            raise RegistryError(f"{where}: a free op has no inputs and exactly one parameter")
+    elif not raw.get("variadic") and not raw.get("inputs"):
         raise RegistryError(f"{where}: needs 'inputs' or 'variadic = true'")
     args: dict[str, ArgSpec] = {}
     for arg_name, arg in raw.get("args", {}).items():
@@ -259,6 +266,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         has_eval=bool(raw.get("eval", False)),
         grad_aliases=bool(raw.get("grad_aliases", False)),
         kernels=_kernels(where, raw.get("kernels", {})),
+        free=bool(raw.get("free", False)),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}

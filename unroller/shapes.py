@@ -235,6 +235,49 @@ def same_pair(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeR
     return ShapeResult(a)
 
 
+def broadcast(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """Elementwise a (op) b, broadcasting as torch (dims aligned from the right; a dim of
+    size 1 or a missing leading dim stretches). The batch dim stays first: an operand
+    with N has it first, and N aligns only with N, a 1 or a missing dim. Derived:
+    ``a_shape``/``b_shape``, an operand's shape where it was broadcast (its gradient is
+    summed down to it), else None."""
+    a, b = inputs
+    _float(op, a, 0)
+    _float(op, b, 1)
+    if a.dtype != b.dtype:
+        raise ShapeError(f"{op} needs two tensors of the same dtype, got {a} and {b}", 1)
+    rank = max(a.rank, b.rank)
+    out: list[Dim] = []
+    for i in range(rank):
+        da = a.shape[i - rank + a.rank] if i - rank + a.rank >= 0 else 1
+        db = b.shape[i - rank + b.rank] if i - rank + b.rank >= 0 else 1
+        if da == db or db == 1:
+            out.append(da)
+        elif da == 1:
+            out.append(db)
+        else:
+            if BATCH in (da, db):
+                why = f"the batch dim N lines up with size {db if da == BATCH else da}"
+                rule = "N only with N, 1 or a missing dim"
+            else:
+                why, rule = f"sizes {da} and {db}", "each pair must be equal or one of them 1"
+            raise ShapeError(
+                f"{op} cannot broadcast {a} and {b}: {why} at dim {i} "
+                f"(dims line up from the right; {rule})",
+                1,
+            )
+    if BATCH in out and out[0] != BATCH:
+        raise ShapeError(f"{op}: broadcasting {a} and {b} would move the batch dim N", 1)
+    shape = tuple(out)
+    return ShapeResult(
+        TensorType(a.dtype, shape),
+        {
+            "a_shape": None if a.shape == shape else a.shape,
+            "b_shape": None if b.shape == shape else b.shape,
+        },
+    )
+
+
 def concat(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     first = inputs[0]
     dim = args["dim"]
@@ -317,6 +360,19 @@ def pair_loss(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeR
     if a.dtype != b.dtype:
         raise ShapeError(f"{op} needs two tensors of the same dtype, got {a} and {b}", 1)
     return ShapeResult(TensorType(a.dtype, ()))
+
+
+def free_parameter(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """A free parameter: the given shape, no batch dim (the graph sets the model's float
+    dtype); ``init="uniform"`` needs a positive ``bound``."""
+    shape = args["shape"]
+    if not shape or any(d < 1 for d in shape):
+        raise ShapeError(f"{op}: shape {shape} needs one or more positive dims", arg="shape")
+    if args["init"] == "uniform" and args["bound"] <= 0:
+        raise ShapeError(
+            f'{op}: init="uniform" needs bound > 0 (the range is [-bound, bound])', arg="init"
+        )
+    return ShapeResult(TensorType("f32", tuple(shape)))
 
 
 def rule(name: str) -> Rule:

@@ -159,24 +159,115 @@ def leaky_relu_mask(x: Tensor, *, negative_slope: float = 0.01) -> Tensor:
     return x > 0
 
 
+Shape = tuple[int | str, ...]
+
+
+def _sum_to(g: Tensor, shape: Shape | None) -> Tensor:
+    """``g`` summed down to ``shape`` (an operand that was broadcast), as autograd's sum_to:
+    the leading dims it lacks and its size-1 dims, in one keepdim sum, then a reshape.
+    None: the operand had the output's shape. ``"N"`` in ``shape`` is the batch size."""
+    if shape is None:
+        return g
+    lead = g.dim() - len(shape)
+    dims = list(range(lead))
+    dims += [lead + i for i, d in enumerate(shape) if d == 1 and g.shape[lead + i] != 1]
+    if dims:
+        g = g.sum(dims, keepdim=True)
+    if lead:
+        g = g.reshape([g.shape[0] if d == "N" else d for d in shape])
+    return g
+
+
 def add(a: Tensor, b: Tensor) -> Tensor:
-    """a + b; saves nothing."""
+    """a + b, broadcasting as torch; saves nothing."""
     return a + b
 
 
-def add_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
-    """Both gradients are g itself (shared: accumulate() copies before any in-place add)."""
-    return (g if _need(needs, 0) else None, g if _need(needs, 1) else None)
+def add_backward(
+    g: Tensor,
+    *,
+    a_shape: Shape | None = None,
+    b_shape: Shape | None = None,
+    needs: Needs | None = None,
+) -> Grads:
+    """Both gradients are g itself (shared: accumulate() copies before any in-place add),
+    summed down to an operand's shape where it was broadcast."""
+    return (
+        _sum_to(g, a_shape) if _need(needs, 0) else None,
+        _sum_to(g, b_shape) if _need(needs, 1) else None,
+    )
+
+
+def sub(a: Tensor, b: Tensor) -> Tensor:
+    """a - b, broadcasting as torch; saves nothing."""
+    return a - b
+
+
+def sub_backward(
+    g: Tensor,
+    *,
+    a_shape: Shape | None = None,
+    b_shape: Shape | None = None,
+    needs: Needs | None = None,
+) -> Grads:
+    """(g, -g), each summed down to its operand's shape."""
+    return (
+        _sum_to(g, a_shape) if _need(needs, 0) else None,
+        _sum_to(-g, b_shape) if _need(needs, 1) else None,
+    )
 
 
 def mul(a: Tensor, b: Tensor) -> Tensor:
-    """a * b; the backward reads both factors."""
+    """a * b, broadcasting as torch; the backward reads both factors."""
     return a * b
 
 
-def mul_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
-    """(g * b, g * a), out of place, so a and b may be the same tensor."""
-    return (g * b if _need(needs, 0) else None, g * a if _need(needs, 1) else None)
+def mul_backward(
+    g: Tensor,
+    a: Tensor,
+    b: Tensor,
+    *,
+    a_shape: Shape | None = None,
+    b_shape: Shape | None = None,
+    needs: Needs | None = None,
+) -> Grads:
+    """(g * b, g * a), out of place (a and b may be the same tensor), each summed down to
+    its operand's shape."""
+    return (
+        _sum_to(g * b, a_shape) if _need(needs, 0) else None,
+        _sum_to(g * a, b_shape) if _need(needs, 1) else None,
+    )
+
+
+def div(a: Tensor, b: Tensor) -> Tensor:
+    """a / b, broadcasting as torch; the backward reads both."""
+    return a / b
+
+
+def div_backward(
+    g: Tensor,
+    a: Tensor,
+    b: Tensor,
+    *,
+    a_shape: Shape | None = None,
+    b_shape: Shape | None = None,
+    needs: Needs | None = None,
+) -> Grads:
+    """(g / b, -g * ((a / b) / b)): autograd's formulas, each summed down to its operand."""
+    return (
+        _sum_to(g / b, a_shape) if _need(needs, 0) else None,
+        _sum_to(-g * ((a / b) / b), b_shape) if _need(needs, 1) else None,
+    )
+
+
+def scale(x: Tensor, *, factor: float) -> Tensor:
+    """x * factor (a constant); saves nothing."""
+    return x * factor
+
+
+def scale_backward(g: Tensor, *, factor: float, needs: Needs | None = None) -> Grads:
+    """g * factor."""
+    return (g * factor if _need(needs, 0) else None,)
 
 
 def concat(*xs: Tensor, dim: int = 1) -> Tensor:
@@ -224,6 +315,18 @@ def dropout_eval(x: Tensor, *, p: float = 0.5) -> Tensor:
 def l1_loss(a: Tensor, b: Tensor) -> Tensor:
     """As F.l1_loss: (a - b).abs().mean() (l1_loss is a composite op)."""
     return (a - b).abs().mean()
+
+
+def parameter(layer: Any, *, name: str) -> Tensor:
+    """A free parameter's tensor, read from the module holding it (its parent path, a
+    torch.nn.Module: add_layer registered the parameter in its dict)."""
+    return layer._parameters[name]
+
+
+def parameter_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
+    """The gradient is what flows in: its consumers already reduced it to the parameter's
+    shape (summed over the batch where they broadcast it)."""
+    return (g if _need(needs, 0) else None,)
 
 
 def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
@@ -275,10 +378,32 @@ def collect(
     path = layers.path(name)
     for param, grad in named.items():
         if grad is not None:
-            grads[f"{path}.{param}"] = grad
+            grads[_join(path, param)] = grad
 
 
-def add_layer(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+def free_parameter(  # unroller-lint: host-only (runs when the model is built)
+    shape: tuple[int, ...], init: str = "zeros", std: float = 0.02, bound: float = 0.0
+) -> torch.nn.Parameter:
+    """A free parameter of the model language (``parameter(shape=..., init=...)``), made on
+    the host when the model is built: zeros, ones, normal(0, std) or uniform(-bound, bound)."""
+    tensor = torch.empty(shape)
+    with torch.no_grad():
+        if init == "zeros":
+            tensor.zero_()
+        elif init == "ones":
+            tensor.fill_(1.0)
+        elif init == "normal":
+            tensor.normal_(0.0, std)
+        elif init == "uniform":
+            tensor.uniform_(-bound, bound)
+        else:
+            raise ValueError(f"free_parameter: unknown init {init!r}")
+    return torch.nn.Parameter(tensor)
+
+
+def add_layer(
+    root: torch.nn.Module, path: str, module: torch.nn.Module | torch.nn.Parameter
+) -> None:
     """Attach `module` at the dotted `path` of `root`, creating plain nn.Module containers for
     missing intermediate parts, so that root.state_dict() has keys "<path>.<name>".
 
@@ -301,6 +426,15 @@ def add_layer(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None
             child = torch.nn.Module()
             node._modules[part] = child
         node = child
+    if isinstance(module, torch.nn.Parameter):  # a free parameter: held by the parent
+        node._parameters[parts[-1]] = module
+        return
+    placeholder = node._modules.get(parts[-1])
+    if placeholder is not None and type(placeholder) is torch.nn.Module:
+        # a container made for names under this path earlier (a free parameter
+        # "enc.pos" before the layer "enc"): the layer takes over what it holds
+        module._modules.update(placeholder._modules)
+        module._parameters.update(placeholder._parameters)
     node._modules[parts[-1]] = module
 
 
@@ -328,13 +462,18 @@ class LayersView:
         self.root, self.prefix = root, prefix
 
     def __getitem__(self, name: str) -> torch.nn.Module:
-        return self.root[f"{self.prefix}.{name}"]
+        return self.root[self.path(name)]
 
     def within(self, prefix: str) -> LayersView:
         return LayersView(self.root, self.path(prefix))
 
     def path(self, name: str) -> str:
-        return f"{self.prefix}.{name}"
+        return _join(self.prefix, name)
+
+
+def _join(prefix: str, name: str) -> str:
+    """A dotted path under ``prefix``; "" is the model itself (a free parameter's holder)."""
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def layers(root: torch.nn.Module) -> Layers:
@@ -342,7 +481,7 @@ def layers(root: torch.nn.Module) -> Layers:
     take. Rebuilt on each call, like ``tensors``, so nothing stale survives .to()/.double();
     read through ``_modules``, so names add_layer allowed ("forward", "0") work too."""
     found = root.named_modules(remove_duplicate=False)
-    return Layers((name, module) for name, module in found if name)
+    return Layers(found)  # the model itself under "": it holds top-level free parameters
 
 
 def tensors(root: torch.nn.Module) -> dict[str, Tensor]:
