@@ -100,3 +100,22 @@ def batch_opticaldamage(gen: torch.Generator, batch: int, resolution: int) -> li
             d2 = (yy - cy) ** 2 + (xx - cx) ** 2
             spots[i, 0] += (0.3 + 0.5 * amp) * torch.exp(-d2 / (2 * width**2))
     return [(background + spots).clamp(0.0, 1.0).float()]
+
+
+def batch_timeseries(gen: torch.Generator, batch: int, resolution: int) -> list[Tensor]:
+    """tcn_small: 4-channel signals of ``resolution`` steps, each a class-dependent
+    frequency (5 classes) with random phase per channel plus noise; class indices."""
+    y = torch.randint(0, 5, (batch,), generator=gen)
+    t = torch.arange(resolution, dtype=torch.float64) / resolution
+    phase = 2 * torch.pi * torch.rand(batch, 4, 1, generator=gen, dtype=torch.float64)
+    freq = (2.0 + 3.0 * y.to(torch.float64)).view(batch, 1, 1)
+    x = torch.sin(2 * torch.pi * freq * t + phase)
+    x = x + 0.3 * torch.randn(batch, 4, resolution, generator=gen, dtype=torch.float64)
+    return [x.float(), y]
+
+
+def batch_text(gen: torch.Generator, batch: int, resolution: int) -> list[Tensor]:
+    """gpt_tiny: ``resolution`` character codes in [32, 127) per sample (printable ASCII,
+    uniformly random) and the next code after each as the target."""
+    ids = torch.randint(32, 127, (batch, resolution + 1), generator=gen)
+    return [ids[:, :-1].contiguous(), ids[:, 1:].contiguous()]

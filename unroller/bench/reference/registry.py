@@ -52,7 +52,14 @@ from unroller.bench.reference.published import (
     UNetLike,
     rewrite_opticaldamage,
 )
+from unroller.bench.reference.sequence import GptTiny, MobileNetV2, TcnSmall, VitTiny
 from unroller.codegen import Options
+
+#: why the sequence models run at their declared size only
+FIXED_SIZE_RULE = (
+    "the declared size is built into the model (a position embedding or a 1-D signal "
+    "length), so only the native size works"
+)
 
 
 @dataclass(frozen=True)
@@ -235,6 +242,53 @@ BENCHMARKS: dict[str, Benchmark] = {
             from_paper=False,
             reference=lambda r: UNetLike(),
             batch_fn=batches.batch_unet_like,
+        ),
+        Benchmark(
+            name="vit_tiny",
+            description="ViT (4x4 patches, 2 layers, width 64) on 3x32x32 images, cross-entropy",
+            native_resolution=32,
+            paper_batch=32,
+            quick_resolution=32,
+            resolution_step=32,
+            resolution_rule=FIXED_SIZE_RULE,
+            from_paper=False,
+            reference=lambda r: VitTiny(),
+            batch_fn=batches.batch_cifar,
+        ),
+        Benchmark(
+            name="gpt_tiny",
+            description="GPT-style character LM (context 64, 2 causal layers, width 64)",
+            native_resolution=64,
+            paper_batch=32,
+            quick_resolution=64,
+            resolution_step=64,
+            resolution_rule=FIXED_SIZE_RULE,
+            from_paper=False,
+            reference=lambda r: GptTiny(),
+            batch_fn=batches.batch_text,
+        ),
+        Benchmark(
+            name="tcn_small",
+            description="1-D conv net on 4x128 time series (3 residual stages), 5 classes",
+            native_resolution=128,
+            paper_batch=32,
+            quick_resolution=128,
+            resolution_step=128,
+            resolution_rule=FIXED_SIZE_RULE,
+            from_paper=False,
+            reference=lambda r: TcnSmall(),
+            batch_fn=batches.batch_timeseries,
+        ),
+        Benchmark(
+            name="mobilenet_v2",
+            description="torchvision MobileNetV2 (width 1.0) on 3x32x32 images, 10 classes",
+            native_resolution=32,
+            paper_batch=32,
+            quick_resolution=32,
+            resolution_step=1,
+            from_paper=False,
+            reference=lambda r: MobileNetV2(),
+            batch_fn=batches.batch_cifar,
         ),
     ]
 }
