@@ -359,6 +359,9 @@ def _outlinable(body: list[Step], instance: BlockCall) -> bool:
     names) is the instance's own, so the scoped ``L`` and ``stash`` restore them."""
     prefix = instance.name + "."
 
+    def own(name: str) -> bool:  # the instance's module itself holds its free parameters
+        return name.startswith(prefix) or name == instance.name
+
     def names(e: Expr) -> list[str]:
         if isinstance(e, (ModelName, Layer)):
             return [e.name if isinstance(e, ModelName) else e.path]
@@ -378,7 +381,7 @@ def _outlinable(body: list[Step], instance: BlockCall) -> bool:
                 if not all(k.name.startswith(prefix) for k, _ in statement.items):
                     return False
                 continue
-            if not all(n.startswith(prefix) for n in names(statement.value)):
+            if not all(own(n) for n in names(statement.value)):
                 return False
     return True
 
