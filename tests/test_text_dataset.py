@@ -447,9 +447,55 @@ model charlm {
 """
 
 
-@pytest.mark.skipif(
+needs_lm_ops = pytest.mark.skipif(
     not LM_OPS <= set(load_registry()), reason="embedding / permute are not in the registry yet"
 )
+
+
+@needs_lm_ops
+@pytest.mark.parametrize(("pred", "dim"), [("logits", 2), ("logits_t", 1)])
+def test_a_real_language_model_graph_is_recognised(pred, dim):
+    sig = signature(
+        graph_from_text(LM_MODEL.replace("return loss, logits", f"return loss, {pred}"))
+    )
+    assert (sig.task, sig.vocab, sig.pred_class_dim) == ("language_modelling", 128, dim)
+    assert pysource.check(sig) == 32
+
+
+@needs_lm_ops
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            ("num_embeddings=128", "num_embeddings=96", "out_features=128", "out_features=96"),
+            "unroll: error: dataset 'pysource' has a vocabulary of 128 characters (ASCII, id 0 "
+            "for any other), but model 'charlm' (input ids: [32], target y: [32]) scores 96 "
+            "classes per token",
+        ),
+        (
+            ("target y: i64[N, 32]", "target y: i64[N, 32]"),  # unchanged: fits
+            None,
+        ),
+    ],
+)
+def test_cli_refuses_a_real_language_model_that_does_not_fit(tmp_path, edit, message):
+    text = LM_MODEL
+    for old, new in zip(edit[::2], edit[1::2], strict=True):
+        text = text.replace(old, new)
+    model = tmp_path / "charlm.txt"
+    model.write_text(text)
+    args = ["train", str(model), "--dataset", "pysource", "--out", str(tmp_path / "run")]
+    if message is None:  # the unchanged model trains (one tiny epoch)
+        args += ["--epochs", "1", "--train-size", "64", "--test-size", "8", "-q"]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        return
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == message
+
+
+@needs_lm_ops
 def test_a_character_model_trains_on_pysource_deterministically(tmp_path):
     from unroller.training import TrainConfig, train
 
