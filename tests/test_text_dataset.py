@@ -118,8 +118,8 @@ def test_a_files_split_is_the_sha256_of_its_relative_path():
 
 
 def test_encoding_is_ascii_with_one_bucket_for_everything_else():
-    assert list(pysource.encode("a\r\nb\rc\té€")) == [97, 10, 98, 10, 99, 9, 0, 0]
-    assert pysource.decode([104, 105, 0, 10]) == "hi\ufffd\n"
+    assert list(pysource.encode("a\r\nb\rc\té€")) == [97, 10, 98, 10, 99, 9, 127, 127]
+    assert pysource.decode([104, 105, 127, 10]) == "hi\ufffd\n"
     assert pysource.decode(torch.tensor([65, 66])) == "AB"
 
 
@@ -132,7 +132,7 @@ def test_corpus_streams_concatenate_each_splits_files_in_path_order(fake_stdlib)
     assert corpus.train == expected[False] and corpus.test == expected[True]
     assert (corpus.train_files, corpus.test_files) == (5, 2)
     assert b"third party" not in corpus.train + corpus.test
-    assert b"s = '\x00'\n" in corpus.train + corpus.test  # the undecodable byte
+    assert b"s = '\x7f'\n" in corpus.train + corpus.test  # the undecodable byte
 
 
 def test_a_corpus_without_both_splits_is_refused(tmp_path):
@@ -344,7 +344,7 @@ def test_a_classifier_stays_a_classifier():
 REFUSALS = [
     (
         {"vocab": 96},
-        "dataset 'pysource' has a vocabulary of 128 characters (ASCII, id 0 for any other), "
+        "dataset 'pysource' has a vocabulary of 128 characters (ASCII, id 127 for any other), "
         "but model 'lm' (input ids: [16], target y: [16]) scores 96 classes per token",
     ),
     (
@@ -468,7 +468,7 @@ def test_a_real_language_model_graph_is_recognised(pred, dim):
     [
         (
             ("num_embeddings=128", "num_embeddings=96", "out_features=128", "out_features=96"),
-            "unroll: error: dataset 'pysource' has a vocabulary of 128 characters (ASCII, id 0 "
+            "unroll: error: dataset 'pysource' has a vocabulary of 128 characters (ASCII, id 127 "
             "for any other), but model 'charlm' (input ids: [32], target y: [32]) scores 96 "
             "classes per token",
         ),

@@ -13,8 +13,9 @@ What is read, and how it becomes windows:
 - Text: each file decoded as UTF-8 (an undecodable byte becomes U+FFFD), line ends
   normalised to ``\\n``.
 - Vocabulary: ``VOCAB_SIZE`` = 128 ids, a character's ASCII code; every non-ASCII
-  character is id 0 (``OTHER``: NUL, which Python source cannot contain, so the id is
-  free). A model's logits must have exactly 128 classes. Python sources are almost all
+  character is id 127 (``OTHER``: DEL, a control character that the standard library's
+  sources do not contain, so the id is free; ``benchmarks/models/gpt_tiny.txt`` says the
+  same). A model's logits must have exactly 128 classes. Python sources are almost all
   ASCII (under 0.01 % of the characters are other), so "bits per character" is bits
   per Unicode character of the source with that small bucket merged.
 - Split by file, not by position: a file is in the validation split when the first 8
@@ -60,7 +61,7 @@ from unroller.data.core import DatasetError, Signature, Split, TaskData
 NAME = "pysource"
 TASK = "language_modelling"
 VOCAB_SIZE = 128
-OTHER = 0  # the id of every character outside ASCII
+OTHER = 127  # the id of every character outside ASCII (DEL)
 VALIDATION_PERCENT = 10
 DEFAULT_TRAIN = 8192  # windows
 DEFAULT_TEST = 2048
