@@ -55,7 +55,7 @@ from unroller.training import (
 ALL = ("nocompress", "dct-first", "dct-dense", "quant-8bit", "quant-4bit", "quant-2bit")
 QUANT_BITS = {"quant-8bit": 8, "quant-4bit": 4, "quant-2bit": 2}
 BASELINE = "nocompress"
-DIGITS = {"iou": 4}  # decimals shown per metric (default 2)
+DIGITS = {"iou": 4, "bpc": 3}  # decimals shown per metric (default 2)
 
 
 def parse_schemes(text: str) -> list[str]:

@@ -7,7 +7,10 @@ squared errors, IoU sums the intersection and the union over every pixel. PSNR i
 computed from the test set's MSE (``10 log10(range^2 / MSE)``, range 1 for images in
 [0, 1]), not averaged per image, so it and the MSE always agree; a set's PSNR is
 reported as at most ``PSNR_MAX`` = 100 dB (MSE <= 1e-10 of the range squared), so a
-perfect reconstruction stays a finite number in the JSON files.
+perfect reconstruction stays a finite number in the JSON files. Bits per character is
+the cross entropy summed over every scored token of the set, divided by their number
+and by ln 2 (so it is the set's mean, not a mean of per-batch means); targets equal to
+``IGNORE_INDEX`` (torch's default ``ignore_index``) are not scored.
 """
 
 from __future__ import annotations
@@ -19,22 +22,35 @@ import torch.nn.functional as F
 from torch import Tensor
 
 PSNR_MAX = 100.0
-TASKS = ("classification", "denoising", "segmentation", "autoencoding")
+IGNORE_INDEX = -100
+TASKS = ("classification", "denoising", "segmentation", "autoencoding", "language_modelling")
 
-# The metric each task is judged by (all are "higher is better") and the metrics it reports.
+# The metric each task is judged by (all are "higher is better" except bits per
+# character, where lower is better) and the metrics it reports.
 PRIMARY = {
     "classification": "accuracy",
     "denoising": "psnr",
     "segmentation": "iou",
     "autoencoding": "psnr",
+    "language_modelling": "bpc",
 }
 REPORTED = {
     "classification": ("accuracy", "loss"),
     "denoising": ("psnr", "mse"),
     "segmentation": ("iou", "pixel_accuracy", "loss"),
     "autoencoding": ("psnr", "mse"),
+    "language_modelling": ("bpc", "char_accuracy", "loss"),
 }
-UNITS = {"accuracy": "%", "pixel_accuracy": "%", "iou": "", "psnr": "dB", "mse": "", "loss": ""}
+UNITS = {
+    "accuracy": "%",
+    "pixel_accuracy": "%",
+    "iou": "",
+    "psnr": "dB",
+    "mse": "",
+    "loss": "",
+    "bpc": "bits",
+    "char_accuracy": "%",
+}
 LABELS = {
     "accuracy": "test accuracy (%)",
     "pixel_accuracy": "test pixel accuracy (%)",
@@ -42,6 +58,8 @@ LABELS = {
     "psnr": "test PSNR (dB)",
     "mse": "test MSE",
     "loss": "test loss",
+    "bpc": "test bits per character (lower is better)",
+    "char_accuracy": "test next-character accuracy (%)",
 }
 
 
@@ -75,17 +93,35 @@ def pixel_accuracy(pred_mask: Tensor, true_mask: Tensor) -> float:
     return 100.0 * (pred_mask.bool() == true_mask.bool()).double().mean().item()
 
 
+def bits_per_char(logits: Tensor, target: Tensor, class_dim: int = 1) -> float:
+    """Mean cross entropy in bits of the next-character ``target`` [N, L] under
+    ``logits`` (scores in dim ``class_dim``, e.g. [N, C, L] or [N, L, C]), over every
+    target that is not ``IGNORE_INDEX``."""
+    nats, count = _token_nats(logits.double(), target, class_dim)
+    return nats / count / math.log(2.0)
+
+
+def _token_nats(logits: Tensor, target: Tensor, class_dim: int) -> tuple[float, int]:
+    """The summed cross entropy (nats) and the number of scored targets."""
+    logits = logits.movedim(class_dim, 1)
+    total = F.cross_entropy(logits, target, reduction="sum", ignore_index=IGNORE_INDEX)
+    return total.item(), int((target != IGNORE_INDEX).sum().item())
+
+
 @dataclass
 class MetricSet:
     """Accumulates one task's metrics over batches of (prediction, target).
 
     ``logits``: for segmentation, whether predictions are logits (``bce_with_logits``
     models) rather than probabilities; the mask is ``prediction > 0`` or ``> 0.5``.
+    ``class_dim``: for language modelling, the dim of the prediction that holds the
+    scores (1 for [N, C, L], 2 for [N, L, C]).
     """
 
     task: str
     logits: bool = False
     data_range: float = 1.0
+    class_dim: int = 1
     sums: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,6 +137,12 @@ class MetricSet:
             self._add("samples", target.shape[0])
             self._add("correct", (pred.argmax(dim=-1) == target).sum().item())
             self._add("loss_sum", F.cross_entropy(pred, target, reduction="sum").item())
+        elif self.task == "language_modelling":
+            nats, count = _token_nats(pred, target, self.class_dim)
+            hits = (pred.argmax(dim=self.class_dim) == target) & (target != IGNORE_INDEX)
+            self._add("tokens", count)
+            self._add("nats", nats)
+            self._add("correct", hits.sum().item())
         elif self.task in ("denoising", "autoencoding"):
             self._add("elements", target.numel())
             self._add("sq_err", ((pred - target.double()) ** 2).sum().item())
@@ -123,6 +165,12 @@ class MetricSet:
             return {
                 "accuracy": 100.0 * s["correct"] / s["samples"],
                 "loss": s["loss_sum"] / s["samples"],
+            }
+        if self.task == "language_modelling":
+            return {
+                "bpc": s["nats"] / s["tokens"] / math.log(2.0),
+                "char_accuracy": 100.0 * s["correct"] / s["tokens"],
+                "loss": s["nats"] / s["tokens"],
             }
         if self.task in ("denoising", "autoencoding"):
             err = s["sq_err"] / s["elements"]

@@ -498,9 +498,17 @@ def batches(count: int, batch_size: int) -> list[tuple[int, int]]:
 
 
 def evaluate(
-    model, split: datasets.Split, task: str, logits: bool, batch_size: int, device
+    model,
+    split: datasets.Split,
+    task: str,
+    logits: bool,
+    batch_size: int,
+    device,
+    class_dim: int = 1,
 ) -> dict:
-    scores = MetricSet(task, logits=logits)
+    """The test metrics of ``predict()`` over ``split``; ``class_dim``: where a language
+    model's predictions hold the scores (see ``Signature.pred_class_dim``)."""
+    scores = MetricSet(task, logits=logits, class_dim=class_dim)
     reference = split.reference()
     for start in range(0, len(split), batch_size):
         stop = min(start + batch_size, len(split))
@@ -792,7 +800,13 @@ def train(
             if not record.get("diverged"):
                 began = time.perf_counter()
                 record["test"] = evaluate(
-                    model, data.test, data.task, sig.logits, config.batch_size, device
+                    model,
+                    data.test,
+                    data.task,
+                    sig.logits,
+                    config.batch_size,
+                    device,
+                    sig.pred_class_dim or 1,
                 )
                 record["eval_time_s"] = time.perf_counter() - began
             history.append(record)

@@ -135,7 +135,8 @@ DatasetOpt = Annotated[
         "--dataset",
         "-d",
         help="digits (real, from scikit-learn), denoise / clouds / optics (synthetic), "
-        "or sciml:PATH (SciML-Bench data on disk).",
+        "pysource (real: this Python's standard library sources, for a character "
+        "language model), or sciml:PATH (SciML-Bench data on disk).",
     ),
 ]
 EpochsOpt = Annotated[int, typer.Option("--epochs", help="Epochs to train.", min=1)]
@@ -150,13 +151,15 @@ ScheduleOpt = Annotated[
     str, typer.Option("--schedule", help="cosine (lr to lr/100 over the epochs) or constant.")
 ]
 DataSeedOpt = Annotated[
-    int, typer.Option("--data-seed", help="Seed of the synthetic datasets (not digits).")
+    int,
+    typer.Option("--data-seed", help="Seed of the synthetic datasets (not digits or pysource)."),
 ]
 TrainSizeOpt = Annotated[
     int | None,
     typer.Option(
         "--train-size",
-        help="K training samples: the first K of digits / sciml, K generated for synthetic sets.",
+        help="K training samples: the first K of digits / sciml, K generated for synthetic "
+        "sets, K evenly spaced windows of pysource.",
     ),
 ]
 TestSizeOpt = Annotated[

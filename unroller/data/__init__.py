@@ -4,15 +4,17 @@
 
 - ``digits``: real handwritten digits shipped inside scikit-learn (classification);
 - ``denoise``, ``clouds``, ``optics``: task-like synthetic sets (named synthetic);
+- ``pysource``: this Python's own standard library sources, for a character-level
+  language model (real text, split by file);
 - ``sciml:PATH``: the real SciML-Bench data the user has on disk.
 """
 
 from __future__ import annotations
 
-from unroller.data import digits, sciml, synthetic
+from unroller.data import digits, pysource, sciml, synthetic
 from unroller.data.core import DatasetError, Signature, Split, TaskData, signature
 
-NAMES = ("digits", "denoise", "clouds", "optics", "sciml:PATH")
+NAMES = ("digits", "denoise", "clouds", "optics", "pysource", "sciml:PATH")
 
 __all__ = ["NAMES", "DatasetError", "Signature", "Split", "TaskData", "load", "signature"]
 
@@ -33,11 +35,13 @@ def load(
         data = digits.build(sig)
     elif spec in synthetic.GENERATORS:
         data = synthetic.build(sig, spec, seed, train_size, test_size)
+    elif spec == pysource.NAME:  # cut to the sizes as it is built: evenly spaced windows
+        data = pysource.build(sig, spec, train_size, test_size)
     elif spec.startswith("sciml:") and len(spec) > len("sciml:"):
         data = sciml.build(sig, spec, spec[len("sciml:") :])
     else:
         raise DatasetError(f"unknown dataset '{spec}' (known: {', '.join(NAMES)})")
-    if not data.synthetic and (train_size or test_size):
+    if not data.synthetic and spec != pysource.NAME and (train_size or test_size):
         data.train, data.test = data.train.head(train_size), data.test.head(test_size)
         data.description += f"; the first {len(data.train)} train / {len(data.test)} test used"
     for split_name, split in (("training", data.train), ("test", data.test)):

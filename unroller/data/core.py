@@ -3,7 +3,8 @@
 A ``Signature`` reads, from the model's graph, the shape of the one input, the target
 (if any), the prediction and the loss op, and from the loss op the task: cross-entropy
 is classification, a binary cross-entropy is segmentation, a regression loss against a
-target is denoising and one against the model's own input (no target) is autoencoding.
+target is denoising and one against the model's own input (no target) is autoencoding; a
+per-token cross-entropy (logits [N, C, L], target [N, L]) is language modelling.
 Datasets are built for a signature (images at the model's size and channel count), and
 ``check`` says in one sentence why a dataset does not fit a model.
 """
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from unroller.errors import ConfigError
-from unroller.graph import Graph
+from unroller.graph import Graph, Value
 
 LOSS_TASKS = {
     "cross_entropy": "classification",
+    "nll_loss": "classification",
     "bce_loss": "segmentation",
     "bce_with_logits": "segmentation",
     "mse_loss": "denoising",
@@ -43,6 +45,11 @@ class Signature:
     pred_shape: tuple[int, ...]
     loss_op: str
     task: str
+    # language modelling: the input's dtype, the classes C of the loss's logits
+    # [N, C, L], and the dim of the prediction (N counted) that holds them (None: unclear)
+    input_dtype: str | None = None
+    vocab: int | None = None
+    pred_class_dim: int | None = 1
 
     @property
     def logits(self) -> bool:
@@ -75,6 +82,11 @@ def signature(graph: Graph) -> Signature:
         task = "autoencoding"
     (x,) = inputs
     target = targets[0] if targets else None
+    vocab, class_dim = None, 1
+    logits = loss_node.inputs[0]
+    if task == "classification" and logits.type.rank == 3 and target and target.type.rank == 2:
+        task = "language_modelling"
+        vocab, class_dim = logits.type.shape[1], _class_dim(logits, graph.preds[0])
     return Signature(
         model=graph.name,
         input_name=x.name,
@@ -85,7 +97,29 @@ def signature(graph: Graph) -> Signature:
         pred_shape=tuple(graph.preds[0].type.shape[1:]),
         loss_op=loss_op,
         task=task,
+        input_dtype=x.type.dtype,
+        vocab=vocab,
+        pred_class_dim=class_dim,
     )
+
+
+def _class_dim(logits: Value, pred: Value) -> int | None:
+    """Which dim of a language model's prediction holds the scores of the loss's
+    ``logits`` [N, C, L]: 1 for the logits themselves or a [N, C, L] prediction, 2 for
+    a [N, L, C] one (the usual layout before the permute the loss needs); None when
+    C == L and the prediction is neither the logits nor what they were permuted or
+    transposed from."""
+    if pred is logits:
+        return 1
+    classes, length = logits.type.shape[1:]
+    shape = tuple(pred.type.shape[1:])
+    producer = logits.producer
+    moved = producer is not None and producer.op.name in ("permute", "transpose")
+    if moved and producer.inputs[0] is pred and shape == (length, classes):
+        return 2
+    if classes == length:
+        return None
+    return {(classes, length): 1, (length, classes): 2}.get(shape)
 
 
 @dataclass
