@@ -532,4 +532,48 @@ def bce_with_logits_backward(
     return (gx, gt)
 
 
+# ---------------------------------------------------------------- softmax, log_softmax (v2)
+
+
+def softmax_backward(g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None) -> Grads:
+    """aten's _softmax_backward_data with the saved output, as autograd."""
+    if not _need(needs, 0):
+        return (None,)
+    return (torch._softmax_backward_data(g, y, dim, y.dtype),)
+
+
+def log_softmax_backward(
+    g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None
+) -> Grads:
+    """aten's _log_softmax_backward_data with the saved output, as autograd."""
+    if not _need(needs, 0):
+        return (None,)
+    return (torch._log_softmax_backward_data(g, y, dim, y.dtype),)
+
+# The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
+# sum and slice shadow the builtins here, so this module calls neither bare).
+from unroller.runtime.shapeops import (  # noqa: E402, F401, A004
+    expand,
+    expand_backward,
+    log_softmax,
+    matmul,
+    matmul_backward,
+    mean,
+    mean_backward,
+    pad,
+    pad_backward,
+    permute,
+    permute_backward,
+    select,
+    select_backward,
+    slice,
+    slice_backward,
+    softmax,
+    sum,
+    sum_backward,
+    transpose,
+    transpose_backward,
+)
+
+
 __all__ = _exports(globals())

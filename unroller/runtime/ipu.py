@@ -826,4 +826,48 @@ def bce_with_logits_backward(
     return (gx, gt)
 
 
+# ---------------------------------------------------------------- softmax, log_softmax (v2)
+
+
+def softmax_backward(g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None) -> Grads:
+    """y * (g - sum(g * y)) along dim: the formula aten's softmax backward computes."""
+    if not _need(needs, 0):
+        return (None,)
+    return (y * (g - (g * y).sum(dim, keepdim=True)),)
+
+
+def log_softmax_backward(
+    g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None
+) -> Grads:
+    """g - exp(y) * sum(g) along dim: the formula aten's log_softmax backward computes."""
+    if not _need(needs, 0):
+        return (None,)
+    return (g - torch.exp(y) * g.sum(dim, keepdim=True),)
+
+# The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
+# sum and slice shadow the builtins here, so this module calls neither bare).
+from unroller.runtime.shapeops import (  # noqa: E402, F401, A004
+    expand,
+    expand_backward,
+    log_softmax,
+    matmul,
+    matmul_backward,
+    mean,
+    mean_backward,
+    pad,
+    pad_backward,
+    permute,
+    permute_backward,
+    select,
+    select_backward,
+    slice,
+    slice_backward,
+    softmax,
+    sum,
+    sum_backward,
+    transpose,
+    transpose_backward,
+)
+
+
 __all__ = _exports(globals())
