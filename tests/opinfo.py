@@ -662,7 +662,9 @@ SHAPEOP_ROWS: tuple[OpInfo, ...] = (
         "select",
         lambda s, ctx: s.inputs[0].select(s.kwargs["dim"], s.kwargs["index"]),
         tuple(
-            _shape_case(f"dim{d}-index{i}", (2, 3, 4), dict(dim=d, index=i), dict(input_shape=(3, 4)))
+            _shape_case(
+                f"dim{d}-index{i}", (2, 3, 4), dict(dim=d, index=i), dict(input_shape=(3, 4))
+            )
             for d, i in [(2, 0), (2, 3), (2, 1), (1, 2)]
         )
         + (_shape_case("size1", (2, 1, 4), dict(dim=1, index=0), dict(input_shape=(1, 4))),),

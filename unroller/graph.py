@@ -808,7 +808,7 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
             raise bad()
         for v in items:
             if is_int(v) and (v == 0 or v < -1):
-                raise bad(" (a size is positive, or -1 to keep the dim)")
+                raise bad()
             if is_int(v):
                 bounded(v)
         return tuple(shapes.BATCH if isinstance(v, BatchSymbol) else v for v in items)

@@ -342,10 +342,11 @@ def _dim(op: str, t: TensorType, dim: int, arg: str = "dim") -> int:
             f"{op}: {arg} {dim} is out of range for {t} (dims -{t.rank} to {t.rank - 1})",
             arg=arg,
         )
-    dim %= t.rank
-    if dim == 0:
-        raise ShapeError(f"{op}: {arg} cannot be the batch dim (dim 0); N stays first", arg=arg)
-    return dim
+    if dim % t.rank == 0:
+        raise ShapeError(
+            f"{op}: {arg} {dim} is the batch dim N of {t}, which stays where it is", arg=arg
+        )
+    return dim % t.rank
 
 
 def expand(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
@@ -466,9 +467,7 @@ def slice_dim(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeR
             )
     start, end = start if start >= 0 else start + n, end if end >= 0 else end + n
     if start >= end:
-        raise ShapeError(
-            f"{op}: the slice {start}:{end} of dim {dim} of {x} is empty", arg="start"
-        )
+        raise ShapeError(f"{op}: the slice {start}:{end} of dim {dim} of {x} is empty", arg="start")
     shape = list(x.shape)
     shape[dim] = -(-(end - start) // step)
     derived = {"dim": dim, "start": start, "end": end, "input_shape": x.shape[1:]}

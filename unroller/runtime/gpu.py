@@ -61,6 +61,31 @@ from unroller.runtime.common import (  # noqa: F401
     unsupported,
 )
 
+# The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
+# sum and slice shadow the builtins here, so this module calls neither bare).
+from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__)
+    expand,
+    expand_backward,
+    log_softmax,
+    matmul,
+    matmul_backward,
+    mean,
+    mean_backward,
+    pad,
+    pad_backward,
+    permute,
+    permute_backward,
+    select,
+    select_backward,
+    slice,
+    slice_backward,
+    softmax,
+    sum,
+    sum_backward,
+    transpose,
+    transpose_backward,
+)
+
 _aten = torch.ops.aten
 _MEAN = 1  # at::Reduction::Mean
 _NO_OUTPUT_PADDING = (0, 0)
@@ -549,31 +574,6 @@ def log_softmax_backward(
     if not _need(needs, 0):
         return (None,)
     return (torch._log_softmax_backward_data(g, y, dim, y.dtype),)
-
-# The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
-# sum and slice shadow the builtins here, so this module calls neither bare).
-from unroller.runtime.shapeops import (  # noqa: E402, F401, A004
-    expand,
-    expand_backward,
-    log_softmax,
-    matmul,
-    matmul_backward,
-    mean,
-    mean_backward,
-    pad,
-    pad_backward,
-    permute,
-    permute_backward,
-    select,
-    select_backward,
-    slice,
-    slice_backward,
-    softmax,
-    sum,
-    sum_backward,
-    transpose,
-    transpose_backward,
-)
 
 
 __all__ = _exports(globals())

@@ -101,6 +101,33 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     tensors,
 )
 
+# The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
+# sum and slice shadow the builtins here, so this module calls neither bare).
+from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__)
+    expand,
+    expand_backward,
+    log_softmax,
+    matmul,
+    matmul_backward,
+    mean_backward,
+    pad,
+    pad_backward,
+    permute,
+    permute_backward,
+    select,
+    select_backward,
+    slice,
+    slice_backward,
+    softmax,
+    sum,
+    sum_backward,
+    transpose,
+    transpose_backward,
+)
+from unroller.runtime.shapeops import (
+    mean as mean,  # re-exported: batchnorm2d's local `mean` is its own
+)
+
 # the clamp of (1 - p) * p in binary_cross_entropy's gradient: PyTorch's EPSILON, 1e-12 as a float32
 _BCE_EPS = struct.unpack("f", struct.pack("f", 1e-12))[0]
 _BCE_LOG_MIN = -100.0  # binary_cross_entropy clamps its logs at -100
@@ -843,31 +870,6 @@ def log_softmax_backward(
     if not _need(needs, 0):
         return (None,)
     return (g - torch.exp(y) * g.sum(dim, keepdim=True),)
-
-# The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
-# sum and slice shadow the builtins here, so this module calls neither bare).
-from unroller.runtime.shapeops import (  # noqa: E402, F401, A004
-    expand,
-    expand_backward,
-    log_softmax,
-    matmul,
-    matmul_backward,
-    mean,
-    mean_backward,
-    pad,
-    pad_backward,
-    permute,
-    permute_backward,
-    select,
-    select_backward,
-    slice,
-    slice_backward,
-    softmax,
-    sum,
-    sum_backward,
-    transpose,
-    transpose_backward,
-)
 
 
 __all__ = _exports(globals())

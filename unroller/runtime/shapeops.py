@@ -86,9 +86,7 @@ def permute(x: Tensor, *, dims: tuple[int, ...]) -> Tensor:
     return x.permute(*dims)
 
 
-def permute_backward(
-    g: Tensor, *, inverse: tuple[int, ...], needs: Needs | None = None
-) -> Grads:
+def permute_backward(g: Tensor, *, inverse: tuple[int, ...], needs: Needs | None = None) -> Grads:
     """g permuted back by the inverse permutation (autograd's permute_backwards)."""
     return (g.permute(*inverse) if _need(needs, 0) else None,)
 
@@ -278,9 +276,7 @@ def mean_backward(
 # ---------------------------------------------------------------- pad
 
 
-def pad(
-    x: Tensor, *, pad: tuple[int, ...], mode: str = "constant", value: float = 0.0
-) -> Tensor:
+def pad(x: Tensor, *, pad: tuple[int, ...], mode: str = "constant", value: float = 0.0) -> Tensor:
     """F.pad with a constant (widths >= 0, the last dims only); saves nothing."""
     return torch.nn.functional.pad(x, pad, mode, value)
 
