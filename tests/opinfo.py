@@ -698,6 +698,7 @@ SHAPEOP_ROWS: tuple[OpInfo, ...] = (
         _two_inputs(torch.matmul),
         (
             _matmul_case("x@W", (2, 3, 4), (4, 5)),
+            _matmul_case("rows@W", (2, 4), (4, 5)),
             _matmul_case("4d@2d", (2, 2, 3, 4), (4, 5)),
             _matmul_case("batched", (2, 3, 4), (2, 4, 5)),
             _matmul_case("heads-shared", (2, 2, 3, 4), (2, 4, 5)),

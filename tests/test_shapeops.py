@@ -276,6 +276,7 @@ def test_shape_rules_take_unbatched_values_where_the_spec_allows():
     assert matmul("matmul", [_t(32, 10), _t("N", 10, 64)], {}).type == _t("N", 32, 64)
     heads = matmul("matmul", [_t("N", 4, 10, 16), _t(4, 16, 10)], {})
     assert heads.type == _t("N", 4, 10, 10)
+    assert matmul("matmul", [_t("N", 8), _t(8, 3)], {}).type == _t("N", 3)  # rows: samples
 
 
 @pytest.mark.parametrize(
@@ -310,6 +311,18 @@ def test_shape_rules_take_unbatched_values_where_the_spec_allows():
             [_t("N", 10, 64), _t(1, 1, 64, 32)],
             {},
             "the result f32[1, N, 10, 32] must have the batch dim N first (it is not first",
+        ),
+        (
+            matmul,
+            [_t("N", 8), _t("N", 8, 3)],
+            {},
+            "f32[N, 8] @ f32[N, 8, 3] would use the batch dim N as a matrix dim",
+        ),
+        (
+            matmul,
+            [_t(3, "N"), _t("N", 8)],
+            {},
+            "f32[3, N] @ f32[N, 8] would use the batch dim N as a matrix dim",
         ),
         (
             softmax,

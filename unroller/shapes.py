@@ -507,6 +507,12 @@ def matmul(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResu
         raise ShapeError(
             f"{op}: the inner dims differ: {a} @ {b} ({a.shape[-1]} against {b.shape[-2]})", 1
         )
+    if BATCH in (a.shape[-1], *b.shape[-2:]) or (a.rank == 2 and BATCH in a.shape and b.rank > 2):
+        raise ShapeError(
+            f"{op}: {a} @ {b} would use the batch dim N as a matrix dim; N may be only a "
+            "batch dim of either, or the rows of a 2-D a against a 2-D b",
+            0 if BATCH in a.shape[-1:] else 1,
+        )
     batch = _broadcast(op, a.shape[:-2], b.shape[:-2])
     shape = (*batch, a.shape[-2], b.shape[-1])
     if shape[0] != BATCH:
