@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from unroller.ast import Loc
 from unroller.graph import normalize_arg
 from unroller.registry import OpSpec
+from unroller.runtime import common as runtime_common
 
 F64, F32 = torch.float64, torch.float32
 BOTH = (F64, F32)
@@ -557,6 +558,210 @@ def rel(a: Tensor, b: Tensor) -> float:
 _SAME_OP = dict(exact_forward=PLATFORMS, exact_grads=PLATFORMS)  # ipu computes as torch does
 _SAME_FORWARD = dict(exact_forward=PLATFORMS)  # ipu's forward is torch's op, its gradient not
 
+
+# ---------------------------------------------------------------- shape and tensor ops (v2)
+
+
+def _shape_case(label: str, shape: tuple[int, ...], kwargs: dict, derived: dict | None = None):
+    """One input of ``shape`` (randn), the kernel keywords as the shape rule normalises them."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        return Sample((randn(*shape, dtype=dtype),), kwargs=kwargs, derived=derived or {})
+
+    return Case(label, make)
+
+
+def _expand_case(label: str, shape: tuple[int, ...], size: tuple, input_shape: tuple) -> Case:
+    """expand's N is the step's batch size (2 here, as check_inputs would record it)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        runtime_common._STEP["batch"] = 2
+        x = randn(*shape, dtype=dtype)
+        return Sample((x,), kwargs=dict(size=size), derived=dict(input_shape=input_shape))
+
+    return Case(label, make)
+
+
+def _expand_reference(s: Sample, ctx: Ctx) -> Tensor:
+    return s.inputs[0].expand(*(2 if d == "N" else d for d in s.kwargs["size"]))
+
+
+def _slice_reference(s: Sample, ctx: Ctx) -> Tensor:
+    k = s.kwargs
+    index = (slice(None),) * k["dim"] + (slice(k.get("start", 0), k.get("end"), k.get("step", 1)),)
+    return s.inputs[0][index]
+
+
+def _matmul_case(label: str, a: tuple[int, ...], b: tuple[int, ...]) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        return Sample((randn(*a, dtype=dtype), randn(*b, dtype=dtype)))
+
+    return Case(label, make)
+
+
+def _softmax_case(label: str, kwargs: dict, scale: float = 1.0) -> Case:
+    """scale 80: logits far apart (exp would overflow without the max subtracted)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        x = torch.randn(2, 3, 5, dtype=dtype) * scale
+        x[0, 0] = 0.0  # a uniform row
+        return Sample((leaf(x),), kwargs=kwargs)
+
+    return Case(label, make)
+
+
+def _reduce_case(dim: tuple[int, ...], keepdim: bool | None) -> Case:
+    kwargs: dict[str, Any] = dict(dim=dim)
+    if keepdim is not None:
+        kwargs["keepdim"] = keepdim
+    label = f"dim{''.join(map(str, dim))}-keep{keepdim}"
+    return _shape_case(label, (2, 3, 4, 5), kwargs, dict(input_shape=(3, 4, 5)))
+
+
+def _reduce_reference(fn: Callable) -> Reference:
+    return lambda s, ctx: fn(s.inputs[0], s.kwargs["dim"], keepdim=s.kwargs.get("keepdim", False))
+
+
+SHAPEOP_ROWS: tuple[OpInfo, ...] = (
+    OpInfo(
+        "expand",
+        _expand_reference,
+        (
+            _expand_case("batched", (2, 1, 4), (-1, 3, 4), ("N", 1, 4)),
+            _expand_case("batched-identity", (2, 3, 4), (-1, -1, -1), ("N", 3, 4)),
+            _expand_case("class-token", (1, 1, 4), ("N", -1, -1), (1, 1, 4)),
+            _expand_case("new-dims", (1, 4), ("N", 3, 4), (1, 4)),
+            _expand_case("new-and-grown", (3, 1), ("N", 2, 3, 5), (3, 1)),
+        ),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "transpose",
+        lambda s, ctx: s.inputs[0].transpose(s.kwargs["dim0"], s.kwargs["dim1"]),
+        (
+            _shape_case("1-3", (2, 3, 4, 5), dict(dim0=1, dim1=3)),
+            _shape_case("3-2", (2, 3, 4, 5), dict(dim0=3, dim1=2)),
+            _shape_case("same", (2, 3, 4), dict(dim0=2, dim1=2)),
+        ),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "permute",
+        lambda s, ctx: s.inputs[0].permute(*s.kwargs["dims"]),
+        (
+            _shape_case("0312", (2, 3, 4, 5), dict(dims=(0, 3, 1, 2)), dict(inverse=(0, 2, 3, 1))),
+            _shape_case("0213", (2, 3, 4, 5), dict(dims=(0, 2, 1, 3)), dict(inverse=(0, 2, 1, 3))),
+        ),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "select",
+        lambda s, ctx: s.inputs[0].select(s.kwargs["dim"], s.kwargs["index"]),
+        tuple(
+            _shape_case(
+                f"dim{d}-index{i}", (2, 3, 4), dict(dim=d, index=i), dict(input_shape=(3, 4))
+            )
+            for d, i in [(2, 0), (2, 3), (2, 1), (1, 2)]
+        )
+        + (_shape_case("size1", (2, 1, 4), dict(dim=1, index=0), dict(input_shape=(1, 4))),),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "slice",
+        _slice_reference,
+        tuple(
+            _shape_case(
+                f"dim{d}-{a}:{e}:{st}",
+                (2, 5, 7),
+                dict(dim=d, start=a, end=e, step=st),
+                dict(input_shape=(5, 7)),
+            )
+            for d, a, e, st in [
+                (2, 1, 7, 2),
+                (2, 0, 7, 3),
+                (2, 2, 6, 3),
+                (1, 0, 5, 1),
+                (1, 4, 5, 1),
+                (2, 3, 4, 5),
+                (2, 1, 6, 4),
+            ]
+        )
+        + (_shape_case("defaults", (2, 5, 7), dict(dim=1), dict(input_shape=(5, 7))),),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "matmul",
+        _two_inputs(torch.matmul),
+        (
+            _matmul_case("x@W", (2, 3, 4), (4, 5)),
+            _matmul_case("rows@W", (2, 4), (4, 5)),
+            _matmul_case("4d@2d", (2, 2, 3, 4), (4, 5)),
+            _matmul_case("batched", (2, 3, 4), (2, 4, 5)),
+            _matmul_case("heads-shared", (2, 2, 3, 4), (2, 4, 5)),
+            _matmul_case("W@x", (3, 4), (2, 4, 5)),
+            _matmul_case("broadcast-1", (2, 1, 3, 4), (2, 4, 5)),
+            _matmul_case("broadcast-b", (2, 3, 4), (1, 4, 5)),
+        ),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "softmax",
+        lambda s, ctx: torch.softmax(s.inputs[0], s.kwargs.get("dim", -1)),
+        (
+            _softmax_case("last", dict(dim=-1)),
+            _softmax_case("dim1", dict(dim=1)),
+            _softmax_case("defaults", {}),
+            _softmax_case("far-apart", dict(dim=2), 80.0),
+        ),
+        **_SAME_FORWARD,
+    ),
+    OpInfo(
+        "log_softmax",
+        lambda s, ctx: torch.log_softmax(s.inputs[0], s.kwargs.get("dim", -1)),
+        (
+            _softmax_case("last", dict(dim=-1)),
+            _softmax_case("dim1", dict(dim=1)),
+            _softmax_case("defaults", {}),
+            _softmax_case("far-apart", dict(dim=2), 80.0),
+        ),
+        **_SAME_FORWARD,
+    ),
+    OpInfo(
+        "mean",
+        _reduce_reference(torch.mean),
+        tuple(
+            _reduce_case(d, k)
+            for d, k in [((1,), None), ((2, 3), True), ((1, 2, 3), False), ((1, 3), False)]
+        ),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "sum",
+        _reduce_reference(torch.sum),
+        tuple(
+            _reduce_case(d, k)
+            for d, k in [((1,), None), ((2, 3), True), ((1, 2, 3), False), ((1, 3), False)]
+        ),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "pad",
+        lambda s, ctx: F.pad(s.inputs[0], s.kwargs["pad"], value=s.kwargs.get("value", 0.0)),
+        (
+            _shape_case("last", (2, 3, 4, 5), dict(pad=(1, 2))),
+            _shape_case("two", (2, 3, 4, 5), dict(pad=(0, 1, 2, 0))),
+            _shape_case("three", (2, 3, 4, 5), dict(pad=(1, 1, 1, 1, 1, 1), value=1.5)),
+            _shape_case("zero", (2, 3, 4), dict(pad=(0, 0))),
+        ),
+        **_SAME_OP,
+    ),
+)
+
+
 ROWS: tuple[OpInfo, ...] = (
     OpInfo(
         "conv2d",
@@ -681,6 +886,7 @@ ROWS: tuple[OpInfo, ...] = (
         _two_inputs(F.binary_cross_entropy_with_logits),
         (Case("probabilities", _probabilities), Case("extremes", _extreme_logits, (F64,))),
     ),
+    *SHAPEOP_ROWS,
 )
 
 BY_NAME: dict[str, OpInfo] = {row.name: row for row in ROWS}

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from unroller.registry import OpSpec, eval_expr, load_registry
-from unroller.runtime import common, gpu, ipu
+from unroller.runtime import common, gpu, ipu, shapeops
 
 OPS = load_registry()
 KERNELS = {"gpu": gpu, "ipu": ipu}
@@ -622,16 +622,17 @@ TORCH_CALLS = {
 }  # fmt: skip
 F_CALLS = {
     "conv2d", "conv_transpose2d", "linear", "gelu", "leaky_relu", "max_pool2d", "avg_pool2d",
-    "pad", "log_softmax",
+    "pad", "log_softmax", "softmax",
 }  # fmt: skip
 TENSOR_METHODS = {
     "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand",  # views
     "to",  # dtype casts
     "sum", "mean", "square", "abs", "neg", "reciprocal", "matmul", "add_", "mul_",
     "new_zeros", "dim", "numel",
+    "narrow",  # a constant-bound slice (a view)
 }  # fmt: skip
-PYTHON_METHODS = {"get", "clear", "append", "items", "values"}
-HOST_CALLS = {"math": {"sqrt", "floor", "factorial"}, "struct": {"pack", "unpack"}}  # constants
+PYTHON_METHODS = {"get", "clear", "append", "items", "values", "insert"}
+HOST_CALLS = {"math": {"sqrt", "floor", "factorial", "prod"}, "struct": {"pack", "unpack"}}
 FORBIDDEN_NAMES = {
     "ops", "aten", "autograd", "erf", "erfc", "erfinv", "special", "max_pool2d_with_indices",
     "return_indices", "interpolate", "upsample", "upsample_bilinear2d", "upsample_nearest2d",
@@ -646,6 +647,9 @@ HOST_HELPERS = {
 }  # fmt: skip
 
 
+SHARED_KERNEL_MODULES = ("unroller.runtime.common", "unroller.runtime.shapeops")
+
+
 def _ipu_kernel_code() -> list[ast.AST]:
     """ipu.py whole, and what it takes from common to compute with: the shared kernels it
     imports and, transitively, the common functions they use (as ``unroll lint`` follows
@@ -654,12 +658,16 @@ def _ipu_kernel_code() -> list[ast.AST]:
     todo = [
         alias.name
         for node in ast.walk(ipu_tree)
-        if isinstance(node, ast.ImportFrom) and node.module == "unroller.runtime.common"
+        if isinstance(node, ast.ImportFrom) and node.module in SHARED_KERNEL_MODULES
         for alias in node.names
         if alias.name not in HOST_HELPERS
     ]
-    common_tree = ast.parse(Path(common.__file__).read_text())
-    defs = {n.name: n for n in common_tree.body if isinstance(n, ast.FunctionDef)}
+    defs = {
+        n.name: n
+        for module in (common, shapeops)
+        for n in ast.parse(Path(module.__file__).read_text()).body
+        if isinstance(n, ast.FunctionDef)
+    }
     seen: dict[str, ast.FunctionDef] = {}
     while todo:
         name = todo.pop()

@@ -218,6 +218,8 @@ def render_const(value: Any) -> str:
     """A constant in model syntax; strings as repr() literals so no raw text escapes."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, BatchSymbol):
+        return shapes.BATCH
     if isinstance(value, tuple):
         inner = ", ".join(render_const(v) for v in value)
         return f"({inner},)" if len(value) == 1 else f"({inner})"
@@ -372,6 +374,10 @@ class GraphBuilder:
             raise ModelError(
                 f"'{expr.name}' is a tensor value; keyword arguments take constants", expr.loc
             )
+        if expr.name == shapes.BATCH:
+            # The batch size, symbolic: only a size argument (expand's) accepts it; every
+            # other argument type refuses it in normalize_arg with a message saying so.
+            return BatchSymbol(shapes.BATCH)
         if expr.name.lower() in ("nan", "inf", "infinity"):
             raise ModelError(
                 f"undefined constant '{expr.name}': there is no NaN or infinity literal; "
@@ -773,6 +779,17 @@ def _is_loss(value: Value) -> bool:
 # -- argument validation -------------------------------------------------------------------
 
 
+class BatchSymbol(str):
+    """A bare ``N`` written as a keyword value (the batch size), told apart from the string
+    ``"N"``: only ``size`` arguments take it (``expand(t, size=(N, -1, -1))``)."""
+
+
+def _has_batch_symbol(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return any(_has_batch_symbol(v) for v in value)
+    return isinstance(value, BatchSymbol)
+
+
 def describe_type(spec: ArgSpec) -> str:
     return {
         "int": "an integer",
@@ -783,6 +800,7 @@ def describe_type(spec: ArgSpec) -> str:
         "pair": "an integer or a pair (h, w)",
         "scale": "a number or a pair (h, w)",
         "dims": "a tuple of integers",
+        "size": "a tuple of sizes (positive integers, -1 to keep a dim, N for the batch)",
     }[spec.type]
 
 
@@ -815,6 +833,14 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
         if isinstance(v, float) and abs(v) > MAX_FLOAT:
             raise bad(f" (at most {MAX_FLOAT:g} in magnitude)")
 
+    if value is None and spec.optional:
+        return None
+    if _has_batch_symbol(value) and spec.type != "size":
+        raise ModelError(
+            f"{op}: argument '{spec.name}' must be {describe_type(spec)}, got N: the batch "
+            "size N may appear only in a size tuple (as expand's size=(N, -1, -1))",
+            loc,
+        )
     if spec.type == "int":
         if not is_int(value):
             raise bad()
@@ -852,6 +878,16 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
         for v in items:
             bounded(v)
         return tuple(items)
+    if spec.type == "size":
+        items = value if isinstance(value, tuple) else (value,)
+        if not items or not all(isinstance(v, BatchSymbol) or is_int(v) for v in items):
+            raise bad()
+        for v in items:
+            if is_int(v) and (v == 0 or v < -1):
+                raise bad()
+            if is_int(v):
+                bounded(v)
+        return tuple(shapes.BATCH if isinstance(v, BatchSymbol) else v for v in items)
     raise AssertionError(spec.type)
 
 

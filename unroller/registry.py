@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast as pyast
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 BUILTIN_REGISTRY = Path(__file__).with_name("ops.toml")
-ARG_TYPES = ("int", "float", "bool", "str", "pair", "scale", "dims")
+ARG_TYPES = ("int", "float", "bool", "str", "pair", "scale", "dims", "size")
 KINDS = ("layer", "activation", "pool", "resample", "arith", "shape", "regularizer", "loss")
 _MISSING = object()
 
@@ -42,10 +42,12 @@ class ArgSpec:
     min: float | None = None
     max: float | None = None
     choices: tuple[str, ...] | None = None
+    #: may be left out with no value at all: the kernel gets None (slice's end=None)
+    optional: bool = False
 
     @property
     def required(self) -> bool:
-        return self.default is _MISSING and self.default_from is None
+        return self.default is _MISSING and self.default_from is None and not self.optional
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,12 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
             min=arg.get("min"),
             max=arg.get("max"),
             choices=tuple(arg["choices"]) if "choices" in arg else None,
+            optional=bool(arg.get("optional", False)),
         )
+        if args[arg_name].optional and "default" in arg:
+            raise RegistryError(f"{where}: arg {arg_name}: optional means the default is None")
+        if args[arg_name].optional:
+            args[arg_name] = replace(args[arg_name], default=None)
     spec = OpSpec(
         name=name,
         doc=raw["doc"],

@@ -375,6 +375,261 @@ def free_parameter(op: str, inputs: list[TensorType], args: dict[str, Any]) -> S
     return ShapeResult(TensorType("f32", tuple(shape)))
 
 
+# ---------------------------------------------------------------- shape and tensor ops (v2)
+#
+# A value without the batch dim (a free parameter, [1, 1, E] or [E, F]) may enter expand
+# and matmul, whose outputs put N first; the other ops here need N first in their input,
+# because a dim argument of theirs would otherwise mean a different dim than it says.
+
+
+def _batched(op: str, t: TensorType, index: int = 0) -> None:
+    if not t.shape or t.shape[0] != BATCH:
+        raise ShapeError(
+            f"{op} needs a tensor with the batch dim N first, got {t} (a value without the "
+            "batch dim can be broadcast to one with expand)",
+            index,
+        )
+
+
+def _dim(op: str, t: TensorType, dim: int, arg: str = "dim") -> int:
+    """``dim`` counted from 0 (negative ones from the end); neither out of range nor N's."""
+    if not -t.rank <= dim < t.rank:
+        raise ShapeError(
+            f"{op}: {arg} {dim} is out of range for {t} (dims -{t.rank} to {t.rank - 1})",
+            arg=arg,
+        )
+    if dim % t.rank == 0:
+        raise ShapeError(
+            f"{op}: {arg} {dim} is the batch dim N of {t}, which stays where it is", arg=arg
+        )
+    return dim % t.rank
+
+
+def expand(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """Tensor.expand: -1 keeps a dim, a dim of size 1 grows, new dims come first. The
+    output has N first: a batched input keeps it (size[0] is N or -1), an input without
+    it gets it from size[0] = N (its own first dim must be 1, or be a new dim)."""
+    (x,) = inputs
+    size = tuple(args["size"])
+    new = len(size) - x.rank
+    if new < 0:
+        raise ShapeError(
+            f"{op}: size {_show(size)} has {len(size)} dims, fewer than the input's {x}",
+            arg="size",
+        )
+    if BATCH in size[1:]:
+        raise ShapeError(f"{op}: N may appear only first in size {_show(size)}", arg="size")
+    batched = bool(x.shape) and x.shape[0] == BATCH
+    if batched and new:
+        raise ShapeError(
+            f"{op}: size {_show(size)} adds {new} dim(s) in front of the batch dim of {x}; "
+            "N stays first",
+            arg="size",
+        )
+    if not batched and size[0] != BATCH:
+        raise ShapeError(
+            f"{op}: the output needs the batch dim first: size[0] must be N for {x}, got "
+            f"{_show(size)}",
+            arg="size",
+        )
+    out: list[Dim] = []
+    for i, want in enumerate(size):
+        have = x.shape[i - new] if i >= new else None
+        if have is None:  # a new leading dim
+            if want == -1:
+                raise ShapeError(
+                    f"{op}: -1 in size {_show(size)} is at a new dim (dim {i}), which has no "
+                    "size to keep",
+                    arg="size",
+                )
+            out.append(want)
+        elif want == -1 or want == have:
+            out.append(have)
+        elif have == 1:
+            out.append(want)
+        else:
+            raise ShapeError(
+                f"{op}: cannot expand dim {i - new} of {x} (size {have}) to {want}: only "
+                "dims of size 1 grow",
+                arg="size",
+            )
+    kernel_size = (-1, *size[1:]) if batched else size
+    return ShapeResult(
+        TensorType(x.dtype, tuple(out)), {"size": kernel_size, "input_shape": x.shape}
+    )
+
+
+def transpose(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    (x,) = inputs
+    _batched(op, x)
+    d0, d1 = _dim(op, x, args["dim0"], "dim0"), _dim(op, x, args["dim1"], "dim1")
+    shape = list(x.shape)
+    shape[d0], shape[d1] = shape[d1], shape[d0]
+    return ShapeResult(TensorType(x.dtype, tuple(shape)), {"dim0": d0, "dim1": d1})
+
+
+def permute(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    (x,) = inputs
+    _batched(op, x)
+    dims = tuple(args["dims"])
+    if len(dims) != x.rank or not all(-x.rank <= d < x.rank for d in dims):
+        raise ShapeError(
+            f"{op}: dims {_show(dims)} is not a permutation of the {x.rank} dims of {x}",
+            arg="dims",
+        )
+    dims = tuple(d % x.rank for d in dims)
+    if sorted(dims) != list(range(x.rank)):
+        raise ShapeError(
+            f"{op}: dims {_show(args['dims'])} is not a permutation of the {x.rank} dims of {x} "
+            "(a dim repeats)",
+            arg="dims",
+        )
+    if dims[0] != 0:
+        raise ShapeError(f"{op}: dims {_show(args['dims'])} must keep dim 0 (N) first", arg="dims")
+    inverse = tuple(dims.index(i) for i in range(x.rank))
+    shape = tuple(x.shape[d] for d in dims)
+    return ShapeResult(TensorType(x.dtype, shape), {"dims": dims, "inverse": inverse})
+
+
+def select(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    (x,) = inputs
+    _batched(op, x)
+    dim = _dim(op, x, args["dim"])
+    n = x.shape[dim]
+    index = args["index"]
+    if not -n <= index < n:  # type: ignore[operator]
+        raise ShapeError(
+            f"{op}: index {index} is out of range for dim {dim} of {x} (size {n})", arg="index"
+        )
+    index %= n  # type: ignore[operator]
+    shape = x.shape[:dim] + x.shape[dim + 1 :]
+    return ShapeResult(
+        TensorType(x.dtype, shape), {"dim": dim, "index": index, "input_shape": x.shape[1:]}
+    )
+
+
+def slice_dim(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """x[..., start:end:step] along dim; bounds past the dim are errors (not clamped)."""
+    (x,) = inputs
+    _batched(op, x)
+    dim = _dim(op, x, args["dim"])
+    n = x.shape[dim]
+    start, end, step = args["start"], args["end"], args["step"]
+    end = n if end is None else end
+    for name, v in (("start", start), ("end", end)):
+        if not -n <= v <= n:  # type: ignore[operator]
+            raise ShapeError(
+                f"{op}: {name} {v} is out of range for dim {dim} of {x} (size {n})", arg=name
+            )
+    start, end = start if start >= 0 else start + n, end if end >= 0 else end + n
+    if start >= end:
+        raise ShapeError(f"{op}: the slice {start}:{end} of dim {dim} of {x} is empty", arg="start")
+    shape = list(x.shape)
+    shape[dim] = -(-(end - start) // step)
+    derived = {"dim": dim, "start": start, "end": end, "input_shape": x.shape[1:]}
+    return ShapeResult(TensorType(x.dtype, tuple(shape)), derived)
+
+
+def _broadcast(op: str, a: tuple[Dim, ...], b: tuple[Dim, ...]) -> tuple[Dim, ...]:
+    """torch's broadcasting of two shapes, N matching N or 1 (N may be any size)."""
+    out: list[Dim] = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        x = a[-i] if i <= len(a) else 1
+        y = b[-i] if i <= len(b) else 1
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            raise ShapeError(
+                f"{op}: batch dims [{', '.join(map(str, a))}] and [{', '.join(map(str, b))}] "
+                f"do not broadcast ({x} against {y})",
+                1,
+            )
+    return tuple(reversed(out))
+
+
+def matmul(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """torch.matmul of matrices (2-D or more) with batch broadcasting; one of a, b may lack
+    N (a free parameter, as x @ W), and the result has N first."""
+    a, b = inputs
+    _float(op, a, 0)
+    for i, t in enumerate(inputs):
+        if t.rank < 2:
+            raise ShapeError(f"{op} needs matrices (2 dims or more), got {t}", i)
+    if b.dtype != a.dtype:
+        raise ShapeError(f"{op} needs two tensors of the same dtype, got {a} and {b}", 1)
+    if a.shape[-1] != b.shape[-2]:
+        raise ShapeError(
+            f"{op}: the inner dims differ: {a} @ {b} ({a.shape[-1]} against {b.shape[-2]})", 1
+        )
+    if BATCH in (a.shape[-1], *b.shape[-2:]) or (a.rank == 2 and BATCH in a.shape and b.rank > 2):
+        raise ShapeError(
+            f"{op}: {a} @ {b} would use the batch dim N as a matrix dim; N may be only a "
+            "batch dim of either, or the rows of a 2-D a against a 2-D b",
+            0 if BATCH in a.shape[-1:] else 1,
+        )
+    batch = _broadcast(op, a.shape[:-2], b.shape[:-2])
+    shape = (*batch, a.shape[-2], b.shape[-1])
+    if shape[0] != BATCH:
+        which = "neither input has" if BATCH not in (*a.shape, *b.shape) else "it is not"
+        raise ShapeError(
+            f"{op}: the result {TensorType(a.dtype, shape)} must have the batch dim N first "
+            f"({which} first in {a} @ {b})",
+            0 if BATCH in a.shape else 1,
+        )
+    return ShapeResult(TensorType(a.dtype, shape), {"a_shape": a.shape, "b_shape": b.shape})
+
+
+def softmax(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """softmax / log_softmax along a dim other than N's."""
+    (x,) = inputs
+    _float(op, x)
+    _batched(op, x)
+    _dim(op, x, args["dim"])
+    return ShapeResult(x)
+
+
+def reduce(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """sum / mean over dims other than N's (all of them leaves [N])."""
+    (x,) = inputs
+    _float(op, x)
+    _batched(op, x)
+    dims = tuple(_dim(op, x, d) for d in args["dim"])
+    if len(set(dims)) != len(dims):
+        raise ShapeError(f"{op}: dim {_show(args['dim'])} names a dim twice", arg="dim")
+    if args["keepdim"]:
+        shape = tuple(1 if i in dims else d for i, d in enumerate(x.shape))
+    else:
+        shape = tuple(d for i, d in enumerate(x.shape) if i not in dims)
+    derived = {"dim": tuple(sorted(dims)), "input_shape": x.shape[1:]}
+    return ShapeResult(TensorType(x.dtype, shape), derived)
+
+
+def pad(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """F.pad: (left, right) pairs from the last dim backwards, never reaching N's dim."""
+    (x,) = inputs
+    _float(op, x)
+    _batched(op, x)
+    widths = tuple(args["pad"])
+    if len(widths) % 2 or len(widths) // 2 > x.rank - 1:
+        raise ShapeError(
+            f"{op}: pad {_show(widths)} needs an even length of at most {2 * (x.rank - 1)} "
+            f"for {x} (pairs for the last dims; the batch dim is never padded)",
+            arg="pad",
+        )
+    shape = list(x.shape)
+    for i in range(len(widths) // 2):
+        shape[-1 - i] += widths[2 * i] + widths[2 * i + 1]  # type: ignore[operator]
+    return ShapeResult(TensorType(x.dtype, tuple(shape)), {"pad": widths})
+
+
+def _show(values: tuple) -> str:
+    """A tuple as written in a model file: (N, -1, 3)."""
+    inner = ", ".join(map(str, values))
+    return f"({inner},)" if len(values) == 1 else f"({inner})"
+
+
 def rule(name: str) -> Rule:
     """The rule a registry entry names: a function here, or ``module:function``."""
     if ":" in name:

@@ -42,6 +42,9 @@ Needs = tuple[bool, ...]
 Grads = tuple[Tensor | None, ...]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
+#: The batch size of the step (or prediction) running now, recorded by ``check_inputs``:
+#: expand(size=(N, ...)) of a tensor without the batch dim reads it (shapeops.expand).
+_STEP: dict[str, int] = {}
 _RUNTIME_PACKAGE = "unroller.runtime."
 
 
@@ -513,6 +516,8 @@ def check_inputs(*specs: tuple[str, object, str, tuple[int, ...]]) -> None:
             )
     if batch is not None and batch[1] == 0:
         raise ValueError(f"input '{batch[0]}': the batch is empty")
+    if batch is not None:
+        _STEP["batch"] = int(batch[1])
 
 
 def _check_input(name: str, value: object, dtype: str, dims: tuple[int, ...]) -> None:

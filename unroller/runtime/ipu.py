@@ -110,6 +110,33 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     tensors,
 )
 
+# The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
+# sum and slice shadow the builtins here, so this module calls neither bare).
+from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__)
+    expand,
+    expand_backward,
+    log_softmax,
+    matmul,
+    matmul_backward,
+    mean_backward,
+    pad,
+    pad_backward,
+    permute,
+    permute_backward,
+    select,
+    select_backward,
+    slice,
+    slice_backward,
+    softmax,
+    sum,
+    sum_backward,
+    transpose,
+    transpose_backward,
+)
+from unroller.runtime.shapeops import (
+    mean as mean,  # re-exported: batchnorm2d's local `mean` is its own
+)
+
 # the clamp of (1 - p) * p in binary_cross_entropy's gradient: PyTorch's EPSILON, 1e-12 as a float32
 _BCE_EPS = struct.unpack("f", struct.pack("f", 1e-12))[0]
 _BCE_LOG_MIN = -100.0  # binary_cross_entropy clamps its logs at -100
@@ -833,6 +860,25 @@ def bce_with_logits_backward(
     gx = (torch.sigmoid(x) - t) * (g / x.numel()) if _need(needs, 0) else None
     gt = x.neg() * (g / t.numel()) if _need(needs, 1) else None
     return (gx, gt)
+
+
+# ---------------------------------------------------------------- softmax, log_softmax (v2)
+
+
+def softmax_backward(g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None) -> Grads:
+    """y * (g - sum(g * y)) along dim: the formula aten's softmax backward computes."""
+    if not _need(needs, 0):
+        return (None,)
+    return (y * (g - (g * y).sum(dim, keepdim=True)),)
+
+
+def log_softmax_backward(
+    g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None
+) -> Grads:
+    """g - exp(y) * sum(g) along dim: the formula aten's log_softmax backward computes."""
+    if not _need(needs, 0):
+        return (None,)
+    return (g - torch.exp(y) * g.sum(dim, keepdim=True),)
 
 
 __all__ = _exports(globals())
