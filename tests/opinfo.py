@@ -420,6 +420,46 @@ def _pair_case(label: str = "3d") -> Case:
     return Case(label, make)
 
 
+def _broadcast_case(a: tuple, b: tuple, a_shape=None, b_shape=None) -> Case:
+    """Operands of shapes ``a`` and ``b`` broadcast by torch; ``a_shape``/``b_shape`` as the
+    shape rule derives them (an operand's model shape, "N" for the batch, where broadcast)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        derived = {"a_shape": a_shape, "b_shape": b_shape}
+        ta, tb = randn(*a, dtype=dtype), randn(*b, dtype=dtype)
+        with torch.no_grad():  # away from zero: div divides by b
+            tb.copy_(tb.sign() * (tb.abs() + 0.5))
+        return Sample((ta, tb), derived=derived)
+
+    label = f"{'x'.join(map(str, a))}-{'x'.join(map(str, b))}"
+    return Case(label, make)
+
+
+_BROADCAST_CASES = (
+    _broadcast_case((2, 3, 4), (4,), b_shape=(4,)),  # a bias-like free parameter
+    _broadcast_case((2, 3, 4), (1, 3, 4), b_shape=(1, 3, 4)),  # a position embedding
+    _broadcast_case((2, 1, 4), (2, 3, 4), a_shape=("N", 1, 4)),  # one token against many
+    _broadcast_case((3, 1), (2, 3, 4), a_shape=(3, 1)),  # both stretched
+)
+
+
+class _Holder(nn.Module):
+    """The module holding a free parameter (``parameter``'s layer handle)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        super().__init__()
+        self.pos_embedding = nn.Parameter(torch.randn(*shape, dtype=dtype))
+
+
+def _parameter_case(shape: tuple[int, ...]) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        return Sample((), _Holder(shape, dtype), kwargs={"name": "pos_embedding"})
+
+    return Case("x".join(map(str, shape)), make)
+
+
 def _concat_case(dim: int | None, counts: tuple[int, ...]) -> Case:
     def make(dtype: torch.dtype) -> Sample:
         _seeded()
@@ -840,8 +880,25 @@ ROWS: tuple[OpInfo, ...] = (
         tuple(_upsample_case(*c, hw) for c in UPSAMPLE_CASES for hw in [(5, 4), (7, 9)])
         + (Case("defaults", _upsample_defaults),),
     ),
-    OpInfo("add", _two_inputs(torch.add), (_pair_case(),), **_SAME_OP),
-    OpInfo("mul", _two_inputs(torch.mul), (_pair_case(),), **_SAME_OP),
+    OpInfo("add", _two_inputs(torch.add), (_pair_case(), *_BROADCAST_CASES), **_SAME_OP),
+    OpInfo("sub", _two_inputs(torch.sub), (_pair_case(), *_BROADCAST_CASES), **_SAME_OP),
+    OpInfo("mul", _two_inputs(torch.mul), (_pair_case(), *_BROADCAST_CASES), **_SAME_OP),
+    OpInfo("div", _two_inputs(torch.div), (_pair_case(), *_BROADCAST_CASES), **_SAME_OP),
+    OpInfo(
+        "scale",
+        lambda s, ctx: s.inputs[0] * s.kwargs["factor"],
+        (
+            _shape_case("3d", (2, 3, 4), {"factor": 0.5}),
+            _shape_case("neg", (3, 5), {"factor": -3.0}),
+        ),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "parameter",
+        lambda s, ctx: s.layer.pos_embedding,
+        (_parameter_case((1, 5, 4)), _parameter_case((7,))),
+        **_SAME_OP,
+    ),
     OpInfo(
         "concat",
         _concat_reference,

@@ -104,9 +104,17 @@ def _differentiable(t: Any) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad
 
 
+def _layer_params(op: OpSpec, s: Sample) -> list[Tensor | None]:
+    """The layer's parameters in registry order (a free parameter: the one its ``name``
+    keyword names), None where absent."""
+    if op.free:
+        return [getattr(s.layer, s.kwargs["name"])]
+    return [getattr(s.layer, p.name, None) for p in op.params]
+
+
 def _slots(op: OpSpec, s: Sample) -> tuple[bool, ...]:
     """Which gradients exist: one per input (float leaves), then one per present parameter."""
-    params = [getattr(s.layer, p.name, None) is not None for p in op.params]
+    params = [p is not None for p in _layer_params(op, s)]
     return tuple(_differentiable(t) for t in s.inputs) + tuple(params)
 
 
@@ -184,8 +192,7 @@ def _output_grad(ref: Tensor) -> Tensor:
 
 def _reference_grads(run: Run, ref: Tensor, g: Tensor) -> list[Tensor | None]:
     """torch.autograd's gradient for each slot (None where the slot has none)."""
-    params = [getattr(run.s.layer, p.name, None) for p in run.op.params]
-    slots = [*run.s.inputs, *params]
+    slots = [*run.s.inputs, *_layer_params(run.op, run.s)]
     leaves = [t for t in slots if _differentiable(t)]
     grads = iter(torch.autograd.grad(ref, leaves, g))
     return [next(grads) if _differentiable(t) else None for t in slots]
@@ -643,7 +650,7 @@ FORBIDDEN_NAMES = {
 # (module bookkeeping, input checks, stash accounting, __all__): not kernels.
 HOST_HELPERS = {
     "add_layer", "layers", "tensors", "check_inputs", "collect", "stash", "stash_raw",
-    "stash_report", "_exports",
+    "stash_report", "_exports", "free_parameter",
 }  # fmt: skip
 
 

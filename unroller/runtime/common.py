@@ -329,7 +329,7 @@ def parameter(layer: Any, *, name: str) -> Tensor:
 def parameter_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
     """The gradient is what flows in: its consumers already reduced it to the parameter's
     shape (summed over the batch where they broadcast it)."""
-    return (g if _need(needs, 0) else None,)
+    return _fit((g,), needs)
 
 
 def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
