@@ -280,11 +280,12 @@ def test_add_layer_tricky_names():
 
 
 def test_layers_by_dotted_name():
-    """Every submodule under its dotted name (containers too, the root not), the live
-    module itself, which follows .double() (it changes the tensors, not the modules)."""
+    """Every submodule under its dotted name (containers too, the root under "": it holds
+    top-level free parameters), the live module itself, which follows .double() (it changes
+    the tensors, not the modules)."""
     root = _build()
     L = common.layers(root)
-    assert set(TRICKY_PATHS) <= set(L) and "" not in L
+    assert set(TRICKY_PATHS) <= set(L) and L[""] is root
     assert {"layer1", "layer1.0", "class", "0"} <= set(L)
     assert L["class.predict"] is root._modules["class"]._modules["predict"]
     root.double()
@@ -296,6 +297,22 @@ def test_layers_by_dotted_name():
         assert torch.equal(gpu.linear(x, again["double"]), root._modules["double"](x))
     view = again.within("layer1.0")
     assert view["conv1"] is again["layer1.0.conv1"] and view.path("bn1") == "layer1.0.bn1"
+    assert view[""] is again["layer1.0"] and view.path("") == "layer1.0"
+    assert again.within("")["layer1"] is again["layer1"]
+
+
+def test_free_parameters_join_their_holder_and_survive_a_later_layer():
+    """add_layer with a Parameter registers it on the parent path; a layer added later at
+    that parent path takes over what the placeholder container held."""
+    root = nn.Module()
+    common.add_layer(root, "class_token", nn.Parameter(torch.zeros(1, 1, 4)))
+    common.add_layer(root, "enc.pos", nn.Parameter(torch.ones(3)))
+    common.add_layer(root, "enc", nn.Linear(2, 2))
+    assert list(root.state_dict()) == ["class_token", "enc.weight", "enc.bias", "enc.pos"]
+    grads: dict = {}
+    common.collect(grads, common.layers(root), "", class_token=torch.ones(1, 1, 4))
+    common.collect(grads, common.layers(root).within("enc"), "", pos=torch.ones(3))
+    assert set(grads) == {"class_token", "enc.pos"}
 
 
 def test_layers_lists_shared_modules_under_every_name():
