@@ -104,9 +104,17 @@ def _differentiable(t: Any) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point() and t.requires_grad
 
 
+def _param(layer: nn.Module | None, name: str) -> Tensor | None:
+    """The layer's parameter by its registry name, a dotted one (``out_proj.weight``)
+    through the submodules; None where it is absent."""
+    for part in name.split("."):
+        layer = getattr(layer, part, None)
+    return layer
+
+
 def _slots(op: OpSpec, s: Sample) -> tuple[bool, ...]:
     """Which gradients exist: one per input (float leaves), then one per present parameter."""
-    params = [getattr(s.layer, p.name, None) is not None for p in op.params]
+    params = [_param(s.layer, p.name) is not None for p in op.params]
     return tuple(_differentiable(t) for t in s.inputs) + tuple(params)
 
 
@@ -184,7 +192,7 @@ def _output_grad(ref: Tensor) -> Tensor:
 
 def _reference_grads(run: Run, ref: Tensor, g: Tensor) -> list[Tensor | None]:
     """torch.autograd's gradient for each slot (None where the slot has none)."""
-    params = [getattr(run.s.layer, p.name, None) for p in run.op.params]
+    params = [_param(run.s.layer, p.name) for p in run.op.params]
     slots = [*run.s.inputs, *params]
     leaves = [t for t in slots if _differentiable(t)]
     grads = iter(torch.autograd.grad(ref, leaves, g))
@@ -623,6 +631,7 @@ TORCH_CALLS = {
 F_CALLS = {
     "conv2d", "conv_transpose2d", "linear", "gelu", "leaky_relu", "max_pool2d", "avg_pool2d",
     "pad", "log_softmax",
+    "softmax",  # attention
 }  # fmt: skip
 TENSOR_METHODS = {
     "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand",  # views

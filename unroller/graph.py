@@ -739,6 +739,8 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
         if isinstance(v, float) and abs(v) > MAX_FLOAT:
             raise bad(f" (at most {MAX_FLOAT:g} in magnitude)")
 
+    if value is None and spec.optional:  # not given: the kernels' None
+        return None
     if spec.type == "int":
         if not is_int(value):
             raise bad()

@@ -42,6 +42,7 @@ class ArgSpec:
     min: float | None = None
     max: float | None = None
     choices: tuple[str, ...] | None = None
+    optional: bool = False  # no value given: None (which TOML cannot spell as a default)
 
     @property
     def required(self) -> bool:
@@ -94,6 +95,9 @@ class ModuleSpec:
     cls: str  # "torch.nn.Conv2d"
     args: tuple[str, ...] = ()
     kwargs: tuple[str, ...] = ()
+    #: constant keywords always passed, whatever the op's arguments: the class's form that
+    #: matches the op (``batch_first = true`` for torch.nn.MultiheadAttention)
+    fixed: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -230,11 +234,12 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         args[arg_name] = ArgSpec(
             name=arg_name,
             type=arg["type"],
-            default=arg.get("default", _MISSING),
+            default=arg.get("default", None if arg.get("optional") else _MISSING),
             default_from=arg.get("default_from"),
             min=arg.get("min"),
             max=arg.get("max"),
             choices=tuple(arg["choices"]) if "choices" in arg else None,
+            optional=bool(arg.get("optional", False)),
         )
     spec = OpSpec(
         name=name,
@@ -282,12 +287,23 @@ def _module_spec(where: str, raw: Any) -> ModuleSpec | None:
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("class"), str):
         raise RegistryError(f'{where}: module must be {{ class = "torch.nn.X", args, kwargs }}')
-    if set(raw) - {"class", "args", "kwargs"}:
-        raise RegistryError(f"{where}: module keys are class, args and kwargs")
+    if set(raw) - {"class", "args", "kwargs", "fixed"}:
+        raise RegistryError(f"{where}: module keys are class, args, kwargs and fixed")
     names = [*raw.get("args", []), *raw.get("kwargs", [])]
     if not all(isinstance(n, str) and n.isidentifier() for n in names):
         raise RegistryError(f"{where}: module args and kwargs are argument names")
-    return ModuleSpec(raw["class"], tuple(raw.get("args", ())), tuple(raw.get("kwargs", ())))
+    fixed = raw.get("fixed", {})
+    if not isinstance(fixed, dict) or not all(
+        isinstance(k, str) and k.isidentifier() and isinstance(v, (bool, int, float, str))
+        for k, v in fixed.items()
+    ):
+        raise RegistryError(f"{where}: module fixed maps keyword names to constants")
+    return ModuleSpec(
+        raw["class"],
+        tuple(raw.get("args", ())),
+        tuple(raw.get("kwargs", ())),
+        tuple(fixed.items()),
+    )
 
 
 def _kernels(where: str, raw: Any) -> dict[str, str]:
