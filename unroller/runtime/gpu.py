@@ -597,6 +597,14 @@ def _mha_tensors(layer: torch.nn.Module) -> tuple[Tensor, Tensor | None, Tensor,
     return layer.in_proj_weight, getattr(layer, "in_proj_bias", None), out_weight, out_bias
 
 
+def _heads(t: Tensor, num_heads: int) -> Tensor:
+    """[L, N, E] -> [N, H, L, E/H] by views, as F.multi_head_attention_forward splits heads."""
+    length, n, embed = t.shape
+    head_dim = embed // num_heads
+    t = t.view(length, n * num_heads, head_dim).transpose(0, 1)
+    return t.view(n, num_heads, length, head_dim)
+
+
 def multihead_attention(
     x: Tensor, layer: torch.nn.Module, *, num_heads: int, is_causal: bool = False
 ) -> tuple[Tensor, ...]:
@@ -606,15 +614,10 @@ def multihead_attention(
     [N, L, E]. Returns (y, q, k, v, probs, context): q, k, v [N, H, L, E/H] and the probs
     for the attention backward, the context [N, L, E] (a view) for the out-projection's."""
     n, length, embed = x.shape
-    head_dim = embed // num_heads
     w_in, b_in, w_out, b_out = _mha_tensors(layer)
     proj = torch.nn.functional.linear(x.transpose(1, 0), w_in, b_in)
     proj = proj.unflatten(-1, (3, embed)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
-    q, k, v = (
-        proj[i].view(length, n * num_heads, head_dim).transpose(0, 1)
-        .view(n, num_heads, length, head_dim)
-        for i in range(3)
-    )  # fmt: skip
+    q, k, v = (_heads(proj[i], num_heads) for i in range(3))
     y, probs = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     context = y.permute(2, 0, 1, 3).reshape(length * n, embed)
     out = torch.nn.functional.linear(context, w_out, b_out).view(length, n, embed)
