@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from unroller.api import graph_from_text
 from unroller.codegen import Options, layer_lines
 from unroller.errors import ModelError
+from unroller.registry import RegistryError, load_registry
 from unroller.runtime import gpu, ipu, ipu_device
 from unroller.schemes import SCHEMES
 
@@ -300,6 +301,26 @@ def test_sdpa_scale_is_optional_and_left_out_when_absent():
     node = graph.node("a")
     assert node.args == {"is_causal": True, "scale": None}
     assert node.kernel_kwargs == {"is_causal": True, "scale": None}
+
+
+def test_registry_optional_argument_and_fixed_module_keywords(tmp_path: Path):
+    """The two registry fields the family needed: ``optional`` (None when not given) and the
+    module's ``fixed`` keywords, which must be constants."""
+    ops = load_registry()
+    scale = ops["scaled_dot_product_attention"].args["scale"]
+    assert scale.optional and not scale.required and scale.default is None
+    assert ops["multihead_attention"].module.fixed == (("batch_first", True),)
+    entry = (
+        '[twice]\ndoc = "x"\nkind = "layer"\ninputs = ["x"]\nshape = "linear"\n'
+        'params = [{ name = "weight", shape = "(1,)" }]\n'
+        'module = { class = "torch.nn.Linear", fixed = { bias = [1] } }\n'
+    )
+    bad = tmp_path / "ops.toml"
+    bad.write_text(entry, encoding="utf-8")
+    with pytest.raises(RegistryError, match="fixed maps keyword names to constants"):
+        load_registry((str(bad),))
+    bad.write_text(entry.replace("[1]", "false"), encoding="utf-8")
+    assert load_registry((str(bad),))["twice"].module.fixed == (("bias", False),)
 
 
 # ---------------------------------------------------------------- whole models
