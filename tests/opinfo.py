@@ -593,6 +593,97 @@ def rel(a: Tensor, b: Tensor) -> float:
     return ((a - b).norm() / max(b.norm().item(), 1e-300)).item()
 
 
+# ---------------------------------------------------------------- attention
+
+# The references run torch's math attention (SDPBackend.MATH), the path the gpu kernels follow
+# op for op, so the gpu kernels equal it bit for bit. With q, k, v of one head size torch's
+# default CPU backend is a fused flash kernel that rounds differently (tests/test_attention.py
+# compares the kernels with that default to 1e-10 in float64).
+
+# q length, k/v length, head size of q and k, head size of v, is_causal, scale (None: omitted)
+SDPA_CASES = [
+    (4, 4, 5, 5, False, None),
+    (4, 6, 5, 7, False, None),  # cross-attention shapes: S != L, v's head size differs
+    (5, 5, 3, 3, True, None),
+    (3, 6, 4, 2, True, None),  # causal with more keys than queries
+    (6, 3, 4, 4, True, None),  # causal with fewer keys: every row keeps key 0
+    (4, 5, 6, 6, False, 0.3),
+    (4, 4, 2, 3, True, -0.5),  # a negative scale: its sign goes on q
+    (3, 4, 5, 5, False, 0.0),  # uniform attention
+]
+
+
+def _math_attention() -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _sdpa_case(lq: int, lk: int, e: int, ev: int, causal: bool, scale: float | None) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        q, k = randn(2, 3, lq, e, dtype=dtype), randn(2, 3, lk, e, dtype=dtype)
+        v = randn(2, 3, lk, ev, dtype=dtype)
+        kwargs: dict[str, Any] = dict(is_causal=causal)
+        if scale is not None:
+            kwargs["scale"] = scale
+        return Sample((q, k, v), kwargs=kwargs)
+
+    label = f"L{lq}-S{lk}-E{e}-Ev{ev}-{'causal' if causal else 'full'}-scale{scale}"
+    return Case(label, make)
+
+
+def _sdpa_peaked(dtype: torch.dtype) -> Sample:
+    """Large scores: softmax rows close to one-hot (probabilities near 0 and 1)."""
+    _seeded()
+    q = leaf(8 * torch.randn(1, 2, 4, 3, dtype=dtype))
+    return Sample((q, randn(1, 2, 4, 3, dtype=dtype), randn(1, 2, 4, 3, dtype=dtype)))
+
+
+def _sdpa_reference(s: Sample, ctx: Ctx) -> Tensor:
+    with _math_attention():
+        return F.scaled_dot_product_attention(*s.inputs, **s.kwargs)
+
+
+# embed dim, heads, length, bias, is_causal
+MHA_CASES = [
+    (6, 2, 4, True, False),
+    (6, 3, 5, True, True),
+    (8, 1, 3, False, False),  # one head, no biases
+    (8, 4, 4, False, True),
+    (4, 4, 1, True, False),  # head size 1, one token
+]
+
+
+def _mha_case(embed: int, heads: int, length: int, bias: bool, causal: bool) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        layer = nn.MultiheadAttention(embed, heads, bias=bias, batch_first=True).to(dtype)
+        if bias:  # torch initialises them to zero: give them values, so their use is checked
+            with torch.no_grad():
+                layer.in_proj_bias.copy_(torch.randn(3 * embed))
+                layer.out_proj.bias.copy_(torch.randn(embed))
+        kwargs: dict[str, Any] = dict(num_heads=heads)
+        if causal:
+            kwargs["is_causal"] = True
+        return Sample((randn(2, length, embed, dtype=dtype),), layer, kwargs)
+
+    label = f"E{embed}-H{heads}-L{length}-{'bias' if bias else 'nobias'}-causal{causal}"
+    return Case(label, make)
+
+
+def _mha_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """The module as nn.TransformerEncoderLayer calls it: need_weights=False and, for a causal
+    op, is_causal with the causal mask it stands for."""
+    x = s.inputs[0]
+    causal = s.kwargs.get("is_causal", False)
+    mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+    with _math_attention():
+        return s.layer(
+            x, x, x, need_weights=False, is_causal=causal, attn_mask=mask if causal else None
+        )[0]
+
+
 # ---------------------------------------------------------------- the table
 
 _SAME_OP = dict(exact_forward=PLATFORMS, exact_grads=PLATFORMS)  # ipu computes as torch does
@@ -944,6 +1035,12 @@ ROWS: tuple[OpInfo, ...] = (
         (Case("probabilities", _probabilities), Case("extremes", _extreme_logits, (F64,))),
     ),
     *SHAPEOP_ROWS,
+    OpInfo(
+        "scaled_dot_product_attention",
+        _sdpa_reference,
+        tuple(_sdpa_case(*c) for c in SDPA_CASES) + (Case("peaked", _sdpa_peaked),),
+    ),
+    OpInfo("multihead_attention", _mha_reference, tuple(_mha_case(*c) for c in MHA_CASES)),
 )
 
 BY_NAME: dict[str, OpInfo] = {row.name: row for row in ROWS}

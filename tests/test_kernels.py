@@ -109,7 +109,15 @@ def _layer_params(op: OpSpec, s: Sample) -> list[Tensor | None]:
     keyword names), None where absent."""
     if op.free:
         return [getattr(s.layer, s.kwargs["name"])]
-    return [getattr(s.layer, p.name, None) for p in op.params]
+    return [_param(s.layer, p.name) for p in op.params]
+
+
+def _param(layer: nn.Module | None, name: str) -> Tensor | None:
+    """The layer's parameter by its registry name, a dotted one (``out_proj.weight``)
+    through the submodules; None where it is absent."""
+    for part in name.split("."):
+        layer = getattr(layer, part, None)
+    return layer
 
 
 def _slots(op: OpSpec, s: Sample) -> tuple[bool, ...]:

@@ -530,7 +530,7 @@ def layer_lines(graph: Graph) -> list[tuple[str, str, str]]:
         ctor = CallExpr(
             Global(spec.cls),
             tuple(Const(env[a]) for a in spec.args),
-            Emitter.kwargs(kwargs),
+            Emitter.kwargs({**kwargs, **dict(spec.fixed)}),
         )
         layers.append(
             (safe.comment_text(node.text), safe.literal(node.name), safe.code(render_expr(ctor)))

@@ -96,6 +96,9 @@ class ModuleSpec:
     cls: str  # "torch.nn.Conv2d"
     args: tuple[str, ...] = ()
     kwargs: tuple[str, ...] = ()
+    #: constant keywords always passed, whatever the op's arguments: the class's form that
+    #: matches the op (``batch_first = true`` for torch.nn.MultiheadAttention)
+    fixed: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -297,12 +300,23 @@ def _module_spec(where: str, raw: Any) -> ModuleSpec | None:
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("class"), str):
         raise RegistryError(f'{where}: module must be {{ class = "torch.nn.X", args, kwargs }}')
-    if set(raw) - {"class", "args", "kwargs"}:
-        raise RegistryError(f"{where}: module keys are class, args and kwargs")
+    if set(raw) - {"class", "args", "kwargs", "fixed"}:
+        raise RegistryError(f"{where}: module keys are class, args, kwargs and fixed")
     names = [*raw.get("args", []), *raw.get("kwargs", [])]
     if not all(isinstance(n, str) and n.isidentifier() for n in names):
         raise RegistryError(f"{where}: module args and kwargs are argument names")
-    return ModuleSpec(raw["class"], tuple(raw.get("args", ())), tuple(raw.get("kwargs", ())))
+    fixed = raw.get("fixed", {})
+    if not isinstance(fixed, dict) or not all(
+        isinstance(k, str) and k.isidentifier() and isinstance(v, (bool, int, float, str))
+        for k, v in fixed.items()
+    ):
+        raise RegistryError(f"{where}: module fixed maps keyword names to constants")
+    return ModuleSpec(
+        raw["class"],
+        tuple(raw.get("args", ())),
+        tuple(raw.get("kwargs", ())),
+        tuple(fixed.items()),
+    )
 
 
 def _kernels(where: str, raw: Any) -> dict[str, str]:

@@ -630,6 +630,80 @@ def _show(values: tuple) -> str:
     return f"({inner},)" if len(values) == 1 else f"({inner})"
 
 
+# ---------------------------------------------------------------- attention
+
+
+def _attention_operand(op: str, t: TensorType, name: str, index: int) -> tuple[Dim, ...]:
+    """One of q, k, v: float, [N, H, length, E]."""
+    if t.rank != 4:
+        raise ShapeError(f"{op} needs {name} as a 4-D tensor [N, H, L, E], got {t}", index)
+    _float(op, t, index)
+    return t.shape
+
+
+def scaled_dot_product_attention(
+    op: str, inputs: list[TensorType], args: dict[str, Any]
+) -> ShapeResult:
+    """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> [N, H, L, Ev]; one dtype. The
+    attention probabilities [N, H, L, S] are kept for the backward (``probs_shape``)."""
+    q, k, v = inputs
+    _, heads, length, embed = _attention_operand(op, q, "q", 0)
+    _, k_heads, k_length, k_embed = _attention_operand(op, k, "k", 1)
+    _, v_heads, v_length, v_embed = _attention_operand(op, v, "v", 2)
+    for index, t in ((1, k), (2, v)):
+        if t.dtype != q.dtype:
+            raise ShapeError(f"{op}: q is {q} but {'kv'[index - 1]} is {t}: one dtype", index)
+    if k_heads != heads:
+        raise ShapeError(f"{op}: k has {k_heads} heads (dim 1) but q has {heads}", 1)
+    if k_embed != embed:
+        raise ShapeError(
+            f"{op}: k's last dim is {k_embed} but q's is {embed} (q k^T needs them equal)", 1
+        )
+    if v_heads != heads:
+        raise ShapeError(f"{op}: v has {v_heads} heads (dim 1) but q has {heads}", 2)
+    if v_length != k_length:
+        raise ShapeError(
+            f"{op}: v has length {v_length} (dim 2) but k has {k_length}: one value per key", 2
+        )
+    return ShapeResult(
+        TensorType(q.dtype, (BATCH, heads, length, v_embed)),
+        {"probs_shape": (BATCH, heads, length, k_length)},
+    )
+
+
+def multihead_attention(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """Self-attention on x [N, L, E] -> [N, L, E]: E divisible by num_heads. Derives
+    ``embed_dim`` (the module's size), ``head_shape`` [N, H, L, E/H] (q, k, v kept for the
+    backward) and ``probs_shape`` [N, H, L, L]. Attention dropout is refused: it draws inside
+    torch's SDPA from a random stream no kernel here can reproduce."""
+    (x,) = inputs
+    if x.rank != 3:
+        raise ShapeError(f"{op} needs a 3-D input [N, L, E], got {x}", 0)
+    _float(op, x)
+    _, length, embed = x.shape
+    heads = args["num_heads"]
+    if embed % heads:  # type: ignore[operator]
+        raise ShapeError(
+            f"{op}: embed_dim {embed} (the last dim of x) is not divisible by num_heads {heads}",
+            arg="num_heads",
+        )
+    if args["dropout"] != 0.0:
+        raise ShapeError(
+            f"{op}: dropout={args['dropout']} is not supported (attention dropout draws inside "
+            f"torch's scaled_dot_product_attention, a random stream the unrolled backward "
+            f"cannot replay); use dropout=0.0",
+            arg="dropout",
+        )
+    return ShapeResult(
+        x,
+        {
+            "embed_dim": embed,
+            "head_shape": (BATCH, heads, length, embed // heads),  # type: ignore[operator]
+            "probs_shape": (BATCH, heads, length, length),
+        },
+    )
+
+
 def rule(name: str) -> Rule:
     """The rule a registry entry names: a function here, or ``module:function``."""
     if ":" in name:

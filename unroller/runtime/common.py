@@ -29,6 +29,7 @@ PopTorch through ``collect``).
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -115,6 +116,19 @@ def _norm_tensors(layer: Any) -> tuple[Tensor | None, ...]:
         getattr(layer, "running_var", None),
         getattr(layer, "num_batches_tracked", None),
     )
+
+
+# ---------------------------------------------------------------- attention scaling
+
+
+def _attention_factors(embed: int, scale: float | None) -> tuple[float, float]:
+    """The factors ATen's math attention multiplies q and k^T by: each is the square root of
+    the softmax scale (1 / sqrt(E) when None), so that q k^T * scale is formed from two
+    better-scaled operands; a negative scale puts its sign on q's factor. Computed in
+    double precision as ATen does (sdp::calculate_scale, then sqrt)."""
+    softmax_scale = 1.0 / math.sqrt(embed) if scale is None else scale
+    root = math.sqrt(abs(softmax_scale))
+    return (-root if softmax_scale < 0 else root), root
 
 
 # ---------------------------------------------------------------- kernels shared by both

@@ -23,6 +23,7 @@ from unroller.runtime.common import (  # noqa: F401
     Grads,
     Needs,
     Pair,
+    _attention_factors,
     _exports,
     _fit,
     _need,
@@ -583,6 +584,140 @@ def log_softmax_backward(
     if not _need(needs, 0):
         return (None,)
     return (torch._log_softmax_backward_data(g, y, dim, y.dtype),)
+# ---------------------------------------------------------------- attention
+
+
+def _causal_mask(q: Tensor, key_length: int) -> Tensor:
+    """ATen's causal mask for the math path: 0 on and below the diagonal, -inf above."""
+    keep = torch.ones(q.shape[-2], key_length, dtype=torch.bool, device=q.device).tril()
+    return torch.where(keep, q.new_zeros(()), q.new_full((), float("-inf")))
+
+
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """F.scaled_dot_product_attention as ATen's math path computes it (the path autograd
+    differentiates on the CPU): softmax((q * a) @ (k^T * b) [+ causal mask]) @ v with
+    a * b the softmax scale. Returns (output, probs); the backward reads q, k, v and probs."""
+    qa, kb = _attention_factors(q.shape[-1], scale)
+    attn = torch.matmul(q.mul(qa), k.transpose(-2, -1).mul(kb))
+    if is_causal:
+        attn.add_(_causal_mask(q, k.shape[-2]))
+    probs = _aten._safe_softmax(attn, -1)
+    return torch.matmul(probs, v), probs
+
+
+def scaled_dot_product_attention_backward(
+    g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor,
+    *,
+    scale: float | None = None,
+    needs: Needs | None = None,
+) -> Grads:
+    """The math path's autograd backward, op for op: bmm backward of probs @ v, then
+    aten::_softmax_backward_data, then bmm backward of (q * a) @ (k^T * b), each batched
+    matmul on the [N*H, ., .] views autograd uses."""
+    if not any(_need(needs, i) for i in range(3)):
+        return _fit((), needs)
+    n, h, length, embed = q.shape
+    keys = k.shape[-2]
+    g3 = g.reshape(n * h, length, g.shape[-1])
+    p3 = probs.reshape(n * h, length, keys)
+    gv = p3.transpose(1, 2).bmm(g3).view(v.shape) if _need(needs, 2) else None
+    if not (_need(needs, 0) or _need(needs, 1)):
+        return _fit((None, None, gv), needs)
+    gp = g3.bmm(v.reshape(n * h, keys, v.shape[-1]).transpose(1, 2)).view(probs.shape)
+    gattn = _aten._softmax_backward_data(gp, probs, -1, probs.dtype).view(n * h, length, keys)
+    qa, kb = _attention_factors(embed, scale)
+    gq = gk = None
+    if _need(needs, 1):
+        q3 = q.mul(qa).reshape(n * h, length, embed)
+        gk = q3.transpose(1, 2).bmm(gattn).view(n, h, embed, keys).mul(kb).transpose(-2, -1)
+    if _need(needs, 0):
+        kt = k.transpose(-2, -1).mul(kb).reshape(n * h, embed, keys)
+        gq = gattn.bmm(kt.transpose(1, 2)).view(q.shape).mul(qa)
+    return _fit((gq, gk, gv), needs)
+
+
+def _mha_tensors(layer: torch.nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias (biases None without)."""
+    out_weight, out_bias = _weight_bias(layer.out_proj)
+    return layer.in_proj_weight, getattr(layer, "in_proj_bias", None), out_weight, out_bias
+
+
+def _heads(t: Tensor, num_heads: int) -> Tensor:
+    """[L, N, E] -> [N, H, L, E/H] by views, as F.multi_head_attention_forward splits heads."""
+    length, n, embed = t.shape
+    head_dim = embed // num_heads
+    t = t.view(length, n * num_heads, head_dim).transpose(0, 1)
+    return t.view(n, num_heads, length, head_dim)
+
+
+def multihead_attention(
+    x: Tensor, layer: torch.nn.Module, *, num_heads: int, is_causal: bool = False
+) -> tuple[Tensor, ...]:
+    """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False) as
+    F.multi_head_attention_forward computes it: the packed in-projection of x seen as
+    [L, N, E], heads split as views, the math attention, the out-projection, back to
+    [N, L, E]. Returns (y, q, k, v, probs, context): q, k, v [N, H, L, E/H] and the probs
+    for the attention backward, the context [N, L, E] (a view) for the out-projection's."""
+    n, length, embed = x.shape
+    w_in, b_in, w_out, b_out = _mha_tensors(layer)
+    proj = torch.nn.functional.linear(x.transpose(1, 0), w_in, b_in)
+    proj = proj.unflatten(-1, (3, embed)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+    q, k, v = (_heads(proj[i], num_heads) for i in range(3))
+    y, probs = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    context = y.permute(2, 0, 1, 3).reshape(length * n, embed)
+    out = torch.nn.functional.linear(context, w_out, b_out).view(length, n, embed)
+    return out.transpose(1, 0), q, k, v, probs, context.view(length, n, embed).transpose(1, 0)
+
+
+def multihead_attention_backward(
+    g: Tensor,
+    x: Tensor,
+    layer: torch.nn.Module,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor,
+    context: Tensor,
+    *,
+    needs: Needs | None = None,
+) -> Grads:
+    """Autograd's backward of the forward above, op for op: addmm's for the out-projection
+    (rows in [L, N] order), the attention's, the head views undone, then the packed
+    in-projection's (its bias gradient summed over [L, N], as sum_to does). Gradients:
+    x, in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias."""
+    if not any(_need(needs, i) for i in range(5)):
+        return _fit((), needs)
+    n, length, embed = x.shape
+    w_in, _, w_out, _ = _mha_tensors(layer)
+    g2 = g.transpose(1, 0).reshape(length * n, embed)
+    g_w_out = g_b_out = gx = g_w_in = g_b_in = None
+    if _need(needs, 3):
+        g_w_out = g2.t().mm(context.transpose(1, 0).reshape(length * n, embed))
+    if _need(needs, 4):
+        g_b_out = g2.sum(0, keepdim=True).view(embed)
+    if any(_need(needs, i) for i in range(3)):
+        heads, head_dim = q.shape[1], q.shape[3]
+        g_y = g2.mm(w_out).view(length, n, heads, head_dim).permute(1, 2, 0, 3)
+        grads = scaled_dot_product_attention_backward(g_y, q, k, v, probs)
+        parts = [
+            t.reshape(n * heads, length, head_dim).transpose(0, 1).reshape(length, n, embed)
+            for t in grads
+        ]
+        g_proj = torch.stack(parts, 2).view(length, n, 3 * embed)
+        if _need(needs, 2):
+            g_b_in = g_proj.sum((0, 1), keepdim=True).view(3 * embed)
+        g_proj2 = g_proj.view(length * n, 3 * embed)
+        if _need(needs, 1):
+            g_w_in = g_proj2.t().mm(x.transpose(1, 0).reshape(length * n, embed))
+        if _need(needs, 0):
+            gx = g_proj2.mm(w_in).view(length, n, embed).transpose(1, 0)
+    return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs)
 
 
 __all__ = _exports(globals())
