@@ -243,6 +243,7 @@ class GraphBuilder:
         self.all_names: dict[str, Loc] = {}
         self.warnings: list[ModelWarning] = []
         self.parameter_elements = 0
+        self.float_dtype = "f32"  # the model's float dtype (set by build)
 
     # -- entry point -------------------------------------------------------------------
 
@@ -251,6 +252,7 @@ class GraphBuilder:
         inputs: list[Value] = []
         scope = _Scope({}, {}, set(), {}, "", (), ())
         first_float = next((d for d in model.decls if d.dtype in FLOAT_DTYPES), None)
+        self.float_dtype = first_float.dtype if first_float else "f32"
         for decl in model.decls:
             if first_float and decl.dtype in FLOAT_DTYPES and decl.dtype != first_float.dtype:
                 raise ModelError(
@@ -394,6 +396,8 @@ class GraphBuilder:
             elif exc.arg is not None:
                 loc = next((kw.loc for kw in stmt.kwargs if kw.name == exc.arg), loc)
             raise ModelError(f"{full_name}: {exc.message}", loc, hint) from None
+        if result.type.dtype == shapes.MODEL_FLOAT:  # a float made from integers (embedding)
+            result.type = TensorType(self.float_dtype, result.type.shape)
         problem = size_problem(result.type.shape)
         if problem:
             raise ModelError(
@@ -739,6 +743,8 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
         if isinstance(v, float) and abs(v) > MAX_FLOAT:
             raise bad(f" (at most {MAX_FLOAT:g} in magnitude)")
 
+    if value is None and spec.default is None:  # an optional argument left unset
+        return None
     if spec.type == "int":
         if not is_int(value):
             raise bad()
