@@ -640,7 +640,7 @@ def _embedding_case(
         if padding_idx is not None:
             ids.view(-1)[:2] = padding_idx % num
         kwargs = {} if defaults else {"padding_idx": padding_idx}
-        return Sample((ids,), layer, kwargs, derived=dict(num_embeddings=num))
+        return Sample((ids,), layer, kwargs)
 
     return Case(label, make)
 

@@ -636,6 +636,9 @@ TENSOR_METHODS = {
     "sum", "mean", "square", "abs", "neg", "reciprocal", "matmul", "add_", "mul_",
     "new_zeros", "dim", "numel",
 }  # fmt: skip
+# v2 activations, losses and embedding (all on PopTorch's list)
+TORCH_CALLS |= {"reciprocal", "scatter_add"}
+F_CALLS |= {"hardtanh", "silu", "elu", "softplus", "embedding"}
 PYTHON_METHODS = {"get", "clear", "append", "items", "values"}
 HOST_CALLS = {"math": {"sqrt", "floor", "factorial"}, "struct": {"pack", "unpack"}}  # constants
 FORBIDDEN_NAMES = {

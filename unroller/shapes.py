@@ -314,8 +314,10 @@ def cross_entropy(op: str, inputs: list[TensorType], args: dict[str, Any]) -> Sh
     want = (BATCH, *scores.shape[2:])
     if target.dtype != "i64" or target.shape != want:
         expected = f"i64[{', '.join(map(str, want))}]"
-        extra = "" if scores.rank == 2 else f" (the dims of {scores} without C)"
-        raise ShapeError(f"{op} needs class indices {expected} as its target{extra}, got {target}", 1)
+        extra = "" if scores.rank == 2 else f" (the dims of {scores} without C, dim 1)"
+        raise ShapeError(
+            f"{op} needs class indices {expected} as its target{extra}, got {target}", 1
+        )
     return ShapeResult(TensorType(scores.dtype, ()), {"num_classes": scores.shape[1]})
 
 
@@ -338,7 +340,7 @@ def embedding(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeR
     """ids i64[N, ...] -> [N, ..., embedding_dim] in the model's float dtype; padding_idx, if
     given, must index a row (torch.nn.Embedding allows -num_embeddings .. num_embeddings-1)."""
     (ids,) = inputs
-    if ids.dtype not in ("i64", "i32"):
+    if ids.dtype != "i64":
         raise ShapeError(f"{op} needs integer ids i64[N, ...], got {ids}", 0)
     n, pad = args["num_embeddings"], args["padding_idx"]
     if pad is not None and not -n <= pad < n:

@@ -434,8 +434,8 @@ def embedding(ids: Tensor, layer: torch.nn.Module, *, padding_idx: int | None = 
 def embedding_backward(
     g: Tensor,
     ids: Tensor,
+    layer: torch.nn.Module,
     *,
-    num_embeddings: int,
     padding_idx: int | None = None,
     needs: Needs | None = None,
 ) -> Grads:
@@ -443,6 +443,7 @@ def embedding_backward(
     whose padding_idx row stays zero."""
     if not _need(needs, 1):
         return _fit((None, None), needs)
+    num_embeddings = layer.weight.shape[0]
     pad = _padding_row(padding_idx, num_embeddings)
     gw = _aten.embedding_dense_backward(g, ids, num_embeddings, pad, False)
     return _fit((None, gw), needs)

@@ -616,8 +616,8 @@ def embedding(ids: Tensor, layer: torch.nn.Module, *, padding_idx: int | None = 
 def embedding_backward(
     g: Tensor,
     ids: Tensor,
+    layer: torch.nn.Module,
     *,
-    num_embeddings: int,
     padding_idx: int | None = None,
     needs: Needs | None = None,
 ) -> Grads:
@@ -625,6 +625,7 @@ def embedding_backward(
     table at the ids; the padding_idx row (negative: from the end) stays zero."""
     if not _need(needs, 1):
         return _fit((None, None), needs)
+    num_embeddings = layer.weight.shape[0]
     dim = g.shape[-1]
     rows = g.reshape(-1, dim)
     index = ids.reshape(-1, 1).expand(rows.shape)
