@@ -44,6 +44,11 @@ gradient is written out:
 * maxpool2d NaN: a window whose maximum is NaN selects nothing (gradient 0 there), where
   PyTorch routes the gradient to the window's last NaN. All finite / infinite inputs match.
 * dropout draws from torch.rand, a different stream from the gpu kernel's.
+* v2: relu6 / hardtanh / hardsigmoid / hardswish / silu / mish / elu / softplus gradients are
+  aten's formulas written out; cross_entropy and nll_loss take [N, C, d1, ...] with targets
+  [N, d1, ...] (one-hot by comparison with arange(C), label smoothing in closed form:
+  (softmax - (1 - ls) one_hot - ls / C) * g / count); embedding's weight gradient is a
+  scatter_add of g's rows into a zero table (PopTorch has no embedding backward to call).
 
 The interpolation / averaging matrices and kernel banks depend only on static sizes; on CPU
 and CUDA they are cached, on other devices (the IPU's traced graph) rebuilt per call, so no
@@ -465,7 +470,8 @@ def leaky_relu_backward(
 # ---------------------------------------------------------------- v2 activations
 # relu6, hardtanh, silu, elu and softplus forwards are shared (common.py: one F call each,
 # all on PopTorch's list); hardsigmoid, hardswish and mish are not on it and are written
-# out with aten's own formulas, so they match torch to rounding (bit for bit on the CPU).
+# out with aten's own formulas: hardsigmoid and hardswish match torch bit for bit on the CPU
+# (forward and gradient), mish to rounding (aten's vectorised exp / tanh differ in the last bit).
 
 
 def relu6_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
