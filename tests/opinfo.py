@@ -684,6 +684,106 @@ def _mha_reference(s: Sample, ctx: Ctx) -> Tensor:
         )[0]
 
 
+# ---------------------------------------------------------------- v2: activations, losses, embedding
+
+
+def _wide_case(label: str, kwargs: dict[str, Any], specials: tuple[float, ...]) -> Case:
+    """4 * standard normal (so every piece of a piecewise activation is hit), with the
+    ``specials`` (kinks, the ends of linear ranges, thresholds) placed exactly."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        x = 4 * torch.randn(3, 4, 5, dtype=dtype)
+        x.view(-1)[: len(specials)] = torch.tensor(specials, dtype=dtype)
+        return Sample((leaf(x),), kwargs=kwargs)
+
+    return Case(label, make)
+
+
+_HARD_EDGES = (-3.0, 3.0, 0.0, 6.0, -1.0, 1.0, -0.5, 2.5, 1e-300, -1e-300, 50.0, -50.0)
+
+
+def _kwarg_reference(fn: Callable[..., Tensor]) -> Reference:
+    return lambda s, ctx: fn(s.inputs[0], **s.kwargs)
+
+
+def _ce_nd_case(
+    label: str,
+    shape: tuple[int, ...],
+    kwargs: dict[str, Any],
+    ignored: int = 0,
+    log_probs: bool = False,
+) -> Case:
+    """Scores [N, C, d1, ...] and targets [N, d1, ...]; the first ``ignored`` targets (in
+    flat order; -1: all of them) set to the ignore_index. ``log_probs``: the input is a
+    log_softmax (nll_loss); num_classes is derived for nll_loss's backward."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        n, c, *rest = shape
+        scores = torch.randn(*shape, dtype=dtype)
+        if log_probs:
+            scores = F.log_softmax(scores, 1)
+        target = torch.randint(0, c, (n, *rest))
+        count = target.numel() if ignored < 0 else ignored
+        target.view(-1)[:count] = kwargs.get("ignore_index", -100)
+        return Sample((leaf(scores), target), kwargs=kwargs, derived=dict(num_classes=c))
+
+    return Case(label, make)
+
+
+CROSS_ENTROPY_V2_CASES = (
+    _ce_nd_case("nd3", (3, 4, 5), {}),
+    _ce_nd_case("nd3-ignore", (3, 4, 5), {}, ignored=4),
+    _ce_nd_case("nd4-image", (2, 3, 4, 5), {}, ignored=3),
+    _ce_nd_case("nd5", (2, 3, 2, 3, 2), {}, ignored=2),
+    _ce_nd_case("smooth", (6, 5), {"label_smoothing": 0.1}),
+    _ce_nd_case("smooth-ignore", (6, 5), {"label_smoothing": 0.25}, ignored=2),
+    _ce_nd_case("smooth-nd3-ignore", (3, 4, 5), {"label_smoothing": 0.2}, ignored=5),
+    _ce_nd_case("smooth-nd4", (2, 3, 4, 5), {"label_smoothing": 1.0}, ignored=1),
+    _ce_nd_case("ignore-class2", (6, 5), {"ignore_index": 2}, ignored=1),
+    _ce_nd_case("smooth-ignore-class0", (3, 4, 5), {"label_smoothing": 0.3, "ignore_index": 0}),
+    _ce_nd_case("all-ignored", (4, 3), {}, ignored=-1),
+    _ce_nd_case("smooth-all-ignored", (2, 3, 4), {"label_smoothing": 0.1}, ignored=-1),
+)
+
+NLL_CASES = (
+    _ce_nd_case("2d", (6, 5), {}, log_probs=True),
+    _ce_nd_case("2d-ignore", (6, 5), {}, ignored=2, log_probs=True),
+    _ce_nd_case("nd3-ignore", (3, 4, 5), {}, ignored=3, log_probs=True),
+    _ce_nd_case("nd4", (2, 3, 4, 5), {}, ignored=1, log_probs=True),
+    _ce_nd_case("nd5", (2, 3, 2, 3, 2), {}, log_probs=True),
+    _ce_nd_case("ignore-class1", (3, 4, 5), {"ignore_index": 1}, log_probs=True),
+    _ce_nd_case("all-ignored", (4, 3), {}, ignored=-1, log_probs=True),
+)
+
+
+def _embedding_case(
+    label: str, ids_shape: tuple[int, ...], padding_idx: int | None, defaults: bool = False
+) -> Case:
+    """ids with repeats (rows accumulate several gradients) and, when padding_idx is set,
+    occurrences of it (its row gets none)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        num, dim = 7, 3
+        layer = nn.Embedding(num, dim, padding_idx=padding_idx).to(dtype)
+        ids = torch.randint(0, num, ids_shape)
+        if padding_idx is not None:
+            ids.view(-1)[:2] = padding_idx % num
+        kwargs = {} if defaults else {"padding_idx": padding_idx}
+        return Sample((ids,), layer, kwargs)
+
+    return Case(label, make)
+
+
+EMBEDDING_CASES = (
+    _embedding_case("defaults", (4, 6), None, defaults=True),
+    _embedding_case("pad2", (4, 6), 2),
+    _embedding_case("pad-last-negative", (3, 2, 5), -1),
+    _embedding_case("pad0-3d", (2, 3, 4), 0),
+)
+
 # ---------------------------------------------------------------- the table
 
 _SAME_OP = dict(exact_forward=PLATFORMS, exact_grads=PLATFORMS)  # ipu computes as torch does
@@ -1018,8 +1118,9 @@ ROWS: tuple[OpInfo, ...] = (
     ),
     OpInfo(
         "cross_entropy",
-        lambda s, ctx: F.cross_entropy(*s.inputs),
-        (_cross_entropy_case(()), _cross_entropy_case((2,)), _cross_entropy_case((2, 4))),
+        lambda s, ctx: F.cross_entropy(*s.inputs, **s.kwargs),
+        (_cross_entropy_case(()), _cross_entropy_case((2,)), _cross_entropy_case((2, 4)))
+        + CROSS_ENTROPY_V2_CASES,
         check_extras=_cross_entropy_extras,
     ),
     OpInfo("mse_loss", _two_inputs(F.mse_loss), (Case("normal", _two_normal),)),
@@ -1042,6 +1143,77 @@ ROWS: tuple[OpInfo, ...] = (
     ),
     OpInfo("multihead_attention", _mha_reference, tuple(_mha_case(*c) for c in MHA_CASES)),
 )
+
+V2_ROWS: tuple[OpInfo, ...] = (
+    OpInfo(
+        "relu6",
+        _one_input(F.relu6),
+        (_wide_case("edges", {}, _HARD_EDGES),),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "hardtanh",
+        _kwarg_reference(F.hardtanh),
+        (
+            _wide_case("defaults", {}, _HARD_EDGES),
+            _wide_case("range-2-3", {"min_val": -2.0, "max_val": 3.0}, (-2.0, 3.0, 0.0, 2.9)),
+            _wide_case("empty-range", {"min_val": 0.5, "max_val": 0.5}, (0.5, 0.4, 0.6)),
+        ),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "hardsigmoid",
+        _one_input(F.hardsigmoid),
+        (_wide_case("edges", {}, _HARD_EDGES),),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "hardswish",
+        _one_input(F.hardswish),
+        (_wide_case("edges", {}, _HARD_EDGES),),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "silu",
+        _one_input(F.silu),
+        (_wide_case("edges", {}, (0.0, 1e-300, 40.0, -40.0, 800.0, -800.0)),),
+        **_SAME_FORWARD,
+    ),
+    OpInfo(
+        "mish",
+        _one_input(F.mish),
+        (_wide_case("edges", {}, (0.0, 1e-300, 25.0, -25.0, 800.0, -800.0)),),
+    ),
+    OpInfo(
+        "elu",
+        _kwarg_reference(F.elu),
+        (
+            _wide_case("defaults", {}, (0.0, -1e-300, 1e-300, -50.0, 800.0)),
+            _wide_case("alpha0.5", {"alpha": 0.5}, (0.0, -1e-300, -50.0)),
+            _wide_case("alpha-neg", {"alpha": -1.5}, (0.0, -3.0)),
+        ),
+        **_SAME_FORWARD,
+    ),
+    OpInfo(
+        "softplus",
+        _kwarg_reference(F.softplus),
+        (
+            _wide_case("defaults", {}, (20.0, 20.000001, 19.99, 0.0, -800.0, 800.0)),
+            _wide_case("beta2-t3", {"beta": 2.0, "threshold": 3.0}, (1.5, 1.4999, 1.5001)),
+            _wide_case("beta0.5-t1", {"beta": 0.5, "threshold": 1.0}, (2.0, -2.0)),
+        ),
+        **_SAME_FORWARD,
+    ),
+    OpInfo(
+        "nll_loss",
+        lambda s, ctx: F.nll_loss(*s.inputs, **s.kwargs),
+        NLL_CASES,
+    ),
+    OpInfo("embedding", _layer_reference, EMBEDDING_CASES, **_SAME_FORWARD),
+)
+
+
+ROWS += V2_ROWS
 
 BY_NAME: dict[str, OpInfo] = {row.name: row for row in ROWS}
 

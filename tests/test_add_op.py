@@ -1,6 +1,7 @@
 """Adding an operator is one registry entry plus its kernels; nothing in the core changes.
 
-This test adds `softplus` from outside the package: a registry file and a kernel module
+This test adds `ext_softplus` (softplus, a built-in since v2, under another
+name) from outside the package: a registry file and a kernel module
 written into a temp dir, picked up through UNROLLER_OPS. The generated step must then
 match autograd like every built-in op.
 """
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from conftest import rel_err
 
 REGISTRY_ENTRY = """
-[softplus]
+[ext_softplus]
 doc = "log(1 + exp(beta * x)) / beta"
 kind = "activation"
 inputs = ["x"]
@@ -31,11 +32,11 @@ KERNELS = """
 import torch
 
 
-def softplus(x, *, beta):
+def ext_softplus(x, *, beta):
     return torch.nn.functional.softplus(x, beta=beta)
 
 
-def softplus_backward(g, x, *, beta, needs):
+def ext_softplus_backward(g, x, *, beta, needs):
     return (g * torch.sigmoid(beta * x) if needs[0] else None,)
 """
 
@@ -44,7 +45,7 @@ model with_softplus {
     input x: f32[N, 5]
     target y: f32[N, 3]
     h = linear(x, out_features=4)
-    s = softplus(h, beta=2.0)
+    s = ext_softplus(h, beta=2.0)
     out = linear(s, out_features=3)
     loss = mse_loss(out, y)
     return loss, out
@@ -62,7 +63,7 @@ def test_an_added_op_generates_and_matches_autograd(tmp_path, monkeypatch, build
     module = build(MODEL)
     source = open(module.__file__).read()
     assert "import softplus_kernels as K2" in source
-    assert "K2.softplus_backward(" in source
+    assert "K2.ext_softplus_backward(" in source
 
     torch.manual_seed(0)
     gen = module.Model().double()
@@ -86,6 +87,6 @@ def test_unknown_op_without_the_entry(tmp_path, monkeypatch):
     try:
         graph_from_text(MODEL, "m.txt")
     except ModelError as exc:
-        assert "unknown operator 'softplus'" in exc.message
+        assert "unknown operator 'ext_softplus'" in exc.message
     else:
-        raise AssertionError("softplus should be unknown without its registry entry")
+        raise AssertionError("ext_softplus should be unknown without its registry entry")

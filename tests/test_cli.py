@@ -110,7 +110,7 @@ def test_ops_lists_the_registry():
     result = invoke("ops")
     assert result.exit_code == 0
     assert result.stdout.startswith("conv2d(x, out_channels, kernel_size")
-    assert "cross_entropy(logits, target)" in result.stdout
+    assert "cross_entropy(logits, target, label_smoothing=0.0, ignore_index=-100)" in result.stdout
 
 
 # ---- generate -------------------------------------------------------------------------

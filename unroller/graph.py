@@ -476,6 +476,8 @@ class GraphBuilder:
         if op.free:  # the model's float dtype; the parameter's attribute name
             result.type = TensorType(self.float_dtype, result.type.shape)
             result.derived = {**result.derived, "name": full_name.rpartition(".")[2]}
+        if result.type.dtype == shapes.MODEL_FLOAT:  # a float made from integers (embedding)
+            result.type = TensorType(self.float_dtype, result.type.shape)
         problem = size_problem(result.type.shape)
         if problem:
             raise ModelError(

@@ -242,7 +242,8 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         args[arg_name] = ArgSpec(
             name=arg_name,
             type=arg["type"],
-            default=arg.get("default", _MISSING),
+            # optional = true: the default is None (TOML has no null), as padding_idx=None
+            default=None if arg.get("optional") else arg.get("default", _MISSING),
             default_from=arg.get("default_from"),
             min=arg.get("min"),
             max=arg.get("max"),

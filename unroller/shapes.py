@@ -18,6 +18,9 @@ from typing import Any
 from unroller.dtypes import DTYPES, FLOAT_DTYPES, INT_DTYPES  # noqa: F401 (re-exported)
 
 BATCH = "N"
+#: The dtype a rule gives an output that is floating point whatever its inputs are (an
+#: embedding of integer ids): the graph makes it the model's float dtype.
+MODEL_FLOAT = "float"
 
 #: The largest size of any dim of any tensor, and the largest integer argument.
 MAX_DIM = 2**31 - 1
@@ -343,12 +346,53 @@ def reshape(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeRes
 
 
 def cross_entropy(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
-    logits, target = inputs
-    _float(op, logits, 0)
-    _rank(op, logits, 2, "of logits [N, C]", 0)
-    if target.dtype != "i64" or target.shape != (BATCH,):
-        raise ShapeError(f"{op} needs class indices i64[N] as its target, got {target}", 1)
-    return ShapeResult(TensorType(logits.dtype, ()))
+    """Scores [N, C] with class indices i64[N], or [N, C, d1, ...] with i64[N, d1, ...] (per
+    pixel, per token: the classes are dim 1, as torch); the mean is a scalar. Derives
+    num_classes (C)."""
+    scores, target = inputs
+    what = "of log-probabilities" if op == "nll_loss" else "of logits"
+    _float(op, scores, 0)
+    if scores.rank < 2:
+        raise ShapeError(f"{op} needs an input {what} [N, C] or [N, C, d1, ...], got {scores}", 0)
+    want = (BATCH, *scores.shape[2:])
+    if target.dtype != "i64" or target.shape != want:
+        expected = f"i64[{', '.join(map(str, want))}]"
+        extra = "" if scores.rank == 2 else f" (the dims of {scores} without C, dim 1)"
+        raise ShapeError(
+            f"{op} needs class indices {expected} as its target{extra}, got {target}", 1
+        )
+    return ShapeResult(TensorType(scores.dtype, ()), {"num_classes": scores.shape[1]})
+
+
+def nll_loss(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """As cross_entropy: log-probabilities [N, C, d1, ...], class indices i64[N, d1, ...]."""
+    return cross_entropy(op, inputs, args)
+
+
+def hardtanh(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """same_float, with min_val <= max_val (F.hardtanh refuses the reverse)."""
+    if args["min_val"] > args["max_val"]:
+        raise ShapeError(
+            f"{op}: max_val ({args['max_val']}) must not be less than min_val ({args['min_val']})",
+            arg="max_val",
+        )
+    return same_float(op, inputs, args)
+
+
+def embedding(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """ids i64[N, ...] -> [N, ..., embedding_dim] in the model's float dtype; padding_idx, if
+    given, must index a row (torch.nn.Embedding allows -num_embeddings .. num_embeddings-1)."""
+    (ids,) = inputs
+    if ids.dtype != "i64":
+        raise ShapeError(f"{op} needs integer ids i64[N, ...], got {ids}", 0)
+    n, pad = args["num_embeddings"], args["padding_idx"]
+    if pad is not None and not -n <= pad < n:
+        raise ShapeError(
+            f"{op}: padding_idx {pad} is out of range for num_embeddings={n} "
+            f"(it must be in [{-n}, {n - 1}])",
+            arg="padding_idx",
+        )
+    return ShapeResult(TensorType(MODEL_FLOAT, (*ids.shape, args["embedding_dim"])))
 
 
 def pair_loss(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:

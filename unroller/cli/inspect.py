@@ -134,7 +134,8 @@ def ops() -> None:
             for a in spec.args.values()
         )
         inputs = "*inputs" if spec.variadic else ", ".join(spec.inputs)
-        out.append(f"{name}({inputs}{', ' + args if args else ''})  -- {spec.doc}\n")
+        signature = ", ".join(part for part in (inputs, args) if part)
+        out.append(f"{name}({signature})  -- {spec.doc}\n")
     write_stdout("".join(out))
 
 

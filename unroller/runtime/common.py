@@ -346,6 +346,56 @@ def parameter_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
     return _fit((g,), needs)
 
 
+# ---------------------------------------------------------------- v2 activations (shared)
+#
+# Forwards that are one torch.nn.functional call on both platforms (PopTorch runs Hardtanh,
+# SiLU, ELU and Softplus; on the CPU and CUDA each is the aten op autograd records), and
+# the 1-bit mask kernels: relu6, hardtanh and hardsigmoid's gradients depend on x only
+# through whether it lies strictly inside the linear range.
+
+
+def relu6(x: Tensor) -> Tensor:
+    """F.relu6 is aten::hardtanh(x, 0, 6); the backward reads x (or its mask 0 < x < 6)."""
+    return torch.nn.functional.hardtanh(x, 0.0, 6.0)
+
+
+def relu6_mask(x: Tensor) -> Tensor:
+    """0 < x < 6, as hardtanh_backward decides (NaN counts as inside: its gradient passes)."""
+    return ~((x <= 0.0) | (x >= 6.0))
+
+
+def hardtanh(x: Tensor, *, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    """F.hardtanh; the backward reads x (or its mask min_val < x < max_val)."""
+    return torch.nn.functional.hardtanh(x, min_val, max_val)
+
+
+def hardtanh_mask(x: Tensor, *, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    """min_val < x < max_val, written as aten's hardtanh_backward tests it (x <= min or
+    x >= max gives 0), so a NaN lets the gradient through on both paths."""
+    return ~((x <= min_val) | (x >= max_val))
+
+
+def hardsigmoid_mask(x: Tensor) -> Tensor:
+    """-3 < x < 3: where hardsigmoid's derivative is 1/6 (0 elsewhere, and for NaN)."""
+    return (x > -3.0) & (x < 3.0)
+
+
+def silu(x: Tensor) -> Tensor:
+    """F.silu (aten::silu); the backward reads x."""
+    return torch.nn.functional.silu(x)
+
+
+def elu(x: Tensor, *, alpha: float = 1.0) -> Tensor:
+    """F.elu (aten::elu, scale 1, input_scale 1); the backward reads x, as autograd's
+    out-of-place elu does (elu_backward with is_result=False)."""
+    return torch.nn.functional.elu(x, alpha)
+
+
+def softplus(x: Tensor, *, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
+    """F.softplus (aten::softplus); the backward reads x."""
+    return torch.nn.functional.softplus(x, beta, threshold)
+
+
 def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
     """Why a node with these args cannot run on this platform, or None: every op and argument
     runs here. The code generator asks before emitting a call (ipu overrides this)."""

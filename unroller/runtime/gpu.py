@@ -14,6 +14,8 @@ by side.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import Tensor
 
@@ -41,9 +43,13 @@ from unroller.runtime.common import (  # noqa: F401
     div,
     div_backward,
     dropout_eval,
+    elu,
     flatten,
     flatten_backward,
     free_parameter,
+    hardsigmoid_mask,
+    hardtanh,
+    hardtanh_mask,
     l1_loss,
     layers,
     leaky_relu_mask,
@@ -54,12 +60,16 @@ from unroller.runtime.common import (  # noqa: F401
     parameter,
     parameter_backward,
     relu,
+    relu6,
+    relu6_mask,
     relu_mask,
     reshape,
     reshape_backward,
     scale,
     scale_backward,
     sigmoid,
+    silu,
+    softplus,
     stash,
     stash_log,
     stash_raw,
@@ -98,6 +108,8 @@ from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__
 
 _aten = torch.ops.aten
 _MEAN = 1  # at::Reduction::Mean
+# aten's hardsigmoid_backward multiplies by scalar_t(1.0f / 6.0f): a float32 1/6, in float64 too
+_ONE_SIXTH_F32 = struct.unpack("f", struct.pack("f", 1.0 / 6.0))[0]
 _NO_OUTPUT_PADDING = (0, 0)
 _NO_DILATION = (1, 1)
 # Devices on which F.dropout uses the fused aten::native_dropout (ATen's is_fused_kernel_acceptable).
@@ -313,6 +325,173 @@ def leaky_relu_backward(
     return (_aten.leaky_relu_backward(g, x, negative_slope, False),)
 
 
+# ---------------------------------------------------------------- v2 activations
+# relu6, hardtanh, silu, elu and softplus forwards are shared (common.py: one F call each).
+
+
+def relu6_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """aten::hardtanh_backward(g, x, 0, 6) (F.relu6 is hardtanh); x may be the bool mask."""
+    return hardtanh_backward(g, x, min_val=0.0, max_val=6.0, needs=needs)
+
+
+def hardtanh_backward(
+    g: Tensor,
+    x: Tensor,
+    *,
+    min_val: float = -1.0,
+    max_val: float = 1.0,
+    needs: Needs | None = None,
+) -> Grads:
+    """aten::hardtanh_backward(g, x, min_val, max_val); x may be the bool mask of
+    ``hardtanh_mask`` (g where set, +0 elsewhere: the same, bit for bit)."""
+    if not _need(needs, 0):
+        return (None,)
+    if x.dtype == torch.bool:
+        return (torch.where(x, g, g.new_zeros(())),)
+    return (_aten.hardtanh_backward(g, x, min_val, max_val),)
+
+
+def hardsigmoid(x: Tensor) -> Tensor:
+    """aten::hardsigmoid; autograd saves the input."""
+    return _aten.hardsigmoid(x)
+
+
+def hardsigmoid_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """aten::hardsigmoid_backward(g, x); x may be the bool mask -3 < x < 3, then g times
+    aten's constant 1/6 (a float32 1/6, also in float64) where set, +0 elsewhere."""
+    if not _need(needs, 0):
+        return (None,)
+    if x.dtype == torch.bool:
+        return (torch.where(x, g * _ONE_SIXTH_F32, g.new_zeros(())),)
+    return (_aten.hardsigmoid_backward(g, x),)
+
+
+def hardswish(x: Tensor) -> Tensor:
+    """aten::hardswish; autograd saves the input."""
+    return _aten.hardswish(x)
+
+
+def hardswish_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """aten::hardswish_backward(g, x)."""
+    return (_aten.hardswish_backward(g, x) if _need(needs, 0) else None,)
+
+
+def silu_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """aten::silu_backward(g, x)."""
+    return (_aten.silu_backward(g, x) if _need(needs, 0) else None,)
+
+
+def mish(x: Tensor) -> Tensor:
+    """aten::mish; autograd saves the input."""
+    return _aten.mish(x)
+
+
+def mish_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """aten::mish_backward(g, x)."""
+    return (_aten.mish_backward(g, x) if _need(needs, 0) else None,)
+
+
+def elu_backward(g: Tensor, x: Tensor, *, alpha: float = 1.0, needs: Needs | None = None) -> Grads:
+    """aten::elu_backward(g, alpha, 1, 1, is_result=False, x), autograd's formula for F.elu."""
+    if not _need(needs, 0):
+        return (None,)
+    return (_aten.elu_backward(g, alpha, 1, 1, False, x),)
+
+
+def softplus_backward(
+    g: Tensor, x: Tensor, *, beta: float = 1.0, threshold: float = 20.0, needs: Needs | None = None
+) -> Grads:
+    """aten::softplus_backward(g, x, beta, threshold)."""
+    if not _need(needs, 0):
+        return (None,)
+    return (_aten.softplus_backward(g, x, beta, threshold),)
+
+
+# ---------------------------------------------------------------- v2 nll_loss and embedding
+
+
+def _nll_nd(log_probs: Tensor, target: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """As aten's nll_loss_nd: [N, C] goes to nll_loss; [N, C, H, W] to nll_loss2d; any other
+    rank is viewed as [N, C, 1, L] (target [N, 1, L]) for nll_loss2d. Returns the tensors
+    the aten kernels take and whether they are the 2-D form."""
+    if log_probs.dim() == 2:
+        return log_probs, target, False
+    if log_probs.dim() == 4:
+        return log_probs, target, True
+    n, c = log_probs.shape[:2]
+    return log_probs.reshape(n, c, 1, -1), target.reshape(n, 1, -1), True
+
+
+def _nll_forward(log_probs: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """aten::nll_loss_forward / nll_loss2d_forward (mean), as F.nll_loss."""
+    lp, t, image = _nll_nd(log_probs, target)
+    forward = _aten.nll_loss2d_forward if image else _aten.nll_loss_forward
+    return forward(lp, t, None, _MEAN, ignore_index)[0]
+
+
+def _nll_backward(g: Tensor, log_probs: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """aten::nll_loss_backward / nll_loss2d_backward (mean); the total weight is the count of
+    non-ignored targets, as the forward computes it. log_probs is read for its shape only."""
+    lp, t, image = _nll_nd(log_probs, target)
+    total = target.ne(ignore_index).sum().to(g.dtype)
+    backward = _aten.nll_loss2d_backward if image else _aten.nll_loss_backward
+    return backward(g, lp, t, None, _MEAN, ignore_index, total).reshape(log_probs.shape)
+
+
+def nll_loss(log_probs: Tensor, target: Tensor, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """F.nll_loss (mean over the non-ignored targets; all ignored: nan, as torch)."""
+    return _nll_forward(log_probs, target, ignore_index)
+
+
+def nll_loss_backward(
+    g: Tensor,
+    target: Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    num_classes: int,
+    needs: Needs | None = None,
+) -> Grads:
+    """aten's nll backward, given a 0-stride tensor of the input's shape [N, C, d1, ...]: it
+    reads only sizes, so no activation is kept, only the target."""
+    if not _need(needs, 0):
+        return _fit((), needs)
+    shape = _shape_only(g, (target.shape[0], num_classes, *target.shape[1:]))
+    return _fit((_nll_backward(g, shape, target, ignore_index),), needs)
+
+
+def embedding(ids: Tensor, layer: torch.nn.Module, *, padding_idx: int | None = None) -> Tensor:
+    """aten::embedding, as F.embedding (an id out of range raises, as torch); autograd keeps
+    only the ids."""
+    weight = layer.weight
+    return _aten.embedding(weight, ids, _padding_row(padding_idx, weight.shape[0]), False, False)
+
+
+def embedding_backward(
+    g: Tensor,
+    ids: Tensor,
+    layer: torch.nn.Module,
+    *,
+    padding_idx: int | None = None,
+    needs: Needs | None = None,
+) -> Grads:
+    """(None for the ids, aten::embedding_dense_backward for the weight): a dense gradient
+    whose padding_idx row stays zero."""
+    if not _need(needs, 1):
+        return _fit((None, None), needs)
+    num_embeddings = layer.weight.shape[0]
+    pad = _padding_row(padding_idx, num_embeddings)
+    gw = _aten.embedding_dense_backward(g, ids, num_embeddings, pad, False)
+    return _fit((None, gw), needs)
+
+
+def _padding_row(padding_idx: int | None, num_embeddings: int) -> int:
+    """F.embedding's form of padding_idx: a row index, negative counted from the end; -1
+    for none."""
+    if padding_idx is None:
+        return -1
+    return padding_idx + num_embeddings if padding_idx < 0 else padding_idx
+
+
 # ---------------------------------------------------------------- pooling
 
 
@@ -498,23 +677,51 @@ def dropout_backward(
 # ---------------------------------------------------------------- losses (mean reduction)
 
 
-def cross_entropy(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """As F.cross_entropy: aten::_log_softmax then aten::nll_loss_forward; autograd saves the
-    log-probabilities (and target, total weight)."""
+def cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[Tensor, Tensor]:
+    """As F.cross_entropy: aten::_log_softmax over dim 1 then aten's nll (nll_loss_nd's
+    choice of kernel and view); with label smoothing, PyTorch's composite
+    (1 - ls) * nll + ls / C * (the mean over kept elements of -sum_c log_probs), op for op.
+    Autograd saves the log-probabilities (and the target)."""
     log_probs = _aten._log_softmax(logits, 1, False)
-    loss, _ = _aten.nll_loss_forward(log_probs, target, None, _MEAN, IGNORE_INDEX)
-    return loss, log_probs
+    nll = _nll_forward(log_probs, target, ignore_index)
+    if label_smoothing == 0.0:
+        return nll, log_probs
+    ignored = target == ignore_index
+    smooth = log_probs.sum(1).neg().masked_fill_(ignored, 0.0)
+    smooth = smooth.sum() / ignored.logical_not().sum()
+    classes = logits.shape[1]
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / classes), log_probs
 
 
 def cross_entropy_backward(
-    g: Tensor, log_probs: Tensor, target: Tensor, *, needs: Needs | None = None
+    g: Tensor,
+    log_probs: Tensor,
+    target: Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+    needs: Needs | None = None,
 ) -> Grads:
-    """aten::nll_loss_backward then aten::_log_softmax_backward_data; the total weight is the
-    count of non-ignored targets, as nll_loss_forward computes it."""
+    """aten's nll backward then aten::_log_softmax_backward_data; the total weight is the
+    count of non-ignored targets, as nll_loss_forward computes it. With label smoothing,
+    the composite's backward step by step: mul, then div by the count, sum's expand,
+    masked_fill, neg and sum's expand over C, added to the nll path's gradient."""
     if not _need(needs, 0):
         return _fit((), needs)
-    total = target.ne(IGNORE_INDEX).sum().to(log_probs.dtype)
-    glp = _aten.nll_loss_backward(g, log_probs, target, None, _MEAN, IGNORE_INDEX, total)
+    if label_smoothing == 0.0:
+        glp = _nll_backward(g, log_probs, target, ignore_index)
+    else:
+        glp = _nll_backward(g * (1 - label_smoothing), log_probs, target, ignore_index)
+        ignored = target == ignore_index
+        g_smooth = g * (label_smoothing / log_probs.shape[1]) / ignored.logical_not().sum()
+        g_rows = g_smooth.expand(ignored.shape).masked_fill(ignored, 0).neg()
+        glp = glp + g_rows.unsqueeze(1).expand(log_probs.shape)
     return _fit((_aten._log_softmax_backward_data(glp, log_probs, 1, log_probs.dtype),), needs)
 
 
@@ -584,6 +791,8 @@ def log_softmax_backward(
     if not _need(needs, 0):
         return (None,)
     return (torch._log_softmax_backward_data(g, y, dim, y.dtype),)
+
+
 # ---------------------------------------------------------------- attention
 
 

@@ -44,6 +44,11 @@ gradient is written out:
 * maxpool2d NaN: a window whose maximum is NaN selects nothing (gradient 0 there), where
   PyTorch routes the gradient to the window's last NaN. All finite / infinite inputs match.
 * dropout draws from torch.rand, a different stream from the gpu kernel's.
+* v2: relu6 / hardtanh / hardsigmoid / hardswish / silu / mish / elu / softplus gradients are
+  aten's formulas written out; cross_entropy and nll_loss take [N, C, d1, ...] with targets
+  [N, d1, ...] (one-hot by comparison with arange(C), label smoothing in closed form:
+  (softmax - (1 - ls) one_hot - ls / C) * g / count); embedding's weight gradient is a
+  scatter_add of g's rows into a zero table (PopTorch has no embedding backward to call).
 
 The interpolation / averaging matrices and kernel banks depend only on static sizes; on CPU
 and CUDA they are cached, on other devices (the IPU's traced graph) rebuilt per call, so no
@@ -82,9 +87,13 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     div,
     div_backward,
     dropout_eval,
+    elu,
     flatten,
     flatten_backward,
     free_parameter,
+    hardsigmoid_mask,
+    hardtanh,
+    hardtanh_mask,
     l1_loss,
     layers,
     leaky_relu_mask,
@@ -95,12 +104,16 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     parameter,
     parameter_backward,
     relu,
+    relu6,
+    relu6_mask,
     relu_mask,
     reshape,
     reshape_backward,
     scale,
     scale_backward,
     sigmoid,
+    silu,
+    softplus,
     stash,
     stash_log,
     stash_raw,
@@ -147,6 +160,8 @@ _GELU_TANH_KAPPA = 0.044715
 _PHI_SERIES_BELOW = 0.1  # |x| below this: Phi(x) from its Taylor series, else gelu(x) / x
 # Phi(x) = 1/2 + x/sqrt(2 pi) * sum_n (-1)^n x^(2n) / (2^n n! (2n+1)), n = 0..5
 _PHI_SERIES = tuple((-1) ** n / (2**n * math.factorial(n) * (2 * n + 1)) for n in range(6))
+# PyTorch's hardsigmoid gradient is g * scalar_t(1.0f / 6.0f): a float32 1/6, in float64 too
+_ONE_SIXTH_F32 = struct.unpack("f", struct.pack("f", 1.0 / 6.0))[0]
 
 
 # ---------------------------------------------------------------- small helpers
@@ -489,6 +504,183 @@ def leaky_relu_backward(
     return (torch.where(keep, g, g * negative_slope),)
 
 
+# ---------------------------------------------------------------- v2 activations
+# relu6, hardtanh, silu, elu and softplus forwards are shared (common.py: one F call each,
+# all on PopTorch's list); hardsigmoid, hardswish and mish are not on it and are written
+# out with aten's own formulas: hardsigmoid and hardswish match torch bit for bit on the CPU
+# (forward and gradient), mish to rounding (aten's vectorised exp / tanh differ in the last bit).
+
+
+def relu6_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """hardtanh's gradient on [0, 6]; x may be the bool mask."""
+    return hardtanh_backward(g, x, min_val=0.0, max_val=6.0, needs=needs)
+
+
+def hardtanh_backward(
+    g: Tensor,
+    x: Tensor,
+    *,
+    min_val: float = -1.0,
+    max_val: float = 1.0,
+    needs: Needs | None = None,
+) -> Grads:
+    """where(min_val < x < max_val, g, 0), the inside test written as hardtanh_mask's; x
+    may be that bool mask."""
+    if not _need(needs, 0):
+        return (None,)
+    inside = x if x.dtype == torch.bool else hardtanh_mask(x, min_val=min_val, max_val=max_val)
+    return (torch.where(inside, g, _zero(g)),)
+
+
+def hardsigmoid(x: Tensor) -> Tensor:
+    """min(max(x + 3, 0), 6) / 6, aten's formula."""
+    return torch.clamp(x + 3.0, 0.0, 6.0) / 6.0
+
+
+def hardsigmoid_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """g * 1/6 (float32's 1/6, as aten) where -3 < x < 3, else 0; x may be that bool mask."""
+    if not _need(needs, 0):
+        return (None,)
+    inside = x if x.dtype == torch.bool else hardsigmoid_mask(x)
+    return (torch.where(inside, g * _ONE_SIXTH_F32, _zero(g)),)
+
+
+def hardswish(x: Tensor) -> Tensor:
+    """x * min(max(x + 3, 0), 6) / 6, aten's formula."""
+    return x * torch.clamp(x + 3.0, 0.0, 6.0) / 6.0
+
+
+def hardswish_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """0 for x <= -3, g for x >= 3, g * (x / 3 + 0.5) between (aten's hardswish_backward,
+    ends included as PyTorch 2.x decides them)."""
+    if not _need(needs, 0):
+        return (None,)
+    upper = torch.where(x >= 3.0, g, g * (x / 3.0 + 0.5))
+    return (torch.where(x <= -3.0, _zero(g), upper),)
+
+
+def _sigmoid_of(x: Tensor) -> Tensor:
+    """1 / (1 + exp(-x)), as aten's silu and mish kernels compute it."""
+    return torch.reciprocal(torch.exp(x.neg()) + 1.0)
+
+
+def silu_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """g * s * (1 + x * (1 - s)), s = sigmoid(x) (aten's silu_backward)."""
+    if not _need(needs, 0):
+        return (None,)
+    s = _sigmoid_of(x)
+    return (g * s * (1.0 + x * (1.0 - s)),)
+
+
+def _tanh_softplus(x: Tensor) -> Tensor:
+    return torch.tanh(torch.log1p(torch.exp(x)))
+
+
+def mish(x: Tensor) -> Tensor:
+    """x * tanh(log1p(exp(x))), aten's formula (Mish is not on PopTorch's list)."""
+    return x * _tanh_softplus(x)
+
+
+def mish_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+    """g * (t + x * s * (1 - t^2)), t = tanh(softplus(x)), s = sigmoid(x) (aten's)."""
+    if not _need(needs, 0):
+        return (None,)
+    t, s = _tanh_softplus(x), _sigmoid_of(x)
+    return (g * (t + x * s * (1.0 - t * t)),)
+
+
+def elu_backward(g: Tensor, x: Tensor, *, alpha: float = 1.0, needs: Needs | None = None) -> Grads:
+    """g * alpha * exp(x) where x <= 0, else g (elu_backward with is_result=False)."""
+    if not _need(needs, 0):
+        return (None,)
+    return (torch.where(x <= 0.0, g * alpha * torch.exp(x), g),)
+
+
+def softplus_backward(
+    g: Tensor, x: Tensor, *, beta: float = 1.0, threshold: float = 20.0, needs: Needs | None = None
+) -> Grads:
+    """g where beta * x > threshold (softplus is x there), else g * z / (z + 1) with
+    z = exp(beta * x) (aten's softplus_backward)."""
+    if not _need(needs, 0):
+        return (None,)
+    bx = x * beta
+    z = torch.exp(bx)
+    return (torch.where(bx > threshold, g, g * z / (z + 1.0)),)
+
+
+# ---------------------------------------------------------------- v2 nll_loss and embedding
+
+
+def _class_one_hot(target: Tensor, classes: int, dtype: torch.dtype) -> Tensor:
+    """[N, C, d1, ...]: 1 where C's index equals the target (an ignored one matches none
+    unless ignore_index is a class; callers zero ignored elements)."""
+    shape = (1, classes) + (1,) * (target.dim() - 1)
+    index = torch.arange(classes, device=target.device).reshape(shape)
+    return (index == target.unsqueeze(1)).to(dtype)
+
+
+def _nll_mean(log_probs: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(-mean of log_probs at the targets over the kept elements, the kept mask)."""
+    kept = target != ignore_index
+    safe = torch.where(kept, target, _zero(target))
+    picked = torch.gather(log_probs, 1, safe.unsqueeze(1)).squeeze(1)
+    total = kept.sum().to(log_probs.dtype)
+    return torch.where(kept, picked, _zero(picked)).sum().neg() / total, kept
+
+
+def nll_loss(log_probs: Tensor, target: Tensor, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Gather of the targets' log-probabilities, sum over the kept elements / their count
+    (all ignored: 0 / 0 = nan, as torch)."""
+    return _nll_mean(log_probs, target, ignore_index)[0]
+
+
+def nll_loss_backward(
+    g: Tensor,
+    target: Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    num_classes: int,
+    needs: Needs | None = None,
+) -> Grads:
+    """-one_hot(target) * g / count on kept elements, 0 on ignored ones."""
+    if not _need(needs, 0):
+        return _fit((), needs)
+    kept = target != ignore_index
+    total = kept.sum().to(g.dtype)
+    scale = torch.where(kept, (g / total).neg(), _zero(g)).unsqueeze(1)
+    return _fit((_class_one_hot(target, num_classes, g.dtype) * scale,), needs)
+
+
+def embedding(ids: Tensor, layer: torch.nn.Module, *, padding_idx: int | None = None) -> Tensor:
+    """F.embedding (Embedding runs on the IPU; padding_idx changes only the gradient)."""
+    return F.embedding(ids, layer.weight)
+
+
+def embedding_backward(
+    g: Tensor,
+    ids: Tensor,
+    layer: torch.nn.Module,
+    *,
+    padding_idx: int | None = None,
+    needs: Needs | None = None,
+) -> Grads:
+    """(None for the ids, the weight's dense gradient): scatter_add of g's rows into a zero
+    table at the ids; the padding_idx row (negative: from the end) stays zero."""
+    if not _need(needs, 1):
+        return _fit((None, None), needs)
+    num_embeddings = layer.weight.shape[0]
+    dim = g.shape[-1]
+    rows = g.reshape(-1, dim)
+    index = ids.reshape(-1, 1).expand(rows.shape)
+    table = torch.zeros(num_embeddings, dim, dtype=g.dtype, device=g.device)
+    gw = torch.scatter_add(table, 0, index, rows)
+    if padding_idx is not None:
+        pad = padding_idx + num_embeddings if padding_idx < 0 else padding_idx
+        row = torch.arange(num_embeddings, device=g.device).unsqueeze(1)
+        gw = torch.where(row == pad, _zero(gw), gw)
+    return _fit((None, gw), needs)
+
+
 # ---------------------------------------------------------------- pooling
 
 
@@ -782,31 +974,49 @@ def dropout_backward(
 # ---------------------------------------------------------------- losses (mean reduction)
 
 
-def cross_entropy(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """As F.cross_entropy (mean, ignore_index -100): log_softmax, gather of the targets'
-    log-probabilities, sum over the kept rows / their count. Returns (loss, log_probs)."""
+def cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[Tensor, Tensor]:
+    """As F.cross_entropy (mean over the non-ignored elements; classes on dim 1, any further
+    dims per pixel / token): log_softmax, gather of the targets' log-probabilities, sum over
+    the kept elements / their count; with label smoothing, (1 - ls) times that plus ls / C
+    times the kept elements' mean of -sum_c log_probs, as torch. Returns (loss, log_probs)."""
     log_probs = F.log_softmax(logits, 1)
-    kept = target != IGNORE_INDEX
-    safe = torch.where(kept, target, _zero(target))
-    picked = torch.gather(log_probs, 1, safe.unsqueeze(1)).squeeze(1)
+    loss, kept = _nll_mean(log_probs, target, ignore_index)
+    if label_smoothing == 0.0:
+        return loss, log_probs
     total = kept.sum().to(log_probs.dtype)
-    loss = torch.where(kept, picked, _zero(picked)).sum().neg() / total
-    return loss, log_probs
+    smooth = torch.where(kept, log_probs.sum(1), _zero(log_probs)).sum().neg() / total
+    classes = logits.shape[1]
+    return (1 - label_smoothing) * loss + smooth * (label_smoothing / classes), log_probs
 
 
 def cross_entropy_backward(
-    g: Tensor, log_probs: Tensor, target: Tensor, *, needs: Needs | None = None
+    g: Tensor,
+    log_probs: Tensor,
+    target: Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+    needs: Needs | None = None,
 ) -> Grads:
-    """(softmax - one_hot(target)) * g / count on the kept rows, zero on ignored rows; the
-    softmax is exp(log_probs), the one-hot a comparison with arange(C)."""
+    """(softmax - (1 - ls) one_hot(target) - ls / C) * g / count on the kept elements, zero
+    on ignored ones; the softmax is exp(log_probs), the one-hot a comparison with arange(C)."""
     if not _need(needs, 0):
         return _fit((), needs)
-    kept = target != IGNORE_INDEX
+    kept = target != ignore_index
     total = kept.sum().to(log_probs.dtype)
-    classes = torch.arange(log_probs.shape[1], device=log_probs.device).unsqueeze(0)
-    one_hot = (classes == target.unsqueeze(1)).to(log_probs.dtype)
+    classes = log_probs.shape[1]
+    one_hot = _class_one_hot(target, classes, log_probs.dtype)
     row = torch.where(kept, g / total, _zero(log_probs)).unsqueeze(1)
-    return _fit(((torch.exp(log_probs) - one_hot) * row,), needs)
+    if label_smoothing == 0.0:
+        return _fit(((torch.exp(log_probs) - one_hot) * row,), needs)
+    smoothed = one_hot * (1 - label_smoothing) + label_smoothing / classes
+    return _fit(((torch.exp(log_probs) - smoothed) * row,), needs)
 
 
 def mse_loss(a: Tensor, b: Tensor) -> Tensor:
@@ -880,6 +1090,8 @@ def log_softmax_backward(
     if not _need(needs, 0):
         return (None,)
     return (g - torch.exp(y) * g.sum(dim, keepdim=True),)
+
+
 # ---------------------------------------------------------------- attention
 
 
