@@ -629,6 +629,7 @@ TENSOR_METHODS = {
     "to",  # dtype casts
     "sum", "mean", "square", "abs", "neg", "reciprocal", "matmul", "add_", "mul_",
     "new_zeros", "dim", "numel",
+    "contiguous",  # layout only (a ceil-mode pool's cropped gradient)
 }  # fmt: skip
 PYTHON_METHODS = {"get", "clear", "append", "items", "values"}
 HOST_CALLS = {"math": {"sqrt", "floor", "factorial"}, "struct": {"pack", "unpack"}}  # constants

@@ -573,9 +573,7 @@ def layernorm_backward(
     if not any(mask):
         return _fit((), needs)
     weight, bias = _weight_bias(layer)
-    grads = _aten.native_layer_norm_backward(
-        g, x, normalized_shape, mean, rstd, weight, bias, mask
-    )
+    grads = _aten.native_layer_norm_backward(g, x, normalized_shape, mean, rstd, weight, bias, mask)
     return _fit(grads, needs)
 
 
@@ -628,9 +626,7 @@ def conv1d(
 ) -> Tensor:
     """aten::convolution on [N, C, L], as F.conv1d; autograd saves x and weight."""
     weight, bias = _weight_bias(layer)
-    return _aten.convolution(
-        x, weight, bias, [stride], [padding], [dilation], False, [0], groups
-    )
+    return _aten.convolution(x, weight, bias, [stride], [padding], [dilation], False, [0], groups)
 
 
 def conv1d_backward(

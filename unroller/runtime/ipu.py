@@ -472,7 +472,7 @@ def _unpool(t: Tensor, bank: Tensor, s: tuple, p: tuple, input_hw: Any, groups: 
     op = _pool_output_padding(input_hw, t.shape[-2:], k, s, p)
     out = F.conv_transpose2d(t, bank, None, s, p, tuple(max(0, o) for o in op), groups)
     if min(op) < 0:
-        out = out[:, :, : input_hw[0], : input_hw[1]]
+        out = out[:, :, : input_hw[0], : input_hw[1]].contiguous()
     return out
 
 
@@ -1011,10 +1011,12 @@ def batchnorm1d_backward(
     needs: Needs | None = None,
 ) -> Grads:
     """batchnorm2d_backward on the [N, C, 1, L] views; the input gradient viewed back."""
-    gx, *rest = batchnorm2d_backward(
+    grads = batchnorm2d_backward(
         _as_image(g), _as_image(x), layer, save_mean, save_invstd, eps=eps, needs=needs
     )
-    return (None if gx is None else gx.reshape(x.shape), *rest)
+    if not grads or grads[0] is None:
+        return grads
+    return (grads[0].reshape(x.shape), *grads[1:])
 
 
 def batchnorm1d_eval(
@@ -1033,9 +1035,12 @@ def conv1d(
     dilation: int = 1,
     groups: int = 1,
 ) -> Tensor:
-    """F.conv1d with the layer's weight and bias."""
+    """F.conv2d on the [N, C, 1, L] views (as ATen runs a 1-D convolution)."""
     weight, bias = _weight_bias(layer)
-    return F.conv1d(x, weight, bias, stride, padding, dilation, groups)
+    y = F.conv2d(
+        x.unsqueeze(2), weight.unsqueeze(2), bias, (1, stride), (0, padding), (1, dilation), groups
+    )
+    return y.squeeze(2)
 
 
 def conv1d_backward(
@@ -1049,15 +1054,17 @@ def conv1d_backward(
     groups: int = 1,
     needs: Needs | None = None,
 ) -> Grads:
-    """As conv2d's: gx = conv_transpose1d(g, weight) (dilation 1 only), gW = conv2d's weight
-    gradient on the [N, C, 1, L] views, gb = sum."""
+    """conv2d's gradients on the [N, C, 1, L] views: gx = conv_transpose2d(g, weight)
+    (dilation 1 only), gW = the convolution of x with g, gb = sum."""
     weight = layer.weight
     k = weight.shape[2]
     gx = gw = gb = None
     if _need(needs, 0):
         _no_dilation("conv1d", dilation)
         op = _restore_padding(x.shape[2], g.shape[2], k, stride, padding)
-        gx = F.conv_transpose1d(g, weight, None, stride, padding, op, groups)
+        gx = F.conv_transpose2d(
+            g.unsqueeze(2), weight.unsqueeze(2), None, (1, stride), (0, padding), (0, op), groups
+        ).squeeze(2)
     if _need(needs, 1):
         gw = _weight_grad(
             x.unsqueeze(2), g.unsqueeze(2), (1, k), (1, dilation), (1, stride), (0, padding), groups
