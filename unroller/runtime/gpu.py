@@ -23,6 +23,7 @@ from unroller.runtime.common import (  # noqa: F401
     Grads,
     Needs,
     Pair,
+    _ceil_mode_of,
     _exports,
     _fit,
     _need,
@@ -298,7 +299,6 @@ def maxpool2d_backward(
     kernel_size: Pair,
     stride: Pair,
     padding: Pair = (0, 0),
-    ceil_mode: bool = False,
     input_hw: Pair,
     needs: Needs | None = None,
 ) -> Grads:
@@ -314,6 +314,7 @@ def maxpool2d_backward(
         spread = g.index_select(2, rows).index_select(3, cols)
         return (torch.where(indices, spread, spread.new_zeros(())),)
     x = _shape_only(g, (n, c, *input_hw))
+    ceil_mode = _ceil_mode_of(input_hw, g.shape[2:], kernel_size, stride, padding)
     return (
         _aten.max_pool2d_with_indices_backward(
             g, x, kernel_size, stride, padding, _NO_DILATION, ceil_mode, indices
@@ -332,7 +333,6 @@ def maxpool2d_mask(
     kernel_size: Pair,
     stride: Pair,
     padding: Pair = (0, 0),
-    ceil_mode: bool = False,
     input_hw: Pair,
 ) -> Tensor:
     """The argmax positions as a bool mask of the input's shape (one per window; ties
@@ -356,7 +356,6 @@ def avgpool2d_backward(
     kernel_size: Pair,
     stride: Pair,
     padding: Pair = (0, 0),
-    ceil_mode: bool = False,
     input_hw: Pair,
     needs: Needs | None = None,
 ) -> Grads:
@@ -364,6 +363,7 @@ def avgpool2d_backward(
     if not _need(needs, 0):
         return (None,)
     shape = _shape_only(g, (*g.shape[:-2], *input_hw))
+    ceil_mode = _ceil_mode_of(input_hw, g.shape[-2:], kernel_size, stride, padding)
     return (
         _aten.avg_pool2d_backward(g, shape, kernel_size, stride, padding, ceil_mode, True, None),
     )
@@ -677,7 +677,6 @@ def maxpool1d_backward(
     kernel_size: int,
     stride: int,
     padding: int = 0,
-    ceil_mode: bool = False,
     input_length: int,
     needs: Needs | None = None,
 ) -> Grads:
@@ -690,7 +689,6 @@ def maxpool1d_backward(
         kernel_size=(1, kernel_size),
         stride=(1, stride),
         padding=(0, padding),
-        ceil_mode=ceil_mode,
         input_hw=(1, input_length),
     )
     return (gx.squeeze(2),)
@@ -702,7 +700,6 @@ def maxpool1d_mask(
     kernel_size: int,
     stride: int,
     padding: int = 0,
-    ceil_mode: bool = False,
     input_length: int,
 ) -> Tensor:
     """The argmax positions as a bool mask of the input's shape (non-overlapping windows)."""
@@ -731,7 +728,6 @@ def avgpool1d_backward(
     kernel_size: int,
     stride: int,
     padding: int = 0,
-    ceil_mode: bool = False,
     input_length: int,
     needs: Needs | None = None,
 ) -> Grads:
@@ -743,7 +739,6 @@ def avgpool1d_backward(
         kernel_size=(1, kernel_size),
         stride=(1, stride),
         padding=(0, padding),
-        ceil_mode=ceil_mode,
         input_hw=(1, input_length),
     )
     return (gx.squeeze(2),)

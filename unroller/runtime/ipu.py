@@ -66,6 +66,7 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     Grads,
     Needs,
     Pair,
+    _ceil_mode_of,
     _exports,
     _fit,
     _need,
@@ -550,7 +551,6 @@ def maxpool2d_backward(
     kernel_size: Pair,
     stride: Pair,
     padding: Pair = (0, 0),
-    ceil_mode: bool = False,
     input_hw: Pair,
     needs: Needs | None = None,
 ) -> Grads:
@@ -579,7 +579,6 @@ def maxpool2d_mask(
     kernel_size: Pair,
     stride: Pair,
     padding: Pair = (0, 0),
-    ceil_mode: bool = False,
     input_hw: Pair,
 ) -> Tensor:
     """The selected positions as a bool mask of the input's shape (one per window, ties
@@ -605,7 +604,6 @@ def avgpool2d_backward(
     kernel_size: Pair,
     stride: Pair,
     padding: Pair = (0, 0),
-    ceil_mode: bool = False,
     input_hw: Pair,
     needs: Needs | None = None,
 ) -> Grads:
@@ -617,7 +615,7 @@ def avgpool2d_backward(
     k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
     c = g.shape[1]
     bank = _ones_bank(c, *k, g.dtype, g.device)
-    if ceil_mode:
+    if _ceil_mode_of(input_hw, g.shape[-2:], k, s, p):
         scaled = g / _avg_divisor(input_hw, tuple(g.shape[-2:]), k, s, p, g.dtype, g.device)
     else:
         scaled = g / (k[0] * k[1])
@@ -1098,7 +1096,6 @@ def maxpool1d_backward(
     kernel_size: int,
     stride: int,
     padding: int = 0,
-    ceil_mode: bool = False,
     input_length: int,
     needs: Needs | None = None,
 ) -> Grads:
@@ -1112,7 +1109,6 @@ def maxpool1d_backward(
         kernel_size=(1, kernel_size),
         stride=(1, stride),
         padding=(0, padding),
-        ceil_mode=ceil_mode,
         input_hw=(1, input_length),
     )
     return (gx.squeeze(2),)
@@ -1124,7 +1120,6 @@ def maxpool1d_mask(
     kernel_size: int,
     stride: int,
     padding: int = 0,
-    ceil_mode: bool = False,
     input_length: int,
 ) -> Tensor:
     """maxpool2d_mask of the unsqueezed selection, as [N, C, L]."""
@@ -1133,7 +1128,6 @@ def maxpool1d_mask(
         kernel_size=(1, kernel_size),
         stride=(1, stride),
         padding=(0, padding),
-        ceil_mode=ceil_mode,
         input_hw=(1, input_length),
     )
     return mask.squeeze(2)
@@ -1159,7 +1153,6 @@ def avgpool1d_backward(
     kernel_size: int,
     stride: int,
     padding: int = 0,
-    ceil_mode: bool = False,
     input_length: int,
     needs: Needs | None = None,
 ) -> Grads:
@@ -1171,7 +1164,6 @@ def avgpool1d_backward(
         kernel_size=(1, kernel_size),
         stride=(1, stride),
         padding=(0, padding),
-        ceil_mode=ceil_mode,
         input_hw=(1, input_length),
     )
     return (gx.squeeze(2),)
