@@ -415,3 +415,67 @@ model m {
     body = code(generate_from_text(source))
     assert not any(w in line for line in body for w in ("ceil_mode", "affine", "track_running"))
     assert body == code(generate_from_text(plain))
+
+
+# ---------------------------------------------------------------- inferred shapes
+
+SHAPES = [
+    ((4, 10), "layernorm(x, normalized_shape=10)"),
+    ((4, 10), "layernorm(x, normalized_shape=(4, 10), elementwise_affine=false)"),
+    ((3, 4, 5), "layernorm(x, normalized_shape=(4, 5), bias=false)"),
+    ((6, 4, 3), "groupnorm(x, num_groups=3)"),
+    ((6,), "groupnorm(x, num_groups=2, affine=false)"),
+    ((5,), "batchnorm1d(x)"),
+    ((5, 7), "batchnorm1d(x, affine=false, track_running_stats=false)"),
+    ((5, 7, 6), "batchnorm2d(x, affine=false)"),
+    (
+        (4, 11),
+        "conv1d(x, out_channels=6, kernel_size=3, stride=2, padding=1, dilation=2, groups=2)",
+    ),
+    ((4, 11), "conv1d(x, out_channels=4, kernel_size=11, bias=false)"),
+    ((3, 9), "maxpool1d(x, kernel_size=3, stride=2, padding=1)"),
+    ((3, 8), "maxpool1d(x, kernel_size=3, stride=2, ceil_mode=true)"),
+    ((3, 5), "maxpool1d(x, kernel_size=2, padding=1, ceil_mode=true)"),
+    ((3, 8), "avgpool1d(x, kernel_size=3, stride=2, ceil_mode=true)"),
+    ((3, 5), "avgpool1d(x, kernel_size=2, padding=1, ceil_mode=true)"),
+    ((3, 7), "adaptive_avgpool1d(x, output_size=3)"),
+    ((3, 8, 7), "maxpool2d(x, kernel_size=3, stride=2, ceil_mode=true)"),
+    ((3, 5, 4), "maxpool2d(x, kernel_size=2, padding=1, ceil_mode=true)"),
+    ((3, 8, 7), "avgpool2d(x, kernel_size=(3, 2), stride=2, ceil_mode=true)"),
+]
+
+
+@pytest.mark.parametrize("platform", ["gpu", "ipu"])
+@pytest.mark.parametrize("in_shape, call", SHAPES)
+def test_inferred_shape_equals_kernel_and_torch_output(platform: str, in_shape, call: str):
+    """The shape rule's output (ceil mode's last-window rule included) is what the kernels
+    make (tests/test_kernels.py compares them with torch.nn), and the parameters and buffers
+    present are exactly those of the registry's torch.nn class, with its shapes."""
+    from unroller.runtime import gpu, ipu
+
+    kernels = {"gpu": gpu, "ipu": ipu}[platform]
+    text = f"""
+    model m {{
+        input x: f32[N, {", ".join(map(str, in_shape))}]
+        y = {call}
+        z = flatten(y)
+        t = linear(z, out_features=1)
+        loss = mse_loss(t, t)
+        return loss
+    }}"""
+    node = graph_from_text(text, "m.txt").node("y")
+    x = torch.randn(2, *in_shape)
+    layer = []
+    if node.op.module is not None:
+        spec, env = node.op.module, {**node.args, **node.derived}
+        cls = getattr(torch.nn, spec.cls.rsplit(".", 1)[1])
+        module = cls(*(env[a] for a in spec.args), **{k: env[k] for k in spec.kwargs})
+        state = module.state_dict()
+        for t in (*node.params, *node.buffers):
+            assert (t.name in state) == t.present, t.name
+            if t.present:
+                assert tuple(t.shape) == tuple(state[t.name].shape), t.name
+        layer = [module]
+    out = getattr(kernels, node.op.name)(x, *layer, **node.kernel_kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    assert (2, *node.output.type.shape[1:]) == tuple(out.shape)
