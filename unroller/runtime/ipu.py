@@ -44,6 +44,10 @@ gradient is written out:
 * maxpool2d NaN: a window whose maximum is NaN selects nothing (gradient 0 there), where
   PyTorch routes the gradient to the window's last NaN. All finite / infinite inputs match.
 * dropout draws from torch.rand, a different stream from the gpu kernel's.
+* layernorm, groupnorm: written out (biased var, rsqrt), backward by the closed form
+  rstd * (gy - mean(gy) - xhat * mean(gy * xhat)); conv1d, batchnorm1d and the 1-D pools are
+  the 2-D kernels on [N, C, 1, L] views. Ceil-mode pools pad the overhanging last window with
+  NaN (max) and crop what the transposed convolution puts past the input's end.
 
 The interpolation / averaging matrices and kernel banks depend only on static sizes; on CPU
 and CUDA they are cached, on other devices (the IPU's traced graph) rebuilt per call, so no
