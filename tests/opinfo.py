@@ -287,7 +287,10 @@ def _maxpool_case(k, s, p, hw, kind: str) -> Case:
 
 def _maxpool_reference(s: Sample, ctx: Ctx) -> Tensor:
     k = s.kwargs
-    return nn.MaxPool2d(k["kernel_size"], k["stride"], k.get("padding", 0))(s.inputs[0])
+    ceil = k.get("ceil_mode", False)
+    return nn.MaxPool2d(k["kernel_size"], k["stride"], k.get("padding", 0), ceil_mode=ceil)(
+        s.inputs[0]
+    )
 
 
 def selection_from_indices(idx: Tensor, k, s, p, w: int) -> Tensor:
@@ -305,7 +308,8 @@ def _maxpool_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
     (the first maximum of each window in row-major order, PyTorch's tie rule)."""
     (idx,) = extras
     k, st, p = s.kwargs["kernel_size"], s.kwargs["stride"], s.kwargs.get("padding", (0, 0))
-    _, ref_idx = F.max_pool2d(s.inputs[0].detach(), k, st, p, return_indices=True)
+    ceil = s.kwargs.get("ceil_mode", False)
+    _, ref_idx = F.max_pool2d(s.inputs[0].detach(), k, st, p, 1, ceil, return_indices=True)
     if platform == "gpu":
         assert torch.equal(idx, ref_idx)
         return
@@ -338,7 +342,8 @@ def _avgpool_case(k, s, p, hw) -> Case:
 
 def _avgpool_reference(s: Sample, ctx: Ctx) -> Tensor:
     k = s.kwargs
-    return nn.AvgPool2d(k["kernel_size"], k["stride"], k.get("padding", 0))(s.inputs[0])
+    ceil = k.get("ceil_mode", False)
+    return nn.AvgPool2d(k["kernel_size"], k["stride"], k.get("padding", 0), ceil)(s.inputs[0])
 
 
 ADAPTIVE_CASES = [((7, 5), (1, 1)), ((7, 5), (3, 2)), ((8, 8), (4, 4)), ((5, 7), (3, 4))]
@@ -784,6 +789,310 @@ EMBEDDING_CASES = (
     _embedding_case("pad0-3d", (2, 3, 4), 0),
 )
 
+# ---------------------------------------------------------------- normalisation and 1-D ops (v2)
+
+
+def _randomize_affine(layer: nn.Module) -> nn.Module:
+    """Weights away from 1 and biases away from 0, so a swapped or missing one shows."""
+    with torch.no_grad():
+        if getattr(layer, "weight", None) is not None:
+            layer.weight.copy_(torch.rand(layer.weight.shape) + 0.5)
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.copy_(torch.randn(layer.bias.shape))
+    return layer
+
+
+def _layernorm_case(shape, normalized, eps=None, affine=True, bias=True) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs: dict[str, Any] = dict(normalized_shape=normalized)
+        if eps is not None:
+            kwargs["eps"] = eps
+        layer = nn.LayerNorm(normalized, eps=eps or 1e-5, elementwise_affine=affine, bias=bias).to(
+            dtype
+        )
+        x = torch.randn(*shape, dtype=dtype) * 3 + 1
+        return Sample((leaf(x),), _randomize_affine(layer), kwargs)
+
+    label = f"{'x'.join(map(str, shape))}-norm{'x'.join(map(str, normalized))}-eps{eps}"
+    return Case(f"{label}-affine{affine}-bias{bias}", make)
+
+
+def _norm_extras(dims_of: Callable[[Sample], Any], group: bool = False) -> ExtrasCheck:
+    """mean and rstd are the biased statistics aten::native_{layer,group}_norm saves."""
+
+    def check(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
+        x, eps = s.inputs[0].detach(), s.kwargs.get("eps", 1e-5)
+        mean, rstd = extras
+        if group:
+            x = x.reshape(x.shape[0], s.kwargs["num_groups"], -1)
+        dims = dims_of(s)
+        tol = 1e-12 if x.dtype == F64 else 1e-6
+        ref_mean = x.mean(dims, keepdim=not group)
+        ref_rstd = 1 / (x.var(dims, unbiased=False, keepdim=not group) + eps).sqrt()
+        assert rel(mean, ref_mean) <= tol
+        assert rel(rstd, ref_rstd) <= tol
+
+    return check
+
+
+def _layernorm_dims(s: Sample) -> tuple[int, ...]:
+    rank, count = s.inputs[0].dim(), len(s.kwargs["normalized_shape"])
+    return tuple(range(rank - count, rank))
+
+
+def _groupnorm_case(shape, groups, eps=None, affine=True) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs: dict[str, Any] = dict(num_groups=groups)
+        if eps is not None:
+            kwargs["eps"] = eps
+        layer = nn.GroupNorm(groups, shape[1], eps=eps or 1e-5, affine=affine).to(dtype)
+        x = torch.randn(*shape, dtype=dtype) * 2 - 0.5
+        return Sample((leaf(x),), _randomize_affine(layer), kwargs)
+
+    return Case(f"{'x'.join(map(str, shape))}-g{groups}-eps{eps}-affine{affine}", make)
+
+
+def _bn1d_case(shape, momentum=0.1, affine=True, track=True, defaults=False) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs = {} if defaults else dict(eps=1e-3, momentum=momentum)
+        layer = nn.BatchNorm1d(3, affine=affine, track_running_stats=track, **kwargs)
+        layer = _randomize_affine(layer.to(dtype))
+        if track:
+            with torch.no_grad():
+                layer.running_mean.copy_(torch.randn(3))
+                layer.running_var.copy_(torch.rand(3) + 0.5)
+                layer.num_batches_tracked.fill_(4)
+        return Sample((randn(*shape, dtype=dtype),), layer.train(), kwargs)
+
+    label = "defaults" if defaults else f"momentum{momentum}-affine{affine}-track{track}"
+    return Case(f"{'x'.join(map(str, shape))}-{label}", make)
+
+
+def _bn1d_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
+    x, eps = s.inputs[0].detach(), s.kwargs.get("eps", 1e-5)
+    dims = (0, 2) if x.dim() == 3 else (0,)
+    mean, invstd = extras
+    tol = 1e-12 if x.dtype == F64 else 1e-6
+    assert rel(mean, x.mean(dims)) <= tol
+    assert rel(invstd, 1 / (x.var(dims, unbiased=False) + eps).sqrt()) <= tol
+
+
+def _bn2d_v2_case(affine: bool, track: bool) -> Case:
+    """batchnorm2d's affine / track_running_stats (no running stats: batch stats in eval)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        layer = nn.BatchNorm2d(3, momentum=0.3, affine=affine, track_running_stats=track)
+        layer = _randomize_affine(layer.to(dtype))
+        x = randn(4, 3, 5, 4, dtype=dtype)
+        return Sample((x,), layer.train(), dict(momentum=0.3))
+
+    return Case(f"v2-affine{affine}-track{track}", make)
+
+
+BN2D_V2_CASES = tuple(_bn2d_v2_case(a, t) for a in (True, False) for t in (True, False))
+
+# cin, cout, kernel, stride, padding, dilation, groups, bias
+CONV1D_CASES = [
+    (4, 6, 3, 2, 1, 2, 2, True),
+    (4, 4, 3, 1, 1, 1, 4, False),  # depthwise
+    (3, 5, 1, 2, 0, 1, 1, True),
+    (2, 3, 2, 3, 1, 1, 1, False),  # stride leaving input positions unused
+    (6, 3, 4, 1, 2, 1, 3, True),
+]
+
+
+def _conv1d_case(cin, cout, k, s, p, d, groups, bias) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        layer = nn.Conv1d(cin, cout, k, s, p, d, groups, bias).to(dtype)
+        kwargs = dict(stride=s, padding=p, dilation=d, groups=groups)
+        return Sample((randn(2, cin, 11, dtype=dtype),), layer, kwargs)
+
+    return Case(f"{cin}x{cout}-k{k}-s{s}-p{p}-d{d}-g{groups}-{'bias' if bias else 'nobias'}", make)
+
+
+def _conv1d_defaults(dtype: torch.dtype) -> Sample:
+    _seeded()
+    return Sample((randn(2, 3, 9, dtype=dtype),), nn.Conv1d(3, 4, 3).to(dtype))
+
+
+# kernel, stride, padding, input length, ceil_mode
+POOL1D_CASES = [
+    (3, 2, 1, 9, False),
+    (2, 1, 1, 8, False),  # heavy overlap
+    (2, 2, 0, 9, False),
+    (3, 3, 1, 10, False),  # non-overlapping: the 1-bit mask applies
+    (2, 3, 1, 8, False),  # gaps between windows
+    (3, 2, 0, 8, True),  # ceil mode: one more, partial window
+    (2, 2, 1, 5, True),  # ceil mode: a last window starting in the padding is dropped
+    (2, 3, 0, 8, True),  # ceil mode with gaps (mask applies)
+]
+
+
+def _pool1d_kwargs(k, s, p, ceil) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(kernel_size=k, stride=s, padding=p)
+    if ceil:
+        kwargs["ceil_mode"] = True
+    return kwargs
+
+
+def _maxpool1d_case(k, s, p, length, ceil, kind: str) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        x = leaf(ties_input((1, length), kind, dtype).squeeze(2))
+        kwargs = _pool1d_kwargs(k, s, p, ceil)
+        return Sample((x,), kwargs=kwargs, derived=dict(input_length=length))
+
+    return Case(f"k{k}-s{s}-p{p}-{length}-ceil{ceil}-{kind}", make)
+
+
+def _maxpool1d_reference(s: Sample, ctx: Ctx) -> Tensor:
+    k = s.kwargs
+    pool = nn.MaxPool1d(
+        k["kernel_size"], k["stride"], k["padding"], ceil_mode=k.get("ceil_mode", False)
+    )
+    return pool(s.inputs[0])
+
+
+def _maxpool1d_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
+    """gpu: PyTorch's indices; ipu: the selection [N, C, k, Lo] picking the same elements."""
+    (idx,) = extras
+    k = s.kwargs
+    x = s.inputs[0].detach()
+    _, ref_idx = F.max_pool1d(
+        x, k["kernel_size"], k["stride"], k["padding"], 1, k.get("ceil_mode", False), True
+    )
+    if platform == "gpu":
+        assert torch.equal(idx, ref_idx)
+        return
+    kk = (1, k["kernel_size"])
+    sel = selection_from_indices(
+        ref_idx.unsqueeze(2), kk, (1, k["stride"]), (0, k["padding"]), x.shape[-1]
+    )
+    assert torch.equal(idx, sel.squeeze(3))
+
+
+def _avgpool1d_case(k, s, p, length, ceil) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        x = randn(2, 3, length, dtype=dtype)
+        kwargs = _pool1d_kwargs(k, s, p, ceil)
+        return Sample((x,), kwargs=kwargs, derived=dict(input_length=length))
+
+    return Case(f"k{k}-s{s}-p{p}-{length}-ceil{ceil}", make)
+
+
+def _avgpool1d_reference(s: Sample, ctx: Ctx) -> Tensor:
+    k = s.kwargs
+    pool = nn.AvgPool1d(k["kernel_size"], k["stride"], k["padding"], k.get("ceil_mode", False))
+    return pool(s.inputs[0])
+
+
+def _adaptive1d_case(length: int, out: int) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        x = randn(2, 3, length, dtype=dtype)
+        return Sample((x,), kwargs=dict(output_size=out), derived=dict(input_length=length))
+
+    return Case(f"{length}-to-{out}", make)
+
+
+# 2-D pools in ceil mode: kernel, stride, padding, input hw
+POOL2D_CEIL_CASES = [
+    ((3, 3), (2, 2), (0, 0), (8, 8)),  # one more, partial window per dim
+    ((2, 2), (2, 2), (1, 1), (5, 4)),  # a last window starting in the padding is dropped
+    ((3, 2), (3, 2), (1, 0), (10, 7)),  # non-overlapping: the 1-bit mask applies
+    ((2, 3), (3, 2), (0, 1), (8, 7)),  # gaps between windows
+]
+
+
+def _ceil_case(make_case: Callable[..., Case], *args: Any) -> Case:
+    base = make_case(*args)
+
+    def make(dtype: torch.dtype) -> Sample:
+        s = base.make(dtype)
+        s.kwargs["ceil_mode"] = True
+        return s
+
+    return Case(f"{base.label}-ceil", make)
+
+
+MAXPOOL_CEIL_CASES = tuple(
+    _ceil_case(_maxpool_case, *c, kind) for c in POOL2D_CEIL_CASES for kind in TIE_KINDS
+)
+AVGPOOL_CEIL_CASES = tuple(_ceil_case(_avgpool_case, *c) for c in POOL2D_CEIL_CASES)
+
+NORMS_ROWS: tuple[OpInfo, ...] = (
+    OpInfo(
+        "layernorm",
+        _layer_reference,
+        (
+            _layernorm_case((3, 4, 5), (5,)),
+            _layernorm_case((2, 3, 4), (3, 4), eps=1e-3),
+            _layernorm_case((5, 6), (6,), affine=False),
+            _layernorm_case((2, 3, 4), (4,), bias=False),
+            _layernorm_case((2, 2, 3, 4), (2, 3, 4), eps=0.5),
+        ),
+        check_extras=_norm_extras(_layernorm_dims),
+    ),
+    OpInfo(
+        "groupnorm",
+        _layer_reference,
+        (
+            _groupnorm_case((2, 6, 4, 3), 3),
+            _groupnorm_case((3, 4, 5), 2, eps=1e-3),
+            _groupnorm_case((4, 6), 2, affine=False),  # no spatial dims
+            _groupnorm_case((2, 4, 3, 2), 1),  # one group: layer norm over C, H, W
+        ),
+        check_extras=_norm_extras(lambda s: 2, group=True),
+    ),
+    OpInfo(
+        "batchnorm1d",
+        _layer_reference,
+        tuple(
+            _bn1d_case(shape, m, a, t)
+            for shape in [(4, 3), (4, 3, 5)]
+            for m, a, t in [(0.2, True, True), (None, False, True), (0.2, True, False)]
+        )
+        + (_bn1d_case((4, 3, 5), defaults=True),),
+        eval_reference=_bn_eval_reference,
+        check_extras=_bn1d_extras,
+    ),
+    OpInfo(
+        "conv1d",
+        _layer_reference,
+        tuple(_conv1d_case(*c) for c in CONV1D_CASES) + (Case("defaults", _conv1d_defaults),),
+        ipu_unsupported="input_grad",
+        exact_forward=PLATFORMS,
+    ),
+    OpInfo(
+        "maxpool1d",
+        _maxpool1d_reference,
+        tuple(_maxpool1d_case(*c, kind) for c in POOL1D_CASES for kind in TIE_KINDS),
+        check_extras=_maxpool1d_extras,
+        contiguous_grads=True,
+        check_mask=_maxpool_mask,
+        exact_forward=PLATFORMS,
+    ),
+    OpInfo(
+        "avgpool1d",
+        _avgpool1d_reference,
+        tuple(_avgpool1d_case(*c) for c in POOL1D_CASES),
+        contiguous_grads=True,
+        exact_forward=PLATFORMS,
+    ),
+    OpInfo(
+        "adaptive_avgpool1d",
+        lambda s, ctx: nn.AdaptiveAvgPool1d(s.kwargs["output_size"])(s.inputs[0]),
+        tuple(_adaptive1d_case(*c) for c in [(7, 1), (7, 3), (8, 4), (3, 5)]),
+    ),
+)
+
+
 # ---------------------------------------------------------------- the table
 
 _SAME_OP = dict(exact_forward=PLATFORMS, exact_grads=PLATFORMS)  # ipu computes as torch does
@@ -1018,7 +1327,8 @@ ROWS: tuple[OpInfo, ...] = (
         "batchnorm2d",
         _layer_reference,
         tuple(_bn_case(m, a) for m in (0.2, None) for a in (True, False))
-        + (_bn_case(0.1, True, defaults=True),),
+        + (_bn_case(0.1, True, defaults=True),)
+        + BN2D_V2_CASES,
         eval_reference=_bn_eval_reference,
         check_extras=_bn_extras,
     ),
@@ -1047,7 +1357,8 @@ ROWS: tuple[OpInfo, ...] = (
     OpInfo(
         "maxpool2d",
         _maxpool_reference,
-        tuple(_maxpool_case(*c, kind) for c in MAXPOOL_CASES for kind in TIE_KINDS),
+        tuple(_maxpool_case(*c, kind) for c in MAXPOOL_CASES for kind in TIE_KINDS)
+        + MAXPOOL_CEIL_CASES,
         check_extras=_maxpool_extras,
         contiguous_grads=True,
         check_mask=_maxpool_mask,
@@ -1056,7 +1367,7 @@ ROWS: tuple[OpInfo, ...] = (
     OpInfo(
         "avgpool2d",
         _avgpool_reference,
-        tuple(_avgpool_case(*c) for c in AVGPOOL_CASES),
+        tuple(_avgpool_case(*c) for c in AVGPOOL_CASES) + AVGPOOL_CEIL_CASES,
         contiguous_grads=True,
         **_SAME_FORWARD,
     ),
@@ -1142,6 +1453,7 @@ ROWS: tuple[OpInfo, ...] = (
         tuple(_sdpa_case(*c) for c in SDPA_CASES) + (Case("peaked", _sdpa_peaked),),
     ),
     OpInfo("multihead_attention", _mha_reference, tuple(_mha_case(*c) for c in MHA_CASES)),
+    *NORMS_ROWS,
 )
 
 V2_ROWS: tuple[OpInfo, ...] = (

@@ -651,6 +651,7 @@ TENSOR_METHODS = {
     "sum", "mean", "square", "abs", "neg", "reciprocal", "matmul", "add_", "mul_",
     "new_zeros", "dim", "numel",
     "narrow",  # a constant-bound slice (a view)
+    "contiguous",  # layout only (a ceil-mode pool's cropped gradient)
 }  # fmt: skip
 # v2 activations, losses and embedding (all on PopTorch's list)
 TORCH_CALLS |= {"reciprocal", "scatter_add"}

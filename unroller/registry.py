@@ -60,7 +60,9 @@ class TensorSpec:
     dtype: str | None = None  # None: the model's float dtype
 
     def present(self, args: dict[str, Any]) -> bool:
-        return self.when is None or bool(args[self.when])
+        """``when`` names a bool argument or is an expression over the arguments
+        (layernorm's bias exists only ``elementwise_affine and bias``)."""
+        return self.when is None or bool(eval_expr(self.when, args))
 
 
 @dataclass(frozen=True)

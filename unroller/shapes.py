@@ -200,8 +200,9 @@ def pool2d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResu
                 f"{args['kernel_size']}",
                 arg="padding",
             )
+    ceil = args.get("ceil_mode", False)
     size = tuple(
-        (n + 2 * p - k) // s + 1
+        _pool_size(n, k, s, p, ceil)
         for n, k, s, p in zip((h, w), args["kernel_size"], args["stride"], args["padding"])
     )
     _positive(op, size, (h, w))
@@ -745,6 +746,122 @@ def multihead_attention(op: str, inputs: list[TensorType], args: dict[str, Any])
             "head_shape": (BATCH, heads, length, embed // heads),  # type: ignore[operator]
             "probs_shape": (BATCH, heads, length, length),
         },
+    )
+
+
+# ---------------------------------------------------------------- normalisation and 1-D ops (v2)
+
+
+def _pool_size(n: int, k: int, s: int, p: int, ceil_mode: bool) -> int:
+    """torch's pooling output size (dilation 1): floor or ceil of (n + 2p - k) / s, plus 1;
+    in ceil mode the last window must start inside the input or the left padding."""
+    span = n + 2 * p - k
+    if span < 0:
+        return span // s + 1  # below 1: the caller reports it
+    out = (span + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= n + p:
+        out -= 1
+    return out
+
+
+def _sequence(op: str, t: TensorType) -> tuple[int, int]:
+    _rank(op, t, 3, "[N, C, L]")
+    _float(op, t)
+    _, c, length = t.shape
+    return c, length  # type: ignore[return-value]
+
+
+def _length_positive(op: str, out: int, length: int) -> None:
+    if out < 1:
+        raise ShapeError(
+            f"{op} output length would be {out} (below 1) for input length {length}: "
+            f"the input is too short for this kernel, stride and padding"
+        )
+
+
+def layernorm(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """normalized_shape must be the input's trailing dims, never reaching the batch dim;
+    mean and rstd are [N, leading dims, 1, ...] as aten::native_layer_norm makes them."""
+    (x,) = inputs
+    _float(op, x)
+    shape = tuple(args["normalized_shape"])
+    if len(shape) >= x.rank:
+        raise ShapeError(
+            f"{op}: normalized_shape {shape} has {len(shape)} dims but the input {x} has only "
+            f"{x.rank - 1} besides the batch dim, which is never normalised",
+            arg="normalized_shape",
+        )
+    if tuple(x.shape[x.rank - len(shape) :]) != shape:
+        trailing = tuple(x.shape[x.rank - len(shape) :])
+        raise ShapeError(
+            f"{op}: normalized_shape {shape} must equal the input's trailing dims {trailing} "
+            f"(input {x})",
+            arg="normalized_shape",
+        )
+    stat = (*x.shape[: x.rank - len(shape)], *(1 for _ in shape))
+    return ShapeResult(x, {"stat_shape": stat})
+
+
+def groupnorm(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """x is [N, C, ...]; num_groups must divide C; mean and rstd are [N, num_groups]."""
+    (x,) = inputs
+    _float(op, x)
+    if x.rank < 2:
+        raise ShapeError(f"{op} needs an input of at least 2 dims [N, C, ...], got {x}", 0)
+    c, groups = x.shape[1], args["num_groups"]
+    if c % groups:  # type: ignore[operator]
+        raise ShapeError(
+            f"{op}: num_groups ({groups}) must divide the number of channels ({c})",
+            arg="num_groups",
+        )
+    return ShapeResult(x, {"num_channels": c, "stat_shape": (BATCH, groups)})
+
+
+def batchnorm1d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    (x,) = inputs
+    if x.rank not in (2, 3):
+        raise ShapeError(f"{op} needs a 2-D input [N, C] or a 3-D input [N, C, L], got {x}", 0)
+    _float(op, x)
+    return ShapeResult(x, {"num_features": x.shape[1]})
+
+
+def conv1d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    (x,) = inputs
+    c, length = _sequence(op, x)
+    groups = args["groups"]
+    if c % groups or args["out_channels"] % groups:
+        raise ShapeError(
+            f"{op}: in_channels ({c}) and out_channels ({args['out_channels']}) must both be "
+            f"divisible by groups ({groups})",
+            arg="groups",
+        )
+    k, s, p, d = (args[a] for a in ("kernel_size", "stride", "padding", "dilation"))
+    out = (length + 2 * p - d * (k - 1) - 1) // s + 1
+    _length_positive(op, out, length)
+    return ShapeResult(
+        TensorType(x.dtype, (BATCH, args["out_channels"], out)),
+        {"in_channels": c, "input_length": length},
+    )
+
+
+def pool1d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    (x,) = inputs
+    c, length = _sequence(op, x)
+    k, s, p = args["kernel_size"], args["stride"], args["padding"]
+    if 2 * p > k:
+        raise ShapeError(
+            f"{op}: padding {p} must be at most half the kernel size {k}", arg="padding"
+        )
+    out = _pool_size(length, k, s, p, args.get("ceil_mode", False))
+    _length_positive(op, out, length)
+    return ShapeResult(TensorType(x.dtype, (BATCH, c, out)), {"input_length": length})
+
+
+def adaptive_pool1d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    (x,) = inputs
+    c, length = _sequence(op, x)
+    return ShapeResult(
+        TensorType(x.dtype, (BATCH, c, args["output_size"])), {"input_length": length}
     )
 
 

@@ -665,6 +665,19 @@ def stash_report(log: list) -> dict:
 # ---------------------------------------------------------------- the public surface
 
 
+# ---------------------------------------------------------------- pooling sizes
+
+
+def _ceil_mode_of(input_hw: Any, out_hw: Any, kernel_size: Any, stride: Any, padding: Any) -> bool:
+    """Whether a pool's output is larger than floor mode gives: the ceil_mode a backward
+    kernel needs, read off the sizes it already has (ceil mode with the floor size computes
+    exactly what floor mode does), so backward and mask calls need no ceil_mode argument."""
+    return any(
+        (n + 2 * p - k) // s + 1 != o
+        for n, o, k, s, p in zip(input_hw, out_hw, kernel_size, stride, padding)
+    )
+
+
 def _exports(namespace: Mapping[str, Any]) -> list[str]:
     """A runtime module's ``__all__``: every public function in ``namespace`` that a runtime
     module defines (its own or imported from here), so the list cannot drift from what the

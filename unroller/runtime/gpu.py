@@ -26,6 +26,7 @@ from unroller.runtime.common import (  # noqa: F401
     Needs,
     Pair,
     _attention_factors,
+    _ceil_mode_of,
     _exports,
     _fit,
     _need,
@@ -270,7 +271,10 @@ def batchnorm2d_eval(
     nothing."""
     weight, bias, running_mean, running_var, _ = _norm_tensors(layer)
     factor = 0.0 if momentum is None else momentum
-    out = _aten.native_batch_norm(x, weight, bias, running_mean, running_var, False, factor, eps)
+    batch_stats = running_mean is None  # track_running_stats=False: torch uses batch stats
+    out = _aten.native_batch_norm(
+        x, weight, bias, running_mean, running_var, batch_stats, factor, eps
+    )
     return out[0]
 
 
@@ -496,10 +500,10 @@ def _padding_row(padding_idx: int | None, num_embeddings: int) -> int:
 
 
 def maxpool2d(
-    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0)
+    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), ceil_mode: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """aten::max_pool2d_with_indices (dilation 1, floor mode); autograd saves x and indices."""
-    return _aten.max_pool2d_with_indices(x, kernel_size, stride, padding, _NO_DILATION, False)
+    """aten::max_pool2d_with_indices (dilation 1); autograd saves x and indices."""
+    return _aten.max_pool2d_with_indices(x, kernel_size, stride, padding, _NO_DILATION, ceil_mode)
 
 
 def maxpool2d_backward(
@@ -524,9 +528,10 @@ def maxpool2d_backward(
         spread = g.index_select(2, rows).index_select(3, cols)
         return (torch.where(indices, spread, spread.new_zeros(())),)
     x = _shape_only(g, (n, c, *input_hw))
+    ceil_mode = _ceil_mode_of(input_hw, g.shape[2:], kernel_size, stride, padding)
     return (
         _aten.max_pool2d_with_indices_backward(
-            g, x, kernel_size, stride, padding, _NO_DILATION, False, indices
+            g, x, kernel_size, stride, padding, _NO_DILATION, ceil_mode, indices
         ).contiguous(),
     )
 
@@ -537,7 +542,12 @@ def _window_of(size: int, stride: int, padding: int, out: int, device: torch.dev
 
 
 def maxpool2d_mask(
-    indices: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), input_hw: Pair
+    indices: Tensor,
+    *,
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Pair = (0, 0),
+    input_hw: Pair,
 ) -> Tensor:
     """The argmax positions as a bool mask of the input's shape (one per window; ties
     resolved as PyTorch resolved them). Exact only for non-overlapping windows."""
@@ -547,9 +557,11 @@ def maxpool2d_mask(
     return mask.reshape(n, c, *input_hw)
 
 
-def avgpool2d(x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0)) -> Tensor:
-    """aten::avg_pool2d (count_include_pad, floor mode); the backward needs no activation."""
-    return _aten.avg_pool2d(x, kernel_size, stride, padding, False, True, None)
+def avgpool2d(
+    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), ceil_mode: bool = False
+) -> Tensor:
+    """aten::avg_pool2d (count_include_pad); the backward needs no activation."""
+    return _aten.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, True, None)
 
 
 def avgpool2d_backward(
@@ -565,7 +577,10 @@ def avgpool2d_backward(
     if not _need(needs, 0):
         return (None,)
     shape = _shape_only(g, (*g.shape[:-2], *input_hw))
-    return (_aten.avg_pool2d_backward(g, shape, kernel_size, stride, padding, False, True, None),)
+    ceil_mode = _ceil_mode_of(input_hw, g.shape[-2:], kernel_size, stride, padding)
+    return (
+        _aten.avg_pool2d_backward(g, shape, kernel_size, stride, padding, ceil_mode, True, None),
+    )
 
 
 def adaptive_avgpool2d(x: Tensor, *, output_size: Pair) -> Tensor:
@@ -927,6 +942,220 @@ def multihead_attention_backward(
         if _need(needs, 0):
             gx = g_proj2.mm(w_in).view(length, n, embed).transpose(1, 0)
     return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs)
+
+
+# ---------------------------------------------------------------- normalisation and 1-D ops (v2)
+
+
+def layernorm(
+    x: Tensor, layer: torch.nn.Module, *, normalized_shape: tuple[int, ...], eps: float = 1e-05
+) -> tuple[Tensor, Tensor, Tensor]:
+    """aten::native_layer_norm, as F.layer_norm; autograd saves x, mean, rstd, weight, bias."""
+    weight, bias = _weight_bias(layer)
+    return _aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
+
+
+def layernorm_backward(
+    g: Tensor,
+    x: Tensor,
+    layer: torch.nn.Module,
+    mean: Tensor,
+    rstd: Tensor,
+    *,
+    normalized_shape: tuple[int, ...],
+    needs: Needs | None = None,
+) -> Grads:
+    """aten::native_layer_norm_backward; bias is read only for its presence (its gradient)."""
+    mask = _need_mask(needs)
+    if not any(mask):
+        return _fit((), needs)
+    weight, bias = _weight_bias(layer)
+    grads = _aten.native_layer_norm_backward(g, x, normalized_shape, mean, rstd, weight, bias, mask)
+    return _fit(grads, needs)
+
+
+def groupnorm(
+    x: Tensor, layer: torch.nn.Module, *, num_groups: int, eps: float = 1e-05
+) -> tuple[Tensor, Tensor, Tensor]:
+    """aten::native_group_norm, as F.group_norm; autograd saves x, weight, mean, rstd."""
+    weight, bias = _weight_bias(layer)
+    n, c = x.shape[:2]
+    return _aten.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(), num_groups, eps)
+
+
+def groupnorm_backward(
+    g: Tensor,
+    x: Tensor,
+    layer: torch.nn.Module,
+    mean: Tensor,
+    rstd: Tensor,
+    *,
+    num_groups: int,
+    needs: Needs | None = None,
+) -> Grads:
+    """aten::native_group_norm_backward."""
+    mask = _need_mask(needs)
+    if not any(mask):
+        return _fit((), needs)
+    weight, _ = _weight_bias(layer)
+    n, c = x.shape[:2]
+    grads = _aten.native_group_norm_backward(
+        g, x, mean, rstd, weight, n, c, x.shape[2:].numel(), num_groups, mask
+    )
+    return _fit(grads, needs)
+
+
+# BatchNorm1d is BatchNorm2d's computation on [N, C] or [N, C, L]: aten::native_batch_norm
+# takes any rank, so the 2-D kernels serve unchanged.
+batchnorm1d = batchnorm2d
+batchnorm1d_backward = batchnorm2d_backward
+batchnorm1d_eval = batchnorm2d_eval
+
+
+def conv1d(
+    x: Tensor,
+    layer: torch.nn.Module,
+    *,
+    stride: int = 1,
+    padding: int = 0,
+    dilation: int = 1,
+    groups: int = 1,
+) -> Tensor:
+    """aten::convolution on [N, C, L], as F.conv1d; autograd saves x and weight."""
+    weight, bias = _weight_bias(layer)
+    return _aten.convolution(x, weight, bias, [stride], [padding], [dilation], False, [0], groups)
+
+
+def conv1d_backward(
+    g: Tensor,
+    x: Tensor,
+    layer: torch.nn.Module,
+    *,
+    stride: int = 1,
+    padding: int = 0,
+    dilation: int = 1,
+    groups: int = 1,
+    needs: Needs | None = None,
+) -> Grads:
+    """aten::convolution_backward with one spatial dim."""
+    mask = _need_mask(needs)
+    if not any(mask):
+        return _fit((), needs)
+    weight = layer.weight
+    grads = _aten.convolution_backward(
+        g, x, weight, [weight.shape[0]], [stride], [padding], [dilation], False, [0], groups, mask
+    )
+    return _fit(grads, needs)
+
+
+# The 1-D pools are the 2-D ones on [N, C, 1, L] with a (1, k) window, exactly as ATen's
+# max_pool1d_with_indices / avg_pool1d / adaptive_avg_pool1d compute them (so autograd's
+# gradients are the 2-D backward kernels' too).
+
+
+def maxpool1d(
+    x: Tensor, *, kernel_size: int, stride: int, padding: int = 0, ceil_mode: bool = False
+) -> tuple[Tensor, Tensor]:
+    """maxpool2d on x.unsqueeze(2): the output and PyTorch's indices (positions in L)."""
+    y, indices = maxpool2d(
+        x.unsqueeze(2),
+        kernel_size=(1, kernel_size),
+        stride=(1, stride),
+        padding=(0, padding),
+        ceil_mode=ceil_mode,
+    )
+    return y.squeeze(2), indices.squeeze(2)
+
+
+def maxpool1d_backward(
+    g: Tensor,
+    indices: Tensor,
+    *,
+    kernel_size: int,
+    stride: int,
+    padding: int = 0,
+    input_length: int,
+    needs: Needs | None = None,
+) -> Grads:
+    """maxpool2d_backward on the unsqueezed gradient; indices may be maxpool1d_mask's mask."""
+    if not _need(needs, 0):
+        return (None,)
+    (gx,) = maxpool2d_backward(
+        g.unsqueeze(2),
+        indices.unsqueeze(2),
+        kernel_size=(1, kernel_size),
+        stride=(1, stride),
+        padding=(0, padding),
+        input_hw=(1, input_length),
+    )
+    return (gx.squeeze(2),)
+
+
+def maxpool1d_mask(
+    indices: Tensor,
+    *,
+    kernel_size: int,
+    stride: int,
+    padding: int = 0,
+    input_length: int,
+) -> Tensor:
+    """The argmax positions as a bool mask of the input's shape (non-overlapping windows)."""
+    n, c = indices.shape[:2]
+    mask = torch.zeros(n, c, input_length, dtype=torch.bool, device=indices.device)
+    return mask.scatter_(2, indices, True)
+
+
+def avgpool1d(
+    x: Tensor, *, kernel_size: int, stride: int, padding: int = 0, ceil_mode: bool = False
+) -> Tensor:
+    """avgpool2d on x.unsqueeze(2), as ATen's avg_pool1d."""
+    y = avgpool2d(
+        x.unsqueeze(2),
+        kernel_size=(1, kernel_size),
+        stride=(1, stride),
+        padding=(0, padding),
+        ceil_mode=ceil_mode,
+    )
+    return y.squeeze(2)
+
+
+def avgpool1d_backward(
+    g: Tensor,
+    *,
+    kernel_size: int,
+    stride: int,
+    padding: int = 0,
+    input_length: int,
+    needs: Needs | None = None,
+) -> Grads:
+    """avgpool2d_backward on the unsqueezed gradient."""
+    if not _need(needs, 0):
+        return (None,)
+    (gx,) = avgpool2d_backward(
+        g.unsqueeze(2),
+        kernel_size=(1, kernel_size),
+        stride=(1, stride),
+        padding=(0, padding),
+        input_hw=(1, input_length),
+    )
+    return (gx.squeeze(2),)
+
+
+def adaptive_avgpool1d(x: Tensor, *, output_size: int) -> Tensor:
+    """adaptive_avgpool2d on x.unsqueeze(2) with output (1, output_size)."""
+    return adaptive_avgpool2d(x.unsqueeze(2), output_size=(1, output_size)).squeeze(2)
+
+
+def adaptive_avgpool1d_backward(
+    g: Tensor, *, output_size: int, input_length: int, needs: Needs | None = None
+) -> Grads:
+    """adaptive_avgpool2d_backward on the unsqueezed gradient."""
+    if not _need(needs, 0):
+        return (None,)
+    (gx,) = adaptive_avgpool2d_backward(
+        g.unsqueeze(2), output_size=(1, output_size), input_hw=(1, input_length)
+    )
+    return (gx.squeeze(2),)
 
 
 __all__ = _exports(globals())

@@ -49,6 +49,10 @@ gradient is written out:
   [N, d1, ...] (one-hot by comparison with arange(C), label smoothing in closed form:
   (softmax - (1 - ls) one_hot - ls / C) * g / count); embedding's weight gradient is a
   scatter_add of g's rows into a zero table (PopTorch has no embedding backward to call).
+* layernorm, groupnorm: written out (biased var, rsqrt), backward by the closed form
+  rstd * (gy - mean(gy) - xhat * mean(gy * xhat)); conv1d, batchnorm1d and the 1-D pools are
+  the 2-D kernels on [N, C, 1, L] views. Ceil-mode pools pad the overhanging last window with
+  NaN (max) and crop what the transposed convolution puts past the input's end.
 
 The interpolation / averaging matrices and kernel banks depend only on static sizes; on CPU
 and CUDA they are cached, on other devices (the IPU's traced graph) rebuilt per call, so no
@@ -72,6 +76,7 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     Needs,
     Pair,
     _attention_factors,
+    _ceil_mode_of,
     _exports,
     _fit,
     _need,
@@ -197,7 +202,7 @@ def _constant(key: tuple, device: torch.device, build: Callable[[], Tensor]) -> 
 
 def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
     """Why a node with these args cannot run on the IPU platform, or None when it can."""
-    if op_name in ("conv2d", "conv_transpose2d"):
+    if op_name in ("conv2d", "conv_transpose2d", "conv1d"):
         dilation = tuple(int(d) for d in _pair(args.get("dilation", 1)))
         if dilation != (1, 1):
             needs = "its input gradient" if op_name == "conv2d" else "its forward"
@@ -688,6 +693,40 @@ def _pool_output_padding(input_hw: Pair, out_hw: Any, k: tuple, s: tuple, p: tup
     return tuple(_restore_padding(input_hw[i], out_hw[i], k[i], s[i], p[i]) for i in (0, 1))
 
 
+def _pool_overhang(input_hw: Any, out_hw: Any, k: tuple, s: tuple, p: tuple) -> Pair:
+    """How far the last window reaches past the right / bottom padding (ceil mode), per dim."""
+    return tuple(max(0, (out_hw[i] - 1) * s[i] + k[i] - input_hw[i] - 2 * p[i]) for i in (0, 1))
+
+
+def _unpool(t: Tensor, bank: Tensor, s: tuple, p: tuple, input_hw: Any, groups: int) -> Tensor:
+    """conv_transpose2d of per-window values back onto the input grid (groups, stride s,
+    padding p); output_padding restores the input size, and what a ceil-mode window adds
+    past the input's end is cropped."""
+    k = tuple(bank.shape[-2:])
+    op = _pool_output_padding(input_hw, t.shape[-2:], k, s, p)
+    out = F.conv_transpose2d(t, bank, None, s, p, tuple(max(0, o) for o in op), groups)
+    if min(op) < 0:
+        out = out[:, :, : input_hw[0], : input_hw[1]].contiguous()
+    return out
+
+
+def _avg_divisor(
+    input_hw: Any, out_hw: Any, k: tuple, s: tuple, p: tuple, dtype: torch.dtype, dev: torch.device
+) -> Tensor:
+    """[Ho, Wo]: each window's size clipped to input plus padding (avg_pool2d's ceil mode)."""
+
+    def build() -> Tensor:
+        sizes = []
+        for i in (0, 1):
+            start = torch.arange(out_hw[i], device=dev) * s[i] - p[i]
+            end = torch.clamp(start + k[i], max=input_hw[i] + p[i])
+            sizes.append((end - start).to(dtype))
+        return sizes[0].unsqueeze(1) * sizes[1].unsqueeze(0)
+
+    key = ("avgdiv", *input_hw, *out_hw, *k, *s, *p, dtype)
+    return _constant(key, dev, build)
+
+
 def _one_hot_bank(channels: int, kh: int, kw: int, dtype: torch.dtype, dev: torch.device) -> Tensor:
     """[C * kh*kw, 1, kh, kw]: per channel, filter q is one at kernel offset q (row-major)."""
 
@@ -709,17 +748,20 @@ def _ones_bank(channels: int, kh: int, kw: int, dtype: torch.dtype, dev: torch.d
 
 
 def maxpool2d(
-    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0)
+    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), ceil_mode: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """F.max_pool2d (dilation 1, floor mode) and, in place of indices, the bool selection
+    """F.max_pool2d (dilation 1) and, in place of indices, the bool selection
     ``sel[N, C, kh*kw, Ho, Wo]``: offset q = (i, j) (row-major) of each window is selected when
     it holds the window's maximum and no earlier offset does: PyTorch's rule, first maximum
     wins. Padding is NaN, which equals nothing, so padded positions are never selected.
-    A window whose maximum is NaN selects nothing (PyTorch picks its last NaN)."""
+    A window whose maximum is NaN selects nothing (PyTorch picks its last NaN). In ceil mode
+    the last window may overhang the input: the overhang is NaN padding too."""
     k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
-    y = F.max_pool2d(x, k, s, p)
+    y = F.max_pool2d(x, k, s, p, ceil_mode=ceil_mode)
     ho, wo = y.shape[-2:]
-    xp = x if p == (0, 0) else F.pad(x, (p[1], p[1], p[0], p[0]), value=math.nan)
+    over = _pool_overhang(x.shape[-2:], (ho, wo), k, s, p)
+    pads = (p[1], p[1] + over[1], p[0], p[0] + over[0])
+    xp = x if not any(pads) else F.pad(x, pads, value=math.nan)
     rows, cols = s[0] * (ho - 1) + 1, s[1] * (wo - 1) + 1
     sels: list[Tensor] = []
     claimed: Tensor | None = None
@@ -754,34 +796,39 @@ def maxpool2d_backward(
         return (None,)
     k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
     n, c, ho, wo = g.shape
-    op = _pool_output_padding(input_hw, (ho, wo), k, s, p)
     if indices.dtype != torch.bool:
         raise TypeError(f"maxpool2d_backward: expected the bool selection, got {indices.dtype}")
     if indices.dim() == 4:  # the input-shaped 1-bit mask
-        spread = F.conv_transpose2d(g, _ones_bank(c, *k, g.dtype, g.device), None, s, p, op, c)
+        spread = _unpool(g, _ones_bank(c, *k, g.dtype, g.device), s, p, input_hw, c)
         return (torch.where(indices, spread, _zero(g)),)
     picked = torch.where(indices, g.unsqueeze(2), _zero(g)).reshape(n, c * k[0] * k[1], ho, wo)
     bank = _one_hot_bank(c, *k, g.dtype, g.device)
-    return (F.conv_transpose2d(picked, bank, None, s, p, op, c),)
+    return (_unpool(picked, bank, s, p, input_hw, c),)
 
 
 def maxpool2d_mask(
-    indices: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), input_hw: Pair
+    indices: Tensor,
+    *,
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Pair = (0, 0),
+    input_hw: Pair,
 ) -> Tensor:
     """The selected positions as a bool mask of the input's shape (one per window, ties
     resolved as PyTorch does). Enough for the backward only for non-overlapping windows."""
     k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
     n, c, kk, ho, wo = indices.shape
-    op = _pool_output_padding(input_hw, (ho, wo), k, s, p)
     sel = indices.reshape(n, c * kk, ho, wo).to(torch.float32)
     bank = _one_hot_bank(c, *k, torch.float32, indices.device)
-    return F.conv_transpose2d(sel, bank, None, s, p, op, c) > 0.5
+    return _unpool(sel, bank, s, p, input_hw, c) > 0.5
 
 
-def avgpool2d(x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0)) -> Tensor:
-    """F.avg_pool2d (count_include_pad, floor mode); the backward needs no activation."""
+def avgpool2d(
+    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), ceil_mode: bool = False
+) -> Tensor:
+    """F.avg_pool2d (count_include_pad); the backward needs no activation."""
     k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
-    return F.avg_pool2d(x, k, s, p, ceil_mode=False, count_include_pad=True)
+    return F.avg_pool2d(x, k, s, p, ceil_mode=ceil_mode, count_include_pad=True)
 
 
 def avgpool2d_backward(
@@ -794,14 +841,18 @@ def avgpool2d_backward(
     needs: Needs | None = None,
 ) -> Grads:
     """conv_transpose2d of g / (kh*kw) with a ones kernel per channel (groups C, stride s,
-    padding p, output_padding up to input_hw)."""
+    padding p, output_padding up to input_hw). In ceil mode a window overhanging the input
+    divides by the part of it inside input and padding (PyTorch's divisor)."""
     if not _need(needs, 0):
         return (None,)
     k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
     c = g.shape[1]
-    op = _pool_output_padding(input_hw, g.shape[-2:], k, s, p)
     bank = _ones_bank(c, *k, g.dtype, g.device)
-    return (F.conv_transpose2d(g / (k[0] * k[1]), bank, None, s, p, op, c),)
+    if _ceil_mode_of(input_hw, g.shape[-2:], k, s, p):
+        scaled = g / _avg_divisor(input_hw, tuple(g.shape[-2:]), k, s, p, g.dtype, g.device)
+    else:
+        scaled = g / (k[0] * k[1])
+    return (_unpool(scaled, bank, s, p, input_hw, c),)
 
 
 def _adaptive_matrix(out: int, size: int, dtype: torch.dtype, dev: torch.device) -> Tensor:
@@ -1195,6 +1246,319 @@ def multihead_attention_backward(
         if _need(needs, 2):
             g_b_in = g_proj2.sum(0)
     return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs)
+
+
+# ---------------------------------------------------------------- normalisation and 1-D ops (v2)
+
+
+def _trailing(x: Tensor, count: int) -> tuple[int, ...]:
+    return tuple(range(x.dim() - count, x.dim()))
+
+
+def layernorm(
+    x: Tensor, layer: torch.nn.Module, *, normalized_shape: tuple[int, ...], eps: float = 1e-05
+) -> tuple[Tensor, Tensor, Tensor]:
+    """As F.layer_norm over the trailing dims (biased var); returns (y, mean, rstd) with
+    mean, rstd keeping those dims as 1s, as aten::native_layer_norm."""
+    weight, bias = _weight_bias(layer)
+    dims = _trailing(x, len(normalized_shape))
+    mean = x.mean(dims, keepdim=True)
+    centered = x - mean
+    rstd = torch.rsqrt(centered.square().mean(dims, keepdim=True) + eps)
+    y = centered * rstd
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y, mean, rstd
+
+
+def _norm_input_grad(gy: Tensor, xhat: Tensor, rstd: Tensor, dims: Any) -> Tensor:
+    """The normalisation's input gradient given gy = g * weight: rstd * (gy - mean(gy) -
+    xhat * mean(gy * xhat)), means over the normalised dims."""
+    mean_gy = gy.mean(dims, keepdim=True)
+    return (gy - mean_gy - xhat * (gy * xhat).mean(dims, keepdim=True)) * rstd
+
+
+def layernorm_backward(
+    g: Tensor,
+    x: Tensor,
+    layer: torch.nn.Module,
+    mean: Tensor,
+    rstd: Tensor,
+    *,
+    normalized_shape: tuple[int, ...],
+    needs: Needs | None = None,
+) -> Grads:
+    """Closed form with xhat = (x - mean) * rstd: gx as _norm_input_grad, gW = sum of g * xhat
+    and gb = sum of g over the leading dims."""
+    weight, bias = _weight_bias(layer)
+    dims = _trailing(x, len(normalized_shape))
+    lead = tuple(range(x.dim() - len(normalized_shape)))
+    xhat = (x - mean) * rstd
+    gx = gw = gb = None
+    if _need(needs, 0):
+        gx = _norm_input_grad(g if weight is None else g * weight, xhat, rstd, dims)
+    if _need(needs, 1) and weight is not None:
+        gw = (g * xhat).sum(lead)
+    if _need(needs, 2) and bias is not None:
+        gb = g.sum(lead)
+    return _fit((gx, gw, gb), needs)
+
+
+def _channel_shape(x: Tensor) -> tuple[int, ...]:
+    return (1, -1, *([1] * (x.dim() - 2)))
+
+
+def groupnorm(
+    x: Tensor, layer: torch.nn.Module, *, num_groups: int, eps: float = 1e-05
+) -> tuple[Tensor, Tensor, Tensor]:
+    """As F.group_norm: statistics over each group of channels with the spatial dims (biased
+    var); returns (y, mean, rstd), mean and rstd [N, num_groups] as aten::native_group_norm."""
+    weight, bias = _weight_bias(layer)
+    xg = x.reshape(x.shape[0], num_groups, -1)
+    mean = xg.mean(2)
+    centered = xg - mean.unsqueeze(2)
+    rstd = torch.rsqrt(centered.square().mean(2) + eps)
+    y = (centered * rstd.unsqueeze(2)).reshape(x.shape)
+    if weight is not None:
+        y = y * weight.reshape(_channel_shape(x))
+    if bias is not None:
+        y = y + bias.reshape(_channel_shape(x))
+    return y, mean, rstd
+
+
+def groupnorm_backward(
+    g: Tensor,
+    x: Tensor,
+    layer: torch.nn.Module,
+    mean: Tensor,
+    rstd: Tensor,
+    *,
+    num_groups: int,
+    needs: Needs | None = None,
+) -> Grads:
+    """Closed form per group (as layernorm's, on [N, G, C/G * spatial]); gW, gb summed over
+    N and the spatial dims."""
+    weight, bias = _weight_bias(layer)
+    n = x.shape[0]
+    xhat = (x.reshape(n, num_groups, -1) - mean.unsqueeze(2)) * rstd.unsqueeze(2)
+    dims = (0, *range(2, x.dim()))
+    gx = gw = gb = None
+    if _need(needs, 0):
+        gy = g if weight is None else g * weight.reshape(_channel_shape(x))
+        gyg = gy.reshape(n, num_groups, -1)
+        gx = _norm_input_grad(gyg, xhat, rstd.unsqueeze(2), 2).reshape(x.shape)
+    if _need(needs, 1) and weight is not None:
+        gw = (g * xhat.reshape(x.shape)).sum(dims)
+    if _need(needs, 2) and bias is not None:
+        gb = g.sum(dims)
+    return _fit((gx, gw, gb), needs)
+
+
+# BatchNorm1d on [N, C] or [N, C, L] is BatchNorm2d's computation on [N, C, 1, L]: the 2-D
+# kernels run on that view and their results are viewed back.
+
+
+def _as_image(t: Tensor) -> Tensor:
+    return t.reshape(t.shape[0], t.shape[1], 1, -1)
+
+
+def batchnorm1d(
+    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
+) -> tuple[Tensor, Tensor, Tensor]:
+    """batchnorm2d on x viewed as [N, C, 1, L] (L = 1 for [N, C])."""
+    y, mean, invstd = batchnorm2d(_as_image(x), layer, eps=eps, momentum=momentum)
+    return y.reshape(x.shape), mean, invstd
+
+
+def batchnorm1d_backward(
+    g: Tensor,
+    x: Tensor,
+    layer: torch.nn.Module,
+    save_mean: Tensor,
+    save_invstd: Tensor,
+    *,
+    eps: float = 1e-05,
+    momentum: float | None = 0.1,
+    needs: Needs | None = None,
+) -> Grads:
+    """batchnorm2d_backward on the [N, C, 1, L] views; the input gradient viewed back."""
+    grads = batchnorm2d_backward(
+        _as_image(g), _as_image(x), layer, save_mean, save_invstd, eps=eps, needs=needs
+    )
+    if not grads or grads[0] is None:
+        return grads
+    return (grads[0].reshape(x.shape), *grads[1:])
+
+
+def batchnorm1d_eval(
+    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
+) -> Tensor:
+    """batchnorm2d_eval on the [N, C, 1, L] view."""
+    return batchnorm2d_eval(_as_image(x), layer, eps=eps, momentum=momentum).reshape(x.shape)
+
+
+def conv1d(
+    x: Tensor,
+    layer: torch.nn.Module,
+    *,
+    stride: int = 1,
+    padding: int = 0,
+    dilation: int = 1,
+    groups: int = 1,
+) -> Tensor:
+    """F.conv2d on the [N, C, 1, L] views (as ATen runs a 1-D convolution)."""
+    weight, bias = _weight_bias(layer)
+    y = F.conv2d(
+        x.unsqueeze(2), weight.unsqueeze(2), bias, (1, stride), (0, padding), (1, dilation), groups
+    )
+    return y.squeeze(2)
+
+
+def conv1d_backward(
+    g: Tensor,
+    x: Tensor,
+    layer: torch.nn.Module,
+    *,
+    stride: int = 1,
+    padding: int = 0,
+    dilation: int = 1,
+    groups: int = 1,
+    needs: Needs | None = None,
+) -> Grads:
+    """conv2d's gradients on the [N, C, 1, L] views: gx = conv_transpose2d(g, weight)
+    (dilation 1 only), gW = the convolution of x with g, gb = sum."""
+    weight = layer.weight
+    k = weight.shape[2]
+    gx = gw = gb = None
+    if _need(needs, 0):
+        _no_dilation("conv1d", dilation)
+        op = _restore_padding(x.shape[2], g.shape[2], k, stride, padding)
+        gx = F.conv_transpose2d(
+            g.unsqueeze(2), weight.unsqueeze(2), None, (1, stride), (0, padding), (0, op), groups
+        ).squeeze(2)
+    if _need(needs, 1):
+        gw = _weight_grad(
+            x.unsqueeze(2), g.unsqueeze(2), (1, k), (1, dilation), (1, stride), (0, padding), groups
+        ).squeeze(2)
+    if _need(needs, 2):
+        gb = g.sum((0, 2))
+    return _fit((gx, gw, gb), needs)
+
+
+# The 1-D pools are the 2-D ones on [N, C, 1, L] with a (1, k) window.
+
+
+def maxpool1d(
+    x: Tensor, *, kernel_size: int, stride: int, padding: int = 0, ceil_mode: bool = False
+) -> tuple[Tensor, Tensor]:
+    """maxpool2d on x.unsqueeze(2); the selection is [N, C, k, Lo]."""
+    y, sel = maxpool2d(
+        x.unsqueeze(2),
+        kernel_size=(1, kernel_size),
+        stride=(1, stride),
+        padding=(0, padding),
+        ceil_mode=ceil_mode,
+    )
+    return y.squeeze(2), sel.squeeze(3)
+
+
+def maxpool1d_backward(
+    g: Tensor,
+    indices: Tensor,
+    *,
+    kernel_size: int,
+    stride: int,
+    padding: int = 0,
+    input_length: int,
+    needs: Needs | None = None,
+) -> Grads:
+    """maxpool2d_backward on the unsqueezed gradient and selection [N, C, k, Lo] (or the
+    input-shaped mask [N, C, L] of maxpool1d_mask)."""
+    if not _need(needs, 0):
+        return (None,)
+    (gx,) = maxpool2d_backward(
+        g.unsqueeze(2),
+        indices.unsqueeze(3 if indices.dim() == 4 else 2),
+        kernel_size=(1, kernel_size),
+        stride=(1, stride),
+        padding=(0, padding),
+        input_hw=(1, input_length),
+    )
+    return (gx.squeeze(2),)
+
+
+def maxpool1d_mask(
+    indices: Tensor,
+    *,
+    kernel_size: int,
+    stride: int,
+    padding: int = 0,
+    input_length: int,
+) -> Tensor:
+    """maxpool2d_mask of the unsqueezed selection, as [N, C, L]."""
+    mask = maxpool2d_mask(
+        indices.unsqueeze(3),
+        kernel_size=(1, kernel_size),
+        stride=(1, stride),
+        padding=(0, padding),
+        input_hw=(1, input_length),
+    )
+    return mask.squeeze(2)
+
+
+def avgpool1d(
+    x: Tensor, *, kernel_size: int, stride: int, padding: int = 0, ceil_mode: bool = False
+) -> Tensor:
+    """F.avg_pool1d (count_include_pad), as avgpool2d on the [N, C, 1, L] view."""
+    y = avgpool2d(
+        x.unsqueeze(2),
+        kernel_size=(1, kernel_size),
+        stride=(1, stride),
+        padding=(0, padding),
+        ceil_mode=ceil_mode,
+    )
+    return y.squeeze(2)
+
+
+def avgpool1d_backward(
+    g: Tensor,
+    *,
+    kernel_size: int,
+    stride: int,
+    padding: int = 0,
+    input_length: int,
+    needs: Needs | None = None,
+) -> Grads:
+    """avgpool2d_backward on the unsqueezed gradient."""
+    if not _need(needs, 0):
+        return (None,)
+    (gx,) = avgpool2d_backward(
+        g.unsqueeze(2),
+        kernel_size=(1, kernel_size),
+        stride=(1, stride),
+        padding=(0, padding),
+        input_hw=(1, input_length),
+    )
+    return (gx.squeeze(2),)
+
+
+def adaptive_avgpool1d(x: Tensor, *, output_size: int) -> Tensor:
+    """adaptive_avgpool2d on the [N, C, 1, L] view with output (1, output_size)."""
+    return adaptive_avgpool2d(x.unsqueeze(2), output_size=(1, output_size)).squeeze(2)
+
+
+def adaptive_avgpool1d_backward(
+    g: Tensor, *, output_size: int, input_length: int, needs: Needs | None = None
+) -> Grads:
+    """adaptive_avgpool2d_backward on the unsqueezed gradient."""
+    if not _need(needs, 0):
+        return (None,)
+    (gx,) = adaptive_avgpool2d_backward(
+        g.unsqueeze(2), output_size=(1, output_size), input_hw=(1, input_length)
+    )
+    return (gx.squeeze(2),)
 
 
 __all__ = _exports(globals())
