@@ -137,12 +137,30 @@ class StashPlan:
         }
 
 
-def layout_of(producer: Node | None, readers: list[Node]) -> str:
-    """ROWS when the op that makes the tensor or one that saves it declares ``layout =
-    "rows"`` in the registry (softmax, matmul, attention: their 4-D tensors are attention
-    maps and heads), else MAP (a 4-D tensor is an image map [N, C, H, W] by default)."""
-    ops = [n.op for n in readers] + ([producer.op] if producer is not None else [])
-    return ROWS if any(op.layout == ROWS for op in ops) else MAP
+ELEMENTWISE_KINDS = ("activation", "arith", "regularizer")
+"""Op kinds whose output is laid out like their inputs (a GELU of attention rows is rows)."""
+
+
+def rows_values(graph: Graph) -> set[str]:
+    """Names of the values laid out as rows along the last dim: outputs of ops that declare
+    ``layout = "rows"`` in the registry (softmax, matmul, attention), and, passed on through
+    elementwise ops (activations, arithmetic, dropout), what those make of them."""
+    found: set[str] = set()
+    for node in graph.nodes:
+        if node.op.layout == ROWS or (
+            node.op.kind in ELEMENTWISE_KINDS and any(v.name in found for v in node.inputs)
+        ):
+            found.add(node.output.name)
+    return found
+
+
+def layout_of(value_name: str, rows: set[str], readers: list[Node]) -> str:
+    """ROWS when the value is rows (``rows_values``) or an op that saves it declares
+    ``layout = "rows"`` (it reads its last dim as rows: q, k, v heads of an attention),
+    else MAP (a 4-D tensor is an image map [N, C, H, W] by default)."""
+    if value_name in rows or any(n.op.layout == ROWS for n in readers):
+        return ROWS
+    return MAP
 
 
 def _reader_form(
@@ -180,14 +198,14 @@ def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
         producers[node.output.name] = node.index
     entries: dict[str, Stashed] = {}
     found: dict[str, list[tuple[Node, SavedTensor]]] = {}
+    rows = rows_values(graph)
     for node in graph.nodes:
         for saved in saved_tensors(node):
             found.setdefault(saved.key, []).append((node, saved))
     for key, reads in found.items():
         value_name = key.split(":")[0]
         stashed = Stashed(key, reads[0][1].type, producers[value_name])
-        maker = graph.nodes[stashed.producer] if stashed.producer >= 0 else None
-        stashed.layout = layout_of(maker, [n for n, _ in reads])
+        stashed.layout = layout_of(value_name, rows, [n for n, _ in reads])
         stashed.readers = [(n, s, _reader_form(n, s, config, stashed.layout)) for n, s in reads]
         entries[key] = stashed
     ordered = sorted(entries.values(), key=lambda s: s.producer)  # stable: first reads first

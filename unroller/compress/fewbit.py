@@ -199,7 +199,10 @@ class FewBit(Compressor):
         """Edges (which=0) or representatives (which=2) as a cached tensor."""
         key = ("fewbit", self.params["function"], self.params["bits"], which, dtype, device)
         values = self.levels()[which]
-        return cached_constant(key, lambda: torch.tensor(values, dtype=dtype, device=device))
+        return cached_constant(
+            key,
+            lambda: torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values]),
+        )
 
     def stored_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         self._float_dtype(dtype)
