@@ -288,15 +288,21 @@ def test_derivatives_config_key(tmp_path):
     path.write_text("derivatives = 1\n")
     with pytest.raises(ConfigError) as exc:
         load_config(path)
-    assert str(exc.value).splitlines()[0].endswith(
-        "c.toml:1:15: error: 'derivatives' must be true or false, not an integer"
+    assert (
+        str(exc.value)
+        .splitlines()[0]
+        .endswith("c.toml:1:15: error: 'derivatives' must be true or false, not an integer")
     )
     path.write_text('[default]\ncompressor = "fewbit"\n')
     with pytest.raises(ConfigError) as exc:
         load_config(path)
-    assert str(exc.value).splitlines()[0].endswith(
-        "c.toml:2:14: error: 'fewbit' keeps an activation's derivative, not the activation; "
-        "use one of dct, quant, none"
+    assert (
+        str(exc.value)
+        .splitlines()[0]
+        .endswith(
+            "c.toml:2:14: error: 'fewbit' keeps an activation's derivative, not the activation; "
+            "use one of dct, quant, none"
+        )
     )
 
 

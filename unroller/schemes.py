@@ -118,7 +118,10 @@ class Codec:
         (values near 1/L) and the next peaked (near 1), and one scale for both would wipe
         out the flat one."""
         if self.name == "dct" and (len(shape) != 4 or layout != MAP):
-            return None, f"dct needs a 4-D map [N, C, H, W]; this is {describe_shape(shape, layout)}"
+            return (
+                None,
+                f"dct needs a 4-D map [N, C, H, W]; this is {describe_shape(shape, layout)}",
+            )
         if self.min_size and len(shape) < 3:
             return None, (
                 f"min_size={self.min_size} needs H and W of at least {self.min_size}; "

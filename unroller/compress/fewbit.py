@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from typing import ClassVar
 
 import numpy as np
@@ -148,13 +148,13 @@ def _solve(  # unroller-lint: host-only (constants)
     return 0.5 * (a + b)
 
 
-@lru_cache(maxsize=None)
+@cache
 def gelu_derivative_levels(bits: int) -> Levels:  # unroller-lint: host-only (constants)
     """Optimal intervals, levels and representatives of GELU's derivative (cached)."""
     return derivative_levels(gelu_derivative, bits)
 
 
-@lru_cache(maxsize=None)
+@cache
 def silu_derivative_levels(bits: int) -> Levels:  # unroller-lint: host-only (constants)
     """Optimal intervals, levels and representatives of SiLU's derivative (cached)."""
     return derivative_levels(silu_derivative, bits)
