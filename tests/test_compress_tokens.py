@@ -288,21 +288,15 @@ def test_derivatives_config_key(tmp_path):
     path.write_text("derivatives = 1\n")
     with pytest.raises(ConfigError) as exc:
         load_config(path)
-    assert (
-        str(exc.value)
-        .splitlines()[0]
-        .endswith("c.toml:1:15: error: 'derivatives' must be true or false, not an integer")
-    )
+    first = str(exc.value).splitlines()[0]
+    assert first.endswith("c.toml:1:15: error: 'derivatives' must be true or false, not an integer")
     path.write_text('[default]\ncompressor = "fewbit"\n')
     with pytest.raises(ConfigError) as exc:
         load_config(path)
-    assert (
-        str(exc.value)
-        .splitlines()[0]
-        .endswith(
-            "c.toml:2:14: error: 'fewbit' keeps an activation's derivative, not the activation; "
-            "use one of dct, quant, none"
-        )
+    first = str(exc.value).splitlines()[0]
+    assert first.endswith(
+        "c.toml:2:14: error: 'fewbit' keeps an activation's derivative, not the activation; "
+        "use one of dct, quant, none"
     )
 
 
@@ -329,6 +323,34 @@ def test_each_scheme_on_tokens_says_what_it_kept_and_why():
             "dct needs a 4-D map [N, C, H, W]; this is [N, L, E] = [N, 16, 64]"
         )
     assert plan_rows("nocompress")["act"]["why"] == "the scheme compresses no activations"
+
+
+ANY_RANK = """
+model any_rank {
+    input x: f32[N, 120]
+    target y: f32[N, 120]
+    a = linear(x, out_features=120)
+    r = reshape(a, shape=(2, 3, 4, 5))
+    s5 = sigmoid(r)
+    flat = reshape(s5, shape=(120,))
+    t = tanh(flat)
+    o = linear(t, out_features=120)
+    loss = mse_loss(o, y)
+    return loss, o
+}
+"""
+
+
+def test_quant_takes_a_float_activation_of_any_rank():
+    rows = plan_rows("quant", ANY_RANK)
+    assert rows["s5"]["shape"] == [4, 2, 3, 4, 5]
+    assert rows["s5"]["compressor"] == "quant(bits=8, group_size=None, stochastic=False)"
+    assert rows["t"]["shape"] == [4, 120]
+    assert rows["t"]["compressor"] == "quant(bits=8, group_size=None, stochastic=False)"
+    dct = plan_rows("dct-dense", ANY_RANK)
+    assert dct["s5"]["why"] == (
+        "dct needs a 4-D map [N, C, H, W]; this is a rank-5 tensor [N, 2, 3, 4, 5]"
+    )
 
 
 def test_unroll_graph_prints_why(tmp_path):
