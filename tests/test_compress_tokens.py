@@ -461,8 +461,11 @@ def test_rows_ops_get_per_row_quant_and_silu_gets_its_code(extra_ops, build):
     h = F.linear(x, ref["a.weight"], ref["a.bias"]).softmax(-1)
     out = F.linear(F.silu(h), ref["b.weight"], ref["b.bias"])
     F.mse_loss(out, y).backward()
+    # measured (2026-12-01): b.weight 9.4e-4 (8-bit per-row quant of s), a.weight 0.062 and
+    # a.bias 0.046 (behind silu's 3-bit derivative code)
+    bound = {"a.weight": 0.1, "a.bias": 0.1, "b.weight": 0.005, "b.bias": 1e-12}
     for name, p in model.named_parameters():
-        assert rel_err(p.grad, ref[name].grad) <= 0.1, name
+        assert rel_err(p.grad, ref[name].grad) <= bound[name], name
 
 
 # -- end to end: the token model on both platforms ------------------------------------------
