@@ -15,6 +15,10 @@ g * level_k, on either platform: no second backward kernel, and the registry fie
 opts an op in (``derivative.x = { function = "gelu", bits = 3 }``) is all an activation
 needs, with a ``NAME_derivative_levels`` function below and its name in ``DERIVATIVES``.
 
+GELU's levels also serve ``approximate="tanh"``: its backward evaluates the tanh form's
+derivative at x_k, which differs from the exact one by at most 9e-4, far below the
+quantisation error (about 0.065 relative at 3 bits).
+
 The levels are computed once per (function, bits) on the host, in float64, by exact dynamic
 programming over a grid of x in [-6, 6] (step 0.01): the optimal partition into 2**bits
 intervals with edges on the grid. Non-finite inputs: +inf falls in the last interval and
