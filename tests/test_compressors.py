@@ -23,6 +23,7 @@ from unroller.compress import (
     Bits,
     Compressor,
     Dct,
+    FewBit,
     ParamSpec,
     Quant,
     base,
@@ -152,7 +153,7 @@ def assert_quant_bound(c: Quant, x: torch.Tensor, y: torch.Tensor, packed) -> No
 
 
 def test_registry():
-    assert COMPRESSORS == {"dct": Dct, "quant": Quant, "bits": Bits}
+    assert COMPRESSORS == {"dct": Dct, "quant": Quant, "bits": Bits, "fewbit": FewBit}
     for name, cls in COMPRESSORS.items():
         assert get(name) is cls and cls.name == name
         assert issubclass(cls, Compressor)
@@ -769,6 +770,10 @@ FAST_COMPRESSORS = [
     Quant(bits=8, group_size=1),
     Quant(bits=2, stochastic=True),
     Quant(bits=4, group_size=5, stochastic=True),
+    FewBit(),
+    FewBit(bits=1, function="silu"),
+    FewBit(bits=2),
+    FewBit(bits=4, function="silu"),
 ]
 
 

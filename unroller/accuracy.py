@@ -93,6 +93,8 @@ def scheme_options(scheme: str, out: Path) -> tuple[str, str | None]:
         path = out / "configs" / f"{scheme}.toml"
         text = (
             f"# {scheme}: the quant scheme at {QUANT_BITS[scheme]} bits (written by unroll accuracy)\n"
+            # derivatives: as the built-in quant scheme, GELU/SiLU inputs as few-bit codes
+            "derivatives = true\n"
             f'[default]\ncompressor = "quant"\nbits = {QUANT_BITS[scheme]}\n'
         )
         if not path.is_file() or path.read_text(encoding="utf-8") != text:

@@ -87,6 +87,22 @@ class MaskSpec:
 
 
 @dataclass(frozen=True)
+class DerivativeSpec:
+    """A saved entry that the backward reads only through f'(entry) (an elementwise
+    activation's input): it may be kept as a ``bits``-bit code of the derivative of
+    ``function`` (``unroller.compress.fewbit.DERIVATIVES``) when the scheme turns
+    ``derivatives`` on. Lossy: the gradient uses the optimal piecewise-constant f'."""
+
+    entry: str
+    function: str
+    bits: int = 3
+
+
+LAYOUTS = ("rows",)
+"""Values of an op's ``layout`` field."""
+
+
+@dataclass(frozen=True)
 class ModuleSpec:
     """The torch.nn class that holds an op's parameters and buffers, and how to build it.
 
@@ -127,6 +143,8 @@ class OpSpec:
     #: a free parameter (``parameter(...)``): no tensor inputs, one parameter whose state-dict
     #: key is the statement's own name, held by the module at the name's parent path
     free: bool = False
+    derivative: dict[str, DerivativeSpec] = field(default_factory=dict)
+    layout: str | None = None  # "rows": its 4-D tensors are rows, not image maps
 
     @property
     def is_loss(self) -> bool:
@@ -223,6 +241,8 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "grad_aliases",
         "kernels",
         "free",
+        "derivative",
+        "layout",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -280,6 +300,8 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         grad_aliases=bool(raw.get("grad_aliases", False)),
         kernels=_kernels(where, raw.get("kernels", {})),
         free=bool(raw.get("free", False)),
+        derivative=_derivative_specs(where, raw),
+        layout=raw.get("layout"),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}
@@ -291,11 +313,33 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
             raise RegistryError(
                 f"{where}: masks.{entry} must name a saved entry; keys kernel/like/when"
             )
+    for entry in spec.derivative:
+        if entry not in spec.activations:
+            raise RegistryError(f"{where}: derivative.{entry} must name a saved activation")
+    if spec.layout is not None and spec.layout not in LAYOUTS:
+        raise RegistryError(f"{where}: layout must be one of {LAYOUTS}")
     if not set(spec.activations) <= set(spec.saved):
         raise RegistryError(f"{where}: every activation must also be saved")
     if (spec.params or spec.buffers) and not spec.module:
         raise RegistryError(f"{where}: an op with parameters needs 'module'")
     return spec
+
+
+def _derivative_specs(where: str, raw: dict[str, Any]) -> dict[str, DerivativeSpec]:
+    """``derivative.ENTRY = { function = "gelu", bits = 3 }`` entries, checked for form."""
+    found = {}
+    for entry, item in raw.get("derivative", {}).items():
+        if (
+            not isinstance(item, dict)
+            or set(item) - {"function", "bits"}
+            or not isinstance(item.get("function"), str)
+            or not isinstance(item.get("bits", 3), int)
+        ):
+            raise RegistryError(
+                f'{where}: derivative.{entry} must be {{ function = "NAME", bits = INT }}'
+            )
+        found[entry] = DerivativeSpec(entry, item["function"], item.get("bits", 3))
+    return found
 
 
 def _module_spec(where: str, raw: Any) -> ModuleSpec | None:

@@ -107,8 +107,9 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def format_stash(stash: dict[str, Any], scheme: str) -> str:
-    """Per tensor kept for backward: the form it is kept in, raw and stored bytes."""
-    header = ("tensor", "kept as", "shape", "raw", "stored")
+    """Per tensor kept for backward: the form it is kept in, raw and stored bytes, and for a
+    tensor kept raw, why (a "why raw" column, when some row has a reason)."""
+    header: tuple[str, ...] = ("tensor", "kept as", "shape", "raw", "stored")
     rows = [
         (
             r["tensor"],
@@ -119,10 +120,13 @@ def format_stash(stash: dict[str, Any], scheme: str) -> str:
         )
         for r in stash["rows"]
     ]
+    if any(r.get("why") for r in stash["rows"]):
+        header += ("why raw",)
+        rows = [(*row, r.get("why", "")) for row, r in zip(rows, stash["rows"])]
     widths = [max(len(h), *(len(row[i]) for row in rows), 0) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     raw, stored = stash["total_raw_bytes"], stash["total_stored_bytes"]
     ratio = f"{raw / stored:.2f}x smaller" if stored else "nothing stored"
     lines.append("")

@@ -6,6 +6,7 @@ win), and whether lossless 1-bit masks are used. The four built-in schemes are
 configs too; ``--compress-config FILE`` reads one from TOML:
 
     masks = true                  # optional, default true
+    derivatives = false           # optional: few-bit derivative codes (gelu, silu), default false
     [default]
     compressor = "dct"            # "dct", "quant", ... or "none"
     keep = 4                      # the compressor's parameters
@@ -55,6 +56,28 @@ else:  # pragma: no cover
 SCHEMES = ("nocompress", "dct-first", "dct-dense", "quant")
 
 
+MAP = "map"
+"""Layout of a 4-D tensor that is an image map [N, C, H, W] (the default for rank 4)."""
+ROWS = "rows"
+"""Layout of a tensor whose last dim is a row of features: token tensors [N, L, E],
+attention maps [N, H, L, L], features [N, F]. An op declares that the tensors it saves
+or makes are rows with ``layout = "rows"`` in the registry."""
+
+
+def describe_shape(shape: tuple, layout: str = MAP) -> str:
+    """A tensor's shape in words for messages: ``[N, L, E] = [N, 16, 32]``."""
+    dims = ", ".join(str(d) for d in shape)
+    names = {2: "[N, F]", 3: "[N, L, E]"}.get(len(shape))
+    if len(shape) == 4:
+        if layout == MAP:
+            names = "[N, C, H, W]"
+        else:
+            names = "[N, H, L, L]" if shape[-1] == shape[-2] else "[N, H, L, E]"
+    if names is None:
+        return f"a rank-{len(shape)} tensor [{dims}]"
+    return f"{names} = [{dims}]"
+
+
 @dataclass(frozen=True)
 class Codec:
     """A compressor with its parameters, as the generated code instantiates it."""
@@ -82,6 +105,39 @@ class Codec:
         if self.min_size and (len(shape) < 3 or min(shape[-2:]) < self.min_size):
             return False
         return True
+
+    def fit(self, shape: tuple, layout: str = MAP) -> tuple[Codec | None, str]:
+        """This codec as it applies to one tensor, or None and why it does not.
+
+        ``layout`` says what a 4-D tensor is (``layout_of``): an image map [N, C, H, W]
+        (``MAP``) or rows along the last dim (``ROWS``: attention maps [N, H, L, L], heads
+        [N, H, L, E]); tensors of other ranks are rows anyway. dct needs a map. quant keeps
+        its default groups (per channel of a map, per token of [N, L, E], per sample of
+        [N, F]: always per last-dim row except for maps) and on a 4-D rows tensor groups per
+        row (``group_size`` = the last dim), not per head: one softmax row may be flat
+        (values near 1/L) and the next peaked (near 1), and one scale for both would wipe
+        out the flat one."""
+        if self.name == "dct" and (len(shape) != 4 or layout != MAP):
+            return (
+                None,
+                f"dct needs a 4-D map [N, C, H, W]; this is {describe_shape(shape, layout)}",
+            )
+        if self.min_size and len(shape) < 3:
+            return None, (
+                f"min_size={self.min_size} needs H and W of at least {self.min_size}; "
+                f"this is {describe_shape(shape, layout)}"
+            )
+        if self.min_size and min(shape[-2:]) < self.min_size:
+            return None, (
+                f"min_size={self.min_size}: H x W is {shape[-2]} x {shape[-1]}, "
+                f"below {self.min_size}"
+            )
+        params = dict(self.params)
+        if self.name == "quant" and layout == ROWS and len(shape) >= 4:
+            if params.get("group_size") is None:
+                params["group_size"] = shape[-1]
+                return make_codec(self.name, params, self.min_size), ""
+        return self, ""
 
 
 def make_codec(name: str, params: dict[str, Any], min_size: int = 0) -> Codec:
@@ -113,6 +169,7 @@ class CompressionConfig:
     first_only: bool = False  # dct-first: only the first compressible activation
     source: str | None = None  # the config file, if any
     sha256: str | None = None
+    derivatives: bool = False  # few-bit derivative codes where the registry offers them
 
     def choose(self, op: str, node: str, shape: tuple) -> Codec | None:
         codec = self.default
@@ -120,6 +177,22 @@ class CompressionConfig:
             if rule.matches(op, node):
                 codec = rule.codec
         return codec if codec is not None and codec.applies_to(shape) else None
+
+    def choose_why(
+        self, op: str, node: str, shape: tuple, layout: str = MAP
+    ) -> tuple[Codec | None, str]:
+        """The codec for one saved activation as it applies to it (``Codec.fit``), or None
+        and why it stays raw, in words for ``unroll graph``'s stash table."""
+        codec, why = self.default, "the scheme compresses no activations"
+        if self.default is None and (self.rules or self.source):
+            why = "no compressor for it (the config's default is none)"
+        for rule in self.rules:
+            if rule.matches(op, node):
+                codec = rule.codec
+                why = f"compressor none (rule at line {rule.line})"
+        if codec is None:
+            return None, why
+        return codec.fit(shape, layout)
 
 
 def builtin(scheme: str) -> CompressionConfig:
@@ -130,7 +203,7 @@ def builtin(scheme: str) -> CompressionConfig:
     if scheme == "dct-first":
         return CompressionConfig(default=make_codec("dct", {}), first_only=True)
     if scheme == "quant":
-        return CompressionConfig(default=make_codec("quant", {"bits": 8}))
+        return CompressionConfig(default=make_codec("quant", {"bits": 8}), derivatives=True)
     raise ConfigError(f"unknown scheme '{scheme}' (known: {', '.join(SCHEMES)})")
 
 
@@ -154,8 +227,11 @@ MAX_RULES = 1000
 MASK_CODECS = frozenset({"bits"})
 """Registered compressors that are not for activations: ``bits`` is the lossless 1-bit codec
 of boolean masks, turned on by ``masks = true``."""
+DERIVATIVE_CODECS = frozenset({"fewbit"})
+"""Registered compressors that keep an activation's derivative, not the activation: only for
+the ops whose registry entry offers it (``derivative``), turned on by ``derivatives = true``."""
 
-_TOP_KEYS = ("masks", "default", "rule")
+_TOP_KEYS = ("masks", "derivatives", "default", "rule")
 _GLOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-")
 _WORD = re.compile(r"[A-Za-z0-9_.+-]*\Z")
 _SIMPLE = re.compile(r"[A-Za-z0-9_.*?\[\]!+ -]{0,60}\Z")
@@ -166,7 +242,8 @@ def activation_compressors() -> tuple[str, ...]:
     """The compressor names a config may use, ``"none"`` last."""
     from unroller.compress import COMPRESSORS
 
-    return (*(n for n in COMPRESSORS if n not in MASK_CODECS), "none")
+    special = MASK_CODECS | DERIVATIVE_CODECS
+    return (*(n for n in COMPRESSORS if n not in special), "none")
 
 
 def _show(value: Any) -> str:
@@ -526,6 +603,11 @@ class _Checker:
         masks = data.get("masks", True)
         if not isinstance(masks, bool):
             raise self.at_value(("masks",), f"'masks' must be true or false, not {_kind(masks)}")
+        derivatives = data.get("derivatives", False)
+        if not isinstance(derivatives, bool):
+            raise self.at_value(
+                ("derivatives",), f"'derivatives' must be true or false, not {_kind(derivatives)}"
+            )
         default = None
         if "default" in data:
             table = data["default"]
@@ -549,6 +631,7 @@ class _Checker:
             default=default,
             rules=rules,
             masks=masks,
+            derivatives=derivatives,
             source=self.label,
             sha256=hashlib.sha256(self.text.encode("utf-8")).hexdigest(),
         )
@@ -613,6 +696,13 @@ class _Checker:
                 f"{_show(name)} is the 1-bit codec of boolean masks, not a compressor of "
                 f"activations; use one of {', '.join(names)}",
                 "'masks = true' (the default) already packs masks into bits",
+            )
+        if name in DERIVATIVE_CODECS:
+            raise self.at_value(
+                where,
+                f"{_show(name)} keeps an activation's derivative, not the activation; use one "
+                f"of {', '.join(names)}",
+                "'derivatives = true' turns it on for the ops whose registry entry offers it",
             )
         if name not in names:
             raise self.at_value(

@@ -7,6 +7,16 @@ Per tensor, the forms of all its readers are merged: if any reader needs it raw,
 is kept raw and every reader reads the raw tensor (compressing it too would only cost
 memory and accuracy); otherwise each distinct mask and compressor form is stored
 once, however many readers share it.
+
+Every tensor kept raw carries the reason (``Stashed.why``), which ``unroll graph``'s stash
+table prints: not an activation, a codec that does not fit the tensor (dct needs a 4-D map
+[N, C, H, W]; a token tensor [N, L, E] stays raw under the dct schemes, by design: those
+schemes are about image maps, and a config file can add quant rules for the rest), the
+scheme compresses nothing, dct-first's one tensor was another.
+
+Where the registry offers a few-bit derivative code for an activation's input
+(``derivative``) and the config turns ``derivatives`` on (the quant scheme), that input is
+kept as the code (``fewbit``) instead of the scheme's codec: 3 bits instead of 8.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from unroller.dtypes import DTYPE_BYTES, is_float, torch_dtype
 from unroller.graph import Graph, Node
 from unroller.registry import eval_expr
 from unroller.report import SavedTensor, saved_tensors
-from unroller.schemes import Codec, CompressionConfig
+from unroller.schemes import MAP, ROWS, Codec, CompressionConfig, make_codec
 from unroller.shapes import TensorType
 
 BITS = Codec("bits")
@@ -32,6 +42,7 @@ class Form:
     mask_kernel: str | None = None  # turns the tensor into the bool mask
     mask_node: str | None = None  # whose backward arguments the mask kernel takes
     type: TensorType | None = None  # the logical tensor stored (the mask's shape for masks)
+    why: str = field(default="", compare=False, repr=False)  # raw: why it is not compressed
 
     def label(self) -> str:
         if self.kind == "raw":
@@ -51,6 +62,8 @@ class Stashed:
     producer: int  # index of the node whose forward step makes it (-1: a model input)
     readers: list[tuple[Node, SavedTensor, Form]] = field(default_factory=list)
     forms: list[Form] = field(default_factory=list)
+    layout: str = MAP  # MAP or ROWS (what a 4-D tensor is; see layout_of)
+    why: str = ""  # kept raw: the reason, for the stash table
 
     def raw_bytes(self, batch: int) -> int:
         return self.type.numel(batch) * DTYPE_BYTES[self.type.dtype]
@@ -113,6 +126,7 @@ class StashPlan:
                 "shape": [batch if d == "N" else d for d in s.type.shape],
                 "raw_bytes": s.raw_bytes(batch),
                 "stored_bytes": s.stored_bytes(batch),
+                "why": s.why,
             }
             for s in self.entries
         ]
@@ -123,7 +137,35 @@ class StashPlan:
         }
 
 
-def _reader_form(node: Node, saved: SavedTensor, config: CompressionConfig) -> Form:
+ELEMENTWISE_KINDS = ("activation", "arith", "regularizer")
+"""Op kinds whose output is laid out like their inputs (a GELU of attention rows is rows)."""
+
+
+def rows_values(graph: Graph) -> set[str]:
+    """Names of the values laid out as rows along the last dim: outputs of ops that declare
+    ``layout = "rows"`` in the registry (softmax, matmul, attention), and, passed on through
+    elementwise ops (activations, arithmetic, dropout), what those make of them."""
+    found: set[str] = set()
+    for node in graph.nodes:
+        if node.op.layout == ROWS or (
+            node.op.kind in ELEMENTWISE_KINDS and any(v.name in found for v in node.inputs)
+        ):
+            found.add(node.output.name)
+    return found
+
+
+def layout_of(value_name: str, rows: set[str], readers: list[Node]) -> str:
+    """ROWS when the value is rows (``rows_values``) or an op that saves it declares
+    ``layout = "rows"`` (it reads its last dim as rows: q, k, v heads of an attention),
+    else MAP (a 4-D tensor is an image map [N, C, H, W] by default)."""
+    if value_name in rows or any(n.op.layout == ROWS for n in readers):
+        return ROWS
+    return MAP
+
+
+def _reader_form(
+    node: Node, saved: SavedTensor, config: CompressionConfig, layout: str = MAP
+) -> Form:
     mask = node.op.masks.get(saved.entry)
     if config.masks and mask is not None:
         env = {**node.args, **node.derived}
@@ -133,11 +175,20 @@ def _reader_form(node: Node, saved: SavedTensor, config: CompressionConfig) -> F
                 names = node.input_names
                 like = node.inputs[names.index(mask.like)].type
             return Form("mask", BITS, mask.kernel, node.name, TensorType("bool", like.shape))
-    if saved.activation and is_float(saved.type.dtype):
-        codec = config.choose(node.op.name, node.name, saved.type.shape)
-        if codec is not None:
-            return Form("codec", codec)
-    return Form("raw")
+    if not saved.activation and saved.entry in node.op.activations:
+        return Form("raw", why="a model input: the caller holds it anyway")
+    if not saved.activation:
+        return Form("raw", why=f"{node.name}'s backward needs {saved.entry} exactly")
+    if not is_float(saved.type.dtype):
+        return Form("raw", why=f"not a float tensor ({saved.type.dtype})")
+    derivative = node.op.derivative.get(saved.entry)
+    if derivative is not None and config.derivatives:
+        params = {"function": derivative.function, "bits": derivative.bits}
+        return Form("codec", make_codec("fewbit", params))
+    codec, why = config.choose_why(node.op.name, node.name, saved.type.shape, layout)
+    if codec is not None:
+        return Form("codec", codec)
+    return Form("raw", why=why)
 
 
 def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
@@ -146,18 +197,24 @@ def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
     for node in graph.nodes:
         producers[node.output.name] = node.index
     entries: dict[str, Stashed] = {}
+    found: dict[str, list[tuple[Node, SavedTensor]]] = {}
+    rows = rows_values(graph)
     for node in graph.nodes:
         for saved in saved_tensors(node):
-            if saved.key not in entries:
-                value_name = saved.key.split(":")[0]
-                entries[saved.key] = Stashed(saved.key, saved.type, producers[value_name])
-            entries[saved.key].readers.append((node, saved, _reader_form(node, saved, config)))
+            found.setdefault(saved.key, []).append((node, saved))
+    for key, reads in found.items():
+        value_name = key.split(":")[0]
+        stashed = Stashed(key, reads[0][1].type, producers[value_name])
+        stashed.layout = layout_of(value_name, rows, [n for n, _ in reads])
+        stashed.readers = [(n, s, _reader_form(n, s, config, stashed.layout)) for n, s in reads]
+        entries[key] = stashed
     ordered = sorted(entries.values(), key=lambda s: s.producer)  # stable: first reads first
     if config.first_only:
         _keep_first_compressed(ordered)
     for stashed in ordered:
         forms = [form for _, _, form in stashed.readers]
         if any(f.kind == "raw" for f in forms):
+            stashed.why = _raw_reason(stashed)
             stashed.readers = [(n, s, Form("raw")) for n, s, _ in stashed.readers]
             stashed.forms = [Form("raw")]
         else:
@@ -165,14 +222,26 @@ def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
     return StashPlan(ordered, config)
 
 
+def _raw_reason(stashed: Stashed) -> str:
+    """Why a tensor is kept raw: the first raw reader's reason, naming that reader when
+    another reader would have compressed it (one raw reader keeps it raw for all)."""
+    raw = [(n, f) for n, _, f in stashed.readers if f.kind == "raw"]
+    node, form = raw[0]
+    why = form.why or "kept raw"
+    if len(raw) < len(stashed.readers):
+        return f"read raw by {node.name}: {why}"
+    return why
+
+
 def _keep_first_compressed(ordered: list[Stashed]) -> None:
     """dct-first: only the first tensor (topological order) keeps its compressor."""
-    found = False
+    first = None
     for stashed in ordered:
         has_codec = any(f.kind == "codec" for _, _, f in stashed.readers)
-        if has_codec and not found:
-            found = True
+        if has_codec and first is None:
+            first = stashed.key
             continue
+        why = f"dct-first compresses only the first activation ({first})"
         stashed.readers = [
-            (n, s, Form("raw") if f.kind == "codec" else f) for n, s, f in stashed.readers
+            (n, s, Form("raw", why=why) if f.kind == "codec" else f) for n, s, f in stashed.readers
         ]

@@ -13,6 +13,7 @@ from typing import Any
 from .base import Compressor, ParamError, ParamSpec, packed_nbytes
 from .bits import Bits
 from .dct import Dct
+from .fewbit import FewBit
 from .quant import Quant
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "Bits",
     "Compressor",
     "Dct",
+    "FewBit",
     "ParamError",
     "ParamSpec",
     "Quant",
@@ -28,7 +30,12 @@ __all__ = [
     "packed_nbytes",
 ]
 
-COMPRESSORS: dict[str, type[Compressor]] = {"dct": Dct, "quant": Quant, "bits": Bits}
+COMPRESSORS: dict[str, type[Compressor]] = {
+    "dct": Dct,
+    "quant": Quant,
+    "bits": Bits,
+    "fewbit": FewBit,
+}
 
 
 def get(name: str) -> type[Compressor]:

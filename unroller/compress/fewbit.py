@@ -1,0 +1,257 @@
+"""Few-bit backward for smooth activations (Novikov et al., "Few-bit backward: quantized
+gradients of activation functions for memory footprint reduction", ICML 2023).
+
+An elementwise activation y = f(x) has the backward dL/dx = g * f'(x), so its backward needs
+of x only f'(x). Instead of x, this codec keeps a ``bits``-bit code per element: the index
+of the interval of x it falls in, for intervals chosen so that replacing f'(x) by one
+constant per interval (the interval's *level*) is the best such approximation in mean
+square over x ~ N(0, 1). That is the piecewise-constant quantisation of the derivative with
+optimal levels for that function; 3 bits instead of 32 per element.
+
+Decompression returns, per code, a *representative* input x_k inside its interval with
+f'(x_k) = level_k exactly (it exists: a level is a weighted mean of the continuous f' over
+its interval). The op's own backward kernel, unchanged, then computes g * f'(x_k) =
+g * level_k, on either platform: no second backward kernel, and the registry field that
+opts an op in (``derivative.x = { function = "gelu", bits = 3 }``) is all an activation
+needs, with a ``NAME_derivative_levels`` function below and its name in ``DERIVATIVES``.
+
+GELU's levels also serve ``approximate="tanh"``: its backward evaluates the tanh form's
+derivative at x_k, which differs from the exact one by at most 9e-4, far below the
+quantisation error (about 0.065 relative at 3 bits).
+
+The levels are computed once per (function, bits) on the host, in float64, by exact dynamic
+programming over a grid of x in [-6, 6] (step 0.01): the optimal partition into 2**bits
+intervals with edges on the grid. Non-finite inputs: +inf falls in the last interval and
+-inf in the first (f' there is the function's limit: exact in the limit); NaN gets the
+code ``torch.bucketize`` gives it (the last interval). The forward output was NaN there
+already, so the loss is NaN either way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import cache
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .base import (
+    Compressor,
+    ParamSpec,
+    cached_constant,
+    pack_codes,
+    pack_codes_fast,
+    packed_code_bytes,
+    prod,
+    unpack_codes,
+    unpack_codes_fast,
+    use_fast_path,
+    work_dtype,
+)
+
+__all__ = [
+    "DERIVATIVES",
+    "FewBit",
+    "derivative_levels",
+    "gelu_derivative",
+    "gelu_derivative_levels",
+    "silu_derivative",
+    "silu_derivative_levels",
+]
+
+GRID_LIMIT = 6.0
+"""The levels are fitted on x in [-GRID_LIMIT, GRID_LIMIT] (the normal weight beyond is 2e-9)."""
+GRID_CELLS = 1200
+"""Grid cells over [-GRID_LIMIT, GRID_LIMIT]: interval edges are multiples of 0.01."""
+
+Levels = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
+"""(edges, levels, representatives): 2**bits - 1 increasing interval edges, then per
+interval its level (the constant standing for f') and an x in it with f'(x) = level."""
+
+
+def gelu_derivative(x: float) -> float:  # unroller-lint: host-only (constants)
+    """d/dx of x * Phi(x): Phi(x) + x * phi(x) (exact GELU, approximate="none")."""
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0))) + x * math.exp(-0.5 * x * x) / math.sqrt(
+        2.0 * math.pi
+    )
+
+
+def silu_derivative(x: float) -> float:  # unroller-lint: host-only (constants)
+    """d/dx of x * sigmoid(x): s * (1 + x * (1 - s)) with s = sigmoid(x)."""
+    s = 0.5 * (1.0 + math.tanh(0.5 * x))  # sigmoid without overflow for large |x|
+    return s * (1.0 + x * (1.0 - s))
+
+
+def derivative_levels(  # unroller-lint: host-only (constants)
+    derivative: Callable[[float], float], bits: int
+) -> Levels:
+    """The optimal piecewise-constant approximation of ``derivative`` with 2**bits pieces,
+    in mean square under the standard normal weight: exact dynamic programming over the grid
+    (cost of a run of cells = weighted sum of squares around its weighted mean)."""
+    pieces = 1 << bits
+    h = 2.0 * GRID_LIMIT / GRID_CELLS
+    x = -GRID_LIMIT + (np.arange(GRID_CELLS) + 0.5) * h
+    d = np.array([derivative(float(v)) for v in x])
+    w = np.exp(-0.5 * x * x)
+    cw = np.concatenate([[0.0], np.cumsum(w)])
+    cs = np.concatenate([[0.0], np.cumsum(w * d)])
+    cq = np.concatenate([[0.0], np.cumsum(w * d * d)])
+    # cost[i, j]: cells i..j-1 as one piece (inf unless i < j)
+    sw = cw[None, :] - cw[:, None]
+    ss = cs[None, :] - cs[:, None]
+    sq = cq[None, :] - cq[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = np.where(sw > 0, sq - ss * ss / np.where(sw > 0, sw, 1.0), np.inf)
+    cost = np.where(np.triu(np.ones_like(cost, dtype=bool), 1), np.maximum(cost, 0.0), np.inf)
+    best = cost[0].copy()  # best[j]: cells 0..j-1 in one piece
+    choices = []
+    for _ in range(pieces - 1):
+        total = best[:, None] + cost
+        arg = np.argmin(total, axis=0)
+        choices.append(arg)
+        best = total[arg, np.arange(GRID_CELLS + 1)]
+    cuts = [GRID_CELLS]
+    for arg in reversed(choices):
+        cuts.append(int(arg[cuts[-1]]))
+    cuts = cuts[::-1]  # cell indices where pieces start, after the first (which starts at 0)
+    starts = [0, *cuts[:-1]]
+    edges = tuple(-GRID_LIMIT + c * h for c in starts[1:])
+    levels = tuple(float((cs[e] - cs[s]) / (cw[e] - cw[s])) for s, e in zip(starts, cuts))
+    bounds = [-GRID_LIMIT, *edges, GRID_LIMIT]
+    reps = tuple(
+        _solve(derivative, level, bounds[k], bounds[k + 1]) for k, level in enumerate(levels)
+    )
+    return edges, levels, reps
+
+
+def _solve(  # unroller-lint: host-only (constants)
+    derivative: Callable[[float], float], level: float, lo: float, hi: float
+) -> float:
+    """An x in [lo, hi] with derivative(x) = level (to float64 precision): the first sign
+    change of derivative - level on a fine scan, then bisection; the closest scanned point
+    if the level is only touched (a constant piece)."""
+    xs = np.linspace(lo, hi, 4001)
+    r = np.array([derivative(float(v)) - level for v in xs])
+    change = np.nonzero(np.signbit(r[:-1]) != np.signbit(r[1:]))[0]
+    if len(change) == 0:
+        return float(xs[int(np.argmin(np.abs(r)))])
+    a, b = float(xs[change[0]]), float(xs[change[0] + 1])
+    fa = derivative(a) - level
+    for _ in range(100):
+        mid = 0.5 * (a + b)
+        fm = derivative(mid) - level
+        if fm == 0.0 or mid in (a, b):
+            return mid
+        if (fm < 0) == (fa < 0):
+            a, fa = mid, fm
+        else:
+            b = mid
+    return 0.5 * (a + b)
+
+
+@cache
+def gelu_derivative_levels(bits: int) -> Levels:  # unroller-lint: host-only (constants)
+    """Optimal intervals, levels and representatives of GELU's derivative (cached)."""
+    return derivative_levels(gelu_derivative, bits)
+
+
+@cache
+def silu_derivative_levels(bits: int) -> Levels:  # unroller-lint: host-only (constants)
+    """Optimal intervals, levels and representatives of SiLU's derivative (cached)."""
+    return derivative_levels(silu_derivative, bits)
+
+
+DERIVATIVES: dict[str, Callable[[int], Levels]] = {
+    "gelu": gelu_derivative_levels,
+    "silu": silu_derivative_levels,
+}
+"""The functions a registry ``derivative`` entry may name, with their levels."""
+
+_PLANES = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,)}
+"""Bit planes a code is stored in: 3-bit codes as a 2-bit plane (the low bits) and a 1-bit
+plane (the high bit), so they take 3 bits per element, not 4."""
+
+
+class FewBit(Compressor):
+    """Keeps x as the ``bits``-bit index of its interval of ``function``'s derivative; decodes
+    to the interval's representative x_k, whose derivative is the interval's level.
+
+    Packed form: one uint8 tensor [N, ceil(M * p / 8)] per bit plane p (3 bits: planes of 2
+    and 1 bits), M = elements per sample. Lossy for x itself by design: only valid for the
+    backward of the activation named by ``function`` (the stash planner uses it only there).
+    Error of the gradient: |g| * |f'(x) - level(x)| per element, bounded per interval; the
+    tests measure the mean-square error against the exact backward.
+    """
+
+    name: ClassVar[str] = "fewbit"
+    lossless: ClassVar[bool] = False
+    PARAMS: ClassVar[dict[str, ParamSpec]] = {
+        "bits": ParamSpec(int, 3, "bits per element (2**bits intervals)", choices=(1, 2, 3, 4)),
+        "function": ParamSpec(
+            str, "gelu", "the activation whose derivative is coded", choices=tuple(DERIVATIVES)
+        ),
+    }
+
+    def levels(self) -> Levels:  # unroller-lint: host-only (constants)
+        """(edges, levels, representatives) of this codec's function and bits."""
+        return DERIVATIVES[self.params["function"]](self.params["bits"])
+
+    def _table(self, which: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Edges (which=0) or representatives (which=2) as a cached tensor."""
+        key = ("fewbit", self.params["function"], self.params["bits"], which, dtype, device)
+        values = self.levels()[which]
+        return cached_constant(
+            key,
+            lambda: torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values]),
+        )
+
+    def stored_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        self._float_dtype(dtype)
+        if len(shape) < 1:
+            raise ValueError(f"{self!r}: expected a batch dimension, got shape {tuple(shape)}")
+        m = prod(tuple(shape[1:]))
+        return shape[0] * sum(packed_code_bytes(m, p) for p in _PLANES[self.params["bits"]])
+
+    def compress(self, t: Tensor) -> tuple[Tensor, ...]:
+        self._float_input(t)
+        n = t.shape[0]
+        m = prod(tuple(t.shape[1:]))
+        wd = work_dtype(t.dtype)
+        edges = self._table(0, wd, t.device)
+        codes = torch.bucketize(t.reshape(n, m).to(wd), edges)  # edges[c-1] < x <= edges[c]
+        fast = use_fast_path(t)
+        if fast:
+            codes = codes.to(torch.uint8)
+        packed = []
+        shift = 0
+        for p in _PLANES[self.params["bits"]]:
+            plane = torch.remainder(torch.div(codes, 1 << shift, rounding_mode="floor"), 1 << p)
+            packed.append(pack_codes_fast(plane, p) if fast else pack_codes(plane, p))
+            shift += p
+        return tuple(packed)
+
+    def decompress(
+        self, packed: tuple[Tensor, ...], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Tensor:
+        self._float_dtype(dtype)
+        planes = _PLANES[self.params["bits"]]
+        if len(packed) != len(planes):
+            raise ValueError(
+                f"{self!r}: expected {len(planes)} packed bit planes, got {len(packed)}"
+            )
+        n = packed[0].shape[0]
+        m = prod(tuple(shape))
+        fast = use_fast_path(*packed)
+        codes = None
+        shift = 0
+        for p, plane in zip(planes, packed):
+            part = unpack_codes_fast(plane, p, m) if fast else unpack_codes(plane, p, m)
+            part = part.to(torch.int32) * (1 << shift)
+            codes = part if codes is None else codes + part
+            shift += p
+        reps = self._table(2, dtype, packed[0].device)
+        x = torch.index_select(reps, 0, codes.reshape(-1))
+        return x.reshape(n, *shape)
