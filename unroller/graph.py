@@ -720,11 +720,17 @@ def _saved_args(node: Node) -> tuple[SavedArg, ...]:
             continue
         if entry in names:
             value = node.inputs[names.index(entry)]
-            # A model input is the caller's tensor: compressing it would free nothing.
-            activation = entry in node.op.activations and value.producer is not None
+            # A model input is the caller's tensor: compressing it would free nothing; nor
+            # would compressing a value without the batch dim (a free parameter, or made
+            # from parameters only), which would perturb weights besides.
+            activation = (
+                entry in node.op.activations
+                and value.producer is not None
+                and shapes.BATCH in value.type.shape
+            )
             found.append(SavedArg(entry, "value", value.name, value.type, activation))
         elif entry == "output":
-            activation = entry in node.op.activations
+            activation = entry in node.op.activations and shapes.BATCH in node.output.type.shape
             found.append(SavedArg(entry, "value", node.output.name, node.output.type, activation))
         elif extras[entry].present:
             activation = entry in node.op.activations
