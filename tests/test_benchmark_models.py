@@ -28,6 +28,7 @@ from unroller.codegen import Options
 from unroller.parser import parse
 
 TOL = 1e-10
+DROPOUT_SEED = 7  # seeded right before each forward: MobileNetV2's classifier has dropout
 BATCH = 2
 # Reduced resolutions for the float64 checks, small enough that the module stays within
 # `make test`'s budget (ResNet-34 at its native 32 took most of it); the small ResNets
@@ -47,6 +48,9 @@ TEST_RESOLUTION = {
     "mobilenet_v2": 32,
 }
 STEMS = sorted(BENCHMARKS)
+# Same keys, another order: nn.TransformerEncoderLayer registers self_attn and linear1/2
+# before norm1/norm2, which the model file (statement order) computes first.
+KEY_ORDER_DIFFERS = {"gpt_tiny"}
 # ResNet-34 (21M parameters) is the same ResNet family as quick and resnet_like; its
 # float64 steps run with SLOW=1 (`make test-slow`) so `make test` stays within budget.
 HEAVY = ("resnet34",)
@@ -94,6 +98,7 @@ def reference_step():
             ref = BENCHMARKS[name].build(TEST_RESOLUTION[name]).double()
             initial = copy.deepcopy(ref.state_dict())
             batch = batch64(name)
+            torch.manual_seed(DROPOUT_SEED)  # the same dropout draws in every run
             outputs = ref(*batch)
             outputs[0].backward()
             cache[name] = ReferenceStep(initial, batch, tuple(t.detach() for t in outputs), ref)
@@ -194,7 +199,10 @@ def test_make_batch(name):
 def test_state_dict_keys(generated, name):
     ref = BENCHMARKS[name].build(TEST_RESOLUTION[name])
     gen = generated(name)()
-    assert list(gen.state_dict()) == list(ref.state_dict())
+    if name in KEY_ORDER_DIFFERS:
+        assert sorted(gen.state_dict()) == sorted(ref.state_dict())
+    else:
+        assert list(gen.state_dict()) == list(ref.state_dict())
     gen.load_state_dict(ref.state_dict(), strict=True)
     ref.load_state_dict(gen.state_dict(), strict=True)
 
@@ -204,6 +212,7 @@ def test_step_matches_autograd(generated, reference_step, name):
     want = reference_step(name)
     gen = generated(name)().double()
     gen.load_state_dict(want.initial, strict=True)
+    torch.manual_seed(DROPOUT_SEED)
     loss = gen(*want.batch)
     assert loss.dim() == 0
     assert rel_err(loss, want.outputs[0]) <= TOL, (float(loss), float(want.outputs[0]))
@@ -226,6 +235,7 @@ def test_checkpointed_matches_forward(reference_step, name):
 
         # a pre-hook: the recomputation in backward stops early, before a stage's last op
         modules[0].register_forward_pre_hook(hook)
+    torch.manual_seed(DROPOUT_SEED)
     got = ckpt.forward_checkpointed(*want.batch)
     assert len(got) == len(want.outputs)
     for a, b in zip(got, want.outputs):

@@ -148,6 +148,9 @@ class _Down1d(nn.Module):
         return F.relu(self.bn(self.proj(F.max_pool1d(x, 2))))
 
 
+TCN_STAGES = ("stem", "stage1", "down2", "stage2", "down3", "stage3")
+
+
 class TcnSmall(Reference):
     """benchmarks/models/tcn_small.txt: 4 channels x 128 steps, 5 classes."""
 
@@ -165,8 +168,8 @@ class TcnSmall(Reference):
 
     def preds(self, inputs: Sequence[Tensor], run: StageRunner) -> tuple[Tensor, ...]:
         (x,) = inputs
-        h = self.stem(x)
-        for name in ("stage1", "down2", "stage2", "down3", "stage3"):
+        h = x
+        for name in TCN_STAGES:
             h = run(getattr(self, name), h)
         return (self.fc(F.adaptive_avg_pool1d(h, 1).flatten(1)),)
 
@@ -174,8 +177,7 @@ class TcnSmall(Reference):
         return F.cross_entropy(preds[0], targets[0])
 
     def segments(self) -> dict[str, list[nn.Module]]:
-        names = ("stage1", "down2", "stage2", "down3", "stage3")
-        return {name: [getattr(self, name)] for name in names}
+        return {name: [getattr(self, name)] for name in TCN_STAGES}
 
 
 # --------------------------------------------------------------------------- MobileNetV2
