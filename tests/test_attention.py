@@ -385,7 +385,7 @@ def _cases() -> list:
     out = []
     for stem in MODELS:
         for platform in ("gpu", "ipu"):
-            for scheme in ("nocompress", "dct-dense"):
+            for scheme in SCHEMES:
                 out.append(pytest.param(stem, platform, scheme, id=f"{stem}-{platform}-{scheme}"))
     return out
 
@@ -432,27 +432,29 @@ def _compressed_rows(model: nn.Module) -> set[str]:
 
 @pytest.mark.parametrize("stem,platform,scheme", _cases())
 def test_generated_model_gradients_match_autograd(build, emulation, stem, platform, scheme):
-    """nocompress: every gradient equals torch.autograd's to 1e-10. dct-dense compresses the
-    attention tensors whose last two dims are at least 8 (q, k, v, probs of 8 x 8 heads):
-    the loss is still autograd's (the forward is never changed) and the gradients stay
-    within the bound tests/test_compression_models.py states for dct-dense; the same
-    compression on gpu and ipu gives the same gradients."""
+    """nocompress: every gradient equals torch.autograd's to 1e-10. The dct schemes leave the
+    attention tensors raw (they are rows along the last dim, not image maps: the registry's
+    layout = "rows"), so it is exact too. quant keeps q, k, v and the attention probabilities
+    as 8-bit codes per row: the loss is still autograd's (the forward is never changed) and
+    the gradients stay within a few per cent; the same compression on gpu and ipu gives the
+    same gradients."""
     assert scheme in SCHEMES
     ref, inputs, ref_loss = _reference(stem)
     model, loss, grads = _unrolled_grads(build, stem, platform, scheme, ref, inputs)
     assert rel_err(loss, ref_loss) <= TOL
     want = {name: p.grad for name, p in ref.named_parameters()}
     assert set(grads) == set(want)
-    if scheme == "nocompress":
+    attention = {"q", "k", "v", "a:probs"} if stem == "sdpa" else {"attn:q", "attn:probs"}
+    if scheme != "quant":  # nocompress and the dct schemes
+        assert not attention & _compressed_rows(model)
         for name, grad in grads.items():
             assert grad is not None, name
             assert rel_err(grad, want[name]) <= TOL, (name, rel_err(grad, want[name]))
         return
-    compressed = {"q", "k", "v", "a:probs"} if stem == "sdpa" else {"attn:q", "attn:probs"}
-    assert compressed <= _compressed_rows(model)
+    assert attention <= _compressed_rows(model)
     ours = torch.cat([grads[n].flatten() for n in want])
     exact = torch.cat([want[n].flatten() for n in want])
-    assert torch.isfinite(ours).all() and rel_err(ours, exact) <= 1.0
+    assert torch.isfinite(ours).all() and 0 < rel_err(ours, exact) <= 0.05
     if platform == "ipu":
         _, _, on_gpu = _unrolled_grads(build, stem, "gpu", scheme, ref, inputs)
         for name, grad in grads.items():

@@ -347,6 +347,9 @@ _NAME_WORDS = {
 }
 
 
+_ARITHMETIC = {"PLUS", "MINUS", "STAR", "DSLASH"}
+
+
 def _expected_words(expected: Iterable[str], stack: list, at_end: bool) -> str:
     """``expected ...`` in words, from the terminals the parser would have accepted."""
     exp = set(expected)
@@ -355,6 +358,8 @@ def _expected_words(expected: Iterable[str], stack: list, at_end: bool) -> str:
     ctx = _context(stack)
     if exp == {"MODEL", "$END"}:
         exp = {"$END"}  # after the model: a second one is an error anyway
+    if exp - _ARITHMETIC:
+        exp -= _ARITHMETIC  # `k + 1` is possible after any value, but rarely what is missing
     words: list[str] = []
     if {"INT", "STRING"} <= exp:
         words.append(_VALUE_WORDS)

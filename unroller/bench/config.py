@@ -1,7 +1,8 @@
 """Flags of the benchmark suite (the default preset) and its quick and full sizes.
 
-Without ``--full`` the quick preset applies (what ``make bench`` runs): every published
-model at its ``quick_resolution``, a small batch, few timed rounds, the memory-budget
+Without ``--full`` the quick preset applies (what ``make bench`` runs): every suite
+model (the four published ones and the four spec-v2 ones, ``SUITE``) at its
+``quick_resolution``, a small batch, few timed rounds, the memory-budget
 search under an automatic budget. ``--full`` runs the published sizes (``paper_batch`` at
 ``native_resolution``) with more rounds. Any explicit flag overrides its preset value.
 """
@@ -19,6 +20,11 @@ from unroller.bench.reference import BENCHMARKS
 from unroller.schemes import SCHEMES
 
 PUBLISHED = ("resnet34", "emdenoise", "slstrcloud", "opticaldamage")
+# Models in the spec-v2 language: transformers on tokens (vit_tiny: 65 tokens of an image;
+# gpt_tiny: 64 integer character ids), 1-D convolutions on [N, 4, 128] signals, and
+# depthwise-separable convolutions. They run at their declared size only.
+SPEC_V2 = ("vit_tiny", "gpt_tiny", "tcn_small", "mobilenet_v2")
+SUITE = PUBLISHED + SPEC_V2  # what --benchmark all (the default) runs
 HOOK_SCHEMES = ("dct-dense", "quant")  # schemes with a hook-based peer (same compressor)
 AUTO = "auto"
 NONE = "none"
@@ -80,8 +86,8 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
     add(
         "--benchmark",
         default="all",
-        help="a model of the registry, a comma list, or 'all' "
-        "(the four published models; default)",
+        help="a model of the registry, a comma list, or 'all' (the four published models "
+        f"and the four spec-v2 ones: {', '.join(SUITE)}; default)",
     )
     add("--scheme", default="all", help=f"one of {', '.join(SCHEMES)}, a comma list, or 'all'")
     add("--platform", choices=("gpu", "ipu"), default="gpu")
@@ -90,7 +96,12 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
     add("--iterations", type=positive, help="timed rounds (each method once per round)")
     add("--warmup", type=non_negative, help="untimed rounds before timing")
     add("--batch-size", type=positive, help="samples per step (default: preset)")
-    add("--resolution", type=positive, help="rows of image inputs (default: preset)")
+    add(
+        "--resolution",
+        type=positive,
+        help="rows of image inputs (default: preset); the spec-v2 models take only their "
+        "declared size (vit_tiny 32, gpt_tiny 64 tokens, tcn_small 128 steps, mobilenet_v2 any)",
+    )
     add(
         "--get-memory",
         action=argparse.BooleanOptionalAction,
@@ -134,7 +145,7 @@ def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argpar
     args = parser.parse_args(argv)
     preset = FULL if args.full else QUICK
     args.preset = preset
-    args.benchmarks = choose(args.benchmark, list(BENCHMARKS), PUBLISHED, "benchmark", parser)
+    args.benchmarks = choose(args.benchmark, list(BENCHMARKS), SUITE, "benchmark", parser)
     args.schemes = choose(args.scheme, SCHEMES, SCHEMES, "scheme", parser)
     args.out_dir = args.out_dir or default_results_dir()
     args.iterations = args.iterations or preset.iterations

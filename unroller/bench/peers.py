@@ -37,9 +37,12 @@ METHODS = {
     "(use_reentrant=False) around every stage of the reference",
     "hooks": "the reference under torch.autograd.graph.saved_tensors_hooks whose pack hook "
     "compresses, with the scheme's own compressor (dct-dense: dct block 8 keep 4 int8; "
-    "quant: 8 bits), every floating tensor of at least 4 dims (dct: exactly 4) with H, W "
-    ">= 8 that is not a parameter, and whose unpack hook decompresses it: how hook-based "
-    "activation-compression libraries (ActNN, GACT) work",
+    "quant: 8 bits), every floating tensor that is not a parameter and that the compressor "
+    "takes (dct: exactly 4 dims with H, W >= 8; quant: 2 dims or more, the last two (of 2 "
+    "dims: the last) >= 8, so token tensors [N, L, E], their [N * L, E] views, per-head "
+    "tensors and 1-D signals [N, C, L] too), and whose unpack hook decompresses it: how "
+    "hook-based activation-compression libraries (ActNN, GACT) work; integer tensors (token "
+    "ids, targets) are kept as they are",
 }
 STASH_METHODS = {
     "ours": "model.stash_report() after one step: bytes of the tensors the generated code "
@@ -170,7 +173,7 @@ class CompressingHooks:
 
     def __init__(self, codec: Compressor, module: nn.Module):
         self.codec = codec
-        self.exact_4d = codec.name == "dct"
+        self.exact_4d = codec.name == "dct"  # dct needs a map [N, C, H, W]
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
         self.reset()
 
@@ -179,14 +182,18 @@ class CompressingHooks:
         self.compressed_raw_bytes = 0  # bytes of the tensors compressed, per call
         self.packed_bytes = 0  # what those calls stored
         self.compressed_calls = 0
+        self.compressed_shapes: dict[str, int] = {}  # "[2, 64, 64]" -> compressing calls
 
     def eligible(self, t: Tensor) -> bool:
-        """Floating, not a parameter, 4 dims or more (dct: exactly 4), H and W >= 8."""
-        dims_ok = t.dim() == 4 if self.exact_4d else t.dim() >= 4
+        """Floating, not a parameter, and a shape the compressor takes: dct exactly 4 dims
+        with H and W >= 8; quant 2 dims or more with the last two (of 2 dims: the last)
+        >= 8 (token tensors [N, L, E] and their [N * L, E] views, 1-D signals [N, C, L],
+        maps; not per-row statistics such as a layer norm's [N, L, 1])."""
+        dims_ok = t.dim() == 4 if self.exact_4d else t.dim() >= 2
         return (
             t.is_floating_point()
             and dims_ok
-            and min(t.shape[-2:]) >= HOOK_MIN_HW
+            and min(t.shape[-2:] if t.dim() > 2 else t.shape[-1:]) >= HOOK_MIN_HW
             and not self.is_param(t)
         )
 
@@ -204,6 +211,8 @@ class CompressingHooks:
         self.compressed_raw_bytes += t.numel() * t.element_size()
         self.packed_bytes += packed_nbytes(packed)
         self.compressed_calls += 1
+        key = str(list(t.shape))
+        self.compressed_shapes[key] = self.compressed_shapes.get(key, 0) + 1
         return (packed, tuple(t.shape[1:]), t.dtype)
 
     def unpack(self, packed: Any) -> Tensor:
@@ -236,6 +245,7 @@ def hooks(scheme: str, ref: nn.Module) -> Method:
             "stored_bytes": hk.packed_bytes + sum(hk.kept.values()),
             "rows": None,
             "compressed_calls": hk.compressed_calls,
+            "compressed_shapes": dict(hk.compressed_shapes),
             "compressor": repr(codec),
         }
 
