@@ -458,15 +458,20 @@ def make_inputs(graph, gen: torch.Generator) -> list[torch.Tensor]:
     for value in graph.inputs:
         shape = (2, *value.type.shape[1:])
         dtype = TORCH_DTYPES[value.type.dtype]
+        # integer values index something: classes of a loss, rows of an embedding table
         classes = [
             node.inputs[0].type.shape[1]
             for node, position in value.consumers
-            if node.op.name == "cross_entropy" and position == 1
+            if node.op.name in ("cross_entropy", "nll_loss") and position == 1
+        ] + [
+            node.args["num_embeddings"]
+            for node, _ in value.consumers
+            if node.op.name == "embedding"
         ]
         if dtype.is_floating_point:
             tensors.append(torch.rand(shape, generator=gen).to(dtype))
         else:
-            high = int(classes[0]) if classes else 2
+            high = int(min(classes)) if classes else 2
             tensors.append(torch.randint(0, high, shape, generator=gen).to(dtype))
     return tensors
 
