@@ -37,9 +37,13 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(if $(FULL),--full,)
 
-# Accuracy by scheme (README "Training and accuracy analysis"): about 25 minutes on a 2-core
-# CPU. Finished runs under each --out are reused, so an interrupted `make accuracy` resumes.
+# Accuracy by scheme (README "Training and accuracy analysis"): about 40 minutes on an idle
+# 2-core CPU (25 for the first three). Finished runs under each --out are reused, so an
+# interrupted `make accuracy` resumes.
 ACCURACY := $(UNROLL) accuracy --schemes all --seeds 3 --quiet
+# Transformers (vit_digits, gpt_tiny): every saved tensor is a token tensor, attention map or
+# feature vector, which dct leaves raw, so dct-first/dct-dense would repeat nocompress; one seed.
+ACCURACY_V2 := $(UNROLL) accuracy --schemes nocompress,quant-8bit,quant-4bit,quant-2bit --seeds 1 --quiet
 accuracy: $(STAMP)
 	$(ACCURACY) benchmarks/models/quick.txt --dataset digits --epochs 15 \
 		--out benchmarks/results/accuracy/digits
@@ -47,6 +51,10 @@ accuracy: $(STAMP)
 		--optimizer adam --lr 0.002 --batch-size 16 --out benchmarks/results/accuracy/denoise
 	$(ACCURACY) benchmarks/models/slstrcloud.txt --dataset clouds --resolution 32 --epochs 8 \
 		--optimizer adam --lr 0.001 --batch-size 16 --out benchmarks/results/accuracy/clouds
+	$(ACCURACY_V2) benchmarks/models/vit_digits.txt --dataset digits --epochs 12 \
+		--optimizer adam --lr 0.003 --batch-size 32 --out benchmarks/results/accuracy/vit_digits
+	$(ACCURACY_V2) benchmarks/models/gpt_tiny.txt --dataset pysource --epochs 2 --train-size 2048 \
+		--test-size 512 --optimizer adam --lr 0.003 --batch-size 32 --out benchmarks/results/accuracy/gpt_pysource
 
 # The golden files under generated/; `make generate ALL=1` also writes every benchmark
 # module (each platform, scheme, pipeline) under build/generated/.

@@ -55,6 +55,13 @@ def targets() -> list[Target]:
     for scheme in PIPELINE_SCHEMES:
         out = GENERATED / "gpu" / "resnet34" / f"{scheme}.py"
         found.append((MODELS / "resnet34.txt", Options(scheme=scheme), out))
+    # spec v2: a vision transformer on both platforms, a language model with quant's
+    # per-token codes and few-bit gelu derivatives
+    for platform, scheme in (("gpu", "nocompress"), ("gpu", "quant"), ("ipu", "nocompress")):
+        out = GENERATED / platform / "vit_tiny" / f"{scheme}.py"
+        found.append((MODELS / "vit_tiny.txt", Options(platform, scheme), out))
+    out = GENERATED / "gpu" / "gpt_tiny" / "quant.py"
+    found.append((MODELS / "gpt_tiny.txt", Options(scheme="quant"), out))
     return found
 
 
