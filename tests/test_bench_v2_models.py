@@ -14,7 +14,6 @@ targets.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
