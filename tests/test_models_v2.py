@@ -172,3 +172,18 @@ def test_a_vit_written_from_the_spec_unrolls_without_edits(build, emulation):
     ipu.load_state_dict(ref.state_dict())
     fresh.load_state_dict(ref.state_dict())
     assert_ipu_equals_gpu_plus_sgd(emulation, fresh, ipu, [x, y])
+
+
+@pytest.mark.parametrize("name", ["vit_tiny", "gpt_tiny"])
+def test_transformers_pipelined_over_two_emulated_ipus(build, emulation, name):
+    """The stage split runs through the transformer blocks; same step as the gpu module."""
+    bench = BENCHMARKS[name]
+    torch.manual_seed(0)
+    ref = bench.build()
+    gpu = build(bench.path).Model()
+    ipu = build(bench.path, Options(platform="ipu", num_ipus=2)).Model()
+    gpu.load_state_dict(ref.state_dict())
+    ipu.load_state_dict(ref.state_dict())
+    emulation.placements.clear()
+    assert_ipu_equals_gpu_plus_sgd(emulation, gpu, ipu, _batch64(name))
+    assert {ipu_id for _, ipu_id in emulation.placements} == {0, 1}
