@@ -1117,7 +1117,7 @@ def _expand_case(label: str, shape: tuple[int, ...], size: tuple, input_shape: t
 
     def make(dtype: torch.dtype) -> Sample:
         _seeded()
-        runtime_common._STEP["batch"] = 2
+        runtime_common._STEP.batch = 2
         x = randn(*shape, dtype=dtype)
         return Sample((x,), kwargs=dict(size=size), derived=dict(input_shape=input_shape))
 

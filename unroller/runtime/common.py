@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -43,9 +44,11 @@ Needs = tuple[bool, ...]
 Grads = tuple[Tensor | None, ...]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
-#: The batch size of the step (or prediction) running now, recorded by ``check_inputs``:
-#: expand(size=(N, ...)) of a tensor without the batch dim reads it (shapeops.expand).
-_STEP: dict[str, int] = {}
+#: The batch size of the step (or prediction) running now in this thread, recorded by
+#: ``check_inputs`` at its entry: expand(size=(N, ...)) of a tensor without the batch dim
+#: reads it (shapeops.expand). Per thread, so models stepping in parallel threads do not
+#: see each other's batch.
+_STEP = threading.local()
 _RUNTIME_PACKAGE = "unroller.runtime."
 
 
@@ -581,7 +584,7 @@ def check_inputs(*specs: tuple[str, object, str, tuple[int, ...]]) -> None:
     if batch is not None and batch[1] == 0:
         raise ValueError(f"input '{batch[0]}': the batch is empty")
     if batch is not None:
-        _STEP["batch"] = int(batch[1])
+        _STEP.batch = int(batch[1])
 
 
 def _check_input(name: str, value: object, dtype: str, dims: tuple[int, ...]) -> None:

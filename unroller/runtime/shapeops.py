@@ -53,7 +53,7 @@ def expand(x: Tensor, *, size: tuple) -> Tensor:
     dim: a batched input gets -1 there) is the batch size of the step's inputs, which
     ``check_inputs`` records at the entry of every step and prediction."""
     if size[0] == BATCH:
-        batch = _STEP.get("batch")
+        batch = getattr(_STEP, "batch", None)
         if batch is None:
             raise RuntimeError("expand(size=(N, ...)): no batch size recorded (check_inputs)")
         size = (batch, *size[1:])
