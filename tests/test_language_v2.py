@@ -241,6 +241,16 @@ BROADCAST_ERRORS = """model m {
             "7:17: error: b0: mul: broadcasting f32[N, 4, 8] and f32[2, 1, 1, 1] would move "
             "the batch dim N",
         ),
+        ("scale(x)", "7:10: error: scale needs the argument 'factor' (a number)"),
+        (
+            "scale(x, factor=true)",
+            "7:26: error: scale: argument 'factor' must be a number, got true",
+        ),
+        (
+            "div(x, bad)",
+            "7:17: error: b0: div cannot broadcast f32[N, 4, 8] and f32[3, 8]: sizes 4 and 3 "
+            "at dim 1 (dims line up from the right; each pair must be equal or one of them 1)",
+        ),
         (
             "sub(x, z)",
             "7:17: error: b0: sub cannot broadcast f32[N, 4, 8] and f32[N, 8]: the batch dim N "
