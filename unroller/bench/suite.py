@@ -1,6 +1,6 @@
 """The benchmark suite, the default preset of ``unroll bench`` (what ``make bench`` runs).
 
-For each benchmark (``--benchmark``, default the four published models) and each scheme
+For each benchmark (``--benchmark``, default the four published and four spec-v2 models) and each scheme
 (``--scheme``): the generated unrolled step and its peers (plain autograd,
 torch.utils.checkpoint at stage boundaries, autograd with the same compressor in
 saved_tensors_hooks), all on the same weights and the same synthetic batch, timed in
