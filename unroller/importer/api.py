@@ -1,0 +1,114 @@
+"""``import_network``: SPEC -> checked model text (what ``unroll import`` writes).
+
+The text is checked before anyone sees it: it must parse and build as a graph, and the
+state-dict keys and shapes of the module it generates must be the original's (for an ONNX
+file: the initializers that carry a module path), so ``load_state_dict`` works with
+``strict=True`` both ways.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from unroller.importer.emit import emit_text, snake
+from unroller.importer.loss import add_loss
+from unroller.importer.model import ImportedModel, ImportFailure, parse_tensor_spec
+from unroller.importer.source import build_module, is_onnx, parse_kwargs
+
+
+@dataclass
+class Imported:
+    text: str
+    model: ImportedModel
+    state: dict[str, tuple[int, ...]]  # the original's state-dict keys and shapes
+
+
+def model_name(spec: str, name: str | None) -> str:
+    """``--name``, else the factory's or file's name in snake case."""
+    if name is not None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ImportFailure(f"--name {name!r}: expected an identifier")
+        return name
+    base = Path(spec).stem if is_onnx(spec) else spec.rpartition(":")[2].rpartition(".")[2]
+    return snake(base) or "imported"
+
+
+def import_network(
+    spec: str,
+    inputs: list[str],
+    target: str | None = None,
+    loss: str = "cross_entropy",
+    kwargs: str | dict | None = None,
+    name: str | None = None,
+) -> Imported:
+    """The model text for the network SPEC names (see ``unroll import --help``)."""
+    if not inputs:
+        raise ImportFailure('give the network\'s inputs: --input "x: f32[N, 3, 224, 224]"')
+    tensors = [parse_tensor_spec(text) for text in inputs]
+    if len({t.name for t in tensors}) != len(tensors):
+        raise ImportFailure("two --input declarations have the same name")
+    target_spec = parse_tensor_spec(target, "--target") if target else None
+    label = model_name(spec, name)
+    if is_onnx(spec):
+        from unroller.importer.onnx_frontend import import_onnx
+
+        model, state = import_onnx(Path(spec), tensors, label, spec)
+    else:
+        from unroller.importer.torch_frontend import import_torch
+
+        options = kwargs if isinstance(kwargs, dict) else parse_kwargs(kwargs)
+        module = build_module(spec, options)
+        model = import_torch(module, tensors, label, spec)
+        state = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    add_loss(model, loss, target_spec)
+    model.notes.insert(0, f"imported from {spec} by unroll import")
+    text = emit_text(model, reserved=_reserved())
+    check_text(text, state, spec)
+    return Imported(text, model, state)
+
+
+def _reserved() -> set[str]:
+    """Names a block may not take: the registry's operators and the language's words."""
+    from unroller.registry import load_registry
+
+    return set(load_registry()) | {"model", "input", "target", "block", "return", "N"}
+
+
+def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> None:
+    """The emitted text builds, and its tensors are the original's state dict."""
+    from unroller.api import graph_from_text
+    from unroller.errors import ModelError
+
+    try:
+        graph = graph_from_text(text, "<imported>")
+    except ModelError as exc:
+        line = text.splitlines()[exc.loc.line - 1] if exc.loc else ""
+        raise ImportFailure(
+            f"internal error: the text imported from {spec} does not build: {exc.message} "
+            f"(at: {line.strip()})"
+        ) from None
+    ours = {}
+    for node in graph.nodes:
+        for tensor in (*node.params, *node.buffers):
+            if tensor.present:
+                ours[tensor.key] = tuple(tensor.shape)
+    if not state:
+        return
+    missing = sorted(set(state) - set(ours))
+    extra = sorted(set(ours) - set(state))
+    wrong = sorted(k for k in set(ours) & set(state) if tuple(ours[k]) != tuple(state[k]))
+    if missing or extra or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:8])}")
+        if extra:
+            parts.append(f"unexpected {', '.join(extra[:8])}")
+        if wrong:
+            parts.append(
+                "shape " + ", ".join(f"{k} {list(ours[k])} vs {list(state[k])}" for k in wrong[:8])
+            )
+        raise ImportFailure(
+            f"internal error: the imported state dict differs from {spec}'s: " + "; ".join(parts)
+        )

@@ -1,0 +1,589 @@
+"""ATen operator -> registry operator: one small function per ATen op, side by side.
+
+A mapper receives a ``NodeView`` (``torch_frontend``): the node's arguments by schema
+name (defaults filled in), the names of the values it reads, the parameter each weight
+placeholder is, and the output shape with ``"N"`` for the batch. It returns a
+statement (``view.stmt``), an identity (``view.alias``), or refuses with the exact
+reason (``Refuse``): only argument combinations whose value and gradient the registry
+operator computes exactly are mapped. Adding an ATen op is one decorated function here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from unroller.importer.model import BATCH
+
+
+class Refuse(Exception):
+    """This node has no exact registry equivalent; the message says why."""
+
+
+#: ATen overload or packet name ("aten.conv2d.default" / "aten.conv2d") -> mapper.
+MAPPERS: dict[str, Callable] = {}
+
+
+def maps(*names: str):
+    def register(fn: Callable) -> Callable:
+        for name in names:
+            MAPPERS[name] = fn
+        return fn
+
+    return register
+
+
+def mapper_for(target_name: str) -> Callable | None:
+    """The mapper for an overload name, else for its packet (``aten.add_.Tensor`` ->
+    ``aten.add_``)."""
+    if target_name in MAPPERS:
+        return MAPPERS[target_name]
+    packet = target_name.rsplit(".", 1)[0]
+    return MAPPERS.get(packet)
+
+
+def pair(value) -> int | tuple[int, int]:
+    """``[3, 3]`` -> 3, ``[3, 1]`` -> (3, 1): the short form the model files use."""
+    values = tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    if len(values) == 1:
+        return values[0]
+    return values[0] if len(set(values)) == 1 else values
+
+
+def single(value) -> int:
+    values = tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    if len(set(values)) != 1:
+        raise Refuse(f"expected one size, got {list(values)}")
+    return values[0]
+
+
+def _dim(view, dim: int, rank: int | None = None, what: str = "dim") -> int:
+    rank = len(view.in_shape(0)) if rank is None else rank
+    dim = dim + rank if dim < 0 else dim
+    if dim == 0:
+        raise Refuse(f"{what} 0 is the batch dim: the batch must stay first and whole")
+    return dim
+
+
+def _dims(view, dims, keep_negative: bool = False) -> int | tuple[int, ...]:
+    rank = len(view.in_shape(0))
+    values = [int(d) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if not values:
+        raise Refuse("a reduction over every dim includes the batch")
+    for d in values:
+        _dim(view, d, rank)
+    out = tuple(values)
+    return out[0] if len(out) == 1 else out
+
+
+# ---------------------------------------------------------------- layers with parameters
+
+
+@maps("aten.conv2d.default", "aten.conv1d.default")
+def conv(view):
+    a = view.a
+    weight = view.param_shape("weight")
+    one_d = view.target.endswith("conv1d.default")
+    size = single if one_d else pair
+    return view.stmt(
+        "conv1d" if one_d else "conv2d",
+        [view.value("input")],
+        layer=view.layer("weight", "bias"),
+        out_channels=weight[0],
+        kernel_size=size(weight[2:]),
+        stride=size(a["stride"]),
+        padding=size(a["padding"]),
+        dilation=size(a["dilation"]),
+        groups=int(a["groups"]),
+        bias=a["bias"] is not None,
+    )
+
+
+@maps("aten.conv2d.padding", "aten.conv1d.padding")
+def conv_padding_string(view):
+    raise Refuse(f"padding={view.a['padding']!r}: give the padding as numbers")
+
+
+@maps("aten.conv_transpose2d.input")
+def conv_transpose2d(view):
+    a = view.a
+    weight = view.param_shape("weight")
+    return view.stmt(
+        "conv_transpose2d",
+        [view.value("input")],
+        layer=view.layer("weight", "bias"),
+        out_channels=weight[1] * int(a["groups"]),
+        kernel_size=pair(weight[2:]),
+        stride=pair(a["stride"]),
+        padding=pair(a["padding"]),
+        output_padding=pair(a["output_padding"]),
+        dilation=pair(a["dilation"]),
+        groups=int(a["groups"]),
+        bias=a["bias"] is not None,
+    )
+
+
+@maps("aten.linear.default")
+def linear(view):
+    weight = view.param_shape("weight")
+    return view.stmt(
+        "linear",
+        [view.value("input")],
+        layer=view.layer("weight", "bias"),
+        out_features=weight[0],
+        bias=view.a["bias"] is not None,
+    )
+
+
+@maps("aten.batch_norm.default")
+def batch_norm(view):
+    a = view.a
+    if not a["training"]:
+        raise Refuse(
+            "batch norm in eval mode inside a training step (track_running_stats "
+            "off with no batch statistics)"
+        )
+    if a["running_mean"] is not None and not isinstance(a["momentum"], float):
+        raise Refuse("momentum=None (a cumulative average) is not supported")
+    rank = len(view.in_shape("input"))
+    if rank not in (2, 3, 4):
+        raise Refuse(f"batch norm of a {rank}-D input")
+    layer = view.layer("weight", "bias", running_mean="running_mean", running_var="running_var")
+    tracking = a["running_mean"] is not None
+    if tracking:
+        view.expect_buffer(layer + ".num_batches_tracked")
+    return view.stmt(
+        "batchnorm2d" if rank == 4 else "batchnorm1d",
+        [view.value("input")],
+        layer=layer,
+        eps=float(a["eps"]),
+        momentum=float(a["momentum"]) if tracking else None,
+        affine=a["weight"] is not None,
+        track_running_stats=tracking,
+    )
+
+
+@maps("aten.layer_norm.default")
+def layer_norm(view):
+    a = view.a
+    shape = tuple(int(d) for d in a["normalized_shape"])
+    if a["weight"] is None and a["bias"] is not None:
+        raise Refuse("a layer norm with a bias but no weight")
+    layer = view.layer("weight", "bias") if a["weight"] is not None else None
+    return view.stmt(
+        "layernorm",
+        [view.value("input")],
+        layer=layer,
+        normalized_shape=shape[0] if len(shape) == 1 else shape,
+        eps=float(a["eps"]),
+        elementwise_affine=a["weight"] is not None,
+        bias=a["bias"] is not None,
+    )
+
+
+@maps("aten.group_norm.default")
+def group_norm(view):
+    a = view.a
+    if (a["weight"] is None) != (a["bias"] is None):
+        raise Refuse("a group norm with only one of weight and bias")
+    layer = view.layer("weight", "bias") if a["weight"] is not None else None
+    return view.stmt(
+        "groupnorm",
+        [view.value("input")],
+        layer=layer,
+        num_groups=int(a["num_groups"]),
+        eps=float(a["eps"]),
+        affine=a["weight"] is not None,
+    )
+
+
+@maps("aten.embedding.default")
+def embedding(view):
+    a = view.a
+    if a["scale_grad_by_freq"] or a["sparse"]:
+        raise Refuse("scale_grad_by_freq / sparse embeddings")
+    weight = view.param_shape("weight")
+    padding = int(a["padding_idx"])
+    return view.stmt(
+        "embedding",
+        [view.value("indices")],
+        layer=view.layer("weight"),
+        num_embeddings=weight[0],
+        embedding_dim=weight[1],
+        padding_idx=None if padding == -1 else padding,
+    )
+
+
+# ---------------------------------------------------------------- elementwise
+
+
+def _unary(op: str, **fixed):
+    def mapper(view):
+        return view.stmt(op, [view.value("self")], **fixed)
+
+    return mapper
+
+
+for _name, _op in {
+    "relu": "relu",
+    "relu_": "relu",
+    "sigmoid": "sigmoid",
+    "sigmoid_": "sigmoid",
+    "tanh": "tanh",
+    "tanh_": "tanh",
+    "silu": "silu",
+    "silu_": "silu",
+    "hardswish": "hardswish",
+    "hardswish_": "hardswish",
+    "hardsigmoid": "hardsigmoid",
+    "hardsigmoid_": "hardsigmoid",
+    "mish": "mish",
+    "mish_": "mish",
+    "relu6": "relu6",
+    "relu6_": "relu6",
+}.items():
+    MAPPERS[f"aten.{_name}.default"] = _unary(_op)
+
+
+@maps("aten.gelu.default", "aten.gelu_.default")
+def gelu(view):
+    return view.stmt("gelu", [view.value("self")], approximate=str(view.a["approximate"]))
+
+
+@maps("aten.hardtanh.default", "aten.hardtanh_.default")
+def hardtanh(view):
+    low, high = float(view.a["min_val"]), float(view.a["max_val"])
+    if (low, high) == (0.0, 6.0):
+        return view.stmt("relu6", [view.value("self")])
+    return view.stmt("hardtanh", [view.value("self")], min_val=low, max_val=high)
+
+
+@maps("aten.leaky_relu.default", "aten.leaky_relu_.default")
+def leaky_relu(view):
+    slope = float(view.a["negative_slope"])
+    return view.stmt("leaky_relu", [view.value("self")], negative_slope=slope)
+
+
+@maps("aten.elu.default", "aten.elu_.default")
+def elu(view):
+    a = view.a
+    if float(a["scale"]) != 1.0 or float(a["input_scale"]) != 1.0:
+        raise Refuse("elu with scale/input_scale (selu/celu) is not supported")
+    return view.stmt("elu", [view.value("self")], alpha=float(a["alpha"]))
+
+
+@maps("aten.softplus.default")
+def softplus(view):
+    a = view.a
+    return view.stmt(
+        "softplus", [view.value("self")], beta=float(a["beta"]), threshold=float(a["threshold"])
+    )
+
+
+def _binary(op: str):
+    def mapper(view):
+        a = view.a
+        if float(a.get("alpha", 1)) != 1.0:
+            raise Refuse("alpha != 1")
+        other = a["other"]
+        if not view.is_tensor(other):
+            if op == "mul":
+                return view.stmt("scale", [view.value("self")], factor=float(other))
+            if op == "div":
+                return view.stmt("scale", [view.value("self")], factor=1.0 / float(other))
+            raise Refuse(f"{op} of a tensor and the constant {other!r}")
+        if not view.is_tensor(a["self"]):
+            raise Refuse(f"{op} of the constant {a['self']!r} and a tensor")
+        return view.stmt(op, [view.value("self"), view.value("other")])
+
+    return mapper
+
+
+for _op in ("add", "sub", "mul", "div"):
+    for _form in ("Tensor", "Scalar"):
+        MAPPERS[f"aten.{_op}.{_form}"] = _binary(_op)
+        MAPPERS[f"aten.{_op}_.{_form}"] = _binary(_op)
+
+
+@maps("aten.div.Tensor_mode")
+def div_mode(view):
+    raise Refuse(f"division with rounding_mode={view.a['rounding_mode']!r} has no gradient")
+
+
+# ---------------------------------------------------------------- pooling, resizing
+
+
+@maps("aten.max_pool2d.default", "aten.max_pool1d.default")
+def max_pool(view):
+    a = view.a
+    one_d = "pool1d" in view.target
+    size = single if one_d else pair
+    if size(a["dilation"]) != 1:
+        raise Refuse("max pooling with dilation")
+    stride = a["stride"] if list(a["stride"]) else a["kernel_size"]
+    return view.stmt(
+        "maxpool1d" if one_d else "maxpool2d",
+        [view.value("self")],
+        kernel_size=size(a["kernel_size"]),
+        stride=size(stride),
+        padding=size(a["padding"]),
+        ceil_mode=bool(a["ceil_mode"]),
+    )
+
+
+@maps("aten.avg_pool2d.default", "aten.avg_pool1d.default")
+def avg_pool(view):
+    a = view.a
+    one_d = "pool1d" in view.target
+    size = single if one_d else pair
+    if not a["count_include_pad"] or a.get("divisor_override") is not None:
+        raise Refuse("average pooling with count_include_pad=False or divisor_override")
+    stride = a["stride"] if list(a["stride"]) else a["kernel_size"]
+    return view.stmt(
+        "avgpool1d" if one_d else "avgpool2d",
+        [view.value("self")],
+        kernel_size=size(a["kernel_size"]),
+        stride=size(stride),
+        padding=size(a["padding"]),
+        ceil_mode=bool(a["ceil_mode"]),
+    )
+
+
+@maps("aten.adaptive_avg_pool2d.default", "aten.adaptive_avg_pool1d.default")
+def adaptive_avg_pool(view):
+    one_d = "pool1d" in view.target
+    size = (single if one_d else pair)(view.a["output_size"])
+    op = "adaptive_avgpool1d" if one_d else "adaptive_avgpool2d"
+    return view.stmt(op, [view.value("self")], output_size=size)
+
+
+def _scale(view, mode: str) -> float | int:
+    a = view.a
+    factors = a.get("scale_factors")
+    size_in = view.in_shape("input")[2:]
+    if factors:
+        if len(set(float(f) for f in factors)) != 1:
+            raise Refuse(f"{mode} upsampling with different factors per dim {list(factors)}")
+        factor = float(factors[0])
+    else:
+        size_out = [int(s) for s in a["output_size"]]
+        ratios = {o / i for o, i in zip(size_out, size_in)}
+        if len(ratios) != 1 or any(o % i for o, i in zip(size_out, size_in)):
+            raise Refuse(f"{mode} resizing to {size_out} is not a whole scale factor")
+        factor = ratios.pop()
+    return int(factor) if factor.is_integer() else factor
+
+
+@maps("aten.upsample_nearest2d.vec")
+def upsample_nearest(view):
+    return view.stmt(
+        "upsample", [view.value("input")], scale_factor=_scale(view, "nearest"), mode="nearest"
+    )
+
+
+@maps("aten.upsample_bilinear2d.vec")
+def upsample_bilinear(view):
+    factor = _scale(view, "bilinear")
+    if not view.a.get("scale_factors") and not view.a["align_corners"] and factor != int(factor):
+        raise Refuse("bilinear resizing by size to a fractional scale")
+    return view.stmt(
+        "upsample",
+        [view.value("input")],
+        scale_factor=factor,
+        mode="bilinear",
+        align_corners=bool(view.a["align_corners"]),
+    )
+
+
+@maps("aten.constant_pad_nd.default")
+def constant_pad(view):
+    pads = tuple(int(p) for p in view.a["pad"])
+    if any(p < 0 for p in pads):
+        raise Refuse(f"negative padding (cropping) {list(pads)}")
+    if len(pads) // 2 >= len(view.in_shape("self")):
+        raise Refuse("padding the batch dim")
+    if not any(pads):
+        return view.alias("self")
+    return view.stmt("pad", [view.value("self")], pad=pads, value=float(view.a["value"]))
+
+
+# ---------------------------------------------------------------- shapes
+
+
+@maps("aten.cat.default")
+def cat(view):
+    tensors = view.a["tensors"]
+    rank = len(view.shape_of(tensors[0]))
+    dim = _dim(view, int(view.a["dim"]), rank, "concatenating along dim")
+    return view.stmt("concat", [view.value_of(t) for t in tensors], dim=dim)
+
+
+@maps("aten.flatten.using_ints")
+def flatten(view):
+    a = view.a
+    rank = len(view.in_shape("input"))
+    start = _dim(view, int(a["start_dim"]), rank, "flattening from dim")
+    end = int(a["end_dim"]) % rank
+    if end != rank - 1:
+        return reshape(view)
+    return view.stmt("flatten", [view.value("input")], start_dim=start)
+
+
+@maps(
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten._unsafe_view.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.dims",
+    "aten.unflatten.int",
+)
+def reshape(view):
+    source = view.in_shape(0)
+    out = view.out_shape()
+    if not out or out[0] != BATCH or not source or source[0] != BATCH:
+        raise Refuse(f"reshaping {list(source)} to {list(out)} moves or merges the batch dim")
+    if tuple(source) == tuple(out):
+        return view.alias(0)
+    return view.stmt("reshape", [view.value(0)], shape=tuple(out[1:]))
+
+
+@maps("aten.transpose.int")
+def transpose(view):
+    rank = len(view.in_shape("self"))
+    d0 = _dim(view, int(view.a["dim0"]), rank, "transposing dim")
+    d1 = _dim(view, int(view.a["dim1"]), rank, "transposing dim")
+    if d0 == d1:
+        return view.alias("self")
+    return view.stmt("transpose", [view.value("self")], dim0=d0, dim1=d1)
+
+
+@maps("aten.t.default")
+def t(view):
+    raise Refuse("2-D transpose of a batch (swaps the batch dim)")
+
+
+@maps("aten.permute.default")
+def permute(view):
+    dims = tuple(int(d) % len(view.in_shape("self")) for d in view.a["dims"])
+    if dims[0] != 0:
+        raise Refuse(f"permute {list(dims)} moves the batch dim")
+    if dims == tuple(range(len(dims))):
+        return view.alias("self")
+    return view.stmt("permute", [view.value("self")], dims=dims)
+
+
+@maps("aten.select.int")
+def select(view):
+    rank = len(view.in_shape("self"))
+    dim = _dim(view, int(view.a["dim"]), rank, "selecting along dim")
+    return view.stmt("select", [view.value("self")], dim=dim, index=int(view.a["index"]))
+
+
+@maps("aten.slice.Tensor")
+def slice_(view):
+    a = view.a
+    shape = view.in_shape("self")
+    dim = int(a["dim"]) % len(shape)
+    start = 0 if a["start"] is None else int(a["start"])
+    end = a["end"]
+    step = int(a["step"])
+    size = shape[dim]
+    whole = (
+        start == 0
+        and step == 1
+        and (
+            end is None
+            or (size != BATCH and int(end) >= size)
+            or (size == BATCH and int(end) >= 2**62)
+        )
+    )
+    if whole:
+        return view.alias("self")
+    if dim == 0:
+        raise Refuse("slicing the batch dim")
+    if end is not None and int(end) >= size:
+        end = None
+    return view.stmt(
+        "slice",
+        [view.value("self")],
+        dim=dim,
+        start=start,
+        end=None if end is None else int(end),
+        step=step,
+    )
+
+
+@maps("aten.expand.default")
+def expand(view):
+    size = view.sizes(view.a["size"])
+    if size == tuple(view.in_shape("self")):
+        return view.alias("self")
+    if size[0] not in (BATCH, -1):
+        raise Refuse(f"expanding to {list(size)}: the first dim must be the batch")
+    return view.stmt("expand", [view.value("self")], size=size)
+
+
+@maps("aten.contiguous.default", "aten.clone.default", "aten.alias.default")
+def identity(view):
+    return view.alias("self")
+
+
+@maps("aten.dropout.default", "aten.dropout_.default")
+def dropout(view):
+    p = float(view.a["p"])
+    if not view.a["train"] or p == 0.0:
+        return view.alias("input")
+    return view.stmt("dropout", [view.value("input")], p=p)
+
+
+@maps("aten.mean.dim", "aten.sum.dim_IntList")
+def reduce(view):
+    a = view.a
+    if a.get("dtype") is not None:
+        raise Refuse("a reduction with a dtype")
+    op = "mean" if "mean" in view.target else "sum"
+    return view.stmt(
+        op, [view.value("self")], dim=_dims(view, a["dim"]), keepdim=bool(a["keepdim"])
+    )
+
+
+@maps("aten.softmax.int", "aten.log_softmax.int")
+def softmax(view):
+    a = view.a
+    if a.get("dtype") is not None:
+        raise Refuse("softmax with a dtype")
+    op = "log_softmax" if "log_softmax" in view.target else "softmax"
+    dim = _dim(view, int(a["dim"]), None, "softmax over dim")
+    rank = len(view.in_shape("self"))
+    return view.stmt(op, [view.value("self")], dim=dim - rank)
+
+
+@maps("aten.matmul.default", "aten.bmm.default")
+def matmul(view):
+    a = view.a
+    if (
+        len(view.in_shape("self")) < 2
+        or len(view.shape_of(a["mat2" if "mat2" in a else "other"])) < 2
+    ):
+        raise Refuse("matmul of a 1-D tensor")
+    other = a["mat2"] if "mat2" in a else a["other"]
+    return view.stmt("matmul", [view.value("self"), view.value_of(other)])
+
+
+@maps("aten.scaled_dot_product_attention.default")
+def sdpa(view):
+    a = view.a
+    if float(a["dropout_p"]) != 0.0:
+        raise Refuse("attention dropout")
+    if a.get("enable_gqa"):
+        raise Refuse("grouped-query attention (enable_gqa)")
+    causal = bool(a["is_causal"])
+    if a["attn_mask"] is not None:
+        causal = view.causal_mask(a["attn_mask"], causal)
+    scale = a.get("scale")
+    return view.stmt(
+        "scaled_dot_product_attention",
+        [view.value("query"), view.value("key"), view.value("value")],
+        is_causal=causal,
+        scale=None if scale is None else float(scale),
+    )

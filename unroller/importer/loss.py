@@ -1,0 +1,85 @@
+"""The loss an imported network trains with (``--loss``), and its default target.
+
+The network's forward returns predictions; the model text adds the loss statement.
+``cross_entropy`` and ``nll_loss`` take class scores in dim 1 as torch does; when the
+target matches the predictions without their last dim (``[N, L, C]`` logits of a language
+model against ``[N, L]`` next tokens), the class dim is last, and a ``permute`` moving it
+to dim 1 is written before the loss, as a user of torch writes
+``F.cross_entropy(logits.transpose(1, 2), y)``.
+"""
+
+from __future__ import annotations
+
+from unroller.importer.model import BATCH, ImportedModel, ImportFailure, Stmt, Tensor
+
+#: --loss choices: loss op -> (what the predictions are, target dtype).
+LOSSES = {
+    "cross_entropy": "class scores (logits)",
+    "nll_loss": "log-probabilities",
+    "mse_loss": "values",
+    "l1_loss": "values",
+    "bce_with_logits": "logits",
+    "bce_loss": "probabilities",
+}
+_CLASS_LOSSES = ("cross_entropy", "nll_loss")
+
+
+def default_target(loss: str, pred_shape: tuple) -> Tensor:
+    """``y: i64[N]`` (or per pixel ``[N, H, W]``) for class losses, else like the predictions."""
+    dims = tuple(int(d) for d in pred_shape[1:])
+    if loss in _CLASS_LOSSES:
+        return Tensor("y", "i64", dims[1:])
+    return Tensor("y", "f32", dims)
+
+
+def add_loss(model: ImportedModel, loss: str, target: Tensor | None) -> None:
+    """Append the loss statement (and a permute for class-last scores) to ``model``."""
+    if loss not in LOSSES:
+        raise ImportFailure(f"--loss {loss!r}: expected one of {', '.join(LOSSES)}")
+    pred = model.predictions[0]
+    shape = model.producer()[pred].shape if pred in model.producer() else None
+    if shape is None or shape[0] != BATCH:
+        raise ImportFailure(f"the predictions {pred} have no known [N, ...] shape")
+    target = target or default_target(loss, shape)
+    if target.name in {t.name for t in model.inputs}:
+        raise ImportFailure(f"--target {target.name!r}: the name of an input")
+    dims = tuple(int(d) for d in shape[1:])
+    scores = pred
+    if loss in _CLASS_LOSSES:
+        if target.dtype not in ("i64",):
+            raise ImportFailure(f"--target for {loss}: class indices are i64, not {target.dtype}")
+        if tuple(target.dims) == dims[1:]:
+            pass
+        elif len(dims) >= 2 and tuple(target.dims) == dims[:-1]:
+            order = (0, len(dims), *range(1, len(dims)))
+            scores = _fresh(model, f"{pred}_classes_first")
+            model.stmts.append(
+                Stmt(scores, "permute", [pred], {"dims": order}, "", (BATCH, dims[-1], *dims[:-1]))
+            )
+        else:
+            raise ImportFailure(
+                f"--target {target.text()}: {loss} of predictions [N, {', '.join(map(str, dims))}]"
+                " takes class indices of shape [N, "
+                + ", ".join(map(str, dims[1:]))
+                + "] (classes in dim 1) or [N, "
+                + ", ".join(map(str, dims[:-1]))
+                + "] (classes last)"
+            )
+    elif tuple(target.dims) != dims:
+        raise ImportFailure(
+            f"--target {target.text()}: {loss} needs the predictions' shape "
+            f"[N, {', '.join(map(str, dims))}]"
+        )
+    name = _fresh(model, "loss")
+    model.stmts.append(Stmt(name, loss, [scores, target.name], {}, "", ()))
+    model.targets = [target]
+    model.loss = name
+
+
+def _fresh(model: ImportedModel, base: str) -> str:
+    taken = {s.name for s in model.stmts} | {t.name for t in model.inputs}
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    return name

@@ -1,0 +1,141 @@
+"""What a front end hands to ``emit``: the imported network as typed statements.
+
+A statement is one registry operator call, named by the module path that produced it
+(``layer1.0.conv1``: its parameters get the state-dict keys ``layer1.0.conv1.weight``,
+...). ``module_path`` is where in the module tree the call happened, which may be the
+parent of the name (a functional ``add`` in ``layer1.0`` is named ``layer1.0.add``);
+``classes`` maps every module path to its class, which ``emit`` uses to recover blocks
+and to write comments naming the source.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+class BatchDim(str):
+    """The symbolic batch dim ``N`` (in shapes, and in an ``expand`` size)."""
+
+    __slots__ = ()
+
+
+#: The batch dim: equal to "N", and written as N (not "N") in keyword values.
+BATCH = BatchDim("N")
+
+#: A keyword value as the model language writes it (None: left out).
+Literal = int | float | bool | str | tuple | None
+
+_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+")
+
+
+@dataclass
+class Stmt:
+    """``name = op(args..., kwargs...)``: one registry operator call."""
+
+    name: str
+    op: str
+    args: list[str]
+    kwargs: dict[str, Literal] = field(default_factory=dict)
+    module_path: str = ""
+    shape: tuple[int | str, ...] | None = None  # the output's shape, "N" for the batch
+
+    def inputs(self) -> list[str]:
+        return list(self.args)
+
+
+@dataclass
+class Tensor:
+    """A declared input or target: ``NAME: DTYPE[N, dims...]``."""
+
+    name: str
+    dtype: str  # "f32", "i64", ...
+    dims: tuple[int, ...]  # after N
+
+    def text(self) -> str:
+        return f"{self.dtype}[{', '.join(['N', *map(str, self.dims)])}]"
+
+
+@dataclass
+class ImportedModel:
+    """An imported network: inputs, statements in execution order, predictions, loss."""
+
+    name: str
+    source: str  # what was imported (SPEC as given), for the header comment
+    inputs: list[Tensor]
+    targets: list[Tensor]
+    stmts: list[Stmt]
+    predictions: list[str]  # value names the model returns after the loss
+    loss: str | None = None  # the loss statement's name (added by ``add_loss``)
+    classes: dict[str, str] = field(default_factory=dict)  # module path -> class
+    notes: list[str] = field(default_factory=list)  # header lines (how it was captured)
+
+    def producer(self) -> dict[str, Stmt]:
+        return {stmt.name: stmt for stmt in self.stmts}
+
+
+@dataclass
+class Unmapped:
+    """One node that has no exact registry equivalent."""
+
+    op: str  # "aten.unfold.default", "onnx::Resize", "torch.nn.LSTM"
+    module_path: str  # where in the module tree ("" = the root module)
+    module_class: str = ""
+    location: str = ""  # source file:line if known
+    reason: str = ""
+
+    def line(self) -> str:
+        where = self.module_path or "<root>"
+        if self.module_class:
+            where += f" ({self.module_class})"
+        text = f"{where}: {self.op}"
+        if self.reason:
+            text += f": {self.reason}"
+        if self.location:
+            text += f" [{self.location}]"
+        return text
+
+
+class ImportFailure(Exception):
+    """The network cannot be imported; ``unmapped`` lists every node at fault, or
+    ``message`` says what else went wrong (a SPEC that does not load, an input spec)."""
+
+    def __init__(self, message: str, unmapped: list[Unmapped] | None = None):
+        self.unmapped = list(unmapped or [])
+        self.message = message
+        super().__init__(self.format())
+
+    def format(self) -> str:
+        if not self.unmapped:
+            return self.message
+        lines = [f"{self.message} ({len(self.unmapped)} unmapped):"]
+        lines += [f"  {item.line()}" for item in self.unmapped]
+        return "\n".join(lines)
+
+
+def valid_path(name: str) -> bool:
+    """Whether a dotted module path can be a statement name (parts are identifiers or
+    integers, the first part not an integer)."""
+    parts = name.split(".")
+    return all(_PART.fullmatch(part) for part in parts) and not parts[0].isdigit()
+
+
+#: Input spec form: ``x: f32[N, 3, 224, 224]``.
+_INPUT = re.compile(
+    r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([a-z0-9]+)\s*\[\s*N\s*((?:,\s*\d+\s*)*)\]\s*"
+)
+DTYPES = ("f32", "f64", "f16", "bf16", "i64", "i32")
+
+
+def parse_tensor_spec(text: str, what: str = "--input") -> Tensor:
+    """``NAME: DTYPE[N, d1, ...]`` as a Tensor; ImportFailure with the expected form."""
+    match = _INPUT.fullmatch(text)
+    if not match or match.group(2) not in DTYPES:
+        raise ImportFailure(
+            f"{what} {text!r}: expected NAME: DTYPE[N, d1, ...] with DTYPE one of "
+            f"{', '.join(DTYPES)} (e.g. \"x: f32[N, 3, 224, 224]\")"
+        )
+    dims = tuple(int(d) for d in re.findall(r"\d+", match.group(3)))
+    if any(d <= 0 or d > 2**31 for d in dims):
+        raise ImportFailure(f"{what} {text!r}: dims after N must be positive integers")
+    return Tensor(match.group(1), match.group(2), dims)

@@ -1,0 +1,861 @@
+"""A ``torch.nn.Module`` -> ``ImportedModel``, through ``torch.export``.
+
+``torch.export`` captures the module's forward as an ATen-level graph with the batch dim
+symbolic (it follows code that ``torch.fx`` symbolic tracing cannot; where export fails,
+the module is traced with ``torch.fx`` first and the traced module is exported). Every
+node records the module-call stack it ran in (``nn_module_stack``) and every parameter
+placeholder its state-dict key, which gives the statement names: the convolution whose
+weight is ``layer1.0.conv1.weight`` is the statement ``layer1.0.conv1``, a functional
+add inside ``layer1.0`` is ``layer1.0.add``, an ``nn.ReLU`` at ``layer1.0.relu`` is
+``layer1.0.relu`` (``_1`` on its second call).
+
+Nodes map one by one through ``aten_ops``. A few module classes decompose into long
+ATen chains that are one registry operator (``nn.MultiheadAttention``): their nodes are
+collapsed into one statement, read from the module's attributes (``COLLAPSED``).
+Everything that cannot be mapped is collected, and the import fails listing all of it.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import fx
+
+from unroller.importer import aten_ops
+from unroller.importer.aten_ops import Refuse
+from unroller.importer.model import (
+    BATCH,
+    ImportedModel,
+    ImportFailure,
+    Stmt,
+    Tensor,
+    Unmapped,
+    valid_path,
+)
+from unroller.importer.source import FILE_MODULES, WRAPPER_PREFIX, Predictions, class_name
+
+_DTYPES = {
+    "f32": torch.float32,
+    "f64": torch.float64,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "i64": torch.int64,
+    "i32": torch.int32,
+}
+#: The example batch size used for capture: > 1 so export keeps the dim symbolic.
+EXAMPLE_BATCH = 3
+#: Node targets that compute sizes, not tensors, or only check things.
+_SIZE_OPS = {
+    "aten.sym_size.int",
+    "aten.sym_numel.default",
+    "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default",
+    "aten._assert_tensor_metadata.default",
+}
+
+
+def example_inputs(inputs: Sequence[Tensor], batch: int = EXAMPLE_BATCH) -> list[torch.Tensor]:
+    """Capture-time inputs of the declared shapes: zeros (valid indices for any vocabulary)
+    for integer inputs, seeded normal values for float ones."""
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for spec in inputs:
+        shape = (batch, *spec.dims)
+        dtype = _DTYPES[spec.dtype]
+        if dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=generator).to(dtype))
+        else:
+            out.append(torch.zeros(shape, dtype=dtype))
+    return out
+
+
+def capture(module: torch.nn.Module, inputs: Sequence[Tensor]):
+    """The exported program of ``Predictions(module)`` with a symbolic batch dim, and a
+    note saying how it was captured. Export first; ``torch.fx`` then export as fallback."""
+    wrapper = Predictions(module).train()
+    example = tuple(example_inputs(inputs))
+    batch = torch.export.Dim("N", min=2, max=2**31 - 1)
+    dynamic = (tuple({0: batch} for _ in example),)  # forward(*args): one tuple
+    try:
+        program = torch.export.export(wrapper, example, dynamic_shapes=dynamic, strict=False)
+        return program, f"torch.export (torch {torch.__version__})"
+    except Exception as first:  # noqa: BLE001 - any capture failure: try fx, then report
+        export_error = _one_line(first)
+    try:
+        traced = Predictions(fx.symbolic_trace(module)).train()
+        program = torch.export.export(traced, example, dynamic_shapes=dynamic, strict=False)
+        return program, f"torch.fx symbolic trace, then torch.export (torch {torch.__version__})"
+    except Exception as second:  # noqa: BLE001
+        raise ImportFailure(
+            "cannot capture the network: torch.export failed: "
+            f"{export_error}; torch.fx fallback failed: {_one_line(second)}"
+        ) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _strip(path: str) -> str:
+    """A path or state-dict key of the wrapper -> the user's module's."""
+    if path == WRAPPER_PREFIX[:-1]:
+        return ""
+    return path[len(WRAPPER_PREFIX) :] if path.startswith(WRAPPER_PREFIX) else path
+
+
+def _qualname(cls) -> str:
+    if isinstance(cls, str):
+        module, _, rest = cls.partition(".")
+        return f"{FILE_MODULES[module]}.{rest}" if module in FILE_MODULES else cls
+    return class_name(cls)
+
+
+# ---------------------------------------------------------------- the mapper
+
+
+class _Poisoned(Refuse):
+    """Reads a value that already failed: reported once, at its root."""
+
+
+class _Mapper:
+    """Walks the exported graph once, producing statements or unmapped records."""
+
+    def __init__(self, program, module: torch.nn.Module, inputs: Sequence[Tensor]):
+        self.program = program
+        self.module = module
+        self.graph = program.graph_module.graph
+        self.nodes = list(self.graph.nodes)
+        self.order = {node: i for i, node in enumerate(self.nodes)}
+        self.inputs = list(inputs)
+        self.params: dict[str, str] = {}  # placeholder name -> state-dict key
+        self.buffers: dict[str, str] = {}
+        self.constants: set[str] = set()
+        self.user_inputs: dict[str, str] = {}  # placeholder -> model input name
+        self._read_signature()
+        self.batch = self._batch_symbol()
+        self.values: dict[fx.Node, str] = {}  # node -> value name in the model text
+        self.stmts: list[Stmt] = []
+        self.names: set[str] = set(t.name for t in self.inputs)
+        self.used_params: dict[str, str] = {}  # state-dict key -> statement
+        self.used_buffers: set[str] = set()
+        self.unmapped: list[Unmapped] = []
+        self.poisoned: set[fx.Node] = set()
+        self.classes: dict[str, str] = {}
+        self.leaf_paths = {
+            name for name, sub in module.named_modules() if not any(True for _ in sub.children())
+        }
+        self.groups = self._collapsed_groups()
+        self.live = self._live_nodes()
+
+    # ---- the graph's signature: which placeholder is what
+
+    def _read_signature(self) -> None:
+        kinds = torch.export.graph_signature.InputKind
+        user = iter(self.inputs)
+        for spec in self.program.graph_signature.input_specs:
+            name = spec.arg.name
+            if spec.kind == kinds.PARAMETER:
+                self.params[name] = _strip(spec.target)
+            elif spec.kind == kinds.BUFFER:
+                self.buffers[name] = _strip(spec.target)
+            elif spec.kind in (kinds.CONSTANT_TENSOR, kinds.CUSTOM_OBJ):
+                self.constants.add(name)
+            elif spec.kind == kinds.USER_INPUT:
+                self.user_inputs[name] = next(user).name
+
+    def _batch_symbol(self):
+        for node in self.nodes:
+            if node.op == "placeholder" and node.name in self.user_inputs:
+                return node.meta["val"].shape[0]
+        raise ImportFailure("the network takes no tensor input")
+
+    # ---- shapes
+
+    def dim(self, value) -> int | str:
+        if isinstance(value, torch.SymInt):
+            if str(value) == str(self.batch):
+                return BATCH
+            try:
+                return int(value)
+            except (TypeError, ValueError, RuntimeError):
+                return f"?{value}"
+        return int(value)
+
+    def shape(self, node) -> tuple:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            raise Refuse(f"{getattr(node, 'name', node)} is not a tensor")
+        return tuple(self.dim(d) for d in val.shape)
+
+    # ---- module paths
+
+    def stack(self, node) -> list[tuple[str, str]]:
+        """(path, class) from the outermost module call to the innermost, wrapper removed."""
+        stack = node.meta.get("nn_module_stack") or {}
+        out = []
+        for path, cls in stack.values():
+            path = _strip(path)
+            if path.startswith("L['self']") or path.startswith("L__self__"):
+                continue
+            out.append((path, _qualname(cls)))
+        return [(p, c) for p, c in out if p or True]
+
+    def where(self, node) -> tuple[str, str]:
+        stack = [(p, c) for p, c in self.stack(node) if p]
+        if not stack:
+            return "", _qualname(type(self.module))
+        return stack[-1]
+
+    def location(self, node) -> str:
+        trace = node.meta.get("stack_trace") or ""
+        found = re.findall(r'File "([^"]+)", line (\d+)', trace)
+        return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+
+    # ---- collapsed module calls (nn.MultiheadAttention)
+
+    def _collapsed_groups(self) -> dict[fx.Node, str]:
+        groups = {}
+        for node in self.nodes:
+            if node.op != "call_function":
+                continue
+            for path, cls in self.stack(node):
+                if cls in COLLAPSED:
+                    groups[node] = path
+                    break
+        return groups
+
+    def _live_nodes(self) -> set[fx.Node]:
+        output = next(n for n in reversed(self.nodes) if n.op == "output")
+        live: set[fx.Node] = set()
+        todo = [output]
+        while todo:
+            node = todo.pop()
+            if node in live:
+                continue
+            live.add(node)
+            todo.extend(node.all_input_nodes)
+        # a collapsed group is live as a whole when any of it is
+        for node, path in list(self.groups.items()):
+            if node in live:
+                continue
+            if any(m in live and p == path for m, p in self.groups.items()):
+                live.add(node)
+        return live
+
+    # ---- naming
+
+    def unique(self, base: str) -> str:
+        base = base.strip(".") or "value"
+        name, k = base, 0
+        while name in self.names or not valid_path(name):
+            if not valid_path(base):
+                raise Refuse(
+                    f"the name {base!r} cannot be a model-language name (its first part is a "
+                    "number: a root nn.Sequential); wrap the network in a module"
+                )
+            k += 1
+            name = f"{base}_{k}"
+        self.names.add(name)
+        return name
+
+    def functional_name(self, node) -> str:
+        path, _ = self.where(node)
+        if path and path in self.leaf_paths:
+            return path
+        short = (
+            str(node.target).split(".")[1] if str(node.target).startswith("aten.") else node.name
+        )
+        short = short.rstrip("_") or "value"
+        return f"{path}.{short}" if path else short
+
+    # ---- values
+
+    def value_of(self, node) -> str:
+        if not isinstance(node, fx.Node):
+            raise Refuse(f"expected a tensor, got the constant {node!r}")
+        if node in self.values:
+            return self.values[node]
+        if node in self.poisoned:
+            raise _Poisoned(node.name)
+        if node.op == "placeholder":
+            if node.name in self.user_inputs:
+                return self.user_inputs[node.name]
+            if node.name in self.params:
+                return self._free_parameter(node)
+            if node.name in self.buffers:
+                raise Refuse(f"reads the buffer {self.buffers[node.name]} as data")
+            raise Refuse(f"reads a tensor constant ({node.name}) captured from the code")
+        raise Refuse(f"reads {node.name}, which could not be mapped")
+
+    def _free_parameter(self, node) -> str:
+        key = self.params[node.name]
+        if key in self.used_params:
+            raise Refuse(f"the parameter {key} is used by two operators (tied weights)")
+        if not valid_path(key):
+            raise Refuse(f"the parameter name {key!r} cannot be a model-language name")
+        shape = tuple(int(d) for d in node.meta["val"].shape)
+        self.names.add(key)
+        owner = key.rpartition(".")[0]
+        stmt = Stmt(key, "parameter", [], {"shape": shape, "init": "zeros"}, owner, shape)
+        self.stmts.append(stmt)
+        self.used_params[key] = key
+        self.values[node] = key
+        return key
+
+    # ---- the walk
+
+    def run(self) -> list[str]:
+        done_groups: set[str] = set()
+        for node in self.nodes:
+            if node.op != "call_function" or node not in self.live:
+                if node.op == "call_function":
+                    self._check_dead(node)
+                continue
+            target = _target_name(node)
+            if target in _SIZE_OPS or _is_size_value(node):
+                continue
+            if node in self.groups:
+                path = self.groups[node]
+                if path not in done_groups:
+                    done_groups.add(path)
+                    self._collapse(path)
+                continue
+            self._map(node, target)
+        output = next(n for n in reversed(self.nodes) if n.op == "output")
+        results = output.args[0]
+        results = list(results) if isinstance(results, (list, tuple)) else [results]
+        predictions = []
+        for result in results:
+            try:
+                predictions.append(self.value_of(result))
+            except Refuse as exc:
+                self._fail(
+                    result,
+                    _target_name(result) if isinstance(result, fx.Node) else "output",
+                    str(exc),
+                )
+        self._check_state()
+        return predictions
+
+    def _map(self, node, target: str) -> None:
+        mapper = aten_ops.mapper_for(target)
+        if mapper is None:
+            self._fail(node, target, "no registry operator computes it")
+            return
+        try:
+            self._check_inplace(node)
+            view = NodeView(self, node, target)
+            result = mapper(view)
+        except _Poisoned:
+            self._poison(node)
+            return
+        except Refuse as exc:
+            self._fail(node, target, str(exc))
+            return
+        self.values[node] = result
+
+    def _poison(self, node) -> None:
+        self.poisoned.add(node)
+        for arg in node.all_input_nodes:  # its weights are not "unused"
+            if arg.op == "placeholder" and arg.name in self.params:
+                self.used_params.setdefault(self.params[arg.name], "")
+            if arg.op == "placeholder" and arg.name in self.buffers:
+                self.used_buffers.add(self.buffers[arg.name])
+
+    def _fail(self, node, target: str, reason: str) -> None:
+        if isinstance(node, fx.Node):
+            self._poison(node)
+        path, cls = self.where(node) if isinstance(node, fx.Node) else ("", "")
+        loc = self.location(node) if isinstance(node, fx.Node) else ""
+        self.unmapped.append(Unmapped(target, path, cls, loc, reason))
+
+    def _check_inplace(self, node) -> None:
+        """An in-place op maps as its functional form only when nothing reads the old
+        value afterwards; a mutated buffer is refused (except batch norm's counter)."""
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.arguments:
+            return
+        first = schema.arguments[0].alias_info
+        if first is None or not first.is_write:
+            return
+        mutated = node.args[0]
+        if isinstance(mutated, fx.Node) and mutated.op == "placeholder":
+            if mutated.name in self.user_inputs:
+                raise Refuse("modifies the network's input in place")
+            raise Refuse(f"modifies {self.params.get(mutated.name) or mutated.name} in place")
+        later = [u for u in mutated.users if u is not node and self.order[u] > self.order[node]]
+        if later:
+            raise Refuse(f"in place on {mutated.name}, which {later[0].name} reads afterwards")
+
+    def _check_dead(self, node) -> None:
+        """A dead node still matters when it mutates state (a buffer update the step
+        would silently drop): only batch norm's num_batches_tracked is accounted for."""
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.arguments:
+            return
+        first = schema.arguments[0].alias_info
+        if first is None or not first.is_write:
+            return
+        mutated = node.args[0]
+        if isinstance(mutated, fx.Node) and mutated.name in self.buffers:
+            key = self.buffers[mutated.name]
+            if key.endswith(".num_batches_tracked"):
+                return
+            self._fail(node, _target_name(node), f"updates the buffer {key} in place")
+
+    def _collapse(self, path: str) -> None:
+        nodes = [n for n in self.nodes if self.groups.get(n) == path]
+        members = set(nodes)
+        cls = next(c for p, c in self.stack(nodes[0]) if p == path)
+        external: list[fx.Node] = []
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                if (
+                    arg in members
+                    or _is_size_value(arg)
+                    or arg.op == "placeholder"
+                    and (arg.name in self.params or arg.name in self.buffers)
+                ):
+                    continue
+                if arg not in external:
+                    external.append(arg)
+        escaping = [
+            n
+            for n in nodes
+            if not _is_size_value(n) and any(u not in members and u in self.live for u in n.users)
+        ]
+        try:
+            stmt = COLLAPSED[cls](
+                self, path, self.module.get_submodule(path), nodes, external, escaping
+            )
+        except _Poisoned:
+            for node in nodes:
+                self._poison(node)
+            return
+        except Refuse as exc:
+            self._fail(nodes[0], cls, str(exc))
+            for node in nodes:
+                self._poison(node)
+            return
+        for node in escaping:
+            self.values[node] = stmt
+
+    def _check_state(self) -> None:
+        """Every parameter and buffer in the state dict has a statement that owns it."""
+        state = self.module.state_dict(keep_vars=True)
+        missing = [k for k in state if k not in self.used_params and k not in self.used_buffers]
+        for key in missing:
+            kind = "parameter" if isinstance(state[key], torch.nn.Parameter) else "buffer"
+            path = key.rpartition(".")[0]
+            cls = _qualname(type(self.module.get_submodule(path))) if path else ""
+            self.unmapped.append(
+                Unmapped(
+                    f"{kind} {key}",
+                    path,
+                    cls,
+                    reason="no mapped operator uses it, so the imported module could not "
+                    "load the original's state_dict",
+                )
+            )
+
+    # ---- what a NodeView asks for
+
+    def add_stmt(self, node, op: str, args: list[str], layer: str | None, kwargs: dict) -> str:
+        path, cls = self.where(node)
+        if layer is not None:
+            name = layer
+            if name in self.names:
+                raise Refuse(f"the module {layer} is called twice (shared weights)")
+            if not valid_path(name):
+                raise Refuse(f"the module path {name!r} cannot be a model-language name")
+            self.names.add(name)
+            module_path = layer
+            try:
+                self.classes.setdefault(layer, _qualname(type(self.module.get_submodule(layer))))
+            except AttributeError:
+                pass
+        else:
+            name = self.unique(self.functional_name(node))
+            module_path = path
+        self._record_classes(node)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        try:
+            shape = self.shape(node)
+        except Refuse:
+            shape = None
+        self.stmts.append(Stmt(name, op, args, kwargs, module_path, shape))
+        return name
+
+    def _record_classes(self, node) -> None:
+        for path, cls in self.stack(node):
+            if path:
+                self.classes.setdefault(path, cls)
+
+
+def _target_name(node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", str(target))
+
+
+def _is_size_value(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return isinstance(val, (torch.SymInt, int, float, bool)) and not isinstance(val, torch.Tensor)
+
+
+def schema_arguments(node: fx.Node) -> dict:
+    """The node's arguments by their ATen schema names, defaults filled in."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        raise Refuse("not an ATen operator")
+    out = {}
+    positional = list(node.args)
+    for i, arg in enumerate(schema.arguments):
+        if i < len(positional):
+            out[arg.name] = positional[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+        else:
+            out[arg.name] = None
+    return out
+
+
+class NodeView:
+    """What an ``aten_ops`` mapper sees of one node (see that module's docstring)."""
+
+    def __init__(self, mapper: _Mapper, node: fx.Node, target: str):
+        self.m = mapper
+        self.node = node
+        self.target = target
+        self.a = schema_arguments(node)
+        self.keys = list(self.a)
+        for one, other in (("self", "input"), ("input", "self")):
+            if one in self.a and other not in self.a:  # mappers may say either
+                self.a[other] = self.a[one]
+        self.keys = list(self.a)
+
+    def _arg(self, key):
+        return self.a[self.keys[key]] if isinstance(key, int) else self.a[key]
+
+    def is_tensor(self, value) -> bool:
+        return isinstance(value, fx.Node) and not _is_size_value(value)
+
+    def value(self, key) -> str:
+        return self.m.value_of(self._arg(key))
+
+    def value_of(self, node) -> str:
+        return self.m.value_of(node)
+
+    def in_shape(self, key) -> tuple:
+        return self.m.shape(self._arg(key))
+
+    def shape_of(self, node) -> tuple:
+        return self.m.shape(node)
+
+    def out_shape(self) -> tuple:
+        return self.m.shape(self.node)
+
+    def sizes(self, values) -> tuple:
+        out = []
+        for v in values:
+            val = v.meta.get("val") if isinstance(v, fx.Node) else v
+            d = self.m.dim(val)
+            if isinstance(d, str) and d != BATCH:
+                raise Refuse(f"a size that depends on the batch ({d[1:]})")
+            out.append(d)
+        return tuple(out)
+
+    def param_key(self, key: str) -> str | None:
+        node = self.a.get(key)
+        if node is None:
+            return None
+        if not isinstance(node, fx.Node) or node.name not in self.m.params:
+            raise Refuse(f"its {key} is computed, not a parameter")
+        return self.m.params[node.name]
+
+    def param_shape(self, key: str) -> tuple[int, ...]:
+        self.param_key(key)
+        return tuple(int(d) for d in self.a[key].meta["val"].shape)
+
+    def layer(self, *param_keys: str, **buffer_keys: str) -> str:
+        """The statement name of a layer whose tensors are these parameters and buffers:
+        their common module path, each key named as the registry names it."""
+        owner = None
+        claims = []
+        for key in param_keys:
+            full = self.param_key(key)
+            if full is None:
+                continue
+            claims.append((full, key, True))
+        for key, arg in buffer_keys.items():
+            node = self.a.get(arg)
+            if node is None:
+                continue
+            if not isinstance(node, fx.Node) or node.name not in self.m.buffers:
+                raise Refuse(f"its {arg} is not a buffer")
+            claims.append((self.m.buffers[node.name], key, False))
+        for full, key, _ in claims:
+            path, _, leaf = full.rpartition(".")
+            if leaf != key:
+                raise Refuse(f"its {key} is the tensor {full}, not a module's '{key}'")
+            if owner is not None and path != owner:
+                raise Refuse(f"its tensors belong to different modules ({owner}, {path})")
+            owner = path
+        if owner is None:
+            raise Refuse("no parameter or buffer names the layer")
+        for full, _, is_param in claims:
+            if full in self.m.used_params or full in self.m.used_buffers:
+                raise Refuse(f"{full} is used by two operators (shared weights)")
+        for full, _, is_param in claims:
+            if is_param:
+                self.m.used_params[full] = owner
+            else:
+                self.m.used_buffers.add(full)
+        return owner
+
+    def expect_buffer(self, key: str) -> None:
+        if key not in self.m.buffers.values():
+            raise Refuse(f"the module has no buffer {key}")
+        self.m.used_buffers.add(key)
+
+    def stmt(self, op: str, args: list[str], layer: str | None = None, **kwargs) -> str:
+        return self.m.add_stmt(self.node, op, args, layer, kwargs)
+
+    def alias(self, key) -> str:
+        return self.m.value_of(self._arg(key))
+
+    def causal_mask(self, mask, causal: bool) -> bool:
+        return causal_mask(self.m, mask, causal)
+
+
+# ---------------------------------------------------------------- masks
+
+
+def _dependencies(mapper: _Mapper, node: fx.Node) -> list[fx.Node]:
+    """The nodes ``node`` is computed from, in graph order; a size read
+    (``aten.sym_size.int``) is a leaf, so a mask built from the inputs' shapes only is
+    constant. Refuse if it reads an input's values, a parameter or a buffer."""
+    todo, seen = [node], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder":
+            if current.name not in mapper.constants:
+                raise Refuse("an attention mask computed from the inputs or the weights")
+            continue
+        if _target_name(current) == "aten.sym_size.int":
+            continue
+        todo.extend(current.all_input_nodes)
+    return [n for n in mapper.nodes if n in seen]
+
+
+def _reads_data(mapper: _Mapper, node: fx.Node) -> bool:
+    try:
+        _dependencies(mapper, node)
+    except Refuse:
+        return True
+    return False
+
+
+def _constant_value(mapper: _Mapper, node: fx.Node) -> torch.Tensor:
+    """The value of a node computed from sizes and constants only (a mask built with
+    ``torch.triu``), evaluated at the capture batch size."""
+    program = mapper.program
+    constants = {
+        spec.arg.name: program.constants[spec.target]
+        for spec in program.graph_signature.input_specs
+        if spec.arg.name in mapper.constants
+    }
+    values: dict[fx.Node, object] = {}
+    for current in _dependencies(mapper, node):
+        if current.op == "placeholder":
+            values[current] = constants[current.name]
+        elif _target_name(current) == "aten.sym_size.int":
+            dim = int(current.args[1])
+            size = current.args[0].meta["val"].shape[dim]
+            values[current] = EXAMPLE_BATCH if mapper.dim(size) == BATCH else int(size)
+        else:
+            args = fx.node.map_arg(current.args, lambda n: values[n])
+            kwargs = fx.node.map_arg(current.kwargs, lambda n: values[n])
+            values[current] = current.target(*args, **kwargs)
+    return values[node]
+
+
+def causal_mask(self, mask, causal: bool) -> bool:
+    return causal_mask(self.m, mask, causal)
+
+
+# ---------------------------------------------------------------- masks
+
+
+def _constant_value(mapper: _Mapper, node: fx.Node) -> torch.Tensor:
+    """The value of a node that does not depend on the inputs' values (a mask built from
+    sizes): evaluated at the capture batch. Refuse if it reads an input, parameter or buffer."""
+    todo, seen = [node], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder":
+            if current.name in mapper.constants:
+                continue
+            raise Refuse("an attention mask computed from the inputs or the weights")
+        for arg in current.all_input_nodes:
+            if (
+                arg.op == "placeholder"
+                and arg.name in mapper.user_inputs
+                and all(_target_name(u) == "aten.sym_size.int" for u in [current])
+            ):
+                continue
+            todo.append(arg)
+    values: dict[fx.Node, object] = {}
+    program = mapper.program
+    constants = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.arg.name in mapper.constants:
+            constants[spec.arg.name] = program.constants[spec.target]
+    for current in mapper.nodes:
+        if current not in seen:
+            continue
+        if current.op == "placeholder":
+            values[current] = constants.get(current.name)
+            continue
+        if _target_name(current) == "aten.sym_size.int":
+            values[current] = (
+                EXAMPLE_BATCH
+                if int(current.args[1]) == 0
+                else int(current.args[0].meta["val"].shape[int(current.args[1])])
+            )
+            continue
+        args = fx.node.map_arg(current.args, lambda n: values[n])
+        kwargs = fx.node.map_arg(current.kwargs, lambda n: values[n])
+        values[current] = current.target(*args, **kwargs)
+    return values[node]
+
+
+def causal_mask(mapper: _Mapper, mask: fx.Node, causal: bool) -> bool:
+    """An attention mask is accepted only when it is exactly the causal mask (boolean
+    lower triangle, or 0 / -inf) or masks nothing; returns whether attention is causal."""
+    value = _constant_value(mapper, mask)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        raise Refuse("an attention mask that is not a 2-D (or broadcast) tensor")
+    length, source = value.shape[-2:]
+    allowed = torch.ones(length, source, dtype=torch.bool).tril()
+    if value.dtype == torch.bool:
+        keep = value
+    else:
+        finite = torch.isfinite(value)
+        if bool((value[finite] != 0).any()) or bool((value[~finite] > 0).any()):
+            raise Refuse("an additive attention mask with values other than 0 and -inf")
+        keep = finite
+    keep = keep.reshape(-1, length, source)
+    if bool(keep.all()):
+        return causal
+    if all(bool((k == allowed).all()) for k in keep):
+        return True
+    raise Refuse("an attention mask other than the causal one")
+
+
+# ---------------------------------------------------------------- collapsed modules
+
+
+def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str:
+    if not module.batch_first:
+        raise Refuse("nn.MultiheadAttention without batch_first=True puts the batch in dim 1")
+    if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
+        raise Refuse("kdim/vdim, add_bias_kv or add_zero_attn")
+    if module.dropout != 0.0:
+        raise Refuse(f"attention dropout {module.dropout}")
+    data = []
+    causal = False
+    for node in external:
+        try:
+            mapper.shape(node)
+        except Refuse:
+            continue
+        if _reads_data(mapper, node):
+            data.append(node)
+        else:
+            causal = causal_mask(mapper, node, causal)
+    if len(data) != 1:
+        raise Refuse(
+            "query, key and value must be one tensor (self-attention), with no " "key_padding_mask"
+        )
+    if len(escaping) != 1:
+        raise Refuse("the attention weights are used (need_weights=True)")
+    for node in nodes:
+        if _target_name(node) == "aten.scaled_dot_product_attention.default":
+            view = NodeView(mapper, node, _target_name(node))
+            causal = causal or bool(view.a["is_causal"])
+    shape = mapper.shape(data[0])
+    if len(shape) != 3 or shape[0] != BATCH:
+        raise Refuse(f"self-attention on {list(shape)}: expected [N, L, E]")
+    names = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
+    for leaf in names:
+        key = f"{path}.{leaf}"
+        if getattr(module, "in_proj_bias") is None and "bias" in leaf:
+            continue
+        if key in mapper.used_params:
+            raise Refuse(f"{key} is used by two operators")
+        mapper.used_params[key] = path
+    x = mapper.value_of(data[0])
+    name = path
+    if name in mapper.names or not valid_path(name):
+        raise Refuse(f"the module {path} is called twice or has an unusable name")
+    mapper.names.add(name)
+    mapper.classes.setdefault(path, _qualname(type(module)))
+    mapper._record_classes(nodes[0])
+    out_shape = mapper.shape(escaping[0])
+    kwargs = {
+        "num_heads": module.num_heads,
+        "bias": module.in_proj_bias is not None,
+        "is_causal": causal,
+    }
+    mapper.stmts.append(Stmt(name, "multihead_attention", [x], kwargs, path, out_shape))
+    return name
+
+
+#: Module classes mapped as one statement: qualified class name -> builder.
+COLLAPSED: dict[str, Callable] = {
+    "torch.nn.modules.activation.MultiheadAttention": _multihead_attention,
+}
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def import_torch(
+    module: torch.nn.Module, inputs: Sequence[Tensor], name: str, source: str
+) -> ImportedModel:
+    """The network as an ImportedModel (no loss yet); ImportFailure lists what is unmapped."""
+    program, how = capture(module, inputs)
+    mapper = _Mapper(program, module, inputs)
+    predictions = mapper.run()
+    if mapper.unmapped:
+        raise ImportFailure(f"cannot import {source}", mapper.unmapped)
+    if len(predictions) != 1:
+        raise ImportFailure(f"{source}: forward must return one prediction tensor")
+    mapper.classes.setdefault("", _qualname(type(module)))
+    return ImportedModel(
+        name=name,
+        source=source,
+        inputs=list(inputs),
+        targets=[],
+        stmts=mapper.stmts,
+        predictions=predictions,
+        classes=mapper.classes,
+        notes=[f"captured with {how}"],
+    )
