@@ -806,7 +806,7 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
     names = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
     for leaf in names:
         key = f"{path}.{leaf}"
-        if getattr(module, "in_proj_bias") is None and "bias" in leaf:
+        if module.in_proj_bias is None and "bias" in leaf:
             continue
         if key in mapper.used_params:
             raise Refuse(f"{key} is used by two operators")
