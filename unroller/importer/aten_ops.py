@@ -394,6 +394,15 @@ def upsample_bilinear(view):
     )
 
 
+@maps("aten.pad.default")
+def pad(view):
+    if view.a["mode"] != "constant":
+        raise Refuse(f"padding mode {view.a['mode']!r} (only constant padding is mapped)")
+    value = view.a["value"]
+    view.a["value"] = 0.0 if value is None else value
+    return constant_pad(view)
+
+
 @maps("aten.constant_pad_nd.default")
 def constant_pad(view):
     pads = tuple(int(p) for p in view.a["pad"])

@@ -95,6 +95,8 @@ def _instance(model: ImportedModel, path: str, users: dict[str, list[int]]) -> _
     if len(index) < 2 or index != list(range(index[0], index[-1] + 1)):
         return None
     stmts = [model.stmts[i] for i in index]
+    if any(s.name[len(prefix) :].split(".")[0].isdigit() for s in stmts):
+        return None  # names inside a block cannot start with a number (nn.Sequential)
     if not all(s.module_path == path or s.module_path.startswith(prefix) for s in stmts):
         return None
     local = {s.name for s in stmts}
@@ -155,6 +157,8 @@ def _parameterise(instances: list[_Instance], taken: set[str]) -> tuple[list[str
             rel = first.stmts[i].name[len(first.path) + 1 :].replace(".", "_")
             name = f"{rel}_{key}"
         name = re.sub(r"[^A-Za-z0-9_]", "_", name)
+        if name[0].isdigit():
+            name = f"{key}_{name[: -len(key) - 1]}"
         while name in params or name in taken:
             name += "_"
         params.append(name)
@@ -164,52 +168,67 @@ def _parameterise(instances: list[_Instance], taken: set[str]) -> tuple[list[str
 
 
 def recover_blocks(model: ImportedModel, reserved: set[str]) -> list[_Block]:
-    """The blocks worth writing, outermost paths first (see the module docstring)."""
+    """The blocks worth writing (see the module docstring). Depth by depth from the root:
+    first the instances of one class at that depth are grouped among themselves (a U-Net's
+    four ``Up`` modules); then a class left with one instance there may join deeper,
+    still free instances of its class (``inc`` with ``up1.conv``, if ``Up`` did not take
+    them)."""
     users = _users(model)
     consumed: set[int] = set()
     blocks: list[_Block] = []
-    names_taken = set(reserved)
-    paths = sorted((p for p in model.classes if p), key=lambda p: (p.count("."), p))
-    decided: set[str] = set()
-    for path in paths:
-        cls = model.classes[path]
-        if (path, cls) in decided:
-            continue
-        decided.add((path, cls))
-        same = [p for p in paths if model.classes[p] == cls and p.count(".") >= path.count(".")]
-        candidates = []
-        for p in same:
-            decided.add((p, cls))
-            inst = _instance(model, p, users)
-            if inst is None:
-                continue
-            span = set(range(inst.start, inst.start + len(inst.stmts)))
-            if span & consumed:
-                continue
-            candidates.append((inst, span))
-        groups: dict[tuple, list] = {}
-        for inst, span in candidates:
-            groups.setdefault(inst.signature, []).append((inst, span))
+    taken = set(reserved)
+    variants: dict[str, int] = {}
+    instances: dict[str, _Instance] = {}
+    for path in model.classes:
+        if path:
+            inst = _instance(model, path, users)
+            if inst is not None:
+                instances[path] = inst
+    depths = sorted({p.count(".") for p in instances})
+
+    def free(path: str) -> bool:
+        inst = instances[path]
+        return not set(range(inst.start, inst.start + len(inst.stmts))) & consumed
+
+    def commit(cls: str, group: list[_Instance]) -> None:
+        variants[cls] = variants.get(cls, 0) + 1
         base = snake(cls)
-        if base in names_taken:
+        if base in reserved:
             base += "_block"
-        variant = 0
+        name = base if variants[cls] == 1 else f"{base}_{variants[cls]}"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        params, slots = _parameterise(group, set(_input_names(len(group[0].inputs))))
+        blocks.append(_Block(name, cls, group, params, slots))
+        for inst in group:
+            consumed.update(range(inst.start, inst.start + len(inst.stmts)))
+
+    def group_and_commit(cls: str, paths: list[str], need: set[str]) -> None:
+        groups: dict[tuple, list[_Instance]] = {}
+        for path in paths:
+            groups.setdefault(instances[path].signature, []).append(instances[path])
         for group in groups.values():
-            if len(group) < 2:
+            if len(group) >= 2 and any(inst.path in need for inst in group):
+                spans = [set(range(i.start, i.start + len(i.stmts))) for i in group]
+                if not any(a & b for k, a in enumerate(spans) for b in spans[k + 1 :]):
+                    commit(cls, group)
+
+    for depth in depths:
+        level = [p for p in instances if p.count(".") == depth]
+        by_class: dict[str, list[str]] = {}
+        for path in level:
+            by_class.setdefault(model.classes[path], []).append(path)
+        for cls, paths in by_class.items():
+            group_and_commit(cls, [p for p in paths if free(p)], set(paths))
+        for cls, paths in by_class.items():
+            left = [p for p in paths if free(p)]
+            if not left:
                 continue
-            spans = [span for _, span in group]
-            if any(a & b for k, a in enumerate(spans) for b in spans[k + 1 :]):
-                continue
-            variant += 1
-            name = base if variant == 1 else f"{base}_{variant}"
-            while name in names_taken:
-                name += "_"
-            names_taken.add(name)
-            instances = [inst for inst, _ in group]
-            params, slots = _parameterise(instances, set(_input_names(len(instances[0].inputs))))
-            blocks.append(_Block(name, cls, instances, params, slots))
-            for span in spans:
-                consumed |= span
+            deeper = [
+                p for p in instances if p.count(".") > depth and model.classes[p] == cls and free(p)
+            ]
+            group_and_commit(cls, left + deeper, set(left))
     return blocks
 
 

@@ -333,6 +333,8 @@ class _Mapper:
         for result in results:
             try:
                 predictions.append(self.value_of(result))
+            except _Poisoned:
+                continue
             except Refuse as exc:
                 self._fail(
                     result,
@@ -613,7 +615,7 @@ class NodeView:
             owner = path
         if owner is None:
             raise Refuse("no parameter or buffer names the layer")
-        for full, _, is_param in claims:
+        for full, _, _ in claims:
             if full in self.m.used_params or full in self.m.used_buffers:
                 raise Refuse(f"{full} is used by two operators (shared weights)")
         for full, _, is_param in claims:
@@ -635,7 +637,7 @@ class NodeView:
         return self.m.value_of(self._arg(key))
 
     def causal_mask(self, mask, causal: bool) -> bool:
-        return causal_mask(self.m, mask, causal)
+        return is_causal_mask(self.m, mask, causal)
 
 
 # ---------------------------------------------------------------- masks
@@ -746,7 +748,7 @@ def _constant_value(mapper: _Mapper, node: fx.Node) -> torch.Tensor:
     return values[node]
 
 
-def causal_mask(mapper: _Mapper, mask: fx.Node, causal: bool) -> bool:
+def is_causal_mask(mapper: _Mapper, mask: fx.Node, causal: bool) -> bool:
     """An attention mask is accepted only when it is exactly the causal mask (boolean
     lower triangle, or 0 / -inf) or masks nothing; returns whether attention is causal."""
     value = _constant_value(mapper, mask)
@@ -789,7 +791,7 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
         if _reads_data(mapper, node):
             data.append(node)
         else:
-            causal = causal_mask(mapper, node, causal)
+            causal = is_causal_mask(mapper, node, causal)
     if len(data) != 1:
         raise Refuse(
             "query, key and value must be one tensor (self-attention), with no " "key_padding_mask"
