@@ -16,18 +16,13 @@ from typing import Annotated
 import typer
 
 from unroller.cli.errors import fail
+from unroller.cli.options import KwargsOpt
 
 SpecArg = Annotated[
     str,
     typer.Argument(
         help="The network: package.module:Factory, path/to/file.py:Name, or model.onnx.",
         metavar="SPEC",
-    ),
-]
-KwargsOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--kwargs", help="Keyword arguments for the factory, as JSON: '{\"num_classes\": 10}'."
     ),
 ]
 

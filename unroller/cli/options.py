@@ -174,3 +174,12 @@ ResolutionOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or epoch lines.")]
+
+#: The factory's keyword arguments (``unroll import``, ``unroll verify``).
+KwargsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--kwargs",
+        help="Keyword arguments for the factory or class, as JSON: '{\"num_classes\": 10}'.",
+    ),
+]

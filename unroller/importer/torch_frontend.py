@@ -254,10 +254,7 @@ class _Mapper:
         name, k = base, 0
         while name in self.names or not valid_path(name):
             if not valid_path(base):
-                raise Refuse(
-                    f"the name {base!r} cannot be a model-language name (its first part is a "
-                    "number: a root nn.Sequential); wrap the network in a module"
-                )
+                raise Refuse(unusable_name(base))
             k += 1
             name = f"{base}_{k}"
         self.names.add(name)
@@ -297,7 +294,7 @@ class _Mapper:
         if key in self.used_params:
             raise Refuse(f"the parameter {key} is used by two operators (tied weights)")
         if not valid_path(key):
-            raise Refuse(f"the parameter name {key!r} cannot be a model-language name")
+            raise Refuse(unusable_name(key))
         shape = tuple(int(d) for d in node.meta["val"].shape)
         self.names.add(key)
         owner = key.rpartition(".")[0]
@@ -474,7 +471,7 @@ class _Mapper:
             if name in self.names:
                 raise Refuse(f"the module {layer} is called twice (shared weights)")
             if not valid_path(name):
-                raise Refuse(f"the module path {name!r} cannot be a model-language name")
+                raise Refuse(unusable_name(name))
             self.names.add(name)
             module_path = layer
             try:
@@ -497,6 +494,19 @@ class _Mapper:
         for path, cls in self.stack(node):
             if path:
                 self.classes.setdefault(path, cls)
+
+
+def unusable_name(path: str) -> str:
+    """Why a module path cannot name a statement."""
+    if path.split(".")[0].isdigit():
+        return (
+            f"the module path {path!r} cannot be a model-language name (its first part is a "
+            "number: a root nn.Sequential); wrap the network in a module with a named attribute"
+        )
+    return (
+        f"the module path {path!r} cannot be a model-language name (each part must be an "
+        "identifier or a number)"
+    )
 
 
 def _target_name(node) -> str:

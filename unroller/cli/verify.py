@@ -1,0 +1,84 @@
+"""``unroll verify``: does a model text compute what a ``torch.nn.Module`` computes?
+
+The work is ``unroller.verify`` (it imports torch, so it is imported only when the command
+runs); this module turns its report into output and an exit status: 0 every value
+matches, 1 a mismatch (keys, shapes or numbers), 2 a user error (a broken model file, a
+SPEC that does not load, a model text that is not ``prediction -> shape ops -> loss``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from unroller.cli.errors import fail, model_error
+from unroller.cli.options import BatchOpt, KwargsOpt, ModelArg
+from unroller.errors import ModelError
+
+AgainstOpt = Annotated[
+    str,
+    typer.Option(
+        "--against",
+        help="The original network: package.module:Name or path/to/file.py:Name (a class, "
+        "a factory or a module instance).",
+    ),
+]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds the weights, inputs and dropout.")]
+ToleranceOpt = Annotated[
+    float,
+    typer.Option("--tolerance", min=0.0, help="Largest relative error that passes (float64)."),
+]
+DropoutOpt = Annotated[
+    str,
+    typer.Option(
+        "--dropout",
+        help="seeded: both sides draw dropout masks from --seed (exact when they draw in the "
+        "same order); off: dropout p set to 0 on both sides, masks not checked.",
+    ),
+]
+
+
+def verify(
+    model: ModelArg,
+    against: AgainstOpt,
+    kwargs: KwargsOpt = None,
+    batch_size: BatchOpt = 2,
+    seed: SeedOpt = 0,
+    tolerance: ToleranceOpt = 1e-10,
+    dropout: DropoutOpt = "seeded",
+) -> None:
+    """Check a model text against the torch.nn.Module it stands for, in float64.
+
+    Builds the original and the generated module (gpu, nocompress) with the same weights
+    (state dicts loaded strict=True both ways), runs one training step on seeded inputs of
+    the declared shapes, and compares the loss, every parameter's gradient, every buffer
+    after the step and the evaluation-mode predictions, with a table per tensor. The loss
+    the model text applies is replayed on the original's predictions.
+
+    Example: unroll verify models/net.txt --against mynet.py:Net --kwargs '{"num_classes": 10}'
+
+    Exit status 0: everything within --tolerance; 1: a mismatch; 2: a user error.
+    """
+    import unroller.verify as verification
+    from unroller.importer.model import ImportFailure
+    from unroller.importer.source import parse_kwargs
+
+    if dropout not in verification.DROPOUT_MODES:
+        known = ", ".join(verification.DROPOUT_MODES)
+        raise fail(f"unknown --dropout '{dropout}' (known: {known})")
+    try:
+        report = verification.verify(
+            model, against, parse_kwargs(kwargs), batch_size, seed, tolerance, dropout
+        )
+    except ModelError as exc:
+        raise model_error(exc, model) from None
+    except ImportFailure as exc:
+        raise fail(exc.format()) from None
+    typer.echo(report.render())
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add verify to ``app``."""
+    app.command()(verify)

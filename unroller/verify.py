@@ -1,0 +1,692 @@
+"""``unroll verify``: a model text against the ``torch.nn.Module`` it claims to be.
+
+Both networks are built in float64 with the same weights (the original's, carried through
+the generated module's ``state_dict`` and back, strict both ways), run one training step on
+the same seeded inputs of the declared shapes, and every number that step makes is
+compared: the loss, every parameter's gradient, every buffer afterwards, and the
+evaluation-mode predictions. The original (autograd) is the reference.
+
+The original's ``forward`` returns predictions, not a loss, so the loss the model text
+applies is replayed on them: the text must read ``prediction -> shape ops -> loss``
+(``head -> permute -> cross_entropy`` in gpt_tiny.txt), and the same ops run in torch.
+
+Dropout draws random masks. By default both sides are seeded with ``seed`` right before
+their forward (as tests/test_benchmark_models.py does with DROPOUT_SEED): the generated
+kernel draws exactly what ``torch.nn.functional.dropout`` draws, so the masks agree when
+both sides draw in the same order, and a pass is a real pass, masks included. When the
+draw orders differ, that mode fails although the gradients may be right; ``dropout="off"``
+then sets every dropout probability to 0 on both sides (the text's ``dropout`` statements,
+the original's dropout modules) and checks everything except the masks. Either way the
+report says what was done.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from unroller.api import import_generated, read_model_text, source_label, write_atomic
+from unroller.ast import Call, Const, KwArg, ModelAST
+from unroller.codegen import Options, render
+from unroller.dtypes import is_float, torch_dtype
+from unroller.errors import ModelError
+from unroller.graph import Graph, Node, Value, build_graph
+from unroller.parser import parse
+
+if TYPE_CHECKING:
+    import torch
+
+TOLERANCE = 1e-10  # float64, relative: the project's bound for "the same gradients"
+TINY = 1e-300  # the floor of the relative error's denominator (see ``relative_error``)
+#: Below this, a float64 reference is likely cancellation noise (a bias before batch norm
+#: has a gradient of exactly zero in exact arithmetic): a FAIL row then says so.
+ROUNDING_LEVEL = 1e-13
+#: Statements verify replays between the returned prediction and the loss.
+SHAPE_OPS = ("permute", "transpose", "reshape", "flatten")
+#: Losses verify replays on the original's predictions (torch.nn.functional, mean).
+LOSS_OPS = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "bce_with_logits", "bce_loss")
+#: Ops an integer input may flow through on its way to what bounds it (embedding, a loss).
+PASS_THROUGH = (*SHAPE_OPS, "select", "slice", "expand")
+DROPOUT_MODES = ("seeded", "off")
+
+
+class VerifyError(ModelError):
+    """The model text cannot be verified as asked (not ``prediction -> shape ops -> loss``,
+    an unknown dropout mode); carries the statement's location when there is one."""
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Row:
+    """One compared tensor: the generated module's value against the original's."""
+
+    name: str  # "loss", "grad layer1.0.conv1.weight", "buffer bn1.running_mean", ...
+    shape: tuple[int, ...]
+    ref_max: float  # max |ref|
+    abs_diff: float  # max |got - ref|
+    rel: float  # abs_diff / max(ref_max, TINY)
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found. ``problems`` are mismatches that stop the comparison before
+    numbers exist (state-dict keys, a forward that fails); ``notes`` say how it ran."""
+
+    model: str
+    against: str
+    tolerance: float
+    rows: list[Row] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and bool(self.rows) and all(row.ok for row in self.rows)
+
+    @property
+    def failed(self) -> list[Row]:
+        return [row for row in self.rows if not row.ok]
+
+    def table(self) -> str:
+        """The rows as a fixed-width table (empty when nothing was compared)."""
+        if not self.rows:
+            return ""
+        head = ("name", "shape", "max |ref|", "max abs diff", "rel. error", "")
+        body = [
+            (
+                row.name,
+                "[" + ", ".join(map(str, row.shape)) + "]",
+                f"{row.ref_max:.3e}",
+                f"{row.abs_diff:.3e}",
+                f"{row.rel:.3e}",
+                ("ok" if row.ok else "FAIL") + (f"  ({row.note})" if row.note else ""),
+            )
+            for row in self.rows
+        ]
+        widths = [max(len(line[i]) for line in (head, *body)) for i in range(5)]
+        lines = []
+        for line in (head, *body):
+            cells = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
+            cells += [cell.rjust(width) for cell, width in zip(line[2:5], widths[2:5])]
+            lines.append("  ".join([*cells, line[5]]).rstrip())
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: ok or FAIL, how many values, the worst or the failing ones."""
+        if self.problems:
+            return f"FAIL: {len(self.problems)} mismatch(es) before any step could be compared"
+        if not self.rows:
+            return "FAIL: nothing was compared"
+        worst = max(self.rows, key=lambda row: (not math.isnan(row.rel), row.rel))
+        if self.ok:
+            return (
+                f"ok: {len(self.rows)} values match within {self.tolerance:g} relative "
+                f"(largest error {worst.rel:.1e}, {worst.name})"
+            )
+        names = [row.name for row in self.failed]
+        shown = ", ".join(names[:6]) + (f", ... ({len(names) - 6} more)" if len(names) > 6 else "")
+        return (
+            f"FAIL: {len(names)} of {len(self.rows)} values differ by more than "
+            f"{self.tolerance:g} relative: {shown}"
+        )
+
+    def render(self) -> str:
+        """Notes, problems, the table and the summary: what ``unroll verify`` prints."""
+        parts = [f"verify {self.model} against {self.against}"]
+        parts += [f"note: {note}" for note in self.notes]
+        parts += [f"mismatch: {problem}" for problem in self.problems]
+        if self.rows:
+            parts.append(self.table())
+        parts.append(self.summary())
+        return "\n".join(parts)
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(max |ref|, max |got - ref|, max |got - ref| / max(max |ref|, TINY)).
+
+    Relative to the largest magnitude of the whole reference tensor, not element by
+    element: a gradient entry that cancels to 1e-18 would make an elementwise ratio blow
+    up on rounding noise, while the tensor's scale is what a difference must be small
+    against. The TINY floor keeps an all-zero reference finite: an exact zero then still
+    compares as 0, and any difference from it as huge. Equal entries (infinities, NaNs in
+    the same place) count as no difference."""
+    import torch
+
+    a, b = got.detach().double(), ref.detach().double()
+    if a.numel() == 0:
+        return 0.0, 0.0, 0.0
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    diff = torch.where(same, torch.zeros_like(a), (a - b).abs())
+    ref_max, abs_diff = float(b.abs().max()), float(diff.max())
+    return ref_max, abs_diff, abs_diff / max(ref_max, TINY)
+
+
+def compare(name: str, got: Any, ref: Any, tolerance: float, note: str = "") -> Row:
+    """A row for ``got`` (generated) against ``ref`` (original); integer tensors must be
+    equal, float ones within ``tolerance`` relative."""
+    if tuple(got.shape) != tuple(ref.shape):
+        shapes = f"shape {list(got.shape)} here, {list(ref.shape)} in the original"
+        nan = float("nan")
+        return Row(name, tuple(ref.shape), nan, nan, nan, False, _join(note, shapes))
+    ref_max, abs_diff, rel = relative_error(got, ref)
+    if got.is_floating_point() or ref.is_floating_point():
+        ok = rel <= tolerance
+    else:
+        ok = bool((got == ref).all())
+    if not ok and ref_max < ROUNDING_LEVEL and abs_diff < ROUNDING_LEVEL:
+        note = _join(
+            note, "the reference is rounding noise: a value that is zero in exact arithmetic?"
+        )
+    return Row(name, tuple(ref.shape), ref_max, abs_diff, rel, ok, note)
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(part for part in parts if part)
+
+
+# ---------------------------------------------------------------------------- the loss
+
+
+@dataclass
+class LossPlan:
+    """How the model text turns its returned prediction into its loss."""
+
+    prediction: Value  # the first value returned after the loss
+    pred_ops: list[Node]  # shape ops from the prediction to the loss's first argument
+    loss: Node
+    other: Value  # the declared input or target behind the loss's second argument
+    other_ops: list[Node]  # shape ops from it to the loss's second argument
+
+    def describe(self) -> str:
+        ops = [*(_describe(node) for node in self.pred_ops), _describe(self.loss)]
+        return f"{self.prediction.name} -> " + " -> ".join(ops)
+
+
+def _describe(node: Node) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in node.args.items())
+    return f"{node.op.name}({args})"
+
+
+def _chain(value: Value, stop: Callable[[Value], bool]) -> list[Node] | Node:
+    """The shape ops from where ``stop`` holds down to ``value``, in execution order; or
+    the first node on the way that is not a shape op (the reason there is no chain)."""
+    ops: list[Node] = []
+    while not stop(value):
+        node = value.producer
+        if node is None or node.op.name not in SHAPE_OPS:
+            return node  # type: ignore[return-value]
+        ops.append(node)
+        value = node.inputs[0]
+    return ops[::-1]
+
+
+def loss_plan(graph: Graph) -> LossPlan:
+    """The ``prediction -> shape ops -> loss`` form of the model text, or VerifyError."""
+    node = graph.loss.producer
+    assert node is not None  # the graph builder requires a loss op
+    if node.op.name not in LOSS_OPS:
+        raise VerifyError(
+            f"verify replays the loss on the original's predictions and knows "
+            f"{', '.join(LOSS_OPS)}; the model's loss is {node.op.name}",
+            node.loc,
+        )
+    if not graph.preds:
+        raise VerifyError(
+            "verify needs the prediction the loss is computed from: the model returns only "
+            "its loss (return loss, PREDICTION)",
+            node.loc,
+        )
+    prediction = graph.preds[0]
+    pred_ops = _chain(node.inputs[0], lambda v: v is prediction)
+    if not isinstance(pred_ops, list):
+        raise VerifyError(_not_a_chain(node, prediction.name, pred_ops), node.loc)
+    other_ops = _chain(node.inputs[1], lambda v: v.kind in ("input", "target"))
+    if not isinstance(other_ops, list):
+        raise VerifyError(_not_a_chain(node, "a declared target", other_ops, 1), node.loc)
+    other = other_ops[0].inputs[0] if other_ops else node.inputs[1]
+    return LossPlan(prediction, pred_ops, node, other, other_ops)
+
+
+def _not_a_chain(loss: Node, source: str, culprit: Node | None, arg: int = 0) -> str:
+    where = loss.inputs[arg].name
+    why = f"'{culprit.name}' = {culprit.op.name}(...) is on the way" if culprit else "it is not"
+    return (
+        f"verify needs the model text in the form prediction -> shape ops -> loss: argument "
+        f"{arg + 1} of {loss.op.name} ('{where}') must come from {source} through "
+        f"{', '.join(SHAPE_OPS)} only, and {why}"
+    )
+
+
+def replay_loss(plan: LossPlan, prediction: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """The text's loss computed with torch on the original's prediction."""
+    for node in plan.pred_ops:
+        prediction = _shape_op(node, prediction)
+    for node in plan.other_ops:
+        other = _shape_op(node, other)
+    return _loss_op(plan.loss, prediction, other)
+
+
+def _shape_op(node: Node, x: torch.Tensor) -> torch.Tensor:
+    """The runtime's semantics: reshape keeps N and takes the dims after it, flatten runs
+    from ``start_dim`` to the end."""
+    import torch
+
+    op, args = node.op.name, node.args
+    if op == "permute":
+        return x.permute(*args["dims"])
+    if op == "transpose":
+        return x.transpose(args["dim0"], args["dim1"])
+    if op == "reshape":
+        return x.reshape(x.shape[0], *args["shape"])
+    if op == "flatten":
+        return torch.flatten(x, args.get("start_dim", 1))
+    raise AssertionError(op)  # loss_plan admits SHAPE_OPS only
+
+
+def _loss_op(node: Node, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    op, args = node.op.name, node.args
+    if op == "cross_entropy":
+        return F.cross_entropy(
+            a,
+            b,
+            ignore_index=args.get("ignore_index", -100),
+            label_smoothing=args.get("label_smoothing", 0.0),
+        )
+    if op == "nll_loss":
+        return F.nll_loss(a, b, ignore_index=args.get("ignore_index", -100))
+    functions = {
+        "mse_loss": F.mse_loss,
+        "l1_loss": F.l1_loss,
+        "bce_with_logits": F.binary_cross_entropy_with_logits,
+        "bce_loss": F.binary_cross_entropy,
+    }
+    return functions[op](a, b)
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def make_inputs(graph: Graph, batch_size: int, seed: int) -> list[torch.Tensor]:
+    """Seeded tensors of the declared shapes, in declaration order (inputs and targets).
+
+    Float: standard normal in float64, except targets of binary cross-entropy, uniform in
+    [0, 1). Integer: uniform in [0, bound) with the bound what consumes them allows
+    (``num_embeddings``, the class count of a cross-entropy or nll_loss), else [0, 2)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for value in graph.inputs:
+        shape = (batch_size, *value.type.shape[1:])
+        if is_float(value.type.dtype):
+            if _feeds_bce_target(value):
+                tensor = torch.rand(shape, generator=generator, dtype=torch.float64)
+            else:
+                tensor = torch.randn(shape, generator=generator, dtype=torch.float64)
+        else:
+            high = integer_bound(value) or 2
+            dtype = torch_dtype(value.type.dtype)
+            tensor = torch.randint(0, high, shape, generator=generator, dtype=dtype)
+        tensors.append(tensor)
+    return tensors
+
+
+def integer_bound(value: Value) -> int | None:
+    """The exclusive upper bound of valid integers for ``value`` (the smallest over its
+    consumers), following shape ops; None when nothing bounds it."""
+    bounds = []
+    for node, index in value.consumers:
+        op = node.op.name
+        if op == "embedding":
+            bounds.append(int(node.args["num_embeddings"]))
+        elif op in ("cross_entropy", "nll_loss") and index == 1:
+            bounds.append(int(node.inputs[0].type.shape[1]))
+        elif op in PASS_THROUGH:
+            found = integer_bound(node.output)
+            if found:
+                bounds.append(found)
+    return min(bounds) if bounds else None
+
+
+def _feeds_bce_target(value: Value) -> bool:
+    for node, index in value.consumers:
+        if node.op.name in ("bce_loss", "bce_with_logits") and index == 1:
+            return True
+        if node.op.name in PASS_THROUGH and _feeds_bce_target(node.output):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------- dropout
+
+
+def text_dropouts(graph: Graph) -> list[str]:
+    """'name (p=0.2)' for every dropout statement of the text that draws a mask."""
+    return [
+        f"{node.name} (p={node.args['p']:g})"
+        for node in graph.nodes
+        if node.op.name == "dropout" and node.args.get("p", 0.0) > 0
+    ]
+
+
+def module_dropouts(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The original's submodules that drop with p > 0: dropout modules, and attention
+    modules with a float ``dropout`` (torch.nn.MultiheadAttention)."""
+    import torch
+
+    found = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            found.append((name, sub))
+        elif isinstance(sub, torch.nn.MultiheadAttention) and sub.dropout > 0:
+            found.append((name, sub))
+    return found
+
+
+def _module_dropout_text(name: str, sub: Any) -> str:
+    p = sub.p if hasattr(sub, "p") else sub.dropout
+    return f"{name or '(root)'} ({type(sub).__name__}, p={p:g})"
+
+
+def dropout_off(model: ModelAST) -> ModelAST:
+    """The model with ``p=0.0`` in every ``dropout`` statement, blocks included."""
+
+    def fix(call: Call) -> Call:
+        if call.op != "dropout":
+            return call
+        kwargs = [kw for kw in call.kwargs if kw.name != "p"]
+        kwargs.append(KwArg("p", Const(0.0, call.op_loc), call.op_loc))
+        return replace(call, kwargs=tuple(kwargs))
+
+    blocks = [replace(b, body=tuple(fix(c) for c in b.body)) for b in model.blocks]
+    return replace(model, blocks=blocks, stmts=[fix(c) for c in model.stmts])
+
+
+def _switch_off(modules: Sequence[tuple[str, Any]]) -> None:
+    for _, sub in modules:
+        if hasattr(sub, "p"):
+            sub.p = 0.0
+        else:
+            sub.dropout = 0.0
+
+
+def _dropout_notes(mode: str, text: list[str], original: list[str], seed: int) -> list[str]:
+    if not text and not original:
+        return []
+    where = _join(
+        f"in the text: {', '.join(text)}" if text else "",
+        f"in the original: {', '.join(original)}" if original else "",
+    )
+    if mode == "off":
+        return [
+            f"dropout off: p set to 0 on both sides ({where}); everything but the dropout "
+            "masks is checked (dropout the original's forward calls through "
+            "torch.nn.functional with its own p is not switched off)"
+        ]
+    return [
+        f"dropout with p > 0 ({where}): both sides are seeded with {seed} right before "
+        "their forward and draw the same masks when they draw them in the same order (one "
+        "draw per dropout, in statement order, as torch.nn.functional.dropout); a FAIL may "
+        "then come from another draw order, not a gradient: --dropout off checks the rest"
+    ]
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def generated_class(graph: Graph, label: str) -> type:
+    """The gpu, nocompress ``Model`` for ``graph``, written to a temporary folder and
+    imported (the module leaves sys.modules again: the class keeps what it needs)."""
+    source = render(graph, label, Options(platform="gpu", scheme="nocompress"))
+    with tempfile.TemporaryDirectory(prefix="unroller-verify-") as folder:
+        path = write_atomic(Path(folder) / "verified_model.py", source)
+        name = f"unroller_verify_{abs(hash(str(path)))}"
+        try:
+            module = import_generated(path, name)
+        finally:
+            sys.modules.pop(name, None)
+    return module.Model
+
+
+def build_original(spec: Any, kwargs: dict | None) -> torch.nn.Module:
+    """The original in train mode: SPEC built with ``kwargs``; from Python code also a
+    factory (``spec(**kwargs)``) or a module, which is copied (verify moves it to float64
+    and needs two independent instances)."""
+    import torch
+
+    from unroller.importer.model import ImportFailure
+    from unroller.importer.source import build_module
+
+    if isinstance(spec, str):
+        return build_module(spec, kwargs)
+    if isinstance(spec, torch.nn.Module):
+        return copy.deepcopy(spec).train()
+    module = spec(**(kwargs or {}))
+    if not isinstance(module, torch.nn.Module):
+        raise ImportFailure(f"{spec!r} built a {type(module).__name__}, not a torch.nn.Module")
+    return module.train()
+
+
+def key_problems(original: dict, generated: dict) -> list[str]:
+    """Every state-dict key or shape that differs, each on its own line, naming the
+    nearest key on the other side where one is close."""
+    problems = []
+    for key in original:
+        if key not in generated:
+            near = difflib.get_close_matches(key, [k for k in generated if k not in original], 1)
+            hint = f" (the generated module has '{near[0]}')" if near else ""
+            shape = list(original[key].shape)
+            problems.append(f"'{key}' {shape} is in the original only{hint}")
+    for key in generated:
+        if key not in original:
+            shape = list(generated[key].shape)
+            problems.append(f"'{key}' {shape} is in the generated module only")
+    for key in original:
+        if key in generated and original[key].shape != generated[key].shape:
+            problems.append(
+                f"'{key}': shape {list(generated[key].shape)} in the generated module, "
+                f"{list(original[key].shape)} in the original"
+            )
+    return problems
+
+
+def _load_both_ways(original, generated, fresh) -> list[str]:
+    """Load the original's state into the generated module and the result into a fresh
+    original, strict=True; a refusal the key check did not foresee is a problem."""
+    problems = []
+    for source, target, what in (
+        (original, generated, "the generated module"),
+        (generated, fresh, "a fresh original"),
+    ):
+        try:
+            target.load_state_dict(source.state_dict(), strict=True)
+        except RuntimeError as exc:
+            problems.append(f"loading into {what} failed: {exc}")
+    return problems
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+@dataclass
+class _Setup:
+    graph: Graph  # as written (declarations, loss form, dropout statements)
+    run_graph: Graph  # what is generated (dropout off: with p=0)
+    plan: LossPlan
+
+
+def _setup(text: str, label: str, dropout: str) -> _Setup:
+    if dropout not in DROPOUT_MODES:
+        raise VerifyError(f"unknown dropout mode {dropout!r} (known: {', '.join(DROPOUT_MODES)})")
+    model = parse(text, label)
+    graph = build_graph(model)
+    plan = loss_plan(graph)
+    run_graph = graph
+    if dropout == "off" and text_dropouts(graph):
+        run_graph = build_graph(dropout_off(model))
+    return _Setup(graph, run_graph, plan)
+
+
+def verify(
+    model_path: str | Path,
+    spec: Any,
+    kwargs: dict | None = None,
+    batch_size: int = 2,
+    seed: int = 0,
+    tolerance: float = TOLERANCE,
+    dropout: str = "seeded",
+) -> VerifyReport:
+    """Verify the model file at ``model_path`` against ``spec`` (``package.module:Name``,
+    ``path/file.py:Name``, or a callable returning the module). ModelError (VerifyError)
+    for a model text that cannot be verified, ImportFailure for a SPEC that does not load;
+    a mismatch is in the report (``ok`` False), never an exception."""
+    text = read_model_text(model_path)
+    return verify_text(
+        text, spec, kwargs, batch_size, seed, tolerance, dropout, label=source_label(model_path)
+    )
+
+
+def verify_text(
+    text: str,
+    spec: Any,
+    kwargs: dict | None = None,
+    batch_size: int = 2,
+    seed: int = 0,
+    tolerance: float = TOLERANCE,
+    dropout: str = "seeded",
+    label: str = "<string>",
+) -> VerifyReport:
+    """``verify`` for a model text held in memory."""
+    import torch
+
+    setup = _setup(text, label, dropout)
+    against = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+    report = VerifyReport(label, against, tolerance)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        _run(report, setup, spec, kwargs, batch_size, seed, dropout)
+    return report
+
+
+def _run(report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dropout) -> None:
+    """Build both sides, check their keys, step them and compare, into ``report``."""
+    import torch
+
+    torch.manual_seed(seed)
+    original = build_original(spec, kwargs).double()
+    generated = generated_class(setup.run_graph, report.model)().double()
+    report.problems = key_problems(original.state_dict(), generated.state_dict())
+    if report.problems:
+        return
+    fresh = build_original(spec, kwargs).double()
+    report.problems = _load_both_ways(original, generated, fresh)
+    if report.problems:
+        return
+    _note_setup(report, setup, fresh, dropout, seed)
+    inputs = make_inputs(setup.graph, batch_size, seed)
+    _step_and_compare(report, setup, fresh, generated, inputs, seed)
+
+
+def _note_setup(report: VerifyReport, setup: _Setup, original, dropout: str, seed: int) -> None:
+    found = module_dropouts(original)
+    in_module = [_module_dropout_text(name, sub) for name, sub in found]
+    report.notes.append(f"loss replayed on the original's predictions: {setup.plan.describe()}")
+    report.notes += _dropout_notes(dropout, text_dropouts(setup.graph), in_module, seed)
+    if dropout == "off":
+        _switch_off(found)
+
+
+def _step_and_compare(report: VerifyReport, setup: _Setup, original, generated, inputs, seed):
+    """One training step on both sides, then every comparison, into ``report``."""
+    import torch
+
+    graph, plan = setup.graph, setup.plan
+    model_inputs = [t for t, v in zip(inputs, graph.inputs) if v.kind == "input"]
+    other = inputs[graph.inputs.index(plan.other)]
+    try:
+        torch.manual_seed(seed)
+        loss = generated(*inputs)
+    except Exception as exc:  # noqa: BLE001 - a generator bug: reported, not raised
+        report.problems.append(f"the generated module's step failed: {exc!r}")
+        return
+    try:
+        torch.manual_seed(seed)
+        ref_loss = _original_loss(original, plan, model_inputs, other)
+        ref_loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the user's module on the declared inputs
+        report.problems.append(
+            f"the original's step on inputs of the declared shapes failed: {exc!r}"
+        )
+        return
+    report.rows.append(compare("loss", loss, ref_loss, report.tolerance))
+    report.rows += _state_rows(original, generated, report.tolerance)
+    report.rows.append(_prediction_row(original, generated, model_inputs, report.tolerance))
+
+
+def _original_loss(original, plan: LossPlan, model_inputs, other):
+    from unroller.importer.source import predictions
+
+    prediction = predictions(original(*model_inputs))
+    want = tuple(plan.prediction.type.shape[1:])
+    if tuple(prediction.shape[1:]) != want:
+        raise ValueError(
+            f"its prediction has shape {list(prediction.shape)}, the model text's "
+            f"'{plan.prediction.name}' is [N, {', '.join(map(str, want))}]"
+        )
+    return replay_loss(plan, prediction, other)
+
+
+def _state_rows(original, generated, tolerance: float) -> list[Row]:
+    """A gradient row per parameter and a buffer row per buffer, by state-dict key, in the
+    original's order. A missing gradient counts as zeros (what it means), and says so."""
+    import torch
+
+    params = dict(original.named_parameters(remove_duplicate=False))
+    gen_params = dict(generated.named_parameters(remove_duplicate=False))
+    gen_state = generated.state_dict()
+    rows = []
+    for key, value in original.state_dict().items():
+        if key in params or key in gen_params:
+            if key not in params or key not in gen_params:
+                where = "the original" if key in params else "the generated module"
+                nan = float("nan")
+                note = f"a parameter in {where} only (a buffer on the other side)"
+                rows.append(Row(f"grad {key}", tuple(value.shape), nan, nan, nan, False, note))
+                continue
+            ref, got = params[key].grad, gen_params[key].grad
+            note = _join(
+                "no gradient in the original" if ref is None else "",
+                "no gradient in the generated module" if got is None else "",
+            )
+            zeros = torch.zeros_like(params[key])
+            got, ref = (zeros if g is None else g for g in (got, ref))
+            rows.append(compare(f"grad {key}", got, ref, tolerance, note))
+        else:
+            rows.append(compare(f"buffer {key}", gen_state[key], value, tolerance))
+    return rows
+
+
+def _prediction_row(original, generated, model_inputs, tolerance: float) -> Row:
+    import torch
+
+    from unroller.importer.source import predictions
+
+    original.eval()
+    with torch.no_grad():
+        ref = predictions(original(*model_inputs))
+    got = generated.predict(*model_inputs)
+    if isinstance(got, (tuple, list)):
+        got = got[0]
+    return compare("predictions (eval)", got, ref, tolerance)
