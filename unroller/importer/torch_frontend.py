@@ -18,7 +18,9 @@ Everything that cannot be mapped is collected, and the import fails listing all 
 from __future__ import annotations
 
 import operator
+import os
 import re
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -75,6 +77,12 @@ def example_inputs(inputs: Sequence[Tensor], batch: int = EXAMPLE_BATCH) -> list
 def capture(module: torch.nn.Module, inputs: Sequence[Tensor]):
     """The exported program of ``Predictions(module)`` with a symbolic batch dim, and a
     note saying how it was captured. Export first; ``torch.fx`` then export as fallback."""
+    with warnings.catch_warnings():  # export's advice on the user's code is not ours to show
+        warnings.simplefilter("ignore")
+        return _capture(module, inputs)
+
+
+def _capture(module: torch.nn.Module, inputs: Sequence[Tensor]):
     wrapper = Predictions(module).train()
     example = tuple(example_inputs(inputs))
     batch = torch.export.Dim("N", min=2, max=2**31 - 1)
@@ -151,6 +159,7 @@ class _Mapper:
         }
         self.groups = self._collapsed_groups()
         self.live = self._live_nodes()
+        self.constant = self._constant_nodes()
 
     # ---- the graph's signature: which placeholder is what
 
@@ -214,7 +223,14 @@ class _Mapper:
     def location(self, node) -> str:
         trace = node.meta.get("stack_trace") or ""
         found = re.findall(r'File "([^"]+)", line (\d+)', trace)
-        return f"{found[-1][0]}:{found[-1][1]}" if found else ""
+        if not found:
+            return ""
+        path, line = found[-1]
+        try:
+            path = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+        except ValueError:  # another drive
+            pass
+        return f"{path}:{line}"
 
     # ---- collapsed module calls (nn.MultiheadAttention)
 
@@ -228,6 +244,22 @@ class _Mapper:
                     groups[node] = path
                     break
         return groups
+
+    def _constant_nodes(self) -> set[fx.Node]:
+        """Tensors computed from sizes and constants only (masks, ``zeros`` states):
+        not statements; a consumer that accepts them (an attention mask) evaluates them."""
+        constant: set[fx.Node] = set()
+        for node in self.nodes:
+            if node.op == "placeholder":
+                if node.name in self.constants:
+                    constant.add(node)
+            elif node.op == "call_function" and not _is_size_value(node):
+                if _target_name(node) == "aten.sym_size.int":
+                    continue
+                inputs = [a for a in node.all_input_nodes if not _is_size_value(a)]
+                if all(a in constant for a in inputs):
+                    constant.add(node)
+        return constant
 
     def _live_nodes(self) -> set[fx.Node]:
         output = next(n for n in reversed(self.nodes) if n.op == "output")
@@ -279,6 +311,11 @@ class _Mapper:
             return self.values[node]
         if node in self.poisoned:
             raise _Poisoned(node.name)
+        if node in self.constant and node.op != "placeholder":
+            raise Refuse(
+                f"reads {node.name} ({_target_name(node)}), a tensor built from sizes and "
+                "constants only, which no statement of the language holds"
+            )
         if node.op == "placeholder":
             if node.name in self.user_inputs:
                 return self.user_inputs[node.name]
@@ -314,7 +351,7 @@ class _Mapper:
                     self._check_dead(node)
                 continue
             target = _target_name(node)
-            if target in _SIZE_OPS or _is_size_value(node):
+            if target in _SIZE_OPS or _is_size_value(node) or node in self.constant:
                 continue
             if node in self.groups:
                 path = self.groups[node]
@@ -343,8 +380,12 @@ class _Mapper:
 
     def _map(self, node, target: str) -> None:
         mapper = aten_ops.mapper_for(target)
-        if mapper is None:
-            self._fail(node, target, "no registry operator computes it")
+        after_failure = any(arg in self.poisoned for arg in node.all_input_nodes)
+        if mapper is None and not (after_failure and target == "getitem"):
+            self._fail(node, target, "no registry operator computes it")  # a root cause too
+            return
+        if after_failure:
+            self._poison(node)  # what it reads is reported at its root
             return
         try:
             self._check_inplace(node)
