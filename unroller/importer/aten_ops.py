@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from unroller.importer.model import BATCH
 
 
@@ -203,6 +205,9 @@ def embedding(view):
         raise Refuse("scale_grad_by_freq / sparse embeddings")
     weight = view.param_shape("weight")
     padding = int(a["padding_idx"])
+    ids = view.constant("indices")
+    if ids is not None:
+        return _embedding_rows(view, ids, weight, padding)
     return view.stmt(
         "embedding",
         [view.value("indices")],
@@ -210,6 +215,35 @@ def embedding(view):
         num_embeddings=weight[0],
         embedding_dim=weight[1],
         padding_idx=None if padding == -1 else padding,
+    )
+
+
+def _embedding_rows(view, ids, weight, padding: int):
+    """A table looked up at constant positions (position ids, token-type ids): the same
+    row range in every sample, as ``embedding_rows`` (a value without the batch dim that
+    broadcasts where it is added)."""
+    if ids.dim() == 0:
+        raise Refuse("an embedding of a single constant index")
+    rows = ids.reshape(-1, ids.shape[-1])
+    first = rows[0]
+    if not bool((rows == first).all()):
+        raise Refuse("constant embedding ids that differ between samples")
+    start = int(first[0])
+    length = first.numel()
+    if bool((first == start).all()) and length > 1:
+        length = 1  # one row for every position: broadcast over the sequence
+    elif not bool((first == torch.arange(start, start + length)).all()):
+        raise Refuse("constant embedding ids that are not a contiguous range")
+    if padding != -1 and start <= padding < start + length:
+        raise Refuse("constant embedding ids that include padding_idx")
+    return view.stmt(
+        "embedding_rows",
+        [],
+        layer=view.layer("weight"),
+        num_embeddings=weight[0],
+        embedding_dim=weight[1],
+        length=length,
+        start=start,
     )
 
 
@@ -293,6 +327,12 @@ def _binary(op: str):
             raise Refuse(f"{op} of a tensor and the constant {other!r}")
         if not view.is_tensor(a["self"]):
             raise Refuse(f"{op} of the constant {a['self']!r} and a tensor")
+        constant = view.constant("other")
+        if constant is not None and op in ("add", "sub") and not bool(constant.any()):
+            if tuple(torch.broadcast_shapes(constant.shape, view.node.meta["val"].shape)) == tuple(
+                view.node.meta["val"].shape
+            ):
+                return view.alias("self")  # an attention mask that masks nothing
         return view.stmt(op, [view.value("self"), view.value("other")])
 
     return mapper
@@ -535,6 +575,39 @@ def expand(view):
 @maps("aten.contiguous.default", "aten.clone.default", "aten.alias.default")
 def identity(view):
     return view.alias("self")
+
+
+@maps("aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default")
+def to(view):
+    source = view.a["self"]
+    if source.meta["val"].dtype != view.node.meta["val"].dtype:
+        raise Refuse(f"a cast to {view.node.meta['val'].dtype}")
+    return view.alias("self")
+
+
+@maps("aten.split.Tensor", "aten.split_with_sizes.default")
+def split(view):
+    """A tuple of slices, taken apart by ``getitem`` (see ``torch_frontend``)."""
+    shape = view.in_shape("self")
+    dim = _dim(view, int(view.a["dim"]), len(shape), "splitting along dim")
+    size = shape[dim]
+    if "split_sizes" in view.a and view.a.get("split_sizes") is not None:
+        sizes = [int(s) for s in view.a["split_sizes"]]
+    else:
+        step = int(view.a["split_size"])
+        sizes = [min(step, size - start) for start in range(0, size, step)]
+    parts, start = [], 0
+    for length in sizes:
+        parts.append((dim, start, start + length))
+        start += length
+    return Pieces(view.value("self"), tuple(parts), size)
+
+
+class Pieces:
+    """The value of a ``split``: its parts become ``slice`` statements when read."""
+
+    def __init__(self, source: str, parts: tuple, size: int):
+        self.source, self.parts, self.size = source, parts, size
 
 
 @maps("aten.dropout.default", "aten.dropout_.default")

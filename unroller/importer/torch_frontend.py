@@ -143,6 +143,7 @@ class _Mapper:
         self.params: dict[str, str] = {}  # placeholder name -> state-dict key
         self.buffers: dict[str, str] = {}
         self.constants: set[str] = set()
+        self.constant_values: dict[str, object] = {}
         self.user_inputs: dict[str, str] = {}  # placeholder -> model input name
         self._read_signature()
         self.batch = self._batch_symbol()
@@ -170,10 +171,15 @@ class _Mapper:
             name = spec.arg.name
             if spec.kind == kinds.PARAMETER:
                 self.params[name] = _strip(spec.target)
+            elif spec.kind == kinds.BUFFER and spec.persistent is False:
+                # not in the state dict: a constant of the code (position ids)
+                self.constants.add(name)
+                self.constant_values[name] = self.program.constants[spec.target]
             elif spec.kind == kinds.BUFFER:
                 self.buffers[name] = _strip(spec.target)
             elif spec.kind in (kinds.CONSTANT_TENSOR, kinds.CUSTOM_OBJ):
                 self.constants.add(name)
+                self.constant_values[name] = self.program.constants[spec.target]
             elif spec.kind == kinds.USER_INPUT:
                 self.user_inputs[name] = next(user).name
 
@@ -379,6 +385,9 @@ class _Mapper:
         return predictions
 
     def _map(self, node, target: str) -> None:
+        if target == "getitem" and isinstance(self.values.get(node.args[0]), aten_ops.Pieces):
+            self.values[node] = self._piece(node)
+            return
         mapper = aten_ops.mapper_for(target)
         after_failure = any(arg in self.poisoned for arg in node.all_input_nodes)
         if mapper is None and not (after_failure and target == "getitem"):
@@ -398,6 +407,15 @@ class _Mapper:
             self._fail(node, target, str(exc))
             return
         self.values[node] = result
+
+    def _piece(self, node) -> str:
+        """Part ``index`` of a split: a ``slice`` along the split dim."""
+        pieces = self.values[node.args[0]]
+        dim, start, end = pieces.parts[int(node.args[1])]
+        if start == 0 and end == pieces.size:
+            return pieces.source
+        kwargs = {"dim": dim, "start": start, "end": None if end == pieces.size else end}
+        return self.add_stmt(node, "slice", [pieces.source], None, kwargs)
 
     def _poison(self, node) -> None:
         self.poisoned.add(node)
@@ -687,6 +705,14 @@ class NodeView:
     def alias(self, key) -> str:
         return self.m.value_of(self._arg(key))
 
+    def constant(self, key):
+        """The value of an argument computed from sizes and constants only (evaluated at
+        the capture batch size), else None."""
+        node = self._arg(key)
+        if isinstance(node, fx.Node) and node in self.m.constant:
+            return _constant_value(self.m, node)
+        return None
+
     def causal_mask(self, mask, causal: bool) -> bool:
         return is_causal_mask(self.m, mask, causal)
 
@@ -725,12 +751,7 @@ def _reads_data(mapper: _Mapper, node: fx.Node) -> bool:
 def _constant_value(mapper: _Mapper, node: fx.Node) -> torch.Tensor:
     """The value of a node computed from sizes and constants only (a mask built with
     ``torch.triu``), evaluated at the capture batch size."""
-    program = mapper.program
-    constants = {
-        spec.arg.name: program.constants[spec.target]
-        for spec in program.graph_signature.input_specs
-        if spec.arg.name in mapper.constants
-    }
+    constants = mapper.constant_values
     values: dict[fx.Node, object] = {}
     for current in _dependencies(mapper, node):
         if current.op == "placeholder":
@@ -746,57 +767,7 @@ def _constant_value(mapper: _Mapper, node: fx.Node) -> torch.Tensor:
     return values[node]
 
 
-def causal_mask(self, mask, causal: bool) -> bool:
-    return causal_mask(self.m, mask, causal)
-
-
 # ---------------------------------------------------------------- masks
-
-
-def _constant_value(mapper: _Mapper, node: fx.Node) -> torch.Tensor:
-    """The value of a node that does not depend on the inputs' values (a mask built from
-    sizes): evaluated at the capture batch. Refuse if it reads an input, parameter or buffer."""
-    todo, seen = [node], set()
-    while todo:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current.op == "placeholder":
-            if current.name in mapper.constants:
-                continue
-            raise Refuse("an attention mask computed from the inputs or the weights")
-        for arg in current.all_input_nodes:
-            if (
-                arg.op == "placeholder"
-                and arg.name in mapper.user_inputs
-                and all(_target_name(u) == "aten.sym_size.int" for u in [current])
-            ):
-                continue
-            todo.append(arg)
-    values: dict[fx.Node, object] = {}
-    program = mapper.program
-    constants = {}
-    for spec in program.graph_signature.input_specs:
-        if spec.arg.name in mapper.constants:
-            constants[spec.arg.name] = program.constants[spec.target]
-    for current in mapper.nodes:
-        if current not in seen:
-            continue
-        if current.op == "placeholder":
-            values[current] = constants.get(current.name)
-            continue
-        if _target_name(current) == "aten.sym_size.int":
-            values[current] = (
-                EXAMPLE_BATCH
-                if int(current.args[1]) == 0
-                else int(current.args[0].meta["val"].shape[int(current.args[1])])
-            )
-            continue
-        args = fx.node.map_arg(current.args, lambda n: values[n])
-        kwargs = fx.node.map_arg(current.kwargs, lambda n: values[n])
-        values[current] = current.target(*args, **kwargs)
-    return values[node]
 
 
 def is_causal_mask(mapper: _Mapper, mask: fx.Node, causal: bool) -> bool:
@@ -881,9 +852,71 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
     return name
 
 
+def _one_input(mapper, path, external, escaping) -> fx.Node:
+    """The single tensor a collapsed module reads, and the single value it returns."""
+    data = [n for n in external if not _is_size_value(n) and n not in mapper.constant]
+    if len(data) != 1 or len(escaping) != 1:
+        raise Refuse(f"expected one input and one output, got {len(data)} and {len(escaping)}")
+    return data[0]
+
+
+def _collapsed_stmt(mapper, path, module, nodes, escaping, op, args, kwargs, params=()) -> str:
+    for leaf in params:
+        key = f"{path}.{leaf}" if path else leaf
+        if key in mapper.used_params:
+            raise Refuse(f"{key} is used by two operators (tied weights)")
+        mapper.used_params[key] = path
+    if path in mapper.names or not valid_path(path):
+        raise Refuse(unusable_name(path) if not valid_path(path) else f"{path} is called twice")
+    mapper.names.add(path)
+    mapper.classes.setdefault(path, _qualname(type(module)))
+    mapper._record_classes(nodes[0])
+    mapper.stmts.append(Stmt(path, op, args, kwargs, path, mapper.shape(escaping[0])))
+    return path
+
+
+def _hf_conv1d(mapper, path, module, nodes, external, escaping) -> str:
+    """transformers' Conv1D (GPT-2): y = x @ weight + bias with weight [in, out]."""
+    x = _one_input(mapper, path, external, escaping)
+    if module.bias is None:
+        raise Refuse("a Conv1D without a bias")
+    kwargs = {"out_features": int(module.weight.shape[1])}
+    return _collapsed_stmt(
+        mapper,
+        path,
+        module,
+        nodes,
+        escaping,
+        "transposed_linear",
+        [mapper.value_of(x)],
+        kwargs,
+        ("weight", "bias"),
+    )
+
+
+def _gelu_tanh(mapper, path, module, nodes, external, escaping) -> str:
+    """transformers' NewGELUActivation / GELUTanh: the tanh approximation of gelu written
+    out (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), which is gelu(approximate="tanh")."""
+    x = _one_input(mapper, path, external, escaping)
+    return _collapsed_stmt(
+        mapper,
+        path,
+        module,
+        nodes,
+        escaping,
+        "gelu",
+        [mapper.value_of(x)],
+        {"approximate": "tanh"},
+    )
+
+
 #: Module classes mapped as one statement: qualified class name -> builder.
 COLLAPSED: dict[str, Callable] = {
     "torch.nn.modules.activation.MultiheadAttention": _multihead_attention,
+    "transformers.pytorch_utils.Conv1D": _hf_conv1d,
+    "transformers.activations.NewGELUActivation": _gelu_tanh,
+    "transformers.activations.GELUTanh": _gelu_tanh,
+    "transformers.activations.PytorchGELUTanh": _gelu_tanh,
 }
 
 

@@ -1,0 +1,1074 @@
+"""An ONNX file -> ``ImportedModel``: the ONNX twin of ``torch_frontend``.
+
+The file is read with ``onnx.load`` (local functions inlined) and its graph inputs are checked
+against ``--input`` by position: the rank and every size after the batch must match; the
+batch dim may be symbolic (``torch.onnx.export(..., dynamic_shapes=...)``) or fixed (an
+export at one example batch), and is read as ``N`` either way.
+
+Batch. With a symbolic batch, ONNX shape inference and the constant folding run twice, at
+batch ``B1`` and ``B2``: a size that is B1 in one run and B2 in the other is ``N``, one that
+does not change is fixed, and anything else (``2 * N``) is refused where it matters. With a
+fixed batch B, dim 0 of every value computed from the inputs is ``N`` (the mappers refuse
+every operation that moves, merges or reduces dim 0), and a shape argument whose first
+entry is B (``Reshape`` to ``[B, 512]``) means ``N``.
+
+Constants. Nodes that read no input data (``Constant``, shape arithmetic, the zero bias the
+dynamo exporter builds for a bias-free ``Conv`` with ``Shape``/``Expand``/``CastLike``) are
+evaluated with ``onnx.reference`` and feed the mappers as arguments (reshape sizes, pads,
+scales). ``Shape`` of a data value is known from shape inference. A constant that reaches
+an operator as a tensor operand is refused (no registry operator adds a constant tensor),
+except a scalar factor (``scale``) and exact no-ops (``+ 0``, ``* 1``).
+
+Weights. An initializer read in a weight slot (``Conv`` W/B, ``BatchNormalization``
+scale/B/mean/var, ``Gemm`` B/C, the transposed weight of ``MatMul`` + ``Add``) is module
+state: its name is its state-dict key and names the statement (``layer1.0.conv1.weight`` ->
+``layer1.0.conv1``). A weight whose initializer carries no module path (``onnx::Conv_193``,
+what BatchNorm folding leaves), that two operators share, or that is computed from other
+initializers is refused with that reason. The TorchScript exporter deduplicates equal
+initializers through ``Identity`` nodes: the Identity's output name is then the key, with
+the source's values. ``BatchNormalization`` running statistics come from
+``X.running_mean``/``X.running_var``; ``X.num_batches_tracked``, which ONNX does not carry,
+is part of the returned state (shape ``()``, zero in ``onnx_state_dict``) so that the
+imported module loads the original's state dict with strict=True.
+
+Names. The dynamo exporter writes the module call stack on every node
+(``pkg.torch.onnx.name_scopes`` / ``pkg.torch.onnx.class_hierarchy``): parameter-free
+statements are named like ``torch_frontend`` names them (``layer1.0.relu``,
+``layer1.0.add``), and the classes let ``emit`` recover blocks. Files from the TorchScript
+exporter name nodes ``/layer1/layer1.0/Add``: the module path comes from that (no classes,
+so no blocks); other files fall back to the node name.
+
+Exporter settings that lose the network are refused, not approximated: a ``Conv`` into
+which the exporter's optimizer folded a BatchNorm (onnxscript rule
+``FuseBatchNormIntoConv``, the default of ``torch.onnx.export(dynamo=True)`` on a module in
+eval mode) has no batch norm left to train; export with ``optimize=False``.
+
+A leaf module whose call the exporter decomposed into many ONNX nodes (an
+``nn.AdaptiveAvgPool2d`` that upsamples 1x1 to 7x7 becomes a ``GatherND`` chain) is one
+statement when its class is in ``COLLAPSED``: the nodes' math is checked against torch's
+(float64, on random input) first, which proves the map for these linear operators.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from unroller.importer import onnx_ops
+from unroller.importer.aten_ops import Refuse
+from unroller.importer.model import (
+    BATCH,
+    ImportedModel,
+    ImportFailure,
+    Stmt,
+    Tensor,
+    Unmapped,
+    valid_path,
+)
+
+#: The batch sizes shape inference and folding run at when the batch dim is symbolic.
+B1, B2 = 5, 7
+#: Initializers up to this many elements go to shape inference with their values (shape
+#: arguments); larger ones (weights) with their shapes only, so inference copies no weights.
+SMALL = 4096
+#: ONNX element type -> the model language's dtype.
+DTYPES = {1: "f32", 11: "f64", 10: "f16", 16: "bf16", 7: "i64", 6: "i32"}
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def _onnx():
+    """The ``onnx`` package, or ImportFailure saying how to get it."""
+    try:
+        import onnx
+        import onnx.inliner  # noqa: F401 - a submodule onnx does not import itself
+        import onnx.reference  # noqa: F401
+        import onnx.shape_inference  # noqa: F401
+    except ImportError:
+        raise ImportFailure(
+            "importing an ONNX file needs the onnx package: pip install onnx"
+        ) from None
+    return onnx
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# ---------------------------------------------------------------- loading, inputs
+
+
+def load_model(path: Path):
+    """The ONNX model at ``path``, local functions inlined; ImportFailure if unreadable."""
+    onnx = _onnx()
+    path = Path(path)
+    if not path.is_file():
+        raise ImportFailure(f"{path}: no such file")
+    try:
+        model = onnx.load(str(path))
+    except Exception as exc:  # noqa: BLE001 - any reader error: say it in one line
+        raise ImportFailure(f"cannot read {path} as ONNX: {_one_line(exc)}") from None
+    if model.functions:
+        try:
+            model = onnx.inliner.inline_local_functions(model)
+        except Exception as exc:  # noqa: BLE001
+            raise ImportFailure(f"{path}: cannot inline its functions: {_one_line(exc)}") from None
+    return model
+
+
+def _opset(model) -> int:
+    for entry in model.opset_import:
+        if entry.domain in _DEFAULT_DOMAINS:
+            return int(entry.version)
+    raise ImportFailure("the ONNX file imports no version of the default operator set")
+
+
+def _dims(value_info) -> list[int | str | None] | None:
+    """A value's declared dims: ints, symbolic names, None where unnamed; None if no shape."""
+    tensor = value_info.type.tensor_type
+    if not tensor.HasField("shape"):
+        return None
+    out: list[int | str | None] = []
+    for dim in tensor.shape.dim:
+        if dim.HasField("dim_value"):
+            out.append(int(dim.dim_value))
+        else:
+            out.append(dim.dim_param or None)
+    return out
+
+
+def _spec_text(dims: list) -> str:
+    shown = ["N" if i == 0 else ("?" if d is None else str(d)) for i, d in enumerate(dims)]
+    return "[" + ", ".join(shown) + "]"
+
+
+def check_inputs(graph_inputs: list, inputs: Sequence[Tensor], source: str) -> int | None:
+    """Check ``--input`` against the file's inputs (by position); the fixed batch size the
+    file was exported at, or None when its batch dim is symbolic."""
+    if len(graph_inputs) != len(inputs):
+        names = ", ".join(repr(v.name) for v in graph_inputs) or "none"
+        raise ImportFailure(
+            f"{source} takes {len(graph_inputs)} input(s) ({names}); "
+            f"--input declares {len(inputs)}"
+        )
+    batches = set()
+    for value, spec in zip(graph_inputs, inputs):
+        if not value.type.HasField("tensor_type"):
+            raise ImportFailure(f"{source}: the input {value.name!r} is not a tensor")
+        _check_dtype(value, spec, source)
+        dims = _dims(value)
+        if dims is None:
+            batches.add(None)
+            continue
+        if len(dims) != 1 + len(spec.dims):
+            raise ImportFailure(
+                f'--input "{spec.name}: {spec.text()}": the ONNX input {value.name!r} has '
+                f"{len(dims)} dims {_spec_text(dims)}"
+            )
+        for got, want in zip(dims[1:], spec.dims):
+            if isinstance(got, int) and got != want:
+                raise ImportFailure(
+                    f'--input "{spec.name}: {spec.text()}": the ONNX input {value.name!r} is '
+                    f"{_spec_text(dims)}"
+                )
+        batches.add(dims[0] if isinstance(dims[0], int) else None)
+    if len(batches) > 1:
+        raise ImportFailure(f"{source}: its inputs disagree on the batch dim ({batches})")
+    return batches.pop() if batches else None
+
+
+def _check_dtype(value, spec: Tensor, source: str) -> None:
+    elem = value.type.tensor_type.elem_type
+    name = DTYPES.get(elem)
+    if name is None:
+        raise ImportFailure(f"{source}: the input {value.name!r} has ONNX element type {elem}")
+    if name[0] != spec.dtype[0] and not (name[0] == "b" or spec.dtype[0] == "b"):
+        raise ImportFailure(
+            f'--input "{spec.name}: {spec.text()}": the ONNX input {value.name!r} is {name}'
+        )
+
+
+def declared_inputs(model, source: str) -> list[Tensor]:
+    """The file's own inputs as Tensors (every size after the batch must be fixed)."""
+    inits = {t.name for t in model.graph.initializer}
+    out = []
+    for k, value in enumerate(v for v in model.graph.input if v.name not in inits):
+        dims = _dims(value)
+        dtype = DTYPES.get(value.type.tensor_type.elem_type)
+        if dims is None or dtype is None or not all(isinstance(d, int) for d in dims[1:]):
+            raise ImportFailure(
+                f"{source}: the input {value.name!r} has no fixed shape after the batch dim; "
+                "import it with --input first"
+            )
+        out.append(Tensor(f"x{k}", dtype, tuple(int(d) for d in dims[1:])))
+    return out
+
+
+# ---------------------------------------------------------------- node metadata
+
+
+class _Where:
+    """Where a node came from: module paths outermost first ('' the root), their classes
+    (when the exporter recorded them), the short name of the op it computes, and the source
+    line, and the onnxscript rewrite rules applied to it."""
+
+    def __init__(self, paths: list[str], classes: list[str], op: str, location: str, rules: str):
+        self.paths = paths
+        self.classes = classes
+        self.op = op
+        self.location = location
+        self.rules = rules
+
+    @property
+    def path(self) -> str:
+        return self.paths[-1] if self.paths else ""
+
+    @property
+    def cls(self) -> str:
+        return self.classes[-1] if self.classes and len(self.classes) == len(self.paths) else ""
+
+
+def _literal_list(text: str | None) -> list[str]:
+    if not text:
+        return []
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return []
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
+
+
+def _short(name: str) -> str:
+    """A statement-name part from an op name: ``aten.add.Tensor`` -> ``add``, ``Relu`` ->
+    ``relu``, ``GlobalAveragePool`` -> ``global_average_pool``."""
+    if name.startswith("aten."):
+        name = name.split(".")[1]
+    name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+    name = re.sub(r"[^a-z0-9_]", "_", name).strip("_")
+    return name if name and not name[0].isdigit() else f"op_{name}"
+
+
+def _location(trace: str) -> str:
+    """The innermost frame of a stack trace outside torch itself, else the innermost."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace or "")
+    if not frames:
+        return ""
+    own = [f for f in frames if "/torch/" not in f[0] and "site-packages" not in f[0]]
+    file, line = (own or frames)[-1]
+    return f"{file}:{line}"
+
+
+def _scopes_from_name(name: str) -> list[str]:
+    """``/layer1/layer1.0/conv1/Conv`` (TorchScript exporter) -> module paths
+    ['', 'layer1', 'layer1.0', 'layer1.0.conv1']."""
+    parts = [p for p in name.split("/")[1:-1] if p]
+    paths, current = [""], ""
+    for part in parts:
+        current = part if current and part.startswith(current + ".") else (
+            f"{current}.{part}" if current else part
+        )
+        if not valid_path(current):
+            break
+        paths.append(current)
+    return paths
+
+
+def node_where(node) -> _Where:
+    props = {p.key: p.value for p in node.metadata_props}
+    scopes = _literal_list(props.get("pkg.torch.onnx.name_scopes"))
+    hierarchy = _literal_list(props.get("pkg.torch.onnx.class_hierarchy"))
+    location = _location(props.get("pkg.torch.onnx.stack_trace", ""))
+    rules = props.get("pkg.onnxscript.rewriter.rule_name", "")
+    if scopes and scopes[0] == "":
+        paths = [p for p in scopes[:-1] if p == "" or valid_path(p)]
+        classes = hierarchy[:-1] if len(hierarchy) == len(scopes) else []
+        classes = classes if len(classes) == len(paths) else []
+        op = hierarchy[-1] if len(hierarchy) == len(scopes) else node.op_type
+        return _Where(paths or [""], classes, _short(op), location, rules)
+    if scopes:  # a node the exporter made outside any module call (sym_size)
+        return _Where([""], [], _short(node.op_type), location, rules)
+    if node.name.startswith("/"):
+        return _Where(_scopes_from_name(node.name), [], _short(node.op_type), location, rules)
+    return _Where([""], [], _short(node.op_type), location, rules)
+
+
+# ---------------------------------------------------------------- the mapper
+
+
+class _Poisoned(Refuse):
+    """Reads a value that already failed: reported once, at its root."""
+
+
+class _Mapper:
+    """Reads the graph once: shapes, constants, then statements or unmapped records."""
+
+    def __init__(self, model, inputs: Sequence[Tensor], source: str):
+        self.onnx = _onnx()
+        self.model = model
+        self.graph = model.graph
+        self.source = source
+        self.opset = _opset(model)
+        self.nodes = list(self.graph.node)
+        self.inits = {t.name: t for t in self.graph.initializer}
+        self.graph_inputs = [v for v in self.graph.input if v.name not in self.inits]
+        self.inputs = list(inputs)
+        self.batch = check_inputs(self.graph_inputs, self.inputs, source)
+        if not self.graph.output:
+            raise ImportFailure(f"{source}: the graph has no output")
+        self.output = self.graph.output[0].name
+        self.producer = {out: i for i, n in enumerate(self.nodes) for out in n.output if out}
+        self.users: dict[str, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            for name in node.input:
+                if name:
+                    self.users.setdefault(name, []).append(i)
+        self.where = [node_where(n) for n in self.nodes]
+        self.live = self._live_nodes()
+        self.leaves = self._leaf_paths()
+        self.shapes: dict[str, tuple] = {}
+        self.dtypes: dict[str, int] = {}
+        self.data: set[str] = {v.name for v in self.graph_inputs}
+        self.pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.aliases: dict[str, str] = {}  # Identity(initializer) output -> initializer
+        self.transposed: dict[str, str] = {}  # Transpose(2-D initializer) output -> it
+        self.values: dict[str, str] = {v.name: t.name for v, t in zip(self.graph_inputs, inputs)}
+        self.poisoned: set[str] = set()
+        self.stmts: list[Stmt] = []
+        self.names: set[str] = {t.name for t in self.inputs}
+        self.reserved = {key.rpartition(".")[0] for key in self.inits}
+        self.used: dict[str, str] = {}  # initializer (or alias) -> the statement owning it
+        self.state: dict[str, tuple[str | None, tuple[int, ...]]] = {}
+        self.absorbed: dict[int, str] = {}  # node -> the value its output is
+        self.unmapped: list[Unmapped] = []
+        self.classes: dict[str, str] = {}
+        self.notes: list[str] = []
+        self.groups: dict[int, str] = {}
+
+    # ---- structure
+
+    def _live_nodes(self) -> set[int]:
+        live: set[int] = set()
+        todo = [self.output]
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in self.producer:
+                continue
+            seen.add(name)
+            i = self.producer[name]
+            if i not in live:
+                live.add(i)
+                todo.extend(n for n in self.nodes[i].input if n)
+        return live
+
+    def _leaf_paths(self) -> set[str]:
+        paths = {p for i in self.live for p in self.where[i].paths if p}
+        return {p for p in paths if not any(q.startswith(p + ".") for q in paths)}
+
+    def order(self) -> list[int]:
+        return [i for i in range(len(self.nodes)) if i in self.live]
+
+    def live_users(self, name: str) -> list[int]:
+        return [j for j in self.users.get(name, []) if j in self.live]
+
+    # ---- shapes (ONNX shape inference at one or two batch sizes)
+
+    def infer(self) -> None:
+        if self.batch is not None:
+            self.shapes, self.dtypes = self._infer_at(self.batch)
+            return
+        first, self.dtypes = self._infer_at(B1)
+        second, _ = self._infer_at(B2)
+        for name, dims in first.items():
+            other = second.get(name)
+            if other is None or len(other) != len(dims):
+                continue
+            self.shapes[name] = tuple(_merge_dim(a, b) for a, b in zip(dims, other))
+
+    def _infer_at(self, batch: int) -> tuple[dict[str, tuple], dict[str, int]]:
+        onnx, helper = self.onnx, self.onnx.helper
+        ins = []
+        for value, spec in zip(self.graph_inputs, self.inputs):
+            elem = value.type.tensor_type.elem_type
+            ins.append(helper.make_tensor_value_info(value.name, elem, [batch, *spec.dims]))
+        small = [t for t in self.graph.initializer if _numel(t) <= SMALL]
+        big = [t for t in self.graph.initializer if _numel(t) > SMALL]
+        ins += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in big]
+        outs = [
+            helper.make_tensor_value_info(o.name, o.type.tensor_type.elem_type, None)
+            for o in self.graph.output
+        ]
+        graph = helper.make_graph(list(self.graph.node), "shapes", ins, outs, initializer=small)
+        model = helper.make_model(
+            graph, opset_imports=list(self.model.opset_import), ir_version=self.model.ir_version
+        )
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        except Exception as exc:  # noqa: BLE001
+            raise ImportFailure(f"{self.source}: ONNX shape inference failed: {_one_line(exc)}")
+        shapes, dtypes = {}, {}
+        values = [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]
+        for value in values:
+            if not value.type.HasField("tensor_type"):
+                continue
+            dtypes[value.name] = value.type.tensor_type.elem_type
+            dims = _dims(value)
+            if dims is not None:
+                shapes[value.name] = tuple(d if isinstance(d, int) else None for d in dims)
+        for t in self.graph.initializer:
+            dtypes[t.name] = t.data_type
+        return shapes, dtypes
+
+    def shape(self, name: str) -> tuple:
+        """A data value's shape, ``N`` first; Refuse if unknown or the batch is not first."""
+        raw = self.shapes.get(name)
+        if raw is None:
+            raise Refuse(f"ONNX shape inference gives no shape for {name}")
+        if not raw:
+            raise Refuse(f"{name} is a scalar, with no batch dim")
+        first = raw[0]
+        if self.batch is not None and first == self.batch:
+            first = BATCH
+        shown = [str(d) if d is not None else "?" for d in (first, *raw[1:])]
+        if first is not BATCH:
+            raise Refuse(f"{name} [{', '.join(shown)}] does not keep the batch dim first")
+        if any(d is None or d is BATCH for d in raw[1:]):
+            raise Refuse(f"{name} [{', '.join(shown)}] has a size that is unknown or the batch's")
+        return (BATCH, *raw[1:])
+
+    # ---- constants (onnx.reference, at one or two batch sizes)
+
+    def pair(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        if name not in self.pairs:
+            array = self.onnx.numpy_helper.to_array(self.inits[name])
+            self.pairs[name] = (array, array)
+        return self.pairs[name]
+
+    def is_constant(self, name: str) -> bool:
+        return name in self.pairs or (name in self.inits and name not in self.data)
+
+    def fold(self) -> None:
+        """Evaluate every live node that reads no input data; the others are data nodes."""
+        for i in self.order():
+            node = self.nodes[i]
+            try:
+                results = self._fold_node(node)
+            except Refuse as exc:
+                self._fail(i, str(exc))
+                continue
+            if results is None:
+                self.data.update(out for out in node.output if out)
+                continue
+            for out, result in zip(node.output, results):
+                if out:
+                    self.pairs[out] = result
+            self._track_weight_views(node)
+
+    def _fold_node(self, node) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        if node.domain not in _DEFAULT_DOMAINS or any(a.type in (5, 10) for a in node.attribute):
+            return None  # other domains and control flow (subgraph attributes) are data
+        names = [n for n in node.input if n]
+        if node.op_type in ("Shape", "Size") and names and names[0] in self.data:
+            return self._fold_shape(node)
+        if node.op_type == "CastLike" and len(names) == 2 and names[1] in self.data:
+            if not self.is_constant(names[0]):
+                return None
+            target = _np_dtype(self.onnx, self.dtypes.get(names[1], 1))
+            a, b = self.pair(names[0])
+            return [(a.astype(target), b.astype(target))]
+        if any(not self.is_constant(n) for n in names):
+            return None
+        pairs = [self.pair(n) for n in names]
+        first = self._evaluate(node, [p[0] for p in pairs])
+        if all(p[0] is p[1] for p in pairs):
+            return [(r, r) for r in first]
+        second = self._evaluate(node, [p[1] for p in pairs])
+        return list(zip(first, second))
+
+    def _fold_shape(self, node) -> list[tuple[np.ndarray, np.ndarray]]:
+        source = node.input[0]
+        dims = self.shapes.get(source)
+        if dims is None or any(d is None for d in dims):
+            raise Refuse(f"the shape of {source} is not known")
+        first = [B1 if d is BATCH else d for d in dims]
+        second = [B2 if d is BATCH else d for d in dims]
+        if node.op_type == "Size":
+            return [(np.array(np.prod(first), np.int64), np.array(np.prod(second), np.int64))]
+        attrs = {a.name: a.i for a in node.attribute}
+        start, end = attrs.get("start", 0), attrs.get("end", len(dims))
+        return [(np.array(first[start:end], np.int64), np.array(second[start:end], np.int64))]
+
+    def _evaluate(self, node, args: list[np.ndarray]) -> list[np.ndarray]:
+        feeds = {name: value for name, value in zip([n for n in node.input if n], args)}
+        try:
+            evaluator = self.onnx.reference.ReferenceEvaluator(node, opsets={"": self.opset})
+            return [np.asarray(r) for r in evaluator.run(None, feeds)]
+        except Exception as exc:  # noqa: BLE001 - the reference runtime's error, one line
+            raise Refuse(f"cannot evaluate this constant node: {_one_line(exc)}") from None
+
+    def _track_weight_views(self, node) -> None:
+        """Identity(initializer) (the TorchScript exporter's deduplication) and the
+        Transpose of a 2-D initializer (a Linear's weight for MatMul) keep their source."""
+        if not node.input or not node.output:
+            return
+        source = node.input[0]
+        root = self.aliases.get(source, source)
+        if root not in self.inits:
+            return
+        if node.op_type == "Identity":
+            self.aliases[node.output[0]] = root
+        elif node.op_type == "Transpose" and source in self.inits:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+            if len(self.inits[source].dims) == 2 and perm == [1, 0]:
+                self.transposed[node.output[0]] = source
+
+    # ---- naming
+
+    def unique(self, base: str) -> str:
+        base = base.strip(".") or "value"
+        if not valid_path(base):
+            base = re.sub(r"[^A-Za-z0-9_.]", "_", base)
+            if not valid_path(base):
+                base = "v_" + re.sub(r"[^A-Za-z0-9_]", "_", base)
+        name, k = base, 0
+        while name in self.names or name in self.reserved:
+            k += 1
+            name = f"{base}_{k}"
+        self.names.add(name)
+        return name
+
+    def functional_name(self, i: int) -> str:
+        where = self.where[i]
+        path = where.path
+        if path and path in self.leaves:
+            return path
+        return f"{path}.{where.op}" if path else where.op
+
+    def module_of(self, i: int) -> tuple[str, str]:
+        where = self.where[i]
+        if where.path:
+            return where.path, where.cls
+        return "", self.classes.get("", "")
+
+    def record_classes(self, i: int) -> None:
+        where = self.where[i]
+        if len(where.classes) == len(where.paths):
+            for path, cls in zip(where.paths, where.classes):
+                self.classes.setdefault(path, cls)
+
+    # ---- values
+
+    def value_of(self, name: str) -> str:
+        if name in self.values:
+            return self.values[name]
+        if name in self.poisoned:
+            raise _Poisoned(name)
+        if name in self.data:
+            raise Refuse(f"reads {name}, which could not be mapped")
+        what = f"the initializer {name!r}" if name in self.inits else f"the constant {name}"
+        raise Refuse(f"reads {what} as a tensor operand: no registry operator takes a constant")
+
+    # ---- the walk
+
+    def run(self) -> str | None:
+        """Map every live node; the prediction's value name (None if it failed)."""
+        for i in self.order():
+            self.record_classes(i)
+        self.infer()
+        self.fold()
+        self.groups = self._collapsed_groups()
+        done: set[str] = set()
+        for i in self.order():
+            node = self.nodes[i]
+            if not any(out in self.data for out in node.output):
+                continue
+            if any(out in self.poisoned for out in node.output):
+                continue
+            if i in self.absorbed:
+                self.values[node.output[0]] = self.absorbed[i]
+                continue
+            if i in self.groups:
+                if self.groups[i] not in done:
+                    done.add(self.groups[i])
+                    self._collapse(self.groups[i])
+                continue
+            self._map(i)
+        self._check_fusion()
+        return self._prediction()
+
+    def _prediction(self) -> str | None:
+        name = self.output
+        if name in self.poisoned:
+            return None
+        if name not in self.data:
+            raise ImportFailure(f"{self.source}: the output {name!r} does not depend on the input")
+        try:
+            self.shape(name)
+        except Refuse as exc:
+            raise ImportFailure(f"{self.source}: the output {name!r}: {exc}") from None
+        return self.value_of(name)
+
+    def _map(self, i: int) -> None:
+        node = self.nodes[i]
+        mapper = onnx_ops.MAPPERS.get(node.op_type) if node.domain in _DEFAULT_DOMAINS else None
+        if mapper is None:
+            domain = f"{node.domain}::" if node.domain not in _DEFAULT_DOMAINS else ""
+            self._fail(i, f"no registry operator computes {domain}{node.op_type}")
+            return
+        try:
+            self._check_outputs(i)
+            self._check_rules(i)
+            result = mapper(NodeView(self, i))
+        except _Poisoned:
+            self._poison(i)
+            return
+        except Refuse as exc:
+            self._fail(i, str(exc))
+            return
+        self.values[node.output[0]] = result
+
+    def _check_outputs(self, i: int) -> None:
+        node = self.nodes[i]
+        for k, out in enumerate(node.output[1:], start=1):
+            if out and (self.live_users(out) or out == self.output):
+                raise Refuse(f"its output {k} ({out}) is used; only the first is mapped")
+
+    def _check_rules(self, i: int) -> None:
+        rules = self.where[i].rules
+        if "BatchNorm" in rules:
+            raise Refuse(
+                f"the exporter's optimizer folded a BatchNorm into this node ({rules}): the "
+                "file has no batch norm left to train; export with "
+                "torch.onnx.export(..., optimize=False)"
+            )
+
+    def _check_fusion(self) -> None:
+        """Nothing else to check: fusion rules are caught per node (``_check_rules``)."""
+
+    def _poison(self, i: int) -> None:
+        self.poisoned.update(out for out in self.nodes[i].output if out)
+
+    def _fail(self, i: int, reason: str) -> None:
+        self._poison(i)
+        node = self.nodes[i]
+        path, cls = self.module_of(i)
+        label = f"onnx::{node.op_type} ({node.name})" if node.name else f"onnx::{node.op_type}"
+        self.unmapped.append(Unmapped(label, path, cls, self.where[i].location, reason))
+
+    # ---- what a NodeView asks for
+
+    def add_stmt(self, i: int, op: str, args: list[str], layer: str | None, kwargs: dict) -> str:
+        if layer is not None:
+            if layer in self.names:
+                raise Refuse(f"the module {layer} is called twice (shared weights)")
+            self.names.add(layer)
+            name, module_path = layer, layer
+        else:
+            name = self.unique(self.functional_name(i))
+            module_path = self.where[i].path
+        try:
+            shape = self.shape(self.nodes[i].output[0])
+        except Refuse:
+            shape = None
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        self.stmts.append(Stmt(name, op, args, kwargs, module_path, shape))
+        return name
+
+    def claim(self, roles: dict[str, str]) -> str:
+        """The module path that owns these initializers (leaf name -> value name), each
+        registered as state under its name; Refuse with the reason when they cannot be."""
+        owner = None
+        for leaf, name in roles.items():
+            key = self.weight_key(name, leaf)
+            path, _, got = key.rpartition(".")
+            if got != leaf or not path or not valid_path(path):
+                raise Refuse(
+                    f"its {leaf} is the initializer {key!r}, which names no module's {leaf} "
+                    f"(expected a state-dict key like 'conv1.{leaf}'): the exporter renamed or "
+                    "computed it"
+                )
+            if owner is not None and path != owner:
+                raise Refuse(f"its tensors belong to different modules ({owner}, {path})")
+            owner = path
+        if owner is None:
+            raise Refuse("no initializer names the layer")
+        for name in roles.values():
+            if name in self.used:
+                raise Refuse(f"the initializer {name} is used by two operators (shared weights)")
+        for name in roles.values():
+            self.used[name] = owner
+            self.state[name] = (self.aliases.get(name, name), tuple(self.init_shape(name)))
+        return owner
+
+    def weight_key(self, name: str, leaf: str) -> str:
+        if name in self.data:
+            raise Refuse(f"its {leaf} is computed from the input, not an initializer")
+        if name in self.inits or name in self.aliases:
+            return name
+        producer = self.producer.get(name)
+        made = f" by {self.nodes[producer].op_type}" if producer is not None else ""
+        raise Refuse(f"its {leaf} ({name}) is computed{made}, not an initializer")
+
+    def init_shape(self, name: str) -> list[int]:
+        return [int(d) for d in self.inits[self.aliases.get(name, name)].dims]
+
+    def init_array(self, name: str) -> np.ndarray:
+        return self.pair(self.aliases.get(name, name))[0]
+
+    # ---- collapsed module calls
+
+    def _collapsed_groups(self) -> dict[int, str]:
+        """Data nodes of one call of a leaf module in COLLAPSED: one input, one output."""
+        members: dict[str, list[int]] = {}
+        for i in self.order():
+            where = self.where[i]
+            if where.cls in COLLAPSED and where.path in self.leaves:
+                if any(out in self.data for out in self.nodes[i].output):
+                    members.setdefault(where.path, []).append(i)
+        groups = {}
+        for path, nodes in members.items():
+            if self._group_ends(nodes) is not None:
+                groups.update({i: path for i in nodes})
+        return groups
+
+    def _group_ends(self, nodes: list[int]) -> tuple[str, str] | None:
+        inside = {out for i in nodes for out in self.nodes[i].output if out}
+        external = []
+        for i in nodes:
+            for name in self.nodes[i].input:
+                if name and name in self.data and name not in inside and name not in external:
+                    external.append(name)
+        escaping = [
+            out
+            for out in inside
+            if out == self.output or any(j not in nodes for j in self.live_users(out))
+        ]
+        if len(external) != 1 or len(escaping) != 1:
+            return None
+        return external[0], escaping[0]
+
+    def _collapse(self, path: str) -> None:
+        nodes = [i for i in self.order() if self.groups.get(i) == path]
+        x, out = self._group_ends(nodes)
+        cls = self.where[nodes[0]].cls
+        try:
+            name = COLLAPSED[cls](self, path, nodes, x, out)
+        except _Poisoned:
+            for i in nodes:
+                self._poison(i)
+            return
+        except Refuse as exc:
+            self._fail(nodes[0], f"{cls} as exported: {exc}")
+            for i in nodes:
+                self._poison(i)
+            return
+        self.values[out] = name
+
+    def check_linear(self, nodes: list[int], x: str, out: str, reference: Callable) -> None:
+        """The nodes compute ``reference`` (a linear map) on random float64 input."""
+        import torch
+
+        helper = self.onnx.helper
+        batch = self.batch or B1
+        shape = [batch if d is BATCH else d for d in self.shape(x)]
+        inside = {o for i in nodes for o in self.nodes[i].output}
+        consts = {}
+        for i in nodes:
+            for name in self.nodes[i].input:
+                if name and name != x and name not in inside:
+                    if name not in self.pairs and name not in self.inits:
+                        raise Refuse(f"reads {name}, which is not a constant")
+                    consts[name] = self.pair(name)[0]
+        ins = [helper.make_tensor_value_info(x, 11, shape)]
+        ins += [helper.make_tensor_value_info(n, _elem(self.onnx, v), v.shape) for n, v in consts.items()]
+        graph = helper.make_graph(
+            [self.nodes[i] for i in nodes],
+            "check",
+            ins,
+            [helper.make_tensor_value_info(out, 11, None)],
+        )
+        model = helper.make_model(graph, opset_imports=list(self.model.opset_import))
+        sample = np.random.default_rng(0).standard_normal(shape)
+        try:
+            got = self.onnx.reference.ReferenceEvaluator(model).run(None, {x: sample, **consts})[0]
+        except Exception as exc:  # noqa: BLE001
+            raise Refuse(f"cannot evaluate the nodes to check them: {_one_line(exc)}") from None
+        want = reference(torch.from_numpy(sample)).numpy()
+        scale = float(np.abs(want).max()) or 1.0
+        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-12, atol=1e-12 * scale):
+            raise Refuse("its nodes do not compute what torch's module computes")
+
+    def add_group_stmt(self, path: str, op: str, args: list[str], kwargs: dict, out: str) -> str:
+        if path in self.names or not valid_path(path):
+            raise Refuse(f"the module {path} is called twice or has an unusable name")
+        self.names.add(path)
+        self.stmts.append(Stmt(path, op, args, kwargs, path, self.shape(out)))
+        return path
+
+
+def _merge_dim(a: int | None, b: int | None):
+    if a is None or b is None:
+        return None
+    if a == b:
+        return a
+    if (a, b) == (B1, B2):
+        return BATCH
+    return None
+
+
+def _numel(tensor) -> int:
+    return int(np.prod([int(d) for d in tensor.dims])) if tensor.dims else 1
+
+
+def _np_dtype(onnx, elem: int):
+    return onnx.helper.tensor_dtype_to_np_dtype(elem)
+
+
+def _elem(onnx, array: np.ndarray) -> int:
+    return onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+
+
+def _attr_value(onnx, attribute) -> Any:
+    value = onnx.helper.get_attribute_value(attribute)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- the view mappers get
+
+
+class NodeView:
+    """What an ``onnx_ops`` mapper sees of one node (see that module's docstring)."""
+
+    def __init__(self, mapper: _Mapper, index: int):
+        self.m = mapper
+        self.index = index
+        self.node = mapper.nodes[index]
+        self.op = self.node.op_type
+        self.opset = mapper.opset
+        self.attrs = {a.name: _attr_value(mapper.onnx, a) for a in self.node.attribute}
+
+    def attr(self, name: str, default=None):
+        return self.attrs.get(name, default)
+
+    def has(self, i: int) -> bool:
+        return i < len(self.node.input) and self.node.input[i] != ""
+
+    def input_name(self, i: int) -> str:
+        return self.node.input[i]
+
+    def inputs(self) -> list[int]:
+        return [i for i in range(len(self.node.input)) if self.has(i)]
+
+    def is_data(self, i: int) -> bool:
+        return self.has(i) and self.node.input[i] in self.m.data
+
+    def value(self, i: int) -> str:
+        return self.m.value_of(self.node.input[i])
+
+    def alias(self, i: int) -> str:
+        return self.value(i)
+
+    def in_shape(self, i: int) -> tuple:
+        return self.m.shape(self.node.input[i])
+
+    def out_shape(self, k: int = 0) -> tuple:
+        return self.m.shape(self.node.output[k])
+
+    def dtype(self, i: int) -> int | None:
+        return self.m.dtypes.get(self.node.input[i])
+
+    def const(self, i: int, what: str) -> np.ndarray:
+        """A constant argument's value; Refuse if it is data or depends on the batch."""
+        if not self.has(i):
+            raise Refuse(f"it has no {what}")
+        name = self.node.input[i]
+        if name in self.m.data:
+            raise Refuse(f"its {what} is computed from the input data, not a constant")
+        a, b = self.m.pair(name)
+        if a is not b and not np.array_equal(a, b):
+            raise Refuse(f"its {what} depends on the batch size")
+        return a
+
+    def sizes(self, i: int, what: str) -> tuple:
+        """A 1-D integer shape argument, with ``N`` where it is the batch size."""
+        if not self.has(i):
+            raise Refuse(f"it has no {what}")
+        name = self.node.input[i]
+        if name in self.m.data:
+            raise Refuse(f"its {what} is computed from the input data")
+        a, b = (np.asarray(v).reshape(-1) for v in self.m.pair(name))
+        out: list = []
+        for k, (x, y) in enumerate(zip(a.tolist(), b.tolist())):
+            if x == y:
+                fixed_batch = self.m.batch is not None and k == 0 and x == self.m.batch
+                out.append(BATCH if fixed_batch else int(x))
+            elif (x, y) == (B1, B2):
+                out.append(BATCH)
+            else:
+                raise Refuse(f"its {what} has a size computed from the batch size other than N")
+        return tuple(out)
+
+    def is_weight(self, i: int, leaf: str) -> bool:
+        """Whether input ``i`` is an initializer named like a module's ``leaf``."""
+        if not self.has(i) or self.node.input[i] in self.m.data:
+            return False
+        name = self.node.input[i]
+        if name not in self.m.inits and name not in self.m.aliases:
+            return False
+        path, _, got = name.rpartition(".")
+        return got == leaf and bool(path)
+
+    def is_initializer(self, i: int) -> bool:
+        name = self.node.input[i] if self.has(i) else ""
+        return name in self.m.inits or name in self.m.aliases
+
+    def param_shape(self, i: int, leaf: str) -> tuple[int, ...]:
+        key = self.m.weight_key(self.node.input[i], leaf)
+        return tuple(self.m.init_shape(key))
+
+    def transposed_weight(self, i: int) -> str | None:
+        """The initializer input ``i`` is the transpose of (``MatMul`` by ``W^T``)."""
+        return self.m.transposed.get(self.node.input[i]) if self.has(i) else None
+
+    def initializer_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.m.init_shape(name))
+
+    def layer(self, **roles: int | str) -> str:
+        """The statement name of a layer whose state is these initializers (leaf name ->
+        input index, or a value name): their common module path."""
+        names = {
+            leaf: (self.node.input[ref] if isinstance(ref, int) else ref)
+            for leaf, ref in roles.items()
+        }
+        return self.m.claim(names)
+
+    def buffer(self, key: str, shape: tuple[int, ...]) -> None:
+        """State the imported module holds that the file does not (num_batches_tracked)."""
+        self.m.state[key] = (None, tuple(shape))
+
+    def stmt(self, op: str, args: list[str], layer: str | None = None, **kwargs) -> str:
+        return self.m.add_stmt(self.index, op, args, layer, kwargs)
+
+    def users(self, k: int = 0) -> list[NodeView]:
+        """The live nodes that read output ``k`` (to fuse a following ``Add``)."""
+        out = self.node.output[k]
+        if out == self.m.output:
+            return []
+        return [NodeView(self.m, j) for j in self.m.live_users(out)]
+
+    def absorb(self, other: NodeView, value: str) -> None:
+        """``other``'s output is ``value`` (a bias ``Add`` fused into a linear)."""
+        self.m.absorbed[other.index] = value
+
+    def module_class(self) -> str:
+        return self.m.where[self.index].cls
+
+    def where(self) -> str:
+        return self.m.where[self.index].path
+
+    def note(self, text: str) -> None:
+        if text not in self.m.notes:
+            self.m.notes.append(text)
+
+
+# ---------------------------------------------------------------- collapsed modules
+
+
+def _adaptive_avg_pool(mapper: _Mapper, path: str, nodes: list[int], x: str, out: str) -> str:
+    import torch.nn.functional as F
+
+    shape_in, shape_out = mapper.shape(x), mapper.shape(out)
+    rank = len(shape_in)
+    if rank not in (3, 4) or len(shape_out) != rank or shape_out[:2] != shape_in[:2]:
+        raise Refuse(f"adaptive pooling of {list(shape_in)} to {list(shape_out)}")
+    size = tuple(int(d) for d in shape_out[2:])
+    if rank == 4:
+        mapper.check_linear(nodes, x, out, lambda t: F.adaptive_avg_pool2d(t, size))
+        op, output_size = "adaptive_avgpool2d", onnx_ops.pair(size)
+    else:
+        mapper.check_linear(nodes, x, out, lambda t: F.adaptive_avg_pool1d(t, size))
+        op, output_size = "adaptive_avgpool1d", size[0]
+    args = [mapper.value_of(x)]
+    return mapper.add_group_stmt(path, op, args, {"output_size": output_size}, out)
+
+
+#: Leaf module classes mapped as one statement whatever the exporter decomposed them into:
+#: qualified class name -> builder (linear maps only: ``check_linear`` proves them).
+COLLAPSED: dict[str, Callable] = {
+    "torch.nn.modules.pooling.AdaptiveAvgPool2d": _adaptive_avg_pool,
+    "torch.nn.modules.pooling.AdaptiveAvgPool1d": _adaptive_avg_pool,
+}
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def _mapped(path: Path, inputs: Sequence[Tensor], source: str) -> tuple[_Mapper, str]:
+    model = load_model(path)
+    mapper = _Mapper(model, inputs, source)
+    prediction = mapper.run()
+    if mapper.unmapped:
+        raise ImportFailure(f"cannot import {source}", mapper.unmapped)
+    assert prediction is not None
+    return mapper, prediction
+
+
+def import_onnx(
+    path: Path, inputs: Sequence[Tensor], name: str, source: str
+) -> tuple[ImportedModel, dict[str, tuple[int, ...]]]:
+    """The ONNX network as an ImportedModel (no loss yet) and the state the imported module
+    must hold ({state-dict key: shape}); ImportFailure lists every unmapped node."""
+    mapper, prediction = _mapped(path, inputs, source)
+    model = mapper.model
+    notes = [f"read from ONNX (opset {mapper.opset}, written by {_producer(model)})"]
+    if mapper.batch is not None:
+        notes.append(f"the file fixes the batch at {mapper.batch}: read as N")
+    if any(source is None for source, _ in mapper.state.values()):
+        notes.append("num_batches_tracked is not in ONNX files: it starts at 0")
+    notes += mapper.notes
+    imported = ImportedModel(
+        name=name,
+        source=source,
+        inputs=list(inputs),
+        targets=[],
+        stmts=mapper.stmts,
+        predictions=[prediction],
+        classes=mapper.classes,
+        notes=notes,
+    )
+    state = {key: shape for key, (_, shape) in mapper.state.items()}
+    return imported, state
+
+
+def _producer(model) -> str:
+    name = " ".join(p for p in (model.producer_name, model.producer_version) if p)
+    return name or "an unknown producer"
+
+
+def onnx_state_dict(path: Path, inputs: Sequence[Tensor] | None = None) -> dict[str, Any]:
+    """The file's weights under the imported module's state-dict keys (num_batches_tracked
+    zeros included), loadable with strict=True into the module ``unroll import`` generates
+    from it. ``inputs`` default to the file's own input shapes."""
+    import torch
+
+    path = Path(path)
+    source = str(path)
+    if inputs is None:
+        inputs = declared_inputs(load_model(path), source)
+    mapper, _ = _mapped(path, inputs, source)
+    out: dict[str, Any] = {}
+    for key, (init, shape) in mapper.state.items():
+        if init is None:
+            out[key] = torch.zeros(shape, dtype=torch.int64)
+        else:
+            out[key] = torch.from_numpy(np.array(mapper.init_array(init), copy=True))
+    return out
