@@ -789,6 +789,66 @@ EMBEDDING_CASES = (
     _embedding_case("pad0-3d", (2, 3, 4), 0),
 )
 
+# ---------------------------------------------------------------- Hugging Face layers (issue 13)
+
+
+def _embedding_rows_case(num: int, length: int, start: int | None) -> Case:
+    """Rows start .. start+length-1 of a table of ``num`` rows (``start`` None: left out,
+    the default 0); the backward gets num_embeddings as the graph derives it."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs = {"length": length, **({} if start is None else {"start": start})}
+        layer = nn.Embedding(num, 3).to(dtype)
+        return Sample((), layer, kwargs, derived={"num_embeddings": num})
+
+    return Case(f"{num}rows-start{start}-length{length}", make)
+
+
+def _embedding_rows_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """``weight[start:start + length]``: autograd's slice_backward is the gradient."""
+    start = s.kwargs.get("start", 0)
+    return s.layer.weight[start : start + s.kwargs["length"]]
+
+
+EMBEDDING_ROWS_CASES = (
+    _embedding_rows_case(7, 3, 2),  # zero rows on both sides
+    _embedding_rows_case(7, 4, None),  # the default start: rows from the first
+    _embedding_rows_case(7, 2, 5),  # the last rows
+    _embedding_rows_case(7, 7, 0),  # the whole table: the gradient is g itself
+    _embedding_rows_case(2, 1, 0),  # a token-type table read at row 0
+)
+
+
+def _transposed_linear_case(shape: tuple[int, ...], bias: bool) -> Case:
+    """x [..., 4] through a Conv1D-shaped layer (weight [4, 3]) with random weights: the
+    factory's own (normal 0.02, zero bias) would hide a missing bias."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        layer = runtime_common.transposed_linear_layer(4, 3, bias).to(dtype)
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.copy_(torch.randn(param.shape))
+        return Sample((randn(*shape, dtype=dtype),), layer)
+
+    return Case(f"{'x'.join(map(str, shape))}-{'bias' if bias else 'nobias'}", make)
+
+
+def _transposed_linear_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """Hugging Face's Conv1D.forward: addmm(bias, x.view(-1, in), weight).view(..., out)
+    (x.view(-1, in).mm(weight) without a bias)."""
+    x, weight, bias = s.inputs[0], s.layer.weight, s.layer.bias
+    x2 = x.view(-1, x.shape[-1])
+    y = x2.mm(weight) if bias is None else torch.addmm(bias, x2, weight)
+    return y.view(*x.shape[:-1], weight.shape[1])
+
+
+TRANSPOSED_LINEAR_CASES = tuple(
+    _transposed_linear_case(shape, bias)
+    for shape, bias in [((2, 5, 4), True), ((3, 4), False), ((2, 3, 2, 4), True), ((6, 4), True)]
+)
+
 # ---------------------------------------------------------------- normalisation and 1-D ops (v2)
 
 
@@ -1522,6 +1582,13 @@ V2_ROWS: tuple[OpInfo, ...] = (
         NLL_CASES,
     ),
     OpInfo("embedding", _layer_reference, EMBEDDING_CASES, **_SAME_FORWARD),
+    OpInfo("embedding_rows", _embedding_rows_reference, EMBEDDING_ROWS_CASES, **_SAME_OP),
+    OpInfo(
+        "transposed_linear",
+        _transposed_linear_reference,
+        TRANSPOSED_LINEAR_CASES,
+        **_SAME_OP,
+    ),
 )
 
 

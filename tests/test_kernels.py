@@ -655,6 +655,7 @@ TENSOR_METHODS = {
 }  # fmt: skip
 # v2 activations, losses and embedding (all on PopTorch's list)
 TORCH_CALLS |= {"reciprocal", "scatter_add"}
+TORCH_CALLS |= {"addmm"}  # transposed_linear (Hugging Face's Conv1D); PopTorch's BLAS list
 F_CALLS |= {"hardtanh", "silu", "elu", "softplus", "embedding"}
 PYTHON_METHODS = {"get", "clear", "append", "items", "values", "insert"}
 HOST_CALLS = {"math": {"sqrt", "floor", "factorial", "prod"}, "struct": {"pack", "unpack"}}
@@ -668,7 +669,7 @@ FORBIDDEN_NAMES = {
 # (module bookkeeping, input checks, stash accounting, __all__): not kernels.
 HOST_HELPERS = {
     "add_layer", "layers", "tensors", "check_inputs", "collect", "stash", "stash_raw",
-    "stash_report", "_exports", "free_parameter",
+    "stash_report", "_exports", "free_parameter", "transposed_linear_layer",
 }  # fmt: skip
 
 

@@ -255,8 +255,9 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
     if raw.get("free"):
         if raw.get("inputs") or raw.get("variadic") or len(raw.get("params", [])) != 1:
             raise RegistryError(f"{where}: a free op has no inputs and exactly one parameter")
-    elif not raw.get("variadic") and not raw.get("inputs"):
-        raise RegistryError(f"{where}: needs 'inputs' or 'variadic = true'")
+    elif not raw.get("variadic") and not raw.get("inputs") and not raw.get("params"):
+        # no inputs is allowed only for a layer made from its parameters (embedding_rows)
+        raise RegistryError(f"{where}: needs 'inputs', 'variadic = true' or 'params'")
     args: dict[str, ArgSpec] = {}
     for arg_name, arg in raw.get("args", {}).items():
         if arg.get("type") not in ARG_TYPES:

@@ -396,6 +396,22 @@ def embedding(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeR
     return ShapeResult(TensorType(MODEL_FLOAT, (*ids.shape, args["embedding_dim"])))
 
 
+def embedding_rows(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """Rows start .. start+length-1 of a table [num_embeddings, embedding_dim]: [length,
+    embedding_dim] without the batch dim (a free parameter's form: it meets batched tensors
+    in broadcasting add / mul), in the model's float dtype. The rows must all exist: a
+    slice past the table's end is an error, not a shorter result."""
+    n, start, length = args["num_embeddings"], args["start"], args["length"]
+    if start + length > n:
+        arg = "start" if start >= n else "length"
+        raise ShapeError(
+            f"{op}: rows {start} to {start + length - 1} (start={start}, length={length}) "
+            f"are past the end of a table of num_embeddings={n} rows",
+            arg=arg,
+        )
+    return ShapeResult(TensorType(MODEL_FLOAT, (length, args["embedding_dim"])))
+
+
 def pair_loss(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     a, b = inputs
     _float(op, a, 0)

@@ -349,6 +349,60 @@ def parameter_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
     return _fit((g,), needs)
 
 
+# ---------------------------------------------------------------- Hugging Face layers (shared)
+#
+# The two layer forms Hugging Face models use beyond torch.nn's: a position (or token type)
+# table read at constant rows, and Conv1D (GPT-2's c_attn, c_proj, c_fc), a linear layer
+# whose weight is stored [in_features, out_features]. Views, cats, addmm and matmul: the
+# same operations on both platforms (PopTorch runs them; no index_put).
+
+
+def embedding_rows(layer: Any, *, length: int, start: int = 0) -> Tensor:
+    """Rows start .. start+length-1 of the layer's table, a view (no batch dim), as
+    ``weight[start:start + length]``; the backward reads nothing."""
+    return _weight_bias(layer)[0].narrow(0, start, length)
+
+
+def embedding_rows_backward(
+    g: Tensor, *, num_embeddings: int, start: int = 0, needs: Needs | None = None
+) -> Grads:
+    """The table's gradient: g (its consumers already summed it over the batch) between
+    zero rows, joined by torch.cat, constant sizes (aten's slice_backward's values, a copy
+    into zeros, bit for bit)."""
+    if not _need(needs, 0):
+        return _fit((None,), needs)
+    after = num_embeddings - start - g.shape[0]
+    parts = [g]
+    if start:
+        parts.insert(0, g.new_zeros((start, g.shape[1])))
+    if after:
+        parts.append(g.new_zeros((after, g.shape[1])))
+    return _fit((torch.cat(parts, 0) if len(parts) > 1 else g,), needs)
+
+
+def transposed_linear(x: Tensor, layer: Any) -> Tensor:
+    """Hugging Face's Conv1D: addmm(bias, x as [-1, in_features], weight) viewed back to x's
+    leading dims (x @ weight without a bias); the backward reads x and the weight."""
+    weight, bias = _weight_bias(layer)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x2.matmul(weight) if bias is None else torch.addmm(bias, x2, weight)
+    return y.reshape(*x.shape[:-1], weight.shape[1])
+
+
+def transposed_linear_backward(
+    g: Tensor, x: Tensor, layer: Any, *, needs: Needs | None = None
+) -> Grads:
+    """addmm's gradients over the flattened leading dims, in autograd's order
+    (mm_mat1_backward, mm_mat2_backward, sum_to for the bias): gx = g @ W^T,
+    gW = x^T @ g, gb = the sum of g's rows."""
+    weight = _weight_bias(layer)[0]
+    g2 = g.reshape(-1, g.shape[-1])
+    gx = g2.matmul(weight.t()).reshape(x.shape) if _need(needs, 0) else None
+    gw = x.reshape(-1, x.shape[-1]).t().matmul(g2) if _need(needs, 1) else None
+    gb = g2.sum(0) if _need(needs, 2) else None
+    return _fit((gx, gw, gb), needs)
+
+
 # ---------------------------------------------------------------- v2 activations (shared)
 #
 # Forwards that are one torch.nn.functional call on both platforms (PopTorch runs Hardtanh,
@@ -469,6 +523,31 @@ def free_parameter(  # unroller-lint: host-only (runs when the model is built)
         else:
             raise ValueError(f"free_parameter: unknown init {init!r}")
     return torch.nn.Parameter(tensor)
+
+
+def transposed_linear_layer(  # unroller-lint: host-only (runs when the model is built)
+    in_features: int, out_features: int, bias: bool = True
+) -> torch.nn.Module:
+    """The module holding a ``transposed_linear`` layer's tensors as Hugging Face's Conv1D
+    does (state-dict keys weight [in_features, out_features], bias [out_features]),
+    initialised as Conv1D: weight normal(0, 0.02), bias zeros."""
+    return _TransposedLinear(in_features, out_features, bias)
+
+
+class _TransposedLinear(torch.nn.Module):
+    """transposed_linear's parameters (Conv1D's); the kernels compute, never ``forward``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        weight = torch.empty(in_features, out_features)
+        self.weight = torch.nn.Parameter(torch.nn.init.normal_(weight, 0.0, 0.02))
+        bias_value = torch.nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.register_parameter("bias", bias_value)
+
+    def extra_repr(self) -> str:
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, bias={self.bias is not None}"
 
 
 def add_layer(

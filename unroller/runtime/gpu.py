@@ -45,6 +45,8 @@ from unroller.runtime.common import (  # noqa: F401
     div_backward,
     dropout_eval,
     elu,
+    embedding_rows,
+    embedding_rows_backward,
     flatten,
     flatten_backward,
     free_parameter,
@@ -79,6 +81,9 @@ from unroller.runtime.common import (  # noqa: F401
     sub_backward,
     tanh,
     tensors,
+    transposed_linear,
+    transposed_linear_backward,
+    transposed_linear_layer,
     unsupported,
 )
 

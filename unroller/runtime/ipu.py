@@ -93,6 +93,8 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     div_backward,
     dropout_eval,
     elu,
+    embedding_rows,
+    embedding_rows_backward,
     flatten,
     flatten_backward,
     free_parameter,
@@ -127,6 +129,9 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     sub_backward,
     tanh,
     tensors,
+    transposed_linear,
+    transposed_linear_backward,
+    transposed_linear_layer,
 )
 
 # The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
