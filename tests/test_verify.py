@@ -356,3 +356,68 @@ def test_relative_error_is_against_the_tensors_scale():
     zeros = torch.zeros(2, dtype=torch.float64)
     assert relative_error(zeros, zeros) == (0.0, 0.0, 0.0)
     assert relative_error(zeros + 1e-30, zeros)[2] > 1e10
+
+
+BIAS_BEFORE_BN = """
+model biased {
+    input x: f32[N, 3, 8, 8]
+    target y: i64[N]
+    conv = conv2d(x, out_channels=4, kernel_size=3, padding=1)
+    bn = batchnorm2d(conv)
+    r = relu(bn)
+    pool = adaptive_avgpool2d(r, output_size=1)
+    flat = flatten(pool)
+    fc = linear(flat, out_features=3)
+    loss = cross_entropy(fc, y)
+    return loss, fc
+}
+"""
+
+BIASED_MODULE = """
+import torch
+from torch import nn
+
+
+class Biased(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+"""
+
+
+def test_a_gradient_zero_in_exact_arithmetic_passes_as_noise_and_says_so():
+    # rows as a BERT step gives them: the key bias's gradient is 0 in exact arithmetic
+    from unroller.verify import Row, _noise_checked
+
+    rows = [
+        Row("grad q.weight", (4, 4), 0.338, 1e-17, 3e-17, True),
+        Row("grad k.bias", (4,), 4.6e-22, 5.7e-22, 1.23, False),
+        Row("grad small", (4,), 1e-12, 1e-16, 1e-4, False),  # small but real: still fails
+        Row("loss", (), 2.0, 0.0, 0.0, True),
+    ]
+    checked = {row.name: row for row in _noise_checked(rows)}
+    assert checked["grad k.bias"].ok
+    assert checked["grad k.bias"].note.startswith("zero in exact arithmetic")
+    assert not checked["grad small"].ok
+
+
+def test_a_biased_conv_before_batch_norm_verifies(tmp_path):
+    (tmp_path / "biased.py").write_text(BIASED_MODULE)
+    report = verify_text(BIAS_BEFORE_BN, f"{tmp_path / 'biased.py'}:Biased")
+    assert report.ok, report.table()
+
+
+def test_a_small_but_real_gradient_error_still_fails(tmp_path):
+    # the noise rule does not hide a wrong gradient: a wrong eps changes every gradient
+    (tmp_path / "biased.py").write_text(BIASED_MODULE)
+    text = BIAS_BEFORE_BN.replace("bn = batchnorm2d(conv)", "bn = batchnorm2d(conv, eps=1e-3)")
+    report = verify_text(text, f"{tmp_path / 'biased.py'}:Biased")
+    assert not report.ok
+    failed = {row.name for row in report.failed}
+    assert "grad conv.weight" in failed and "grad conv.bias" not in failed

@@ -240,6 +240,7 @@ def _embedding_rows(view, ids, weight, padding: int):
         "embedding_rows",
         [],
         layer=view.layer("weight"),
+        value_shape=(length, weight[1]),
         num_embeddings=weight[0],
         embedding_dim=weight[1],
         length=length,

@@ -302,9 +302,10 @@ class _Mapper:
         path, _ = self.where(node)
         if path and path in self.leaf_paths:
             return path
-        short = (
-            str(node.target).split(".")[1] if str(node.target).startswith("aten.") else node.name
-        )
+        target = _target_name(node)
+        short = target.split(".")[1] if target.startswith("aten.") else "value"
+        if target == "getitem":
+            short = "split"
         short = short.rstrip("_") or "value"
         return f"{path}.{short}" if path else short
 
@@ -523,7 +524,9 @@ class _Mapper:
 
     # ---- what a NodeView asks for
 
-    def add_stmt(self, node, op: str, args: list[str], layer: str | None, kwargs: dict) -> str:
+    def add_stmt(
+        self, node, op: str, args: list[str], layer: str | None, kwargs: dict, shape=None
+    ) -> str:
         path, cls = self.where(node)
         if layer is not None:
             name = layer
@@ -542,10 +545,11 @@ class _Mapper:
             module_path = path
         self._record_classes(node)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        try:
-            shape = self.shape(node)
-        except Refuse:
-            shape = None
+        if shape is None:
+            try:
+                shape = self.shape(node)
+            except Refuse:
+                shape = None
         self.stmts.append(Stmt(name, op, args, kwargs, module_path, shape))
         return name
 
@@ -699,8 +703,12 @@ class NodeView:
             raise Refuse(f"the module has no buffer {key}")
         self.m.used_buffers.add(key)
 
-    def stmt(self, op: str, args: list[str], layer: str | None = None, **kwargs) -> str:
-        return self.m.add_stmt(self.node, op, args, layer, kwargs)
+    def stmt(
+        self, op: str, args: list[str], layer: str | None = None, value_shape=None, **kwargs
+    ) -> str:
+        """A statement for this node; ``value_shape`` when the registry op's output differs
+        from the node's (a value without the batch dim that broadcasts like the node's)."""
+        return self.m.add_stmt(self.node, op, args, layer, kwargs, value_shape)
 
     def alias(self, key) -> str:
         return self.m.value_of(self._arg(key))
