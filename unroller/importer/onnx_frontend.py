@@ -5,8 +5,8 @@ against ``--input`` by position: the rank and every size after the batch must ma
 batch dim may be symbolic (``torch.onnx.export(..., dynamic_shapes=...)``) or fixed (an
 export at one example batch), and is read as ``N`` either way.
 
-Batch. With a symbolic batch, ONNX shape inference and the constant folding run twice, at
-batch ``B1`` and ``B2``: a size that is B1 in one run and B2 in the other is ``N``, one that
+Batch. With a symbolic batch, shape inference (ONNX's, node by node) and the constant folding
+run twice, at batch ``B1`` and ``B2``: a size that is B1 in one run and B2 in the other is ``N``, one that
 does not change is fixed, and anything else (``2 * N``) is refused where it matters. With a
 fixed batch B, dim 0 of every value computed from the inputs is ``N`` (the mappers refuse
 every operation that moves, merges or reduces dim 0), and a shape argument whose first
@@ -45,8 +45,9 @@ eval mode) has no batch norm left to train; export with ``optimize=False``.
 
 A leaf module whose call the exporter decomposed into many ONNX nodes (an
 ``nn.AdaptiveAvgPool2d`` that upsamples 1x1 to 7x7 becomes a ``GatherND`` chain) is one
-statement when its class is in ``COLLAPSED``: the nodes' math is checked against torch's
-(float64, on random input) first, which proves the map for these linear operators.
+statement when its class is in ``COLLAPSED``: the nodes are run (``onnx.reference``) on random
+input and must agree with torch's operator up to the file's float rounding first, which
+identifies these linear operators (another linear map differs by the size of the values).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from unroller.importer import onnx_ops
-from unroller.importer.aten_ops import Refuse
+from unroller.importer.aten_ops import Refuse, pair
 from unroller.importer.model import (
     BATCH,
     ImportedModel,
@@ -183,11 +184,12 @@ def check_inputs(graph_inputs: list, inputs: Sequence[Tensor], source: str) -> i
 
 
 def _check_dtype(value, spec: Tensor, source: str) -> None:
+    """Floats for floats, integers for integers (the width may differ: f32 file, f64 run)."""
     elem = value.type.tensor_type.elem_type
     name = DTYPES.get(elem)
     if name is None:
         raise ImportFailure(f"{source}: the input {value.name!r} has ONNX element type {elem}")
-    if name[0] != spec.dtype[0] and not (name[0] == "b" or spec.dtype[0] == "b"):
+    if name.startswith("i") != spec.dtype.startswith("i"):
         raise ImportFailure(
             f'--input "{spec.name}: {spec.text()}": the ONNX input {value.name!r} is {name}'
         )
@@ -297,7 +299,7 @@ def node_where(node) -> _Where:
         return _Where([""], [], _short(node.op_type), location, rules)
     if node.name.startswith("/"):
         return _Where(_scopes_from_name(node.name), [], _short(node.op_type), location, rules)
-    return _Where([""], [], _short(node.op_type), location, rules)
+    return _Where([""], [], _short(node.name or node.op_type), location, rules)
 
 
 # ---------------------------------------------------------------- the mapper
@@ -623,9 +625,9 @@ class _Mapper:
             raise ImportFailure(f"{self.source}: the output {name!r} does not depend on the input")
         try:
             self.shape(name)
+            return self.value_of(name)
         except Refuse as exc:
             raise ImportFailure(f"{self.source}: the output {name!r}: {exc}") from None
-        return self.value_of(name)
 
     def _map(self, i: int) -> None:
         node = self.nodes[i]
@@ -1021,7 +1023,7 @@ def _adaptive_avg_pool(mapper: _Mapper, path: str, nodes: list[int], x: str, out
     size = tuple(int(d) for d in shape_out[2:])
     if rank == 4:
         mapper.check_linear(nodes, x, out, lambda t: F.adaptive_avg_pool2d(t, size))
-        op, output_size = "adaptive_avgpool2d", onnx_ops.pair(size)
+        op, output_size = "adaptive_avgpool2d", pair(size)
     else:
         mapper.check_linear(nodes, x, out, lambda t: F.adaptive_avg_pool1d(t, size))
         op, output_size = "adaptive_avgpool1d", size[0]
@@ -1040,8 +1042,7 @@ COLLAPSED: dict[str, Callable] = {
 # ---------------------------------------------------------------- entry points
 
 
-def _mapped(path: Path, inputs: Sequence[Tensor], source: str) -> tuple[_Mapper, str]:
-    model = load_model(path)
+def _mapped(model, inputs: Sequence[Tensor], source: str) -> tuple[_Mapper, str]:
     mapper = _Mapper(model, inputs, source)
     prediction = mapper.run()
     if mapper.unmapped:
@@ -1055,9 +1056,12 @@ def import_onnx(
 ) -> tuple[ImportedModel, dict[str, tuple[int, ...]]]:
     """The ONNX network as an ImportedModel (no loss yet) and the state the imported module
     must hold ({state-dict key: shape}); ImportFailure lists every unmapped node."""
-    mapper, prediction = _mapped(path, inputs, source)
+    mapper, prediction = _mapped(load_model(path), inputs, source)
     model = mapper.model
     notes = [f"read from ONNX (opset {mapper.opset}, written by {_producer(model)})"]
+    if len(model.graph.output) > 1:
+        others = ", ".join(o.name for o in model.graph.output[1:])
+        notes.append(f"the prediction is the file's first output; not imported: {others}")
     if mapper.batch is not None:
         notes.append(f"the file fixes the batch at {mapper.batch}: read as N")
     if any(source is None for source, _ in mapper.state.values()):
@@ -1088,11 +1092,11 @@ def onnx_state_dict(path: Path, inputs: Sequence[Tensor] | None = None) -> dict[
     from it. ``inputs`` default to the file's own input shapes."""
     import torch
 
-    path = Path(path)
     source = str(path)
+    model = load_model(Path(path))
     if inputs is None:
-        inputs = declared_inputs(load_model(path), source)
-    mapper, _ = _mapped(path, inputs, source)
+        inputs = declared_inputs(model, source)
+    mapper, _ = _mapped(model, inputs, source)
     out: dict[str, Any] = {}
     for key, (init, shape) in mapper.state.items():
         if init is None:

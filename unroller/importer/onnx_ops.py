@@ -26,8 +26,6 @@ from unroller.importer.model import BATCH
 #: ONNX op type -> mapper.
 MAPPERS: dict[str, Callable] = {}
 
-__all__ = ["MAPPERS", "Refuse", "decimal32", "pair", "single"]
-
 
 def maps(*names: str):
     def register(fn: Callable) -> Callable:
@@ -141,6 +139,42 @@ def conv(view):
         stride=_size(_ints(view, "strides", spatial, 1), one_d),
         padding=_size(_pads(view, spatial), one_d),
         dilation=_size(_ints(view, "dilations", spatial, 1), one_d),
+        groups=groups,
+        bias=bias,
+    )
+
+
+@maps("ConvTranspose")
+def conv_transpose(view):
+    weight = view.param_shape(1, "weight")
+    if len(weight) != 4:
+        raise Refuse(f"a {len(weight) - 2}-D transposed convolution (conv_transpose2d is 2-D)")
+    x = view.in_shape(0)
+    groups = int(view.attr("group", 1))
+    if len(x) != 4 or x[1] != weight[0]:
+        raise Refuse(f"a transposed convolution of {list(x)} by a weight {list(weight)}")
+    if view.attr("output_shape") is not None:
+        raise Refuse("output_shape given instead of padding")
+    kernel, pads = tuple(weight[2:]), _pads(view, 2)
+    strides, dilations = _ints(view, "strides", 2, 1), _ints(view, "dilations", 2, 1)
+    extra = _ints(view, "output_padding", 2, 0)
+    want = tuple(
+        (n - 1) * s - 2 * p + d * (k - 1) + e + 1
+        for n, s, p, d, k, e in zip(x[2:], strides, pads, dilations, kernel, extra)
+    )
+    if want != tuple(view.out_shape()[2:]):
+        raise Refuse(f"ONNX computes {list(view.out_shape())}, torch's conv_transpose2d {want}")
+    bias = _bias(view, 2)
+    return view.stmt(
+        "conv_transpose2d",
+        [view.value(0)],
+        layer=view.layer(weight=1, bias=2) if bias else view.layer(weight=1),
+        out_channels=weight[1] * groups,
+        kernel_size=pair(kernel),
+        stride=pair(strides),
+        padding=pair(pads),
+        output_padding=pair(extra),
+        dilation=pair(dilations),
         groups=groups,
         bias=bias,
     )
@@ -686,18 +720,19 @@ def transpose(view):
     return view.stmt("permute", [view.value(0)], dims=tuple(perm))
 
 
+def _int_list(view, i: int, what: str) -> list[int]:
+    return [int(v) for v in np.asarray(view.const(i, what)).reshape(-1)]
+
+
 def _slice_args(view, rank: int) -> list[tuple[int, int, int, int]]:
     """(axis, start, end, step) per sliced axis, whatever the opset."""
     if view.opset < 10:
         starts, ends = view.attr("starts", []), view.attr("ends", [])
         axes, steps = view.attr("axes", list(range(len(starts)))), [1] * len(starts)
     else:
-        read = lambda i, what: [
-            int(v) for v in np.asarray(view.const(i, what)).reshape(-1)
-        ]  # noqa: E731
-        starts, ends = read(1, "starts"), read(2, "ends")
-        axes = read(3, "axes") if view.has(3) else list(range(len(starts)))
-        steps = read(4, "steps") if view.has(4) else [1] * len(starts)
+        starts, ends = _int_list(view, 1, "starts"), _int_list(view, 2, "ends")
+        axes = _int_list(view, 3, "axes") if view.has(3) else list(range(len(starts)))
+        steps = _int_list(view, 4, "steps") if view.has(4) else [1] * len(starts)
     return [
         (int(a) % rank, int(b), int(e), int(s)) for a, b, e, s in zip(axes, starts, ends, steps)
     ]
