@@ -243,3 +243,30 @@ def test_capture_failure_names_both_attempts(tmp_path):
         import_network(f"{source}:Branchy", ["x: f32[N, 4]"])
     message = caught.value.format()
     assert "torch.export failed" in message and "torch.fx fallback failed" in message
+
+
+def test_cli_import_verify_writes_only_an_exact_text(tmp_path, monkeypatch):
+    out = tmp_path / "vit.txt"
+    args = ["import", f"{ZOO}:vit", "--input", "x: f32[N, 3, 32, 32]", "--verify", "-o", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "verify: ok:" in result.output and out.exists()
+
+    import unroller.importer.api as api
+
+    real = api.import_network
+
+    def wrong(*a, **k):  # an importer bug: the text says another eps
+        imported = real(*a, **k)
+        old = "normalized_shape=32, eps=1e-06)  # LayerNorm [N, 17, 32]"
+        assert old in imported.text
+        imported.text = imported.text.replace(old, old.replace("1e-06", "0.001"))
+        return imported
+
+    monkeypatch.setattr(api, "import_network", wrong)
+    other = tmp_path / "wrong.txt"
+    args[-1] = str(other)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "FAIL" in result.output and "nothing written" in result.output
+    assert not other.exists()

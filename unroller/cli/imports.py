@@ -71,6 +71,14 @@ def import_command(
         typer.Option("--output", "-o", help="The model file to write; none or '-': stdout."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Before writing, run unroll verify on the text against the original (float64, "
+            "1e-10); write nothing and exit 1 if it differs. torch.nn networks only.",
+        ),
+    ] = False,
 ) -> None:
     """Write the model text of an existing network (torch.nn.Module or ONNX).
 
@@ -92,6 +100,8 @@ def import_command(
         imported = import_network(spec, inputs, target, loss, kwargs, name)
     except ImportFailure as exc:
         raise fail(exc.format()) from None
+    if check:
+        _verify(imported.text, spec, kwargs)
     if to_stdout:
         typer.echo(imported.text, nl=False)
         return
@@ -103,6 +113,26 @@ def import_command(
         raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
     count = len(imported.model.stmts)
     typer.echo(f"wrote {output} ({count} statements)", err=True)
+
+
+def _verify(text: str, spec: str, kwargs: str | None) -> None:
+    """``--verify``: the summary line on standard error; exit 1 (nothing written) on a
+    difference, with the failing rows."""
+    from unroller.importer.model import ImportFailure
+    from unroller.importer.source import is_onnx, parse_kwargs
+
+    if is_onnx(spec):
+        raise fail("--verify needs the torch.nn original; an ONNX file cannot be run here")
+    from unroller.verify import verify_text
+
+    try:
+        report = verify_text(text, spec, parse_kwargs(kwargs), label="<imported>")
+    except ImportFailure as exc:
+        raise fail(exc.format()) from None
+    if not report.ok:
+        typer.echo(report.render(), err=True)
+        raise fail("the imported text does not match the original; nothing written", code=1)
+    typer.echo(f"verify: {report.summary()}", err=True)
 
 
 def weights_command(
