@@ -382,3 +382,69 @@ def test_odd_source_labels_keep_the_file_valid(label: str):
     for ch in ("\n", "\x00", "\u2028"):
         if ch in label:
             assert label not in text
+
+
+# ---- value names whose first part is a number (a root nn.Sequential's `0.weight`)
+
+INDEXED = """
+model seq {
+    input x: f32[N, 4]
+    target y: i64[N]
+    block mlp(x, w) {
+        0 = linear(x, out_features=w)
+        1 = relu(0)
+        2 = linear(1, out_features=w)
+        return 2
+    }
+    0 = linear(x, out_features=8)
+    1 = relu(0)
+    2.0 = mlp(1, w=8)
+    3 = linear(2.0, out_features=3)
+    loss = cross_entropy(3, y)
+    return loss, 3
+}
+"""
+
+
+def test_names_may_start_with_a_number_like_a_root_sequential(tmp_path):
+    import torch
+    from torch import nn
+
+    from unroller.api import generate_from_text, import_generated, write_atomic
+
+    path = tmp_path / "seq.py"
+    write_atomic(path, generate_from_text(INDEXED))
+    model = import_generated(path).Model().double()
+    reference = nn.Sequential(
+        nn.Linear(4, 8),
+        nn.ReLU(),
+        nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))),
+        nn.Linear(8, 3),
+    ).double()
+    model.load_state_dict(reference.state_dict(), strict=True)
+    reference.load_state_dict(model.state_dict(), strict=True)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    loss = torch.nn.functional.cross_entropy(reference(x), y)
+    loss.backward()
+    assert torch.allclose(model(x, y), loss, rtol=1e-12, atol=0)
+    for key, p in reference.named_parameters():
+        assert torch.allclose(dict(model.named_parameters())[key].grad, p.grad, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "stmt, message",
+    [
+        ("01 = relu(x)", "'01' (an integer part has no leading zeros)"),
+        ("0.01 = relu(x)", "'01' (an integer part has no leading zeros)"),
+        ("y2 = relu(3)", "unexpected number '3' (expected a value name"),
+        ("y2 = relu(0)", "unexpected number '0'"),
+    ],
+)
+def test_numeric_names_are_checked(stmt, message):
+    from unroller.api import graph_from_text
+    from unroller.errors import ModelError
+
+    text = f"model m {{\n    input x: f32[N, 4]\n    {stmt}\n    return x\n}}\n"
+    with pytest.raises(ModelError) as info:
+        graph_from_text(text)
+    assert message in info.value.message

@@ -357,6 +357,15 @@ class GraphBuilder:
                 ref.loc,
             )
         candidates = list(scope.values) + list(scope.consts)
+        if ref.name.replace(".", "").isdigit() and ref.name[0] != ".":
+            # `relu(3)`: a number where a value name goes (names may start with a number,
+            # `0.weight` of a root nn.Sequential, so this is found here, not by the parser)
+            raise ModelError(
+                f"unexpected number '{ref.name}' (expected a value name, a keyword argument "
+                "or ')')",
+                ref.loc,
+                "positional arguments are value names; give constants as key=value",
+            )
         raise ModelError(
             f"undefined name '{ref.name}'{did_you_mean(ref.name, candidates)}", ref.loc
         )

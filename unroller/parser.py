@@ -285,8 +285,10 @@ def _describe_token(tok: Token) -> str:
         return "end of file"
     if tok.type == "NAME":
         return f"name '{_short(tok.value)}'"
-    if tok.type in ("INT", "FLOAT"):
+    if tok.type in ("INT", "FLOAT") or (tok.type == "INDEX_NAME" and tok.value.isdigit()):
         return f"number '{_short(tok.value)}'"
+    if tok.type == "INDEX_NAME":
+        return f"name '{_short(tok.value)}'"
     if tok.type == "STRING":
         return f"string {_short(tok.value)}"
     return f"'{_short(tok.value)}'"
@@ -599,8 +601,9 @@ class _Builder:
         """A value name: an identifier, or a dotted path of identifiers and integers."""
         name = tok.value
         offset = 0
+        leading_index = tok.type == "INDEX_NAME"
         for index, part in enumerate(name.split(".")):
-            if index and not (_IDENT.match(part) or _INTEGER.match(part)):
+            if (index or leading_index) and not (_IDENT.match(part) or _INTEGER.match(part)):
                 if part.isdigit():
                     why = "an integer part has no leading zeros"
                 else:

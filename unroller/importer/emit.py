@@ -23,6 +23,15 @@ from unroller.importer.model import BatchDim, ImportedModel, Literal, Stmt
 
 _INDENT = "    "
 
+#: Module classes never made blocks: plain containers (their subclasses may be).
+CONTAINERS = frozenset(
+    {
+        "torch.nn.modules.container.Sequential",
+        "torch.nn.modules.container.ModuleList",
+        "torch.nn.modules.container.ModuleDict",
+    }
+)
+
 
 def comment(text: str) -> str:
     """A comment body: printable characters only, on one line, at most 160 of them."""
@@ -95,8 +104,6 @@ def _instance(model: ImportedModel, path: str, users: dict[str, list[int]]) -> _
     if len(index) < 2 or index != list(range(index[0], index[-1] + 1)):
         return None
     stmts = [model.stmts[i] for i in index]
-    if any(s.name[len(prefix) :].split(".")[0].isdigit() for s in stmts):
-        return None  # names inside a block cannot start with a number (nn.Sequential)
     if not all(s.module_path == path or s.module_path.startswith(prefix) for s in stmts):
         return None
     local = {s.name for s in stmts}
@@ -184,6 +191,8 @@ def recover_blocks(model: ImportedModel, reserved: set[str]) -> list[_Block]:
             inst = _instance(model, path, users)
             if inst is not None:
                 instances[path] = inst
+    for path in [p for p in instances if model.classes[p] in CONTAINERS]:
+        del instances[path]  # a plain container's structure is incidental: its children
     depths = sorted({p.count(".") for p in instances})
 
     def free(path: str) -> bool:

@@ -114,10 +114,13 @@ class ImportFailure(Exception):
 
 
 def valid_path(name: str) -> bool:
-    """Whether a dotted module path can be a statement name (parts are identifiers or
-    integers, the first part not an integer)."""
-    parts = name.split(".")
-    return all(_PART.fullmatch(part) for part in parts) and not parts[0].isdigit()
+    """Whether a dotted module path can be a statement name: parts are identifiers or
+    integers without leading zeros (``features.0``, or ``0.weight``'s ``0`` of a root
+    nn.Sequential)."""
+    return all(
+        _PART.fullmatch(part) and (not part.isdigit() or part == str(int(part)))
+        for part in name.split(".")
+    )
 
 
 #: Input spec form: ``x: f32[N, 3, 224, 224]``.

@@ -561,14 +561,9 @@ class _Mapper:
 
 def unusable_name(path: str) -> str:
     """Why a module path cannot name a statement."""
-    if path.split(".")[0].isdigit():
-        return (
-            f"the module path {path!r} cannot be a model-language name (its first part is a "
-            "number: a root nn.Sequential); wrap the network in a module with a named attribute"
-        )
     return (
         f"the module path {path!r} cannot be a model-language name (each part must be an "
-        "identifier or a number)"
+        "identifier or an integer without leading zeros)"
     )
 
 
