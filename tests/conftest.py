@@ -25,6 +25,12 @@ SLOW = os.environ.get("SLOW") == "1"
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one thread per xdist worker: `make test` runs as many workers as cores, and
+        # torch's own threads on top would oversubscribe them (float64 depthwise convs)
+        import torch
+
+        torch.set_num_threads(1)
     config.addinivalue_line(
         "markers", "slow: end-to-end runs of the benchmark scripts; only with SLOW=1"
     )

@@ -14,9 +14,11 @@ tests/import_zoo.py`` builds each one, runs a forward at batch 2 and prints its 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -205,7 +207,12 @@ def _make_divisible(v: float, divisor: int, min_value: int | None = None) -> int
 
 
 class Conv2dNormActivation(nn.Sequential):
-    """torchvision.ops' conv + norm + activation, a ``Sequential`` so keys read ``0.weight``."""
+    """torchvision.ops' conv + norm + activation, a ``Sequential`` so keys read ``0.weight``.
+
+    The keyword-only knobs are torchvision's too (EfficientNet's projection has no
+    activation, ConvNeXt's stem is a biased 4x4 conv with a channels-last LayerNorm); their
+    defaults keep the MobileNetV2 layout.
+    """
 
     def __init__(
         self,
@@ -214,9 +221,14 @@ class Conv2dNormActivation(nn.Sequential):
         kernel_size: int = 3,
         stride: int = 1,
         groups: int = 1,
-        activation_layer: Callable[..., nn.Module] = nn.ReLU,
+        activation_layer: Callable[..., nn.Module] | None = nn.ReLU,
+        *,
+        padding: int | None = None,
+        norm_layer: Callable[..., nn.Module] = nn.BatchNorm2d,
+        bias: bool = False,
     ) -> None:
-        padding = (kernel_size - 1) // 2
+        if padding is None:
+            padding = (kernel_size - 1) // 2
         layers = [
             nn.Conv2d(
                 in_channels,
@@ -225,11 +237,12 @@ class Conv2dNormActivation(nn.Sequential):
                 stride,
                 padding,
                 groups=groups,
-                bias=False,
+                bias=bias,
             ),
-            nn.BatchNorm2d(out_channels),
-            activation_layer(inplace=True),
+            norm_layer(out_channels),
         ]
+        if activation_layer is not None:
+            layers.append(activation_layer(inplace=True))
         super().__init__(*layers)
         self.out_channels = out_channels
 
@@ -645,6 +658,592 @@ def gpt(
 
 
 # --------------------------------------------------------------------------------------------
+# EfficientNet-B0 (torchvision.models.efficientnet, torchvision.ops.misc)
+# --------------------------------------------------------------------------------------------
+
+
+class SqueezeExcitation(nn.Module):
+    """torchvision.ops' squeeze-excitation: global average, two 1x1 convs, a sigmoid gate
+    multiplied over H and W (``scale * input``, a ``[N, C, 1, 1]`` by ``[N, C, H, W]``)."""
+
+    def __init__(
+        self,
+        input_channels: int,
+        squeeze_channels: int,
+        activation: Callable[..., nn.Module] = nn.ReLU,
+        scale_activation: Callable[..., nn.Module] = nn.Sigmoid,
+    ) -> None:
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(input_channels, squeeze_channels, 1)
+        self.fc2 = nn.Conv2d(squeeze_channels, input_channels, 1)
+        self.activation = activation()
+        self.scale_activation = scale_activation()
+
+    def _scale(self, x: Tensor) -> Tensor:
+        scale = self.activation(self.fc1(self.avgpool(x)))
+        return self.scale_activation(self.fc2(scale))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._scale(x) * x
+
+
+class StochasticDepth(nn.Module):
+    """torchvision.ops' per-sample residual drop ("row": one Bernoulli draw per sample, the
+    survivors scaled by 1/(1-p)); the identity in eval mode or at ``p == 0``."""
+
+    def __init__(self, p: float, mode: str) -> None:
+        super().__init__()
+        self.p = p
+        self.mode = mode
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        shape = [x.shape[0]] + [1] * (x.ndim - 1) if self.mode == "row" else [1] * x.ndim
+        survival = 1.0 - self.p
+        noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(survival)
+        return x * noise.div_(survival)
+
+
+class MBConvConfig:
+    """One stage of the EfficientNet table; channels and depth scaled as torchvision does."""
+
+    def __init__(
+        self,
+        expand_ratio: float,
+        kernel: int,
+        stride: int,
+        input_channels: int,
+        out_channels: int,
+        num_layers: int,
+        width_mult: float = 1.0,
+        depth_mult: float = 1.0,
+    ) -> None:
+        self.expand_ratio = expand_ratio
+        self.kernel = kernel
+        self.stride = stride
+        self.input_channels = self.adjust_channels(input_channels, width_mult)
+        self.out_channels = self.adjust_channels(out_channels, width_mult)
+        self.num_layers = int(math.ceil(num_layers * depth_mult))
+
+    @staticmethod
+    def adjust_channels(channels: float, width_mult: float) -> int:
+        return _make_divisible(channels * width_mult, 8)
+
+
+class MBConv(nn.Module):
+    """torchvision's EfficientNet block: [1x1 expand], depthwise kxk, squeeze-excitation,
+    1x1 projection without activation; ``result += input`` behind stochastic depth when the
+    shape is kept."""
+
+    def __init__(self, cnf: MBConvConfig, stochastic_depth_prob: float) -> None:
+        super().__init__()
+        self.use_res_connect = cnf.stride == 1 and cnf.input_channels == cnf.out_channels
+        layers: list[nn.Module] = []
+        expanded = cnf.adjust_channels(cnf.input_channels, cnf.expand_ratio)
+        if expanded != cnf.input_channels:
+            layers.append(
+                Conv2dNormActivation(
+                    cnf.input_channels, expanded, kernel_size=1, activation_layer=nn.SiLU
+                )
+            )
+        layers.append(
+            Conv2dNormActivation(
+                expanded,
+                expanded,
+                kernel_size=cnf.kernel,
+                stride=cnf.stride,
+                groups=expanded,
+                activation_layer=nn.SiLU,
+            )
+        )
+        squeeze = max(1, cnf.input_channels // 4)
+        layers.append(
+            SqueezeExcitation(expanded, squeeze, activation=partial(nn.SiLU, inplace=True))
+        )
+        layers.append(
+            Conv2dNormActivation(expanded, cnf.out_channels, kernel_size=1, activation_layer=None)
+        )
+        self.block = nn.Sequential(*layers)
+        self.stochastic_depth = StochasticDepth(stochastic_depth_prob, "row")
+        self.out_channels = cnf.out_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self.block(x)
+        if self.use_res_connect:
+            result = self.stochastic_depth(result)
+            result += x
+        return result
+
+
+# (expand_ratio, kernel, stride, input_channels, out_channels, num_layers) of B0.
+EFFICIENTNET_B0_SETTING = [
+    (1, 3, 1, 32, 16, 1),
+    (6, 3, 2, 16, 24, 2),
+    (6, 5, 2, 24, 40, 2),
+    (6, 3, 2, 40, 80, 3),
+    (6, 5, 1, 80, 112, 3),
+    (6, 5, 2, 112, 192, 4),
+    (6, 3, 1, 192, 320, 1),
+]
+
+
+class EfficientNet(nn.Module):
+    """torchvision's ``EfficientNet`` (v1): SiLU stem, seven MBConv stages, 1x1 head to
+    4x the last width, global pool, ``classifier`` (Dropout, Linear)."""
+
+    def __init__(
+        self,
+        setting: list[MBConvConfig],
+        dropout: float,
+        stochastic_depth_prob: float = 0.2,
+        num_classes: int = 1000,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [
+            Conv2dNormActivation(
+                3, setting[0].input_channels, kernel_size=3, stride=2, activation_layer=nn.SiLU
+            )
+        ]
+        total = sum(cnf.num_layers for cnf in setting)
+        block_id = 0
+        for cnf in setting:
+            stage: list[nn.Module] = []
+            for _ in range(cnf.num_layers):
+                block_cnf = copy.copy(cnf)
+                if stage:  # later blocks of a stage keep its width and resolution
+                    block_cnf.input_channels = block_cnf.out_channels
+                    block_cnf.stride = 1
+                stage.append(MBConv(block_cnf, stochastic_depth_prob * block_id / total))
+                block_id += 1
+            layers.append(nn.Sequential(*stage))
+        last_in = setting[-1].out_channels
+        last_out = 4 * last_in
+        layers.append(
+            Conv2dNormActivation(last_in, last_out, kernel_size=1, activation_layer=nn.SiLU)
+        )
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            nn.Dropout(p=dropout, inplace=True), nn.Linear(last_out, num_classes)
+        )
+        _init_convnet(self)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                bound = 1.0 / math.sqrt(m.out_features)
+                nn.init.uniform_(m.weight, -bound, bound)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.avgpool(self.features(x))
+        x = torch.flatten(x, 1)
+        return self.classifier(x)
+
+
+def efficientnet_b0(
+    num_classes: int = 10,
+    width_mult: float = 1.0,
+    depth_mult: float = 1.0,
+    dropout: float = 0.2,
+    stochastic_depth_prob: float = 0.0,
+) -> EfficientNet:
+    """EfficientNet-B0 as ``torchvision.models.efficientnet_b0`` (B0 is width 1.0, depth 1.0,
+    dropout 0.2). ``stochastic_depth_prob`` defaults to 0, not torchvision's 0.2: a random
+    per-sample residual drop has no registry operator, and at 0 (or in eval mode)
+    ``StochasticDepth`` is the identity, so the module still computes what torchvision's
+    computes at inference."""
+    setting = [
+        MBConvConfig(*row, width_mult=width_mult, depth_mult=depth_mult)
+        for row in EFFICIENTNET_B0_SETTING
+    ]
+    return EfficientNet(setting, dropout, stochastic_depth_prob, num_classes)
+
+
+# --------------------------------------------------------------------------------------------
+# ConvNeXt (torchvision.models.convnext)
+# --------------------------------------------------------------------------------------------
+
+
+class Permute(nn.Module):
+    """torchvision.ops' ``Permute``: ``torch.permute`` as a module of a ``Sequential``."""
+
+    def __init__(self, dims: list[int]) -> None:
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.permute(x, self.dims)
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """A LayerNorm over the channels of ``[N, C, H, W]``: channels last, normalise, back."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class CNBlock(nn.Module):
+    """torchvision's ConvNeXt block: depthwise 7x7, channels-last LayerNorm, Linear 4x,
+    GELU, Linear back, channels first, times the ``layer_scale`` parameter ``[C, 1, 1]``,
+    stochastic depth, ``result += input``."""
+
+    def __init__(self, dim: int, layer_scale: float, stochastic_depth_prob: float) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv2d(dim, dim, kernel_size=7, padding=3, groups=dim, bias=True),
+            Permute([0, 2, 3, 1]),
+            nn.LayerNorm(dim, eps=1e-6),
+            nn.Linear(dim, 4 * dim, bias=True),
+            nn.GELU(),
+            nn.Linear(4 * dim, dim, bias=True),
+            Permute([0, 3, 1, 2]),
+        )
+        self.layer_scale = nn.Parameter(torch.ones(dim, 1, 1) * layer_scale)
+        self.stochastic_depth = StochasticDepth(stochastic_depth_prob, "row")
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self.layer_scale * self.block(x)
+        result = self.stochastic_depth(result)
+        result += x
+        return result
+
+
+class ConvNeXt(nn.Module):
+    """torchvision's ``ConvNeXt``: a 4x4/4 patchify stem with LayerNorm2d, stages of
+    ``CNBlock`` with (LayerNorm2d, 2x2/2 conv) downsampling between them, global pool,
+    ``classifier`` (LayerNorm2d, Flatten, Linear).
+
+    ``block_setting`` rows are (input_channels, out_channels or None, num_layers).
+    """
+
+    def __init__(
+        self,
+        block_setting: list[tuple[int, int | None, int]],
+        stochastic_depth_prob: float = 0.0,
+        layer_scale: float = 1e-6,
+        num_classes: int = 1000,
+    ) -> None:
+        super().__init__()
+        norm_layer = partial(LayerNorm2d, eps=1e-6)
+        first = block_setting[0][0]
+        layers: list[nn.Module] = [
+            Conv2dNormActivation(
+                3,
+                first,
+                kernel_size=4,
+                stride=4,
+                padding=0,
+                norm_layer=norm_layer,
+                activation_layer=None,
+                bias=True,
+            )
+        ]
+        total = sum(row[2] for row in block_setting)
+        block_id = 0
+        for channels, out_channels, num_layers in block_setting:
+            stage = []
+            for _ in range(num_layers):
+                sd_prob = stochastic_depth_prob * block_id / max(total - 1.0, 1.0)
+                stage.append(CNBlock(channels, layer_scale, sd_prob))
+                block_id += 1
+            layers.append(nn.Sequential(*stage))
+            if out_channels is not None:
+                layers.append(
+                    nn.Sequential(
+                        norm_layer(channels),
+                        nn.Conv2d(channels, out_channels, kernel_size=2, stride=2),
+                    )
+                )
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        last = block_setting[-1]
+        last_channels = last[1] if last[1] is not None else last[0]
+        self.classifier = nn.Sequential(
+            norm_layer(last_channels), nn.Flatten(1), nn.Linear(last_channels, num_classes)
+        )
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d | nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.avgpool(self.features(x)))
+
+
+def convnext_tiny(
+    num_classes: int = 10,
+    widths: tuple[int, ...] = (96, 192, 384, 768),
+    depths: tuple[int, ...] = (3, 3, 9, 3),
+    layer_scale: float = 1e-6,
+    stochastic_depth_prob: float = 0.0,
+) -> ConvNeXt:
+    """ConvNeXt-T as ``torchvision.models.convnext_tiny`` at the default knobs, except
+    ``stochastic_depth_prob`` (0.1 there; 0 here, see ``efficientnet_b0``). The tests
+    shrink ``widths``/``depths`` and raise ``layer_scale`` (torchvision's 1e-6 makes the
+    blocks' gradients a millionth of the stem's, a weak comparison)."""
+    setting = [
+        (w, widths[i + 1] if i + 1 < len(widths) else None, d)
+        for i, (w, d) in enumerate(zip(widths, depths))
+    ]
+    return ConvNeXt(setting, stochastic_depth_prob, layer_scale, num_classes)
+
+
+# --------------------------------------------------------------------------------------------
+# DenseNet (torchvision.models.densenet)
+# --------------------------------------------------------------------------------------------
+
+
+class _DenseLayer(nn.Module):
+    """torchvision's dense layer: concat of all earlier features, BN-ReLU-1x1 conv to
+    ``bn_size * growth_rate``, BN-ReLU-3x3 conv to ``growth_rate`` new features."""
+
+    def __init__(
+        self, num_input_features: int, growth_rate: int, bn_size: int, drop_rate: float
+    ) -> None:
+        super().__init__()
+        width = bn_size * growth_rate
+        self.norm1 = nn.BatchNorm2d(num_input_features)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(num_input_features, width, kernel_size=1, stride=1, bias=False)
+        self.norm2 = nn.BatchNorm2d(width)
+        self.relu2 = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(width, growth_rate, kernel_size=3, stride=1, padding=1, bias=False)
+        self.drop_rate = float(drop_rate)
+
+    def bn_function(self, inputs: list[Tensor]) -> Tensor:
+        concated = torch.cat(inputs, 1)
+        return self.conv1(self.relu1(self.norm1(concated)))
+
+    def forward(self, features: Tensor | list[Tensor]) -> Tensor:
+        previous = [features] if isinstance(features, Tensor) else features
+        bottleneck = self.bn_function(previous)
+        new_features = self.conv2(self.relu2(self.norm2(bottleneck)))
+        if self.drop_rate > 0:
+            new_features = F.dropout(new_features, p=self.drop_rate, training=self.training)
+        return new_features
+
+
+class _DenseBlock(nn.ModuleDict):
+    """``denselayer1`` .. ``denselayerK``, each fed the list of all features so far; the
+    block returns their concat."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_input_features: int,
+        bn_size: int,
+        growth_rate: int,
+        drop_rate: float,
+    ) -> None:
+        super().__init__()
+        for i in range(num_layers):
+            layer = _DenseLayer(
+                num_input_features + i * growth_rate, growth_rate, bn_size, drop_rate
+            )
+            self.add_module(f"denselayer{i + 1}", layer)
+
+    def forward(self, init_features: Tensor) -> Tensor:
+        features = [init_features]
+        for _, layer in self.items():
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+class _Transition(nn.Sequential):
+    """BN, ReLU, 1x1 conv halving the width, 2x2 average pool."""
+
+    def __init__(self, num_input_features: int, num_output_features: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(num_input_features)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv = nn.Conv2d(
+            num_input_features, num_output_features, kernel_size=1, stride=1, bias=False
+        )
+        self.pool = nn.AvgPool2d(kernel_size=2, stride=2)
+
+
+class DenseNet(nn.Module):
+    """torchvision's ``DenseNet``: ``features`` (conv0, norm0, relu0, pool0, dense blocks
+    with transitions between them, norm5), ReLU, global pool, ``classifier``."""
+
+    def __init__(
+        self,
+        growth_rate: int = 32,
+        block_config: tuple[int, ...] = (6, 12, 24, 16),
+        num_init_features: int = 64,
+        bn_size: int = 4,
+        drop_rate: float = 0.0,
+        num_classes: int = 1000,
+    ) -> None:
+        super().__init__()
+        stem = [
+            ("conv0", nn.Conv2d(3, num_init_features, 7, stride=2, padding=3, bias=False)),
+            ("norm0", nn.BatchNorm2d(num_init_features)),
+            ("relu0", nn.ReLU(inplace=True)),
+            ("pool0", nn.MaxPool2d(kernel_size=3, stride=2, padding=1)),
+        ]
+        self.features = nn.Sequential(OrderedDict(stem))
+        width = num_init_features
+        for i, num_layers in enumerate(block_config):
+            block = _DenseBlock(num_layers, width, bn_size, growth_rate, drop_rate)
+            self.features.add_module(f"denseblock{i + 1}", block)
+            width += num_layers * growth_rate
+            if i != len(block_config) - 1:
+                self.features.add_module(f"transition{i + 1}", _Transition(width, width // 2))
+                width //= 2
+        self.features.add_module("norm5", nn.BatchNorm2d(width))
+        self.classifier = nn.Linear(width, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight)
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(self.features(x), inplace=True)
+        out = F.adaptive_avg_pool2d(out, (1, 1))
+        return self.classifier(torch.flatten(out, 1))
+
+
+def densenet(
+    num_classes: int = 10,
+    growth_rate: int = 32,
+    block_config: tuple[int, ...] = (6, 12, 24, 16),
+    num_init_features: int = 64,
+    bn_size: int = 4,
+    drop_rate: float = 0.0,
+) -> DenseNet:
+    """DenseNet-121 as ``torchvision.models.densenet121`` at the defaults; the tests use a
+    small growth rate and two dense blocks."""
+    return DenseNet(growth_rate, block_config, num_init_features, bn_size, drop_rate, num_classes)
+
+
+# --------------------------------------------------------------------------------------------
+# An MLP autoencoder (the common "AutoEncoder(nn.Module)" tutorial layout), for mse_loss
+# --------------------------------------------------------------------------------------------
+
+
+class AutoEncoder(nn.Module):
+    """``encoder1 -> ReLU -> encoder2 -> ReLU -> decoder1 -> ReLU -> decoder2 -> Sigmoid``:
+    named ``Linear`` layers on the root module, reconstructions in (0, 1) for ``mse_loss``
+    against the input's shape."""
+
+    def __init__(self, features: int = 32, hidden: int = 16, code: int = 4) -> None:
+        super().__init__()
+        self.encoder1 = nn.Linear(features, hidden)
+        self.encoder2 = nn.Linear(hidden, code)
+        self.decoder1 = nn.Linear(code, hidden)
+        self.decoder2 = nn.Linear(hidden, features)
+        self.relu = nn.ReLU()
+        self.sigmoid = nn.Sigmoid()
+
+    def encode(self, x: Tensor) -> Tensor:
+        return self.relu(self.encoder2(self.relu(self.encoder1(x))))
+
+    def forward(self, x: Tensor) -> Tensor:
+        code = self.encode(x)
+        return self.sigmoid(self.decoder2(self.relu(self.decoder1(code))))
+
+
+def autoencoder(features: int = 32, hidden: int = 16, code: int = 4) -> AutoEncoder:
+    """The MLP autoencoder at test size."""
+    return AutoEncoder(features, hidden, code)
+
+
+# --------------------------------------------------------------------------------------------
+# A 1-D temporal convolutional network for sequence classification
+# --------------------------------------------------------------------------------------------
+
+
+class Chomp1d(nn.Module):
+    """locuslab/TCN's ``Chomp1d``: drops the last ``chomp_size`` steps, which turns a conv
+    padded by ``(k - 1) * dilation`` on both sides into a causal one."""
+
+    def __init__(self, chomp_size: int) -> None:
+        super().__init__()
+        self.chomp_size = chomp_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, :, : -self.chomp_size].contiguous()
+
+
+class TemporalBlock(nn.Module):
+    """A residual block of the TCN layout (Bai et al. 2018, locuslab/TCN): two dilated
+    ``Conv1d`` with ``BatchNorm1d`` and ReLU (batch norm in place of weight norm), a 1x1
+    ``downsample`` when the width changes. ``causal``: locuslab's padding and ``Chomp1d``
+    (each output sees only earlier steps); otherwise "same" padding, no chomp."""
+
+    def __init__(
+        self, n_inputs: int, n_outputs: int, kernel_size: int, dilation: int, causal: bool = False
+    ) -> None:
+        super().__init__()
+        padding = (kernel_size - 1) * dilation if causal else (kernel_size - 1) // 2 * dilation
+        self.conv1 = nn.Conv1d(n_inputs, n_outputs, kernel_size, padding=padding, dilation=dilation)
+        self.chomp1 = Chomp1d(padding) if causal else None
+        self.bn1 = nn.BatchNorm1d(n_outputs)
+        self.conv2 = nn.Conv1d(
+            n_outputs, n_outputs, kernel_size, padding=padding, dilation=dilation
+        )
+        self.chomp2 = Chomp1d(padding) if causal else None
+        self.bn2 = nn.BatchNorm1d(n_outputs)
+        self.relu = nn.ReLU()
+        self.downsample = nn.Conv1d(n_inputs, n_outputs, 1) if n_inputs != n_outputs else None
+
+    @staticmethod
+    def _chomp(chomp: nn.Module | None, x: Tensor) -> Tensor:
+        return x if chomp is None else chomp(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self._chomp(self.chomp1, self.conv1(x))))
+        out = self.bn2(self._chomp(self.chomp2, self.conv2(out)))
+        residual = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + residual)
+
+
+class TemporalConvNet(nn.Module):
+    """``network`` of ``TemporalBlock`` with dilations 1, 2, 4, ...; ``pool``
+    (``AdaptiveAvgPool1d(1)``) over time; ``fc`` to the classes. Input ``[N, C, L]``."""
+
+    def __init__(
+        self,
+        num_inputs: int,
+        num_channels: list[int],
+        kernel_size: int,
+        num_classes: int,
+        causal: bool = False,
+    ) -> None:
+        super().__init__()
+        blocks = []
+        for i, width in enumerate(num_channels):
+            previous = num_inputs if i == 0 else num_channels[i - 1]
+            blocks.append(TemporalBlock(previous, width, kernel_size, 2**i, causal))
+        self.network = nn.Sequential(*blocks)
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.fc = nn.Linear(num_channels[-1], num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.flatten(self.pool(self.network(x)), 1))
+
+
+def tcn(
+    num_inputs: int = 4,
+    channels: tuple[int, ...] = (16, 16, 32),
+    kernel_size: int = 3,
+    num_classes: int = 5,
+    causal: bool = False,
+) -> TemporalConvNet:
+    """A small TCN classifier for ``[N, num_inputs, L]`` sequences."""
+    return TemporalConvNet(num_inputs, list(channels), kernel_size, num_classes, causal)
+
+
+# --------------------------------------------------------------------------------------------
 # A network the importer must refuse, for the error-listing test
 # --------------------------------------------------------------------------------------------
 
@@ -779,6 +1378,19 @@ ZOO: dict[str, tuple[Callable[..., nn.Module], dict[str, Any], Callable[[int], T
     "unsupported": (Unsupported, {}, lambda n: torch.randn(n, 8, 8)),
     "hf_gpt2": (hf_gpt2, {}, _tokens()),
     "hf_bert": (hf_bert, {}, _tokens()),
+    "efficientnet_b0": (efficientnet_b0, {"width_mult": 0.1, "depth_mult": 0.5}, _images()),
+    "convnext_tiny": (
+        convnext_tiny,
+        {"widths": (8, 16), "depths": (2, 1), "layer_scale": 0.5},
+        _images(),
+    ),
+    "densenet": (
+        densenet,
+        {"growth_rate": 4, "block_config": (2, 2), "num_init_features": 8, "bn_size": 2},
+        _images(),
+    ),
+    "autoencoder": (autoencoder, {}, lambda n: torch.rand(n, 32)),
+    "tcn": (tcn, {}, lambda n: torch.randn(n, 4, 32)),
 }
 
 

@@ -38,6 +38,26 @@ CASES = {
     "unet": ({}, "x: f32[N, 3, 32, 32]", "y: i64[N, 32, 32]", ["down", "up"]),
     "vit": ({}, "x: f32[N, 3, 32, 32]", None, ["encoder_block"]),
     "gpt": ({}, "ids: i64[N, 16]", "y: i64[N, 16]", ["transformer_encoder_layer"]),
+    # MBConv (squeeze-excitation, SiLU); mb_conv_2 is the variant with the residual
+    "efficientnet_b0": (
+        {"width_mult": 0.1, "depth_mult": 0.5},
+        "x: f32[N, 3, 32, 32]",
+        None,
+        ["conv2d_norm_activation", "mb_conv", "mb_conv_2"],
+    ),
+    "densenet": (
+        {"growth_rate": 4, "block_config": [2, 2], "num_init_features": 8, "bn_size": 2},
+        "x: f32[N, 3, 32, 32]",
+        None,
+        ["dense_block"],
+    ),
+    "tcn": ({}, "x: f32[N, 4, 32]", None, ["temporal_block"]),
+    "convnext_tiny": (
+        {"widths": [8, 16], "depths": [2, 1], "layer_scale": 0.5},
+        "x: f32[N, 3, 32, 32]",
+        None,
+        ["cn_block"],
+    ),
 }
 
 
@@ -223,11 +243,22 @@ def test_hostile_class_names_stay_inside_comments(tmp_path):
     assert verify_text(imported.text, f"{source}:Named", None).ok
 
 
-def test_root_sequential_is_a_clear_error(tmp_path):
+def test_a_root_sequential_imports_with_numeric_names(tmp_path):
     source = tmp_path / "hostile.py"
     source.write_text(HOSTILE)
-    with pytest.raises(ImportFailure, match="first part is a number"):
-        import_network(f"{source}:root_sequential", ["x: f32[N, 4]"])
+    imported = import_network(f"{source}:root_sequential", ["x: f32[N, 4]"])
+    assert "    0 = linear(x, out_features=4)" in imported.text
+    assert "loss = cross_entropy(2, y)" in imported.text
+    assert verify_text(imported.text, f"{source}:root_sequential", None).ok
+
+
+def test_a_sequential_subclass_becomes_a_block_with_numeric_names():
+    kwargs = {"width_mult": 0.5, "dropout": 0.0}
+    imported = import_network(f"{ZOO}:mobilenet_v2", ["x: f32[N, 3, 32, 32]"], kwargs=kwargs)
+    assert "block conv2d_norm_activation(x, " in imported.text
+    assert "        0 = conv2d(x, out_channels=out_channels, kernel_size=kernel_size" in (
+        imported.text
+    )
 
 
 def test_capture_failure_names_both_attempts(tmp_path):

@@ -401,7 +401,8 @@ def test_a_gradient_zero_in_exact_arithmetic_passes_as_noise_and_says_so():
         Row("grad small", (4,), 1e-12, 1e-16, 1e-4, False),  # small but real: still fails
         Row("loss", (), 2.0, 0.0, 0.0, True),
     ]
-    checked = {row.name: row for row in _noise_checked(rows)}
+    noise = {"grad q.weight": 1e-17, "grad k.bias": 2e-22, "grad small": 1e-31}
+    checked = {row.name: row for row in _noise_checked(rows, noise)}
     assert checked["grad k.bias"].ok
     assert checked["grad k.bias"].note.startswith("zero in exact arithmetic")
     assert not checked["grad small"].ok

@@ -123,12 +123,15 @@ def _verify(text: str, spec: str, kwargs: str | None) -> None:
 
     if is_onnx(spec):
         raise fail("--verify needs the torch.nn original; an ONNX file cannot be run here")
+    from unroller.errors import ModelError
     from unroller.verify import verify_text
 
     try:
         report = verify_text(text, spec, parse_kwargs(kwargs), label="<imported>")
     except ImportFailure as exc:
         raise fail(exc.format()) from None
+    except ModelError as exc:
+        raise fail(f"cannot verify the imported text: {exc.message}") from None
     if not report.ok:
         typer.echo(report.render(), err=True)
         raise fail("the imported text does not match the original; nothing written", code=1)

@@ -54,6 +54,8 @@ def import_network(
     if is_onnx(spec):
         from unroller.importer.onnx_frontend import import_onnx
 
+        if kwargs:
+            raise ImportFailure("--kwargs: an ONNX file is not built by a factory")
         model, state = import_onnx(Path(spec), tensors, label, spec)
     else:
         from unroller.importer.torch_frontend import import_torch
@@ -63,8 +65,18 @@ def import_network(
         model = import_torch(module, tensors, label, spec)
         state = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     add_loss(model, loss, target_spec)
+    taken = {s.name for s in model.stmts}
+    clash = [t.name for t in tensors if t.name in taken]
+    if clash:
+        raise ImportFailure(
+            f"--input {clash[0]!r}: also the name of a statement of the network (a module "
+            "path); choose another input name"
+        )
     model.notes.insert(0, f"imported from {spec} by unroll import")
-    text = emit_text(model, reserved=_reserved())
+    try:
+        text = emit_text(model, reserved=_reserved())
+    except ValueError as exc:  # a value the language cannot write: an importer gap
+        raise ImportFailure(f"internal error: cannot write the text of {spec}: {exc}") from None
     check_text(text, state, spec)
     return Imported(text, model, state)
 

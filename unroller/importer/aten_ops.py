@@ -10,6 +10,7 @@ operator computes exactly are mapped. Adding an ATen op is one decorated functio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -330,9 +331,7 @@ def _binary(op: str):
             raise Refuse(f"{op} of the constant {a['self']!r} and a tensor")
         constant = view.constant("other")
         if constant is not None and op in ("add", "sub") and not bool(constant.any()):
-            if tuple(torch.broadcast_shapes(constant.shape, view.node.meta["val"].shape)) == tuple(
-                view.node.meta["val"].shape
-            ):
+            if view.in_shape("self") == view.out_shape():
                 return view.alias("self")  # an attention mask that masks nothing
         return view.stmt(op, [view.value("self"), view.value("other")])
 
@@ -453,7 +452,10 @@ def constant_pad(view):
         raise Refuse("padding the batch dim")
     if not any(pads):
         return view.alias("self")
-    return view.stmt("pad", [view.value("self")], pad=pads, value=float(view.a["value"]))
+    value = float(view.a["value"])
+    if not math.isfinite(value):
+        raise Refuse(f"padding with {value} (the language has finite constants only)")
+    return view.stmt("pad", [view.value("self")], pad=pads, value=value)
 
 
 # ---------------------------------------------------------------- shapes
@@ -462,6 +464,8 @@ def constant_pad(view):
 @maps("aten.cat.default")
 def cat(view):
     tensors = view.a["tensors"]
+    if len(tensors) == 1:  # DenseNet's first layer: the concat of one tensor is a copy
+        return view.value_of(tensors[0])
     rank = len(view.shape_of(tensors[0]))
     dim = _dim(view, int(view.a["dim"]), rank, "concatenating along dim")
     return view.stmt("concat", [view.value_of(t) for t in tensors], dim=dim)
@@ -494,6 +498,13 @@ def reshape(view):
         raise Refuse(f"reshaping {list(source)} to {list(out)} moves or merges the batch dim")
     if tuple(source) == tuple(out):
         return view.alias(0)
+    if len(out) == 1:  # [N, 1, ...] -> [N]: reshape keeps a dim after N, select drops one
+        if any(d != 1 for d in source[1:]):
+            raise Refuse(f"reshaping {list(source)} to [N] merges the batch dim")
+        value = view.value(0)
+        for _ in source[1:]:
+            value = view.stmt("select", [value], dim=1, index=0)
+        return value
     return view.stmt("reshape", [view.value(0)], shape=tuple(out[1:]))
 
 

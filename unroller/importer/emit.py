@@ -104,6 +104,8 @@ def _instance(model: ImportedModel, path: str, users: dict[str, list[int]]) -> _
     if len(index) < 2 or index != list(range(index[0], index[-1] + 1)):
         return None
     stmts = [model.stmts[i] for i in index]
+    if any(s.name == path for s in model.stmts):
+        return None  # the module computes something itself besides its children (LoRA)
     if not all(s.module_path == path or s.module_path.startswith(prefix) for s in stmts):
         return None
     local = {s.name for s in stmts}
@@ -147,8 +149,10 @@ def _parameterise(instances: list[_Instance], taken: set[str]) -> tuple[list[str
     for i, stmt in enumerate(first.stmts):
         for j, key in enumerate(sorted(stmt.kwargs)):
             column = tuple(inst.values[i][j] for inst in instances)
-            if len(set(map(repr, column))) > 1:
-                vectors.setdefault(column, []).append((i, key))
+            if len({(type(v), repr(v)) for v in column}) > 1:
+                # keyed by type and text: (1, 2) == (1.0, 2.0) and 1 == True in Python
+                typed = tuple((type(v).__name__, repr(v)) for v in column)
+                vectors.setdefault(typed, []).append((i, key))
     keys = [sorted({key for _, key in slots}) for slots in vectors.values()]
     counts: dict[str, int] = {}
     for names in keys:
@@ -208,7 +212,7 @@ def recover_blocks(model: ImportedModel, reserved: set[str]) -> list[_Block]:
         while name in taken:
             name += "_"
         taken.add(name)
-        params, slots = _parameterise(group, set(_input_names(len(group[0].inputs))))
+        params, slots = _parameterise(group, set(_input_names(group[0])))
         blocks.append(_Block(name, cls, group, params, slots))
         for inst in group:
             consumed.update(range(inst.start, inst.start + len(inst.stmts)))
@@ -241,8 +245,14 @@ def recover_blocks(model: ImportedModel, reserved: set[str]) -> list[_Block]:
     return blocks
 
 
-def _input_names(count: int) -> list[str]:
-    return ["x"] if count == 1 else [f"x{k}" for k in range(count)]
+def _input_names(inst: _Instance) -> list[str]:
+    """The block's value parameters: x (or x0, x1, ...), avoiding its statements' names."""
+    count = len(inst.inputs)
+    local = {s.name[len(inst.path) + 1 :].split(".")[0] for s in inst.stmts}
+    base = "x"
+    while base in local or any(f"{base}{k}" in local for k in range(count)):
+        base += "_"
+    return [base] if count == 1 else [f"{base}{k}" for k in range(count)]
 
 
 # ---------------------------------------------------------------- text
@@ -304,7 +314,7 @@ def _kwargs(stmt: Stmt) -> dict[str, str]:
 
 def _block_text(model: ImportedModel, block: _Block) -> list[str]:
     first = block.instances[0]
-    inputs = _input_names(len(first.inputs))
+    inputs = _input_names(first)
     prefix = first.path + "."
     local = {a: b for a, b in zip(first.inputs, inputs)}
     count = len(block.instances)

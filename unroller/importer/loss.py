@@ -24,12 +24,12 @@ LOSSES = {
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
 
 
-def default_target(loss: str, pred_shape: tuple) -> Tensor:
+def default_target(loss: str, pred_shape: tuple, float_dtype: str = "f32") -> Tensor:
     """``y: i64[N]`` (or per pixel ``[N, H, W]``) for class losses, else like the predictions."""
     dims = tuple(int(d) for d in pred_shape[1:])
     if loss in _CLASS_LOSSES:
         return Tensor("y", "i64", dims[1:])
-    return Tensor("y", "f32", dims)
+    return Tensor("y", float_dtype, dims)
 
 
 def add_loss(model: ImportedModel, loss: str, target: Tensor | None) -> None:
@@ -40,9 +40,23 @@ def add_loss(model: ImportedModel, loss: str, target: Tensor | None) -> None:
     shape = model.producer()[pred].shape if pred in model.producer() else None
     if shape is None or shape[0] != BATCH:
         raise ImportFailure(f"the predictions {pred} have no known [N, ...] shape")
-    target = target or default_target(loss, shape)
-    if target.name in {t.name for t in model.inputs}:
-        raise ImportFailure(f"--target {target.name!r}: the name of an input")
+    floats = [t.dtype for t in model.inputs if t.dtype not in ("i64", "i32")]
+    target = target or default_target(loss, shape, floats[0] if floats else "f32")
+    taken = {t.name for t in model.inputs} | {s.name for s in model.stmts}
+    if target.name in taken or target.name in ("loss",):
+        raise ImportFailure(
+            f"--target {target.name!r}: already the name of an input or a statement of the "
+            'network; choose another (e.g. --target "label: ...")'
+        )
+    if loss not in _CLASS_LOSSES:
+        if target.dtype in ("i64", "i32"):
+            raise ImportFailure(
+                f"--target for {loss}: values are a float dtype, not {target.dtype}"
+            )
+        if floats and target.dtype != floats[0]:
+            raise ImportFailure(
+                f"--target {target.text()}: the inputs are {floats[0]}; one float dtype for all"
+            )
     dims = tuple(int(d) for d in shape[1:])
     scores = pred
     if loss in _CLASS_LOSSES:
@@ -52,7 +66,7 @@ def add_loss(model: ImportedModel, loss: str, target: Tensor | None) -> None:
             pass
         elif len(dims) >= 2 and tuple(target.dims) == dims[:-1]:
             order = (0, len(dims), *range(1, len(dims)))
-            scores = _fresh(model, f"{pred}_classes_first")
+            scores = _fresh(model, f"{pred}_classes_first", {target.name})
             model.stmts.append(
                 Stmt(scores, "permute", [pred], {"dims": order}, "", (BATCH, dims[-1], *dims[:-1]))
             )
@@ -70,14 +84,14 @@ def add_loss(model: ImportedModel, loss: str, target: Tensor | None) -> None:
             f"--target {target.text()}: {loss} needs the predictions' shape "
             f"[N, {', '.join(map(str, dims))}]"
         )
-    name = _fresh(model, "loss")
+    name = _fresh(model, "loss", {target.name})
     model.stmts.append(Stmt(name, loss, [scores, target.name], {}, "", ()))
     model.targets = [target]
     model.loss = name
 
 
-def _fresh(model: ImportedModel, base: str) -> str:
-    taken = {s.name for s in model.stmts} | {t.name for t in model.inputs}
+def _fresh(model: ImportedModel, base: str, also: set[str] = frozenset()) -> str:
+    taken = {s.name for s in model.stmts} | {t.name for t in model.inputs} | set(also)
     name, k = base, 0
     while name in taken:
         k += 1

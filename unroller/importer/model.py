@@ -85,15 +85,23 @@ class Unmapped:
     reason: str = ""
 
     def line(self) -> str:
-        where = self.module_path or "<root>"
+        """One line; every field cleaned (class names, ONNX op types and file paths are
+        the user's or a third party's: no newline or escape sequence reaches the terminal)."""
+        where = _clean(self.module_path) or "<root>"
         if self.module_class:
-            where += f" ({self.module_class})"
-        text = f"{where}: {self.op}"
+            where += f" ({_clean(self.module_class)})"
+        text = f"{where}: {_clean(self.op)}"
         if self.reason:
-            text += f": {self.reason}"
+            text += f": {_clean(self.reason)}"
         if self.location:
-            text += f" [{self.location}]"
+            text += f" [{_clean(self.location)}]"
         return text
+
+
+def _clean(text: str, limit: int = 300) -> str:
+    """Printable characters only, on one line."""
+    cleaned = " ".join("".join(ch if ch.isprintable() else " " for ch in str(text)).split())
+    return cleaned if len(cleaned) <= limit else cleaned[: limit - 3] + "..."
 
 
 class ImportFailure(Exception):
@@ -107,8 +115,8 @@ class ImportFailure(Exception):
 
     def format(self) -> str:
         if not self.unmapped:
-            return self.message
-        lines = [f"{self.message} ({len(self.unmapped)} unmapped):"]
+            return _clean(self.message, 2000)
+        lines = [f"{_clean(self.message, 2000)} ({len(self.unmapped)} unmapped):"]
         lines += [f"  {item.line()}" for item in self.unmapped]
         return "\n".join(lines)
 

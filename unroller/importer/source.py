@@ -9,9 +9,12 @@ Face ``ModelOutput``) to the one tensor the imported model returns as its predic
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +43,19 @@ def parse_kwargs(text: str | None) -> dict:
     return value
 
 
+@contextlib.contextmanager
+def _on_path(folder: str):
+    """``folder`` first on sys.path while the user's code is imported."""
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:
+            pass
+
+
 def is_onnx(spec: str) -> bool:
     return spec.lower().endswith(".onnx")
 
@@ -63,13 +79,15 @@ def load_object(spec: str):
         sys.modules[name] = module
         FILE_MODULES[name] = path.stem
         try:
-            module_spec.loader.exec_module(module)
-        except Exception as exc:  # the user's file failed: say so, not a traceback
+            with _on_path(str(path.resolve().parent)):  # its sibling files import
+                module_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as exc:  # the user's file failed: say so
             raise ImportFailure(f"SPEC {spec!r}: running {location} failed: {exc!r}") from None
     else:
         try:
-            module = importlib.import_module(location)
-        except Exception as exc:
+            with _on_path(os.getcwd()):  # `unroll import mynet:Net` beside mynet.py
+                module = importlib.import_module(location)
+        except (Exception, SystemExit) as exc:
             raise ImportFailure(f"SPEC {spec!r}: cannot import {location}: {exc!r}") from None
     target = module
     for part in attr.split("."):
@@ -87,11 +105,12 @@ def build_module(spec: str, kwargs: dict | None = None):
     if isinstance(target, torch.nn.Module):
         if kwargs:
             raise ImportFailure(f"SPEC {spec!r} is a module instance: --kwargs cannot apply")
-        module = target
+        module = copy.deepcopy(target)  # verify converts it to float64: never the user's
+
     elif callable(target):
         try:
             module = target(**(kwargs or {}))
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise ImportFailure(f"SPEC {spec!r}: building it failed: {exc!r}") from None
     else:
         raise ImportFailure(f"SPEC {spec!r} is not a class, factory or torch.nn.Module")

@@ -84,7 +84,21 @@ def capture(module: torch.nn.Module, inputs: Sequence[Tensor]):
 
 def _capture(module: torch.nn.Module, inputs: Sequence[Tensor]):
     wrapper = Predictions(module).train()
-    example = tuple(example_inputs(inputs))
+    try:
+        example = tuple(example_inputs(inputs))
+    except (RuntimeError, MemoryError) as exc:
+        raise ImportFailure(
+            f"cannot make example inputs of the declared shapes: {_one_line(exc)}"
+        ) from None
+    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
+    if frozen:
+        shown = ", ".join(frozen[:6]) + (
+            f", ... ({len(frozen) - 6} more)" if len(frozen) > 6 else ""
+        )
+        raise ImportFailure(
+            f"{len(frozen)} parameters do not require gradients ({shown}): the imported model "
+            "would train them; unfreeze them (requires_grad_(True)) to import"
+        )
     batch = torch.export.Dim("N", min=2, max=2**31 - 1)
     dynamic = (tuple({0: batch} for _ in example),)  # forward(*args): one tuple
     try:
@@ -260,8 +274,8 @@ class _Mapper:
                 if node.name in self.constants:
                     constant.add(node)
             elif node.op == "call_function" and not _is_size_value(node):
-                if _target_name(node) == "aten.sym_size.int":
-                    continue
+                if _target_name(node) == "aten.sym_size.int" or _random(node):
+                    continue  # a random draw is not a constant of the code
                 inputs = [a for a in node.all_input_nodes if not _is_size_value(a)]
                 if all(a in constant for a in inputs):
                     constant.add(node)
@@ -300,8 +314,8 @@ class _Mapper:
 
     def functional_name(self, node) -> str:
         path, _ = self.where(node)
-        if path and path in self.leaf_paths:
-            return path
+        if path and path in self.leaf_paths and not self._holds_state(path):
+            return path  # an nn.ReLU at layer1.0.relu is the statement layer1.0.relu
         target = _target_name(node)
         short = target.split(".")[1] if target.startswith("aten.") else "value"
         if target == "getitem":
@@ -407,6 +421,9 @@ class _Mapper:
         except Refuse as exc:
             self._fail(node, target, str(exc))
             return
+        except Exception as exc:  # noqa: BLE001 - arguments no mapper expected: refuse them
+            self._fail(node, target, f"its arguments could not be read ({_one_line(exc)})")
+            return
         self.values[node] = result
 
     def _piece(self, node) -> str:
@@ -418,13 +435,24 @@ class _Mapper:
         kwargs = {"dim": dim, "start": start, "end": None if end == pieces.size else end}
         return self.add_stmt(node, "slice", [pieces.source], None, kwargs)
 
+    def _holds_state(self, path: str) -> bool:
+        sub = self.module.get_submodule(path)
+        return any(True for _ in sub.parameters(recurse=False)) or any(
+            True for _ in sub.buffers(recurse=False)
+        )
+
     def _poison(self, node) -> None:
         self.poisoned.add(node)
-        for arg in node.all_input_nodes:  # its weights are not "unused"
+        for arg in node.all_input_nodes:  # its weights are not "unused" (said once)
             if arg.op == "placeholder" and arg.name in self.params:
                 self.used_params.setdefault(self.params[arg.name], "")
             if arg.op == "placeholder" and arg.name in self.buffers:
-                self.used_buffers.add(self.buffers[arg.name])
+                key = self.buffers[arg.name]
+                self.used_buffers.add(key)
+                owner = key.rpartition(".")[0]
+                counter = f"{owner}.num_batches_tracked" if owner else "num_batches_tracked"
+                if counter in self.buffers.values():
+                    self.used_buffers.add(counter)
 
     def _fail(self, node, target: str, reason: str) -> None:
         if isinstance(node, fx.Node):
@@ -434,38 +462,71 @@ class _Mapper:
         self.unmapped.append(Unmapped(target, path, cls, loc, reason))
 
     def _check_inplace(self, node) -> None:
-        """An in-place op maps as its functional form only when nothing reads the old
-        value afterwards; a mutated buffer is refused (except batch norm's counter)."""
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.arguments:
+        """An in-place op maps as its functional form only when it writes a tensor of its
+        own (not a view of another: the write would reach the base, which the functional
+        form drops) and nothing reads the old value afterwards; a mutated input,
+        parameter or buffer is refused."""
+        mutated = _written(node)
+        if mutated is None:
             return
-        first = schema.arguments[0].alias_info
-        if first is None or not first.is_write:
-            return
-        mutated = node.args[0]
-        if isinstance(mutated, fx.Node) and mutated.op == "placeholder":
+        if mutated.op == "placeholder":
             if mutated.name in self.user_inputs:
                 raise Refuse("modifies the network's input in place")
             raise Refuse(f"modifies {self.params.get(mutated.name) or mutated.name} in place")
-        later = [u for u in mutated.users if u is not node and self.order[u] > self.order[node]]
-        if later:
-            raise Refuse(f"in place on {mutated.name}, which {later[0].name} reads afterwards")
+        family = self._view_family(mutated)  # the write reaches every view of its base
+        for member in family:
+            later = [
+                u
+                for u in member.users
+                if u is not node and u not in family and self.order[u] > self.order[node]
+            ]
+            if later:
+                what = mutated.name if member is mutated else f"{member.name} (a view of it)"
+                raise Refuse(
+                    f"in place on {mutated.name}, but {later[0].name} reads {what} " "afterwards"
+                )
+
+    def _view_family(self, node) -> set:
+        """The tensor's base (followed back through view ops) and every view made of it."""
+        base = node
+        while (
+            base.op == "call_function"
+            and _short_name(base) in _VIEW_OPS
+            and isinstance(base.args[0], fx.Node)
+        ):
+            base = base.args[0]
+        family, todo = set(), [base]
+        while todo:
+            current = todo.pop()
+            if current in family:
+                continue
+            family.add(current)
+            todo.extend(
+                u for u in current.users if u.op == "call_function" and _short_name(u) in _VIEW_OPS
+            )
+        return family
 
     def _check_dead(self, node) -> None:
-        """A dead node still matters when it mutates state (a buffer update the step
-        would silently drop): only batch norm's num_batches_tracked is accounted for."""
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.arguments:
+        """A dead node still matters when it writes something (``h[:, 0] = 0`` writes
+        through a view; a parameter clamped or a buffer updated after use) or is a region
+        of other code (``torch.no_grad()`` blocks): the step would silently drop it. Only
+        batch norm's num_batches_tracked is accounted for (the batch norm maps with it)."""
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            self._fail(
+                node,
+                _target_name(node),
+                "a region of code (no_grad, a cond, ...) " "whose effects the step would drop",
+            )
             return
-        first = schema.arguments[0].alias_info
-        if first is None or not first.is_write:
+        mutated = _written(node)
+        if mutated is None:
             return
-        mutated = node.args[0]
-        if isinstance(mutated, fx.Node) and mutated.name in self.buffers:
-            key = self.buffers[mutated.name]
-            if key.endswith(".num_batches_tracked"):
-                return
-            self._fail(node, _target_name(node), f"updates the buffer {key} in place")
+        if mutated.name in self.buffers and self.buffers[mutated.name].endswith(
+            ".num_batches_tracked"
+        ):
+            return
+        what = self.buffers.get(mutated.name) or self.params.get(mutated.name) or mutated.name
+        self._fail(node, _target_name(node), f"writes {what} in place, which the step would drop")
 
     def _collapse(self, path: str) -> None:
         nodes = [n for n in self.nodes if self.groups.get(n) == path]
@@ -530,6 +591,10 @@ class _Mapper:
         path, cls = self.where(node)
         if layer is not None:
             name = layer
+            if name in {t.name for t in self.inputs}:
+                raise Refuse(
+                    f"the input name {name!r} is also this module's path: rename the input"
+                )
             if name in self.names:
                 raise Refuse(f"the module {layer} is called twice (shared weights)")
             if not valid_path(name):
@@ -574,6 +639,66 @@ def _target_name(node) -> str:
     if target is operator.getitem:
         return "getitem"
     return getattr(target, "__name__", str(target))
+
+
+#: ATen ops whose output shares its input's storage (an in-place write to it changes the
+#: input too).
+_VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "select",
+        "slice",
+        "narrow",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "as_strided",
+        "diagonal",
+        "unflatten",
+        "flatten",
+        "split",
+        "chunk",
+        "unbind",
+        "alias",
+        "view_as",
+        "expand_as",
+        "unfold",
+        "split_with_sizes",
+        "movedim",
+        "swapaxes",
+        "real",
+        "imag",
+        "detach",
+    }
+)
+
+
+def _random(node) -> bool:
+    """Whether the op draws random numbers (bernoulli_, rand, dropout)."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _short_name(node) -> str:
+    """``aten.transpose.int`` -> ``transpose``."""
+    parts = _target_name(node).split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _written(node) -> fx.Node | None:
+    """The tensor an op writes in place (its first argument, when the schema says so)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return None
+    first = schema.arguments[0].alias_info
+    if first is None or not first.is_write:
+        return None
+    return node.args[0] if isinstance(node.args[0], fx.Node) else None
 
 
 def _is_size_value(node) -> bool:
@@ -773,16 +898,18 @@ def _constant_value(mapper: _Mapper, node: fx.Node) -> torch.Tensor:
 # ---------------------------------------------------------------- masks
 
 
-def is_causal_mask(mapper: _Mapper, mask: fx.Node, causal: bool) -> bool:
-    """An attention mask is accepted only when it is exactly the causal mask (boolean
-    lower triangle, or 0 / -inf) or masks nothing; returns whether attention is causal."""
+def is_causal_mask(mapper: _Mapper, mask: fx.Node, causal: bool, true_masks: bool = False) -> bool:
+    """An attention mask is accepted only when it is exactly the causal mask or masks
+    nothing; returns whether attention is causal. A boolean mask's True means "attend" for
+    scaled_dot_product_attention and "masked" for nn.MultiheadAttention (``true_masks``);
+    a float mask is added to the scores (0 attends, -inf masks)."""
     value = _constant_value(mapper, mask)
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         raise Refuse("an attention mask that is not a 2-D (or broadcast) tensor")
     length, source = value.shape[-2:]
     allowed = torch.ones(length, source, dtype=torch.bool).tril()
     if value.dtype == torch.bool:
-        keep = value
+        keep = ~value if true_masks else value
     else:
         finite = torch.isfinite(value)
         if bool((value[finite] != 0).any()) or bool((value[~finite] > 0).any()):
@@ -816,7 +943,7 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
         if _reads_data(mapper, node):
             data.append(node)
         else:
-            causal = is_causal_mask(mapper, node, causal)
+            causal = is_causal_mask(mapper, node, causal, true_masks=True)
     if len(data) != 1:
         raise Refuse(
             "query, key and value must be one tensor (self-attention), with no " "key_padding_mask"
