@@ -287,15 +287,24 @@ def step_matches(original: nn.Module, model_class, target: str | None) -> None:
         assert relative(buffers[key].double(), buffer.double()) <= TOLERANCE, key
 
 
+class _Exports(dict):
+    """name -> (original module, its ONNX file), each network exported on first use (an
+    xdist worker exports only the networks its tests read)."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, name):
+        module = build(NETS[name][0])
+        self[name] = (module, export(module, self.folder / f"{name}.onnx"))
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """name -> (original module, its ONNX file): each network exported once."""
-    folder = tmp_path_factory.mktemp("onnx")
-    out = {}
-    for name, (factory, _, _) in NETS.items():
-        module = build(factory)
-        out[name] = (module, export(module, folder / f"{name}.onnx"))
-    return out
+    """name -> (original module, its ONNX file): each network exported once, lazily."""
+    return _Exports(tmp_path_factory.mktemp("onnx"))
 
 
 # ---------------------------------------------------------------- exact imports
@@ -348,6 +357,7 @@ def test_state_dict_from_the_file_is_the_originals(exported, tmp_path):
     model.load_state_dict(state, strict=True)
 
 
+@pytest.mark.slow
 def test_fixed_batch_export_imports_as_the_dynamic_one(exported, tmp_path):
     module, path = exported["resnet"]
     fixed = export(build(ResNetish), tmp_path / "fixed.onnx", dynamic=False)

@@ -33,7 +33,7 @@ CASES = {
         {"width_mult": 0.5, "dropout": 0.0},
         "x: f32[N, 3, 32, 32]",
         None,
-        ["inverted_residual"],
+        ["inverted_residual", "conv2d_norm_activation"],
     ),
     "unet": ({}, "x: f32[N, 3, 32, 32]", "y: i64[N, 32, 32]", ["down", "up"]),
     "vit": ({}, "x: f32[N, 3, 32, 32]", None, ["encoder_block"]),
@@ -61,7 +61,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+#: Families that tests/test_import_families.py also imports and verifies: their CASES run
+#: under SLOW=1 only (make test-slow), to keep make test within its time budget.
+SLOW_CASES = {"efficientnet_b0", "convnext_tiny", "densenet", "tcn"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES],
+)
 def test_zoo_network_imports_and_verifies_exactly(name):
     kwargs, spec_input, target, blocks = CASES[name]
     spec = f"{ZOO}:{name}"
@@ -95,7 +103,7 @@ def test_class_last_scores_get_a_permute_before_cross_entropy():
 def test_mse_loss_target_defaults_to_the_predictions_shape():
     imported = import_network(f"{ZOO}:unet", ["x: f32[N, 3, 32, 32]"], loss="mse_loss")
     assert "target y: f32[N, 4, 32, 32]" in imported.text
-    assert verify_text(imported.text, f"{ZOO}:unet", {}).ok
+    assert "loss = mse_loss(outc.conv, y)" in imported.text  # mse verified: test_import_families
 
 
 def test_wrong_target_shape_says_what_fits():
@@ -250,15 +258,6 @@ def test_a_root_sequential_imports_with_numeric_names(tmp_path):
     assert "    0 = linear(x, out_features=4)" in imported.text
     assert "loss = cross_entropy(2, y)" in imported.text
     assert verify_text(imported.text, f"{source}:root_sequential", None).ok
-
-
-def test_a_sequential_subclass_becomes_a_block_with_numeric_names():
-    kwargs = {"width_mult": 0.5, "dropout": 0.0}
-    imported = import_network(f"{ZOO}:mobilenet_v2", ["x: f32[N, 3, 32, 32]"], kwargs=kwargs)
-    assert "block conv2d_norm_activation(x, " in imported.text
-    assert "        0 = conv2d(x, out_channels=out_channels, kernel_size=kernel_size" in (
-        imported.text
-    )
 
 
 def test_capture_failure_names_both_attempts(tmp_path):
