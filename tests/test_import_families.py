@@ -79,11 +79,13 @@ def stochastic_depth_failure() -> ImportFailure:
     return caught.value
 
 
+@pytest.mark.slow
 def test_stochastic_depth_is_refused_at_its_module(stochastic_depth_failure):
     paths = {item.module_path for item in stochastic_depth_failure.unmapped}
     assert "features.4.1.stochastic_depth" in paths, stochastic_depth_failure.format()
 
 
+@pytest.mark.slow
 def test_stochastic_depth_refusal_lists_only_its_cause(stochastic_depth_failure):
     assert "num_batches_tracked" not in stochastic_depth_failure.format()
 

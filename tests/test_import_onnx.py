@@ -703,3 +703,33 @@ def test_zoo_network_from_onnx_trains_exactly(name, tmp_path):
     assert set(state) == set(module.state_dict())
     model_class = generated_model(imported.text, tmp_path, name)
     step_matches(module, model_class, target)
+
+
+def test_cli_weights_writes_a_state_dict_the_imported_module_loads(exported, tmp_path):
+    """``unroll weights`` and ``unroll import`` of the same file: the .pt loads with
+    strict=True into the generated module and holds the original's tensors."""
+    from typer.testing import CliRunner
+
+    from unroller.cli import app
+
+    runner = CliRunner()
+    module, path = exported["vgg"]
+    text_path, weights = tmp_path / "vgg.txt", tmp_path / "vgg.pt"
+    result = runner.invoke(app, ["import", str(path), "--input", IMAGE, "-o", str(text_path)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["weights", str(path), "-o", str(weights)])
+    assert result.exit_code == 0, result.output
+    again = runner.invoke(app, ["weights", str(path), "-o", str(weights)])
+    assert again.exit_code == 2 and "--force" in again.output
+    generated = tmp_path / "vgg_gen.py"
+    write_atomic(generated, generate_from_text(text_path.read_text()))
+    model = import_generated(generated).Model()
+    state = torch.load(weights)
+    model.load_state_dict(state, strict=True)
+    for key, value in module.state_dict().items():
+        if not key.endswith("num_batches_tracked"):
+            assert torch.equal(model.state_dict()[key].to(value.dtype), value), key
+    kwargs = runner.invoke(app, ["import", str(path), "--input", IMAGE, "--kwargs", "{}"])
+    assert kwargs.exit_code == 0  # an empty --kwargs is no kwargs
+    kwargs = runner.invoke(app, ["import", str(path), "--input", IMAGE, "--kwargs", '{"a": 1}'])
+    assert kwargs.exit_code == 2 and "not built by a factory" in kwargs.output

@@ -155,18 +155,24 @@ def test_cli_import_writes_the_file_and_verify_accepts_it(tmp_path):
 
 
 def test_cli_unmapped_exits_2_and_writes_nothing(tmp_path):
-    out = tmp_path / "bad.txt"
-    result = runner.invoke(
-        app, ["import", f"{ZOO}:Unsupported", "--input", "x: f32[N, 8, 8]", "-o", str(out)]
+    source = tmp_path / "windows.py"
+    source.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Windows(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 3)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x.unfold(1, 2, 2).mean(dim=2).flatten(1))\n"
     )
+    spec = f"{source}:Windows"
+    out = tmp_path / "bad.txt"
+    result = runner.invoke(app, ["import", spec, "--input", "x: f32[N, 8]", "-o", str(out)])
     assert result.exit_code == 2
-    assert "unmapped" in result.output and "rnn" in result.output
+    assert "unmapped" in result.output and "aten.unfold" in result.output
     assert "Traceback" not in result.output
     assert not out.exists()
     out.write_text("keep me\n")
     result = runner.invoke(
-        app,
-        ["import", f"{ZOO}:Unsupported", "--input", "x: f32[N, 8, 8]", "-o", str(out), "--force"],
+        app, ["import", spec, "--input", "x: f32[N, 8]", "-o", str(out), "--force"]
     )
     assert result.exit_code == 2 and out.read_text() == "keep me\n"
 

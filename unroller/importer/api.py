@@ -54,7 +54,7 @@ def import_network(
     if is_onnx(spec):
         from unroller.importer.onnx_frontend import import_onnx
 
-        if kwargs:
+        if kwargs if isinstance(kwargs, dict) else parse_kwargs(kwargs):
             raise ImportFailure("--kwargs: an ONNX file is not built by a factory")
         model, state = import_onnx(Path(spec), tensors, label, spec)
     else:
