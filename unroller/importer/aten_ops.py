@@ -352,40 +352,36 @@ def div_mode(view):
 # ---------------------------------------------------------------- pooling, resizing
 
 
-@maps("aten.max_pool2d.default", "aten.max_pool1d.default")
-def max_pool(view):
+def _window_pool(view, op: str):
+    """A max or average pool's statement: 1-D sizes as ints, 2-D as pairs; an empty
+    stride means the kernel size, as torch's functional form says."""
     a = view.a
     one_d = "pool1d" in view.target
     size = single if one_d else pair
-    if size(a["dilation"]) != 1:
-        raise Refuse("max pooling with dilation")
     stride = a["stride"] if list(a["stride"]) else a["kernel_size"]
     return view.stmt(
-        "maxpool1d" if one_d else "maxpool2d",
+        f"{op}1d" if one_d else f"{op}2d",
         [view.value("self")],
         kernel_size=size(a["kernel_size"]),
         stride=size(stride),
         padding=size(a["padding"]),
         ceil_mode=bool(a["ceil_mode"]),
     )
+
+
+@maps("aten.max_pool2d.default", "aten.max_pool1d.default")
+def max_pool(view):
+    size = single if "pool1d" in view.target else pair
+    if size(view.a["dilation"]) != 1:
+        raise Refuse("max pooling with dilation")
+    return _window_pool(view, "maxpool")
 
 
 @maps("aten.avg_pool2d.default", "aten.avg_pool1d.default")
 def avg_pool(view):
-    a = view.a
-    one_d = "pool1d" in view.target
-    size = single if one_d else pair
-    if not a["count_include_pad"] or a.get("divisor_override") is not None:
+    if not view.a["count_include_pad"] or view.a.get("divisor_override") is not None:
         raise Refuse("average pooling with count_include_pad=False or divisor_override")
-    stride = a["stride"] if list(a["stride"]) else a["kernel_size"]
-    return view.stmt(
-        "avgpool1d" if one_d else "avgpool2d",
-        [view.value("self")],
-        kernel_size=size(a["kernel_size"]),
-        stride=size(stride),
-        padding=size(a["padding"]),
-        ceil_mode=bool(a["ceil_mode"]),
-    )
+    return _window_pool(view, "avgpool")
 
 
 @maps("aten.adaptive_avg_pool2d.default", "aten.adaptive_avg_pool1d.default")

@@ -40,9 +40,6 @@ class Stmt:
     module_path: str = ""
     shape: tuple[int | str, ...] | None = None  # the output's shape, "N" for the batch
 
-    def inputs(self) -> list[str]:
-        return list(self.args)
-
 
 @dataclass
 class Tensor:

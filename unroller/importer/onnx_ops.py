@@ -434,17 +434,20 @@ def _pool_args(view):
     return spatial == 1, kernel, strides, pads, ceil
 
 
-@maps("MaxPool")
-def max_pool(view):
-    one_d, kernel, strides, pads, ceil = _pool_args(view)
+def _pool_stmt(view, op: str, one_d: bool, kernel, strides, pads, ceil: bool):
     return view.stmt(
-        "maxpool1d" if one_d else "maxpool2d",
+        f"{op}1d" if one_d else f"{op}2d",
         [view.value(0)],
         kernel_size=_size(kernel, one_d),
         stride=_size(strides, one_d),
         padding=_size(pads, one_d),
         ceil_mode=ceil,
     )
+
+
+@maps("MaxPool")
+def max_pool(view):
+    return _pool_stmt(view, "maxpool", *_pool_args(view))
 
 
 @maps("AveragePool")
@@ -460,14 +463,7 @@ def avg_pool(view):
         if floor != tuple(view.out_shape()[2:]):
             raise Refuse("average pooling whose ceil_mode windows run past the border")
         ceil = False
-    return view.stmt(
-        "avgpool1d" if one_d else "avgpool2d",
-        [view.value(0)],
-        kernel_size=_size(kernel, one_d),
-        stride=_size(strides, one_d),
-        padding=_size(pads, one_d),
-        ceil_mode=ceil,
-    )
+    return _pool_stmt(view, "avgpool", one_d, kernel, strides, pads, ceil)
 
 
 @maps("GlobalAveragePool")

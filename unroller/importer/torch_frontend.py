@@ -957,29 +957,18 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
     shape = mapper.shape(data[0])
     if len(shape) != 3 or shape[0] != BATCH:
         raise Refuse(f"self-attention on {list(shape)}: expected [N, L, E]")
-    names = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
-    for leaf in names:
-        key = f"{path}.{leaf}"
-        if module.in_proj_bias is None and "bias" in leaf:
-            continue
-        if key in mapper.used_params:
-            raise Refuse(f"{key} is used by two operators")
-        mapper.used_params[key] = path
-    x = mapper.value_of(data[0])
-    name = path
-    if name in mapper.names or not valid_path(name):
-        raise Refuse(f"the module {path} is called twice or has an unusable name")
-    mapper.names.add(name)
-    mapper.classes.setdefault(path, _qualname(type(module)))
-    mapper._record_classes(nodes[0])
-    out_shape = mapper.shape(escaping[0])
+    names = ("in_proj_weight", "out_proj.weight")
+    if module.in_proj_bias is not None:  # bias= governs both projections
+        names += ("in_proj_bias", "out_proj.bias")
     kwargs = {
         "num_heads": module.num_heads,
         "bias": module.in_proj_bias is not None,
         "is_causal": causal,
     }
-    mapper.stmts.append(Stmt(name, "multihead_attention", [x], kwargs, path, out_shape))
-    return name
+    args = [mapper.value_of(data[0])]
+    return _collapsed_stmt(
+        mapper, path, module, nodes, escaping, "multihead_attention", args, kwargs, names
+    )
 
 
 def _one_input(mapper, path, external, escaping) -> fx.Node:
