@@ -139,6 +139,9 @@ class OpSpec:
     backward_args: tuple[str, ...] = ()
     has_eval: bool = False
     grad_aliases: bool = False
+    #: the forward returns a view of its input (or parameter): it allocates nothing, which
+    #: the memory model (unroller.memory) needs to know
+    view: bool = False
     kernels: dict[str, str] = field(default_factory=dict)  # platform -> module, if not default
     #: a free parameter (``parameter(...)``): no tensor inputs, one parameter whose state-dict
     #: key is the statement's own name, held by the module at the name's parent path
@@ -239,6 +242,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "backward_args",
         "eval",
         "grad_aliases",
+        "view",
         "kernels",
         "free",
         "derivative",
@@ -299,6 +303,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         backward_args=tuple(raw.get("backward_args", raw.get("kernel_args", ()))),
         has_eval=bool(raw.get("eval", False)),
         grad_aliases=bool(raw.get("grad_aliases", False)),
+        view=bool(raw.get("view", False)),
         kernels=_kernels(where, raw.get("kernels", {})),
         free=bool(raw.get("free", False)),
         derivative=_derivative_specs(where, raw),

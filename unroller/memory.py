@@ -1,0 +1,425 @@
+"""The memory model of one generated training step: bytes live over the step, peak, floor.
+
+The generated step is explicit code, so its memory can be read off the step program the
+code generator emits (``Emitter.training_steps``: every statement, what it writes, and
+after which step each variable is released) without running it. Every variable gets its
+bytes from the graph's shapes at a batch size: activations and gradients from their value's
+type, packed forms from the compressor's ``stored_bytes``, restored ones from the logical
+type. Views allocate nothing and keep their base alive (forward ops marked ``view`` in the
+registry; gradients of ``grad_aliases`` ops share the output gradient's storage).
+Parameter gradients are copied into ``.grad`` the first time (``K.accumulate``) and stay.
+
+Figures are the step's own allocations, as the benchmark's CPU measure counts them
+(``unroller.bench.measure.peak_step``: ``step_peak_bytes``): parameters, buffers and the
+batch are resident before the step and not counted.
+
+- **peak**: the most bytes live at once, where a statement's outputs are counted while
+  its inputs are still alive, plus a kernel's working memory (``WORKSPACE``).
+- **floor**: what no schedule of the same forms can go under: the stored stash at its
+  largest (everything kept for backward, at the end of the forward pass) plus the largest
+  working set of any single step (its inputs, outputs and gradients, the restored tensors
+  it reads), plus the parameter gradients, which are all live at the end. The generated
+  code's peak over its floor says how much a better schedule could still buy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unroller.codegen import Emitter, Options
+from unroller.dtypes import DTYPE_BYTES, torch_dtype
+from unroller.graph import Graph, Node
+from unroller.ir import AddTo, Assign, CallExpr, Do, Global, Step, Var
+from unroller.platforms import platform as get_platform
+from unroller.schemes import Codec, CompressionConfig
+from unroller.stash import Form, StashPlan, Stashed, plan_stash
+
+__all__ = ["Simulation", "Event", "simulate", "simulate_graph", "WORKSPACE"]
+
+#: Working memory a backward kernel allocates beyond its outputs, as multiples of its first
+#: input's bytes (the input it reads) and of its output gradient's bytes. Measured on this
+#: project's CPU build (PyTorch profiler allocation events, one step): mkldnn convolution
+#: backward allocates a grad-input buffer and a contiguous copy of the output gradient.
+WORKSPACE: dict[str, tuple[float, float]] = {
+    "conv2d": (1.0, 1.0),
+    "conv1d": (1.0, 1.0),
+    "conv_transpose2d": (1.0, 1.0),
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    """Bytes live after one step of the program (and at most during it)."""
+
+    index: int
+    section: str  # "forward" or "backward"
+    label: str  # the model statement or "keep X as ...", "restore X: ..."
+    live_bytes: int  # after the step's releases
+    during_bytes: int  # the most during the step (outputs made while inputs still live)
+    stash_bytes: int  # of live_bytes: packed forms and raw tensors kept for backward
+
+
+@dataclass
+class Simulation:
+    """What the memory model predicts for one step at one batch size."""
+
+    batch_size: int
+    events: list[Event]
+    peak_bytes: int
+    peak_at: str  # the label of the step where the peak is reached
+    stash_bytes: int  # stored bytes kept for backward, at their most (end of forward)
+    stash_raw_bytes: int  # the same tensors as the forward made them
+    largest_step_bytes: int  # the largest working set of a single step
+    largest_step: str
+    param_grad_bytes: int
+    floor_bytes: int  # max over steps: stash held + the step's working set + .grad so far
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "peak_bytes": self.peak_bytes,
+            "peak_at": self.peak_at,
+            "floor_bytes": self.floor_bytes,
+            "stash_bytes": self.stash_bytes,
+            "stash_raw_bytes": self.stash_raw_bytes,
+            "largest_step_bytes": self.largest_step_bytes,
+            "largest_step": self.largest_step,
+            "param_grad_bytes": self.param_grad_bytes,
+        }
+
+
+class _Sizes:
+    """Bytes of every variable of the step program, from its structured key."""
+
+    def __init__(self, emitter: Emitter, plan: StashPlan, batch: int):
+        self.emitter, self.batch = emitter, batch
+        graph = emitter.graph
+        self.values = {v.name: v for v in graph.inputs}
+        self.values.update({n.output.name: n.output for n in graph.nodes})
+        self.stashed = plan.by_key()
+        self.forms = {(s.key, str(f)): (s, f) for s in plan.entries for f in s.forms}
+
+    def tensor(self, t, dtype: str | None = None) -> int:
+        return t.numel(self.batch) * DTYPE_BYTES[dtype or t.dtype]
+
+    def of(self, name: str, node: Node | None) -> int:
+        key = self.emitter.key_of.get(name)
+        if key is None:
+            return 0
+        kind = key[0]
+        if kind in ("value", "grad"):
+            return self.tensor(self.values[key[1]].type)
+        if kind == "partial":
+            return self.tensor(self.values[key[1]].type)
+        if kind == "extra":
+            node_named = self.emitter.node_named[key[1]]
+            extra = next(e for e in node_named.extras if e.name == key[2])
+            return self.tensor(extra.type)
+        if kind == "pgrad":
+            param = next((p for p in (node.params if node else []) if p.name == key[1]), None)
+            return param.nbytes() if param is not None else 0
+        if kind in ("packed", "restored"):
+            stashed, form = self.forms[(key[1], key[3])]
+            return packed_bytes(stashed, form, self.batch) if kind == "packed" else (
+                restored_bytes(stashed, form, self.batch)
+            )
+        return 0
+
+
+def packed_bytes(stashed: Stashed, form: Form, batch: int) -> int:
+    """Stored bytes of one form of a saved tensor at ``batch``."""
+    if form.kind == "raw":
+        return stashed.raw_bytes(batch)
+    t = form.type or stashed.type
+    shape = tuple(batch if d == "N" else d for d in t.shape)
+    dtype = "bool" if form.kind == "mask" else t.dtype
+    return form.codec.instance().stored_bytes(shape, torch_dtype(dtype))
+
+
+def restored_bytes(stashed: Stashed, form: Form, batch: int) -> int:
+    t = form.type or stashed.type
+    return t.numel(batch) * DTYPE_BYTES["bool" if form.kind == "mask" else t.dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def codec_transients(codec: Codec, shape: tuple[int, ...], dtype: str) -> tuple[float, float]:
+    """Working memory of one compress and one decompress call beyond what each returns, as
+    a multiple of the raw tensor's bytes: measured once per codec and sample shape on a
+    batch-2 tensor of random normal values (the profiler's CPU allocation events), so that
+    fusing or rewriting a codec shows up in the model without editing it."""
+    instance = codec.instance()
+    x = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
+    x = x.to(torch_dtype(dtype)) if dtype != "bool" else x > 0
+    raw = x.numel() * x.element_size()
+    packed_box: list = []
+    compress = _transient(lambda: packed_box.append(instance.compress(x)))
+    packed = packed_box[0]
+    decompress = _transient(lambda: instance.decompress(packed, shape, x.dtype))
+    return compress / raw, decompress / raw
+
+
+def _transient(call) -> int:
+    """The most bytes a call holds beyond what it still holds when it returns."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from unroller.bench.profiling import allocation_trace
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        kept = call()
+    del kept
+    allocs, _ = allocation_trace(prof)
+    running = peak = 0
+    for _, size in allocs:
+        running += size
+        peak = max(peak, running)
+    return max(0, peak - max(running, 0))
+
+
+class _Heap:
+    """Storages with reference counts: a view shares its base's storage."""
+
+    def __init__(self) -> None:
+        self.storage_of: dict[str, int] = {}
+        self.size: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.stash: set[int] = set()
+        self.live = 0
+        self.stash_live = 0
+        self._next = 0
+
+    def new(self, nbytes: int) -> int:
+        self._next += 1
+        self.size[self._next], self.refs[self._next] = nbytes, 0
+        self.live += nbytes
+        return self._next
+
+    def bind(self, name: str, storage: int) -> None:
+        self.refs[storage] += 1
+        self.unbind(name)
+        self.storage_of[name] = storage
+
+    def unbind(self, name: str) -> None:
+        old = self.storage_of.pop(name, None)
+        if old is None:
+            return
+        self.refs[old] -= 1
+        if self.refs[old] == 0:
+            self.live -= self.size[old]
+            if old in self.stash:
+                self.stash.discard(old)
+                self.stash_live -= self.size[old]
+            del self.size[old], self.refs[old]
+
+    def mark_stash(self, name: str) -> None:
+        storage = self.storage_of.get(name)
+        if storage is not None and storage not in self.stash:
+            self.stash.add(storage)
+            self.stash_live += self.size[storage]
+
+
+def _func_name(expr: Any) -> str:
+    if isinstance(expr, CallExpr) and isinstance(expr.func, Global):
+        return expr.func.dotted
+    return ""
+
+
+def _var_args(expr: CallExpr) -> list[str]:
+    return [a.name for a in expr.args if isinstance(a, Var)]
+
+
+def simulate_graph(
+    graph: Graph, config: CompressionConfig, batch_size: int, platform: str = "gpu"
+) -> Simulation:
+    """The memory model of the step the code generator emits for ``graph`` and ``config``."""
+    plan = plan_stash(graph, config)
+    emitter = Emitter(graph, plan, get_platform(platform))
+    made: dict[int, Node] = {}
+    forward_step, backward_step = emitter.forward_step, emitter.backward_step
+
+    def on_forward(node: Node, eval_mode: bool = False) -> Step:
+        step = forward_step(node, eval_mode)
+        made[id(step)] = node
+        return step
+
+    def on_backward(node: Node, owned: dict[int, bool]) -> Step:
+        step = backward_step(node, owned)
+        made[id(step)] = node
+        return step
+
+    emitter.forward_step, emitter.backward_step = on_forward, on_backward  # type: ignore
+    steps = emitter.training_steps()
+    return _run(steps, made, emitter, plan, batch_size)
+
+
+def simulate(text: str, options: Options, batch_size: int, label: str = "<model>") -> Simulation:
+    """``simulate_graph`` of a model text under ``options`` (its scheme, resolution)."""
+    from unroller.api import graph_from_text
+
+    graph = graph_from_text(text, label, options.resolution)
+    return simulate_graph(graph, options.compression(), batch_size, options.platform)
+
+
+def _run(
+    steps: list[Step], made: dict[int, Node], emitter: Emitter, plan: StashPlan, batch: int
+) -> Simulation:
+    sizes = _Sizes(emitter, plan, batch)
+    heap = _Heap()
+    inputs = {emitter.var(v).name for v in emitter.graph.inputs}
+    stash_names = {emitter.raw_var(s.key).name for s in plan.entries if s.forms == [Form("raw")]}
+    first_grad: set[str] = set()
+    events: list[Event] = []
+    peak, peak_at = 0, ""
+    largest, largest_at = 0, ""
+    stash_most = 0
+    param_grads = 0
+    floor = 0
+    for i, step in enumerate(steps):
+        node = made.get(id(step))
+        during = heap.live
+        touched: dict[int, int] = {}  # storages this step reads or makes
+        most_transient = 0
+        for name, kind in step.events():
+            storage = heap.storage_of.get(name)
+            if kind == "r" and storage is not None:
+                touched[storage] = heap.size[storage]
+        for statement in step.statements:
+            added, transient = _statement(statement, step, node, heap, sizes, inputs, first_grad)
+            param_grads += added
+            during = max(during, heap.live + transient)
+            most_transient = max(most_transient, transient)
+            for name in _targets(statement):
+                storage = heap.storage_of.get(name)
+                if storage is not None:
+                    touched[storage] = heap.size[storage]
+        if step.section == "forward":
+            for name in _targets_of(step):
+                if name in stash_names:
+                    heap.mark_stash(name)
+                key = emitter.key_of.get(name, ("",))
+                if key[0] == "packed":
+                    heap.mark_stash(name)
+        stash_during, stash_ids = heap.stash_live, set(heap.stash)
+        for name in step.release:
+            heap.unbind(name)
+        working = sum(v for k, v in touched.items() if k not in stash_ids) + most_transient
+        if working > largest:
+            largest, largest_at = working, step.comment
+        floor = max(floor, stash_during + working + param_grads)
+        if during > peak:
+            peak, peak_at = during, step.comment
+        stash_most = max(stash_most, stash_during)
+        events.append(Event(i, step.section, step.comment, heap.live, during, heap.stash_live))
+    raw_total = sum(s.raw_bytes(batch) for s in plan.entries if s.producer >= 0)
+    return Simulation(
+        batch_size=batch,
+        events=events,
+        peak_bytes=peak,
+        peak_at=peak_at,
+        stash_bytes=stash_most,
+        stash_raw_bytes=raw_total,
+        largest_step_bytes=largest,
+        largest_step=largest_at,
+        param_grad_bytes=param_grads,
+        floor_bytes=floor,
+    )
+
+
+def _targets(statement: Any) -> list[str]:
+    if isinstance(statement, Assign):
+        return [t.name for t in statement.targets if t is not None]
+    if isinstance(statement, AddTo):
+        return [statement.total.name]
+    return []
+
+
+def _targets_of(step: Step) -> list[str]:
+    return [name for s in step.statements for name in _targets(s)]
+
+
+def _statement(
+    statement: Any,
+    step: Step,
+    node: Node | None,
+    heap: _Heap,
+    sizes: _Sizes,
+    inputs: set[str],
+    first_grad: set[str],
+) -> tuple[int, int]:
+    """Apply one statement to the heap: (parameter-gradient bytes it adds, bytes it holds
+    only while it runs)."""
+    if isinstance(statement, AddTo):
+        if not statement.in_place:
+            heap.bind(statement.total.name, heap.new(sizes.of(statement.total.name, node)))
+        return 0, 0
+    if isinstance(statement, Do):
+        if _func_name(statement.value) != "K.accumulate" or node is None:
+            return 0, 0
+        added = 0
+        for attr, _ in statement.value.kwargs:
+            param = next((p for p in node.params if p.name == attr), None)
+            if param is not None and param.key not in first_grad:
+                first_grad.add(param.key)
+                heap.new(param.nbytes())  # .grad: lives past the step
+                added += param.nbytes()
+        return added, 0
+    if not isinstance(statement, Assign):
+        return 0, 0
+    func = _func_name(statement.value)
+    targets = [t.name for t in statement.targets if t is not None]
+    transient = _transient_of(statement, step, node, sizes, func, targets)
+    shared = _aliased_storage(statement, step, node, heap, func)
+    for name in targets:
+        if name in inputs:
+            continue
+        if shared is not None:
+            heap.bind(name, shared)
+        else:
+            heap.bind(name, heap.new(sizes.of(name, node)))
+    return 0, transient
+
+
+def _transient_of(
+    statement: Assign, step: Step, node: Node | None, sizes: _Sizes, func: str, targets: list
+) -> int:
+    """Working memory of a codec call or a backward kernel (``WORKSPACE``)."""
+    if func.endswith((".compress", ".decompress")) and targets:
+        key = sizes.emitter.key_of.get(targets[0], ("",))
+        if key[0] not in ("packed", "restored"):
+            return 0
+        stashed, form = sizes.forms[(key[1], key[3])]
+        t = form.type or stashed.type
+        dtype = "bool" if form.kind == "mask" else t.dtype
+        sample = tuple(d for d in t.shape[1:])
+        nbytes = t.numel(sizes.batch) * DTYPE_BYTES[dtype]
+        ratios = codec_transients(form.codec, sample, dtype)
+        if func.endswith(".compress"):
+            mask = nbytes if form.kind == "mask" and form.mask_kernel else 0
+            return mask + int(ratios[0] * nbytes)
+        return int(ratios[1] * nbytes)
+    if node is not None and step.section == "backward" and func.endswith("_backward"):
+        factors = WORKSPACE.get(node.op.name)
+        if factors and node.inputs:
+            return int(
+                factors[0] * sizes.tensor(node.inputs[0].type)
+                + factors[1] * sizes.tensor(node.output.type)
+            )
+    return 0
+
+
+def _aliased_storage(
+    statement: Assign, step: Step, node: Node | None, heap: _Heap, func: str
+) -> int | None:
+    """The storage the statement's outputs share, for views (None: they allocate)."""
+    if node is None or not isinstance(statement.value, CallExpr):
+        return None
+    args = _var_args(statement.value)
+    if step.section == "forward" and node.op.view:
+        base = heap.storage_of.get(args[0]) if args else None
+        return base if base is not None else heap.new(0)
+    if step.section == "backward" and node.op.grad_aliases and func.endswith("_backward"):
+        return heap.storage_of.get(args[0]) if args else None
+    return None
