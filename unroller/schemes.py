@@ -152,12 +152,18 @@ def make_codec(name: str, params: dict[str, Any], min_size: int = 0) -> Codec:
 class Rule:
     codec: Codec | None  # None: keep raw
     op: str | None = None
-    name: str | None = None
+    name: str | None = None  # a glob on the name of the node whose backward reads it
     line: int = 0
+    tensor: str | None = None  # a glob on the saved tensor's own name (what made it)
 
-    def matches(self, op: str, node: str) -> bool:
-        return (self.op is None or self.op == op) and (
-            self.name is None or fnmatch.fnmatchcase(node, self.name)
+    def matches(self, op: str, node: str, tensor: str | None = None) -> bool:
+        return (
+            (self.op is None or self.op == op)
+            and (self.name is None or fnmatch.fnmatchcase(node, self.name))
+            and (
+                self.tensor is None
+                or (tensor is not None and fnmatch.fnmatchcase(tensor, self.tensor))
+            )
         )
 
 
@@ -171,15 +177,15 @@ class CompressionConfig:
     sha256: str | None = None
     derivatives: bool = False  # few-bit derivative codes where the registry offers them
 
-    def choose(self, op: str, node: str, shape: tuple) -> Codec | None:
+    def choose(self, op: str, node: str, shape: tuple, tensor: str | None = None) -> Codec | None:
         codec = self.default
         for rule in self.rules:
-            if rule.matches(op, node):
+            if rule.matches(op, node, tensor):
                 codec = rule.codec
         return codec if codec is not None and codec.applies_to(shape) else None
 
     def choose_why(
-        self, op: str, node: str, shape: tuple, layout: str = MAP
+        self, op: str, node: str, shape: tuple, layout: str = MAP, tensor: str | None = None
     ) -> tuple[Codec | None, str]:
         """The codec for one saved activation as it applies to it (``Codec.fit``), or None
         and why it stays raw, in words for ``unroll graph``'s stash table."""
@@ -187,7 +193,7 @@ class CompressionConfig:
         if self.default is None and (self.rules or self.source):
             why = "no compressor for it (the config's default is none)"
         for rule in self.rules:
-            if rule.matches(op, node):
+            if rule.matches(op, node, tensor):
                 codec = rule.codec
                 why = f"compressor none (rule at line {rule.line})"
         if codec is None:
@@ -647,9 +653,12 @@ class _Checker:
         name = table.get("name")
         if name is not None:
             self.check_glob(name, path + ("name",))
-        codec = self.codec(table, path, ("op", "name"))
+        tensor = table.get("tensor")
+        if tensor is not None:
+            self.check_glob(tensor, path + ("tensor",), "tensor")
+        codec = self.codec(table, path, ("op", "name", "tensor"))
         line = self.where.key(path + ("compressor",)).line
-        return Rule(codec, op, name, line)
+        return Rule(codec, op, name, line, tensor)
 
     def check_op(self, op: Any, path: tuple) -> None:
         if not isinstance(op, str):
@@ -660,20 +669,21 @@ class _Checker:
         if op not in ops:
             raise self.at_value(path, f"unknown op {_show(op)} in a rule{did_you_mean(op, ops)}")
 
-    def check_glob(self, name: Any, path: tuple) -> None:
+    def check_glob(self, name: Any, path: tuple, key: str = "name") -> None:
+        what = "node" if key == "name" else "tensor"
         if not isinstance(name, str):
             raise self.at_value(
-                path, f"'name' must be a string (a glob on node names), not {_kind(name)}"
+                path, f"'{key}' must be a string (a glob on {what} names), not {_kind(name)}"
             )
         if not name:
-            raise self.at_value(path, "'name' is empty; expected a glob such as \"layer4.*\"")
+            raise self.at_value(path, f"'{key}' is empty; expected a glob such as \"layer4.*\"")
         if len(name) > MAX_NAME:
-            raise self.at_value(path, f"'name' is {len(name)} characters long; at most {MAX_NAME}")
+            raise self.at_value(path, f"'{key}' is {len(name)} characters long; at most {MAX_NAME}")
         bad = next((c for c in name if c not in _GLOB_CHARS), None)
         if bad is not None:
             raise self.at_value(
                 path,
-                f"'name' {_show(name)} contains {ascii(bad)}, which no node name has",
+                f"'{key}' {_show(name)} contains {ascii(bad)}, which no {what} name has",
                 "a name glob has letters, digits, '_' and '.', and the glob characters "
                 "'*', '?', '[', ']', '!' and '-'",
             )

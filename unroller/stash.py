@@ -185,7 +185,8 @@ def _reader_form(
     if derivative is not None and config.derivatives:
         params = {"function": derivative.function, "bits": derivative.bits}
         return Form("codec", make_codec("fewbit", params))
-    codec, why = config.choose_why(node.op.name, node.name, saved.type.shape, layout)
+    tensor = saved.key.split(":")[0]
+    codec, why = config.choose_why(node.op.name, node.name, saved.type.shape, layout, tensor)
     if codec is not None:
         return Form("codec", codec)
     return Form("raw", why=why)
