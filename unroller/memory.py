@@ -15,17 +15,18 @@ batch are resident before the step and not counted.
 
 - **peak**: the most bytes live at once, where a statement's outputs are counted while
   its inputs are still alive, plus a kernel's working memory (``WORKSPACE``).
-- **floor**: what no schedule of the same forms can go under: the stored stash at its
-  largest (everything kept for backward, at the end of the forward pass) plus the largest
-  working set of any single step (its inputs, outputs and gradients, the restored tensors
-  it reads), plus the parameter gradients, which are all live at the end. The generated
-  code's peak over its floor says how much a better schedule could still buy.
+- **floor**: what no schedule of the same statements and stored forms can go under: the
+  most, over the statements, of the stash still held then (the stored forms kept for
+  backward), plus that statement's working set (the tensors it reads and makes, restored
+  ones included, and its kernel's working memory), plus the parameter gradients made so
+  far (``.grad`` outlives the step). Everything else live at a moment is memory a better
+  schedule could free: the generated code's peak over its floor says how much that is.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,15 +37,17 @@ from unroller.graph import Graph, Node
 from unroller.ir import AddTo, Assign, CallExpr, Do, Global, Step, Var
 from unroller.platforms import platform as get_platform
 from unroller.schemes import Codec, CompressionConfig
-from unroller.stash import Form, StashPlan, Stashed, plan_stash
+from unroller.stash import Form, Stashed, StashPlan, plan_stash
 
 __all__ = ["Simulation", "Event", "simulate", "simulate_graph", "WORKSPACE"]
 
 #: Working memory a backward kernel allocates beyond its outputs, as multiples of its first
 #: input's bytes (the input it reads) and of its output gradient's bytes. Measured on this
 #: project's CPU build (PyTorch profiler allocation events, one step): mkldnn convolution
-#: backward allocates a grad-input buffer and a contiguous copy of the output gradient.
+#: backward allocates a grad-input buffer and a contiguous copy of the output gradient;
+#: batch-norm backward one input-sized buffer besides its result.
 WORKSPACE: dict[str, tuple[float, float]] = {
+    "batchnorm2d": (1.0, 0.0),
     "conv2d": (1.0, 1.0),
     "conv1d": (1.0, 1.0),
     "conv_transpose2d": (1.0, 1.0),
@@ -71,12 +74,13 @@ class Simulation:
     events: list[Event]
     peak_bytes: int
     peak_at: str  # the label of the step where the peak is reached
+    peak_stash: tuple[str, ...]  # saved tensors (keys) held at the peak
     stash_bytes: int  # stored bytes kept for backward, at their most (end of forward)
     stash_raw_bytes: int  # the same tensors as the forward made them
     largest_step_bytes: int  # the largest working set of a single step
     largest_step: str
     param_grad_bytes: int
-    floor_bytes: int  # max over steps: stash held + the step's working set + .grad so far
+    floor_bytes: int  # max over statements: stash held + its working set + .grad so far
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -124,8 +128,10 @@ class _Sizes:
             return param.nbytes() if param is not None else 0
         if kind in ("packed", "restored"):
             stashed, form = self.forms[(key[1], key[3])]
-            return packed_bytes(stashed, form, self.batch) if kind == "packed" else (
-                restored_bytes(stashed, form, self.batch)
+            return (
+                packed_bytes(stashed, form, self.batch)
+                if kind == "packed"
+                else (restored_bytes(stashed, form, self.batch))
             )
         return 0
 
@@ -145,7 +151,7 @@ def restored_bytes(stashed: Stashed, form: Form, batch: int) -> int:
     return t.numel(batch) * DTYPE_BYTES["bool" if form.kind == "mask" else t.dtype]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def codec_transients(codec: Codec, shape: tuple[int, ...], dtype: str) -> tuple[float, float]:
     """Working memory of one compress and one decompress call beyond what each returns, as
     a multiple of the raw tensor's bytes: measured once per codec and sample shape on a
@@ -186,7 +192,7 @@ class _Heap:
         self.storage_of: dict[str, int] = {}
         self.size: dict[int, int] = {}
         self.refs: dict[int, int] = {}
-        self.stash: set[int] = set()
+        self.stash: dict[int, str] = {}  # storage -> the saved tensor's key
         self.live = 0
         self.stash_live = 0
         self._next = 0
@@ -210,14 +216,14 @@ class _Heap:
         if self.refs[old] == 0:
             self.live -= self.size[old]
             if old in self.stash:
-                self.stash.discard(old)
+                del self.stash[old]
                 self.stash_live -= self.size[old]
             del self.size[old], self.refs[old]
 
-    def mark_stash(self, name: str) -> None:
+    def mark_stash(self, name: str, key: str) -> None:
         storage = self.storage_of.get(name)
         if storage is not None and storage not in self.stash:
-            self.stash.add(storage)
+            self.stash[storage] = key
             self.stash_live += self.size[storage]
 
 
@@ -269,10 +275,12 @@ def _run(
     sizes = _Sizes(emitter, plan, batch)
     heap = _Heap()
     inputs = {emitter.var(v).name for v in emitter.graph.inputs}
-    stash_names = {emitter.raw_var(s.key).name for s in plan.entries if s.forms == [Form("raw")]}
+    stash_names = {
+        emitter.raw_var(s.key).name: s.key for s in plan.entries if s.forms == [Form("raw")]
+    }
     first_grad: set[str] = set()
     events: list[Event] = []
-    peak, peak_at = 0, ""
+    peak, peak_at, peak_stash = 0, "", ()
     largest, largest_at = 0, ""
     stash_most = 0
     param_grads = 0
@@ -280,37 +288,37 @@ def _run(
     for i, step in enumerate(steps):
         node = made.get(id(step))
         during = heap.live
-        touched: dict[int, int] = {}  # storages this step reads or makes
-        most_transient = 0
-        for name, kind in step.events():
-            storage = heap.storage_of.get(name)
-            if kind == "r" and storage is not None:
-                touched[storage] = heap.size[storage]
+        step_working = 0
         for statement in step.statements:
+            reads = Step(step.section, [statement]).reads()
+            touched = {  # storages this statement reads or makes, with their bytes
+                heap.storage_of[n]: heap.size[heap.storage_of[n]]
+                for n in reads
+                if n in heap.storage_of
+            }
             added, transient = _statement(statement, step, node, heap, sizes, inputs, first_grad)
             param_grads += added
             during = max(during, heap.live + transient)
-            most_transient = max(most_transient, transient)
             for name in _targets(statement):
-                storage = heap.storage_of.get(name)
-                if storage is not None:
-                    touched[storage] = heap.size[storage]
+                if name in heap.storage_of:
+                    touched[heap.storage_of[name]] = heap.size[heap.storage_of[name]]
+            working = sum(b for k, b in touched.items() if k not in heap.stash) + transient
+            step_working = max(step_working, working)
+            floor = max(floor, heap.stash_live + working + param_grads)
         if step.section == "forward":
             for name in _targets_of(step):
                 if name in stash_names:
-                    heap.mark_stash(name)
+                    heap.mark_stash(name, stash_names[name])
                 key = emitter.key_of.get(name, ("",))
                 if key[0] == "packed":
-                    heap.mark_stash(name)
-        stash_during, stash_ids = heap.stash_live, set(heap.stash)
+                    heap.mark_stash(name, key[1])
+        stash_during, stash_ids = heap.stash_live, dict(heap.stash)
         for name in step.release:
             heap.unbind(name)
-        working = sum(v for k, v in touched.items() if k not in stash_ids) + most_transient
-        if working > largest:
-            largest, largest_at = working, step.comment
-        floor = max(floor, stash_during + working + param_grads)
+        if step_working > largest:
+            largest, largest_at = step_working, step.comment
         if during > peak:
-            peak, peak_at = during, step.comment
+            peak, peak_at, peak_stash = during, step.comment, tuple(stash_ids.values())
         stash_most = max(stash_most, stash_during)
         events.append(Event(i, step.section, step.comment, heap.live, during, heap.stash_live))
     raw_total = sum(s.raw_bytes(batch) for s in plan.entries if s.producer >= 0)
@@ -319,6 +327,7 @@ def _run(
         events=events,
         peak_bytes=peak,
         peak_at=peak_at,
+        peak_stash=tuple(dict.fromkeys(peak_stash)),
         stash_bytes=stash_most,
         stash_raw_bytes=raw_total,
         largest_step_bytes=largest,
