@@ -50,7 +50,7 @@ from unroller.platforms import GPU, Platform
 from unroller.platforms import platform as get_platform
 from unroller.resources import resource_dir
 from unroller.schedule import RESERVED, Namer
-from unroller.schemes import SCHEMES, Codec, CompressionConfig, builtin, resolve
+from unroller.schemes import AUTO, SCHEMES, Codec, CompressionConfig, builtin, resolve
 from unroller.stash import Form, Stashed, StashPlan, plan_stash
 
 HEADER_TAG = "# unroller: "
@@ -102,7 +102,14 @@ class Options:
             extra={k: v for k, v in header.items() if k not in known},
         )
 
-    def compression(self) -> CompressionConfig:
+    def compression(self, graph: Graph | None = None) -> CompressionConfig:
+        """The compression config; the ``auto`` scheme plans it for ``graph``."""
+        if self.scheme == AUTO and self.compress_config is None and self.opt_level == 1:
+            if graph is None:
+                raise ValueError("the auto scheme is planned per model: pass the graph")
+            from unroller.plan import auto_config
+
+            return auto_config(graph)
         return resolve(self.scheme, self.compress_config, self.opt_level)
 
 
@@ -564,7 +571,7 @@ def render(
     if options.scheme not in SCHEMES:
         raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
     if config is None:
-        config = options.compression()
+        config = options.compression(graph)
     plan = plan_stash(graph, config)
     pipeline = None
     if target.pipelined:
@@ -693,12 +700,22 @@ def _surrogate_groups(graph: Graph, pipeline: Pipeline | None) -> list[tuple[int
 
 
 def _describe(config: CompressionConfig) -> str:
+    tensor_rules = [r for r in config.rules if r.tensor is not None]
     if config.default is None and not config.rules:
         parts = ["no compression"]
+    elif len(tensor_rules) == len(config.rules) and config.default is None:
+        counts: dict[str, int] = {}
+        for rule in tensor_rules:
+            label = rule.codec.label() if rule.codec else "none"
+            counts[label] = counts.get(label, 0) + 1
+        parts = [f"{len(tensor_rules)} tensors by name"]
+        parts += [f"{n} as {label}" for label, n in counts.items()]
+        parts.append("the rest raw")
     else:
         parts = [f"default {config.default.label() if config.default else 'none'}"]
         parts += [
-            f"rule{' op=' + repr(r.op) if r.op else ''}{' name=' + repr(r.name) if r.name else ''}: "
+            f"rule{' op=' + repr(r.op) if r.op else ''}{' name=' + repr(r.name) if r.name else ''}"
+            f"{' tensor=' + repr(r.tensor) if r.tensor else ''}: "
             f"{r.codec.label() if r.codec else 'none'}"
             for r in config.rules
         ]

@@ -266,7 +266,7 @@ def simulate(text: str, options: Options, batch_size: int, label: str = "<model>
     from unroller.api import graph_from_text
 
     graph = graph_from_text(text, label, options.resolution)
-    return simulate_graph(graph, options.compression(), batch_size, options.platform)
+    return simulate_graph(graph, options.compression(graph), batch_size, options.platform)
 
 
 def _run(

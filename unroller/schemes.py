@@ -53,7 +53,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-SCHEMES = ("nocompress", "dct-first", "dct-dense", "quant")
+SCHEMES = ("nocompress", "dct-first", "dct-dense", "quant", "auto")
+AUTO = "auto"  # planned per model (unroller.plan.auto_config): needs the graph
 
 
 MAP = "map"
@@ -210,6 +211,11 @@ def builtin(scheme: str) -> CompressionConfig:
         return CompressionConfig(default=make_codec("dct", {}), first_only=True)
     if scheme == "quant":
         return CompressionConfig(default=make_codec("quant", {"bits": 8}), derivatives=True)
+    if scheme == AUTO:
+        raise ConfigError(
+            "the auto scheme is planned per model: Options.compression(graph) or "
+            "unroller.plan.auto_config(graph)"
+        )
     raise ConfigError(f"unknown scheme '{scheme}' (known: {', '.join(SCHEMES)})")
 
 

@@ -67,7 +67,7 @@ def graph(
         raise model_error(exc, model) from None
     for warning in g.warnings:
         typer.echo(warning.format(str(model), g.source), err=True)
-    plan = plan_stash(g, options.compression())
+    plan = plan_stash(g, options.compression(g))
     stash = plan.report(batch_size)
     per_stage = None
     if platform_named(options.platform).pipelined:

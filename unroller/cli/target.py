@@ -63,7 +63,8 @@ def make_options(
         stage_starts=starts,
     )
     try:
-        options.compression()  # reads and checks the config file now
+        if options.scheme != "auto" or options.compress_config is not None:
+            options.compression()  # reads and checks the config file now
     except ConfigError as exc:
         raise config_error(exc) from None
     return options

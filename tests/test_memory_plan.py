@@ -1,0 +1,250 @@
+"""The memory model (unroller/memory.py), the planner (unroller/plan.py, `unroll plan`) and
+the `auto` scheme: predictions against measured peaks, plans that fit, configs that load."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+from typer.testing import CliRunner
+
+from unroller.api import graph_from_text, import_generated, write_atomic
+from unroller.bench.profiling import profile_step
+from unroller.bench.reference import BENCHMARKS
+from unroller.cli import app
+from unroller.codegen import Options, render
+from unroller.memory import simulate, simulate_graph
+from unroller.plan import (
+    config_of,
+    make_plan,
+    measured_error,
+    plannable,
+    run_probe,
+    to_toml,
+)
+from unroller.schemes import CompressionConfig, ConfigError, load_config
+
+QUICK = BENCHMARKS["quick"]
+RES = 16
+SLOW = os.environ.get("SLOW") == "1"
+
+# A small network for the planner's tests: maps big enough for every candidate form.
+TINY = """model tiny {
+    input x: f32[N, 3, 16, 16]
+    target y: i64[N]
+    conv1 = conv2d(x, out_channels=8, kernel_size=3, padding=1, bias=false)
+    bn1 = batchnorm2d(conv1)
+    r1 = relu(bn1)
+    conv2 = conv2d(r1, out_channels=8, kernel_size=3, padding=1, bias=false)
+    bn2 = batchnorm2d(conv2)
+    r2 = relu(bn2)
+    conv3 = conv2d(r2, out_channels=8, kernel_size=3, padding=1, bias=false)
+    bn3 = batchnorm2d(conv3)
+    r3 = relu(bn3)
+    conv4 = conv2d(r3, out_channels=8, kernel_size=3, padding=1, bias=false)
+    bn4 = batchnorm2d(conv4)
+    r4 = relu(bn4)
+    conv5 = conv2d(r4, out_channels=8, kernel_size=3, padding=1)
+    r5 = gelu(conv5)
+    pool = adaptive_avgpool2d(r5, output_size=1)
+    flat = flatten(pool)
+    fc = linear(flat, out_features=4)
+    loss = cross_entropy(fc, y)
+    return loss, fc
+}
+"""
+
+
+def _text() -> str:
+    return QUICK.model_text(RES)
+
+
+def _graph():
+    return graph_from_text(_text(), "quick.txt", RES)
+
+
+def _tiny():
+    return graph_from_text(TINY, "tiny.txt")
+
+
+def _measured_peak(graph, config: CompressionConfig, batch: int) -> int:
+    from unroller.verify import make_inputs
+
+    source = render(graph, "m.txt", Options(scheme="nocompress"), config=config)
+    with tempfile.TemporaryDirectory() as folder:
+        module = import_generated(write_atomic(Path(folder) / "m.py", source), "mem_plan_m")
+    torch.manual_seed(0)
+    model = module.Model()
+    inputs = [t.float() if t.is_floating_point() else t for t in make_inputs(graph, batch, 0)]
+    model(*inputs)
+    model.zero_grad(set_to_none=True)
+    return profile_step(lambda: model(*inputs), "")["peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    ["nocompress", "dct-dense"]
+    + [pytest.param("quant", marks=pytest.mark.skipif(not SLOW, reason="SLOW=1"))],
+)
+def test_predicted_peak_is_the_measured_one(scheme):
+    graph = _graph()
+    config = Options(scheme=scheme).compression()
+    sim = simulate_graph(graph, config, 4)
+    measured = _measured_peak(graph, config, 4)
+    assert abs(measured / sim.peak_bytes - 1) < 0.06, (measured, sim.peak_bytes)
+    assert 0 < sim.floor_bytes <= sim.peak_bytes
+    assert sim.stash_bytes <= sim.stash_raw_bytes
+
+
+def test_compression_lowers_the_stash_and_the_prediction_scales_with_the_batch():
+    base = simulate(_text(), Options(scheme="nocompress", resolution=RES), 8)
+    dense = simulate(_text(), Options(scheme="dct-dense", resolution=RES), 8)
+    assert dense.stash_bytes < base.stash_bytes / 4
+    double = simulate(_text(), Options(scheme="nocompress", resolution=RES), 16)
+    params = double.param_grad_bytes
+    assert params == base.param_grad_bytes > 0
+    # activations double, parameter gradients stay
+    assert double.peak_bytes - params == pytest.approx(2 * (base.peak_bytes - params), rel=0.05)
+
+
+def test_a_view_allocates_nothing():
+    text = """model viewed {
+    input x: f32[N, 4, 8, 8]
+    target y: i64[N]
+    flat = flatten(x)
+    again = reshape(flat, shape=(256,))
+    fc = linear(again, out_features=3)
+    loss = cross_entropy(fc, y)
+    return loss, fc
+}
+"""
+    sim = simulate(text, Options(), 4)
+    by_label = {e.label.split(" =")[0]: e for e in sim.events if e.section == "forward"}
+    assert by_label["flat"].during_bytes == 0
+    assert by_label["again"].during_bytes == 0
+    assert by_label["fc"].during_bytes == 4 * 3 * 4
+
+
+def test_plan_fits_a_budget_and_writes_a_config_that_loads(tmp_path):
+    graph = _tiny()
+    probe = run_probe(graph, batch_size=2)
+    base = simulate_graph(graph, CompressionConfig(), 32).peak_bytes
+    least = make_plan(graph, 32, None, probe).simulation.peak_bytes
+    assert least < base * 0.8
+    budget = (least + base) // 2
+    plan = make_plan(graph, 32, budget, probe)
+    assert plan.fits and plan.simulation.peak_bytes <= budget
+    compressed = [r for r in plan.rows if r.choice.codec is not None]
+    assert compressed and all(r.held_at_peak for r in compressed)
+    assert 0 < plan.predicted_error < 1
+    path = tmp_path / "plan.toml"
+    path.write_text(to_toml(plan, ["a plan", "with\nno line break"]))
+    loaded = load_config(path)
+    assert {(r.tensor, r.codec) for r in loaded.rules} == {
+        (r.tensor, r.codec) for r in plan.config.rules
+    }
+    again = simulate_graph(graph, loaded, 32)
+    assert again.peak_bytes == plan.simulation.peak_bytes
+    measured = _measured_peak(graph, loaded, 32)
+    assert abs(measured / again.peak_bytes - 1) < 0.10
+    error = measured_error(graph, plan, probe)
+    assert 0 < error < 0.5
+
+
+def test_an_unreachable_budget_says_so():
+    graph = _tiny()
+    plan = make_plan(graph, 8, 1024, run_probe(graph, batch_size=2))
+    assert not plan.fits
+    assert any("cannot be met" in note for note in plan.notes)
+
+
+def test_max_error_rules_out_lossy_forms():
+    graph = _tiny()
+    probe = run_probe(graph, batch_size=2)
+    plan = make_plan(graph, 32, 1024, probe, max_error=0.01)
+    assert {r.choice.label for r in plan.rows} <= {"raw", "quant-8"}
+
+
+def test_plannable_tensors_are_float_activations():
+    keys = {s.key for s in plannable(_graph())}
+    assert "layer1.0.conv1" in keys and "layer1.0.r1" in keys
+    assert not any(":" in k for k in keys)  # batch statistics, indices stay exact
+
+
+def test_tensor_rules_in_a_config_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[[rule]]\ntensor = "layer1.*"\ncompressor = "quant"\nbits = 4\n')
+    config = load_config(path)
+    graph = _graph()
+    sim = simulate_graph(graph, config, 4)
+    assert sim.stash_bytes < simulate_graph(graph, CompressionConfig(), 4).stash_bytes
+    path.write_text('[[rule]]\ntensor = "a\\nb"\ncompressor = "quant"\n')
+    with pytest.raises(ConfigError, match="tensor"):
+        load_config(path)
+    assert config_of({}).rules == []
+
+
+def test_auto_scheme_is_deterministic_and_exact_where_raw():
+    first = render(_tiny(), "tiny.txt", Options(scheme="auto"))
+    second = render(_tiny(), "tiny.txt", Options(scheme="auto"))
+    assert first == second
+    assert '"scheme": "auto"' in first.splitlines()[0]
+
+
+runner = CliRunner()
+
+
+def test_cli_plan_writes_the_config_and_a_table(tmp_path):
+    model = tmp_path / "tiny.txt"
+    model.write_text(TINY)
+    out = tmp_path / "plan.toml"
+    result = runner.invoke(
+        app,
+        [
+            "plan",
+            str(model),
+            "--batch-size",
+            "16",
+            "--memory-budget",
+            "min",
+            "--probe-batch",
+            "2",
+            "-o",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "predicted peak" in result.output and "at peak" in result.output
+    data = tomllib.loads(out.read_text())
+    assert data["default"]["compressor"] == "none"
+    load_config(out)
+
+
+def test_cli_plan_refuses_bad_input(tmp_path):
+    model = tmp_path / "bad.txt"
+    model.write_text("model m {\n    input x: f32[N, 3]\n    y = nosuchop(x)\n    return y\n}\n")
+    result = runner.invoke(app, ["plan", str(model)])
+    assert result.exit_code == 2
+    assert "bad.txt:3:" in result.output and "Traceback" not in result.output
+    good = tmp_path / "tiny.txt"
+    good.write_text(TINY)
+    result = runner.invoke(app, ["plan", str(good), "--memory-budget", "lots"])
+    assert result.exit_code == 2 and "--memory-budget" in result.output
+
+
+def test_cli_plan_header_keeps_hostile_paths_inside_comments(tmp_path):
+    folder = tmp_path / 'x"\n[[rule]]\ntensor = "*"\ncompressor = "quant"\nbits = 2\n#'
+    folder.mkdir()
+    model = folder / "tiny.txt"
+    model.write_text(TINY)
+    out = tmp_path / "plan.toml"
+    result = runner.invoke(
+        app, ["plan", str(model), "--batch-size", "4", "--memory-budget", "1GiB", "-o", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    config = load_config(out)
+    assert config.rules == []  # everything fits raw: no rule, none smuggled in

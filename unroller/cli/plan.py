@@ -1,0 +1,233 @@
+"""``unroll plan``: a compression config that fits a memory budget with the least error.
+
+The work is ``unroller.plan`` (it imports torch, so only when the command runs); this
+module reads the model, makes the probe batch, prints the table and writes the config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from unroller.cli.errors import config_error, fail, model_error
+from unroller.cli.options import BatchOpt, ModelArg, ResolutionOpt
+from unroller.errors import ConfigError, ModelError
+
+BudgetOpt = Annotated[
+    str,
+    typer.Option(
+        "--memory-budget",
+        help="Peak bytes of one training step (the step's own allocations: activations, "
+        "what is kept for backward, gradients; not the weights or the batch), e.g. 2GiB, "
+        "512MiB; 'min': the least any plan reaches, + 10%.",
+    ),
+]
+MaxErrorOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--max-error",
+        min=0.0,
+        help="Leave out forms whose relative round-trip error on the probe tensor is above E.",
+    ),
+]
+ProbeDataOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dataset",
+        "-d",
+        help="Calibrate on a batch of this dataset (as unroll train's --dataset); default: "
+        "seeded synthetic inputs of the declared shapes.",
+    ),
+]
+ProbeBatchOpt = Annotated[
+    int, typer.Option("--probe-batch", min=1, help="Samples in the probe step.")
+]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds the weights and synthetic inputs.")]
+MeasureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--measure",
+        help="Also run one step of the planned module at --batch-size on this CPU: its "
+        "measured peak (profiler) and gradient error, next to the predicted ones.",
+    ),
+]
+OutOpt = Annotated[
+    Path | None, typer.Option("--output", "-o", help="Write the compression config (TOML) here.")
+]
+
+
+def plan(
+    model: ModelArg,
+    batch_size: BatchOpt = 32,
+    memory_budget: BudgetOpt = "min",
+    max_error: MaxErrorOpt = None,
+    dataset: ProbeDataOpt = None,
+    probe_batch: ProbeBatchOpt = 4,
+    seed: SeedOpt = 0,
+    resolution: ResolutionOpt = None,
+    measure: MeasureOpt = False,
+    output: OutOpt = None,
+) -> None:
+    """Choose per saved tensor among raw, quant 8/4/2 bits and DCT forms, so that the
+    predicted peak of one step fits the budget with the least predicted gradient error.
+
+    Memory is predicted from the step the generator emits (unroller/memory.py); the error
+    is calibrated by one uncompressed probe step (per tensor: its round-trip error times
+    the norm of the parameter gradients it reaches). The output is an ordinary compression
+    config: unroll generate MODEL --compress-config plan.toml.
+
+    Example: unroll plan benchmarks/models/resnet34.txt --batch-size 32 --memory-budget 600MiB -o plan.toml
+    """
+    from unroller.api import load_graph, source_label, write_atomic
+    from unroller.bench.options import parse_bytes
+
+    budget = None
+    if memory_budget.strip().lower() != "min":
+        try:
+            budget = parse_bytes(memory_budget)
+        except ValueError as exc:
+            raise fail(f"--memory-budget: {exc}") from None
+    try:
+        graph = load_graph(model, resolution)
+    except ModelError as exc:
+        raise model_error(exc, model) from None
+    import unroller.plan as planner
+
+    try:
+        batch = _probe_batch(graph, dataset, probe_batch, seed)
+    except ConfigError as exc:
+        raise config_error(exc) from None
+    label = source_label(model)
+    probe = planner.run_probe(graph, batch, probe_batch, seed, label=label)
+    found = planner.make_plan(graph, batch_size, budget, probe, max_error)
+    measured = _measure(graph, found, probe, label) if measure else None
+    typer.echo(render_table(found))
+    typer.echo(summary(found, measured))
+    if output is not None:
+        header = _header(model, batch_size, memory_budget, max_error, found, measured)
+        write_atomic(output, planner.to_toml(found, header))
+        typer.echo(f"wrote {output}")
+    raise typer.Exit(0 if found.fits else 1)
+
+
+def _probe_batch(graph: Any, dataset: str | None, size: int, seed: int) -> list | None:
+    if dataset is None:
+        return None
+    from unroller.data import load, signature
+
+    data = load(dataset, signature(graph), seed, train_size=size, test_size=1)
+    split = data.train.head(size)
+    batch = [split.inputs]
+    if split.targets is not None:
+        batch.append(split.targets)
+    return batch
+
+
+def _measure(graph: Any, found: Any, probe: Any, label: str) -> dict[str, Any]:
+    """One step of the planned module at the plan's batch: profiler peak, gradient error."""
+    import unroller.plan as planner
+    from unroller.bench.profiling import profile_step
+    from unroller.verify import make_inputs
+
+    model = planner._generated(graph, label, found.config)()
+    model.load_state_dict(probe.state, strict=True)
+    model.train()
+    inputs = [
+        t.float() if t.is_floating_point() else t
+        for t in make_inputs(graph, found.batch_size, seed=1)
+    ]
+    model(*inputs)  # warm: codec constants, allocator
+    model.zero_grad(set_to_none=True)
+    peak = profile_step(lambda: model(*inputs), "")["peak_bytes"]
+    return {"peak_bytes": peak, "error": planner.measured_error(graph, found, probe, label)}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def render_table(found: Any) -> str:
+    """Per planned tensor: form, bytes, round-trip error, sensitivity, held at the peak."""
+    head = ("tensor", "shape", "form", "raw MiB", "stored MiB", "error", "sens.", "at peak")
+    rows = [head]
+    for r in found.rows:
+        shape = "[" + ", ".join(str(d) for d in r.shape) + "]"
+        rows.append(
+            (
+                r.tensor,
+                shape,
+                r.choice.label,
+                _mib(r.raw_bytes),
+                _mib(r.stored_bytes),
+                f"{r.round_trip_error:.3g}",
+                f"{r.sensitivity:.3g}",
+                "yes" if r.held_at_peak else "",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    right = {3, 4, 5, 6}
+    lines = []
+    for row in rows:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def summary(found: Any, measured: dict[str, Any] | None) -> str:
+    sim, base = found.simulation, found.nocompress
+    lines = [
+        f"batch {found.batch_size}: predicted peak {_mib(sim.peak_bytes)} MiB "
+        f"(nocompress {_mib(base.peak_bytes)} MiB), budget {_mib(found.budget)} MiB: "
+        + ("fits" if found.fits else "does NOT fit"),
+        f"floor {_mib(sim.floor_bytes)} MiB (stash held + one statement's working set + "
+        f".grad); kept for backward {_mib(sim.stash_bytes)} MiB of "
+        f"{_mib(sim.stash_raw_bytes)} MiB raw",
+        f"predicted relative gradient error {found.predicted_error:.3g} (probe: "
+        f"{found.probe_source})",
+    ]
+    if measured:
+        ratio = measured["peak_bytes"] / sim.peak_bytes
+        lines.append(
+            f"measured: peak {_mib(measured['peak_bytes'])} MiB ({ratio:.3f}x predicted), "
+            f"relative gradient error {measured['error']:.3g} on the probe batch"
+        )
+    lines += found.notes
+    return "\n".join(lines)
+
+
+def _header(model: Path, batch: int, budget: str, max_error, found: Any, measured) -> list[str]:
+    """Comment lines of the config; user text only as ascii() (no line breaks)."""
+    sim = found.simulation
+    lines = [
+        "Written by unroll plan: per saved tensor, the form that fits the memory budget",
+        "with the least predicted gradient error (rules by tensor name; edit freely).",
+        f"model {ascii(str(model))}, batch {batch}, budget {ascii(budget)}"
+        + (f", max error {max_error:g}" if max_error is not None else ""),
+        f"predicted peak {sim.peak_bytes} bytes (nocompress {found.nocompress.peak_bytes}), "
+        f"floor {sim.floor_bytes}, fits: {'yes' if found.fits else 'no'}",
+        f"predicted relative gradient error {found.predicted_error:.4g}",
+    ]
+    if measured:
+        lines.append(
+            f"measured peak {measured['peak_bytes']} bytes "
+            f"({measured['peak_bytes'] / sim.peak_bytes:.3f}x predicted), measured "
+            f"gradient error {measured['error']:.4g}"
+        )
+    lines.append("forms: " + ", ".join(f"{k} {v}" for k, v in _counts(found).items()))
+    return lines
+
+
+def _counts(found: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in found.rows:
+        counts[r.choice.label] = counts.get(r.choice.label, 0) + 1
+    return counts
+
+
+def register(app: typer.Typer) -> None:
+    """Add plan to ``app``."""
+    app.command()(plan)

@@ -1,0 +1,483 @@
+"""The compression planner: per saved tensor, the form that fits a memory budget with the
+least predicted gradient error (``unroll plan``, and the ``auto`` scheme).
+
+Candidates per tensor the backward reads as an activation: raw, quant at 8, 4 or 2 bits,
+and for image maps [N, C, H, W] with H, W >= 8 DCT+Chop (keep 6 or 4 of 8, int8; keep 4
+folded; keep 4 in bf16). Masks stay on (lossless) whatever the plan says.
+
+- **Memory** is predicted by ``unroller.memory`` (the step program the generator emits,
+  read statement by statement): only tensors still held at the predicted peak can lower
+  it, so a tensor that is never held at the peak stays raw and costs no error.
+- **Error** is calibrated by one probe step of the uncompressed generated module on a
+  real (or seeded synthetic) batch: per tensor and candidate, the relative L2 error of one
+  compress/decompress round trip of that very tensor, ``e``, times a sensitivity ``s``,
+  the norm of the parameter gradients its error reaches (its readers' parameters, and
+  every parameter upstream of a reader whose input gradient depends on the tensor: a
+  batch norm's input, not a convolution's). The predicted relative gradient error is
+  ``sqrt(sum (e * s)^2) / |all parameter gradients|``: GACT's adaptive allocation in
+  spirit (spend bits where the gradient is sensitive), with a cheaper sensitivity.
+- **Search**: start with everything raw; while the predicted peak is over the budget, move
+  the tensors held at the peak to smaller forms, cheapest added error per byte saved
+  first, until the bytes saved cover the excess; simulate again. ``max_error`` rules out
+  candidates whose round-trip error on the probe is above it.
+
+The result is an ordinary compression config (``[[rule]] tensor = ...``): readable,
+editable, diffable, and ``unroll generate --compress-config`` takes it as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unroller.graph import Graph, Node
+from unroller.memory import Simulation, packed_bytes, simulate_graph
+from unroller.schemes import Codec, CompressionConfig, Rule, make_codec
+from unroller.stash import Form, Stashed, plan_stash
+
+__all__ = [
+    "AUTO_BATCH",
+    "AUTO_MAX_ERROR",
+    "Choice",
+    "MemoryPlan",
+    "Probe",
+    "auto_config",
+    "candidates",
+    "make_plan",
+    "run_probe",
+    "to_toml",
+]
+
+AUTO_BATCH = 256  # the batch the auto scheme plans for: activations, not weights, dominate
+AUTO_MAX_ERROR = 0.2  # auto: no candidate whose round trip is worse than this on the probe
+AUTO_SLACK = 1.10  # auto's budget: the least peak reachable under its candidates, + 10%
+PROBE_BATCH = 4
+ERROR_SAMPLES = 2  # round-trip errors are measured on the probe's first samples
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate form of a saved tensor."""
+
+    label: str  # "raw", "quant-8", "dct-k4", ...
+    codec: Codec | None  # None: raw
+
+
+RAW = Choice("raw", None)
+
+
+def _choices() -> tuple[list[Choice], list[Choice]]:
+    quant = [Choice(f"quant-{b}", make_codec("quant", {"bits": b})) for b in (8, 4, 2)]
+    dct = [
+        Choice("dct-k6", make_codec("dct", {"keep": 6}, min_size=8)),
+        Choice("dct-k4", make_codec("dct", {}, min_size=8)),
+        Choice("dct-k4-bf16", make_codec("dct", {"storage": "bf16"}, min_size=8)),
+        Choice("dct-k4-fold", make_codec("dct", {"fold": True}, min_size=8)),
+    ]
+    return quant, dct
+
+
+def candidates(stashed: Stashed) -> list[Choice]:
+    """raw, then every codec that fits the tensor (``Codec.fit``)."""
+    quant, dct = _choices()
+    found = [RAW]
+    for choice in quant + dct:
+        codec, _ = choice.codec.fit(tuple(stashed.type.shape), stashed.layout)
+        if codec is not None:
+            found.append(Choice(choice.label, codec))
+    return found
+
+
+def plannable(graph: Graph) -> list[Stashed]:
+    """Saved tensors some backward step reads as a compressible activation (those a
+    compress-everything config would compress), in the order the forward makes them."""
+    probe = CompressionConfig(default=make_codec("quant", {"bits": 8}))
+    return [s for s in plan_stash(graph, probe).entries if any(f.kind == "codec" for f in s.forms)]
+
+
+def config_of(assign: dict[str, Choice]) -> CompressionConfig:
+    """The compression config of an assignment: one ``tensor`` rule per compressed tensor."""
+    rules = [
+        Rule(choice.codec, tensor=key) for key, choice in assign.items() if choice.codec is not None
+    ]
+    return CompressionConfig(default=None, rules=rules, source="<plan>")
+
+
+def _bytes(stashed: Stashed, choice: Choice, batch: int) -> int:
+    if choice.codec is None:
+        return stashed.raw_bytes(batch)
+    return packed_bytes(stashed, Form("codec", choice.codec), batch)
+
+
+# -- the probe step ----------------------------------------------------------------------
+
+
+@dataclass
+class Probe:
+    """What one uncompressed step on a batch shows: the saved tensors as the forward made
+    them, and the parameter gradients."""
+
+    inputs: list[torch.Tensor]
+    state: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    source: str  # where the batch came from, for the report
+
+
+def _generated(graph: Graph, label: str, config: CompressionConfig | None) -> type:
+    from unroller.api import import_generated, write_atomic
+    from unroller.codegen import Options, render
+
+    source = render(graph, label, Options(platform="gpu", scheme="nocompress"), config=config)
+    with tempfile.TemporaryDirectory(prefix="unroller-plan-") as folder:
+        path = write_atomic(Path(folder) / "planned_model.py", source)
+        name = f"unroller_plan_{abs(hash(str(path)))}"
+        try:
+            module = import_generated(path, name)
+        finally:
+            sys.modules.pop(name, None)
+    return module.Model
+
+
+@contextmanager
+def _capturing(found: dict[str, torch.Tensor]):
+    """Record every tensor the generated step logs as kept for backward, by full name."""
+    import unroller.runtime.gpu as kernels
+
+    stash, stash_raw = kernels.stash, kernels.stash_raw
+
+    def full(log: Any, key: str) -> str:
+        prefix = getattr(log, "prefix", "")
+        return f"{prefix}.{key}" if prefix else key
+
+    def on_stash(log, key, raw, *forms):
+        found[full(log, key)] = raw.detach().clone()
+        return stash(log, key, raw, *forms)
+
+    def on_stash_raw(log, tensors):
+        for key, t in tensors.items():
+            found[full(log, key)] = t.detach().clone()
+        return stash_raw(log, tensors)
+
+    kernels.stash, kernels.stash_raw = on_stash, on_stash_raw
+    try:
+        yield
+    finally:
+        kernels.stash, kernels.stash_raw = stash, stash_raw
+
+
+def run_probe(
+    graph: Graph,
+    batch: Sequence[torch.Tensor] | None = None,
+    batch_size: int = PROBE_BATCH,
+    seed: int = 0,
+    state: dict[str, torch.Tensor] | None = None,
+    label: str = "<model>",
+) -> Probe:
+    """One float32 step of the uncompressed module: seeded initial weights (or ``state``),
+    on ``batch`` or seeded synthetic inputs of the declared shapes."""
+    from unroller.verify import make_inputs
+
+    source = "the batch given"
+    if batch is None:
+        batch = [
+            t.float() if t.is_floating_point() else t for t in make_inputs(graph, batch_size, seed)
+        ]
+        source = f"seeded synthetic inputs (batch {batch_size}, seed {seed})"
+    torch.manual_seed(seed)
+    model = _generated(graph, label, None)()
+    if state is not None:
+        model.load_state_dict(state, strict=True)
+    model.train()
+    tensors: dict[str, torch.Tensor] = {}
+    with _capturing(tensors):
+        model(*batch)
+    grads = {
+        name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
+    }
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Probe(list(batch), weights, tensors, grads, source)
+
+
+def round_trip_error(codec: Codec, x: torch.Tensor) -> float:
+    """Relative L2 error of one compress/decompress of ``x`` (0 for an all-zero tensor)."""
+    instance = codec.instance()
+    y = instance.decompress(instance.compress(x), tuple(x.shape[1:]), x.dtype)
+    norm = float(torch.linalg.vector_norm(x.double()))
+    if norm == 0.0:
+        return 0.0
+    diff = float(torch.linalg.vector_norm(y.double() - x.double()))
+    return diff / norm if math.isfinite(diff) else math.inf
+
+
+#: Readers whose input gradient does not depend on the saved input ``x``: an error in x
+#: reaches only their own weight gradient (grad_x = g @ W, or its convolution analogue).
+WEIGHT_ONLY = frozenset({"conv2d", "conv1d", "conv_transpose2d", "linear", "transposed_linear"})
+
+
+def _sensitivity(
+    graph: Graph, stashed: Stashed, norms: dict[str, float], upstream: dict[str, float]
+) -> float:
+    """Norm of the parameter gradients an error in ``stashed`` reaches: each reader's own,
+    and, unless the reader's input gradient ignores it (``WEIGHT_ONLY``), every parameter
+    gradient upstream of the reader, through that input gradient."""
+    total = 0.0
+    for reader, saved, form in stashed.readers:
+        if form.kind == "mask":  # lossless: a compressed form never reaches this reader
+            continue
+        total += _node_norm2(reader, norms)
+        if not (reader.op.name in WEIGHT_ONLY and saved.entry == "x"):
+            total += upstream.get(reader.name, 0.0)
+    return math.sqrt(total)
+
+
+def _upstream_norms(graph: Graph, norms: dict[str, float]) -> dict[str, float]:
+    """Per node: the squared norm of every parameter gradient upstream of its inputs."""
+    producers = {n.output.name: n for n in graph.nodes}
+    keys: dict[str, frozenset[str]] = {}
+    for node in graph.nodes:  # topological order: inputs first
+        found: set[str] = set()
+        for value in node.inputs:
+            parent = producers.get(value.name)
+            if parent is not None:
+                found |= keys[parent.name] | {p.key for p in parent.params if p.present}
+        keys[node.name] = frozenset(found)
+    return {name: sum(norms.get(k, 0.0) for k in found) for name, found in keys.items()}
+
+
+def _node_norm2(node: Node, norms: dict[str, float]) -> float:
+    return sum(norms.get(p.key, 0.0) for p in node.params if p.present)
+
+
+# -- the plan ----------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One planned tensor: its form, bytes and predicted error."""
+
+    tensor: str
+    shape: tuple
+    choice: Choice
+    raw_bytes: int
+    stored_bytes: int
+    round_trip_error: float  # measured on the probe tensor
+    sensitivity: float
+    held_at_peak: bool
+
+    @property
+    def predicted(self) -> float:
+        return self.round_trip_error * self.sensitivity
+
+
+@dataclass
+class MemoryPlan:
+    """The planner's answer and how it was reached."""
+
+    batch_size: int
+    budget: int | None
+    config: CompressionConfig
+    rows: list[Row]
+    simulation: Simulation
+    nocompress: Simulation
+    grad_norm: float  # |all parameter gradients| of the probe step
+    probe_source: str
+    max_error: float | None
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def predicted_error(self) -> float:
+        """Predicted relative error of all parameter gradients together."""
+        total = math.sqrt(sum(r.predicted**2 for r in self.rows))
+        return total / self.grad_norm if self.grad_norm > 0 else 0.0
+
+    def assignment(self) -> dict[str, str]:
+        return {r.tensor: r.choice.label for r in self.rows}
+
+
+def make_plan(
+    graph: Graph,
+    batch_size: int,
+    budget: int | None,
+    probe: Probe,
+    max_error: float | None = None,
+    platform: str = "gpu",
+) -> MemoryPlan:
+    """The least-error assignment whose predicted peak fits ``budget`` (None: the least
+    peak reachable, then the least error at that peak + ``AUTO_SLACK``)."""
+    units = plannable(graph)
+    norms = {k: float(torch.linalg.vector_norm(g.double())) ** 2 for k, g in probe.grads.items()}
+    grad_norm = math.sqrt(sum(norms.values()))
+    upstream = _upstream_norms(graph, norms)
+    options: dict[str, list[tuple[Choice, int, float]]] = {}
+    sens: dict[str, float] = {}
+    for s in units:
+        x = probe.tensors.get(s.key)
+        x = x[:ERROR_SAMPLES] if x is not None else None
+        found = []
+        for choice in candidates(s):
+            err = 0.0 if choice.codec is None or x is None else round_trip_error(choice.codec, x)
+            if choice.codec is not None and max_error is not None and err > max_error:
+                continue
+            found.append((choice, _bytes(s, choice, batch_size), err))
+        options[s.key] = sorted(found, key=lambda o: -o[1])  # largest (raw) first
+        sens[s.key] = _sensitivity(graph, s, norms, upstream)
+    by_key = {s.key: s for s in units}
+    nocompress = simulate_graph(graph, CompressionConfig(), batch_size, platform)
+    notes = []
+    if budget is None:
+        smallest = {k: min(o, key=lambda c: c[1])[0] for k, o in options.items()}
+        least = simulate_graph(graph, config_of(smallest), batch_size, platform)
+        budget_used = int(least.peak_bytes * AUTO_SLACK)
+        notes.append(
+            f"budget: the least peak any plan reaches ({least.peak_bytes} bytes) " f"x {AUTO_SLACK}"
+        )
+    else:
+        budget_used = budget
+    assign = {k: options[k][0] for k in options}  # raw
+    sim = nocompress
+    while sim.peak_bytes > budget_used:
+        excess = sim.peak_bytes - budget_used
+        moves = []
+        for key in sim.peak_stash:
+            if key not in assign:
+                continue
+            choice, nbytes, err = assign[key]
+            for c2, b2, e2 in options[key]:
+                if b2 < nbytes:
+                    cost = (e2**2 - err**2) * sens[key] ** 2
+                    moves.append((max(cost, 0.0) / (nbytes - b2), key, (c2, b2, e2), nbytes - b2))
+        if not moves:
+            break
+        moves.sort(key=lambda m: (m[0], -m[3]))
+        saved, moved = 0, set()
+        for _, key, new, gain in moves:
+            if key in moved:
+                continue
+            assign[key] = new
+            moved.add(key)
+            saved += gain
+            if saved >= excess:
+                break
+        config = config_of({k: v[0] for k, v in assign.items()})
+        sim = simulate_graph(graph, config, batch_size, platform)
+    fits = sim.peak_bytes <= budget_used
+    if not fits:
+        notes.append(
+            f"the budget cannot be met: the predicted peak stays at {sim.peak_bytes} bytes "
+            f"with every tensor held at the peak in its smallest form (floor "
+            f"{sim.floor_bytes} bytes; the rest is working memory and parameter gradients)"
+        )
+    held = set(sim.peak_stash)
+    rows = [
+        Row(
+            tensor=key,
+            shape=tuple(by_key[key].type.shape),
+            choice=choice,
+            raw_bytes=by_key[key].raw_bytes(batch_size),
+            stored_bytes=nbytes,
+            round_trip_error=err,
+            sensitivity=sens[key],
+            held_at_peak=key in held,
+        )
+        for key, (choice, nbytes, err) in assign.items()
+    ]
+    config = config_of({k: v[0] for k, v in assign.items()})
+    return MemoryPlan(
+        batch_size=batch_size,
+        budget=budget_used,
+        config=config,
+        rows=rows,
+        simulation=sim,
+        nocompress=nocompress,
+        grad_norm=grad_norm,
+        probe_source=probe.source,
+        max_error=max_error,
+        fits=fits,
+        notes=notes,
+    )
+
+
+def measured_error(graph: Graph, plan: MemoryPlan, probe: Probe, label: str = "<model>") -> float:
+    """Relative error of all parameter gradients of one step under the plan, against the
+    probe's uncompressed step (same weights, same batch)."""
+    model = _generated(graph, label, plan.config)()
+    model.load_state_dict(probe.state, strict=True)
+    model.train()
+    model(*probe.inputs)
+    num = den = 0.0
+    for name, p in model.named_parameters():
+        ref = probe.grads.get(name)
+        if ref is None or p.grad is None:
+            continue
+        num += float(torch.linalg.vector_norm((p.grad - ref).double())) ** 2
+        den += float(torch.linalg.vector_norm(ref.double())) ** 2
+    return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def auto_config(graph: Graph, label: str = "<model>") -> CompressionConfig:
+    """The ``auto`` scheme: a plan at ``AUTO_BATCH`` whose peak is within ``AUTO_SLACK`` of
+    the least any plan reaches, candidates limited to round-trip errors of at most
+    ``AUTO_MAX_ERROR``, calibrated on a seeded synthetic batch and seeded initial weights
+    (so the same model text always gives the same file)."""
+    probe = run_probe(graph, label=label)
+    found = make_plan(graph, AUTO_BATCH, None, probe, max_error=AUTO_MAX_ERROR)
+    return found.config
+
+
+# -- output ------------------------------------------------------------------------------
+
+
+def _comment(text: str) -> str:
+    """``text`` safe inside one TOML comment line: control characters (line breaks
+    included) written as escapes, so nothing after them can become a key."""
+    return "".join(c if c == "\t" or (" " <= c and c != "\x7f") else ascii(c)[1:-1] for c in text)
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return _toml_string(str(value))
+
+
+def to_toml(plan: MemoryPlan, header: list[str]) -> str:
+    """The plan as a compression config file, with ``header`` lines as comments."""
+    lines = [f"# {_comment(line)}" if line else "#" for line in header]
+    lines += ["", "[default]", 'compressor = "none"']
+    for row in plan.rows:
+        if row.choice.codec is None:
+            continue
+        lines += ["", "[[rule]]", f"tensor = {_toml_string(row.tensor)}"]
+        lines.append(f"compressor = {_toml_string(row.choice.codec.name)}")
+        base = dict(_base_params(row.choice))
+        for key, value in base.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        if row.choice.codec.min_size:
+            lines.append(f"min_size = {row.choice.codec.min_size}")
+    return "\n".join(lines) + "\n"
+
+
+def _base_params(choice: Choice) -> tuple[tuple[str, Any], ...]:
+    """The codec's parameters as the candidate set them (not the per-tensor group size
+    ``Codec.fit`` adds for attention rows: the loader adds it again)."""
+    quant, dct = _choices()
+    for base in quant + dct:
+        if base.label == choice.label:
+            return base.codec.params
+    return choice.codec.params if choice.codec else ()
