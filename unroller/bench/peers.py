@@ -6,11 +6,16 @@ with ``mark`` the autograd family wraps ``loss.backward()`` in the profiler's
 reports what a step keeps for backward (``stash(batch)``). ``METHODS`` says what each
 one runs and ``STASH_METHODS`` how its stashed bytes are counted (both go into the
 results).
+
+The compiled peers (``compiled_peers``) are autograd under ``torch.compile``: their first
+step compiles (seconds to minutes on a CPU), so ``Method.compiles`` is set and a harness
+must run at least one untimed step before timing or profiling them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +30,7 @@ from unroller.compress import Compressor, packed_nbytes
 from unroller.schemes import builtin
 
 HOOK_MIN_HW = 8
+COMPILE_BUDGETS = (0.5, 0.1)  # torch._functorch.config.activation_memory_budget
 METHODS = {
     "ours": "the generated module: model.zero_grad(set_to_none=True); loss = model(*batch) "
     "(unroller.bench.steps.step_ours; forward and unrolled backward, gradients in .grad). --platform "
@@ -35,6 +41,16 @@ METHODS = {
     "ref(*batch)[0]; loss.backward()",
     "checkpoint": "the same with ref.forward_checkpointed: torch.utils.checkpoint "
     "(use_reentrant=False) around every stage of the reference",
+    "compiled": "the reference's step under torch.compile (inductor): ref.zero_grad(set_to_none"
+    "=True); loss = compiled(*batch)[0]; loss.backward() (the backward is AOTAutograd's "
+    "compiled backward); the batch dimension of every input is marked dynamic "
+    "(torch._dynamo.maybe_mark_dynamic), so the one compilation in the warm-up serves "
+    "every batch size of the max-batch search (batch 1 is specialised and compiles once "
+    "more); compiled in the first, untimed, step",
+    "compiled-budget-B": "the same, compiled with torch._functorch.config."
+    "activation_memory_budget = B (set around every compilation of this peer, which has "
+    "its own compiled graphs): AOTAutograd's min-cut partitioner saves at most about B of "
+    "the activations the default partition saves and recomputes the rest in the backward",
     "hooks": "the reference under torch.autograd.graph.saved_tensors_hooks whose pack hook "
     "compresses, with the scheme's own compressor (dct-dense: dct block 8 keep 4 int8; "
     "quant: 8 bits), every floating tensor that is not a parameter and that the compressor "
@@ -51,6 +67,10 @@ STASH_METHODS = {
     "autograd saves in one forward, each storage once, parameters excluded (raw = stored)",
     "checkpoint": "the same count over forward_checkpointed: what autograd saves outside the "
     "checkpointed stages plus the stage inputs the checkpoints keep (raw = stored)",
+    "compiled": "unroller.bench.saved.count_autograd_saved over the compiled step: the "
+    "compiled autograd function saves its tensors with ctx.save_for_backward, which "
+    "saved_tensors_hooks see; each storage once, parameters excluded (raw = stored)",
+    "compiled-budget-B": "the same count over the step compiled under the budget",
     "hooks": "the peer's pack hook in one step, parameters excluded: the tensors it keeps as "
     "they are, each storage once (raw = stored), plus per compressing call (a tensor saved "
     "by two ops is compressed twice) the tensor's bytes (raw) and the packed bytes (stored)",
@@ -60,13 +80,14 @@ STASH_METHODS = {
 @dataclass
 class Method:
     name: str
-    kind: str  # "ours", "autograd", "checkpoint" or "hooks"
+    kind: str  # "ours", "autograd", "checkpoint", "hooks" or "compiled"
     scheme: str | None
     module: nn.Module
     run: Callable[[list[Tensor], bool], Tensor]
     stash: Callable[[list[Tensor]], dict[str, Any]]
     backward_mark: str | None = None  # ours: found by its first stash (see _ours)
     notes: list[str] = field(default_factory=list)
+    compiles: bool = False  # its first step compiles: run one untimed step first
 
     def step(self, batch: list[Tensor]) -> Tensor:
         return self.run(batch, False)
@@ -252,3 +273,111 @@ def hooks(scheme: str, ref: nn.Module) -> Method:
     method = Method(f"hooks:{scheme}", "hooks", scheme, ref, run, stash, BACKWARD_MARK)
     method.notes.append(f"saved_tensors_hooks with {codec!r}")
     return method
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+def _own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """A copy of ``fn`` with a code object of its own. Dynamo keeps compiled graphs on
+    the code object they were traced from: two ``torch.compile(ref)`` share one cache
+    (the second reuses the first's graph, whatever the budget) and one recompile limit
+    (8); each variant's copy has its own."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _budget_backend(budget: float, inner: Any) -> Callable[..., Any]:
+    """``inner`` (a backend name or callable) compiling under the activation memory
+    budget: the partitioner reads it when the forward compiles, so it is set around
+    every compilation, recompilations included, and nowhere else."""
+    compile_graph = torch._dynamo.lookup_backend(inner) if isinstance(inner, str) else inner
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compile_graph(gm, example_inputs)
+
+    return backend
+
+
+def _mark_batch(batch: Sequence[Tensor]) -> None:
+    """Mark dim 0 of every input as the (dynamic) batch before the compiled call: the
+    first compilation then serves every batch size, and none happens inside a profiled
+    or timed step of the max-batch search. ``maybe_``: a model that fixes its batch
+    size gets a static graph instead of an error."""
+    for t in batch:
+        if isinstance(t, Tensor) and t.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+class _CompiledStep(nn.Module):
+    """The compiled forward as a module that holds the reference (so its parameters are
+    known): what ``count_autograd_saved`` counts over."""
+
+    def __init__(self, ref: nn.Module, forward: Callable[..., Any], dynamic_batch: bool):
+        super().__init__()
+        self.ref = ref
+        self.compiled = forward
+        self.dynamic_batch = dynamic_batch
+
+    def forward(self, *batch: Tensor):
+        if self.dynamic_batch:
+            _mark_batch(batch)
+        return self.compiled(*batch)
+
+
+def _compiled_method(
+    ref: nn.Module, name: str, backend: Any, dynamic_batch: bool, note: str
+) -> Method:
+    """A peer stepping ``ref`` under ``torch.compile(backend=backend)``, with compiled
+    graphs of its own (``_own_code``)."""
+
+    def forward(*batch: Tensor):
+        return ref(*batch)
+
+    tag = "".join(c if c.isalnum() else "_" for c in name)
+    step = _CompiledStep(
+        ref, torch.compile(_own_code(forward, tag), backend=backend), dynamic_batch
+    )
+
+    def run(batch: list[Tensor], mark: bool) -> Tensor:
+        ref.zero_grad(set_to_none=True)
+        loss = step(*batch)[0]
+        backward(loss, mark)
+        return loss
+
+    method = Method(name, "compiled", None, ref, run, lambda b: _counted(step, b), BACKWARD_MARK)
+    method.compiles = True
+    method.notes.append(note)
+    return method
+
+
+def compiled(ref: nn.Module, backend: Any = "inductor", dynamic_batch: bool = True) -> Method:
+    """Autograd on ``torch.compile``'d ``ref`` ("compiled"); ``backend`` is torch.compile's
+    (tests use a cheap one)."""
+    return _compiled_method(ref, "compiled", backend, dynamic_batch, f"torch.compile({backend})")
+
+
+def compiled_budget(
+    ref: nn.Module, budget: float, backend: Any = "inductor", dynamic_batch: bool = True
+) -> Method:
+    """The same, compiled under ``activation_memory_budget = budget``
+    ("compiled-budget-B")."""
+    return _compiled_method(
+        ref,
+        f"compiled-budget-{budget:g}",
+        _budget_backend(budget, backend),
+        dynamic_batch,
+        f"torch.compile({backend}), activation_memory_budget {budget:g}",
+    )
+
+
+def compiled_peers(
+    ref: nn.Module,
+    budgets: Sequence[float] = COMPILE_BUDGETS,
+    backend: Any = "inductor",
+    dynamic_batch: bool = True,
+) -> list[Method]:
+    """ "compiled" and one "compiled-budget-B" per budget, each with its own graphs."""
+    found = [compiled(ref, backend, dynamic_batch)]
+    return found + [compiled_budget(ref, b, backend, dynamic_batch) for b in budgets]

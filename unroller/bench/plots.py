@@ -3,7 +3,9 @@
 - ``PREFIX_memory.png``: step peak and stashed (stored) bytes per method;
 - ``PREFIX_time_ratio.png``: step time / autograd's per method (median, p10-p90 bars);
 - ``PREFIX_layers.png``: stored bytes per block of the model (stash_report rows) per scheme;
-- ``PREFIX_max_batch.png``: the largest batch under the budget per method (if searched).
+- ``PREFIX_max_batch.png``: the largest batch under the budget per method (if searched);
+- ``timeline``: bytes live over one step per method (``unroller.bench.timeline.record``),
+  the caller names the file.
 """
 
 from __future__ import annotations
@@ -147,6 +149,30 @@ def max_batch(records: list[dict], path: Path) -> Path | None:
         ax.margins(y=0.15)
         ax.set_title(f"{bench} (budget {budget:.0f} MiB)", fontsize=9)
     fig.suptitle("Largest batch under the memory budget (x: vs autograd)", fontsize=10)
+    return _save(plt, fig, path)
+
+
+def timeline(records_by_method: dict[str, dict], path: Path, title: str) -> Path:
+    """Bytes live (MiB) against the step's normalised time, one line per method: a dashed
+    vertical line where its backward pass begins and a dot at its peak, so a reader sees
+    whether the peak sits in the forward, at the turn or in the backward."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.0, 4.4))
+    for i, (name, rec) in enumerate(records_by_method.items()):
+        color = f"C{i % 10}"
+        peak = rec["peak_bytes"] / MIB
+        label = f"{name} (peak {peak:.2f} MiB)"
+        mib = [b / MIB for b in rec["bytes"]]
+        ax.plot(rec["time"], mib, color=color, lw=1.0, drawstyle="steps-post", label=label)
+        ax.plot([rec["peak_time"]], [peak], "o", color=color, markersize=5)
+        if rec.get("backward_start") is not None:
+            ax.axvline(rec["backward_start"], color=color, ls="--", lw=0.8, alpha=0.8)
+    ax.set_xlim(0.0, 1.0)
+    ax.set_ylim(bottom=0.0)
+    ax.set_xlabel("time in the step (0: start, 1: end); dashed: backward begins")
+    ax.set_ylabel("MiB live (the step's own allocations)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
     return _save(plt, fig, path)
 
 

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 BACKWARD_MARK = "unroller.bench::autograd_backward"  # record_function around loss.backward()
 SEED_OP = "aten::ones_like"  # the generated step's seed gradient: torch.ones_like(loss)
+STEP_MARK = "unroller.bench::step"  # record_function around a whole step (timeline)
 
 
 def allocation_trace(prof: profile) -> tuple[list[tuple[int, int]], dict[str, int]]:
@@ -41,6 +42,26 @@ def allocation_trace(prof: profile) -> tuple[list[tuple[int, int]], dict[str, in
         stack.extend(event.children)
     allocs.sort(key=lambda a: a[0])
     return allocs, first_start
+
+
+def span_of(prof: profile, name: str) -> tuple[int, int] | None:
+    """(start_ns, end_ns) of the first event called ``name`` (a record_function marker),
+    or None: the clock the allocation events are read against."""
+    found = None
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.name == name and (found is None or event.start_time_ns < found[0]):
+            found = (event.start_time_ns, event.end_time_ns)
+        stack.extend(event.children)
+    return found
+
+
+def first_backward_op(first_start: dict[str, int]) -> str | None:
+    """The name of the earliest op whose name contains 'backward' (from
+    ``allocation_trace``'s first start times), or None."""
+    found = [(t, name) for name, t in first_start.items() if "backward" in name]
+    return min(found)[1] if found else None
 
 
 def profile_step(run: Callable[[], Any], backward_mark: str) -> dict[str, Any]:
@@ -75,5 +96,4 @@ def backward_marker(run: Callable[[], Any]) -> str | None:
         result = run()
     del result
     _, first_start = allocation_trace(prof)
-    found = [(t, name) for name, t in first_start.items() if "backward" in name]
-    return min(found)[1] if found else None
+    return first_backward_op(first_start)
