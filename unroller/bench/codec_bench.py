@@ -5,6 +5,11 @@ A compressor's cost is what its round trip (compress, then decompress) takes aga
 both run interleaved in every round, so load on the machine hits them alike. The input
 is the output of a real conv layer on smooth images (``activation_tensor``) and its
 ReLU mask, since white noise would be the worst case for DCT+Chop.
+
+Each round trip is timed twice: eagerly, and under torch.compile (compress and decompress
+compiled apart, as a compiled step keeps the packed form between them), where the codec
+chains fuse; issue 14's goal is a compiled round trip at half a copy's bandwidth or better.
+The tensors live on ``--device`` (the CPU by default; the same code on CUDA).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import argparse
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,10 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unroller.bench.stats import summary
-from unroller.bench.timing import time_pair
+from unroller.bench.timing import synchronize, time_interleaved
 from unroller.compress import make, packed_nbytes
 
 BLUR_SIGMA = 3.0  # pixels
+COMPILED_GOAL = 0.5  # issue 14: a compiled round trip at half a copy's bandwidth or better
 
 # (label, compressor name, parameters, input): input "activation" (float32) or "mask" (bool)
 CODEC_CONFIGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
@@ -78,11 +84,35 @@ def rel_l2(x_hat: Tensor, x: Tensor) -> float:
     return float(d.norm() / max(float(x64.norm()), 1e-300))
 
 
+def _compiled_round_trip(
+    codec: Any, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[Callable[[Tensor], tuple[Tensor, ...]], Callable[[tuple[Tensor, ...]], Tensor]]:
+    """``codec``'s compress and decompress, each under torch.compile (two graphs, as in a
+    compiled step, where the packed form is kept between them; compiled as one graph, the
+    compiler could skip a storage rounding by fusing it with the decompression's cast)."""
+
+    def compress(t: Tensor) -> tuple[Tensor, ...]:
+        return codec.compress(t)
+
+    def decompress(packed: tuple[Tensor, ...]) -> Tensor:
+        return codec.decompress(packed, shape, dtype)
+
+    return torch.compile(compress, dynamic=False), torch.compile(decompress, dynamic=False)
+
+
 def bench_codec(
-    label: str, name: str, params: dict[str, Any], x: Tensor, warmup: int, repeats: int
+    label: str,
+    name: str,
+    params: dict[str, Any],
+    x: Tensor,
+    warmup: int,
+    repeats: int,
+    compiled: bool = True,
 ) -> dict[str, Any]:
+    """One configuration: bytes, error, and the round trip timed against ``torch.clone``,
+    eagerly and (``compiled``) under torch.compile, the three interleaved round by round."""
     codec = make(name, **params)
-    shape, dtype = tuple(x.shape[1:]), x.dtype
+    shape, dtype, device = tuple(x.shape[1:]), x.dtype, x.device
     raw = x.numel() * x.element_size()
     with torch.no_grad():
         packed = codec.compress(x)
@@ -91,7 +121,7 @@ def bench_codec(
     predicted = codec.stored_bytes(tuple(x.shape), dtype)
     error = rel_l2(x_hat, x)
     exact = bool(torch.equal(x_hat, x))
-    del packed, x_hat
+    del packed
 
     comp_ms: list[float] = []
     decomp_ms: list[float] = []
@@ -100,8 +130,10 @@ def bench_codec(
         with torch.no_grad():
             t0 = time.perf_counter()
             p = codec.compress(x)
+            synchronize(device)
             t1 = time.perf_counter()
             out = codec.decompress(p, shape, dtype)
+            synchronize(device)
             t2 = time.perf_counter()
         comp_ms.append((t1 - t0) * 1e3)
         decomp_ms.append((t2 - t1) * 1e3)
@@ -112,9 +144,12 @@ def bench_codec(
             out = x.clone()
         del out
 
-    pair = time_pair(round_trip, clone, warmup, repeats)
-    timing = {"trip": pair["first"], "clone": pair["second"]}
-    comp_ms, decomp_ms = comp_ms[warmup:], decomp_ms[warmup:]
+    sides: dict[str, Callable[[], Any]] = {"trip": round_trip, "clone": clone}
+    fused = _compile_side(codec, x, x_hat, sides) if compiled else None
+    del x_hat
+    found = time_interleaved(sides, warmup, repeats, None, device)
+    timing = {side: found[side]["time_ms"] for side in sides}
+    comp_ms, decomp_ms = comp_ms[-repeats:], decomp_ms[-repeats:]
     trip = timing["trip"]["samples"]
     clone_ms = timing["clone"]["samples"]
     ratio_samples = [c / r for r, c in zip(trip, clone_ms)]
@@ -122,7 +157,7 @@ def bench_codec(
     def gbps(ms: float) -> float:
         return raw / (ms * 1e-3) / 1e9
 
-    return {
+    result = {
         "label": label,
         "compressor": repr(codec),
         "name": name,
@@ -130,6 +165,7 @@ def bench_codec(
         "input": "mask" if dtype == torch.bool else "activation",
         "shape": list(x.shape),
         "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
         "raw_bytes": raw,
         "stored_bytes": stored,
         "stored_bytes_predicted": predicted,
@@ -152,16 +188,71 @@ def bench_codec(
         "ratio_to_clone": summary(ratio_samples),
         "ratio_to_clone_of_medians": timing["clone"]["median"] / timing["trip"]["median"],
     }
+    if fused is not None:
+        result["compiled"] = _compiled_figures(fused, timing, raw)
+    return result
+
+
+def _compile_side(
+    codec: Any, x: Tensor, x_hat: Tensor, sides: dict[str, Callable[[], Any]]
+) -> dict[str, Any]:
+    """Compile ``codec``'s round trip on ``x`` (timed: the first call), check it against the
+    eager one (``x_hat``) and add it to ``sides`` as "compiled"; what torch.compile raised,
+    if it failed (no C++ compiler, an unsupported device), instead of a side."""
+    shape, dtype, device = tuple(x.shape[1:]), x.dtype, x.device
+    compress, decompress = _compiled_round_trip(codec, shape, dtype)
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = decompress(compress(x))
+            synchronize(device)
+            compile_s = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - reported in the results, never fatal
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    same = bool(torch.equal(out, x_hat))
+    max_diff = 0.0 if same else float((out.double() - x_hat.double()).abs().max())
+    del out
+
+    def compiled_trip() -> None:
+        with torch.no_grad():
+            out = decompress(compress(x))
+        del out
+
+    sides["compiled"] = compiled_trip
+    return {"compile_s": compile_s, "equal_to_eager": same, "max_abs_diff_to_eager": max_diff}
+
+
+def _compiled_figures(
+    fused: dict[str, Any], timing: dict[str, dict[str, Any]], raw: int
+) -> dict[str, Any]:
+    """The compiled round trip's figures: its time, GB/s and ratio to the clone's bandwidth
+    (per round, and of the medians), beside the compile time and the check against eager."""
+    if "error" in fused:
+        return fused
+    trip, clone_ms = timing["compiled"]["samples"], timing["clone"]["samples"]
+    median = timing["compiled"]["median"]
+    return {
+        **fused,
+        "time_ms": timing["compiled"],
+        "gbps": raw / (median * 1e-3) / 1e9,
+        "ratio_to_clone": summary([c / r for r, c in zip(trip, clone_ms)]),
+        "ratio_to_clone_of_medians": timing["clone"]["median"] / median,
+        "speedup_over_eager": timing["trip"]["median"] / median,
+    }
 
 
 def bench_codecs(args: argparse.Namespace) -> dict[str, Any]:
     """Every configuration of ``CODEC_CONFIGS`` on the activation of ``--shape`` or its
-    mask, and all float32 clones pooled (the reference throughput)."""
-    act = activation_tensor(args.shape, args.seed)
+    mask, and all float32 clones pooled (the reference throughput). ``args.device`` (if
+    set; default the CPU) is where the tensors live; ``args.compile_codecs`` False skips
+    the compiled round trips."""
+    device = torch.device(getattr(args, "device", None) or "cpu")
+    compiled = getattr(args, "compile_codecs", True)
+    act = activation_tensor(args.shape, args.seed).to(device)
     mask = act > 0
     inputs = {"activation": act, "mask": mask}
     results = [
-        bench_codec(label, name, params, inputs[kind], args.warmup, args.repeats)
+        bench_codec(label, name, params, inputs[kind], args.warmup, args.repeats, compiled)
         for label, name, params, kind in CODEC_CONFIGS
     ]
     a64 = act.double()
@@ -177,6 +268,8 @@ def bench_codecs(args: argparse.Namespace) -> dict[str, Any]:
             else c["ratio_to_clone_of_medians"]
         )
     return {
+        "device": str(device),
+        "compiled_goal": f"compiled round trip >= {COMPILED_GOAL}x a clone's bandwidth",
         "clone_pooled": {
             "what": "every timed torch.clone of the float32 activation, all configurations",
             "time_ms": summary(pooled),

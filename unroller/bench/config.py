@@ -2,9 +2,12 @@
 
 Without ``--full`` the quick preset applies (what ``make bench`` runs): every suite
 model (the four published ones and the four spec-v2 ones, ``SUITE``) at its
-``quick_resolution``, a small batch, few timed rounds, the memory-budget
-search under an automatic budget. ``--full`` runs the published sizes (``paper_batch`` at
-``native_resolution``) with more rounds. Any explicit flag overrides its preset value.
+``quick_resolution``, a small batch, few timed rounds, the memory-budget search under
+the "quarter" budget (weights, their gradients and the optimizer state are a quarter of
+it), no measured step predicted to take over ``step_seconds`` (larger max batches are
+predicted, not confirmed) and the peers that compile nothing. ``--full`` runs the
+published sizes (``paper_batch`` at ``native_resolution``) with more rounds, every peer
+and no step-time limit. Any explicit flag overrides its preset value.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ SUITE = PUBLISHED + SPEC_V2  # what --benchmark all (the default) runs
 HOOK_SCHEMES = ("dct-dense", "quant")  # schemes with a hook-based peer (same compressor)
 AUTO = "auto"
 NONE = "none"
+QUARTER = "quarter"
+COMPILED_PEERS = ("compiled", "compiled-budget-0.5", "compiled-budget-0.1")
+PEERS = ("checkpoint", "hooks", *COMPILED_PEERS)  # besides autograd, always run
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,9 @@ class Preset:
     max_batch: int | None  # the batch: min(paper_batch, max_batch); None: paper_batch
     full_size: bool  # native_resolution (else quick_resolution)
     budget_factor: float  # "auto": autograd's predicted peak at factor x the run's batch
+    max_batch_rounds: int  # timed rounds at each method's max batch (after one warm-up)
+    step_seconds: float | None  # the longest step the max-batch phase measures (None: any)
+    peers: tuple[str, ...]  # the peers run besides autograd
 
 
 QUICK = Preset(
@@ -45,6 +54,11 @@ QUICK = Preset(
     max_batch=4,
     full_size=False,
     budget_factor=3.0,
+    max_batch_rounds=2,
+    step_seconds=3.0,
+    # torch.compile takes ~50 s per ResNet-34 graph on a 2-core CPU, and once more when the
+    # max-batch search changes the batch: too slow for make bench (--peers all adds them)
+    peers=("checkpoint", "hooks"),
 )
 FULL = Preset(
     iterations=10,
@@ -52,12 +66,15 @@ FULL = Preset(
     max_batch=None,
     full_size=True,
     budget_factor=2.0,
+    max_batch_rounds=3,
+    step_seconds=None,
+    peers=PEERS,
 )
 
 
 def _budget(text: str) -> int | str:
-    if text.lower() in (AUTO, NONE, "off"):
-        return AUTO if text.lower() == AUTO else NONE
+    if text.lower() in (AUTO, NONE, "off", QUARTER):
+        return NONE if text.lower() == "off" else text.lower()
     try:
         return parse_bytes(text)
     except ValueError as exc:
@@ -70,9 +87,10 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         description=(
             "Benchmark the generated unrolled training step, per compression scheme, against "
             "its peers (autograd, torch.utils.checkpoint, autograd with the same compressor "
-            "in saved_tensors_hooks): step time, samples/s, stashed bytes, peak step memory, "
-            "and the largest batch under a memory budget. Writes JSON lines, CSV, Markdown "
-            "and PNG plots to --out-dir."
+            "in saved_tensors_hooks, torch.compile'd autograd with and without an activation "
+            "memory budget): step time, samples/s, stashed bytes, peak step memory against "
+            "the predicted peak and floor, and the largest batch under a memory budget with "
+            "samples/s there. Writes JSON lines, CSV, Markdown and PNG plots to --out-dir."
         ),
         epilog=(
             "Example: unroll bench --benchmark resnet34 --scheme dct-dense --resolution 16 "
@@ -112,8 +130,41 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         "--memory-budget",
         type=_budget,
         help="find the largest batch per method whose peak fits this size (2GiB, 512MiB); "
-        "'auto': autograd's predicted peak at a multiple of the batch; 'none': skip "
-        "(default: auto)",
+        "'quarter': 4 x (parameters + their gradients + SGD momentum) of the model, so the "
+        "weights and what goes with them are a quarter of it (default); 'auto': autograd's "
+        "predicted peak at a multiple of the batch; 'none': skip",
+    )
+    add(
+        "--max-batch-rounds",
+        type=positive,
+        help="timed rounds at each method's max batch, after one warm-up round (default: "
+        "quick 2, full 3)",
+    )
+    add(
+        "--max-step-seconds",
+        type=_seconds,
+        help="the max-batch phase measures no step predicted (from the time phase's ms per "
+        "sample) to take longer: beyond it the max batch is predicted and marked "
+        "unconfirmed, and samples/s is timed at the largest batch under the limit; 0: no "
+        "limit (default: quick 3, full no limit)",
+    )
+    add(
+        "--peers",
+        help=f"the peers besides autograd, a comma list of {', '.join(PEERS)}, or 'all' or "
+        "'none' (default: quick checkpoint,hooks; full all)",
+    )
+    add(
+        "--compile",
+        action="store_true",
+        help="also run ours:SCHEME+compile, the generated module built with "
+        "Model(compile=True) (torch.compile of the step)",
+    )
+    add(
+        "--timeline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plot the bytes live over one step, ours per scheme vs autograd, per benchmark "
+        "(with --plots; default: on)",
     )
     add(
         "--probe-batches",
@@ -138,6 +189,24 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def _peers(text: str | None, preset: Preset, parser: argparse.ArgumentParser) -> list[str]:
+    if text is None:
+        return list(preset.peers)
+    if text.strip() == NONE:
+        return []
+    return choose(text, PEERS, PEERS, "peer", parser)
+
+
 def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argparse.Namespace:
     """Parsed flags with the preset filled in (``args.preset``, ``args.benchmarks``,
     ``args.schemes``, ``args.out_dir``); argparse exits 2 on bad flags."""
@@ -150,8 +219,14 @@ def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argpar
     args.out_dir = args.out_dir or default_results_dir()
     args.iterations = args.iterations or preset.iterations
     args.warmup = preset.warmup if args.warmup is None else args.warmup
+    args.peers = _peers(args.peers, preset, parser)
+    args.max_batch_rounds = args.max_batch_rounds or preset.max_batch_rounds
+    if args.max_step_seconds is None:
+        args.max_step_seconds = preset.step_seconds
+    elif args.max_step_seconds == 0:
+        args.max_step_seconds = None
     if args.memory_budget is None:
-        args.memory_budget = AUTO
+        args.memory_budget = QUARTER
     elif args.memory_budget == NONE:
         args.memory_budget = None
     ipu_only = ("device_batch_size", "profile")
@@ -164,6 +239,8 @@ def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argpar
             parser.error(f"{', '.join(given)} only apply with --platform ipu")
     elif args.device != "cpu":
         parser.error("--platform ipu runs on IPUs (or their CPU emulation): drop --device")
+    elif args.compile:
+        parser.error("--compile builds the gpu platform's module: drop it with --platform ipu")
     elif not args.emulate:  # the host cannot see IPU memory: PopVision (--profile) does
         args.get_memory, args.memory_budget = False, None
     return args

@@ -2,7 +2,8 @@
 
 ``PREFIX.jsonl``: one ``{"type": "meta"}`` line (machine, command, methods), one
 ``{"type": "run"}`` line per benchmark and method, one ``{"type": "goal"}`` line per goal.
-``PREFIX.csv``: one row per run (``CSV_FIELDS``). ``PREFIX.md``: the table, the goals,
+``PREFIX.csv``: one row per run (``CSV_FIELDS``). ``PREFIX.md``: the table, the max batch
+table (samples/s there, the predicted peak and floor against the measured peak), the goals,
 the methods. The summary on screen: one row per method, one column per benchmark.
 """
 
@@ -51,6 +52,18 @@ CSV_FIELDS = (
     "max_batch",
     "max_batch_confirmed",
     "max_batch_ratio_vs_autograd",
+    "compiled",
+    "reserved_bytes",
+    "max_batch_basis",
+    "max_batch_measured",
+    "ideal_max_batch",
+    "max_batch_timed_batch",
+    "samples_per_s_at_max_batch",
+    "samples_per_s_ratio_at_max_batch",
+    "predicted_peak_bytes",
+    "floor_bytes",
+    "measured_over_floor",
+    "measured_over_predicted",
 )
 
 
@@ -90,6 +103,20 @@ def csv_row(rec: dict[str, Any]) -> dict[str, Any]:
         "max_batch": _get(rec, "max_batch", "max_batch"),
         "max_batch_confirmed": _get(rec, "max_batch", "confirmed"),
         "max_batch_ratio_vs_autograd": rec.get("max_batch_ratio_vs_autograd"),
+        "compiled": rec.get("compiled"),
+        "reserved_bytes": _get(rec, "max_batch", "reserved_bytes"),
+        "max_batch_basis": _get(rec, "max_batch", "basis"),
+        "max_batch_measured": _get(rec, "max_batch", "measured_max_batch"),
+        "ideal_max_batch": _get(rec, "predicted", "ideal_max_batch"),
+        "max_batch_timed_batch": _get(rec, "max_batch_speed", "batch"),
+        "samples_per_s_at_max_batch": _get(rec, "max_batch_speed", "samples_per_s"),
+        "samples_per_s_ratio_at_max_batch": _get(
+            rec, "max_batch_speed", "ratio_vs_autograd", "median"
+        ),
+        "predicted_peak_bytes": _get(rec, "predicted", "peak_bytes"),
+        "floor_bytes": _get(rec, "predicted", "floor_bytes"),
+        "measured_over_floor": _get(rec, "predicted", "measured_over_floor"),
+        "measured_over_predicted": _get(rec, "predicted", "measured_over_predicted"),
     }
 
 
@@ -125,13 +152,75 @@ def _x(r: float | None, digits: int = 2) -> str:
     return "n/a" if r is None else f"{r:.{digits}f}x"
 
 
+def _mark(mb: dict[str, Any]) -> str:
+    """How sure a max batch is: confirmed (no mark), predicted only, or unconfirmed."""
+    if mb["confirmed"]:
+        return ""
+    return " (predicted)" if mb.get("basis") == "predicted" else " (unconfirmed)"
+
+
 def _max_batch(rec: dict[str, Any]) -> str:
     mb = rec.get("max_batch")
     if not mb:
         return "n/a"
-    mark = "" if mb["confirmed"] else " (unconfirmed)"
+    mark = _mark(mb)
     ratio = rec.get("max_batch_ratio_vs_autograd")
     return f"{mb['max_batch']}{mark}" + ("" if ratio is None else f" ({ratio:.2f}x)")
+
+
+def _basis(mb: dict[str, Any]) -> str:
+    if mb["confirmed"]:
+        return "confirmed"
+    if mb.get("basis") == "predicted":
+        return f"predicted by the line, not measured; largest measured to fit {mb['measured_max_batch']}"
+    return "not confirmed"
+
+
+def _speed_cells(rec: dict[str, Any]) -> str:
+    """Timed batch, samples/s and its ratio to autograd's, at the max batch."""
+    sp = rec.get("max_batch_speed")
+    if not sp:
+        return "n/a | n/a | n/a"
+    batch = f"{sp['batch']}" + ("" if sp["at_max_batch"] else " (not the max)")
+    return (
+        f"{batch} | {sp['samples_per_s']:.1f} " f"| {_x(_get(sp, 'ratio_vs_autograd', 'median'))}"
+    )
+
+
+def _floor_cells(rec: dict[str, Any]) -> str:
+    """Ideal max batch, predicted peak, floor, measured over floor and over predicted."""
+    pred = rec.get("predicted")
+    if not pred:
+        return "n/a | n/a | n/a | n/a | n/a"
+    ideal = pred.get("ideal_max_batch")
+    return (
+        f"{'n/a' if ideal is None else ideal} | {_mib(pred['peak_bytes'])} "
+        f"| {_mib(pred['floor_bytes'])} | {_x(pred['measured_over_floor'])} "
+        f"| {_x(pred['measured_over_predicted'])}"
+    )
+
+
+def _budget_table(records: list[dict]) -> list[str]:
+    """Per method: max batch, samples/s there, and (ours) the memory model's figures."""
+    if not any(r.get("max_batch") or r.get("predicted") for r in records):
+        return []
+    lines = [
+        "",
+        "### Max batch, samples/s there, predicted peak and floor",
+        "",
+        "| benchmark | method | budget MiB | max batch (vs autograd) | timed at batch "
+        "| samples/s there | vs autograd at its max | ideal max batch (floor-limited) "
+        "| predicted step peak MiB | floor MiB | measured step peak / floor "
+        "| measured / predicted peak |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rec in records:
+        lines.append(
+            f"| {rec['benchmark']} | {rec['method']} "
+            f"| {_mib(_get(rec, 'max_batch', 'budget_bytes'))} | {_max_batch(rec)} "
+            f"| {_speed_cells(rec)} | {_floor_cells(rec)} |"
+        )
+    return lines
 
 
 def markdown(meta: dict, records: list[dict], goals: list[dict]) -> str:
@@ -156,6 +245,7 @@ def markdown(meta: dict, records: list[dict], goals: list[dict]) -> str:
             f"| {_x(rec.get('peak_ratio_vs_autograd'))} | {rec['loss']:.6g} "
             f"| {_max_batch(rec)} |"
         )
+    lines += _budget_table(records)
     lines += ["", "### Goals (reported, never asserted)", ""]
     for g in goals:
         value = "" if g["value"] is None else f"{g['value']}; "
@@ -170,11 +260,13 @@ def markdown(meta: dict, records: list[dict], goals: list[dict]) -> str:
             measured = ", ".join(
                 f"{m['batch']}: {_mib(m['total_peak_bytes'])}" for m in mb["measured"]
             )
+            reserved = mb.get("reserved_bytes")
             lines.append(
-                f"- {rec['benchmark']} {rec['method']}: budget {_mib(mb['budget_bytes'])} MiB, "
-                f"fit {_mib(mb['intercept_bytes'])} MiB + {_mib(mb['bytes_per_sample'])} MiB "
+                f"- {rec['benchmark']} {rec['method']}: budget {_mib(mb['budget_bytes'])} MiB"
+                + (f" ({_mib(reserved)} MiB of it optimizer state)" if reserved else "")
+                + f", fit {_mib(mb['intercept_bytes'])} MiB + {_mib(mb['bytes_per_sample'])} MiB "
                 f"x batch, predicted {mb['predicted_max_batch']}, max {mb['max_batch']} "
-                f"({'confirmed' if mb['confirmed'] else 'not confirmed'}); measured total "
+                f"({_basis(mb)}); measured total "
                 f"peaks MiB by batch: {measured}" + "".join(f"; {n}" for n in mb["notes"])
             )
     lines += ["", "### Methods", ""]
@@ -201,8 +293,8 @@ def summary_table(meta: dict, records: list[dict]) -> Table:
     cells = {(r["benchmark"], r["method"]): r for r in records}
     table = Table(
         title=meta["title"],
-        caption="cells: step time, step peak, max batch under the budget, as ratios to "
-        "autograd's; autograd's row: ms, MiB, batch",
+        caption="cells: step time, step peak, max batch under the budget, samples/s at the "
+        "max batch, as ratios to autograd's; autograd's row: ms, MiB, batch, samples/s",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         collapse_padding=True,
@@ -221,20 +313,24 @@ def summary_table(meta: dict, records: list[dict]) -> Table:
                 row.append("")
                 continue
             mb = rec.get("max_batch") or {}
+            rate = _get(rec, "max_batch_speed", "samples_per_s")
             if method == "autograd":
                 peak = (rec.get("memory") or {}).get("step_peak_bytes")
                 row.append(
                     f"{rec['time_ms']['median']:.0f} "
                     f"{'n/a' if peak is None else f'{peak / MIB:.0f}'} {mb.get('max_batch', 'n/a')}"
+                    f" {'n/a' if rate is None else f'{rate:.0f}'}"
                 )
                 continue
             figures = (
                 _get(rec, "time_ratio", "median"),
                 rec.get("peak_ratio_vs_autograd"),
                 rec.get("max_batch_ratio_vs_autograd"),
+                _get(rec, "max_batch_speed", "ratio_vs_autograd", "median"),
             )
             row.append(" ".join("n/a" if f is None else f"{f:.2f}" for f in figures[:2]))
             row[-1] += " n/a" if figures[2] is None else f" {figures[2]:.1f}"
+            row[-1] += " n/a" if figures[3] is None else f" {figures[3]:.2f}"
         table.add_row(*row)
     return table
 

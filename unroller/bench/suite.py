@@ -49,6 +49,7 @@ from unroller.bench import (  # noqa: E402
 )
 from unroller.bench.paths import ModelsNotFound  # noqa: E402
 from unroller.bench.peers import STASH_METHODS, Method  # noqa: E402
+from unroller.bench.stats import summary  # noqa: E402
 from unroller.bench.timing import time_interleaved  # noqa: E402
 from unroller.codegen import Options  # noqa: E402
 from unroller.runtime import ipu_device  # noqa: E402
@@ -60,6 +61,54 @@ EMULATION_NOTE = (
 )
 
 
+def _options(args: argparse.Namespace, scheme: str, resolution: int) -> Options:
+    return Options(
+        platform=args.platform, scheme=scheme, num_ipus=args.num_ipus, resolution=resolution
+    )
+
+
+def _compiled_ours(
+    bench: Any,
+    args: argparse.Namespace,
+    resolution: int,
+    ref: torch.nn.Module,
+    device: torch.device,
+    directory: Path,
+    notes: list[str],
+) -> list[Method]:
+    """ours:SCHEME+compile per scheme (``--compile``): the generated module built with
+    ``Model(compile=True)``; none, with a note, where the generated Model cannot."""
+    found = []
+    for scheme in args.schemes:
+        options = _options(args, scheme, resolution)
+        try:
+            model = models.build_ours(bench, options, ref, device, directory / "compile", True)
+        except models.CompileUnsupported as exc:
+            notes.append(f"--compile: no ours:SCHEME+compile rows: {exc} in this tree")
+            return []
+        method = peers.ours_gpu(scheme, model)
+        method.name = f"ours:{scheme}+compile"
+        method.compiles = True  # peers.Method: its first step compiles
+        method.notes.append("Model(compile=True): torch.compile of the step")
+        found.append(method)
+    return found
+
+
+def _compiled_peers(ref: torch.nn.Module, wanted: list[str], notes: list[str]) -> list[Method]:
+    """The torch.compile'd autograd peers of ``wanted`` (peers.compiled_peers), or none
+    with a note where this tree has no such peers."""
+    make = getattr(peers, "compiled_peers", None)
+    if make is None:
+        notes.append(
+            f"peers {', '.join(wanted)}: unroller.bench.peers.compiled_peers is "
+            "missing in this tree: not run"
+        )
+        return []
+    prefix = "compiled-budget-"
+    budgets = tuple(float(p[len(prefix) :]) for p in wanted if p.startswith(prefix))
+    return [m for m in make(ref, budgets=budgets) if m.name in wanted]
+
+
 def _methods(
     bench: Any,
     args: argparse.Namespace,
@@ -67,21 +116,28 @@ def _methods(
     ref: torch.nn.Module,
     device: torch.device,
     directory: Path,
+    notes: list[str],
 ) -> list[Method]:
+    """Ours per scheme (and per scheme compiled, with --compile), autograd, and the
+    peers of --peers; what could not be built goes into ``notes``."""
     found = []
     for scheme in args.schemes:
-        options = Options(
-            platform=args.platform, scheme=scheme, num_ipus=args.num_ipus, resolution=resolution
-        )
+        options = _options(args, scheme, resolution)
         model = models.build_ours(bench, options, ref, device, directory)
         if args.platform == "ipu":
             found.append(peers.ours_ipu(scheme, model, ipu_device.poptorch, args))
         else:
             found.append(peers.ours_gpu(scheme, model))
+    if args.compile:
+        found += _compiled_ours(bench, args, resolution, ref, device, directory, notes)
     found.append(peers.autograd(ref))
-    if hasattr(ref, "forward_checkpointed"):
+    if "checkpoint" in args.peers and hasattr(ref, "forward_checkpointed"):
         found.append(peers.checkpointed(ref))
-    found += [peers.hooks(s, ref) for s in args.schemes if s in config.HOOK_SCHEMES]
+    if "hooks" in args.peers:
+        found += [peers.hooks(s, ref) for s in args.schemes if s in config.HOOK_SCHEMES]
+    compiled = [p for p in args.peers if p in config.COMPILED_PEERS]
+    if compiled:
+        found += _compiled_peers(ref, compiled, notes)
     return found
 
 
@@ -98,68 +154,244 @@ class _Phases:
         self._last = now
 
 
+class _Run:
+    """What one benchmark's phases share: the benchmark, its sizes, the batch maker."""
+
+    def __init__(self, bench: Any, args: argparse.Namespace, device: torch.device) -> None:
+        self.bench, self.args, self.device = bench, args, device
+        self.resolution = models.resolution_of(bench, args)
+        self.batch_size = models.batch_of(bench, args)
+        self.granularity, self.device_batch = 1, None
+        if args.platform == "ipu":
+            self.device_batch, self.batch_size = config.ipu_batch(args, self.batch_size)
+            self.granularity = args.replication_factor * config.ipu_accumulation(args.num_ipus)
+        self.label = f"{bench.name} b{self.batch_size}@{self.resolution}"
+
+    def make_batch(self, n: int) -> list[torch.Tensor]:
+        return models.batch_on(self.bench, n, self.resolution, self.args.seed, self.device)
+
+
+def _budget(
+    args: argparse.Namespace, ref: torch.nn.Module, fits: dict[str, dict], batch_size: int
+) -> tuple[int, int]:
+    """(budget, reserved bytes added to every measured total) of the run's budget mode."""
+    if args.memory_budget == config.QUARTER:
+        return budget.quarter_budget(ref), budget.optimizer_state_bytes(ref)
+    if args.memory_budget == config.AUTO:
+        return budget.auto_budget(fits["autograd"], batch_size, args.preset.budget_factor), 0
+    return int(args.memory_budget), 0
+
+
 def _max_batches(
+    run: _Run,
     methods: list[Method],
-    args: argparse.Namespace,
-    make_batch: Callable[[int], list[torch.Tensor]],
-    device: torch.device,
-    batch_size: int,
-    granularity: int,
-    memory: dict[str, dict | None],
+    ref: torch.nn.Module,
+    totals: dict[str, int | None],
+    ms_per_sample: dict[str, float],
     note: Callable[[str], None],
 ) -> dict[str, dict[str, Any]]:
-    """budget.search per method under the run's budget ('auto': from autograd's line).
-    The probes default to the run's batch (whose peak the memory phase measured) and
-    twice it."""
+    """budget.search per method under the run's budget ('auto': from autograd's line;
+    'quarter': from the model's parameters, the momentum reserved). The probes default
+    to the run's batch (whose peak the memory phase measured, ``totals``) and twice it;
+    no step predicted to take over --max-step-seconds is measured."""
+    args, g, batch_size = run.args, run.granularity, run.batch_size
     probes = args.probe_batches or (batch_size, 2 * batch_size)
-    probes = tuple(-(-n // granularity) * granularity for n in probes)
+    probes = tuple(-(-n // g) * g for n in probes)
     fits = {}
     for m in sorted(methods, key=lambda m: m.name != "autograd"):
-        known = {batch_size: memory[m.name]["total_peak_bytes"]} if memory[m.name] else None
+        known = {batch_size: totals[m.name]} if totals.get(m.name) else None
         note(f"max batch, {m.name}: probes {probes[0]}, {probes[1]}")
-        fits[m.name] = budget.probe_fit(m, make_batch, probes, device, known)
-    limit = args.memory_budget
-    if limit == config.AUTO:
-        limit = budget.auto_budget(fits["autograd"], batch_size, args.preset.budget_factor)
+        fits[m.name] = budget.probe_fit(m, run.make_batch, probes, run.device, known)
+    limit, reserved = _budget(args, ref, fits, batch_size)
     return {
         m.name: budget.search(
             m,
-            make_batch,
+            run.make_batch,
             limit,
             fits[m.name],
-            device,
-            granularity,
+            run.device,
+            g,
             progress=lambda what: note(f"max batch, {what}"),
+            reserved=reserved,
+            largest=budget.largest_batch(ms_per_sample.get(m.name), args.max_step_seconds, g),
         )
         for m in methods
     }
 
 
+def _timed_batch(run: _Run, found: dict[str, Any] | None, ms_per_sample: float | None) -> int:
+    """The batch samples/s at the max batch is timed at: the max batch when measured to
+    fit (else the largest measured to fit), at most the largest under --max-step-seconds."""
+    if not found:
+        return 0
+    n = found["max_batch"] if found["basis"] == "measured" else found["measured_max_batch"]
+    cap = budget.largest_batch(ms_per_sample, run.args.max_step_seconds, run.granularity)
+    return n if cap is None else min(n, cap)
+
+
+def _speed_at_max_batch(
+    run: _Run,
+    methods: list[Method],
+    searched: dict[str, dict | None],
+    ms_per_sample: dict[str, float],
+    on_round: Callable[[int], None],
+) -> dict[str, dict[str, Any]]:
+    """Samples/s of every method at its own max batch: one warm-up round, then
+    --max-batch-rounds rounds in which each method runs one step at its batch (the order
+    rotating, as in the time phase); per round each method's samples/s over autograd's
+    at autograd's own max batch."""
+    sizes = {
+        m.name: _timed_batch(run, searched[m.name], ms_per_sample.get(m.name)) for m in methods
+    }
+    sizes = {k: n for k, n in sizes.items() if n > 0}
+    if not sizes:
+        return {}
+    batches = {name: run.make_batch(n) for name, n in sizes.items()}
+    sides = {m.name: partial(m.step, batches[m.name]) for m in methods if m.name in sizes}
+    rounds = run.args.max_batch_rounds
+    timing = time_interleaved(sides, 1, rounds, None, run.device, on_round=on_round)
+    rates = {k: [sizes[k] / (t / 1e3) for t in v["time_ms"]["samples"]] for k, v in timing.items()}
+    base = rates.get("autograd")
+    found = {}
+    for name, n in sizes.items():
+        mb = searched[name] or {}
+        found[name] = {
+            "batch": n,
+            "at_max_batch": n == mb.get("max_batch"),
+            "warmup": 1,
+            "rounds": rounds,
+            "time_ms": timing[name]["time_ms"],
+            "samples_per_s": n / (timing[name]["time_ms"]["median"] / 1e3),
+            "ratio_vs_autograd": (
+                None if base is None else summary([a / b for a, b in zip(rates[name], base)])
+            ),
+        }
+    return found
+
+
+def _predicted(run: _Run, methods: list[Method], notes: list[str]) -> dict[str, dict | None]:
+    """The memory model's figures (models.predict_memory) per ours method at the run's
+    batch; none, with a note, without a memory model or where it fails."""
+    found: dict[str, dict | None] = {}
+    if run.args.platform == "ipu" or models.memory_model() is None:
+        if run.args.platform != "ipu":
+            notes.append("predicted peak and floor: unroller.memory.simulate is missing")
+        return found
+    cache: dict[str, dict | None] = {}
+    for m in methods:
+        if m.kind != "ours":
+            continue
+        if m.scheme not in cache:
+            options = _options(run.args, m.scheme, run.resolution)
+            try:
+                cache[m.scheme] = models.predict_memory(run.bench, options, run.batch_size)
+            except Exception as exc:  # the memory model is new: a failure must not stop the run
+                cache[m.scheme] = None
+                notes.append(
+                    f"{run.bench.name} {m.scheme}: the memory model failed: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+        found[m.name] = cache[m.scheme]
+    return found
+
+
+def _with_measured(
+    predicted: dict[str, Any] | None,
+    memory: dict[str, Any] | None,
+    mb: dict[str, Any] | None,
+    fixed: int,
+    batch_per_sample: float,
+    granularity: int,
+) -> dict[str, Any] | None:
+    """The predicted figures of one ours record with the measured ones set against them:
+    measured step peak over the floor and over the predicted peak; under a budget the
+    floor-limited ideal max batch and how far the max batch is from it."""
+    if predicted is None:
+        return None
+    out = dict(predicted)
+    step = (memory or {}).get("step_peak_bytes")
+    out["measured_step_peak_bytes"] = step
+    out["measured_over_floor"] = step / out["floor_bytes"] if step and out["floor_bytes"] else None
+    out["measured_over_predicted"] = (
+        step / out["peak_bytes"] if step and out["peak_bytes"] else None
+    )
+    out["ideal_max_batch"] = out["ideal_over_max_batch"] = None
+    if mb:
+        room = mb["budget_bytes"]
+        ideal = models.ideal_max_batch(
+            out, room, fixed + mb["reserved_bytes"], batch_per_sample, granularity
+        )
+        out["ideal_max_batch"] = ideal
+        if ideal is not None and mb["max_batch"]:
+            out["ideal_over_max_batch"] = ideal / mb["max_batch"]
+    return out
+
+
+def _timelines(
+    run: _Run, methods: list[Method], batch: list[torch.Tensor], notes: list[str]
+) -> dict:
+    """Bytes live over one step (timeline.record), ours per scheme and autograd, for the
+    timeline plot; none, with a note, where this tree has no timeline or on CUDA (the
+    profiler's allocation events it reads are the CPU's)."""
+    args = run.args
+    if not (args.timeline and args.plots and args.platform == "gpu"):
+        return {}
+    if run.device.type != "cpu":
+        notes.append("timeline plot: CPU only (profiler allocation events)")
+        return {}
+    try:
+        from unroller.bench import timeline
+    except ImportError:
+        notes.append("timeline plot: unroller.bench.timeline is missing in this tree")
+        return {}
+    chosen = [
+        m for m in methods if m.name == "autograd" or (m.kind == "ours" and "+" not in m.name)
+    ]
+    return {m.name: timeline.record(m, batch) for m in chosen}
+
+
+def _compile(
+    methods: list[Method], batch: list[torch.Tensor], note: Callable[[str], None]
+) -> dict[str, float]:
+    """One untimed step of every method whose first step compiles (torch.compile), so no
+    compilation lands in a timed round even with --warmup 0; seconds per method."""
+    seconds = {}
+    for m in methods:
+        if getattr(m, "compiles", False):
+            note(m.name)
+            t0 = time.perf_counter()
+            m.step(batch)
+            seconds[m.name] = round(time.perf_counter() - t0, 2)
+    return seconds
+
+
 def bench_one(
     bench: Any, args: argparse.Namespace, device: torch.device, bar: output.Bar
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The records of every method on one benchmark, and what was run (sizes, seconds)."""
+    """The records of every method on one benchmark, and what was run (sizes, seconds,
+    notes, the timeline records)."""
     phases = _Phases()
-    resolution = models.resolution_of(bench, args)
-    batch_size = models.batch_of(bench, args)
-    granularity, device_batch = 1, None
-    if args.platform == "ipu":
-        device_batch, batch_size = config.ipu_batch(args, batch_size)
-        granularity = args.replication_factor * config.ipu_accumulation(args.num_ipus)
-    label = f"{bench.name} b{batch_size}@{resolution}"
+    run = _Run(bench, args, device)
+    label, batch_size = run.label, run.batch_size
     bar.note(f"{label}: generating")
-    ref = models.build_reference(bench, resolution, args.seed, device)
-
-    def make_batch(n: int) -> list[torch.Tensor]:
-        return models.batch_on(bench, n, resolution, args.seed, device)
-
+    ref = models.build_reference(bench, run.resolution, args.seed, device)
+    notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="unroller-bench-") as tmp:
-        methods = _methods(bench, args, resolution, ref, device, Path(tmp))
+        methods = _methods(bench, args, run.resolution, ref, device, Path(tmp), notes)
     names = [m.name for m in methods]
     searching = args.memory_budget is not None
-    bar.add(args.warmup + args.iterations + len(methods) * (1 + args.get_memory + searching))
-    batch = make_batch(batch_size)
+    bar.add(
+        args.warmup
+        + args.iterations
+        + len(methods) * (1 + args.get_memory + searching)
+        + searching * (1 + args.max_batch_rounds)
+    )
+    batch = run.make_batch(batch_size)
+    batch_per_sample = models.tensor_bytes(batch) / batch_size
     phases.done("generate")
+    compile_s = _compile(methods, batch, lambda m: bar.note(f"{label}: compiling {m}"))
+    if compile_s:
+        phases.done("compile")
 
     timing = time_interleaved(
         {m.name: partial(m.step, batch) for m in methods},
@@ -169,6 +401,7 @@ def bench_one(
         device,
         on_round=lambda r: bar.advance(f"{label}: timing round {r}"),
     )
+    ms_per_sample = {k: v["time_ms"]["median"] / batch_size for k, v in timing.items()}
     phases.done("time")
     stash = {}
     for m in methods:  # before the memory phase: ours' first stash finds its backward mark
@@ -176,41 +409,52 @@ def bench_one(
         bar.advance(f"{label}: stash {m.name}")
     phases.done("stash")
     memory: dict[str, dict | None] = dict.fromkeys(names)
+    totals: dict[str, int | None] = dict.fromkeys(names)
     if args.get_memory:
         for m in methods:
             memory[m.name] = measure.peak_step(m, batch, device)
+            totals[m.name] = budget.own_total(memory[m.name], m.module, batch)
             bar.advance(f"{label}: peak memory {m.name}")
         phases.done("memory")
+    predicted = _predicted(run, methods, notes)
+    phases.done("predict")
+    timelines = _timelines(run, methods, batch, notes) if args.get_memory else {}
+    if timelines:
+        phases.done("timeline")
     del batch
 
     searched: dict[str, dict | None] = dict.fromkeys(names)
+    speed: dict[str, dict] = {}
     if searching:
-        searched.update(
-            _max_batches(
-                methods,
-                args,
-                make_batch,
-                device,
-                batch_size,
-                granularity,
-                memory,
-                lambda what: bar.note(f"{label}: {what}"),
-            )
+        found = _max_batches(
+            run, methods, ref, totals, ms_per_sample, lambda what: bar.note(f"{label}: {what}")
         )
+        searched.update(found)
         bar.advance(f"{label}: max batch", len(methods))
         phases.done("max_batch")
+        speed = _speed_at_max_batch(
+            run,
+            methods,
+            searched,
+            ms_per_sample,
+            lambda r: bar.advance(f"{label}: samples/s at the max batch, round {r}"),
+        )
+        phases.done("max_batch_speed")
 
     base_peak = (memory["autograd"] or {}).get("step_peak_bytes")
     base_batch = (searched["autograd"] or {}).get("max_batch")
+    fixed = models.state_bytes(ref)
     records = []
     for m in methods:
-        t, mem, mb = timing[m.name], memory[m.name], searched[m.name]
+        t, mem, mb, sp = timing[m.name], memory[m.name], searched[m.name], speed.get(m.name)
         records.append(
             {
                 "benchmark": bench.name,
                 "method": m.name,
                 "kind": m.kind,
                 "scheme": m.scheme,
+                "compiled": getattr(m, "compiles", False),
+                "first_step_s": compile_s.get(m.name),
                 "platform": args.platform,
                 "device": (
                     "ipu"
@@ -219,7 +463,7 @@ def bench_one(
                 ),
                 "emulated": bool(args.platform == "ipu" and args.emulate),
                 "batch": batch_size,
-                "resolution": resolution,
+                "resolution": run.resolution,
                 "time_ms": t["time_ms"],
                 "time_ratio": t["ratio"],
                 "samples_per_s": batch_size / (t["time_ms"]["median"] / 1e3),
@@ -229,20 +473,26 @@ def bench_one(
                 "peak_ratio_vs_autograd": (
                     mem["step_peak_bytes"] / base_peak if mem and base_peak else None
                 ),
+                "predicted": _with_measured(
+                    predicted.get(m.name), mem, mb, fixed, batch_per_sample, run.granularity
+                ),
                 "max_batch": mb,
                 "max_batch_ratio_vs_autograd": (
                     mb["max_batch"] / base_batch if mb and base_batch else None
                 ),
+                "max_batch_speed": sp,
                 "notes": m.notes,
             }
         )
     info = {
         "benchmark": bench.name,
         "batch": batch_size,
-        "resolution": resolution,
-        "ipu_device_batch": device_batch,
+        "resolution": run.resolution,
+        "ipu_device_batch": run.device_batch,
         "methods": names,
         "phase_seconds": phases.seconds,
+        "notes": notes,
+        "timeline": timelines,
     }
     return records, info
 
@@ -264,6 +514,8 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str,
         f"peak memory: {measure.MEMORY_SHORT[how]}; time: {args.iterations} rounds after "
         f"{args.warmup} warm-up, methods interleaved, same weights and batch"
     ]
+    if args.memory_budget is not None:
+        meta["about"].append(_budget_about(args))
     if args.platform == "ipu" and args.emulate:
         meta["about"].insert(0, EMULATION_NOTE)
         if args.profile:
@@ -285,13 +537,93 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str,
         "peak_memory": measure.MEMORY_METHODS[how],
         **{f"stash_{k}": v for k, v in STASH_METHODS.items()},
         "max_batch": budget.METHOD,
-        "auto_budget": (
-            "autograd's predicted total peak at "
-            f"{args.preset.budget_factor:g} x the run's batch, rounded up to a MiB"
-        ),
+        "budget": _budget_method(args),
+        "max_batch_speed": MAX_BATCH_SPEED_METHOD.format(rounds=args.max_batch_rounds),
+        "predicted_memory": PREDICTED_METHOD,
+        "ideal_max_batch": IDEAL_METHOD,
         **{f"method_{k}": v for k, v in peers.METHODS.items()},
     }
     return meta
+
+
+MAX_BATCH_SPEED_METHOD = (
+    "samples/s at the max batch: every method steps at its own max batch, 1 warm-up round "
+    "then {rounds} timed rounds (each method once per round, the order rotating, as the time "
+    "phase); samples/s = batch / median step time; vs autograd = the median over rounds of "
+    "its samples/s over autograd's in the same round, autograd at its own max batch. A max "
+    "batch predicted but not measured to fit is timed at the largest batch measured to fit, "
+    "and none at a batch whose step is predicted to take over --max-step-seconds: there the "
+    "largest batch under that limit (the table marks a batch that is not the max batch)"
+)
+PREDICTED_METHOD = (
+    "unroller.memory.simulate on the generated step of the scheme at the run's batch (ours "
+    "only): predicted step peak (the step's own allocations, as the measured step peak "
+    "counts them), floor (stored stash at its largest + the largest working set of a single "
+    "step + parameter gradients); measured step peak / floor and / predicted peak. The "
+    "+compile rows carry the prediction for the eager code of their scheme"
+)
+IDEAL_METHOD = (
+    "floor-limited ideal max batch: the largest batch n with parameters + buffers + the "
+    "reserved optimizer state + floor(n) + batch(n) <= budget, i.e. what fits if the step "
+    "peaked at its floor; floor(n) = fixed + per-sample bytes, the line through the floors "
+    "the memory model predicts at the run's batch and twice it"
+)
+
+
+def _budget_method(args: argparse.Namespace) -> str:
+    if args.memory_budget == config.QUARTER:
+        return budget.QUARTER_METHOD
+    if args.memory_budget == config.AUTO:
+        return (
+            "'auto' budget: autograd's predicted total peak at "
+            f"{args.preset.budget_factor:g} x the run's batch, rounded up to a MiB"
+        )
+    return f"a fixed budget of {args.memory_budget} bytes (--memory-budget)"
+
+
+def _budget_about(args: argparse.Namespace) -> str:
+    """One line on the max-batch phase: the budget and the step-time limit."""
+    if args.memory_budget == config.QUARTER:
+        what = (
+            "quarter (weights + gradients + SGD momentum = 1/4 of the budget; the momentum "
+            "counted on top of every measured peak)"
+        )
+    elif args.memory_budget == config.AUTO:
+        what = f"auto (autograd's peak at {args.preset.budget_factor:g} x the batch)"
+    else:
+        what = f"{args.memory_budget / 2**20:.1f} MiB"
+    limit = (
+        "no limit on the step time"
+        if args.max_step_seconds is None
+        else f"no step predicted over {args.max_step_seconds:g} s measured (beyond: predicted, "
+        "unconfirmed)"
+    )
+    return (
+        f"max batch under the budget: {what}; {limit}; samples/s there: "
+        f"{args.max_batch_rounds} timed rounds after 1 warm-up"
+    )
+
+
+def _write_timelines(
+    ran: list[dict[str, Any]], out: Path, prefix: str, title: str, notes: list[str]
+) -> list[Path]:
+    """One timeline plot per benchmark (plots.timeline), from bench_one's records."""
+    draw = getattr(plots, "timeline", None)
+    found = [info for info in ran if info.get("timeline")]
+    if not found:
+        return []
+    if draw is None:
+        notes.append("timeline plot: unroller.bench.plots.timeline is missing in this tree")
+        return []
+    files = []
+    for info in found:
+        path = out / f"{prefix}_timeline_{info['benchmark']}.png"
+        size = f"b{info['batch']}@{info['resolution']}"
+        draw(
+            info["timeline"], path, f"{info['benchmark']} {size}: bytes live over one step, {title}"
+        )
+        files.append(path)
+    return files
 
 
 def _check_sizes(args: argparse.Namespace, registry: dict[str, Any], prog: str) -> str | None:
@@ -355,14 +687,19 @@ def main(argv: Sequence[str], prog: str = "unroll bench") -> int:
     finally:
         if args.platform == "ipu" and args.emulate:
             ipu_device.use_emulation(False)
-    found = goals.evaluate(records)
+    found = goals.evaluate(records, device=device.type)
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     prefix = "bench" if args.platform == "gpu" else "bench_ipu"
     files = [out / f"{prefix}.jsonl", out / f"{prefix}.csv", out / f"{prefix}.md"]
+    meta = _meta(args, argv, prog)
+    notes = list(dict.fromkeys(n for info in ran for n in info.pop("notes")))
     if args.plots:
         files += plots.write_all(records, out, prefix)
-    meta = _meta(args, argv, prog)
+        files += _write_timelines(ran, out, prefix, meta["title"], notes)
+    for info in ran:
+        info.pop("timeline", None)
+    meta["about"] += notes
     meta["wall_s"] = time.perf_counter() - started
     meta["benchmarks"] = ran
     output.write_jsonl(files[0], meta, records, found)

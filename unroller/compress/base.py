@@ -19,9 +19,15 @@ tensors:
   values when no group needs them. Its functions are marked host-only for ``unroll lint``:
   they never run on an IPU.
 
+While ``torch.compile`` traces (``Model(compile=True)``), a third formulation runs for CPU and
+CUDA tensors (``use_compiled_path``): whole-tensor elementwise chains that the compiler fuses
+into a few loops, with no host-side checks, numpy, in-place updates or buffers, written with
+the operations its CPU code generator vectorises (codes unpacked with int32 shifts and masks,
+packed with shifted slices, NaN tested as ``x != x``). It gives the same packed bytes and
+decompressed values as the others.
+
 The IPU-safe formulation runs for tensors on any other device (``ipu`` under PopTorch), while
-``torch.jit`` or ``torch.compile`` traces, and everywhere when the module flag ``IPU_SAFE`` is
-True.
+``torch.jit`` traces, and everywhere when the module flag ``IPU_SAFE`` is True.
 """
 
 from __future__ import annotations
@@ -49,6 +55,12 @@ __all__ = [
     "cached_constant",
     "IPU_SAFE",
     "use_fast_path",
+    "use_compiled_path",
+    "pack_codes_compiled",
+    "unpack_codes_compiled",
+    "zero_nan_compiled",
+    "float_constant_compiled",
+    "is_compiling",
     "host_checks",
     "skip_checks",
     "pack_codes_fast",
@@ -257,7 +269,13 @@ def cached_constant(key: Hashable, build: Callable[[], Tensor]) -> Tensor:
     """A small constant tensor built once per key (the key should include dtype and device).
 
     Built outside inference mode so that the cached tensor is an ordinary tensor whichever
-    mode the first call happened to run in."""
+    mode the first call happened to run in. While torch.compile traces, ``build`` runs in
+    the graph instead (a constant there): a lookup would become a guard on the cache's
+    contents, which the first call changes, and every compiled step would compile twice.
+    So ``build`` must be traceable and give the same values both ways: integers, or
+    floats computed on the host (Python's math) and handed to ``torch.tensor``."""
+    if _is_compiling():
+        return build()
     value = _CONSTANTS.get(key)
     if value is None:
         with torch.inference_mode(False), torch.no_grad():
@@ -347,6 +365,11 @@ def prod(values: tuple[int, ...] | list[int]) -> int:
 # fast cpu/cuda path ----------------------------------------------------------------------
 
 
+def is_compiling() -> bool:  # unroller-lint: host-only (dispatch)
+    """Whether torch.compile is tracing the caller."""
+    return _is_compiling()
+
+
 def _is_compiling() -> bool:  # unroller-lint: host-only (dispatch)
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
@@ -358,6 +381,14 @@ def use_fast_path(*tensors: Tensor) -> bool:  # unroller-lint: host-only (dispat
     numpy) and every tensor is on "cpu" or "cuda". Otherwise the IPU-safe formulation runs;
     both give bit-identical results."""
     if IPU_SAFE or sys.byteorder != "little" or torch.jit.is_tracing() or _is_compiling():
+        return False
+    return all(t.device.type in _FAST_DEVICES for t in tensors)
+
+
+def use_compiled_path(*tensors: Tensor) -> bool:  # unroller-lint: host-only (dispatch)
+    """True while ``torch.compile`` traces (and no ``torch.jit`` trace), ``IPU_SAFE`` is off and
+    every tensor is on "cpu" or "cuda": the compiled formulation runs."""
+    if IPU_SAFE or torch.jit.is_tracing() or not _is_compiling():
         return False
     return all(t.device.type in _FAST_DEVICES for t in tensors)
 
@@ -502,3 +533,76 @@ def unpack_codes_fast(  # unroller-lint: host-only (fast path)
         codes = torch.index_select(_unpack_table(bits, packed.device), 0, idx)
     codes = codes.view(torch.uint8).view(n, nbytes * per)
     return codes if nbytes * per == count else codes[:, :count]
+
+
+# compiled path (torch.compile) -----------------------------------------------------------
+
+
+def _shifts(bits: int, device: torch.device) -> Tensor:  # unroller-lint: host-only (compiled)
+    """int32 [8 // bits]: bits * i, the position of the i-th code inside one byte."""
+    per = 8 // bits
+    return cached_constant(
+        ("shifts", bits, device),
+        lambda: torch.tensor([bits * i for i in range(per)], dtype=torch.int32, device=device),
+    )
+
+
+def pack_codes_compiled(  # unroller-lint: host-only (compiled path)
+    codes: Tensor, bits: int
+) -> Tensor:
+    """``pack_codes`` for integer or bool codes [N, M] while torch.compile traces: the same
+    bytes, each the OR of its ``8 // bits`` codes shifted into place (one fused loop over the
+    output bytes; a sum over the codes would compile to a slow horizontal reduction)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    n, m = codes.shape
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per = 8 // bits
+    nbytes = packed_code_bytes(m, bits)
+    c = codes.to(torch.int32)
+    if nbytes * per != m:
+        c = torch.nn.functional.pad(c, (0, nbytes * per - m))
+    c = c.reshape(n, nbytes, per)
+    out = c[..., 0]
+    for i in range(1, per):
+        out = torch.bitwise_or(out, torch.bitwise_left_shift(c[..., i], bits * i))
+    return out.to(torch.uint8)
+
+
+def unpack_codes_compiled(  # unroller-lint: host-only (compiled path)
+    packed: Tensor, bits: int, count: int
+) -> Tensor:
+    """``unpack_codes`` while torch.compile traces: int32 codes [N, count], each byte shifted
+    right by its codes' positions and masked, in int32 (shifts of narrower lanes, and integer
+    division, compile to scalar loops), so that the consumer fuses the unpacking."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
+    n, nbytes = packed.shape
+    if nbytes != packed_code_bytes(count, bits):
+        raise ValueError(
+            f"packed codes hold {nbytes} bytes per sample, expected "
+            f"{packed_code_bytes(count, bits)} for {count} codes of {bits} bits"
+        )
+    p = packed.to(torch.int32)
+    if bits == 8:
+        return p
+    per = 8 // bits
+    fields = torch.bitwise_right_shift(p.unsqueeze(-1), _shifts(bits, p.device))
+    codes = torch.bitwise_and(fields, (1 << bits) - 1).reshape(n, nbytes * per)
+    return codes[:, :count]
+
+
+def float_constant_compiled(  # unroller-lint: host-only (compiled path)
+    rows: list[list[float]], dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """Python floats as a float64 tensor cast to ``dtype``, while torch.compile traces: one
+    constant in the graph (the same values ``cached_constant`` would hold, built there from
+    one ``torch.full`` per element: thousands of graph nodes in a large step)."""
+    return torch.tensor(rows, dtype=torch.float64, device=device).to(dtype)
+
+
+def zero_nan_compiled(x: Tensor) -> Tensor:  # unroller-lint: host-only (compiled path)
+    """``x`` with NaN replaced by +0 while torch.compile traces: ``x != x`` vectorises where
+    ``torch.isnan`` compiles to a scalar loop."""
+    return torch.where(x != x, torch.zeros_like(x), x)

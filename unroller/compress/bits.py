@@ -11,11 +11,14 @@ from .base import (
     Compressor,
     ParamSpec,
     pack_codes,
+    pack_codes_compiled,
     pack_codes_fast,
     packed_code_bytes,
     prod,
     unpack_codes,
+    unpack_codes_compiled,
     unpack_codes_fast,
+    use_compiled_path,
     use_fast_path,
 )
 
@@ -52,6 +55,8 @@ class Bits(Compressor):
             raise ValueError(f"{self!r}: expected a batch dimension, got a 0-d tensor")
         n = t.shape[0]
         flat = t.reshape(n, prod(tuple(t.shape[1:])))
+        if use_compiled_path(t):
+            return (pack_codes_compiled(flat, 1),)
         if use_fast_path(t):
             return (pack_codes_fast(flat, 1),)
         return (pack_codes(flat, 1),)
@@ -63,6 +68,9 @@ class Bits(Compressor):
             raise ValueError(f"{self!r}: expected packed (bits,), got {len(packed)} tensors")
         (p,) = packed
         n = p.shape[0]
+        if use_compiled_path(p):  # != 0 rather than a view as bool: that one fuses
+            mask = unpack_codes_compiled(p, 1, prod(tuple(shape))).reshape(n, *shape) != 0
+            return mask if dtype == torch.bool else mask.to(dtype)
         if use_fast_path(p):
             mask = unpack_codes_fast(p, 1, prod(tuple(shape))).view(torch.bool)
             mask = mask.reshape(n, *shape).contiguous()

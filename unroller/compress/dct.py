@@ -14,12 +14,16 @@ from .base import (
     ParamError,
     ParamSpec,
     cached_constant,
+    float_constant_compiled,
+    is_compiling,
     itemsize,
     saturate,
     saturate_fast,
     skip_checks,
+    use_compiled_path,
     use_fast_path,
     work_dtype,
+    zero_nan_compiled,
 )
 
 __all__ = ["MAX_BLOCK", "Dct", "dct_matrix", "fold_index", "prescale_exponent"]
@@ -42,20 +46,33 @@ def dct_matrix(
     """The first ``keep`` rows of the orthonormal DCT-II matrix of size ``block`` (keep x block),
     times ``2**exponent``.
 
-    T[0, j] = 1/sqrt(block); T[i, j] = sqrt(2/block) cos((2j+1) i pi / (2 block)). Built in
-    float64 on the host, then cast and moved; cached per (block, keep, dtype, device,
-    exponent). Multiplying by a power of two is exact, so a product with the scaled matrix is
-    the product with T scaled exactly (barring underflow to subnormals)."""
+    T[0, j] = 1/sqrt(block); T[i, j] = sqrt(2/block) cos((2j+1) i pi / (2 block)). Computed
+    in float64 on the host (Python's math, so that under torch.compile, where it is a
+    constant of the graph, the values are the same), then cast and moved; cached per
+    (block, keep, dtype, device, exponent). Multiplying by a power of two is exact, so a product with the scaled
+    matrix is the product with T scaled exactly (barring underflow to subnormals)."""
     device = torch.device(device)
+    if is_compiling():  # one constant in the graph, no guard on the cache
+        return float_constant_compiled(_dct_rows(block, keep, exponent), dtype, device)
 
     def build() -> Tensor:
-        i = torch.arange(keep, dtype=torch.float64).unsqueeze(1)
-        j = torch.arange(block, dtype=torch.float64).unsqueeze(0)
-        t = torch.cos((2 * j + 1) * i * (math.pi / (2 * block))) * math.sqrt(2.0 / block)
-        t = torch.where(i == 0, 1.0 / math.sqrt(block), t)
-        return (t * 2.0**exponent).to(dtype=dtype, device=device)
+        rows = _dct_rows(block, keep, exponent)
+        full = [[torch.full((), v, dtype=torch.float64, device=device) for v in r] for r in rows]
+        return torch.stack([torch.stack(r) for r in full]).to(dtype)
 
     return cached_constant(("dct", block, keep, dtype, device, exponent), build)
+
+
+def _dct_rows(block: int, keep: int, exponent: int) -> list[list[float]]:
+    """The first ``keep`` rows of the DCT-II matrix of size ``block`` times 2**exponent, as
+    Python floats (float64), in the operation order of the former tensor build."""
+    factor = 2.0**exponent
+    step = math.pi / (2 * block)
+    norm = math.sqrt(2.0 / block)
+    rows = [[1.0 / math.sqrt(block) * factor] * block]
+    for i in range(1, keep):
+        rows.append([math.cos((2 * j + 1) * i * step) * norm * factor for j in range(block)])
+    return rows[:keep]
 
 
 def prescale_exponent(block: int) -> int:
@@ -232,7 +249,8 @@ class Dct(Compressor):
         wd = work_dtype(t.dtype)
         if n * c * h * w == 0:  # same on both paths: a shape-only branch
             return self._empty_packed(n, c, hb, wb, wd, t.device)
-        if use_fast_path(t):
+        compiled = use_compiled_path(t)
+        if not compiled and use_fast_path(t):
             return self._compress_fast(t, hb, wb, wd)
         x = self._pad(t.to(wd), hb, wb)
         tk, tk_down, _ = self._matrices(wd, x.device)
@@ -252,7 +270,12 @@ class Dct(Compressor):
         scale = torch.where(amax == 0, torch.ones_like(amax), amax / 127.0)
         q = torch.round(y / scale.reshape(n, c, *([1] * (y.dim() - 2))))
         q = torch.clamp(q, -127.0, 127.0)
-        q = torch.where(torch.isnan(q), torch.zeros_like(q), q)  # defined cast; scale is NaN
+        # defined cast where the scale is NaN
+        q = (
+            zero_nan_compiled(q)
+            if compiled
+            else torch.where(torch.isnan(q), torch.zeros_like(q), q)
+        )
         return q.to(torch.int8), scale
 
     # decompress --------------------------------------------------------------------------

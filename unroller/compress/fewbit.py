@@ -43,11 +43,14 @@ from .base import (
     ParamSpec,
     cached_constant,
     pack_codes,
+    pack_codes_compiled,
     pack_codes_fast,
     packed_code_bytes,
     prod,
     unpack_codes,
+    unpack_codes_compiled,
     unpack_codes_fast,
+    use_compiled_path,
     use_fast_path,
     work_dtype,
 )
@@ -175,6 +178,26 @@ _PLANES = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,)}
 plane (the high bit), so they take 3 bits per element, not 4."""
 
 
+def _level_table(
+    function: str, bits: int, which: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """Edges (which=0) or representatives (which=2) of ``function``'s levels at ``bits``,
+    as a tensor cached per (function, bits, which, dtype, device)."""
+    values = DERIVATIVES[function](bits)[which]
+    return cached_constant(
+        ("fewbit", function, bits, which, dtype, device),
+        lambda: torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values]),
+    )
+
+
+def _bit_plane_compiled(  # unroller-lint: host-only (compiled path)
+    codes: Tensor, shift: int, bits: int
+) -> Tensor:
+    """Bits ``shift .. shift + bits - 1`` of the codes while torch.compile traces: a shift
+    and a mask, where integer division would compile to a scalar loop."""
+    return torch.bitwise_and(torch.bitwise_right_shift(codes, shift), (1 << bits) - 1)
+
+
 class FewBit(Compressor):
     """Keeps x as the ``bits``-bit index of its interval of ``function``'s derivative; decodes
     to the interval's representative x_k, whose derivative is the interval's level.
@@ -201,12 +224,7 @@ class FewBit(Compressor):
 
     def _table(self, which: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """Edges (which=0) or representatives (which=2) as a cached tensor."""
-        key = ("fewbit", self.params["function"], self.params["bits"], which, dtype, device)
-        values = self.levels()[which]
-        return cached_constant(
-            key,
-            lambda: torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values]),
-        )
+        return _level_table(self.params["function"], self.params["bits"], which, dtype, device)
 
     def stored_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         self._float_dtype(dtype)
@@ -222,14 +240,19 @@ class FewBit(Compressor):
         wd = work_dtype(t.dtype)
         edges = self._table(0, wd, t.device)
         codes = torch.bucketize(t.reshape(n, m).to(wd), edges)  # edges[c-1] < x <= edges[c]
-        fast = use_fast_path(t)
+        compiled = use_compiled_path(t)
+        fast = not compiled and use_fast_path(t)
         if fast:
             codes = codes.to(torch.uint8)
+        pack = pack_codes_compiled if compiled else pack_codes_fast if fast else pack_codes
         packed = []
         shift = 0
         for p in _PLANES[self.params["bits"]]:
-            plane = torch.remainder(torch.div(codes, 1 << shift, rounding_mode="floor"), 1 << p)
-            packed.append(pack_codes_fast(plane, p) if fast else pack_codes(plane, p))
+            if compiled:
+                plane = _bit_plane_compiled(codes, shift, p)
+            else:
+                plane = torch.remainder(torch.div(codes, 1 << shift, rounding_mode="floor"), 1 << p)
+            packed.append(pack(plane, p))
             shift += p
         return tuple(packed)
 
@@ -244,12 +267,13 @@ class FewBit(Compressor):
             )
         n = packed[0].shape[0]
         m = prod(tuple(shape))
-        fast = use_fast_path(*packed)
+        compiled = use_compiled_path(*packed)
+        fast = not compiled and use_fast_path(*packed)
+        unpack = unpack_codes_compiled if compiled else unpack_codes_fast if fast else unpack_codes
         codes = None
         shift = 0
         for p, plane in zip(planes, packed):
-            part = unpack_codes_fast(plane, p, m) if fast else unpack_codes(plane, p, m)
-            part = part.to(torch.int32) * (1 << shift)
+            part = unpack(plane, p, m).to(torch.int32) * (1 << shift)
             codes = part if codes is None else codes + part
             shift += p
         reps = self._table(2, dtype, packed[0].device)

@@ -13,6 +13,7 @@ from .base import (
     host_checks,
     itemsize,
     pack_codes,
+    pack_codes_compiled,
     pack_codes_fast,
     pack_flat,
     packed_code_bytes,
@@ -20,9 +21,12 @@ from .base import (
     row_blocks,
     skip_checks,
     unpack_codes,
+    unpack_codes_compiled,
     unpack_codes_fast,
+    use_compiled_path,
     use_fast_path,
     work_dtype,
+    zero_nan_compiled,
 )
 
 __all__ = ["Quant"]
@@ -110,7 +114,8 @@ class Quant(Compressor):
                 torch.zeros((n, groups), dtype=wd, device=t.device),
                 torch.zeros((n, groups), dtype=wd, device=t.device),
             )
-        if use_fast_path(t):
+        compiled = use_compiled_path(t)
+        if not compiled and use_fast_path(t):
             return self._compress_fast(t, n, m, g, groups, levels, wd)
         big_range = torch.finfo(wd).max * 0.25
         x = t.reshape(n, m).to(wd)
@@ -130,10 +135,15 @@ class Quant(Compressor):
         else:
             v = torch.round(v)
         v = torch.clamp(v, 0.0, levels)
-        v = torch.where(torch.isnan(v), torch.zeros_like(v), v)  # defined cast; scale is NaN
+        # defined cast where the scale is NaN
+        v = (
+            zero_nan_compiled(v)
+            if compiled
+            else torch.where(torch.isnan(v), torch.zeros_like(v), v)
+        )
         codes = v.to(torch.int32).reshape(n, groups * g)[:, :m]
         return (
-            pack_codes(codes, bits),
+            pack_codes_compiled(codes, bits) if compiled else pack_codes(codes, bits),
             mn.reshape(n, groups),
             scale.reshape(n, groups),
         )
@@ -155,10 +165,12 @@ class Quant(Compressor):
         wd = work_dtype(dtype)
         if n * m == 0:  # zero-size tensor; same on both paths
             return torch.zeros(full, dtype=dtype, device=codes.device)
-        if use_fast_path(codes, mn, scale):
+        compiled = use_compiled_path(codes, mn, scale)
+        if not compiled and use_fast_path(codes, mn, scale):
             return self._decompress_fast(codes, mn, scale, full, m, g, groups, levels, wd, dtype)
         fmax = torch.finfo(wd).max
-        q = unpack_codes(codes, bits, m).to(wd)
+        unpack = unpack_codes_compiled if compiled else unpack_codes
+        q = unpack(codes, bits, m).to(wd)
         if groups * g != m:
             q = torch.nn.functional.pad(q, (0, groups * g - m))
         q = q.reshape(n, groups, g)
@@ -167,8 +179,15 @@ class Quant(Compressor):
         # Halve the terms where mn + q * scale might overflow on the way (inexact only for
         # values that are huge anyway); clamp catches a last rounding step past the max.
         half = torch.full_like(scale, 0.5)
-        s = torch.where(scale > fmax / (2.0 * levels), half, torch.ones_like(scale))
-        x = torch.clamp((mn * s + q * (scale * s)) / s, -fmax, fmax)
+        big = scale > fmax / (2.0 * levels)
+        s = torch.where(big, half, torch.ones_like(scale))
+        if compiled:  # times 1 / s: exact (a power of two), and no division per element
+            x = (mn * s + q * (scale * s)) * torch.where(
+                big, torch.full_like(scale, 2.0), torch.ones_like(scale)
+            )
+        else:
+            x = (mn * s + q * (scale * s)) / s
+        x = torch.clamp(x, -fmax, fmax)
         # scale - scale is 0 for finite groups and NaN where the group held NaN or +-inf.
         x = x + (scale - scale)
         x = x.reshape(n, groups * g)[:, :m].reshape(full)

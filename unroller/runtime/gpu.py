@@ -15,6 +15,8 @@ by side.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -126,6 +128,43 @@ def _shape_only(g: Tensor, shape: tuple[int, ...] | list[int]) -> Tensor:
     """A tensor of `shape` that costs no memory (0-stride scalar), for aten ops that read only
     the input's sizes and options."""
     return g.new_zeros(()).expand(*shape)
+
+
+# ---------------------------------------------------------------- the step, eager or compiled
+
+Step = Callable[..., Tensor]
+#: torch.compile'd step functions by (function, backend): one wrapper per generated class and
+#: backend, shared by its instances (a wrapper held by an instance would follow it into
+#: copy.deepcopy and keep stepping the original).
+_COMPILED: dict[tuple[Step, str | Callable[..., Any]], Step] = {}
+
+
+def run_step(model: torch.nn.Module, step: Step, *inputs: Tensor) -> Tensor:
+    """``step(model, layers, model.stash_log, *inputs)``, the generated step's tensor work:
+    eagerly, or under torch.compile when ``model.compile_step`` is True (the default
+    backend, inductor), a backend's name or a backend function, so that the codec chains
+    fuse. The input checks and the layer handles stay outside the compiled region; the
+    stash log and the ``.grad`` writes inside it are side effects torch.compile replays
+    after the graph. The batch dim of every input is marked dynamic, so that another batch
+    size reuses the compiled graph instead of compiling a new one."""
+    backend = getattr(model, "compile_step", False)
+    handles = layers(model)
+    if not backend:
+        return step(model, handles, model.stash_log, *inputs)
+    for t in inputs:
+        if t.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return _compiled(step, "inductor" if backend is True else backend)(
+        model, handles, model.stash_log, *inputs
+    )
+
+
+def _compiled(step: Step, backend: str | Callable[..., Any]) -> Step:
+    """The torch.compile wrapper of ``step`` for ``backend``, made on first use."""
+    key = (step, backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(step, backend=backend)
+    return _COMPILED[key]
 
 
 # ---------------------------------------------------------------- convolutions
