@@ -233,7 +233,7 @@ def search(
             if cap in measured or cap <= lo:
                 notes.append(
                     f"batch {n} not measured: its step is predicted to take over the "
-                    f"time limit (largest batch measured: {cap})"
+                    f"time limit (--max-step-seconds: batch {cap} at most)"
                 )
                 stopped = True
                 break
