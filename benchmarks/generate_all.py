@@ -43,6 +43,7 @@ def targets() -> list[Target]:
         (quick, Options(platform=p, scheme=s), GENERATED / p / "quick" / f"{s}.py")
         for p in PLATFORMS
         for s in SCHEMES
+        if s != "auto"  # planned from a probe step's floats: not a byte-exact golden file
     ]
     for scheme in PIPELINE_SCHEMES:
         out = GENERATED / "multiipu" / "quick" / f"{scheme}-2ipu.py"

@@ -386,6 +386,8 @@ def _cases() -> list:
     for stem in MODELS:
         for platform in ("gpu", "ipu"):
             for scheme in SCHEMES:
+                if scheme == "auto":  # planned per model: tests/test_memory_plan.py
+                    continue
                 out.append(pytest.param(stem, platform, scheme, id=f"{stem}-{platform}-{scheme}"))
     return out
 
