@@ -51,9 +51,12 @@ QUARTER_METHOD = (
     "'quarter' budget = 4 x (parameters + parameter gradients + optimizer state) = 12 x the "
     "model's parameter bytes, the optimizer being SGD with momentum (one buffer per "
     "parameter; buffers such as batch-norm statistics not counted): the weights and what "
-    "goes with them are a quarter of it. The benchmark's step makes no optimizer state, so "
-    "the momentum bytes (1 x the parameter bytes) are added to every measured total peak "
-    "before it is compared with the budget"
+    "goes with them are a quarter of it; for a model whose weights are small (the U-Nets, "
+    "the spec-v2 models) that is less than a step needs, so the budget is the larger of it "
+    "and the 'auto' budget (autograd's predicted total peak at the preset's factor x the "
+    "run's batch): the weights are then at most a quarter. The benchmark's step makes no "
+    "optimizer state, so the momentum bytes (1 x the parameter bytes) are added to every "
+    "measured total peak before it is compared with the budget"
 )
 
 

@@ -175,8 +175,9 @@ def _budget(
     args: argparse.Namespace, ref: torch.nn.Module, fits: dict[str, dict], batch_size: int
 ) -> tuple[int, int]:
     """(budget, reserved bytes added to every measured total) of the run's budget mode."""
-    if args.memory_budget == config.QUARTER:
-        return budget.quarter_budget(ref), budget.optimizer_state_bytes(ref)
+    if args.memory_budget == config.QUARTER:  # weights at most a quarter of it
+        floor = budget.auto_budget(fits["autograd"], batch_size, args.preset.budget_factor)
+        return max(budget.quarter_budget(ref), floor), budget.optimizer_state_bytes(ref)
     if args.memory_budget == config.AUTO:
         return budget.auto_budget(fits["autograd"], batch_size, args.preset.budget_factor), 0
     return int(args.memory_budget), 0
