@@ -60,6 +60,7 @@ __all__ = [
     "unpack_codes_compiled",
     "zero_nan_compiled",
     "float_constant_compiled",
+    "host_constant",
     "is_compiling",
     "host_checks",
     "skip_checks",
@@ -591,6 +592,16 @@ def unpack_codes_compiled(  # unroller-lint: host-only (compiled path)
     fields = torch.bitwise_right_shift(p.unsqueeze(-1), _shifts(bits, p.device))
     codes = torch.bitwise_and(fields, (1 << bits) - 1).reshape(n, nbytes * per)
     return codes[:, :count]
+
+
+def host_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn``, a pure function of hashable arguments that computes Python values (floats,
+    tuples) on the host, so that torch.compile calls it while tracing and takes its result
+    as a constant instead of tracing its Python code (a numeric solver does not trace): what
+    ``torch.compiler.assume_constant_result`` does, its attribute set here without importing
+    torch._dynamo, which takes seconds (tests/test_compile14.py checks the two agree)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def float_constant_compiled(  # unroller-lint: host-only (compiled path)

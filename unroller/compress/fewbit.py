@@ -42,6 +42,9 @@ from .base import (
     Compressor,
     ParamSpec,
     cached_constant,
+    float_constant_compiled,
+    host_constant,
+    is_compiling,
     pack_codes,
     pack_codes_compiled,
     pack_codes_fast,
@@ -61,6 +64,7 @@ __all__ = [
     "derivative_levels",
     "gelu_derivative",
     "gelu_derivative_levels",
+    "levels_of",
     "silu_derivative",
     "silu_derivative_levels",
 ]
@@ -178,12 +182,21 @@ _PLANES = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,)}
 plane (the high bit), so they take 3 bits per element, not 4."""
 
 
+@host_constant
+def levels_of(function: str, bits: int) -> Levels:  # unroller-lint: host-only (constants)
+    """``DERIVATIVES[function](bits)``; a constant to torch.compile, which would otherwise
+    trace the solver."""
+    return DERIVATIVES[function](bits)
+
+
 def _level_table(
     function: str, bits: int, which: int, dtype: torch.dtype, device: torch.device
 ) -> Tensor:
     """Edges (which=0) or representatives (which=2) of ``function``'s levels at ``bits``,
     as a tensor cached per (function, bits, which, dtype, device)."""
-    values = DERIVATIVES[function](bits)[which]
+    values = levels_of(function, bits)[which]
+    if is_compiling():  # one constant in the graph, no guard on the cache
+        return float_constant_compiled([list(values)], dtype, device)[0]
     return cached_constant(
         ("fewbit", function, bits, which, dtype, device),
         lambda: torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values]),
@@ -220,7 +233,7 @@ class FewBit(Compressor):
 
     def levels(self) -> Levels:  # unroller-lint: host-only (constants)
         """(edges, levels, representatives) of this codec's function and bits."""
-        return DERIVATIVES[self.params["function"]](self.params["bits"])
+        return levels_of(self.params["function"], self.params["bits"])
 
     def _table(self, which: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """Edges (which=0) or representatives (which=2) as a cached tensor."""
