@@ -42,7 +42,8 @@ CODEC_COST_REPEATS = 7  # timed calls per stored form in codec_cost (at most --r
 def plan_figures(path: Path, scheme: str, batch: int) -> dict[str, Any]:
     """The stash plan the code was generated from: totals, the 1-bit mask bytes per key, and
     every stored form that is not raw (key, kind, compressor, full shape, dtype)."""
-    plan = plan_stash(load_graph(path), Options(scheme=scheme).compression())
+    graph = load_graph(path)
+    plan = plan_stash(graph, Options(scheme=scheme).compression(graph))
     report = plan.report(batch)
     masks: dict[str, int] = {}
     codec_keys = []
