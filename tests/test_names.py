@@ -146,12 +146,13 @@ def test_names_generate_valid_python(names_source: str):
     compile(tree, "names.py", "exec")
     model_cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model")
     methods = {f.name: f for f in model_cls.body if isinstance(f, ast.FunctionDef)}
-    assert set(methods) == {"__init__", "forward", "predict", "stash_report"}
+    assert set(methods) == {"__init__", "forward", "_step", "predict", "stash_report"}
     for name in ("forward", "predict"):
         args = [a.arg for a in methods[name].args.args]
         assert args[0] == "self" and len(set(args)) == len(args)
         assert not any(keyword.iskeyword(a) for a in args)
     assert len(methods["forward"].args.args) == 4  # self, lambda, x, def
+    assert len(methods["_step"].args.args) == 6  # self, L, stash, lambda, x, def
     assert len(methods["predict"].args.args) == 3  # self, lambda, x
     # The module-level names the body relies on are never rebound by model values.
     for func in methods.values():
@@ -174,8 +175,8 @@ def test_mangled_names_are_distinct(names_source: str):
     assert graph.node("a.b") is not graph.node("a_b")
     tree = ast.parse(names_source)
     functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
-    forward = next(
-        f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "forward"
+    forward = next(  # the training step's body (forward only checks and dispatches)
+        f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "_step"
     )
 
     def kernel_targets(function: ast.FunctionDef) -> list[str]:

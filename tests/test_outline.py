@@ -59,7 +59,7 @@ def test_a_rule_by_instance_name_gives_that_instance_its_own_variant(tmp_path):
     functions, calls = functions_and_calls(text)
     tree = ast.parse(text)
     forward = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "forward"
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_step"
     )
     first = next(
         n.func.id
