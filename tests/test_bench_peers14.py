@@ -72,6 +72,7 @@ def test_compiled_peers_names_and_notes():
     assert {"compiled", "compiled-budget-B"} <= peers.METHODS.keys() & peers.STASH_METHODS.keys()
 
 
+@pytest.mark.slow
 def test_budget_peer_compiles_once_saves_less_and_matches_autograd():
     """One compilation (cheap backend): gradients as autograd's, a smaller stash, no
     recompilation at other batch sizes, and a profiler peak."""

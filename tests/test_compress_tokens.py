@@ -59,7 +59,13 @@ model tokens {
 # derivative code and act as 8-bit per-token quant; the other schemes keep nothing lossy
 # on this model: dct needs a 4-D map).
 # auto: forms with a round-trip error of at most 0.2 (AUTO_MAX_ERROR) where they lower the peak
-TOKEN_BOUND = {"nocompress": 1e-10, "dct-first": 1e-10, "dct-dense": 1e-10, "quant": 0.06, "auto": 0.2}
+TOKEN_BOUND = {
+    "nocompress": 1e-10,
+    "dct-first": 1e-10,
+    "dct-dense": 1e-10,
+    "quant": 0.06,
+    "auto": 0.2,
+}
 
 
 def row_bound(x: torch.Tensor, bits: int) -> torch.Tensor:

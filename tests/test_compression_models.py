@@ -114,7 +114,7 @@ def test_stash_report_equals_prediction(build, stem, scheme):
     assert measured["total_raw_bytes"] == sum(r["raw_bytes"] for r in measured["rows"])
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", FIXED)
 def test_stash_report_equals_prediction_in_float32(build, scheme):
     stem = "resnet_like"
     module = build(model_path(stem), Options(scheme=scheme))

@@ -310,7 +310,10 @@ def exported(tmp_path_factory):
 # ---------------------------------------------------------------- exact imports
 
 
-@pytest.mark.parametrize("name", list(NETS))
+# one network in the fast suite (the zoo CNNs follow it through test_zoo_network_from_onnx)
+@pytest.mark.parametrize(
+    "name", [n if i == 0 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(NETS)]
+)
 def test_exported_cnn_trains_exactly_like_the_original(name, exported, tmp_path):
     module, path = exported[name]
     _, target, blocks = NETS[name]

@@ -86,7 +86,7 @@ def test_emulated_ipu_step_equals_gpu_step_plus_sgd(build, emulation, name, sche
     )
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", STEPPED)
 def test_generated_ipu_modules_pass_lint(tmp_path, name):
     from typer.testing import CliRunner
 

@@ -357,6 +357,7 @@ def test_the_original_report_in_a_real_process(work: Path):
     assert len(lines) == 4
 
 
+@pytest.mark.slow  # make test runs `unroll check generated` itself
 def test_parallel_check_reports_like_a_sequential_one(tmp_path: Path, monkeypatch) -> None:
     """``--jobs 2`` regenerates in worker processes; verdicts and lines are the same."""
     from unroller.api import generate_from_text
