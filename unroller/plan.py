@@ -132,7 +132,9 @@ class Probe:
     source: str  # where the batch came from, for the report
 
 
-def _generated(graph: Graph, label: str, config: CompressionConfig | None) -> type:
+def planned_class(graph: Graph, label: str, config: CompressionConfig | None) -> type:
+    """The gpu ``Model`` class of ``graph`` under ``config`` (None: nocompress), generated
+    into a temporary folder and imported (the module leaves sys.modules again)."""
     from unroller.api import import_generated, write_atomic
     from unroller.codegen import Options, render
 
@@ -193,7 +195,7 @@ def run_probe(
         ]
         source = f"seeded synthetic inputs (batch {batch_size}, seed {seed})"
     torch.manual_seed(seed)
-    model = _generated(graph, label, None)()
+    model = planned_class(graph, label, None)()
     if state is not None:
         model.load_state_dict(state, strict=True)
     model.train()
@@ -410,7 +412,7 @@ def make_plan(
 def measured_error(graph: Graph, plan: MemoryPlan, probe: Probe, label: str = "<model>") -> float:
     """Relative error of all parameter gradients of one step under the plan, against the
     probe's uncompressed step (same weights, same batch)."""
-    model = _generated(graph, label, plan.config)()
+    model = planned_class(graph, label, plan.config)()
     model.load_state_dict(probe.state, strict=True)
     model.train()
     model(*probe.inputs)

@@ -131,7 +131,7 @@ def _measure(graph: Any, found: Any, probe: Any, label: str) -> dict[str, Any]:
     from unroller.bench.profiling import profile_step
     from unroller.verify import make_inputs
 
-    model = planner._generated(graph, label, found.config)()
+    model = planner.planned_class(graph, label, found.config)()
     model.load_state_dict(probe.state, strict=True)
     model.train()
     inputs = [
