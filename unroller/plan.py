@@ -28,12 +28,9 @@ editable, diffable, and ``unroll generate --compress-config`` takes it as it is.
 from __future__ import annotations
 
 import math
-import sys
-import tempfile
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +39,7 @@ from unroller.graph import Graph, Node
 from unroller.memory import Simulation, packed_bytes, simulate_graph
 from unroller.schemes import Codec, CompressionConfig, Rule, make_codec
 from unroller.stash import Form, Stashed, plan_stash
+from unroller.verify import generated_class
 
 __all__ = [
     "AUTO_BATCH",
@@ -132,23 +130,6 @@ class Probe:
     source: str  # where the batch came from, for the report
 
 
-def planned_class(graph: Graph, label: str, config: CompressionConfig | None) -> type:
-    """The gpu ``Model`` class of ``graph`` under ``config`` (None: nocompress), generated
-    into a temporary folder and imported (the module leaves sys.modules again)."""
-    from unroller.api import import_generated, write_atomic
-    from unroller.codegen import Options, render
-
-    source = render(graph, label, Options(platform="gpu", scheme="nocompress"), config=config)
-    with tempfile.TemporaryDirectory(prefix="unroller-plan-") as folder:
-        path = write_atomic(Path(folder) / "planned_model.py", source)
-        name = f"unroller_plan_{abs(hash(str(path)))}"
-        try:
-            module = import_generated(path, name)
-        finally:
-            sys.modules.pop(name, None)
-    return module.Model
-
-
 @contextmanager
 def _capturing(found: dict[str, torch.Tensor]):
     """Record every tensor the generated step logs as kept for backward, by full name."""
@@ -195,7 +176,7 @@ def run_probe(
         ]
         source = f"seeded synthetic inputs (batch {batch_size}, seed {seed})"
     torch.manual_seed(seed)
-    model = planned_class(graph, label, None)()
+    model = generated_class(graph, label)()
     if state is not None:
         model.load_state_dict(state, strict=True)
     model.train()
@@ -409,10 +390,17 @@ def make_plan(
     )
 
 
-def measured_error(graph: Graph, plan: MemoryPlan, probe: Probe, label: str = "<model>") -> float:
+def measured_error(
+    graph: Graph,
+    plan: MemoryPlan,
+    probe: Probe,
+    label: str = "<model>",
+    model_class: type | None = None,
+) -> float:
     """Relative error of all parameter gradients of one step under the plan, against the
-    probe's uncompressed step (same weights, same batch)."""
-    model = planned_class(graph, label, plan.config)()
+    probe's uncompressed step (same weights, same batch); ``model_class``: the planned
+    module's class, when the caller has generated it already."""
+    model = (model_class or generated_class(graph, label, plan.config))()
     model.load_state_dict(probe.state, strict=True)
     model.train()
     model(*probe.inputs)

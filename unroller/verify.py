@@ -43,6 +43,8 @@ from unroller.parser import parse
 if TYPE_CHECKING:
     import torch
 
+    from unroller.schemes import CompressionConfig
+
 TOLERANCE = 1e-10  # float64, relative: the project's bound for "the same gradients"
 TINY = 1e-300  # the floor of the relative error's denominator (see ``relative_error``)
 #: Below this, a float64 reference is likely cancellation noise (a bias before batch norm
@@ -450,10 +452,11 @@ def _dropout_notes(mode: str, text: list[str], original: list[str], seed: int) -
 # ---------------------------------------------------------------------------- building
 
 
-def generated_class(graph: Graph, label: str) -> type:
-    """The gpu, nocompress ``Model`` for ``graph``, written to a temporary folder and
-    imported (the module leaves sys.modules again: the class keeps what it needs)."""
-    source = render(graph, label, Options(platform="gpu", scheme="nocompress"))
+def generated_class(graph: Graph, label: str, config: CompressionConfig | None = None) -> type:
+    """The gpu ``Model`` for ``graph`` (nocompress, or under ``config``), written to a
+    temporary folder and imported (the module leaves sys.modules again: the class keeps
+    what it needs)."""
+    source = render(graph, label, Options(platform="gpu", scheme="nocompress"), config=config)
     with tempfile.TemporaryDirectory(prefix="unroller-verify-") as folder:
         path = write_atomic(Path(folder) / "verified_model.py", source)
         name = f"unroller_verify_{abs(hash(str(path)))}"

@@ -129,9 +129,10 @@ def _measure(graph: Any, found: Any, probe: Any, label: str) -> dict[str, Any]:
     """One step of the planned module at the plan's batch: profiler peak, gradient error."""
     import unroller.plan as planner
     from unroller.bench.profiling import profile_step
-    from unroller.verify import make_inputs
+    from unroller.verify import generated_class, make_inputs
 
-    model = planner.planned_class(graph, label, found.config)()
+    planned = generated_class(graph, label, found.config)
+    model = planned()
     model.load_state_dict(probe.state, strict=True)
     model.train()
     inputs = [
@@ -141,7 +142,8 @@ def _measure(graph: Any, found: Any, probe: Any, label: str) -> dict[str, Any]:
     model(*inputs)  # warm: codec constants, allocator
     model.zero_grad(set_to_none=True)
     peak = profile_step(lambda: model(*inputs), "")["peak_bytes"]
-    return {"peak_bytes": peak, "error": planner.measured_error(graph, found, probe, label)}
+    error = planner.measured_error(graph, found, probe, label, model_class=planned)
+    return {"peak_bytes": peak, "error": error}
 
 
 def _mib(n: float) -> str:

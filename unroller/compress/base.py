@@ -328,8 +328,8 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     return c.sum(dim=-1, dtype=torch.int32).to(torch.uint8)
 
 
-def unpack_codes(packed: Tensor, bits: int, count: int) -> Tensor:
-    """Inverse of ``pack_codes``: uint8 [N, B] -> int32 codes [N, count]."""
+def _packed_code_shape(packed: Tensor, bits: int, count: int) -> tuple[int, int]:
+    """(N, bytes per sample) of packed codes, checked against ``bits`` and ``count``."""
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
     n, nbytes = packed.shape
@@ -338,6 +338,12 @@ def unpack_codes(packed: Tensor, bits: int, count: int) -> Tensor:
             f"packed codes hold {nbytes} bytes per sample, expected "
             f"{packed_code_bytes(count, bits)} for {count} codes of {bits} bits"
         )
+    return n, nbytes
+
+
+def unpack_codes(packed: Tensor, bits: int, count: int) -> Tensor:
+    """Inverse of ``pack_codes``: uint8 [N, B] -> int32 codes [N, count]."""
+    n, nbytes = _packed_code_shape(packed, bits, count)
     p = packed.to(torch.int32)
     if bits == 8:
         return p
@@ -512,14 +518,7 @@ def unpack_codes_fast(  # unroller-lint: host-only (fast path)
 ) -> Tensor:
     """``unpack_codes`` on CPU or CUDA, as uint8 codes [N, count] (0/1 for 1 bit): a lookup
     table from each byte to its codes (numpy's unpackbits for 1 bit on the CPU)."""
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
-    n, nbytes = packed.shape
-    if nbytes != packed_code_bytes(count, bits):
-        raise ValueError(
-            f"packed codes hold {nbytes} bytes per sample, expected "
-            f"{packed_code_bytes(count, bits)} for {count} codes of {bits} bits"
-        )
+    n, nbytes = _packed_code_shape(packed, bits, count)
     if bits == 8:
         return packed
     if bits == 1 and host_checks(packed):
@@ -577,14 +576,7 @@ def unpack_codes_compiled(  # unroller-lint: host-only (compiled path)
     """``unpack_codes`` while torch.compile traces: int32 codes [N, count], each byte shifted
     right by its codes' positions and masked, in int32 (shifts of narrower lanes, and integer
     division, compile to scalar loops), so that the consumer fuses the unpacking."""
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits must be 1, 2, 4 or 8, got {bits}")
-    n, nbytes = packed.shape
-    if nbytes != packed_code_bytes(count, bits):
-        raise ValueError(
-            f"packed codes hold {nbytes} bytes per sample, expected "
-            f"{packed_code_bytes(count, bits)} for {count} codes of {bits} bits"
-        )
+    n, nbytes = _packed_code_shape(packed, bits, count)
     p = packed.to(torch.int32)
     if bits == 8:
         return p
