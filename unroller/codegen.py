@@ -10,6 +10,7 @@ platform's template arranges them into a module; black formats it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import inspect
@@ -51,7 +52,15 @@ from unroller.platforms import platform as get_platform
 from unroller.resources import resource_dir
 from unroller.schedule import RESERVED, Namer
 from unroller.schemes import AUTO, SCHEMES, Codec, CompressionConfig, builtin, resolve
-from unroller.stash import Form, Stashed, StashPlan, plan_stash
+from unroller.stash import (
+    Form,
+    Stashed,
+    StashPlan,
+    always_there,
+    plan_stash,
+    value_form,
+    value_producers,
+)
 
 HEADER_TAG = "# unroller: "
 CHECKSUM_TAG = "# unroller-checksum: "
@@ -70,6 +79,7 @@ class Options:
     num_ipus: int = 1  # ipu: pipeline stages, one per IPU
     stage_starts: tuple[str, ...] = ()  # ipu: first node of each stage after the first
     resolution: int | None = None  # image inputs resized to this many rows (benchmarks)
+    recompute: bool = False  # remake cheap ops' outputs in the backward (stash.plan_recompute)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -85,12 +95,15 @@ class Options:
             found["stage_starts"] = list(self.stage_starts)
         if self.resolution is not None:
             found["resolution"] = self.resolution
+        if self.recompute:
+            found["recompute"] = True
         return {**found, **self.extra}
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> Options:
         known = {"generator", "source", "sha256", "platform", "scheme", "compress_config"}
         known |= {"compress_config_sha256", "opt_level", "num_ipus", "stage_starts", "resolution"}
+        known |= {"recompute"}
         return cls(
             platform=header.get("platform", "gpu"),
             scheme=header.get("scheme", "nocompress"),
@@ -99,6 +112,7 @@ class Options:
             num_ipus=header.get("num_ipus", 1),
             stage_starts=tuple(header.get("stage_starts", ())),
             resolution=header.get("resolution"),
+            recompute=header.get("recompute") is True,
             extra={k: v for k, v in header.items() if k not in known},
         )
 
@@ -109,8 +123,12 @@ class Options:
                 raise ValueError("the auto scheme is planned per model: pass the graph")
             from unroller.plan import auto_config
 
-            return auto_config(graph)
-        return resolve(self.scheme, self.compress_config, self.opt_level)
+            config = auto_config(graph)
+        else:
+            config = resolve(self.scheme, self.compress_config, self.opt_level)
+        if self.recompute and not config.recompute:
+            config = dataclasses.replace(config, recompute=True)
+        return config
 
 
 class Emitter:
@@ -141,6 +159,9 @@ class Emitter:
         for node in graph.nodes:
             self.var(node.output)
         self.restored: dict[tuple[str, Form], Var] = {}
+        self.recomputed: dict[str, Var] = {}  # value -> its remade variable (--recompute)
+        self.private_count = 0  # variables of one recompute's own (Emitter.remade)
+        self.producers = value_producers(graph)
         self.needs_default: dict[str, bool] = {}  # op -> its backward defaults needs=None
         for node in graph.nodes:
             self.check_supported(node)
@@ -254,6 +275,8 @@ class Emitter:
         if arg.kind == "none":
             return Const(None)
         found = self.plan.form_for(node, arg.entry)
+        if found is not None and found[1].kind == "recompute":
+            return self.recomputed[found[0].key]
         if found is not None and found[1].kind != "raw":
             return self.restored_var(found[0].key, found[1])
         return self.raw_var(arg.key)
@@ -326,6 +349,8 @@ class Emitter:
         statements: list[Statement] = []
         packs: list[Expr] = []
         for form in stashed.forms:
+            if form.kind == "recompute":
+                continue
             source: Expr = raw
             if form.kind == "mask" and form.mask_kernel:
                 reader = self.node_named[form.mask_node]
@@ -341,7 +366,7 @@ class Emitter:
         key = ModelName(stashed.key)
         statements.append(Do(CallExpr(Global("K.stash"), (Var("stash"), key, raw, *packs))))
         producer = self.graph.nodes[stashed.producer] if stashed.producer >= 0 else None
-        labels = " + ".join(f.label() for f in stashed.forms)
+        labels = " + ".join(f.label() for f in stashed.forms if f.kind != "recompute")
         return Step(
             "forward",
             statements,
@@ -365,35 +390,116 @@ class Emitter:
         )
 
     def restore_steps(self, node: Node) -> list[Step]:
-        """Right before a backward step: decompress what it reads, unless already done."""
-        steps = []
+        """Right before a backward step: decompress what it reads, unless already done, and
+        remake what is recomputed (``--recompute``)."""
+        steps: list[Step] = []
         for stashed, _, form in self.plan.reads_of(node):
-            if form.kind == "raw" or (stashed.key, form) in self.restored:
-                continue
+            if form.kind == "recompute":
+                self.remade(stashed.key, node, steps)
+            elif form.kind != "raw":
+                self.restore(stashed, form, node, steps)
+        return steps
+
+    def restore(
+        self, stashed: Stashed, form: Form, node: Node, steps: list[Step], shared: bool = True
+    ) -> Var:
+        """The restored variable of one stored form; its decompress step is appended to
+        ``steps`` the first time (``node``: the backward step that needs it). ``shared``
+        False: a variable of its own, for one recompute, so that the tensor is freed right
+        after it instead of living on until its own reader's backward step."""
+        if (stashed.key, form) in self.restored:
+            return self.restored[(stashed.key, form)]
+        if shared:
             restored = self.restored_var(stashed.key, form)
             self.restored[(stashed.key, form)] = restored
-            logical = form.type or stashed.type
-            dtype: Expr
-            if form.kind == "mask":
-                dtype = Global("torch.bool")
-            else:
-                dtype = Attr(self.grad(node.output), "dtype")
-            codec = self.codec_names[form.codec]
-            call = CallExpr(
-                Global(f"{codec}.decompress"),
-                (self.packed_var(stashed.key, form), Const(tuple(logical.shape[1:])), dtype),
+        else:
+            suffix = "mask" if form.kind == "mask" else "restored"
+            restored = self.name("restored", stashed.key, suffix, str(form), self._private())
+        logical = form.type or stashed.type
+        dtype: Expr
+        if form.kind == "mask":
+            dtype = Global("torch.bool")
+        else:
+            dtype = Attr(self.grad(node.output), "dtype")
+        codec = self.codec_names[form.codec]
+        call = CallExpr(
+            Global(f"{codec}.decompress"),
+            (self.packed_var(stashed.key, form), Const(tuple(logical.shape[1:])), dtype),
+        )
+        steps.append(
+            Step(
+                "backward",
+                [Assign((restored,), call)],
+                comment=f"restore {stashed.key}: {form.label()}",
+                calls=node.blocks,
+                local_comment=f"restore {_relative(stashed.key, node.blocks)}: {form.label()}",
+                stage=self.stage(node),
             )
-            steps.append(
+        )
+        return restored
+
+    def remade(self, name: str, reader: Node, steps: list[Step], shared: bool = True) -> Var:
+        """The value ``name`` as the backward of ``reader`` reads it: kept raw, restored from
+        its compressed form, there anyway, or remade by its producer's recompute kernel from
+        those (recursively, as ``stash.plan_recompute`` planned it).
+
+        What a recompute makes on the way (the restored inputs, the intermediate values) is
+        its own (``shared`` False) and freed as soon as the remade value is made: reusing a
+        tensor restored for a later reader would keep it alive until then, which costs more
+        memory than decompressing it twice."""
+        producer = self.producers[name]
+        if producer is None:
+            return self.var(self._input(name))
+        if always_there(self.producers, name):
+            return self.var(producer.output)
+        stashed = self.plan.by_key().get(name)
+        form = value_form(stashed) if stashed is not None else None
+        if form is not None and stashed is not None:
+            if form.kind == "raw":
+                return self.raw_var(name)
+            return self.restore(stashed, form, reader, steps, shared)
+        if shared and name in self.recomputed:
+            return self.recomputed[name]
+        op = producer.op
+        assert op.recompute is not None, f"{name} is not recomputable"
+        args: list[Expr] = [self.remade(v.name, reader, steps, False) for v in producer.inputs]
+        if producer.params or producer.buffers:
+            args.append(Layer(producer.layer))
+        kwargs = self.kwargs(explicit_kwargs(op, producer.kernel_kwargs))
+        call = CallExpr(self.kernel(producer, op.recompute.kernel), tuple(args), kwargs)
+        if shared:
+            target = self.name("recomputed", name)
+            self.recomputed[name] = target
+        else:
+            target = self.name("recomputed", name, self._private())
+        targets: list[Var | None] = [target]
+        if op.recompute.kernel == op.name and op.extras:  # the forward: its extras unused
+            targets += [None] * len(producer.extras)
+        steps.append(
+            self.recompute_step(
+                producer,
                 Step(
                     "backward",
-                    [Assign((restored,), call)],
-                    comment=f"restore {stashed.key}: {form.label()}",
-                    calls=node.blocks,
-                    local_comment=f"restore {_relative(stashed.key, node.blocks)}: {form.label()}",
-                    stage=self.stage(node),
-                )
+                    [Assign(tuple(targets), call)],
+                    comment=f"recompute {producer.text}",
+                    calls=reader.blocks,
+                    local_comment=f"recompute {producer.local_text}",
+                    stage=self.stage(reader),
+                ),
             )
-        return steps
+        )
+        return target
+
+    def _private(self) -> str:
+        self.private_count += 1
+        return str(self.private_count)
+
+    def recompute_step(self, producer: Node, step: Step) -> Step:
+        """Hook for the memory model (which step remakes which node's output)."""
+        return step
+
+    def _input(self, name: str) -> Value:
+        return next(v for v in self.graph.inputs if v.name == name)
 
     def training_steps(self) -> list[Step]:
         graph = self.graph
@@ -402,7 +508,8 @@ class Emitter:
             stash_after.setdefault(stashed.producer, []).append(stashed)
 
         def compressed(found: list[Stashed]) -> list[Stashed]:
-            return [s for s in found if s.forms != [Form("raw")]]
+            """Those with a form to make in the forward (not raw, not only recomputed)."""
+            return [s for s in found if s.forms != [Form("raw")] and s.forms != [Form("recompute")]]
 
         raw_after: dict[int, list[Stashed]] = {}
         for stashed in self.plan.entries:
@@ -512,6 +619,8 @@ def base_name(key: tuple[str, ...], rel: Callable[[str], str] = lambda name: nam
     if kind in ("packed", "restored"):
         stashed, _, extra = key[1].partition(":")
         return f"{rel(stashed)}_{extra + '_' if extra else ''}{key[2]}"
+    if kind == "recomputed":
+        return f"{rel(key[1])}_recomputed"
     if kind == "partial":
         return f"grad_{rel(key[1])}_from_{rel(key[2])}"
     if kind == "pgrad":

@@ -115,7 +115,7 @@ class _Sizes:
         if key is None:
             return 0
         kind = key[0]
-        if kind in ("value", "grad"):
+        if kind in ("value", "grad", "recomputed"):
             return self.tensor(self.values[key[1]].type)
         if kind == "partial":
             return self.tensor(self.values[key[1]].type)
@@ -245,6 +245,7 @@ def simulate_graph(
     emitter = Emitter(graph, plan, get_platform(platform))
     made: dict[int, Node] = {}
     forward_step, backward_step = emitter.forward_step, emitter.backward_step
+    recompute_step = emitter.recompute_step
 
     def on_forward(node: Node, eval_mode: bool = False) -> Step:
         step = forward_step(node, eval_mode)
@@ -256,7 +257,12 @@ def simulate_graph(
         made[id(step)] = node
         return step
 
+    def on_recompute(producer: Node, step: Step) -> Step:
+        made[id(step)] = producer
+        return recompute_step(producer, step)
+
     emitter.forward_step, emitter.backward_step = on_forward, on_backward  # type: ignore
+    emitter.recompute_step = on_recompute  # type: ignore
     steps = emitter.training_steps()
     return _run(steps, made, emitter, plan, batch_size)
 
@@ -426,7 +432,7 @@ def _aliased_storage(
     if node is None or not isinstance(statement.value, CallExpr):
         return None
     args = _var_args(statement.value)
-    if step.section == "forward" and node.op.view:
+    if node.op.view and not func.endswith("_backward"):  # a forward or recompute step
         base = heap.storage_of.get(args[0]) if args else None
         return base if base is not None else heap.new(0)
     if step.section == "backward" and node.op.grad_aliases and func.endswith("_backward"):

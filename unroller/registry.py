@@ -103,6 +103,17 @@ LAYOUTS = ("rows",)
 
 
 @dataclass(frozen=True)
+class RecomputeSpec:
+    """How the backward may remake an op's output instead of keeping it (``recompute``):
+    ``kernel`` (default: the op's forward kernel, whose extra outputs are then dropped) is
+    called on the op's inputs, its layer if it has one, and ``kernel_args``. The kernel must
+    be deterministic and change no state (batch norm's recompute kernel leaves the running
+    statistics alone)."""
+
+    kernel: str
+
+
+@dataclass(frozen=True)
 class ModuleSpec:
     """The torch.nn class that holds an op's parameters and buffers, and how to build it.
 
@@ -148,6 +159,8 @@ class OpSpec:
     free: bool = False
     derivative: dict[str, DerivativeSpec] = field(default_factory=dict)
     layout: str | None = None  # "rows": its 4-D tensors are rows, not image maps
+    #: the backward may remake the output from the inputs (``--recompute``); None: never
+    recompute: RecomputeSpec | None = None
 
     @property
     def is_loss(self) -> bool:
@@ -247,6 +260,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "free",
         "derivative",
         "layout",
+        "recompute",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -308,6 +322,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         free=bool(raw.get("free", False)),
         derivative=_derivative_specs(where, raw),
         layout=raw.get("layout"),
+        recompute=_recompute_spec(where, name, raw.get("recompute")),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}
@@ -329,6 +344,17 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
     if (spec.params or spec.buffers) and not spec.module:
         raise RegistryError(f"{where}: an op with parameters needs 'module'")
     return spec
+
+
+def _recompute_spec(where: str, name: str, raw: Any) -> RecomputeSpec | None:
+    """``recompute = true`` (the forward kernel) or ``recompute = { kernel = "NAME" }``."""
+    if raw is None or raw is False:
+        return None
+    if raw is True:
+        return RecomputeSpec(name)
+    if isinstance(raw, dict) and set(raw) == {"kernel"} and isinstance(raw["kernel"], str):
+        return RecomputeSpec(raw["kernel"])
+    raise RegistryError(f'{where}: recompute must be true or {{ kernel = "NAME" }}')
 
 
 def _derivative_specs(where: str, raw: dict[str, Any]) -> dict[str, DerivativeSpec]:

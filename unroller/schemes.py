@@ -7,6 +7,7 @@ configs too; ``--compress-config FILE`` reads one from TOML:
 
     masks = true                  # optional, default true
     derivatives = false           # optional: few-bit derivative codes (gelu, silu), default false
+    recompute = false             # optional: remake cheap ops' outputs in the backward
     [default]
     compressor = "dct"            # "dct", "quant", ... or "none"
     keep = 4                      # the compressor's parameters
@@ -177,6 +178,9 @@ class CompressionConfig:
     source: str | None = None  # the config file, if any
     sha256: str | None = None
     derivatives: bool = False  # few-bit derivative codes where the registry offers them
+    #: remake the outputs of cheap ops (registry ``recompute``) in the backward from what is
+    #: kept anyway, instead of keeping them (unroller.stash.plan_recompute)
+    recompute: bool = False
 
     def choose(self, op: str, node: str, shape: tuple, tensor: str | None = None) -> Codec | None:
         codec = self.default
@@ -243,7 +247,7 @@ DERIVATIVE_CODECS = frozenset({"fewbit"})
 """Registered compressors that keep an activation's derivative, not the activation: only for
 the ops whose registry entry offers it (``derivative``), turned on by ``derivatives = true``."""
 
-_TOP_KEYS = ("masks", "derivatives", "default", "rule")
+_TOP_KEYS = ("masks", "derivatives", "recompute", "default", "rule")
 _GLOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-")
 _WORD = re.compile(r"[A-Za-z0-9_.+-]*\Z")
 _SIMPLE = re.compile(r"[A-Za-z0-9_.*?\[\]!+ -]{0,60}\Z")
@@ -620,6 +624,11 @@ class _Checker:
             raise self.at_value(
                 ("derivatives",), f"'derivatives' must be true or false, not {_kind(derivatives)}"
             )
+        recompute = data.get("recompute", False)
+        if not isinstance(recompute, bool):
+            raise self.at_value(
+                ("recompute",), f"'recompute' must be true or false, not {_kind(recompute)}"
+            )
         default = None
         if "default" in data:
             table = data["default"]
@@ -644,6 +653,7 @@ class _Checker:
             rules=rules,
             masks=masks,
             derivatives=derivatives,
+            recompute=recompute,
             source=self.label,
             sha256=hashlib.sha256(self.text.encode("utf-8")).hexdigest(),
         )

@@ -31,6 +31,9 @@ from unroller.schemes import MAP, ROWS, Codec, CompressionConfig, make_codec
 from unroller.shapes import TensorType
 
 BITS = Codec("bits")
+MAX_RECOMPUTE_OPS = 8
+"""The most ops the backward runs to remake one kept tensor (``plan_recompute``): a chain
+like a U-Net's concat(upsample(relu(bn(c))), relu(bn(s))) is 6."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,8 @@ class Form:
     why: str = field(default="", compare=False, repr=False)  # raw: why it is not compressed
 
     def label(self) -> str:
-        if self.kind == "raw":
-            return "raw"
+        if self.kind in ("raw", "recompute"):
+            return self.kind
         if self.kind == "mask":
             return "bits"
         assert self.codec is not None
@@ -71,6 +74,8 @@ class Stashed:
     def stored_bytes(self, batch: int) -> int:
         total = 0
         for form in self.forms:
+            if form.kind == "recompute":
+                continue  # remade in the backward: nothing is kept
             if form.kind == "raw":
                 total += self.raw_bytes(batch)
             else:
@@ -220,7 +225,101 @@ def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
             stashed.forms = [Form("raw")]
         else:
             stashed.forms = list(dict.fromkeys(forms))
+    if config.recompute:
+        plan_recompute(graph, ordered)
     return StashPlan(ordered, config)
+
+
+RECOMPUTE = Form("recompute")
+
+
+def value_form(stashed: Stashed) -> Form | None:
+    """The kept form that is the tensor itself (raw, or an activation compressor's), from
+    which the backward can remake what is computed from it; None when only a mask or a
+    derivative code is kept."""
+    for form in stashed.forms:
+        if form.kind == "raw" or _is_value_codec(form):
+            return form
+    return None
+
+
+def _is_value_codec(form: Form) -> bool:
+    """An activation compressor's form (decompresses to the tensor itself)."""
+    return form.kind == "codec" and form.type is None and form.codec.name != "fewbit"
+
+
+def always_there(producers: dict[str, Node | None], name: str) -> bool:
+    """Values the backward can read without keeping anything: the model's inputs (the
+    caller holds them) and free parameters (views of the weights). ``producers``: each
+    value's node, None for the model's inputs (``value_producers``)."""
+    node = producers.get(name, False)
+    return node is None or (node is not False and node.op.view and not node.inputs)
+
+
+def value_producers(graph: Graph) -> dict[str, Node | None]:
+    """Every value's producing node by name; None for the model's inputs."""
+    found: dict[str, Node | None] = {v.name: None for v in graph.inputs}
+    found.update({n.output.name: n for n in graph.nodes})
+    return found
+
+
+def plan_recompute(graph: Graph, ordered: list[Stashed]) -> None:
+    """Remake in the backward, instead of keeping, every saved tensor that a short chain of
+    cheap ops (registry ``recompute``: activations, pooling, resampling, concatenation, batch
+    norm with its batch statistics) makes from tensors kept anyway.
+
+    In topological order, a tensor whose readers all read it as an activation (raw or
+    compressed) is remade when every input of its producer is kept (in a form that is the
+    tensor itself: not a mask or a derivative code), always there, or itself remade, with at
+    most ``MAX_RECOMPUTE_OPS`` ops in all. Nothing new is kept for it: what it is remade from
+    is what other backward steps read already, so the stash only shrinks. Masks stay: a relu
+    mask is 1 bit and exact, so it is not remade from a compressed input. Under a
+    compressor the remade tensor is computed from the restored inputs: its error is theirs,
+    passed through the op (relu(bn(c~)) for conv2's input instead of dct(relu(bn(c)))~).
+    """
+    by_key = {s.key: s for s in ordered}
+    producers = value_producers(graph)
+    ops: dict[str, int | None] = {}  # decided tensors: ops to remake (0: kept or there)
+
+    def ops_to_make(name: str) -> int | None:
+        if name in ops:
+            return ops[name]
+        stashed = by_key.get(name)
+        if always_there(producers, name) or (stashed is not None and value_form(stashed)):
+            return 0
+        return chain(name)
+
+    def chain(name: str) -> int | None:
+        node = producers.get(name)
+        if node is None or node.op.recompute is None or not node.inputs:
+            return None
+        total = 1
+        for value in node.inputs:
+            found = ops_to_make(value.name)
+            if found is None:
+                return None
+            total += found
+        return total if total <= MAX_RECOMPUTE_OPS else None
+
+    for stashed in ordered:
+        if ":" in stashed.key or stashed.producer < 0:
+            continue
+        kept = value_form(stashed)
+        value_forms = [f for f in stashed.forms if f.kind == "raw" or _is_value_codec(f)]
+        reads_value = [r for r in stashed.readers if r[2] in value_forms]
+        if kept is None or not all(saved.activation for _, saved, _ in reads_value):
+            continue
+        count = chain(stashed.key)
+        if count is None:
+            ops[stashed.key] = 0
+            continue
+        ops[stashed.key] = count
+        stashed.readers = [
+            (n, saved, RECOMPUTE if form in value_forms else form)
+            for n, saved, form in stashed.readers
+        ]
+        stashed.forms = [f for f in stashed.forms if f not in value_forms] + [RECOMPUTE]
+        stashed.why = f"remade in the backward from kept tensors ({count} op{'s' * (count > 1)})"
 
 
 def _raw_reason(stashed: Stashed) -> str:

@@ -160,6 +160,12 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         "Model(compile=True) (torch.compile of the step)",
     )
     add(
+        "--recompute",
+        action="store_true",
+        help="also run ours:SCHEME+recompute, the generated module with cheap ops' outputs "
+        "remade in the backward instead of kept (unroll generate --recompute)",
+    )
+    add(
         "--timeline",
         action=argparse.BooleanOptionalAction,
         default=True,

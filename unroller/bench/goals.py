@@ -226,8 +226,10 @@ def _entry(bench: str, key: str, found: tuple, scheme: str | None = None) -> dic
 
 
 def _budget_goals(bench: str, runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per scheme of ``BUDGET_SCHEMES`` run (dct-dense's entries even when not run)."""
-    schemes = [s for s in BUDGET_SCHEMES if f"ours:{s}" in runs] or ["dct-dense"]
+    """Per scheme of ``BUDGET_SCHEMES`` run, and its +recompute rows (``--recompute``);
+    dct-dense's entries even when not run."""
+    variants = [v for s in BUDGET_SCHEMES for v in (s, f"{s}+recompute")]
+    schemes = [s for s in variants if f"ours:{s}" in runs] or ["dct-dense"]
     ag = runs.get("autograd")
     found = []
     for scheme in schemes:

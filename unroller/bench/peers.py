@@ -88,6 +88,7 @@ class Method:
     backward_mark: str | None = None  # ours: found by its first stash (see _ours)
     notes: list[str] = field(default_factory=list)
     compiles: bool = False  # its first step compiles: run one untimed step first
+    recompute: bool = False  # ours with --recompute: cheap ops remade in the backward
 
     def step(self, batch: list[Tensor]) -> Tensor:
         return self.run(batch, False)

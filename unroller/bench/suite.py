@@ -61,10 +61,38 @@ EMULATION_NOTE = (
 )
 
 
-def _options(args: argparse.Namespace, scheme: str, resolution: int) -> Options:
+def _options(
+    args: argparse.Namespace, scheme: str, resolution: int, recompute: bool = False
+) -> Options:
     return Options(
-        platform=args.platform, scheme=scheme, num_ipus=args.num_ipus, resolution=resolution
+        platform=args.platform,
+        scheme=scheme,
+        num_ipus=args.num_ipus,
+        resolution=resolution,
+        recompute=recompute,
     )
+
+
+def _recomputing_ours(
+    bench: Any,
+    args: argparse.Namespace,
+    resolution: int,
+    ref: torch.nn.Module,
+    device: torch.device,
+    directory: Path,
+) -> list[Method]:
+    """ours:SCHEME+recompute per scheme (``--recompute``): cheap ops' outputs remade in the
+    backward (``Options.recompute``)."""
+    found = []
+    for scheme in args.schemes:
+        options = _options(args, scheme, resolution, recompute=True)
+        model = models.build_ours(bench, options, ref, device, directory / "recompute")
+        method = peers.ours_gpu(scheme, model)
+        method.name = f"ours:{scheme}+recompute"
+        method.recompute = True  # the memory model predicts it with Options.recompute
+        method.notes.append("--recompute: cheap ops remade in the backward")
+        found.append(method)
+    return found
 
 
 def _compiled_ours(
@@ -130,6 +158,8 @@ def _methods(
             found.append(peers.ours_gpu(scheme, model))
     if args.compile:
         found += _compiled_ours(bench, args, resolution, ref, device, directory, notes)
+    if getattr(args, "recompute", False) and args.platform == "gpu":
+        found += _recomputing_ours(bench, args, resolution, ref, device, directory)
     found.append(peers.autograd(ref))
     if "checkpoint" in args.peers and hasattr(ref, "forward_checkpointed"):
         found.append(peers.checkpointed(ref))
@@ -282,17 +312,19 @@ def _predicted(run: _Run, methods: list[Method], notes: list[str]) -> dict[str, 
     for m in methods:
         if m.kind != "ours":
             continue
-        if m.scheme not in cache:
-            options = _options(run.args, m.scheme, run.resolution)
+        recompute = getattr(m, "recompute", False)
+        key = f"{m.scheme}+recompute" if recompute else m.scheme
+        if key not in cache:
+            options = _options(run.args, m.scheme, run.resolution, recompute)
             try:
-                cache[m.scheme] = models.predict_memory(run.bench, options, run.batch_size)
+                cache[key] = models.predict_memory(run.bench, options, run.batch_size)
             except Exception as exc:  # the memory model is new: a failure must not stop the run
-                cache[m.scheme] = None
+                cache[key] = None
                 notes.append(
-                    f"{run.bench.name} {m.scheme}: the memory model failed: "
+                    f"{run.bench.name} {key}: the memory model failed: "
                     f"{type(exc).__name__}: {exc}"
                 )
-        found[m.name] = cache[m.scheme]
+        found[m.name] = cache[key]
     return found
 
 

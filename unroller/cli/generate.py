@@ -24,6 +24,7 @@ from unroller.cli.options import (
     NumIpusOpt,
     OptLevelOpt,
     PlatformOpt,
+    RecomputeOpt,
     SchemeOpt,
     SchemesOpt,
     StagesOpt,
@@ -64,6 +65,7 @@ def generate(
     opt_level: OptLevelOpt = 1,
     num_ipus: NumIpusOpt = 1,
     stage_starts: StagesOpt = None,
+    recompute: RecomputeOpt = False,
     force: Annotated[
         bool,
         typer.Option("--force", help="Overwrite a file that was edited by hand or not generated."),
@@ -83,7 +85,9 @@ def generate(
 
     Example: unroll generate models/resnet34.txt --platform gpu --scheme dct-dense -o resnet34.py
     """
-    options = make_options(platform, scheme, compress_config, opt_level, num_ipus, stage_starts)
+    options = make_options(
+        platform, scheme, compress_config, opt_level, num_ipus, stage_starts, recompute
+    )
     to_stdout = output is None or str(output) == "-"
     target = None if to_stdout else prepare_output(output, force, mkdir)
     text = emit(model, options)
@@ -131,6 +135,7 @@ def diff(
     opt_level: OptLevelOpt = 1,
     num_ipus: NumIpusOpt = 1,
     stage_starts: StagesOpt = None,
+    recompute: RecomputeOpt = False,
     against: Annotated[
         Path | None, typer.Option(help="The file to compare with (default: the checked-in one).")
     ] = None,
@@ -146,7 +151,9 @@ def diff(
         raise fail("give one --scheme (against a file) or two (scheme against scheme)")
 
     def options_for(name: str) -> Options:
-        return make_options(platform, name, compress_config, opt_level, num_ipus, stage_starts)
+        return make_options(
+            platform, name, compress_config, opt_level, num_ipus, stage_starts, recompute
+        )
 
     if len(schemes) == 2:
         a, b = (emit(model, options_for(s)) for s in schemes)

@@ -20,6 +20,7 @@ from unroller.cli.options import (
     NumIpusOpt,
     OptLevelOpt,
     PlatformOpt,
+    RecomputeOpt,
     SchemeOpt,
     StagesOpt,
     value_of,
@@ -48,6 +49,7 @@ def graph(
     platform: PlatformOpt = DEFAULT_PLATFORM,
     num_ipus: NumIpusOpt = 1,
     stage_starts: StagesOpt = None,
+    recompute: RecomputeOpt = False,
 ) -> None:
     """Show the node graph: op, output shape, parameters and bytes saved for backward,
     and per saved tensor the form the scheme keeps it in, raw and stored bytes.
@@ -57,7 +59,9 @@ def graph(
 
     Example: unroll graph models/resnet34.txt --batch-size 32 --scheme dct-dense
     """
-    options = make_options(platform, scheme, compress_config, opt_level, num_ipus, stage_starts)
+    options = make_options(
+        platform, scheme, compress_config, opt_level, num_ipus, stage_starts, recompute
+    )
     if fmt not in FORMATS:
         raise fail(f"unknown format '{fmt}' (table, json or dot)")
     try:

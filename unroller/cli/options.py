@@ -127,6 +127,15 @@ OptLevelOpt = Annotated[
     int, typer.Option("--opt-level", min=0, max=1, help="0: no compression and no masks.")
 ]
 
+RecomputeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--recompute",
+        help="Remake the outputs of cheap ops (activations, pooling, resampling, concat, batch "
+        "norm) in the backward from what is kept anyway, instead of keeping them.",
+    ),
+]
+
 # ---- training (train, accuracy) --------------------------------------------------------
 
 DatasetOpt = Annotated[

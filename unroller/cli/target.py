@@ -40,6 +40,7 @@ def make_options(
     opt_level: int = 1,
     num_ipus: int = 1,
     stage_starts: str | None = None,
+    recompute: bool = False,
 ) -> Options:
     """Generator options from command-line values, refused (status 2) with the option to
     blame; the compression config is read and checked now, before anything is written."""
@@ -61,6 +62,7 @@ def make_options(
         opt_level=opt_level,
         num_ipus=num_ipus,
         stage_starts=starts,
+        recompute=recompute,
     )
     try:
         if options.scheme != "auto" or options.compress_config is not None:

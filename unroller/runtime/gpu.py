@@ -308,6 +308,15 @@ def batchnorm2d_backward(
     return _fit(grads, needs)
 
 
+def batchnorm2d_recompute(
+    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
+) -> Tensor:
+    """The training forward's output again (``--recompute``): the same kernel on the same x
+    gives the same bits, with no running statistics passed, so none change."""
+    weight, bias, _, _, _ = _norm_tensors(layer)
+    return _aten.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)[0]
+
+
 def batchnorm2d_eval(
     x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
 ) -> Tensor:
@@ -1054,6 +1063,7 @@ def groupnorm_backward(
 batchnorm1d = batchnorm2d
 batchnorm1d_backward = batchnorm2d_backward
 batchnorm1d_eval = batchnorm2d_eval
+batchnorm1d_recompute = batchnorm2d_recompute
 
 
 def conv1d(

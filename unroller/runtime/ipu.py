@@ -371,6 +371,21 @@ def batchnorm2d(
     return y, mean, invstd
 
 
+def batchnorm2d_recompute(
+    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
+) -> Tensor:
+    """The training forward's output again (``--recompute``), from the batch statistics of x;
+    the running statistics are left alone."""
+    weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+    dims = (0, 2, 3)
+    mean = x.mean(dims)
+    centered = x - _per_channel(mean)
+    invstd = torch.rsqrt(centered.square().mean(dims) + eps)
+    scale = invstd if weight is None else invstd * weight
+    y = centered * _per_channel(scale)
+    return y if bias is None else y + _per_channel(bias)
+
+
 def _momentum_factor(
     num_batches_tracked: Tensor | None, momentum: float | None, dtype: torch.dtype
 ) -> float | Tensor:
@@ -1375,6 +1390,13 @@ def batchnorm1d(
     """batchnorm2d on x viewed as [N, C, 1, L] (L = 1 for [N, C])."""
     y, mean, invstd = batchnorm2d(_as_image(x), layer, eps=eps, momentum=momentum)
     return y.reshape(x.shape), mean, invstd
+
+
+def batchnorm1d_recompute(
+    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
+) -> Tensor:
+    """batchnorm2d_recompute on x viewed as [N, C, 1, L]."""
+    return batchnorm2d_recompute(_as_image(x), layer, eps=eps, momentum=momentum).reshape(x.shape)
 
 
 def batchnorm1d_backward(
