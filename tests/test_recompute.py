@@ -217,3 +217,57 @@ def test_cli_generate_records_it_and_check_regenerates_it(tmp_path):
     assert run_cli(["check", str(tmp_path)]) == 0
     plain = run_cli(["generate", model, "--scheme", "dct-dense", "-o", str(tmp_path / "p.py")])
     assert plain == 0 and "recompute" not in (tmp_path / "p.py").read_text()
+
+
+# -- convolution backward in pieces of the batch (lossy schemes) -------------------------------
+
+
+@pytest.mark.parametrize("kind", ["conv2d", "conv_transpose2d", "conv1d"])
+@pytest.mark.parametrize("batch", [1, 5, 16])
+def test_conv_backward_in_pieces_matches_the_whole_kernel(kind, batch):
+    import unroller.runtime.gpu as K
+
+    torch.manual_seed(0)
+    if kind == "conv1d":
+        layer = torch.nn.Conv1d(6, 4, 3, stride=2, padding=1).double()
+        x = torch.randn(batch, 6, 11, dtype=torch.float64)
+        kwargs = {"stride": 2, "padding": 1}
+    elif kind == "conv2d":
+        layer = torch.nn.Conv2d(6, 4, 3, stride=2, padding=1, groups=2).double()
+        x = torch.randn(batch, 6, 9, 9, dtype=torch.float64)
+        kwargs = {"stride": (2, 2), "padding": (1, 1), "groups": 2}
+    else:
+        layer = torch.nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1).double()
+        x = torch.randn(batch, 6, 5, 5, dtype=torch.float64)
+        kwargs = {"stride": (2, 2), "padding": (1, 1), "output_padding": (1, 1)}
+    g = torch.randn_like(layer(x))
+    backward = getattr(K, f"{kind}_backward")
+    whole = backward(g, x, layer, **kwargs)
+    pieces = backward(g, x, layer, **kwargs, pieces=8)
+    for a, b in zip(whole, pieces):
+        assert rel_err(b, a) <= 1e-13
+    only_weight = backward(g, x, layer, **kwargs, pieces=8, needs=(False, True, False))
+    assert only_weight[0] is None and rel_err(only_weight[1], whole[1]) <= 1e-13
+
+
+def test_pieces_only_under_lossy_schemes():
+    text = model_path("resnet_like").read_text()
+    from unroller.api import generate_from_text
+
+    exact = generate_from_text(text, Options(scheme="nocompress", recompute=True))
+    assert "pieces=" not in exact  # nocompress stays bit-identical to autograd
+    lossy = generate_from_text(text, Options(scheme="quant"))
+    assert "pieces=8" in lossy
+    ipu = generate_from_text(text, Options(platform="ipu", scheme="quant"))
+    assert "pieces=" not in ipu  # PopTorch compiles one graph: nothing to split
+
+
+def test_memory_model_predicts_the_piecewise_kernel():
+    """ResNet-like at batch 16 under quant: the convolutions' backward runs in 8 pieces."""
+    from test_memory_plan import _measured_peak
+
+    graph = graph_from_text(model_path("resnet_like").read_text(), "resnet_like")
+    config = Options(scheme="quant").compression(graph)
+    sim = simulate_graph(graph, config, 16)
+    measured = _measured_peak(graph, config, 16)
+    assert abs(measured / sim.peak_bytes - 1) < 0.06, (measured, sim.peak_bytes)

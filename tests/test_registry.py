@@ -36,7 +36,12 @@ def test_kernels_take_what_the_registry_passes(name, platform):
     module = importlib.import_module(op.kernels.get(platform, PLATFORMS[platform].kernels))
     forward, backward = getattr(module, name), getattr(module, f"{name}_backward")
     assert keyword_only(forward) == set(op.kernel_args)
-    assert keyword_only(backward) == set(op.backward_args) | {"needs"}
+    pieces = {"pieces"} if op.backward_pieces and PLATFORMS[platform].batch_pieces > 1 else set()
+    assert keyword_only(backward) == set(op.backward_args) | {"needs"} | pieces
+    if op.recompute is not None:  # --recompute calls it as the forward is called
+        again = getattr(module, op.recompute.kernel)
+        assert keyword_only(again) == set(op.kernel_args)
+        assert [p.name for p in positional(again)] == [p.name for p in positional(forward)]
     # the tensor inputs, then one layer handle for all parameters and buffers
     has_layer = bool(op.params or op.buffers)
     fwd_pos = positional(forward)

@@ -316,6 +316,9 @@ class Emitter:
             owner, _, attr = p.key.rpartition(".")
             param_grads.setdefault(owner, []).append((attr, grad))
         kwargs = self.kwargs(explicit_kwargs(op, node.backward_kwargs))
+        pieces = self.platform.batch_pieces
+        if op.backward_pieces and pieces > 1 and self.plan.config.lossy:
+            kwargs += (("pieces", Const(pieces)),)
         call = CallExpr(
             self.kernel(node, f"{op.name}_backward"),
             (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),

@@ -29,6 +29,11 @@ class Platform:
     #: Pipelined: the ``with`` line that places the steps after it on one stage's device
     #: (formatted with ``section`` and ``stage``).
     stage_block: str = ""
+    #: Under a lossy scheme, backward kernels whose registry entry says ``backward_pieces``
+    #: (convolutions) run on this many pieces of the batch (``pieces=`` in the generated
+    #: call): their working buffers shrink by that factor, at the cost of a different
+    #: summation order (so never under nocompress, which stays bit-identical). 1: whole.
+    batch_pieces: int = 1
 
     @property
     def pipelined(self) -> bool:
@@ -41,6 +46,7 @@ GPU = Platform(
     template="gpu/module.py.j2",
     kernels="unroller.runtime.gpu",
     grads="accumulate",
+    batch_pieces=8,
 )
 
 IPU = Platform(

@@ -161,6 +161,9 @@ class OpSpec:
     layout: str | None = None  # "rows": its 4-D tensors are rows, not image maps
     #: the backward may remake the output from the inputs (``--recompute``); None: never
     recompute: RecomputeSpec | None = None
+    #: the backward kernel takes ``pieces=K``: it may run on K pieces of the batch (the
+    #: platform's ``batch_pieces``, under lossy schemes) to shrink its working buffers
+    backward_pieces: bool = False
 
     @property
     def is_loss(self) -> bool:
@@ -261,6 +264,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "derivative",
         "layout",
         "recompute",
+        "backward_pieces",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -323,6 +327,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         derivative=_derivative_specs(where, raw),
         layout=raw.get("layout"),
         recompute=_recompute_spec(where, name, raw.get("recompute")),
+        backward_pieces=bool(raw.get("backward_pieces", False)),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}

@@ -182,6 +182,16 @@ class CompressionConfig:
     #: kept anyway, instead of keeping them (unroller.stash.plan_recompute)
     recompute: bool = False
 
+    @property
+    def lossy(self) -> bool:
+        """Whether any activation may be kept lossily (a default or rule compressor, or
+        derivative codes): then bit-identity with autograd is not promised."""
+        return (
+            self.default is not None
+            or self.derivatives
+            or any(rule.codec is not None for rule in self.rules)
+        )
+
     def choose(self, op: str, node: str, shape: tuple, tensor: str | None = None) -> Codec | None:
         codec = self.default
         for rule in self.rules:

@@ -31,7 +31,7 @@ from unroller.schemes import MAP, ROWS, Codec, CompressionConfig, make_codec
 from unroller.shapes import TensorType
 
 BITS = Codec("bits")
-MAX_RECOMPUTE_OPS = 8
+MAX_RECOMPUTE_OPS = 6
 """The most ops the backward runs to remake one kept tensor (``plan_recompute``): a chain
 like a U-Net's concat(upsample(relu(bn(c))), relu(bn(s))) is 6."""
 

@@ -29,6 +29,8 @@ PUBLISHED = ("resnet34", "emdenoise", "slstrcloud", "opticaldamage")
 SPEC_V2 = ("vit_tiny", "gpt_tiny", "tcn_small", "mobilenet_v2")
 SUITE = PUBLISHED + SPEC_V2  # what --benchmark all (the default) runs
 HOOK_SCHEMES = ("dct-dense", "quant")  # schemes with a hook-based peer (same compressor)
+# schemes with an ours:SCHEME+recompute row (--recompute): none, the densest, the planned
+RECOMPUTE_SCHEMES = ("nocompress", "dct-dense", "auto")
 AUTO = "auto"
 NONE = "none"
 QUARTER = "quarter"
@@ -46,6 +48,7 @@ class Preset:
     max_batch_rounds: int  # timed rounds at each method's max batch (after one warm-up)
     step_seconds: float | None  # the longest step the max-batch phase measures (None: any)
     peers: tuple[str, ...]  # the peers run besides autograd
+    recompute: bool = True  # ours:SCHEME+recompute rows (RECOMPUTE_SCHEMES)
 
 
 QUICK = Preset(
@@ -161,9 +164,11 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
     )
     add(
         "--recompute",
-        action="store_true",
-        help="also run ours:SCHEME+recompute, the generated module with cheap ops' outputs "
-        "remade in the backward instead of kept (unroll generate --recompute)",
+        action=argparse.BooleanOptionalAction,
+        help="also run ours:SCHEME+recompute for nocompress, dct-dense and auto (those run; "
+        "default: on in both presets): "
+        "the generated module with cheap ops' outputs remade in the backward instead of kept "
+        "(unroll generate --recompute)",
     )
     add(
         "--timeline",
@@ -227,6 +232,8 @@ def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argpar
     args.warmup = preset.warmup if args.warmup is None else args.warmup
     args.peers = _peers(args.peers, preset, parser)
     args.max_batch_rounds = args.max_batch_rounds or preset.max_batch_rounds
+    if args.recompute is None:
+        args.recompute = preset.recompute
     if args.max_step_seconds is None:
         args.max_step_seconds = preset.step_seconds
     elif args.max_step_seconds == 0:

@@ -81,10 +81,10 @@ def _recomputing_ours(
     device: torch.device,
     directory: Path,
 ) -> list[Method]:
-    """ours:SCHEME+recompute per scheme (``--recompute``): cheap ops' outputs remade in the
-    backward (``Options.recompute``)."""
+    """ours:SCHEME+recompute per scheme of ``config.RECOMPUTE_SCHEMES`` run (``--recompute``):
+    cheap ops' outputs remade in the backward (``Options.recompute``)."""
     found = []
-    for scheme in args.schemes:
+    for scheme in [s for s in args.schemes if s in config.RECOMPUTE_SCHEMES]:
         options = _options(args, scheme, resolution, recompute=True)
         model = models.build_ours(bench, options, ref, device, directory / "recompute")
         method = peers.ours_gpu(scheme, model)
