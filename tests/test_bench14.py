@@ -436,12 +436,16 @@ def test_timeline_plots_guarded(monkeypatch, tmp_path: Path):
 
 
 def test_suite_methods_follow_the_peers_flag(tmp_path: Path):
-    args = config.parse_args([*TINY, "--scheme", "nocompress", "--peers", "none"])
+    argv = [*TINY, "--scheme", "nocompress", "--peers", "none"]
     bench = BENCHMARKS["quick"]
     ref = models.build_reference(bench, 16, 0, CPU)
     notes: list[str] = []
+    args = config.parse_args([*argv, "--no-recompute"])
     found = suite._methods(bench, args, 16, ref, CPU, tmp_path, notes)
     assert [m.name for m in found] == ["ours:nocompress", "autograd"] and not notes
+    found = suite._methods(bench, config.parse_args(argv), 16, ref, CPU, tmp_path, notes)
+    names = ["ours:nocompress", "ours:nocompress+recompute", "autograd"]
+    assert [m.name for m in found] == names and found[1].recompute and not notes
 
 
 # --------------------------------------------------------------------------- end to end

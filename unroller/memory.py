@@ -53,6 +53,7 @@ class Workspace:
     output: float
     weight: float = 0.0
     fixed: int = 0  # bytes whatever the sizes
+    extra: tuple[str, float] | None = None  # (an extra output's name, multiple of its bytes)
 
 
 #: Measured on this project's CPU build (PyTorch profiler allocation events, one call):
@@ -64,6 +65,9 @@ class Workspace:
 #: rules); batch-norm backward one input-sized buffer besides its result.
 WORKSPACE: dict[str, Workspace] = {
     "batchnorm2d": Workspace(1.0, 0.0),
+    # [N, L, E] attention, 4 shapes with H * L / E from 1 to 16: exactly 12 x the input +
+    # 2 x the probs [N, H, L, L] (the score gradient, the in-projection's gradients)
+    "multihead_attention": Workspace(12.0, 0.0, extra=("probs", 2.0)),
     "conv2d": Workspace(1.0, 1.0),
     "conv1d": Workspace(1.0, 1.0),
     "conv_transpose2d": Workspace(1.0, 1.0),
@@ -74,6 +78,13 @@ PIECEWISE: dict[str, Workspace] = {
     "conv_transpose2d": Workspace(2.0, 1.0, 2.0, 40 * 1024),
 }
 """The same kernels called with ``pieces=K``: per piece of the batch."""
+
+#: Working memory of forward kernels, the most over their phases: multi-head attention holds
+#: the packed in-projection and its copy (4 x the input), then the scores beside the probs
+#: (1.25 x the probs + 1.1 x the input); measured as WORKSPACE's entry, within 1%.
+FORWARD_WORKSPACE: dict[str, tuple[Workspace, ...]] = {
+    "multihead_attention": (Workspace(4.0, 0.0), Workspace(1.1, 0.0, extra=("probs", 1.25))),
+}
 
 
 @dataclass(frozen=True)
@@ -437,22 +448,37 @@ def _transient_of(
             mask = nbytes if form.kind == "mask" and form.mask_kernel else 0
             return mask + int(ratios[0] * nbytes)
         return int(ratios[1] * nbytes)
-    if node is not None and step.section == "backward" and func.endswith("_backward"):
-        kwargs = dict(statement.value.kwargs) if isinstance(statement.value, CallExpr) else {}
+    if node is None or not node.inputs:
+        return 0
+    kwargs = dict(statement.value.kwargs) if isinstance(statement.value, CallExpr) else {}
+    if step.section == "backward" and func.endswith("_backward"):
         pieces = int(kwargs["pieces"].value) if "pieces" in kwargs else 1
-        batch = sizes.batch
-        piecewise = pieces > 1 and batch >= 2 and node.op.name in PIECEWISE
-        work = PIECEWISE[node.op.name] if piecewise else WORKSPACE.get(node.op.name)
-        if work and node.inputs:
-            piece = -(-batch // pieces) / batch if piecewise else 1.0
-            weight = next((p.nbytes() for p in node.params if p.name == "weight"), 0)
-            return int(
-                piece * work.input * sizes.tensor(node.inputs[0].type)
-                + piece * work.output * sizes.tensor(node.output.type)
-                + work.weight * weight
-                + work.fixed
-            )
+        if pieces > 1 and sizes.batch >= 2 and node.op.name in PIECEWISE:
+            piece = -(-sizes.batch // pieces) / sizes.batch
+            return _workspace(PIECEWISE[node.op.name], node, sizes, piece)
+        work = WORKSPACE.get(node.op.name)
+        return _workspace(work, node, sizes) if work else 0
+    if step.section == "forward" and func.endswith(f".{node.op.name}"):
+        phases = FORWARD_WORKSPACE.get(node.op.name, ())
+        return max((_workspace(w, node, sizes) for w in phases), default=0)
     return 0
+
+
+def _workspace(work: Workspace, node: Node, sizes: _Sizes, piece: float = 1.0) -> int:
+    """Bytes of one kernel's working memory; ``piece``: the batch fraction it runs on."""
+    weight = next((p.nbytes() for p in node.params if p.name == "weight"), 0)
+    extra = 0
+    if work.extra is not None:
+        name, factor = work.extra
+        found = next((e for e in node.extras if e.name == name), None)
+        extra = int(factor * sizes.tensor(found.type)) if found is not None else 0
+    return int(
+        piece * work.input * sizes.tensor(node.inputs[0].type)
+        + piece * work.output * sizes.tensor(node.output.type)
+        + work.weight * weight
+        + work.fixed
+        + extra
+    )
 
 
 def _aliased_storage(

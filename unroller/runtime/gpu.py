@@ -206,9 +206,10 @@ def _conv_backward(
     The CPU kernel (mkldnn) allocates, besides its results, a buffer the size of its input
     and a contiguous copy of the output gradient: two batch-sized tensors on top of the
     step's working set, where the step peaks (the first stage's backward). Run on 1/8 of the
-    batch at a time, those shrink eightfold and the kernel is no slower on this CPU (425
-    against 512 ms for [64, 64, 32, 32], 1 thread); the weight and bias gradients are summed
-    over the pieces, so their bits differ from the whole kernel's (float64: 1e-15)."""
+    batch at a time, those shrink eightfold, and the kernel was no slower in one
+    measurement (425 against 512 ms for [64, 64, 32, 32], 1 thread, a loaded machine);
+    the weight and bias gradients are summed over the pieces, so their bits differ from
+    the whole kernel's (float64: 1e-15)."""
     args = (weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
     n = x.shape[0]
     if pieces <= 1 or n < 2:
