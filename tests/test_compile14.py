@@ -152,8 +152,10 @@ def test_compiled_path_only_while_compiling():
 )
 def test_captured_step_equals_eager_step(tmp_path, scheme):
     """One graph (no break), the same float64 loss and gradients as the eager step (the
-    codecs' compiled formulation is bit-identical), the same running statistics and stash
-    log; another batch size runs the same graph."""
+    codecs' compiled formulation is bit-identical; under a lossy scheme the eager step runs
+    the convolution backward in pieces and the compiled one whole, so weight gradients may
+    differ in the last bits), the same running statistics and stash log; another batch size
+    runs the same graph."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -165,10 +167,11 @@ def test_captured_step_equals_eager_step(tmp_path, scheme):
     eager = model_class().double()
     compiled = copy.deepcopy(eager)
     compiled.compile_step = backend
+    bound = 0.0 if scheme == "nocompress" else 1e-13
     for n in (4, 5, 3):
         x = torch.randn(n, 3, 8, 8, dtype=torch.float64)
         y = torch.randint(0, 3, (n,))
-        _compare(eager, compiled, x, y, 0.0)
+        _compare(eager, compiled, x, y, bound)
     assert len(graphs) == 1
     for key, value in eager.state_dict().items():
         assert torch.equal(compiled.state_dict()[key], value), key

@@ -113,7 +113,10 @@ def test_kernels_take_what_the_registry_passes(platform, name):
     op, K = OPS[name], KERNELS[platform]
     forward, backward = getattr(K, name), getattr(K, f"{name}_backward")
     assert set(keyword_only(forward)) == set(op.kernel_args)
-    assert set(keyword_only(backward)) == set(op.backward_args) | {"needs"}
+    # pieces=K: the platform's batch_pieces, passed under lossy schemes (backward_pieces)
+    batch_pieces = platforms.platform(platform).batch_pieces
+    pieces = {"pieces"} if op.backward_pieces and batch_pieces > 1 else set()
+    assert set(keyword_only(backward)) == set(op.backward_args) | {"needs"} | pieces
     if op.has_eval:
         assert set(keyword_only(getattr(K, f"{name}_eval"))) == set(op.kernel_args)
     for mask in op.masks.values():
@@ -152,7 +155,7 @@ def test_keyword_defaults_are_the_normalised_registry_defaults(platform, name):
     "not needed" (the code generator leaves derived Nones out). ``needs`` defaults to None,
     every gradient (generated code leaves it out when it wants them all)."""
     op, K = OPS[name], KERNELS[platform]
-    defaults = {**normalized_defaults(op), "needs": None}
+    defaults = {**normalized_defaults(op), "needs": None, "pieces": 1}  # pieces: 1 = whole
     for kernel in kernel_names(op):
         for pname, param in keyword_only(getattr(K, kernel)).items():
             if pname in defaults:

@@ -212,7 +212,9 @@ def _conv_backward(
     the whole kernel's (float64: 1e-15)."""
     args = (weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
     n = x.shape[0]
-    if pieces <= 1 or n < 2:
+    if pieces <= 1 or n < 2 or torch.compiler.is_compiling():
+        # compiled (Model(compile=True)): whole, as the loop over pieces would specialise
+        # the graph on the batch size, and the compiler plans the kernel's memory itself
         return _aten.convolution_backward(g, x, *args, mask)
     step = -(-n // pieces)
     grad_x = torch.empty_like(x) if mask[0] else None
