@@ -233,6 +233,7 @@ def test_generate_subprocess_error_has_no_traceback(work: Path):
     assert (work / "out.py").read_bytes() == before
 
 
+@pytest.mark.slow  # 10 s: make test-slow (generation within one process is checked fast)
 def test_generation_is_deterministic_across_processes(work: Path):
     shutil.copy(MODELS / "tiny_resnet.txt", work / "tiny_resnet.txt")
     texts = []

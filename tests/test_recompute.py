@@ -274,3 +274,21 @@ def test_memory_model_predicts_the_piecewise_kernel():
     sim = simulate_graph(graph, config, 16)
     measured = _measured_peak(graph, config, 16)
     assert abs(measured / sim.peak_bytes - 1) < 0.06, (measured, sim.peak_bytes)
+
+
+def test_plan_with_recompute_writes_it_into_the_config(tmp_path):
+    from test_memory_plan import TINY
+
+    from unroller.plan import make_plan, run_probe, to_toml
+
+    graph = graph_from_text(TINY, "tiny.txt")
+    probe = run_probe(graph, batch_size=2)
+    plain = make_plan(graph, 32, None, probe)
+    remade = make_plan(graph, 32, None, probe, recompute=True)
+    assert remade.config.recompute and not plain.config.recompute
+    assert remade.simulation.peak_bytes < plain.simulation.peak_bytes
+    path = tmp_path / "plan.toml"
+    path.write_text(to_toml(remade, ["planned with --recompute"]))
+    loaded = load_config(path)
+    assert loaded.recompute
+    assert simulate_graph(graph, loaded, 32).peak_bytes == remade.simulation.peak_bytes

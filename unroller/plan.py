@@ -101,12 +101,13 @@ def plannable(graph: Graph) -> list[Stashed]:
     return [s for s in plan_stash(graph, probe).entries if any(f.kind == "codec" for f in s.forms)]
 
 
-def config_of(assign: dict[str, Choice]) -> CompressionConfig:
-    """The compression config of an assignment: one ``tensor`` rule per compressed tensor."""
+def config_of(assign: dict[str, Choice], recompute: bool = False) -> CompressionConfig:
+    """The compression config of an assignment: one ``tensor`` rule per compressed tensor
+    (``recompute``: cheap ops' outputs remade in the backward, too)."""
     rules = [
         Rule(choice.codec, tensor=key) for key, choice in assign.items() if choice.codec is not None
     ]
-    return CompressionConfig(default=None, rules=rules, source="<plan>")
+    return CompressionConfig(default=None, rules=rules, source="<plan>", recompute=recompute)
 
 
 def _bytes(stashed: Stashed, choice: Choice, batch: int) -> int:
@@ -294,9 +295,11 @@ def make_plan(
     probe: Probe,
     max_error: float | None = None,
     platform: str = "gpu",
+    recompute: bool = False,
 ) -> MemoryPlan:
     """The least-error assignment whose predicted peak fits ``budget`` (None: the least
-    peak reachable, then the least error at that peak + ``AUTO_SLACK``)."""
+    peak reachable, then the least error at that peak + ``AUTO_SLACK``); ``recompute``: the
+    step remakes cheap ops' outputs in the backward (``--recompute``), planned with it."""
     units = plannable(graph)
     norms = {k: float(torch.linalg.vector_norm(g.double())) ** 2 for k, g in probe.grads.items()}
     grad_norm = math.sqrt(sum(norms.values()))
@@ -319,7 +322,7 @@ def make_plan(
     notes = []
     if budget is None:
         smallest = {k: min(o, key=lambda c: c[1])[0] for k, o in options.items()}
-        least = simulate_graph(graph, config_of(smallest), batch_size, platform)
+        least = simulate_graph(graph, config_of(smallest, recompute), batch_size, platform)
         budget_used = int(least.peak_bytes * AUTO_SLACK)
         notes.append(
             f"budget: the least peak any plan reaches ({least.peak_bytes} bytes) " f"x {AUTO_SLACK}"
@@ -328,6 +331,8 @@ def make_plan(
         budget_used = budget
     assign = {k: options[k][0] for k in options}  # raw
     sim = nocompress
+    if recompute:
+        sim = simulate_graph(graph, config_of({}, recompute), batch_size, platform)
     while sim.peak_bytes > budget_used:
         excess = sim.peak_bytes - budget_used
         moves = []
@@ -351,7 +356,7 @@ def make_plan(
             saved += gain
             if saved >= excess:
                 break
-        config = config_of({k: v[0] for k, v in assign.items()})
+        config = config_of({k: v[0] for k, v in assign.items()}, recompute)
         sim = simulate_graph(graph, config, batch_size, platform)
     fits = sim.peak_bytes <= budget_used
     if not fits:
@@ -374,7 +379,7 @@ def make_plan(
         )
         for key, (choice, nbytes, err) in assign.items()
     ]
-    config = config_of({k: v[0] for k, v in assign.items()})
+    config = config_of({k: v[0] for k, v in assign.items()}, recompute)
     return MemoryPlan(
         batch_size=batch_size,
         budget=budget_used,
@@ -448,6 +453,8 @@ def _toml_value(value: Any) -> str:
 def to_toml(plan: MemoryPlan, header: list[str]) -> str:
     """The plan as a compression config file, with ``header`` lines as comments."""
     lines = [f"# {_comment(line)}" if line else "#" for line in header]
+    if plan.config.recompute:
+        lines += ["", "recompute = true"]
     lines += ["", "[default]", 'compressor = "none"']
     for row in plan.rows:
         if row.choice.codec is None:

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from unroller.cli.errors import config_error, fail, model_error
-from unroller.cli.options import BatchOpt, ModelArg, ResolutionOpt
+from unroller.cli.options import BatchOpt, ModelArg, RecomputeOpt, ResolutionOpt
 from unroller.errors import ConfigError, ModelError
 
 BudgetOpt = Annotated[
@@ -68,6 +68,7 @@ def plan(
     seed: SeedOpt = 0,
     resolution: ResolutionOpt = None,
     measure: MeasureOpt = False,
+    recompute: RecomputeOpt = False,
     output: OutOpt = None,
 ) -> None:
     """Choose per saved tensor among raw, quant 8/4/2 bits and DCT forms, so that the
@@ -101,7 +102,7 @@ def plan(
         raise config_error(exc) from None
     label = source_label(model)
     probe = planner.run_probe(graph, batch, probe_batch, seed, label=label)
-    found = planner.make_plan(graph, batch_size, budget, probe, max_error)
+    found = planner.make_plan(graph, batch_size, budget, probe, max_error, recompute=recompute)
     measured = _measure(graph, found, probe, label) if measure else None
     typer.echo(render_table(found))
     typer.echo(summary(found, measured))
