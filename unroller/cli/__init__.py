@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from unroller import __version__
-from unroller.cli import bench, check, generate, imports, inspect, plan, train, verify
+from unroller.cli import bench, check, estimate, generate, imports, inspect, plan, train, verify
 
 app = typer.Typer(
     add_completion=False,
@@ -25,8 +25,8 @@ app = typer.Typer(
 )
 
 # The order of --help's command list: generate, diff, check, graph, lint, ops, bench, train,
-# accuracy, import, weights, verify, plan.
-for group in (generate, check, inspect, bench, train, imports, verify, plan):
+# accuracy, import, weights, verify, plan, estimate.
+for group in (generate, check, inspect, bench, train, imports, verify, plan, estimate):
     group.register(app)
 
 

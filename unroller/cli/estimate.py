@@ -1,0 +1,258 @@
+"""``unroll estimate``: memory and time on a device this machine does not have.
+
+The work is ``unroller.estimate`` (imported when the command runs: it imports torch);
+this module reads the options, runs the estimate per scheme and prints a table or JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from unroller.cli.errors import config_error, fail, model_error
+from unroller.cli.options import (
+    ConfigOpt,
+    ModelArg,
+    RecomputeOpt,
+    ResolutionOpt,
+    value_of,
+)
+from unroller.errors import ConfigError, ModelError
+from unroller.schemes import SCHEMES
+
+MIB = 2**20
+
+
+def _size(text: str, flag: str) -> int:
+    from unroller.bench.options import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise fail(f"{flag}: {exc}") from None
+
+
+def _rate(text: str, flag: str) -> float:
+    """``20GB/s`` -> 2e10 bytes per second (the units of --device-memory, per second)."""
+    return float(_size(text.removesuffix("/s"), flag))
+
+
+def _schemes(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if names == ["all"]:
+        return [s for s in SCHEMES if s != "auto"]
+    unknown = [s for s in names if s not in SCHEMES]
+    if unknown or not names:
+        raise fail(
+            f"unknown scheme '{unknown[0] if unknown else text}' (known: {', '.join(SCHEMES)})"
+        )
+    return names
+
+
+def estimate(
+    model: ModelArg,
+    platform: Annotated[str, typer.Option("--platform", "-p", help="ipu or gpu.")] = "ipu",
+    scheme: Annotated[
+        str,
+        typer.Option(
+            "--scheme", help="A scheme, a comma list, or all (nocompress is always the baseline)."
+        ),
+    ] = "all",
+    ipus: Annotated[
+        int, typer.Option("--ipus", help="ipu: pipeline stages, one per IPU (1, 2, 4).")
+    ] = 1,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", min=1, help="ipu: samples per micro-batch.")
+    ] = 32,
+    micro_batches: Annotated[
+        int,
+        typer.Option(
+            "--micro-batches",
+            min=1,
+            help="ipu, pipelined: micro-batches per step (gradient accumulation; at least "
+            "the IPUs).",
+        ),
+    ] = 8,
+    streaming_bandwidth: Annotated[
+        str,
+        typer.Option(
+            "--streaming-bandwidth",
+            help="ipu: Streaming Memory bandwidth, reads and writes together (not published: "
+            "an assumption to calibrate).",
+        ),
+    ] = "20GB/s",
+    efficiency: Annotated[
+        float,
+        typer.Option("--efficiency", min=0.001, max=1.0, help="ipu: achieved / peak FP32 compute."),
+    ] = 0.25,
+    code_allowance: Annotated[
+        str,
+        typer.Option("--code-allowance", help="ipu: per IPU, for code and exchange buffers."),
+    ] = "150MiB",
+    device_memory: Annotated[
+        str, typer.Option("--device-memory", help="gpu: the device's memory.")
+    ] = "80GiB",
+    optimizer: Annotated[
+        str, typer.Option("--optimizer", help="gpu: sgd (one state per parameter) or adam (two).")
+    ] = "sgd",
+    compress_config: ConfigOpt = None,
+    recompute: RecomputeOpt = False,
+    resolution: ResolutionOpt = None,
+    fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
+) -> None:
+    """Estimate memory and speed on an IPU (GC200) or the largest batch on a GPU, per scheme.
+
+    IPU: per IPU, the weights, gradients and optimizer state, the stash at the micro-batch,
+    the largest working set of one op and an allowance for code, against 897 MiB of
+    In-Processor-Memory; what does not fit goes to Streaming Memory. The step time is a
+    roofline of FLOPs and bytes with the bandwidths as named parameters (unroller/estimate.py);
+    the ratios against nocompress, on the same IPUs and on one, are the figures to read.
+    GPU: the largest batch whose predicted total (weights, optimizer state, batch, the memory
+    model's step peak) fits --device-memory.
+
+    Examples: unroll estimate benchmarks/models/emdenoise.txt --platform ipu --ipus 2
+    --batch-size 8 --scheme dct-dense;
+    unroll estimate benchmarks/models/resnet34.txt --platform gpu --device-memory 16GiB
+    """
+    if platform not in ("ipu", "gpu"):
+        raise fail(f"unknown platform '{platform}' (known: gpu, ipu)")
+    if fmt not in ("table", "json"):
+        raise fail(f"unknown format '{fmt}' (table or json)")
+    if optimizer not in ("sgd", "adam"):
+        raise fail(f"unknown optimizer '{optimizer}' (sgd or adam)")
+    if ipus not in (1, 2, 4):
+        raise fail("--ipus must be 1, 2 or 4")
+    names = _schemes(scheme)
+    from unroller.api import load_graph, source_label
+    from unroller.codegen import Options
+
+    try:
+        graph = load_graph(model, resolution)
+    except ModelError as exc:
+        raise model_error(exc, model) from None
+    config = source_label(compress_config) if compress_config else None
+
+    def options(name: str, k: int = 1) -> Options:
+        return Options(
+            platform=platform,
+            scheme=name,
+            compress_config=config if name != "nocompress" else None,
+            num_ipus=k,
+            resolution=resolution,
+            recompute=recompute,
+        )
+
+    if config is not None:
+        names = ["nocompress", "config"]
+    try:
+        if platform == "ipu":
+            found = _ipu(
+                graph,
+                options,
+                names,
+                ipus,
+                batch_size,
+                micro_batches,
+                _rate(streaming_bandwidth, "--streaming-bandwidth"),
+                efficiency,
+                _size(code_allowance, "--code-allowance"),
+            )
+        else:
+            found = _gpu(graph, options, names, _size(device_memory, "--device-memory"), optimizer)
+    except ConfigError as exc:
+        raise config_error(exc) from None
+    except ModelError as exc:
+        raise model_error(exc, model) from None
+    if fmt == "json":
+        typer.echo(json.dumps(found, indent=1))
+    else:
+        typer.echo(found["table"])
+
+
+def _ipu(graph, options, names, ipus, batch, micro_batches, streaming, efficiency, code):
+    from unroller.estimate import IpuSpec, estimate_ipu, largest_on_chip, samples_per_second
+
+    spec = IpuSpec(streaming_bandwidth=streaming, efficiency=efficiency, code_bytes=code)
+    one = estimate_ipu(graph, options("nocompress"), batch, 1, spec)
+    same = estimate_ipu(graph, options("nocompress", ipus), batch, ipus, spec, micro_batches)
+    rows: list[dict[str, Any]] = []
+    for name in dict.fromkeys(["nocompress", *names]):
+        opts = options(name if name != "config" else "nocompress", ipus)
+        est = estimate_ipu(graph, opts, batch, ipus, spec, micro_batches)
+        rate = samples_per_second(est)
+        rows.append(
+            {
+                "scheme": name,
+                **est.as_dict(),
+                "samples_per_s": rate,
+                "vs_nocompress_same_ipus": rate / samples_per_second(same),
+                "vs_nocompress_one_ipu": rate / samples_per_second(one),
+                "largest_on_chip_micro_batch": largest_on_chip(graph, opts, ipus, spec),
+            }
+        )
+    lines = [
+        f"IPU estimate (GC200, {spec.memory_bytes / MIB:.0f} MiB per IPU): {ipus} IPU(s), "
+        f"micro-batch {batch}"
+        + (f", {rows[0]['micro_batches']} micro-batches per step" if ipus > 1 else ""),
+        f"assumptions: streaming {spec.streaming_bandwidth / 1e9:g} GB/s, compute "
+        f"{spec.efficiency:g} x {spec.flops / 1e12:g} TFLOPS, code allowance "
+        f"{spec.code_bytes / MIB:.0f} MiB/IPU, IPU-Links {spec.ipu_link_bandwidth / 1e9:g} GB/s",
+        "",
+        f"{'scheme':<11} {'IPU':>3} {'weights+opt':>11} {'stash':>8} {'working':>8} "
+        f"{'total MiB':>9} {'off chip':>9} {'step ms':>8} {'samples/s':>9} {'vs noc':>7} "
+        f"{'vs noc@1':>8} {'max on chip':>11}",
+    ]
+    for row in rows:
+        for stage in row["stages"]:
+            first = stage["ipu"] == 0
+            state = stage["weights_bytes"] + stage["grads_bytes"] + stage["optimizer_bytes"]
+            tail = (
+                f"{row['streaming_bytes'] / MIB:>9.1f} {row['step_seconds'] * 1e3:>8.2f} "
+                f"{row['samples_per_s']:>9.1f} {row['vs_nocompress_same_ipus']:>6.2f}x "
+                f"{row['vs_nocompress_one_ipu']:>7.2f}x {row['largest_on_chip_micro_batch']:>11}"
+                if first
+                else ""
+            )
+            lines.append(
+                f"{row['scheme'] if first else '':<11} {stage['ipu']:>3} {state / MIB:>11.1f} "
+                f"{stage['stash_bytes'] / MIB:>8.1f} {stage['working_bytes'] / MIB:>8.1f} "
+                f"{stage['total_bytes'] / MIB:>9.1f} {tail}"
+            )
+        for note in row["notes"]:
+            lines.append(f"  note ({row['scheme']}): {note}")
+    return {"platform": "ipu", "spec": spec.__dict__, "rows": rows, "table": "\n".join(lines)}
+
+
+def _gpu(graph, options, names, device, optimizer):
+    from unroller.estimate import estimate_gpu
+
+    states = 2 if optimizer == "adam" else 1
+    rows = []
+    for name in dict.fromkeys(["nocompress", *names]):
+        est = estimate_gpu(
+            graph, options(name if name != "config" else "nocompress"), device, states
+        )
+        rows.append({**est.as_dict(), "scheme": name})
+    base = rows[0]["max_batch"] or 1
+    lines = [
+        f"GPU estimate: {device / MIB:.0f} MiB device memory, {optimizer} ({states} state(s) "
+        "per parameter); predicted by unroller.memory (CPU kernels' working memory)",
+        "",
+        f"{'scheme':<11} {'max batch':>9} {'vs nocompress':>13} {'total MiB there':>15} "
+        f"{'step peak MiB':>13}",
+    ]
+    for row in rows:
+        lines.append(
+            f"{row['scheme']:<11} {row['max_batch']:>9} {row['max_batch'] / base:>12.2f}x "
+            f"{row['total_bytes'] / MIB:>15.1f} {row['step_peak_bytes'] / MIB:>13.1f}"
+        )
+    return {"platform": "gpu", "rows": rows, "table": "\n".join(lines)}
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(estimate)
+
+
+__all__ = ["estimate", "register", "value_of"]
