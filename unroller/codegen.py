@@ -80,6 +80,8 @@ class Options:
     stage_starts: tuple[str, ...] = ()  # ipu: first node of each stage after the first
     resolution: int | None = None  # image inputs resized to this many rows (benchmarks)
     recompute: bool = False  # remake cheap ops' outputs in the backward (stash.plan_recompute)
+    data_parallel: bool = False  # all-reduce gradient buckets in the backward (distributed.py)
+    bucket_bytes: int | None = None  # data parallel: bucket size (None: BUCKET_BYTES, 25 MiB)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -97,13 +99,17 @@ class Options:
             found["resolution"] = self.resolution
         if self.recompute:
             found["recompute"] = True
+        if self.data_parallel:
+            found["data_parallel"] = True
+        if self.bucket_bytes is not None:
+            found["bucket_bytes"] = self.bucket_bytes
         return {**found, **self.extra}
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> Options:
         known = {"generator", "source", "sha256", "platform", "scheme", "compress_config"}
         known |= {"compress_config_sha256", "opt_level", "num_ipus", "stage_starts", "resolution"}
-        known |= {"recompute"}
+        known |= {"recompute", "data_parallel", "bucket_bytes"}
         return cls(
             platform=header.get("platform", "gpu"),
             scheme=header.get("scheme", "nocompress"),
@@ -113,6 +119,8 @@ class Options:
             stage_starts=tuple(header.get("stage_starts", ())),
             resolution=header.get("resolution"),
             recompute=header.get("recompute") is True,
+            data_parallel=header.get("data_parallel") is True,
+            bucket_bytes=header.get("bucket_bytes"),
             extra={k: v for k, v in header.items() if k not in known},
         )
 
@@ -131,6 +139,14 @@ class Options:
         return config
 
 
+BUCKET_BYTES = 25 * 2**20
+"""Data parallel: the size at which a gradient bucket closes (DistributedDataParallel's)."""
+
+
+def _func_name(expr: Any) -> str:
+    return expr.func.dotted if isinstance(expr, CallExpr) and isinstance(expr.func, Global) else ""
+
+
 class Emitter:
     """Builds the step program (``ir.Step``) of one graph for one platform and pipeline."""
 
@@ -140,8 +156,12 @@ class Emitter:
         plan: StashPlan | None = None,
         platform: Platform | str = GPU,
         pipeline: Pipeline | None = None,
+        data_parallel: bool = False,
+        bucket_bytes: int | None = None,
     ):
         self.graph = graph
+        self.data_parallel = data_parallel
+        self.bucket_bytes = bucket_bytes or BUCKET_BYTES
         self.node_named = {node.name: node for node in graph.nodes}
         self.platform = get_platform(platform) if isinstance(platform, str) else platform
         self.pipeline = pipeline or Pipeline(1, {})
@@ -548,10 +568,70 @@ class Emitter:
             if node.needs_backward:
                 steps += self.restore_steps(node)
                 steps.append(self.backward_step(node, owned))
+        if self.data_parallel:
+            steps = self.with_reductions(steps)
         # A forward step whose output is saved by a backward step must keep it alive:
         # liveness sees the read in the backward step, so nothing more to do here.
         release_dead(steps, keep=self.training_keep())
         return steps
+
+    def with_reductions(self, steps: list[Step]) -> list[Step]:
+        """Data parallel: ``K.reduce_bucket`` right after the backward run (a top-level
+        block instance, or one top-level statement) in which a bucket's last gradient
+        became final, so that its all-reduce runs while the rest of the backward computes;
+        ``K.reduce_wait`` at the end. Buckets hold the parameters in the order their
+        gradients become final, closed at the first run boundary once they reach
+        ``BUCKET_BYTES`` (DistributedDataParallel's 25 MiB)."""
+        last: dict[str, int] = {}  # parameter key -> the last step that accumulates it
+        nbytes: dict[str, int] = {}
+        for node in self.graph.nodes:
+            for p in node.params:
+                if p.present:
+                    nbytes[p.key] = p.nbytes()
+        for i, step in enumerate(steps):
+            for statement in step.statements:
+                if isinstance(statement, Do) and _func_name(statement.value) == "K.accumulate":
+                    owner = statement.value.args[0]
+                    prefix = f"{owner.path}." if isinstance(owner, Layer) and owner.path else ""
+                    for attr, _ in statement.value.kwargs:
+                        last[prefix + attr] = i
+        final_at: dict[int, list[str]] = {}
+        for key, i in last.items():
+            final_at.setdefault(i, []).append(key)
+        out: list[Step] = []
+        bucket: list[str] = []
+        size = 0
+        buckets = 0
+        for i, step in enumerate(steps):
+            out.append(step)
+            for key in final_at.get(i, []):
+                bucket.append(key)
+                size += nbytes.get(key, 0)
+            following = steps[i + 1] if i + 1 < len(steps) else None
+            # a top-level statement is a run of its own; a block instance's steps are one
+            boundary = following is None or not step.calls or following.calls[:1] != step.calls[:1]
+            if bucket and boundary and (size >= self.bucket_bytes or following is None):
+                out.append(self.reduce_step(buckets, bucket, size))
+                buckets += 1
+                bucket, size = [], 0
+        if bucket:
+            out.append(self.reduce_step(buckets, bucket, size))
+        out.append(
+            Step(
+                "backward",
+                [Do(CallExpr(Global("K.reduce_wait"), (Var("L"),)))],
+                comment="wait for the all-reduces: every gradient is the average over processes",
+            )
+        )
+        return out
+
+    def reduce_step(self, index: int, keys: list[str], size: int) -> Step:
+        names = tuple(ModelName(k) for k in keys)
+        return Step(
+            "backward",
+            [Do(CallExpr(Global("K.reduce_bucket"), (Var("L"), Const(index), TupleExpr(names))))],
+            comment=f"all-reduce bucket {index}: {len(keys)} gradients, {size / 2**20:.2f} MiB",
+        )
 
     def training_keep(self) -> set[str]:
         return {self.var(self.graph.loss).name, "grads", "stash", "L"}
@@ -690,7 +770,9 @@ def render(
         pipeline = split(graph, plan, options.num_ipus, list(options.stage_starts) or None)
     elif options.num_ipus != 1 or options.stage_starts:
         raise ValueError(f"--num-ipus and stage starts are not for platform {target.name}")
-    emitter = Emitter(graph, plan, target, pipeline)
+    if options.data_parallel and target.pipelined:
+        raise ValueError("data parallel is for the gpu platform (the ipu one replicates itself)")
+    emitter = Emitter(graph, plan, target, pipeline, options.data_parallel, options.bucket_bytes)
     staged = pipeline is not None and pipeline.num_ipus > 1
     training_steps, predict_steps = emitter.training_steps(), emitter.predict_steps()
     outliner = emitter.outliner()

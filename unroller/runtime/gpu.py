@@ -21,10 +21,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# Data parallel: the gradient reducer and synchronised batch norm (not kernels themselves).
+from unroller.distributed import (
+    SYNC_ATTR,
+    reducer_of,
+    sync_batchnorm,
+    sync_batchnorm_backward,
+)
+
 # Shared kernels and helpers, exported from here as gpu kernels (see __all__ at the end).
 from unroller.runtime.common import (  # noqa: F401
     IGNORE_INDEX,
     Grads,
+    Layers,
     Needs,
     Pair,
     _attention_factors,
@@ -330,6 +339,9 @@ def batchnorm2d(
     """aten::native_batch_norm(training=True), as nn.BatchNorm2d.train(): updates the layer's
     running stats (unbiased var) and num_batches_tracked in place; autograd saves x, weight,
     save_mean, save_invstd."""
+    group = getattr(layer, SYNC_ATTR, None)
+    if group is not None:  # data parallel with --sync-bn: the whole distributed batch
+        return sync_batchnorm(x, layer, group, eps, momentum)
     weight, bias, running_mean, running_var, num_batches_tracked = _norm_tensors(layer)
     factor = 0.0 if momentum is None else momentum
     if num_batches_tracked is not None:
@@ -354,6 +366,11 @@ def batchnorm2d_backward(
     mask = _need_mask(needs)
     if not any(mask):
         return _fit((), needs)
+    group = getattr(layer, SYNC_ATTR, None)
+    if group is not None:
+        return _fit(
+            sync_batchnorm_backward(g, x, layer, save_mean, save_invstd, group, mask), needs
+        )
     weight = getattr(layer, "weight", None)
     grads = _aten.native_batch_norm_backward(
         g, x, weight, None, None, save_mean, save_invstd, True, eps, mask
@@ -361,11 +378,30 @@ def batchnorm2d_backward(
     return _fit(grads, needs)
 
 
+def reduce_bucket(layers: Layers, index: int, names: tuple[str, ...]) -> None:
+    """Data parallel (``--data-parallel``): start the all-reduce of bucket ``index``, the
+    gradients ``names`` (state-dict names), if a reducer is attached to the model
+    (``unroller.distributed.attach``); in one process, nothing."""
+    reducer = reducer_of(layers)
+    if reducer is not None:
+        reducer.launch(index, names)
+
+
+def reduce_wait(layers: Layers) -> None:
+    """Data parallel: wait for the step's all-reduces and leave the averages in ``.grad``."""
+    reducer = reducer_of(layers)
+    if reducer is not None:
+        reducer.finish()
+
+
 def batchnorm2d_recompute(
     x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
 ) -> Tensor:
     """The training forward's output again (``--recompute``): the same kernel on the same x
     gives the same bits, with no running statistics passed, so none change."""
+    group = getattr(layer, SYNC_ATTR, None)
+    if group is not None:
+        return sync_batchnorm(x, layer, group, eps, momentum, update=False)[0]
     weight, bias, _, _, _ = _norm_tensors(layer)
     return _aten.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)[0]
 
