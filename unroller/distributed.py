@@ -56,6 +56,10 @@ class GradientReducer:
     buckets: dict[int, tuple[str, ...]] = field(default_factory=dict)  # as the step named them
     blocked_seconds: float = 0.0  # the last step: time reduce_wait waited
     launched: int = 0
+    #: this process's gradients are multiplied by it before the average: world x its share
+    #: of the batch (1 when the shares are equal), so unequal shares still give the
+    #: gradient of the whole batch's mean loss
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         self.world = dist.get_world_size(self.group)
@@ -67,6 +71,8 @@ class GradientReducer:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.weight != 1.0:
+            flat.mul_(self.weight)
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self.pending.append(_Pending(work, flat, grads, time.perf_counter()))
         self.launched += 1

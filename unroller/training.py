@@ -69,6 +69,8 @@ OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("cosine", "constant")
 # Fields that may differ between a checkpoint and the run resuming from it.
 RESUMABLE_CHANGES = ("epochs", "schedule_epochs")
+LATER_FIELDS = ("nproc_per_node", "sync_bn")
+"""TrainConfig fields newer than format 2 checkpoints: missing means the default."""
 PATH_FIELDS = ("model", "compress_config", "init")
 
 
@@ -103,6 +105,8 @@ class TrainConfig:
     device: str = "cpu"
     init: str | None = None  # a state dict to start from instead of Model()'s initialisation
     schedule_epochs: int | None = None  # the lr schedule's length (default: epochs)
+    nproc_per_node: int = 1  # data parallel: processes, each on its share of every batch
+    sync_bn: bool = False  # data parallel: batch norm over the whole distributed batch
 
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -111,7 +115,7 @@ class TrainConfig:
             )
         if self.schedule not in SCHEDULES:
             raise TrainError(f"unknown schedule '{self.schedule}' (known: {', '.join(SCHEDULES)})")
-        for name in ("epochs", "batch_size"):
+        for name in ("epochs", "batch_size", "nproc_per_node"):
             if getattr(self, name) < 1:
                 raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
         if not self.lr > 0:
@@ -175,6 +179,15 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
+
+
+def _world() -> tuple[int, int]:
+    """(rank, processes) of the torch.distributed group the run is in; (0, 1) outside one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
@@ -262,6 +275,8 @@ def _check_config(values: dict[str, Any]) -> str | None:
     """What is wrong with a recorded config (None: nothing)."""
     hints = typing.get_type_hints(TrainConfig)
     for field in dataclasses.fields(TrainConfig):
+        if field.name not in values and field.name in LATER_FIELDS:
+            continue  # a checkpoint from before the field: its default
         if field.name not in values:
             return f"its config has no '{field.name}'"
         value = values[field.name]
@@ -271,6 +286,7 @@ def _check_config(values: dict[str, Any]) -> str | None:
             or (kind is str and isinstance(value, str))
             or (kind is int and isinstance(value, int) and not isinstance(value, bool))
             or (kind is float and _is_number(value))
+            or (kind is bool and isinstance(value, bool))
             for kind in allowed
         )
         if not fits:
@@ -526,29 +542,42 @@ def train_epoch(
     bounds: list[tuple[int, int]],
     device: torch.device,
     advance: Callable[[float], None],
+    reducer: Any = None,
 ) -> dict[str, Any]:
     """One pass over the training split; the epoch's metrics record (without ``test``).
-    Stops at the first loss that is not finite and marks the record ``diverged``."""
+    Stops at the first loss that is not finite and marks the record ``diverged``.
+
+    Data parallel (``reducer``, unroller.distributed): each process takes its contiguous
+    share of every batch, and its gradients are weighted by its share before the average,
+    so the step is the one-process step on the whole batch; the loss reported is the whole
+    batch's."""
     lr = config.lr_at(epoch)
     for group in optimizer.param_groups:
         group["lr"] = lr
     order = epoch_order(config, epoch, len(split))
     loss_sum, seen, stash = 0.0, 0, None
+    rank, world = _world()
     began = time.perf_counter()
     for first, last in bounds:
         index = order[first:last]
+        whole = len(index)
+        if reducer is not None:
+            index = torch.tensor_split(index, world)[rank]
+            reducer.weight = world * len(index) / whole
         args = [split.inputs[index].to(device)]
         if split.targets is not None:
             args.append(split.targets[index].to(device))
         optimizer.zero_grad(set_to_none=True)
         loss = model(*args).item()
+        if reducer is not None:
+            loss = _whole_batch_loss(loss * len(index), whole)
         if not math.isfinite(loss):
             return {"epoch": epoch, "lr": lr, "diverged": True, "train_loss": None, "test": None}
         optimizer.step()
         if stash is None:  # what the first step kept for backward
             stash = model.stash_report()
-        loss_sum += loss * len(index)
-        seen += len(index)
+        loss_sum += loss * whole
+        seen += whole
         advance(loss)
     return {
         "epoch": epoch,
@@ -560,6 +589,36 @@ def train_epoch(
         "stash_raw_bytes": stash["total_raw_bytes"],
         "stash_stored_bytes": stash["total_stored_bytes"],
     }
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _gathered(value: Any, world: int) -> list[Any]:
+    import torch.distributed as dist
+
+    found: list[Any] = [None] * world
+    dist.all_gather_object(found, value)
+    return found
+
+
+def _share_buffers(model: torch.nn.Module) -> None:
+    import torch.distributed as dist
+
+    for buffer in model.buffers():
+        dist.broadcast(buffer.data, src=0)
+
+
+def _whole_batch_loss(local_sum: float, whole: int) -> float:
+    import torch.distributed as dist
+
+    total = torch.tensor([local_sum], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total) / whole
 
 
 @dataclass
@@ -640,12 +699,14 @@ def _stderr(line: str) -> None:
 
 
 def generate(config: TrainConfig) -> str:
-    """The text of the gpu-platform module the run trains."""
+    """The text of the gpu-platform module the run trains (data parallel: with its
+    gradient all-reduces)."""
     options = Options(
         platform="gpu",
         scheme=config.scheme,
         compress_config=config.compress_config,
         resolution=config.resolution,
+        data_parallel=config.nproc_per_node > 1,
     )
     return generate_source(config.model, options)
 
@@ -702,6 +763,14 @@ def train(
             f"{out} already holds a run; continue it with --resume {Path(out) / CHECKPOINT} "
             "or choose another --out"
         )
+    rank, world = _world()
+    if world != config.nproc_per_node:
+        raise TrainError(
+            f"--nproc-per-node {config.nproc_per_node}, but {world} process(es) run: "
+            "start data-parallel runs with unroll train --nproc-per-node (it launches torchrun)"
+        )
+    if rank != 0:  # one process writes and reports
+        progress, log = False, lambda line: None
     device = resolve_device(config.device)
     if device.type == "cuda":
         # exact resumption needs run-to-run identical kernels: no autotuning, and the
@@ -724,10 +793,12 @@ def train(
                 )
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    generated = out / GENERATED
-    if not generated.is_file() or generated.read_text(encoding="utf-8") != source:
-        write_atomic(generated, source)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        generated = out / GENERATED
+        if not generated.is_file() or generated.read_text(encoding="utf-8") != source:
+            write_atomic(generated, source)
+    _barrier(world)
     module_name = f"unroller_train_{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"
     Model = import_generated(out / GENERATED, module_name).Model
 
@@ -740,6 +811,13 @@ def train(
         except (OSError, RuntimeError, ValueError, TypeError, pickle.UnpicklingError) as exc:
             raise TrainError(f"cannot start from {config.init}: {_one_line(exc)}") from None
     model.to(device)
+    reducer = None
+    if world > 1:
+        from unroller import distributed
+
+        reducer = distributed.attach(model, sync_bn=config.sync_bn)
+        torch.manual_seed(config.seed + 1_000_003 * rank)  # each its own dropout masks
+        random.seed(config.seed + 1_000_003 * rank)
     optimizer = make_optimizer(config, model.parameters())
     history: list[dict[str, Any]] = []
     start = 1
@@ -764,7 +842,8 @@ def train(
             ) from None
         history = list(checkpoint["history"])
         start = checkpoint["epoch"] + 1
-        set_rng_state(checkpoint["rng"], device)
+        ranks = checkpoint.get("rng_ranks")
+        set_rng_state(ranks[rank] if isinstance(ranks, list) else checkpoint["rng"], device)
 
     run = Run(config, out, data.task, data.description, data.synthetic, history)
     info = {
@@ -777,12 +856,19 @@ def train(
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    write_atomic(out / RUN_INFO, json.dumps(info, indent=2) + "\n")
-    write_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
+    if rank == 0:
+        write_atomic(out / RUN_INFO, json.dumps(info, indent=2) + "\n")
+        write_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
     if history and history[-1].get("diverged"):
         return run
 
     bounds = batches(len(data.train), config.batch_size)
+    if world > 1 and min(b - a for a, b in bounds) < world:
+        raise TrainError(
+            f"a batch of {min(b - a for a, b in bounds)} sample(s) cannot be shared by {world} "
+            "processes: choose --batch-size and --train-size so that every batch has at "
+            "least one sample per process"
+        )
     with Progress(progress, log) as bar:
         for epoch in range(start, config.epochs + 1):
             label = f"epoch {epoch}/{config.epochs}"
@@ -796,7 +882,10 @@ def train(
                 bounds,
                 device,
                 lambda loss, t=task_id: bar.advance(t, loss),
+                reducer,
             )
+            if reducer is not None and not config.sync_bn:
+                _share_buffers(model)  # rank 0's running statistics, as DDP broadcasts them
             if not record.get("diverged"):
                 began = time.perf_counter()
                 record["test"] = evaluate(
@@ -810,20 +899,22 @@ def train(
                 )
                 record["eval_time_s"] = time.perf_counter() - began
             history.append(record)
-            write_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
-            save_checkpoint(
-                out / CHECKPOINT,
-                {
-                    "format": FORMAT,
-                    "epoch": epoch,
-                    "config": config.to_dict(),
-                    "generated_sha256": source_sha,
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "rng": rng_state(device),
-                    "history": history,
-                },
-            )
+            payload = {
+                "format": FORMAT,
+                "epoch": epoch,
+                "config": config.to_dict(),
+                "generated_sha256": source_sha,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "rng": rng_state(device),
+                "history": history,
+            }
+            if world > 1:  # every process's generators, so a resume draws what it would have
+                payload["rng_ranks"] = _gathered(rng_state(device), world)
+            if rank == 0:
+                write_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
+                save_checkpoint(out / CHECKPOINT, payload)
+            _barrier(world)
             if record.get("diverged"):
                 bar.done(task_id, f"{label}: loss is not finite; stopped")
                 break

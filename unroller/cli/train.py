@@ -8,7 +8,10 @@ Training imports torch, so it is imported only when one of these commands runs.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -117,6 +120,20 @@ def train(
         typer.Option(help="Continue from this checkpoint.pt (same settings; --epochs may grow)."),
     ] = None,
     quiet: QuietOpt = False,
+    nproc_per_node: Annotated[
+        int,
+        typer.Option(
+            "--nproc-per-node",
+            min=1,
+            help="Data parallel: processes, each on its share of every batch, gradients "
+            "all-reduced during the backward (launched through torchrun; gloo on the CPU, "
+            "nccl on CUDA).",
+        ),
+    ] = 1,
+    sync_bn: Annotated[
+        bool,
+        typer.Option("--sync-bn", help="Data parallel: batch norm over the whole batch."),
+    ] = False,
 ) -> None:
     """Train the generated gpu-platform model of MODEL on a dataset.
 
@@ -134,6 +151,8 @@ def train(
         scheme=value_of(scheme),
         compress_config=str(compress_config.resolve()) if compress_config else None,
         seed=seed,
+        nproc_per_node=nproc_per_node,
+        sync_bn=sync_bn,
     )
     if resume is not None:
         config = _resumed_config(ctx, config, resume)
@@ -143,8 +162,11 @@ def train(
         data_name = dataset.split(":", 1)[0]
         label = value_of(scheme) if compress_config is None else compress_config.stem
         out = Path("runs") / f"{model.stem}-{data_name}-{label}-s{seed}"
+    if config.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        raise typer.Exit(_launch(config, out, resume, quiet))
     try:
-        run = run_training(config, out, resume=resume, progress=not quiet, log=_logger(quiet))
+        with _process_group(config):
+            run = run_training(config, out, resume=resume, progress=not quiet, log=_logger(quiet))
     except ModelError as exc:
         raise model_error(exc, model) from None
     except ConfigError as exc:
@@ -165,6 +187,63 @@ def train(
             f"metrics in {out / 'metrics.jsonl'}",
             err=True,
         )
+
+
+def _child_args(config: TrainConfig, out: Path, resume: Path | None, quiet: bool) -> list[str]:
+    """``unroll train`` arguments that give each torchrun process ``config``."""
+    args = [config.model, "--out", str(Path(out).resolve())]
+    if resume is not None:
+        args += ["--resume", str(Path(resume).resolve())]
+    for name in ("dataset", "scheme", "epochs", "batch_size", "lr", "optimizer", "momentum"):
+        args += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
+    for name in ("weight_decay", "schedule", "seed", "data_seed", "device", "nproc_per_node"):
+        args += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
+    for name in ("compress_config", "train_size", "test_size", "resolution"):
+        if getattr(config, name) is not None:
+            args += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
+    if config.sync_bn:
+        args.append("--sync-bn")
+    if quiet:
+        args.append("--quiet")
+    return args
+
+
+def _launch(config: TrainConfig, out: Path, resume: Path | None, quiet: bool) -> int:
+    """Run ``unroll train`` in ``nproc_per_node`` processes through torchrun (one machine,
+    a rendezvous on a free local port); its exit status."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={config.nproc_per_node}",
+        "-m",
+        "unroller.cli",
+        "train",
+        *_child_args(config, out, resume, quiet),
+    ]
+    return subprocess.run(command, check=False).returncode
+
+
+@contextlib.contextmanager
+def _process_group(config: TrainConfig):
+    """Inside torchrun (WORLD_SIZE set): the default process group for the run, gloo on the
+    CPU and nccl on CUDA, taken down after it; outside: nothing."""
+    if "WORLD_SIZE" not in os.environ or config.nproc_per_node == 1:
+        yield
+        return
+    import torch.distributed as dist
+
+    backend = "nccl" if config.device.startswith("cuda") else "gloo"
+    if config.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def accuracy(
