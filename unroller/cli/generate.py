@@ -20,6 +20,7 @@ from unroller.cli.options import (
     DEFAULT_SCHEME,
     GENERATED,
     ConfigOpt,
+    DataParallelOpt,
     ModelArg,
     NumIpusOpt,
     OptLevelOpt,
@@ -66,6 +67,7 @@ def generate(
     num_ipus: NumIpusOpt = 1,
     stage_starts: StagesOpt = None,
     recompute: RecomputeOpt = False,
+    data_parallel: DataParallelOpt = False,
     force: Annotated[
         bool,
         typer.Option("--force", help="Overwrite a file that was edited by hand or not generated."),
@@ -86,7 +88,14 @@ def generate(
     Example: unroll generate models/resnet34.txt --platform gpu --scheme dct-dense -o resnet34.py
     """
     options = make_options(
-        platform, scheme, compress_config, opt_level, num_ipus, stage_starts, recompute
+        platform,
+        scheme,
+        compress_config,
+        opt_level,
+        num_ipus,
+        stage_starts,
+        recompute,
+        data_parallel,
     )
     to_stdout = output is None or str(output) == "-"
     target = None if to_stdout else prepare_output(output, force, mkdir)

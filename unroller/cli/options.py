@@ -136,6 +136,15 @@ RecomputeOpt = Annotated[
     ),
 ]
 
+DataParallelOpt = Annotated[
+    bool,
+    typer.Option(
+        "--data-parallel",
+        help="gpu: all-reduce gradient buckets during the backward (unroller.distributed); "
+        "the file still trains in one process.",
+    ),
+]
+
 # ---- training (train, accuracy) --------------------------------------------------------
 
 DatasetOpt = Annotated[

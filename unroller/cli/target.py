@@ -41,6 +41,7 @@ def make_options(
     num_ipus: int = 1,
     stage_starts: str | None = None,
     recompute: bool = False,
+    data_parallel: bool = False,
 ) -> Options:
     """Generator options from command-line values, refused (status 2) with the option to
     blame; the compression config is read and checked now, before anything is written."""
@@ -63,7 +64,10 @@ def make_options(
         num_ipus=num_ipus,
         stage_starts=starts,
         recompute=recompute,
+        data_parallel=data_parallel,
     )
+    if data_parallel and target.pipelined:
+        raise fail("--data-parallel is for --platform gpu")
     try:
         if options.scheme != "auto" or options.compress_config is not None:
             options.compression()  # reads and checks the config file now
