@@ -149,13 +149,17 @@ def test_two_processes_equal_one_on_the_whole_batch(tmp_path, text, name, kind):
 
 
 def test_same_weights_as_torch_ddp(tmp_path):
-    _module(tmp_path, PLAIN, "plain")
+    """torch's DDP on the torch.nn twin, two processes, ends where one process of the
+    generated module ends on the whole batch, which is where two of ours end (above)."""
+    module = _module(tmp_path, PLAIN, "plain")
     torch.manual_seed(0)
-    torch.save(Plain().double().state_dict(), tmp_path / "initial.pt")
-    ours = _run(tmp_path, PLAIN, "plain", "ours")
-    ddp = _run(tmp_path, PLAIN, "plain", "ddp")
-    for a, b in zip(ours, ddp):
-        _assert_same_state(a["state"], b["state"])
+    initial = Plain().double().state_dict()
+    torch.save(initial, tmp_path / "initial.pt")
+    single = module.Model().double()
+    single.load_state_dict(initial)
+    _train(single, _data())
+    for found in _run(tmp_path, PLAIN, "plain", "ddp"):
+        _assert_same_state(found["state"], single.state_dict())
 
 
 def test_buckets_follow_the_backward(tmp_path):
@@ -214,7 +218,19 @@ def test_train_two_processes_with_sync_bn_is_the_one_process_run(tmp_path):
     the whole batch, to float32 rounding (the sums are taken in another order; the float64
     equality is test_two_processes_equal_one_on_the_whole_batch's); rank 0 wrote the files,
     with both processes' generators in the checkpoint."""
-    _train_cli(tmp_path / "one", "--epochs", "1", "--lr", "0.005")
+    from unroller.training import TrainConfig, train
+
+    root = Path(__file__).resolve().parent.parent
+    config = TrainConfig(
+        model=str(root / "benchmarks/models/quick.txt"),
+        dataset="digits",
+        train_size=96,
+        test_size=32,
+        batch_size=24,
+        epochs=1,
+        lr=0.005,
+    )
+    train(config, tmp_path / "one", progress=False, log=lambda line: None)
     args = ["--epochs", "1", "--lr", "0.005", "--nproc-per-node", "2", "--sync-bn"]
     _train_cli(tmp_path / "two", *args)
     one, two = _final_state(tmp_path / "one"), _final_state(tmp_path / "two")
