@@ -252,3 +252,23 @@ def test_train_two_processes_resume_exactly(tmp_path):
         part, "--epochs", "2", "--nproc-per-node", "2", "--resume", str(part / "checkpoint.pt")
     )
     _assert_same_state(_final_state(part)["model"], _final_state(whole)["model"], 0.0)
+
+
+def test_cli_generate_data_parallel_records_it_and_check_regenerates_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from unroller.cli import app
+    from unroller.codegen import read_header
+
+    runner = CliRunner()
+    model = tmp_path / "plain.txt"
+    model.write_text(PLAIN)
+    out = tmp_path / "gen" / "plain_dp.py"
+    result = runner.invoke(
+        app, ["generate", str(model), "--data-parallel", "-o", str(out), "--mkdir"]
+    )
+    assert result.exit_code == 0, result.output
+    assert read_header(out.read_text())["data_parallel"] is True
+    assert runner.invoke(app, ["check", str(out.parent)]).exit_code == 0
+    refused = runner.invoke(app, ["generate", str(model), "--data-parallel", "--platform", "ipu"])
+    assert refused.exit_code == 2 and "--data-parallel is for --platform gpu" in refused.output
