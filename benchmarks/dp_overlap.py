@@ -76,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     options = Options(data_parallel=True, resolution=bench.native_resolution)
     with tempfile.TemporaryDirectory() as folder:
         write_atomic(Path(folder) / "model.py", bench.generate(options))
-        mp.spawn(
-            _worker, args=(folder, args.benchmark, args.batch_size, args.steps), nprocs=2
-        )
+        mp.spawn(_worker, args=(folder, args.benchmark, args.batch_size, args.steps), nprocs=2)
         found = torch.load(Path(folder) / "result.pt")
     command = "python -m benchmarks.dp_overlap " + " ".join(argv or sys.argv[1:])
     print(f"command: `{command.strip()}`")
-    print("| model | batch (2 x half) | buckets | step s | all-reduce alone s | blocked s | hidden |")
+    print(
+        "| model | batch (2 x half) | buckets | step s | all-reduce alone s | blocked s | hidden |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     print(
         f"| {args.benchmark} | {args.batch_size} | {found['buckets']:.0f} | {found['step_s']:.3f} "
