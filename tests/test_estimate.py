@@ -224,3 +224,19 @@ def test_cli_model_error_points_at_the_line(tmp_path):
     )
     result = runner.invoke(app, ["estimate", str(bad)])
     assert result.exit_code == 2 and f"{bad}:4:" in result.output
+
+
+def test_cli_compress_config_is_estimated_against_nocompress(tmp_path):
+    model = _model(tmp_path)
+    config = tmp_path / "q4.toml"
+    config.write_text('[default]\ncompressor = "quant"\nbits = 4\n')
+    args = ["estimate", model, "--platform", "gpu", "--device-memory", "24MiB"]
+    result = runner.invoke(app, [*args, "--compress-config", str(config), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["scheme"]: r for r in json.loads(result.output)["rows"]}
+    assert set(rows) == {"nocompress", "config"}
+    assert rows["config"]["max_batch"] > rows["nocompress"]["max_batch"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("masks = 3\n")
+    result = runner.invoke(app, [*args, "--compress-config", str(bad)])
+    assert result.exit_code == 2 and f"{bad}:1:9: error" in result.output

@@ -116,8 +116,8 @@ def estimate(
     --batch-size 8 --scheme dct-dense;
     unroll estimate benchmarks/models/resnet34.txt --platform gpu --device-memory 16GiB
     """
-    if platform not in ("ipu", "gpu"):
-        raise fail(f"unknown platform '{platform}' (known: gpu, ipu)")
+    if platform not in ESTIMATES:
+        raise fail(f"unknown platform '{platform}' (known: {', '.join(sorted(ESTIMATES))})")
     if fmt not in ("table", "json"):
         raise fail(f"unknown format '{fmt}' (table or json)")
     if optimizer not in ("sgd", "adam"):
@@ -135,10 +135,11 @@ def estimate(
     config = source_label(compress_config) if compress_config else None
 
     def options(name: str, k: int = 1) -> Options:
+        """The options of one row: a scheme, or "config" (the --compress-config file)."""
         return Options(
             platform=platform,
-            scheme=name,
-            compress_config=config if name != "nocompress" else None,
+            scheme="nocompress" if name == "config" else name,
+            compress_config=config if name == "config" else None,
             num_ipus=k,
             resolution=resolution,
             recompute=recompute,
@@ -146,21 +147,18 @@ def estimate(
 
     if config is not None:
         names = ["nocompress", "config"]
+    settings = {
+        "ipus": ipus,
+        "batch": batch_size,
+        "micro_batches": micro_batches,
+        "streaming": _rate(streaming_bandwidth, "--streaming-bandwidth"),
+        "efficiency": efficiency,
+        "code": _size(code_allowance, "--code-allowance"),
+        "device": _size(device_memory, "--device-memory"),
+        "optimizer": optimizer,
+    }
     try:
-        if platform == "ipu":
-            found = _ipu(
-                graph,
-                options,
-                names,
-                ipus,
-                batch_size,
-                micro_batches,
-                _rate(streaming_bandwidth, "--streaming-bandwidth"),
-                efficiency,
-                _size(code_allowance, "--code-allowance"),
-            )
-        else:
-            found = _gpu(graph, options, names, _size(device_memory, "--device-memory"), optimizer)
+        found = ESTIMATES[platform](graph, options, names, settings)
     except ConfigError as exc:
         raise config_error(exc) from None
     except ModelError as exc:
@@ -171,15 +169,20 @@ def estimate(
         typer.echo(found["table"])
 
 
-def _ipu(graph, options, names, ipus, batch, micro_batches, streaming, efficiency, code):
+def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
     from unroller.estimate import IpuSpec, estimate_ipu, largest_on_chip, samples_per_second
 
-    spec = IpuSpec(streaming_bandwidth=streaming, efficiency=efficiency, code_bytes=code)
+    ipus, batch, micro_batches = settings["ipus"], settings["batch"], settings["micro_batches"]
+    spec = IpuSpec(
+        streaming_bandwidth=settings["streaming"],
+        efficiency=settings["efficiency"],
+        code_bytes=settings["code"],
+    )
     one = estimate_ipu(graph, options("nocompress"), batch, 1, spec)
     same = estimate_ipu(graph, options("nocompress", ipus), batch, ipus, spec, micro_batches)
     rows: list[dict[str, Any]] = []
     for name in dict.fromkeys(["nocompress", *names]):
-        opts = options(name if name != "config" else "nocompress", ipus)
+        opts = options(name, ipus)
         est = estimate_ipu(graph, opts, batch, ipus, spec, micro_batches)
         rate = samples_per_second(est)
         rows.append(
@@ -225,15 +228,14 @@ def _ipu(graph, options, names, ipus, batch, micro_batches, streaming, efficienc
     return {"platform": "ipu", "spec": spec.__dict__, "rows": rows, "table": "\n".join(lines)}
 
 
-def _gpu(graph, options, names, device, optimizer):
+def _gpu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
     from unroller.estimate import estimate_gpu
 
+    device, optimizer = settings["device"], settings["optimizer"]
     states = 2 if optimizer == "adam" else 1
     rows = []
     for name in dict.fromkeys(["nocompress", *names]):
-        est = estimate_gpu(
-            graph, options(name if name != "config" else "nocompress"), device, states
-        )
+        est = estimate_gpu(graph, options(name), device, states)
         rows.append({**est.as_dict(), "scheme": name})
     base = rows[0]["max_batch"] or 1
     lines = [
@@ -249,6 +251,10 @@ def _gpu(graph, options, names, device, optimizer):
             f"{row['total_bytes'] / MIB:>15.1f} {row['step_peak_bytes'] / MIB:>13.1f}"
         )
     return {"platform": "gpu", "rows": rows, "table": "\n".join(lines)}
+
+
+#: What --platform names: the estimate of that kind of device.
+ESTIMATES = {"ipu": _ipu, "gpu": _gpu}
 
 
 def register(app: typer.Typer) -> None:
