@@ -143,7 +143,8 @@ BUCKET_BYTES = 25 * 2**20
 """Data parallel: the size at which a gradient bucket closes (DistributedDataParallel's)."""
 
 
-def _func_name(expr: Any) -> str:
+def called_name(expr: Any) -> str:
+    """The dotted name a statement's call calls (``K.accumulate``); "" for anything else."""
     return expr.func.dotted if isinstance(expr, CallExpr) and isinstance(expr.func, Global) else ""
 
 
@@ -182,6 +183,7 @@ class Emitter:
         self.recomputed: dict[str, Var] = {}  # value -> its remade variable (--recompute)
         self.private_count = 0  # variables of one recompute's own (Emitter.remade)
         self.producers = value_producers(graph)
+        self.stashed = self.plan.by_key()
         self.needs_default: dict[str, bool] = {}  # op -> its backward defaults needs=None
         for node in graph.nodes:
             self.check_supported(node)
@@ -475,9 +477,9 @@ class Emitter:
             return self.var(self._input(name))
         if always_there(self.producers, name):
             return self.var(producer.output)
-        stashed = self.plan.by_key().get(name)
+        stashed = self.stashed.get(name)
         form = value_form(stashed) if stashed is not None else None
-        if form is not None and stashed is not None:
+        if form is not None:
             if form.kind == "raw":
                 return self.raw_var(name)
             return self.restore(stashed, form, reader, steps, shared)
@@ -590,7 +592,7 @@ class Emitter:
                     nbytes[p.key] = p.nbytes()
         for i, step in enumerate(steps):
             for statement in step.statements:
-                if isinstance(statement, Do) and _func_name(statement.value) == "K.accumulate":
+                if isinstance(statement, Do) and called_name(statement.value) == "K.accumulate":
                     owner = statement.value.args[0]
                     prefix = f"{owner.path}." if isinstance(owner, Layer) and owner.path else ""
                     for attr, _ in statement.value.kwargs:

@@ -65,9 +65,12 @@ class GradientReducer:
         self.world = dist.get_world_size(self.group)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
 
+    def _grads(self, names: tuple[str, ...]) -> list[Tensor]:
+        return [self.params[n].grad for n in names if self.params[n].grad is not None]
+
     def launch(self, index: int, names: tuple[str, ...]) -> None:
         self.buckets[index] = names
-        grads = [self.params[n].grad for n in names if self.params[n].grad is not None]
+        grads = self._grads(names)
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -99,7 +102,7 @@ class GradientReducer:
             dist.barrier(group=self.group)
             start = time.perf_counter()
             for names in self.buckets.values():
-                grads = [self.params[n].grad for n in names if self.params[n].grad is not None]
+                grads = self._grads(names)
                 if grads:
                     dist.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group=self.group)
             times.append(time.perf_counter() - start)

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from unroller.codegen import Emitter, Options
+from unroller.codegen import Emitter, Options, called_name
 from unroller.dtypes import DTYPE_BYTES, torch_dtype
 from unroller.graph import Graph, Node
-from unroller.ir import AddTo, Assign, CallExpr, Do, Global, Step, Var
+from unroller.ir import AddTo, Assign, CallExpr, Do, Step, Var
 from unroller.platforms import platform as get_platform
 from unroller.schemes import Codec, CompressionConfig
 from unroller.stash import Form, Stashed, StashPlan, plan_stash
@@ -260,12 +260,6 @@ class _Heap:
             self.stash_live += self.size[storage]
 
 
-def _func_name(expr: Any) -> str:
-    if isinstance(expr, CallExpr) and isinstance(expr.func, Global):
-        return expr.func.dotted
-    return ""
-
-
 def _var_args(expr: CallExpr) -> list[str]:
     return [a.name for a in expr.args if isinstance(a, Var)]
 
@@ -404,7 +398,7 @@ def _statement(
             heap.bind(statement.total.name, heap.new(sizes.of(statement.total.name, node)))
         return 0, 0
     if isinstance(statement, Do):
-        if _func_name(statement.value) != "K.accumulate" or node is None:
+        if called_name(statement.value) != "K.accumulate" or node is None:
             return 0, 0
         added = 0
         for attr, _ in statement.value.kwargs:
@@ -416,7 +410,7 @@ def _statement(
         return added, 0
     if not isinstance(statement, Assign):
         return 0, 0
-    func = _func_name(statement.value)
+    func = called_name(statement.value)
     targets = [t.name for t in statement.targets if t is not None]
     transient = _transient_of(statement, step, node, sizes, func, targets)
     shared = _aliased_storage(statement, step, node, heap, func)

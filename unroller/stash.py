@@ -304,10 +304,9 @@ def plan_recompute(graph: Graph, ordered: list[Stashed]) -> None:
     for stashed in ordered:
         if ":" in stashed.key or stashed.producer < 0:
             continue
-        kept = value_form(stashed)
         value_forms = [f for f in stashed.forms if f.kind == "raw" or _is_value_codec(f)]
         reads_value = [r for r in stashed.readers if r[2] in value_forms]
-        if kept is None or not all(saved.activation for _, saved, _ in reads_value):
+        if not value_forms or not all(saved.activation for _, saved, _ in reads_value):
             continue
         count = chain(stashed.key)
         if count is None:

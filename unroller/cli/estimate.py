@@ -17,7 +17,6 @@ from unroller.cli.options import (
     ModelArg,
     RecomputeOpt,
     ResolutionOpt,
-    value_of,
 )
 from unroller.errors import ConfigError, ModelError
 from unroller.schemes import SCHEMES
@@ -261,4 +260,4 @@ def register(app: typer.Typer) -> None:
     app.command()(estimate)
 
 
-__all__ = ["estimate", "register", "value_of"]
+__all__ = ["estimate", "register"]
