@@ -37,6 +37,7 @@ from unroller.ir import (
     Layer,
     ModelName,
     RecordRaw,
+    Return,
     Statement,
     Step,
     TupleExpr,
@@ -44,9 +45,10 @@ from unroller.ir import (
     release_dead,
     render_expr,
     render_steps,
+    Yield,
 )
 from unroller.outline import Function, Outliner, relative
-from unroller.pipeline import Pipeline, split
+from unroller.pipeline import Boundary, Pipeline, boundaries, split, stage_inputs
 from unroller.platforms import GPU, Platform
 from unroller.platforms import platform as get_platform
 from unroller.resources import resource_dir
@@ -59,6 +61,7 @@ from unroller.stash import (
     always_there,
     plan_stash,
     value_form,
+    wire_codec,
     value_producers,
 )
 
@@ -82,6 +85,7 @@ class Options:
     recompute: bool = False  # remake cheap ops' outputs in the backward (stash.plan_recompute)
     data_parallel: bool = False  # all-reduce gradient buckets in the backward (distributed.py)
     bucket_bytes: int | None = None  # data parallel: bucket size (None: BUCKET_BYTES, 25 MiB)
+    pipeline: int = 1  # gpu: stages over processes (unroller.pipeline_parallel); 1: none
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -103,13 +107,15 @@ class Options:
             found["data_parallel"] = True
         if self.bucket_bytes is not None:
             found["bucket_bytes"] = self.bucket_bytes
+        if self.pipeline != 1:
+            found["pipeline"] = self.pipeline
         return {**found, **self.extra}
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> Options:
         known = {"generator", "source", "sha256", "platform", "scheme", "compress_config"}
         known |= {"compress_config_sha256", "opt_level", "num_ipus", "stage_starts", "resolution"}
-        known |= {"recompute", "data_parallel", "bucket_bytes"}
+        known |= {"recompute", "data_parallel", "bucket_bytes", "pipeline"}
         return cls(
             platform=header.get("platform", "gpu"),
             scheme=header.get("scheme", "nocompress"),
@@ -121,6 +127,7 @@ class Options:
             recompute=header.get("recompute") is True,
             data_parallel=header.get("data_parallel") is True,
             bucket_bytes=header.get("bucket_bytes"),
+            pipeline=header.get("pipeline", 1),
             extra={k: v for k, v in header.items() if k not in known},
         )
 
@@ -627,6 +634,94 @@ class Emitter:
         )
         return out
 
+    def stage_program(self, stage: int, crossing: list[Boundary]) -> list[Step]:
+        """One pipeline stage's program (``--pipeline``), run as a generator by
+        ``unroller.pipeline_parallel``: its nodes' forward (given the model inputs it reads
+        and the boundary values it receives), ``yield`` of the values later stages read
+        (the last stage: the loss) and resumption with their gradients (the last stage: the
+        seed, the micro-batch's share of the loss), its nodes' backward, and ``return`` of
+        the gradients of what it received. Each stage keeps for backward, and compresses,
+        what its own backward steps read: a tensor made on one stage and read by a later
+        one's backward is received there and kept there."""
+        graph = self.graph
+        self.restored, self.recomputed = {}, {}
+        here = [n for n in graph.nodes if self.stage(n) == stage]
+        received = [b for b in crossing if stage in b.targets]
+        sent = [b for b in crossing if b.source == stage]
+        last = stage == self.pipeline.num_ipus - 1
+        if last != (self.stage(graph.loss.producer) == stage):
+            raise ModelError(
+                f"the loss '{graph.loss.name}' must be made on the last pipeline stage: "
+                "choose stage starts before it"
+            )
+        index = {id(n): i for i, n in enumerate(graph.nodes)}
+
+        def own_forms(stashed: Stashed) -> Stashed | None:
+            """The entry as this stage keeps it: the forms its own backward steps read."""
+            readers = [r for r in stashed.readers if self.stage(r[0]) == stage]
+            forms = list(dict.fromkeys(form for _, _, form in readers))
+            if not forms:
+                return None
+            if any(f.kind == "recompute" for f in forms):
+                raise ModelError("--recompute is not available with --pipeline")
+            return dataclasses.replace(stashed, readers=readers, forms=forms)
+
+        def made_here(stashed: Stashed) -> bool:
+            return stashed.producer >= 0 and self.stage(graph.nodes[stashed.producer]) == stage
+
+        entries = [e for e in map(own_forms, self.plan.entries) if e is not None]
+        steps: list[Step] = []
+        arrived = [e for e in entries if not made_here(e)]  # model inputs and received values
+        steps += [self.stash_step(e, ()) for e in arrived if e.forms != [Form("raw")]]
+        raw_arrived = [e for e in arrived if e.forms == [Form("raw")]]
+        if raw_arrived:
+            steps.append(self.stash_raw_step(raw_arrived, None))
+        by_producer: dict[int, list[Stashed]] = {}
+        for e in entries:
+            if made_here(e):
+                by_producer.setdefault(e.producer, []).append(e)
+        pending: list[Stashed] = []
+        for i, node in enumerate(here):
+            steps.append(self.forward_step(node))
+            made = by_producer.get(index[id(node)], [])
+            steps += [self.stash_step(e, node.blocks) for e in made if e.forms != [Form("raw")]]
+            pending += [e for e in made if e.forms == [Form("raw")]]
+            following = here[i + 1] if i + 1 < len(here) else None
+            if pending and (following is None or _run_of(following) is not _run_of(node)):
+                steps.append(self.stash_raw_step(pending, node))
+                pending = []
+        owned: dict[int, bool] = {}
+        if last:
+            handed, grads = [graph.loss], [self.grad(graph.loss)]
+            comment = "hand over the loss; resumed with its seed gradient (the share of the batch)"
+        else:
+            handed = [b.value for b in sent]
+            grads = [self.grad(v) if v.requires_grad else None for v in handed]
+            later = sorted({t for b in sent for t in b.targets})
+            comment = (
+                f"send {', '.join(v.name for v in handed)} to stage "
+                f"{', '.join(map(str, later))}; resumed with the gradients sent back"
+            )
+        for value, grad in zip(handed, grads):
+            if grad is not None:
+                owned[id(value)] = True
+        steps.append(
+            Step("exchange", [Yield(tuple(grads), tuple(self.var(v) for v in handed))], comment)
+        )
+        for node in reversed(here):
+            if node.needs_backward:
+                steps += self.restore_steps(node)
+                steps.append(self.backward_step(node, owned))
+        back = tuple(
+            self.grad(b.value) if id(b.value) in owned else Const(None) for b in received
+        )
+        what = ", ".join(f"grad_{b.value.name}" for b in received) or "nothing"
+        steps.append(Step("exchange", [Return(back)], f"gradients sent back: {what}"))
+        for step in steps:
+            step.stage = stage
+        release_dead(steps, keep={"stash", "L"})
+        return steps
+
     def reduce_step(self, index: int, keys: list[str], size: int) -> Step:
         names = tuple(ModelName(k) for k in keys)
         return Step(
@@ -641,8 +736,10 @@ class Emitter:
     def predict_keep(self) -> set[str]:
         return {self.var(v).name for v in self.graph.preds} | {"L"}
 
-    def outliner(self) -> Outliner:
-        """Turns block runs into shared functions, with names no model name can take."""
+    def outliner(self, programs: int = 1) -> Outliner:
+        """Turns block runs into shared functions, with names no model name can take
+        (``programs``: how many step programs share them; each may need its own variant of
+        a block's function, as the stages of ``--pipeline`` keep different forms)."""
 
         def global_name(key: tuple[str, ...], base: str) -> str:
             return self.names("\0".join(key), base or base_name(key))
@@ -654,7 +751,7 @@ class Emitter:
         for node in self.graph.nodes:
             if node.blocks and node.blocks[0].name not in seen:
                 seen.add(node.blocks[0].name)
-                counts[node.blocks[0].block] = counts.get(node.blocks[0].block, 0) + 1
+                counts[node.blocks[0].block] = counts.get(node.blocks[0].block, 0) + programs
         outliner.reserve(sorted(counts), counts)
         return outliner
 
@@ -768,20 +865,37 @@ def render(
         config = options.compression(graph)
     plan = plan_stash(graph, config)
     pipeline = None
+    starts = list(options.stage_starts) or None
     if target.pipelined:
-        pipeline = split(graph, plan, options.num_ipus, list(options.stage_starts) or None)
-    elif options.num_ipus != 1 or options.stage_starts:
-        raise ValueError(f"--num-ipus and stage starts are not for platform {target.name}")
+        pipeline = split(graph, plan, options.num_ipus, starts)
+    elif options.num_ipus != 1:
+        raise ValueError(f"--num-ipus is not for platform {target.name}")
+    if options.pipeline != 1:
+        if not target.process_stages or target.pipelined:
+            raise ValueError(f"--pipeline is not for platform {target.name}")
+        if options.data_parallel:
+            raise ValueError("--pipeline and --data-parallel do not combine yet")
+        pipeline = split(graph, plan, options.pipeline, starts, PROCESS_STAGES, "--pipeline")
+    elif options.stage_starts and not target.pipelined:
+        raise ValueError(f"stage starts need --num-ipus or --pipeline (platform {target.name})")
     if options.data_parallel and target.pipelined:
         raise ValueError("data parallel is for the gpu platform (the ipu one replicates itself)")
     emitter = Emitter(graph, plan, target, pipeline, options.data_parallel, options.bucket_bytes)
     staged = pipeline is not None and pipeline.num_ipus > 1
     training_steps, predict_steps = emitter.training_steps(), emitter.predict_steps()
-    outliner = emitter.outliner()
+    outliner = emitter.outliner(2 if options.pipeline != 1 else 1)
     training_steps = outliner.outline(training_steps, emitter.training_keep())
     predict_steps = outliner.outline(predict_steps, emitter.predict_keep(), predict=True)
     training = render_steps(training_steps, target.stage_block if staged else None)
     predict = render_steps(predict_steps)
+    process_stages: list[dict[str, Any]] = []
+    pipeline_meta: dict[str, safe.Code] = {}
+    if options.pipeline != 1 and pipeline is not None:
+        crossing = boundaries(graph, pipeline)
+        for k in range(pipeline.num_ipus):
+            steps = outliner.outline(emitter.stage_program(k, crossing), {"stash", "L"})
+            process_stages.append(_stage_view(emitter, graph, pipeline, crossing, k, steps))
+        pipeline_meta = _pipeline_meta(graph, plan.config, pipeline, crossing)
     text = _template(target).render(
         header=safe.comment_text(header_comment(graph, source_path, options, config)),
         codecs=[
@@ -818,6 +932,8 @@ def render(
         surrogate_groups=[
             (stage, safe.literal(keys)) for stage, keys in _surrogate_groups(graph, pipeline)
         ],
+        process_stages=process_stages,
+        pipeline_meta=pipeline_meta,
         num_ipus=pipeline.num_ipus if pipeline else 1,
         stages=(
             [(i, safe.doc_text(s)) for i, s in enumerate(["(first node)", *pipeline.starts])]
@@ -827,6 +943,78 @@ def render(
     )
     text = black.format_str(text, mode=black.Mode(line_length=GENERATED_LINE_LENGTH))
     return add_checksum(text)
+
+
+PROCESS_STAGES = (2, 3, 4, 5, 6, 7, 8)
+"""The stage counts ``--pipeline`` accepts (one process each)."""
+
+
+def _stage_view(
+    emitter: Emitter,
+    graph: Graph,
+    pipeline: Pipeline,
+    crossing: list[Boundary],
+    stage: int,
+    steps: list[Step],
+) -> dict[str, Any]:
+    """One stage generator for the template: arguments, docstring and the lines of its
+    forward, exchange (``yield``), backward and ``return``."""
+    cut = next(i for i, s in enumerate(steps) if s.section == "exchange")
+    args = [emitter.var(v).name for v in stage_inputs(graph, pipeline, stage)]
+    args += [emitter.var(b.value).name for b in crossing if stage in b.targets]
+    nodes = [n.name for n in graph.nodes if pipeline.stage(n.name) == stage]
+    doc = (
+        f"Pipeline stage {stage} of {pipeline.num_ipus}: {nodes[0]} .. {nodes[-1]}, "
+        f"{len(nodes)} statements. A generator: unroller.pipeline_parallel runs it."
+    )
+    backward = render_steps(steps[cut + 1 : -1])
+    return {
+        "index": stage,
+        "args": [safe.identifier(a) for a in args],
+        "doc": safe.doc_text(doc),
+        "forward": render_steps(steps[:cut]) or [safe.Code("pass")],
+        "exchange": _plain_lines(steps[cut]),
+        "backward": backward or [safe.Code("pass")],
+        "ret": _plain_lines(steps[-1]),
+    }
+
+
+def _plain_lines(step: Step) -> list[safe.Code]:
+    """A top-level step as lines of its own: comment, code, releases."""
+    lines = [f"# {safe.comment_text(step.comment)}", *step.text()]
+    if step.release and not isinstance(step.statements[-1], Return):
+        lines.append(f"del {', '.join(safe.identifier(name) for name in step.release)}")
+    return [safe.Code(line) for line in lines]
+
+
+def _pipeline_meta(
+    graph: Graph, config: CompressionConfig, pipeline: Pipeline, crossing: list[Boundary]
+) -> dict[str, safe.Code]:
+    """What the pipeline driver needs to know, as literals: per stage the model inputs its
+    generator takes (by name); per boundary value (name, the stage that makes it, the
+    stages that read it, shape after N, dtype, whether a gradient flows back, the codec it
+    and its gradient travel in: (name, ((parameter, value), ...)), None for raw)."""
+    rows = []
+    for b in crossing:
+        readers = [n for n, _ in b.value.consumers if pipeline.stage(n.name) != b.source]
+        codec = wire_codec(graph, config, b.value, readers)
+        rows.append(
+            (
+                b.value.name,
+                b.source,
+                tuple(b.targets),
+                tuple(b.value.type.shape[1:]),
+                b.value.type.dtype,
+                b.value.requires_grad,
+                (codec.name, codec.params) if codec is not None else None,
+            )
+        )
+    k = pipeline.num_ipus
+    return {
+        "stages": safe.literal(k),
+        "inputs": safe.literal([tuple(v.name for v in stage_inputs(graph, pipeline, i)) for i in range(k)]),
+        "boundaries": safe.literal(rows),
+    }
 
 
 def _function_view(function: Function) -> tuple[safe.Code, list[safe.Code], safe.Code, list]:

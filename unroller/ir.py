@@ -121,7 +121,24 @@ class RecordRaw:
     items: tuple[tuple[ModelName, Var], ...]
 
 
-Statement = Assign | AddTo | Do | RecordRaw
+@dataclass(frozen=True)
+class Yield:
+    """``a, b = yield (x, y)``: a pipeline stage hands its boundary values to the driver
+    (``unroller.pipeline_parallel``) and is resumed with their gradients."""
+
+    targets: tuple[Var | None, ...]
+    values: tuple[Var, ...]
+
+
+@dataclass(frozen=True)
+class Return:
+    """``return (a, b)``: a pipeline stage's last statement, the gradients of what it
+    received (None where no gradient flows)."""
+
+    values: tuple[Expr, ...]
+
+
+Statement = Assign | AddTo | Do | RecordRaw | Yield | Return
 
 
 @dataclass
@@ -155,6 +172,11 @@ class Step:
                 found.append((statement.total.name, "w"))
             elif isinstance(statement, RecordRaw):
                 found += [(statement.log.name, "r"), *((v.name, "r") for _, v in statement.items)]
+            elif isinstance(statement, Yield):
+                found += [(v.name, "r") for v in statement.values]
+                found += [(t.name, "w") for t in statement.targets if t is not None]
+            elif isinstance(statement, Return):
+                found += [(name, "r") for v in statement.values for name in _vars(v)]
             else:
                 found += [(name, "r") for name in _vars(statement.value)]
                 if isinstance(statement, Assign):
@@ -226,7 +248,7 @@ def render_expr(expr: Expr) -> str:
         return f"{render_expr(expr.func)}({', '.join(parts)})"
     if isinstance(expr, TupleExpr):
         items = [render_expr(i) for i in expr.items]
-        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"  # () if none
     if isinstance(expr, ListExpr):
         return "[" + ", ".join(render_expr(i) for i in expr.items) + "]"
     if isinstance(expr, DictExpr):
@@ -248,6 +270,11 @@ def render_statement(statement: Statement) -> str:
         return f"{total} += {part}" if statement.in_place else f"{total} = {total} + {part}"
     if isinstance(statement, Do):
         return render_expr(statement.value)
+    if isinstance(statement, Yield):
+        names = [safe.identifier(t.name) if t is not None else "_" for t in statement.targets]
+        return f"({', '.join(names)},) = yield {render_expr(TupleExpr(statement.values))}"
+    if isinstance(statement, Return):
+        return f"return {render_expr(TupleExpr(statement.values))}"
     if isinstance(statement, RecordRaw):
         log = safe.identifier(statement.log.name)
         calls: list[str] = []

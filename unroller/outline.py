@@ -143,6 +143,7 @@ class Outliner:
 
     def outline(self, steps: list[Step], keep: set[str], predict: bool = False) -> list[Step]:
         """The program with each top-level block run replaced by a call (liveness redone)."""
+        self._saved = {}  # a saved list lives in one program
         runs = _runs(steps)
         # An instance split over pipeline stages stays inline: one run per section each.
         count: dict[tuple[str, str], int] = {}

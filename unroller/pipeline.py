@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from unroller.dtypes import DTYPE_BYTES
 from unroller.errors import ModelError
-from unroller.graph import Graph
+from unroller.graph import Graph, Value
 from unroller.stash import StashPlan
 
 VALID_NUM_IPUS = (1, 2, 4, 8, 16)
@@ -76,21 +76,28 @@ def balanced_starts(costs: list[int], parts: int) -> list[int]:
 
 
 def split(
-    graph: Graph, plan: StashPlan, num_ipus: int, starts: list[str] | None = None
+    graph: Graph,
+    plan: StashPlan,
+    num_ipus: int,
+    starts: list[str] | None = None,
+    counts: tuple[int, ...] = VALID_NUM_IPUS,
+    option: str = "--num-ipus",
 ) -> Pipeline:
-    if num_ipus not in VALID_NUM_IPUS:
-        raise ModelError(f"--num-ipus must be one of {', '.join(map(str, VALID_NUM_IPUS))}")
+    """Stages of ``num_ipus`` devices (IPUs, or processes for ``--pipeline``; ``counts``
+    and ``option``: what the caller accepts and the option to name in errors)."""
+    if num_ipus not in counts:
+        raise ModelError(f"{option} must be one of {', '.join(map(str, counts))}")
     names = [n.name for n in graph.nodes]
     if num_ipus == 1:
         return Pipeline(1, {name: 0 for name in names})
     if num_ipus > len(names):
         raise ModelError(
-            f"model '{graph.name}' has {len(names)} nodes: too few for {num_ipus} IPUs"
+            f"model '{graph.name}' has {len(names)} nodes: too few for {num_ipus} stages"
         )
     if starts:
         if len(starts) != num_ipus - 1:
             raise ModelError(
-                f"the pipeline config names {len(starts)} stage starts; {num_ipus} IPUs need "
+                f"the pipeline config names {len(starts)} stage starts; {num_ipus} stages need "
                 f"{num_ipus - 1} (the first node of each stage after the first)"
             )
         missing = [s for s in starts if s not in names]
@@ -153,3 +160,33 @@ def ipu_report(graph: Graph, plan: StashPlan, pipeline: Pipeline, batch: int) ->
             {"between": [b, b + 1], "forward_bytes": forward, "gradient_bytes": backward}
         )
     return {"num_ipus": k, "batch_size": batch, "ipus": rows, "boundaries": boundaries}
+
+
+@dataclass
+class Boundary:
+    """A value that crosses from the stage that makes it to later stages that read it: one
+    process per stage sends it forward and its gradient back (``unroller.pipeline_parallel``)."""
+
+    value: Value
+    source: int  # the stage whose node makes it
+    targets: list[int]  # the later stages whose nodes read it, ascending
+
+
+def boundaries(graph: Graph, pipeline: Pipeline) -> list[Boundary]:
+    """Every value read by a later stage than its producer's, in the order they are made."""
+    found = []
+    for node in graph.nodes:
+        source = pipeline.stage(node.name)
+        later = sorted({pipeline.stage(n.name) for n, _ in node.output.consumers} - {source})
+        if later and later[0] < source:
+            raise ModelError(f"'{node.output.name}' is read before the stage that makes it")
+        if later:
+            found.append(Boundary(node.output, source, later))
+    return found
+
+
+def stage_inputs(graph: Graph, pipeline: Pipeline, stage: int) -> list[Value]:
+    """The model inputs the nodes of one stage read (each process is handed its own)."""
+    return [
+        v for v in graph.inputs if any(pipeline.stage(n.name) == stage for n, _ in v.consumers)
+    ]

@@ -34,6 +34,9 @@ class Platform:
     #: call): their working buffers shrink by that factor, at the cost of a different
     #: summation order (so never under nocompress, which stays bit-identical). 1: whole.
     batch_pieces: int = 1
+    #: ``--pipeline K``: the module also gets one generator per stage, for K processes
+    #: (``unroller.pipeline_parallel``) that send boundary tensors over torch.distributed.
+    process_stages: bool = False
 
     @property
     def pipelined(self) -> bool:
@@ -47,6 +50,7 @@ GPU = Platform(
     kernels="unroller.runtime.gpu",
     grads="accumulate",
     batch_pieces=8,
+    process_stages=True,
 )
 
 IPU = Platform(

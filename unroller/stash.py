@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from unroller.dtypes import DTYPE_BYTES, is_float, torch_dtype
-from unroller.graph import Graph, Node
+from unroller.graph import Graph, Node, Value
 from unroller.registry import eval_expr
 from unroller.report import SavedTensor, saved_tensors
 from unroller.schemes import MAP, ROWS, Codec, CompressionConfig, make_codec
@@ -344,3 +344,15 @@ def _keep_first_compressed(ordered: list[Stashed]) -> None:
         stashed.readers = [
             (n, s, Form("raw", why=why) if f.kind == "codec" else f) for n, s, f in stashed.readers
         ]
+
+
+def wire_codec(graph: Graph, config: CompressionConfig, value: Value, readers: list[Node]) -> Codec | None:
+    """The codec a pipeline boundary value (and its gradient) travels in between processes:
+    what the scheme's rules choose for it as the first of ``readers`` would keep it; None
+    (raw) when none applies, and under dct-first, which compresses one tensor only."""
+    if config.first_only or not value.type.dtype.startswith("f"):
+        return None
+    layout = layout_of(value.name, rows_values(graph), readers)
+    reader = readers[0]
+    codec, _ = config.choose_why(reader.op.name, reader.name, value.type.shape, layout, value.name)
+    return codec
