@@ -163,6 +163,10 @@ def test_compressed_boundaries_cost_fewer_bytes_and_bounded_error(tmp_path, sche
     ref = torch.cat([want[n].reshape(-1) for n in want])
     err = rel_err(flat, ref)
     assert 0 < err <= bound, err
+    # gradients may travel raw instead
+    _, log = run_local(two, *batch, micro_batches=2, compress_gradients=False)
+    assert log.totals()["backward_bytes"] == log.totals()["raw_backward_bytes"]
+    assert log.totals()["forward_bytes"] == totals["forward_bytes"]
 
 
 def test_schedules_order_each_micro_batch_forward_before_backward():

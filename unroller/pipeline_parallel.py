@@ -120,30 +120,39 @@ class Wire:
     unpacks what arrives; the packed layout for a shape is known in advance (compressors
     store a data-independent layout), so only the tensors travel."""
 
-    def __init__(self) -> None:
+    def __init__(self, gradients: bool = True) -> None:
+        self.gradients = gradients  # False: gradients travel raw
         self._layouts: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
 
-    def pack(self, b: BoundaryValue, t: Tensor) -> tuple[Tensor, ...]:
-        if b.codec is None:
+    def codec(self, b: BoundaryValue, direction: str) -> Any:
+        return b.codec if direction == "F" or self.gradients else None
+
+    def pack(self, b: BoundaryValue, t: Tensor, direction: str) -> tuple[Tensor, ...]:
+        codec = self.codec(b, direction)
+        if codec is None:
             return (t.contiguous(),)
-        return tuple(p.contiguous() for p in b.codec.compress(t))
+        return tuple(p.contiguous() for p in codec.compress(t))
 
     def layout(
-        self, b: BoundaryValue, rows: int, dtype: torch.dtype, device: torch.device
+        self, b: BoundaryValue, direction: str, rows: int, dtype: torch.dtype, device: torch.device
     ) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        key = (b.name, rows, dtype, device)
+        codec = self.codec(b, direction)
+        key = (b.name, codec, rows, dtype, device)
         if key not in self._layouts:
-            if b.codec is None:
+            if codec is None:
                 self._layouts[key] = [((rows, *b.shape), dtype)]
             else:
                 probe = torch.zeros((rows, *b.shape), dtype=dtype, device=device)
-                self._layouts[key] = [(tuple(p.shape), p.dtype) for p in b.codec.compress(probe)]
+                self._layouts[key] = [(tuple(p.shape), p.dtype) for p in codec.compress(probe)]
         return self._layouts[key]
 
-    def unpack(self, b: BoundaryValue, packed: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
-        if b.codec is None:
+    def unpack(
+        self, b: BoundaryValue, packed: tuple[Tensor, ...], dtype: torch.dtype, direction: str
+    ) -> Tensor:
+        codec = self.codec(b, direction)
+        if codec is None:
             return packed[0]
-        return b.codec.decompress(packed, b.shape, dtype)
+        return codec.decompress(packed, b.shape, dtype)
 
 
 def _tag(micro: int, index: int, direction: str, part: int, boundaries: int) -> int:
@@ -167,6 +176,7 @@ class PipelineStage:
         schedule_kind: str = "1f1b",
         group: Any = None,
         ranks: list[int] | None = None,
+        compress_gradients: bool = True,
     ):
         self.model = model
         self.stages = int(model.PIPELINE_STAGES)
@@ -180,7 +190,7 @@ class PipelineStage:
         self.group = group
         self.ranks = ranks if ranks is not None else list(range(self.stages))
         self.boundaries = boundaries_of(model)
-        self.wire = Wire()
+        self.wire = Wire(compress_gradients)
         self.log = WireLog()
         self.input_names = tuple(model.PIPELINE_INPUTS[stage])
         self.received = [b for b in self.boundaries if stage in b.targets]
@@ -192,7 +202,7 @@ class PipelineStage:
 
     def _send(self, pending: list, b: BoundaryValue, t: Tensor, to: int, m: int, d: str) -> None:
         index = self.boundaries.index(b)
-        packed = self.wire.pack(b, t)
+        packed = self.wire.pack(b, t, d)
         self.log.add(d, b.name, _nbytes(packed), t.numel() * t.element_size())
         for part, p in enumerate(packed):
             tag = _tag(m, index, d, part, len(self.boundaries))
@@ -203,12 +213,12 @@ class PipelineStage:
         dtype = self._dtype(b)
         device = self._device()
         parts = []
-        for part, (shape, pdtype) in enumerate(self.wire.layout(b, rows, dtype, device)):
+        for part, (shape, pdtype) in enumerate(self.wire.layout(b, d, rows, dtype, device)):
             buffer = torch.empty(shape, dtype=pdtype, device=device)
             tag = _tag(m, index, d, part, len(self.boundaries))
             dist.recv(buffer, self.ranks[source], group=self.group, tag=tag)
             parts.append(buffer)
-        return self.wire.unpack(b, tuple(parts), dtype)
+        return self.wire.unpack(b, tuple(parts), dtype, d)
 
     def _dtype(self, b: BoundaryValue) -> torch.dtype:
         if not b.dtype.startswith("f"):
@@ -305,7 +315,10 @@ def _input_names(model: torch.nn.Module) -> list[str]:
 
 
 def run_local(
-    model: torch.nn.Module, *inputs: Tensor, micro_batches: int = 4
+    model: torch.nn.Module,
+    *inputs: Tensor,
+    micro_batches: int = 4,
+    compress_gradients: bool = True,
 ) -> tuple[Tensor, WireLog]:
     """Every stage of the pipeline in this process, micro-batch after micro-batch, with
     the wire's codec round trips: (the loss, the bytes that would travel). For tests and
@@ -313,7 +326,7 @@ def run_local(
     stages = int(model.PIPELINE_STAGES)
     boundaries = boundaries_of(model)
     names = _input_names(model)
-    wire, log = Wire(), WireLog()
+    wire, log = Wire(compress_gradients), WireLog()
     total = inputs[0].shape[0]
     chunks = [torch.tensor_split(t, micro_batches) for t in inputs]
     handles = layers(model)
@@ -361,8 +374,8 @@ def run_local(
 
 def _through(wire: Wire, log: WireLog, b: BoundaryValue, t: Tensor, d: str, copies: int) -> Tensor:
     """``t`` as the receiving stage gets it (``copies``: one message per reader stage)."""
-    packed = wire.pack(b, t)
+    packed = wire.pack(b, t, d)
     for _ in range(copies):
         log.add(d, b.name, _nbytes(packed), t.numel() * t.element_size())
-    return wire.unpack(b, tuple(p.clone() for p in packed), t.dtype)
+    return wire.unpack(b, tuple(p.clone() for p in packed), t.dtype, d)
 

@@ -4,7 +4,7 @@ Installed with the package, so ``unroll bench`` works without importing the chec
 ``benchmarks/`` folder (which keeps only model files, results and thin entry scripts);
 the model files are still read from the checkout (``paths``), or from ``--models-dir``.
 
-Three presets, one command line (``cli``):
+Four presets, one command line (``cli``):
 
 - the suite (default; ``make bench``): ours per scheme against autograd, checkpointing
   and hook-based compression, with the memory-budget search (``suite``, ``config``,
@@ -13,7 +13,10 @@ Three presets, one command line (``cli``):
   ``core_report``; ``python -m benchmarks.core_bench``);
 - ``compress``: compressor throughput and what each scheme stores and costs
   (``compress``, ``codec_bench``, ``scheme_bench``, ``compress_report``;
-  ``python -m benchmarks.compress_bench``).
+  ``python -m benchmarks.compress_bench``);
+- ``scaling`` (also any command line with ``--pipeline`` or ``--data-parallel``): one
+  process against a K-stage pipeline and K data-parallel processes over gloo, per
+  scheme, with the bytes on the wire and the gradient error they add (``scaling``).
 
 Shared by all: ``options`` (flags), ``paths``, ``machine``, ``stats``, ``timing``,
 ``profiling``, ``saved``, ``steps``, ``stashed``, and ``reference``, the one zoo of

@@ -21,6 +21,7 @@ from unroller.cli.options import (
     GENERATED,
     ConfigOpt,
     DataParallelOpt,
+    PipelineOpt,
     ModelArg,
     NumIpusOpt,
     OptLevelOpt,
@@ -68,6 +69,7 @@ def generate(
     stage_starts: StagesOpt = None,
     recompute: RecomputeOpt = False,
     data_parallel: DataParallelOpt = False,
+    pipeline: PipelineOpt = 1,
     force: Annotated[
         bool,
         typer.Option("--force", help="Overwrite a file that was edited by hand or not generated."),
@@ -96,6 +98,7 @@ def generate(
         stage_starts,
         recompute,
         data_parallel,
+        pipeline,
     )
     to_stdout = output is None or str(output) == "-"
     target = None if to_stdout else prepare_output(output, force, mkdir)

@@ -9,7 +9,7 @@ import json
 import re
 
 from unroller.cli.target import ALL_STAGE_COUNTS
-from unroller.codegen import CHECKSUM_TAG, HEADER_TAG, body_checksum
+from unroller.codegen import CHECKSUM_TAG, HEADER_TAG, PROCESS_STAGES, body_checksum
 from unroller.platforms import PLATFORMS
 from unroller.schemes import SCHEMES
 
@@ -47,7 +47,7 @@ def header_problem(header: object) -> str | None:
         return f"unknown platform {short(header['platform'])} (known: {', '.join(PLATFORMS)})"
     if not _named(header["scheme"], SCHEMES):
         return f"unknown scheme {short(header['scheme'])} (known: {', '.join(SCHEMES)})"
-    limits = {"opt_level": (0, 1), "num_ipus": ALL_STAGE_COUNTS}
+    limits = {"opt_level": (0, 1), "num_ipus": ALL_STAGE_COUNTS, "pipeline": (1, *PROCESS_STAGES)}
     for key, allowed in limits.items():
         value = header.get(key, allowed[-1] if key == "opt_level" else 1)
         if isinstance(value, bool) or value not in allowed:

@@ -145,6 +145,16 @@ DataParallelOpt = Annotated[
     ),
 ]
 
+PipelineOpt = Annotated[
+    int,
+    typer.Option(
+        "--pipeline",
+        help="gpu: also emit one generator per pipeline stage, for that many processes "
+        "(unroller.pipeline_parallel; stages split by --stage-starts or balanced); the file "
+        "still trains in one process. 1: none.",
+    ),
+]
+
 # ---- training (train, accuracy) --------------------------------------------------------
 
 DatasetOpt = Annotated[

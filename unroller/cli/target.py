@@ -13,7 +13,7 @@ from pathlib import Path
 from unroller.api import source_label
 from unroller.cli.errors import config_error, fail
 from unroller.cli.options import value_of
-from unroller.codegen import Options
+from unroller.codegen import PROCESS_STAGES, Options
 from unroller.errors import ConfigError
 from unroller.platforms import PLATFORMS, platform
 
@@ -42,6 +42,7 @@ def make_options(
     stage_starts: str | None = None,
     recompute: bool = False,
     data_parallel: bool = False,
+    pipeline: int = 1,
 ) -> Options:
     """Generator options from command-line values, refused (status 2) with the option to
     blame; the compression config is read and checked now, before anything is written."""
@@ -50,9 +51,17 @@ def make_options(
     except ValueError as exc:
         raise fail(str(exc)) from None
     starts = stage_starts_of(stage_starts)
-    if not target.pipelined and (num_ipus != 1 or starts):
+    if pipeline != 1:
+        if not target.process_stages:
+            raise fail(f"--pipeline is not for --platform {target.name}")
+        if pipeline not in PROCESS_STAGES:
+            raise fail(f"--pipeline must be one of 1, {', '.join(map(str, PROCESS_STAGES))}")
+        if data_parallel:
+            raise fail("--pipeline and --data-parallel do not combine yet")
+    elif not target.pipelined and (num_ipus != 1 or starts):
         raise fail(
             f"--num-ipus and --stage-starts are for --platform {' or '.join(pipelined_names())}"
+            " (or --pipeline)"
         )
     if num_ipus not in target.stage_counts:
         raise fail(f"--num-ipus must be one of {', '.join(map(str, target.stage_counts))}")
@@ -65,6 +74,7 @@ def make_options(
         stage_starts=starts,
         recompute=recompute,
         data_parallel=data_parallel,
+        pipeline=pipeline,
     )
     if data_parallel and target.pipelined:
         raise fail("--data-parallel is for --platform gpu")
