@@ -259,3 +259,24 @@ def test_two_processes_equal_one_process(tmp_path, kind, scheme):
     if scheme == "nocompress":
         _, exact = _micro_batched(one, batch, micro)
         _assert_same(got, exact)
+
+
+def test_cli_generate_pipeline_records_it_and_check_regenerates_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from unroller.cli import app
+
+    runner = CliRunner()
+    model = str(MODELS / "tiny_resnet.txt")
+    out = tmp_path / "gen" / "tiny_p2.py"
+    result = runner.invoke(app, ["generate", model, "--pipeline", "2", "-o", str(out), "--mkdir"])
+    assert result.exit_code == 0, result.output
+    assert read_header(out.read_text())["pipeline"] == 2
+    assert runner.invoke(app, ["check", str(out.parent)]).exit_code == 0
+    for extra, why in [
+        (["--platform", "ipu"], "--pipeline is not for --platform ipu"),
+        (["--data-parallel"], "do not combine"),
+        (["--pipeline", "99"], "--pipeline must be one of"),
+    ]:
+        refused = runner.invoke(app, ["generate", model, "--pipeline", "2", *extra])
+        assert refused.exit_code == 2 and why in refused.output, refused.output
