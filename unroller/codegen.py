@@ -42,10 +42,10 @@ from unroller.ir import (
     Step,
     TupleExpr,
     Var,
+    Yield,
     release_dead,
     render_expr,
     render_steps,
-    Yield,
 )
 from unroller.outline import Function, Outliner, relative
 from unroller.pipeline import Boundary, Pipeline, boundaries, split, stage_inputs
@@ -61,8 +61,8 @@ from unroller.stash import (
     always_there,
     plan_stash,
     value_form,
-    wire_codec,
     value_producers,
+    wire_codec,
 )
 
 HEADER_TAG = "# unroller: "
@@ -712,9 +712,7 @@ class Emitter:
             if node.needs_backward:
                 steps += self.restore_steps(node)
                 steps.append(self.backward_step(node, owned))
-        back = tuple(
-            self.grad(b.value) if id(b.value) in owned else Const(None) for b in received
-        )
+        back = tuple(self.grad(b.value) if id(b.value) in owned else Const(None) for b in received)
         what = ", ".join(f"grad_{b.value.name}" for b in received) or "nothing"
         steps.append(Step("exchange", [Return(back)], f"gradients sent back: {what}"))
         for step in steps:
@@ -1012,7 +1010,9 @@ def _pipeline_meta(
     k = pipeline.num_ipus
     return {
         "stages": safe.literal(k),
-        "inputs": safe.literal([tuple(v.name for v in stage_inputs(graph, pipeline, i)) for i in range(k)]),
+        "inputs": safe.literal(
+            [tuple(v.name for v in stage_inputs(graph, pipeline, i)) for i in range(k)]
+        ),
         "boundaries": safe.literal(rows),
     }
 

@@ -187,6 +187,4 @@ def boundaries(graph: Graph, pipeline: Pipeline) -> list[Boundary]:
 
 def stage_inputs(graph: Graph, pipeline: Pipeline, stage: int) -> list[Value]:
     """The model inputs the nodes of one stage read (each process is handed its own)."""
-    return [
-        v for v in graph.inputs if any(pipeline.stage(n.name) == stage for n, _ in v.consumers)
-    ]
+    return [v for v in graph.inputs if any(pipeline.stage(n.name) == stage for n, _ in v.consumers)]

@@ -221,17 +221,10 @@ class PipelineStage:
         return self.wire.unpack(b, tuple(parts), dtype, d)
 
     def _dtype(self, b: BoundaryValue) -> torch.dtype:
-        if not b.dtype.startswith("f"):
-            return torch_dtype(b.dtype)
-        for p in self.model.parameters():
-            if p.is_floating_point():
-                return p.dtype
-        return torch.get_default_dtype()
+        return _float_dtype(self.model) if b.dtype.startswith("f") else torch_dtype(b.dtype)
 
     def _device(self) -> torch.device:
-        for p in self.model.parameters():
-            return p.device
-        return torch.device("cpu")
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
     # -- one step ----------------------------------------------------------------------
 
@@ -270,7 +263,9 @@ class PipelineStage:
             grads: list[Tensor | None]
             if self.last:
                 seed = rows[m] / total
-                grads = [torch.full((), seed, dtype=self._float_dtype(), device=self._device())]
+                grads = [
+                    torch.full((), seed, dtype=_float_dtype(self.model), device=self._device())
+                ]
             else:
                 grads = []
                 for b in self.sent:
@@ -287,17 +282,20 @@ class PipelineStage:
                 if not b.grad:
                     continue
                 if g is None:  # no gradient flows to it here: the sender still waits for one
-                    g = torch.zeros((rows[m], *b.shape), dtype=self._dtype(b), device=self._device())
+                    g = torch.zeros(
+                        (rows[m], *b.shape), dtype=self._dtype(b), device=self._device()
+                    )
                 self._send(pending, b, g, b.source, m, "B")
         for work, _ in pending:
             work.wait()
         return loss
 
-    def _float_dtype(self) -> torch.dtype:
-        for p in self.model.parameters():
-            if p.is_floating_point():
-                return p.dtype
-        return torch.get_default_dtype()
+
+def _float_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model computes in (its floating parameters'): boundary tensors of a
+    float type travel in it."""
+    found = (p.dtype for p in model.parameters() if p.is_floating_point())
+    return next(found, torch.get_default_dtype())
 
 
 def _resume(generator: Iterator, grads: tuple) -> tuple:
@@ -330,8 +328,7 @@ def run_local(
     total = inputs[0].shape[0]
     chunks = [torch.tensor_split(t, micro_batches) for t in inputs]
     handles = layers(model)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    dtype = dtype or torch.get_default_dtype()
+    dtype = _float_dtype(model)
     loss = None
     for m in range(micro_batches):
         by_name = {n: c[m] for n, c in zip(names, chunks)}
@@ -378,4 +375,3 @@ def _through(wire: Wire, log: WireLog, b: BoundaryValue, t: Tensor, d: str, copi
     for _ in range(copies):
         log.add(d, b.name, _nbytes(packed), t.numel() * t.element_size())
     return wire.unpack(b, tuple(p.clone() for p in packed), t.dtype, d)
-

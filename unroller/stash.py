@@ -346,7 +346,9 @@ def _keep_first_compressed(ordered: list[Stashed]) -> None:
         ]
 
 
-def wire_codec(graph: Graph, config: CompressionConfig, value: Value, readers: list[Node]) -> Codec | None:
+def wire_codec(
+    graph: Graph, config: CompressionConfig, value: Value, readers: list[Node]
+) -> Codec | None:
     """The codec a pipeline boundary value (and its gradient) travels in between processes:
     what the scheme's rules choose for it as the first of ``readers`` would keep it; None
     (raw) when none applies, and under dct-first, which compresses one tensor only."""
