@@ -51,9 +51,11 @@ from unroller.bench.paths import ModelsNotFound, default_results_dir
 from unroller.bench.reference import BENCHMARKS
 from unroller.bench.stats import summary
 from unroller.codegen import PROCESS_STAGES, Options, _value_range
+from unroller.pipeline import split
 from unroller.pipeline_parallel import PipelineStage, boundaries_of, run_local
 from unroller.runtime.ipu_device import synthetic_batch
-from unroller.schemes import SCHEMES
+from unroller.schemes import SCHEMES, builtin
+from unroller.stash import plan_stash
 
 DEFAULT_SCHEMES = ("nocompress", "quant", "dct-dense")
 EXACT = "nocompress"  # the scheme every gradient error is measured against
@@ -82,8 +84,8 @@ METHODS = {
     "pipeline": (
         "every process gets the whole batch, cut into --micro-batches micro-batches run in "
         "the --schedule order; each process builds the whole model, its stage's parameters "
-        "get gradients; the generator cuts the stages where the memory each keeps "
-        "(parameters + stored stash) is balanced, not the compute, and per scheme"
+        "get gradients; every scheme is cut where nocompress's memory (parameters + "
+        "stash) is balanced (not the compute), so the same values cross for every scheme"
     ),
     "wire": (
         "bytes the pipeline's processes send per step (PipelineStage.log.totals of the "
@@ -97,7 +99,7 @@ METHODS = {
         "step; pipeline rows: the SCHEME pipeline (unroller.pipeline_parallel.run_local, the "
         "same micro-batches, the wire's codec round trips) against the nocompress pipeline. "
         "Set side by side they show what the wire adds (the pipeline's figure also holds "
-        "the scheme's own stash error on micro-batches, and its cuts may differ)"
+        "the scheme's own stash error on micro-batches)"
     ),
     "allreduce": (
         "data-parallel rows: alone = the median time of the step's bucket all-reduces run "
@@ -131,6 +133,13 @@ class Workload:
         """The generated module of ``scheme`` at the workload's resolution."""
         opts = Options(scheme=scheme, resolution=self.resolution, **extra)
         return generate_from_text(self.text, opts, label=self.label)
+
+    def cut(self, stages: int) -> tuple[str, ...]:
+        """The first node of each stage after the first in nocompress's balanced split:
+        every scheme's pipeline is cut there, so their wire bytes compare."""
+        graph = graph_from_text(self.text, self.label, self.resolution)
+        plan = plan_stash(graph, builtin(EXACT))
+        return tuple(split(graph, plan, stages, None, PROCESS_STAGES, "--pipeline").starts)
 
 
 def workload(name: str, resolution: int | None, models_dir: Path | None) -> Workload:
@@ -407,7 +416,7 @@ def prepare(args: argparse.Namespace, work: Workload, folder: Path) -> list[Tens
     module's, seeded) and the batch to ``folder``; the batch."""
     variants = {"one": {}}
     if args.pipeline:
-        variants["pipeline"] = {"pipeline": args.pipeline}
+        variants["pipeline"] = {"pipeline": args.pipeline, "stage_starts": work.cut(args.pipeline)}
     if args.data_parallel:
         variants["dp"] = {"data_parallel": True}
     for scheme in dict.fromkeys([EXACT, *args.schemes]):
