@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import SLOW
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1281,7 +1282,10 @@ def models(draw):
     return text, stmts, rets
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# make test draws 80 models; SLOW=1 (make test-slow) 300
+@settings(
+    max_examples=300 if SLOW else 80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(models())
 def test_random_models_round_trip(case):
     source, stmts, rets = case
