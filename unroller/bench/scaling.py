@@ -677,7 +677,7 @@ def _cuts(records: list[dict]) -> list[str]:
         return []
     return [
         "",
-        "Values crossing the stage cuts (the generator places them per scheme):",
+        "Values crossing the stage cuts (every scheme is cut where nocompress is):",
         "",
         *lines,
     ]
