@@ -25,7 +25,7 @@ from conftest import TESTS, rel_err
 
 from unroller.api import generate_source, import_generated, load_graph, write_atomic
 from unroller.codegen import Options, _value_range, read_header
-from unroller.pipeline_parallel import PipelineStage, boundaries_of, run_local, schedule
+from unroller.pipeline_parallel import PipelineStage, Wire, boundaries_of, run_local, schedule
 from unroller.runtime.ipu_device import synthetic_batch
 
 MODELS = TESTS / "models"
@@ -284,3 +284,65 @@ def test_cli_generate_pipeline_records_it_and_check_regenerates_it(tmp_path):
     ]:
         refused = runner.invoke(app, ["generate", model, "--pipeline", "2", *extra])
         assert refused.exit_code == 2 and why in refused.output, refused.output
+
+
+def _exact_on_micro_batches(tmp_path: Path, model: Path, **options) -> None:
+    """The pipelined module (``options``) in one process equals the micro-batched step."""
+    torch.manual_seed(0)
+    one = _module(tmp_path, model, "one").Model().double()
+    two = _module(tmp_path, model, "piped", **options).Model().double()
+    two.load_state_dict(one.state_dict())
+    batch = _batch(model)
+    want_loss, want = _micro_batched(one, batch, MICRO)
+    loss, _ = run_local(two, *batch, micro_batches=MICRO)
+    assert rel_err(loss, want_loss) <= 1e-12
+    _assert_same(_grads(two), want)
+
+
+def test_inputs_reach_their_stage_by_position_whatever_their_python_name(tmp_path):
+    # `input` is a builtin: the generated step calls it input_2
+    model = tmp_path / "named.txt"
+    model.write_text("""model named {
+    input input: f32[N, 2, 8, 8]
+    target y: i64[N]
+    a = conv2d(input, out_channels=4, kernel_size=3, padding=1)
+    r = relu(a)
+    p = adaptive_avgpool2d(r, output_size=1)
+    f = flatten(p)
+    fc = linear(f, out_features=3)
+    loss = cross_entropy(fc, y)
+    return loss, fc
+}
+""")
+    _exact_on_micro_batches(tmp_path, model, pipeline=2)
+
+
+FREE = """model free {
+    input x: f32[N, 4, 8]
+    target y: f32[N, 4, 8]
+    e.pos = parameter(shape=(1, 4, 8), init="ones")
+    b0 = add(x, e.pos)
+    r = relu(b0)
+    d = div(r, e.pos)
+    l = linear(d, out_features=8)
+    loss = mse_loss(l, y)
+    return loss, l
+}
+"""
+
+
+def test_a_free_parameter_crosses_stages_at_its_own_shape(tmp_path):
+    model = tmp_path / "free.txt"
+    model.write_text(FREE)
+    _exact_on_micro_batches(tmp_path, model, pipeline=2, stage_starts=("d",))
+    two = _module(tmp_path, model, "quant", pipeline=2, stage_starts=("d",), scheme="quant")
+    rows = {b.name: b for b in boundaries_of(two.Model())}
+    assert rows["e.pos"].codec is None and rows["r"].codec is not None  # weights travel raw
+    layout = Wire().layout(rows["e.pos"], "F", 4, torch.float64, torch.device("cpu"))
+    assert layout == [((1, 4, 8), torch.float64)]  # not the micro-batch's rows
+    run_local(two.Model().double(), *_batch(model), micro_batches=2)
+
+
+def test_a_block_split_over_three_stages_stays_inline_and_exact(tmp_path):
+    starts = ("layer2.0.r1", "layer2.0.conv2")  # three stages inside one block instance
+    _exact_on_micro_batches(tmp_path, MODELS / "resnet_like.txt", pipeline=3, stage_starts=starts)

@@ -48,7 +48,14 @@ from unroller.ir import (
     render_steps,
 )
 from unroller.outline import Function, Outliner, relative
-from unroller.pipeline import Boundary, Pipeline, boundaries, split, stage_inputs
+from unroller.pipeline import (
+    Boundary,
+    Pipeline,
+    boundaries,
+    split,
+    split_instances,
+    stage_inputs,
+)
 from unroller.platforms import GPU, Platform
 from unroller.platforms import platform as get_platform
 from unroller.resources import resource_dir
@@ -651,8 +658,9 @@ class Emitter:
         last = stage == self.pipeline.num_ipus - 1
         if last != (self.stage(graph.loss.producer) == stage):
             raise ModelError(
-                f"the loss '{graph.loss.name}' must be made on the last pipeline stage: "
-                "choose stage starts before it"
+                f"the loss '{graph.loss.name}' must be made on the last pipeline stage, and "
+                "the split puts statements after it on a later one: give --stage-starts "
+                "that begin every stage at or before the loss"
             )
         index = {id(n): i for i, n in enumerate(graph.nodes)}
 
@@ -713,7 +721,8 @@ class Emitter:
                 steps += self.restore_steps(node)
                 steps.append(self.backward_step(node, owned))
         back = tuple(self.grad(b.value) if id(b.value) in owned else Const(None) for b in received)
-        what = ", ".join(f"grad_{b.value.name}" for b in received) or "nothing"
+        what = ", ".join(f"grad {b.value.name}" for b in received if id(b.value) in owned)
+        what = what or "nothing"
         steps.append(Step("exchange", [Return(back)], f"gradients sent back: {what}"))
         for step in steps:
             step.stage = stage
@@ -890,8 +899,10 @@ def render(
     pipeline_meta: dict[str, safe.Code] = {}
     if options.pipeline != 1 and pipeline is not None:
         crossing = boundaries(graph, pipeline)
+        split_up = frozenset(split_instances(graph, pipeline))
         for k in range(pipeline.num_ipus):
-            steps = outliner.outline(emitter.stage_program(k, crossing), {"stash", "L"})
+            program = emitter.stage_program(k, crossing)
+            steps = outliner.outline(program, {"stash", "L"}, split=split_up)
             process_stages.append(_stage_view(emitter, graph, pipeline, crossing, k, steps))
         pipeline_meta = _pipeline_meta(graph, plan.config, pipeline, crossing)
     text = _template(target).render(
@@ -963,7 +974,8 @@ def _stage_view(
     nodes = [n.name for n in graph.nodes if pipeline.stage(n.name) == stage]
     doc = (
         f"Pipeline stage {stage} of {pipeline.num_ipus}: {nodes[0]} .. {nodes[-1]}, "
-        f"{len(nodes)} statements. A generator: unroller.pipeline_parallel runs it."
+        f"{len(nodes)} statement{'s' if len(nodes) != 1 else ''}. A generator: "
+        "unroller.pipeline_parallel runs it."
     )
     backward = render_steps(steps[cut + 1 : -1])
     return {
@@ -988,10 +1000,11 @@ def _plain_lines(step: Step) -> list[safe.Code]:
 def _pipeline_meta(
     graph: Graph, config: CompressionConfig, pipeline: Pipeline, crossing: list[Boundary]
 ) -> dict[str, safe.Code]:
-    """What the pipeline driver needs to know, as literals: per stage the model inputs its
-    generator takes (by name); per boundary value (name, the stage that makes it, the
-    stages that read it, shape after N, dtype, whether a gradient flows back, the codec it
-    and its gradient travel in: (name, ((parameter, value), ...)), None for raw)."""
+    """What the pipeline driver needs to know, as literals: per stage the positions of the
+    model inputs its generator takes (in the step's order); per boundary value (name, the
+    stage that makes it, the stages that read it, shape ("N": the batch), dtype, whether a
+    gradient flows back, the codec it and its gradient travel in: (name, ((parameter,
+    value), ...)), None for raw)."""
     rows = []
     for b in crossing:
         readers = [n for n, _ in b.value.consumers if pipeline.stage(n.name) != b.source]
@@ -1001,7 +1014,7 @@ def _pipeline_meta(
                 b.value.name,
                 b.source,
                 tuple(b.targets),
-                tuple(b.value.type.shape[1:]),
+                tuple(b.value.type.shape),
                 b.value.type.dtype,
                 b.value.requires_grad,
                 (codec.name, codec.params) if codec is not None else None,
@@ -1011,7 +1024,10 @@ def _pipeline_meta(
     return {
         "stages": safe.literal(k),
         "inputs": safe.literal(
-            [tuple(v.name for v in stage_inputs(graph, pipeline, i)) for i in range(k)]
+            [
+                tuple(graph.inputs.index(v) for v in stage_inputs(graph, pipeline, i))
+                for i in range(k)
+            ]
         ),
         "boundaries": safe.literal(rows),
     }

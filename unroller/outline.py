@@ -141,8 +141,16 @@ class Outliner:
 
     # -- one program -------------------------------------------------------------------
 
-    def outline(self, steps: list[Step], keep: set[str], predict: bool = False) -> list[Step]:
-        """The program with each top-level block run replaced by a call (liveness redone)."""
+    def outline(
+        self,
+        steps: list[Step],
+        keep: set[str],
+        predict: bool = False,
+        split: frozenset[str] = frozenset(),
+    ) -> list[Step]:
+        """The program with each top-level block run replaced by a call (liveness redone).
+        ``split``: instances to keep inline anyway (a ``--pipeline`` stage program holds
+        only its part of an instance split over stages)."""
         self._saved = {}  # a saved list lives in one program
         runs = _runs(steps)
         # An instance split over pipeline stages stays inline: one run per section each.
@@ -150,7 +158,7 @@ class Outliner:
         for r in runs:
             key = (r.instance.name, steps[r.start].section)
             count[key] = count.get(key, 0) + 1
-        inline = {name for (name, _), n in count.items() if n > 1}
+        inline = {name for (name, _), n in count.items() if n > 1} | set(split)
         # ... and so does one whose code names something outside it (a forward run is
         # outlined only together with its backward run: they share the saved list).
         inline |= {

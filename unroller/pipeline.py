@@ -188,3 +188,12 @@ def boundaries(graph: Graph, pipeline: Pipeline) -> list[Boundary]:
 def stage_inputs(graph: Graph, pipeline: Pipeline, stage: int) -> list[Value]:
     """The model inputs the nodes of one stage read (each process is handed its own)."""
     return [v for v in graph.inputs if any(pipeline.stage(n.name) == stage for n, _ in v.consumers)]
+
+
+def split_instances(graph: Graph, pipeline: Pipeline) -> set[str]:
+    """Top-level block instances whose statements fall on more than one stage."""
+    stages: dict[str, set[int]] = {}
+    for node in graph.nodes:
+        if node.blocks:
+            stages.setdefault(node.blocks[0].name, set()).add(pipeline.stage(node.name))
+    return {name for name, found in stages.items() if len(found) > 1}

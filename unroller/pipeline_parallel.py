@@ -46,10 +46,14 @@ class BoundaryValue:
     name: str
     source: int
     targets: tuple[int, ...]
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]  # "N": the batch (a free parameter has none)
     dtype: str
     grad: bool
     codec: Any  # an unroller.compress compressor, or None for raw
+
+    def full(self, rows: int) -> tuple[int, ...]:
+        """The shape of one micro-batch's tensor of ``rows`` samples."""
+        return tuple(rows if d == "N" else int(d) for d in self.shape)
 
 
 def boundaries_of(model: torch.nn.Module) -> list[BoundaryValue]:
@@ -129,6 +133,7 @@ class Wire:
 
     def pack(self, b: BoundaryValue, t: Tensor, direction: str) -> tuple[Tensor, ...]:
         codec = self.codec(b, direction)
+        t = t.detach()  # a free parameter is handed over as it is
         if codec is None:
             return (t.contiguous(),)
         return tuple(p.contiguous() for p in codec.compress(t))
@@ -140,9 +145,9 @@ class Wire:
         key = (b.name, codec, rows, dtype, device)
         if key not in self._layouts:
             if codec is None:
-                self._layouts[key] = [((rows, *b.shape), dtype)]
+                self._layouts[key] = [(b.full(rows), dtype)]
             else:
-                probe = torch.zeros((rows, *b.shape), dtype=dtype, device=device)
+                probe = torch.zeros(b.full(rows), dtype=dtype, device=device)
                 self._layouts[key] = [(tuple(p.shape), p.dtype) for p in codec.compress(probe)]
         return self._layouts[key]
 
@@ -152,7 +157,7 @@ class Wire:
         codec = self.codec(b, direction)
         if codec is None:
             return packed[0]
-        return codec.decompress(packed, b.shape, dtype)
+        return codec.decompress(packed, b.full(1)[1:], dtype)
 
 
 def _tag(micro: int, index: int, direction: str, part: int, boundaries: int) -> int:
@@ -192,7 +197,7 @@ class PipelineStage:
         self.boundaries = boundaries_of(model)
         self.wire = Wire(compress_gradients)
         self.log = WireLog()
-        self.input_names = tuple(model.PIPELINE_INPUTS[stage])
+        self.input_positions = tuple(model.PIPELINE_INPUTS[stage])
         self.received = [b for b in self.boundaries if stage in b.targets]
         self.sent = [b for b in self.boundaries if b.source == stage]
         self.last = stage == self.stages - 1
@@ -238,7 +243,6 @@ class PipelineStage:
         rows = [c.shape[0] for c in chunks[0]]
         if min(rows) == 0:
             raise ValueError(f"a batch of {total} cannot make {self.micro_batches} micro-batches")
-        by_name = dict(zip(names, chunks))
         self.log = WireLog()
         self.stash_logs = [stash_log() for _ in rows]
         handles = layers(self.model)
@@ -248,7 +252,7 @@ class PipelineStage:
         loss = None
         for kind, m in schedule(self.schedule_kind, self.stage, self.stages, len(rows)):
             if kind == "F":
-                args = [by_name[n][m] for n in self.input_names]
+                args = [chunks[i][m] for i in self.input_positions]
                 args += [self._recv(b, b.source, m, "F", rows[m]) for b in self.received]
                 running[m] = method(handles, self.stash_logs[m], *args)
                 handed = next(running[m])
@@ -282,9 +286,7 @@ class PipelineStage:
                 if not b.grad:
                     continue
                 if g is None:  # no gradient flows to it here: the sender still waits for one
-                    g = torch.zeros(
-                        (rows[m], *b.shape), dtype=self._dtype(b), device=self._device()
-                    )
+                    g = torch.zeros(b.full(rows[m]), dtype=self._dtype(b), device=self._device())
                 self._send(pending, b, g, b.source, m, "B")
         for work, _ in pending:
             work.wait()
@@ -323,20 +325,19 @@ def run_local(
     for measuring what a scheme puts on the wire without starting processes."""
     stages = int(model.PIPELINE_STAGES)
     boundaries = boundaries_of(model)
-    names = _input_names(model)
     wire, log = Wire(compress_gradients), WireLog()
     total = inputs[0].shape[0]
     chunks = [torch.tensor_split(t, micro_batches) for t in inputs]
     handles = layers(model)
     dtype = _float_dtype(model)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     loss = None
     for m in range(micro_batches):
-        by_name = {n: c[m] for n, c in zip(names, chunks)}
         rows = chunks[0][m].shape[0]
         arrived: dict[str, Tensor] = {}
         running = []
         for k in range(stages):
-            args = [by_name[n] for n in model.PIPELINE_INPUTS[k]]
+            args = [chunks[i][m] for i in model.PIPELINE_INPUTS[k]]
             args += [arrived[b.name] for b in boundaries if k in b.targets]
             generator = getattr(model, f"_stage_{k}")(handles, stash_log(), *args)
             handed = next(generator)
@@ -350,7 +351,9 @@ def run_local(
         for k in reversed(range(stages)):
             sent = [b for b in boundaries if b.source == k]
             if k == stages - 1:
-                grads: list[Tensor | None] = [torch.full((), rows / total, dtype=dtype)]
+                grads: list[Tensor | None] = [
+                    torch.full((), rows / total, dtype=dtype, device=device)
+                ]
             else:
                 grads = []
                 for b in sent:
@@ -363,7 +366,7 @@ def run_local(
             for b, g in zip([b for b in boundaries if k in b.targets], returned):
                 if b.grad:
                     if g is None:
-                        g = torch.zeros((rows, *b.shape), dtype=dtype)
+                        g = torch.zeros(b.full(rows), dtype=dtype, device=device)
                     back.setdefault(b.name, []).append(_through(wire, log, b, g, "B", 1))
     assert loss is not None
     return loss, log

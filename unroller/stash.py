@@ -351,8 +351,12 @@ def wire_codec(
 ) -> Codec | None:
     """The codec a pipeline boundary value (and its gradient) travels in between processes:
     what the scheme's rules choose for it as the first of ``readers`` would keep it; None
-    (raw) when none applies, and under dct-first, which compresses one tensor only."""
+    (raw) when none applies, for a tensor without a batch dimension (a free parameter,
+    sent as it is once per micro-batch), and under dct-first, which compresses one tensor
+    only."""
     if config.first_only or not value.type.dtype.startswith("f"):
+        return None
+    if not value.type.shape or value.type.shape[0] != "N":  # a weight (free parameter)
         return None
     layout = layout_of(value.name, rows_values(graph), readers)
     reader = readers[0]
