@@ -704,7 +704,7 @@ class Emitter:
             comment = "hand over the loss; resumed with its seed gradient (the share of the batch)"
         else:
             handed = [b.value for b in sent]
-            grads = [self.grad(v) if v.requires_grad else None for v in handed]
+            grads = [self.grad(b.value) if b.grad else None for b in sent]
             later = sorted({t for b in sent for t in b.targets})
             comment = (
                 f"send {', '.join(v.name for v in handed)} to stage "
@@ -882,7 +882,9 @@ def render(
             raise ValueError(f"--pipeline is not for platform {target.name}")
         if options.data_parallel:
             raise ValueError("--pipeline and --data-parallel do not combine yet")
-        pipeline = split(graph, plan, options.pipeline, starts, PROCESS_STAGES, "--pipeline")
+        pipeline = split(
+            graph, plan, options.pipeline, starts, PROCESS_STAGES, "--pipeline", loss_last=True
+        )
     elif options.stage_starts and not target.pipelined:
         raise ValueError(f"stage starts need --num-ipus or --pipeline (platform {target.name})")
     if options.data_parallel and target.pipelined:
@@ -1016,7 +1018,7 @@ def _pipeline_meta(
                 tuple(b.targets),
                 tuple(b.value.type.shape),
                 b.value.type.dtype,
-                b.value.requires_grad,
+                b.grad,
                 (codec.name, codec.params) if codec is not None else None,
             )
         )

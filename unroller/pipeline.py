@@ -82,9 +82,12 @@ def split(
     starts: list[str] | None = None,
     counts: tuple[int, ...] = VALID_NUM_IPUS,
     option: str = "--num-ipus",
+    loss_last: bool = False,
 ) -> Pipeline:
     """Stages of ``num_ipus`` devices (IPUs, or processes for ``--pipeline``; ``counts``
-    and ``option``: what the caller accepts and the option to name in errors)."""
+    and ``option``: what the caller accepts and the option to name in errors).
+    ``loss_last``: the balanced split keeps the loss on the last stage (statements after
+    it, predictions, go with it)."""
     if num_ipus not in counts:
         raise ModelError(f"{option} must be one of {', '.join(map(str, counts))}")
     names = [n.name for n in graph.nodes]
@@ -109,7 +112,14 @@ def split(
                 "stage starts must be distinct nodes in model order, after the first node"
             )
     else:
-        cut_indices = balanced_starts(node_costs(graph, plan), num_ipus)
+        costs = node_costs(graph, plan)
+        loss = graph.loss.producer
+        if loss_last and loss is not None:
+            end = names.index(loss.name) + 1
+            costs = costs[: end - 1] + [sum(costs[end - 1 :])]
+            if num_ipus > end:
+                raise ModelError(f"the loss is statement {end}: too few for {num_ipus} stages")
+        cut_indices = balanced_starts(costs, num_ipus)
     stage_of, stage = {}, 0
     for i, name in enumerate(names):
         if stage < len(cut_indices) and i == cut_indices[stage]:
@@ -170,6 +180,7 @@ class Boundary:
     value: Value
     source: int  # the stage whose node makes it
     targets: list[int]  # the later stages whose nodes read it, ascending
+    grad: bool = False  # a gradient comes back: a reader there has a backward step
 
 
 def boundaries(graph: Graph, pipeline: Pipeline) -> list[Boundary]:
@@ -181,7 +192,9 @@ def boundaries(graph: Graph, pipeline: Pipeline) -> list[Boundary]:
         if later and later[0] < source:
             raise ModelError(f"'{node.output.name}' is read before the stage that makes it")
         if later:
-            found.append(Boundary(node.output, source, later))
+            readers = [n for n, _ in node.output.consumers if pipeline.stage(n.name) != source]
+            grad = node.output.requires_grad and any(n.needs_backward for n in readers)
+            found.append(Boundary(node.output, source, later, grad))
     return found
 
 

@@ -139,7 +139,8 @@ class Workload:
         every scheme's pipeline is cut there, so their wire bytes compare."""
         graph = graph_from_text(self.text, self.label, self.resolution)
         plan = plan_stash(graph, builtin(EXACT))
-        return tuple(split(graph, plan, stages, None, PROCESS_STAGES, "--pipeline").starts)
+        cut = split(graph, plan, stages, None, PROCESS_STAGES, "--pipeline", loss_last=True)
+        return tuple(cut.starts)
 
 
 def workload(name: str, resolution: int | None, models_dir: Path | None) -> Workload:
