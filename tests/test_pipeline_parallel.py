@@ -346,3 +346,28 @@ def test_a_free_parameter_crosses_stages_at_its_own_shape(tmp_path):
 def test_a_block_split_over_three_stages_stays_inline_and_exact(tmp_path):
     starts = ("layer2.0.r1", "layer2.0.conv2")  # three stages inside one block instance
     _exact_on_micro_batches(tmp_path, MODELS / "resnet_like.txt", pipeline=3, stage_starts=starts)
+
+
+AFTER = """model after {
+    input x: f32[N, 2, 8, 8]
+    target y: f32[N, 2, 8, 8]
+    c = conv2d(x, out_channels=2, kernel_size=3, padding=1)
+    c2 = conv2d(c, out_channels=2, kernel_size=3, padding=1)
+    loss = mse_loss(c2, y)
+    p = sigmoid(c)
+    q = tanh(c2)
+    return loss, p, q
+}
+"""
+
+
+def test_predictions_after_the_loss_stay_on_the_last_stage_and_send_no_gradient(tmp_path):
+    model = tmp_path / "after.txt"
+    model.write_text(AFTER)
+    _exact_on_micro_batches(tmp_path, model, pipeline=3)  # the balanced split: loss last
+    _exact_on_micro_batches(tmp_path, model, pipeline=2, stage_starts=("loss",))
+    piped = _module(tmp_path, model, "cut", pipeline=2, stage_starts=("loss",))
+    rows = {b.name: b for b in boundaries_of(piped.Model())}
+    assert rows["c"].grad is False  # read on the last stage only by the prediction p
+    with pytest.raises(Exception, match="must be made on the last pipeline stage"):
+        generate_source(model, Options(pipeline=2, stage_starts=("p",)))
