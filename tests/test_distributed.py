@@ -213,6 +213,7 @@ def _final_state(out: Path) -> dict:
     return load_checkpoint(out / "checkpoint.pt")
 
 
+@pytest.mark.slow  # the heaviest test of the suite (torchrun + 3 trainings): make test-slow
 def test_train_two_processes_with_sync_bn_is_the_one_process_run(tmp_path):
     """torchrun, two gloo processes, --sync-bn: the weights and the loss of one process on
     the whole batch, to float32 rounding (the sums are taken in another order; the float64
