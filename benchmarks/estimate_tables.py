@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from unroller.api import graph_from_text, write_atomic
@@ -22,9 +23,18 @@ from unroller.bench.reference import BENCHMARKS
 from unroller.codegen import Options
 from unroller.estimate import IpuSpec, estimate_gpu, estimate_ipu, largest_on_chip
 from unroller.estimate import samples_per_second as rate
+from unroller.graph import Graph
 
 MIB = 2**20
 SCHEMES = ("nocompress", "quant", "dct-dense")
+
+
+def published() -> Iterator[tuple[str, int, int, Graph]]:
+    """Each published model: name, paper batch, native resolution, graph there."""
+    for name in PUBLISHED:
+        bench = BENCHMARKS[name]
+        res = bench.native_resolution
+        yield name, bench.paper_batch, res, graph_from_text(bench.model_text(res), name)
 
 
 def ipu_rows(spec: IpuSpec) -> list[str]:
@@ -33,10 +43,7 @@ def ipu_rows(spec: IpuSpec) -> list[str]:
         "| samples/s | vs nocompress on 1 IPU | largest on-chip micro-batch |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in PUBLISHED:
-        bench = BENCHMARKS[name]
-        batch, res = bench.paper_batch, bench.native_resolution
-        graph = graph_from_text(bench.model_text(res), name)
+    for name, batch, res, graph in published():
         base = None
         for scheme in SCHEMES:
             for ipus in (1, 2):
@@ -59,10 +66,7 @@ def sensitivity() -> list[str]:
         "| model | scheme, IPUs | vs nocompress on 1 IPU at 5 / 20 / 80 GB/s streaming |",
         "|---|---|---|",
     ]
-    for name in PUBLISHED:
-        bench = BENCHMARKS[name]
-        batch, res = bench.paper_batch, bench.native_resolution
-        graph = graph_from_text(bench.model_text(res), name)
+    for name, batch, res, graph in published():
         for scheme, ipus in (("dct-dense", 1), ("dct-dense", 2)):
             ratios = []
             for bandwidth in (5e9, 20e9, 80e9):
@@ -80,10 +84,7 @@ def gpu_rows(device: int) -> list[str]:
         "| model (res) | scheme | max batch | vs nocompress | predicted total MiB there |",
         "|---|---|---:|---:|---:|",
     ]
-    for name in PUBLISHED:
-        bench = BENCHMARKS[name]
-        res = bench.native_resolution
-        graph = graph_from_text(bench.model_text(res), name)
+    for name, _, res, graph in published():
         base = None
         for scheme in SCHEMES:
             est = estimate_gpu(graph, Options(scheme=scheme, resolution=res), device)

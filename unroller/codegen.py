@@ -540,35 +540,45 @@ class Emitter:
     def _input(self, name: str) -> Value:
         return next(v for v in self.graph.inputs if v.name == name)
 
-    def training_steps(self) -> list[Step]:
-        graph = self.graph
-        stash_after: dict[int, list[Stashed]] = {}
-        for stashed in self.plan.entries:
-            stash_after.setdefault(stashed.producer, []).append(stashed)
+    def forward_with_stash(self, nodes: list[Node], entries: list[Stashed]) -> list[Step]:
+        """The forward steps of ``nodes`` with the stash steps of ``entries``: each kept
+        form made right after the node that makes the tensor (before the first node when
+        the tensor arrives from elsewhere: a model input, or a value another pipeline stage
+        made), and what is kept raw recorded once per run of nodes (a block instance, or the
+        statements between)."""
+        made_here = {n.index for n in nodes}
+        after: dict[int, list[Stashed]] = {}
+        for stashed in entries:
+            producer = stashed.producer if stashed.producer in made_here else -1
+            after.setdefault(producer, []).append(stashed)
 
         def compressed(found: list[Stashed]) -> list[Stashed]:
             """Those with a form to make in the forward (not raw, not only recomputed)."""
             return [s for s in found if s.forms != [Form("raw")] and s.forms != [Form("recompute")]]
 
-        raw_after: dict[int, list[Stashed]] = {}
-        for stashed in self.plan.entries:
-            if stashed.forms == [Form("raw")]:
-                raw_after.setdefault(stashed.producer, []).append(stashed)
-        steps = [self.stash_step(s, ()) for s in compressed(stash_after.get(-1, []))]
-        if raw_after.get(-1):  # model inputs: recorded before any block runs
-            steps.append(self.stash_raw_step(raw_after[-1], None))
+        def raw(found: list[Stashed]) -> list[Stashed]:
+            return [s for s in found if s.forms == [Form("raw")]]
+
+        arrived = after.get(-1, [])
+        steps = [self.stash_step(s, ()) for s in compressed(arrived)]
+        if raw(arrived):  # recorded before any block runs
+            steps.append(self.stash_raw_step(raw(arrived), None))
         pending: list[Stashed] = []
-        for i, n in enumerate(graph.nodes):
+        for i, n in enumerate(nodes):
             steps.append(self.forward_step(n))
-            steps += [
-                self.stash_step(s, n.blocks) for s in compressed(stash_after.get(n.index, []))
-            ]
-            pending += raw_after.get(n.index, [])
-            following = graph.nodes[i + 1] if i + 1 < len(graph.nodes) else None
+            found = after.get(n.index, [])
+            steps += [self.stash_step(s, n.blocks) for s in compressed(found)]
+            pending += raw(found)
+            following = nodes[i + 1] if i + 1 < len(nodes) else None
             if pending and (following is None or _run_of(following) is not _run_of(n)):
                 # the raw record closes each block instance's run (and each run between)
                 steps.append(self.stash_raw_step(pending, n))
                 pending = []
+        return steps
+
+    def training_steps(self) -> list[Step]:
+        graph = self.graph
+        steps = self.forward_with_stash(graph.nodes, self.plan.entries)
         loss = self.var(graph.loss)
         seed = CallExpr(Global("torch.ones_like"), (loss,))
         steps.append(
@@ -662,7 +672,6 @@ class Emitter:
                 "the split puts statements after it on a later one: give --stage-starts "
                 "that begin every stage at or before the loss"
             )
-        index = {id(n): i for i, n in enumerate(graph.nodes)}
 
         def own_forms(stashed: Stashed) -> Stashed | None:
             """The entry as this stage keeps it: the forms its own backward steps read."""
@@ -674,30 +683,8 @@ class Emitter:
                 raise ModelError("--recompute is not available with --pipeline")
             return dataclasses.replace(stashed, readers=readers, forms=forms)
 
-        def made_here(stashed: Stashed) -> bool:
-            return stashed.producer >= 0 and self.stage(graph.nodes[stashed.producer]) == stage
-
         entries = [e for e in map(own_forms, self.plan.entries) if e is not None]
-        steps: list[Step] = []
-        arrived = [e for e in entries if not made_here(e)]  # model inputs and received values
-        steps += [self.stash_step(e, ()) for e in arrived if e.forms != [Form("raw")]]
-        raw_arrived = [e for e in arrived if e.forms == [Form("raw")]]
-        if raw_arrived:
-            steps.append(self.stash_raw_step(raw_arrived, None))
-        by_producer: dict[int, list[Stashed]] = {}
-        for e in entries:
-            if made_here(e):
-                by_producer.setdefault(e.producer, []).append(e)
-        pending: list[Stashed] = []
-        for i, node in enumerate(here):
-            steps.append(self.forward_step(node))
-            made = by_producer.get(index[id(node)], [])
-            steps += [self.stash_step(e, node.blocks) for e in made if e.forms != [Form("raw")]]
-            pending += [e for e in made if e.forms == [Form("raw")]]
-            following = here[i + 1] if i + 1 < len(here) else None
-            if pending and (following is None or _run_of(following) is not _run_of(node)):
-                steps.append(self.stash_raw_step(pending, node))
-                pending = []
+        steps = self.forward_with_stash(here, entries)
         owned: dict[int, bool] = {}
         if last:
             handed, grads = [graph.loss], [self.grad(graph.loss)]

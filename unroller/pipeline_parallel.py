@@ -216,7 +216,7 @@ class PipelineStage:
     def _recv(self, b: BoundaryValue, source: int, m: int, d: str, rows: int) -> Tensor:
         index = self.boundaries.index(b)
         dtype = self._dtype(b)
-        device = self._device()
+        device = _device(self.model)
         parts = []
         for part, (shape, pdtype) in enumerate(self.wire.layout(b, d, rows, dtype, device)):
             buffer = torch.empty(shape, dtype=pdtype, device=device)
@@ -228,9 +228,6 @@ class PipelineStage:
     def _dtype(self, b: BoundaryValue) -> torch.dtype:
         return _float_dtype(self.model) if b.dtype.startswith("f") else torch_dtype(b.dtype)
 
-    def _device(self) -> torch.device:
-        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
-
     # -- one step ----------------------------------------------------------------------
 
     def step(self, *inputs: Tensor) -> Tensor | None:
@@ -238,11 +235,8 @@ class PipelineStage:
         names = _input_names(self.model)
         if len(inputs) != len(names):
             raise TypeError(f"the step takes {len(names)} inputs ({', '.join(names)})")
-        total = inputs[0].shape[0]
-        chunks = [torch.tensor_split(t, self.micro_batches) for t in inputs]
-        rows = [c.shape[0] for c in chunks[0]]
-        if min(rows) == 0:
-            raise ValueError(f"a batch of {total} cannot make {self.micro_batches} micro-batches")
+        chunks, rows = _micro_batches(inputs, self.micro_batches)
+        total = sum(rows)
         self.log = WireLog()
         self.stash_logs = [stash_log() for _ in rows]
         handles = layers(self.model)
@@ -266,31 +260,54 @@ class PipelineStage:
                 continue
             grads: list[Tensor | None]
             if self.last:
-                seed = rows[m] / total
+                grads = [_seed(self.model, rows[m] / total)]
+            else:  # from each reader stage, the latest first, as one process sums them
                 grads = [
-                    torch.full((), seed, dtype=_float_dtype(self.model), device=self._device())
+                    (
+                        _summed([self._recv(b, t, m, "B", rows[m]) for t in reversed(b.targets)])
+                        if b.grad
+                        else None
+                    )
+                    for b in self.sent
                 ]
-            else:
-                grads = []
-                for b in self.sent:
-                    if not b.grad:
-                        grads.append(None)
-                        continue
-                    total_grad = None
-                    for target in reversed(b.targets):  # latest reader first, as one process
-                        g = self._recv(b, target, m, "B", rows[m])
-                        total_grad = g if total_grad is None else total_grad.add_(g)
-                    grads.append(total_grad)
             back = _resume(running.pop(m), tuple(grads))
             for b, g in zip(self.received, back):
                 if not b.grad:
                     continue
                 if g is None:  # no gradient flows to it here: the sender still waits for one
-                    g = torch.zeros(b.full(rows[m]), dtype=self._dtype(b), device=self._device())
+                    g = torch.zeros(
+                        b.full(rows[m]), dtype=self._dtype(b), device=_device(self.model)
+                    )
                 self._send(pending, b, g, b.source, m, "B")
         for work, _ in pending:
             work.wait()
         return loss
+
+
+def _micro_batches(inputs: tuple[Tensor, ...], count: int) -> tuple[list, list[int]]:
+    """Each input cut into ``count`` micro-batches along the batch, and their sizes."""
+    chunks = [torch.tensor_split(t, count) for t in inputs]
+    rows = [c.shape[0] for c in chunks[0]]
+    if min(rows) == 0:
+        raise ValueError(f"a batch of {sum(rows)} cannot make {count} micro-batches")
+    return chunks, rows
+
+
+def _seed(model: torch.nn.Module, share: float) -> Tensor:
+    """The loss gradient a micro-batch's backward starts from: its share of the batch."""
+    return torch.full((), share, dtype=_float_dtype(model), device=_device(model))
+
+
+def _summed(grads: list[Tensor]) -> Tensor | None:
+    """The gradients one value received from several stages, added in the order given."""
+    total = None
+    for g in grads:
+        total = g if total is None else total.add_(g)
+    return total
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _float_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -326,14 +343,11 @@ def run_local(
     stages = int(model.PIPELINE_STAGES)
     boundaries = boundaries_of(model)
     wire, log = Wire(compress_gradients), WireLog()
-    total = inputs[0].shape[0]
-    chunks = [torch.tensor_split(t, micro_batches) for t in inputs]
+    chunks, sizes = _micro_batches(inputs, micro_batches)
+    total = sum(sizes)
     handles = layers(model)
-    dtype = _float_dtype(model)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     loss = None
-    for m in range(micro_batches):
-        rows = chunks[0][m].shape[0]
+    for m, rows in enumerate(sizes):
         arrived: dict[str, Tensor] = {}
         running = []
         for k in range(stages):
@@ -351,22 +365,16 @@ def run_local(
         for k in reversed(range(stages)):
             sent = [b for b in boundaries if b.source == k]
             if k == stages - 1:
-                grads: list[Tensor | None] = [
-                    torch.full((), rows / total, dtype=dtype, device=device)
-                ]
+                grads: list[Tensor | None] = [_seed(model, rows / total)]
             else:
-                grads = []
-                for b in sent:
-                    parts = back.pop(b.name, [])
-                    total_grad = None
-                    for g in parts:
-                        total_grad = g if total_grad is None else total_grad.add_(g)
-                    grads.append(total_grad if b.grad else None)
+                grads = [_summed(back.pop(b.name, [])) if b.grad else None for b in sent]
             returned = _resume(running[k], tuple(grads))
             for b, g in zip([b for b in boundaries if k in b.targets], returned):
                 if b.grad:
                     if g is None:
-                        g = torch.zeros(b.full(rows), dtype=dtype, device=device)
+                        g = torch.zeros(
+                            b.full(rows), dtype=_float_dtype(model), device=_device(model)
+                        )
                     back.setdefault(b.name, []).append(_through(wire, log, b, g, "B", 1))
     assert loss is not None
     return loss, log
