@@ -1,20 +1,43 @@
-# Every target bootstraps .venv: torch (CPU build) first, then the project with [dev].
+# Every target bootstraps .venv from requirements.lock: exact versions of torch (the CPU
+# build), the project's dependencies, the dev tools and the build backend, so every machine
+# tests against the same packages. `make lock` refreshes the lock file (README "Quick start").
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 UNROLL := $(VENV)/bin/unroll
 STAMP  := $(VENV)/.installed-stamp
+LOCK   := requirements.lock
 # pytest worker processes (pytest-xdist): the suite is mostly single-threaded Python
 WORKERS ?= 2
 
-.PHONY: venv test test-slow test-all bench accuracy generate check lint format clean
+.PHONY: venv lock test test-slow test-all bench accuracy generate check lint format clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The locked packages first, then the project itself without resolving anything more
+# (--no-deps) and built by the locked hatchling (--no-build-isolation); `pip check` fails
+# the setup when the lock no longer satisfies pyproject.toml.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 -e '.[dev]'
+	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	touch $(STAMP)
+
+# Re-resolve the newest versions pyproject.toml allows in a scratch venv and write them,
+# exactly, to requirements.lock. Review the diff, run `make test`, commit both.
+LOCK_VENV := build/lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q torch==2.13.0 hatchling editables -e '.[dev]'
+	$(LOCK_VENV)/bin/python -m pip freeze --exclude-editable --all \
+		| grep -v -E '^(pip|setuptools|wheel)==' | sed -E 's/^(torch==[^+]*)\+.*/\1/' > $(LOCK).new
+	{ printf '%s\n' "# Exact versions \`make\` installs into .venv (Python 3.11, Linux x86-64)." \
+		"# Regenerate with \`make lock\`; torch is the CPU build of the version named."; \
+		cat $(LOCK).new; } > $(LOCK)
+	rm -f $(LOCK).new
+	rm -rf $(LOCK_VENV)
 
 test: $(STAMP)
 	$(UNROLL) check generated
