@@ -14,6 +14,7 @@ import typer
 
 from unroller import __version__
 from unroller.cli import bench, check, estimate, generate, imports, inspect, plan, train, verify
+from unroller.cli.errors import path_errors
 
 app = typer.Typer(
     add_completion=False,
@@ -28,6 +29,10 @@ app = typer.Typer(
 # accuracy, import, weights, verify, plan, estimate.
 for group in (generate, check, inspect, bench, train, imports, verify, plan, estimate):
     group.register(app)
+# An OSError naming a user path that escapes a command (a name too long, a link loop) is
+# one `unroll: error:` line, whichever command and whichever path it was.
+for command_info in app.registered_commands:
+    command_info.callback = path_errors(command_info.callback)
 
 
 def _version(value: bool) -> None:

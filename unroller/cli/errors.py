@@ -8,7 +8,10 @@ form, with the source line and a caret, so editors can jump to them.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import typer
 
@@ -21,6 +24,43 @@ def fail(message: str, code: int = USER_ERROR) -> typer.Exit:
     """``unroll: error: MESSAGE`` on standard error; raise the result."""
     typer.echo(f"unroll: error: {message}", err=True)
     return typer.Exit(code)
+
+
+def shown_path(path: object) -> str:
+    """A path for a one-line message: as is, or ``ascii()``'d when it holds a line break,
+    an escape or another non-printable character (the message must stay one line)."""
+    text = str(path)
+    return text if text.isprintable() else ascii(text)
+
+
+def path_error(exc: OSError) -> typer.Exit:
+    """An operating-system error about a path the user gave (a name too long, a link loop,
+    permission denied, a file system full), as one line instead of a traceback."""
+    names = [shown_path(n) for n in (exc.filename, exc.filename2) if n is not None]
+    reason = (exc.strerror or type(exc).__name__).rstrip(".")
+    return fail(f"{' -> '.join(names)}: {reason[:1].lower()}{reason[1:]}")
+
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def path_errors(command: Command) -> Command:
+    """Wrap a command so that any ``OSError`` naming a file that escapes it ends in one
+    ``unroll: error: PATH: reason`` line (status 2): commands check the paths they expect
+    to be bad, but every ``open``, ``stat`` or ``mkdir`` of a user path can also fail in
+    ways no command lists (ENAMETOOLONG, ELOOP, EACCES, ENOSPC), and those must not be
+    tracebacks. Errors that name no file are left alone: they are not the user's input."""
+
+    @functools.wraps(command)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except OSError as exc:
+            if exc.filename is None:
+                raise
+            raise path_error(exc) from None
+
+    return guarded  # type: ignore[return-value]
 
 
 def fail_plain(message: str) -> typer.Exit:

@@ -1,7 +1,9 @@
 """``unroll plan``: a compression config that fits a memory budget with the least error.
 
 The work is ``unroller.plan`` (it imports torch, so only when the command runs); this
-module reads the model, makes the probe batch, prints the table and writes the config.
+module reads the model, makes the probe batch, prints the table and writes the config
+(through ``unroller.cli.output``, as generate -o: refused outputs are refused before the
+work, and nothing is written when no plan fits the budget).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import typer
 
 from unroller.cli.errors import config_error, fail, model_error
 from unroller.cli.options import BatchOpt, ModelArg, RecomputeOpt, ResolutionOpt
+from unroller.cli.output import prepare_output, write_output
 from unroller.errors import ConfigError, ModelError
 
 BudgetOpt = Annotated[
@@ -54,8 +57,24 @@ MeasureOpt = Annotated[
     ),
 ]
 OutOpt = Annotated[
-    Path | None, typer.Option("--output", "-o", help="Write the compression config (TOML) here.")
+    Path | None,
+    typer.Option(
+        "--output",
+        "-o",
+        help="Write the compression config (TOML) here, only when the plan fits the budget. "
+        "As generate -o: a regular file, atomically; an existing file only if unroll plan "
+        "wrote it (or with --force); never the model file.",
+    ),
 ]
+ForceOpt = Annotated[
+    bool,
+    typer.Option("--force", help="Replace an existing -o file that unroll plan did not write."),
+]
+MkdirOpt = Annotated[
+    bool, typer.Option("--mkdir", help="Create the -o file's folder (and its parents) if missing.")
+]
+#: The first words of every config unroll plan writes: such a file may be replaced.
+PLAN_MARK = "Written by unroll plan"
 
 
 def plan(
@@ -70,6 +89,8 @@ def plan(
     measure: MeasureOpt = False,
     recompute: RecomputeOpt = False,
     output: OutOpt = None,
+    force: ForceOpt = False,
+    mkdir: MkdirOpt = False,
 ) -> None:
     """Choose per saved tensor among raw, quant 8/4/2 bits and DCT forms, so that the
     predicted peak of one step fits the budget with the least predicted gradient error.
@@ -81,7 +102,7 @@ def plan(
 
     Example: unroll plan benchmarks/models/resnet34.txt --batch-size 32 --memory-budget 600MiB -o plan.toml
     """
-    from unroller.api import load_graph, source_label, write_atomic
+    from unroller.api import load_graph, source_label
     from unroller.bench.options import parse_bytes
 
     budget = None
@@ -90,6 +111,11 @@ def plan(
             budget = parse_bytes(memory_budget)
         except ValueError as exc:
             raise fail(f"--memory-budget: {exc}") from None
+    target = None
+    if output is not None:  # refused before the probe step, not after it
+        target = prepare_output(
+            output, force, mkdir, replaceable=_plan_file_problem, inputs=(model,)
+        )
     try:
         graph = load_graph(model, resolution)
     except ModelError as exc:
@@ -106,11 +132,20 @@ def plan(
     measured = _measure(graph, found, probe, label) if measure else None
     typer.echo(render_table(found))
     typer.echo(summary(found, measured))
-    if output is not None:
-        header = _header(model, batch_size, memory_budget, max_error, found, measured)
-        write_atomic(output, planner.to_toml(found, header))
-        typer.echo(f"wrote {output}")
-    raise typer.Exit(0 if found.fits else 1)
+    if output is None or target is None:
+        raise typer.Exit(0 if found.fits else 1)
+    if not found.fits:  # a config that does not do what was asked is not written
+        typer.echo(f"{output} not written: no plan fits the memory budget", err=True)
+        raise typer.Exit(1)
+    header = _header(model, batch_size, memory_budget, max_error, found, measured)
+    write_output(output, target, planner.to_toml(found, header), mkdir)
+
+
+def _plan_file_problem(existing: str, output: Path) -> str | None:
+    """Why -o must not replace ``existing`` without --force: unroll plan did not write it."""
+    if existing.startswith(f"# {PLAN_MARK}"):
+        return None
+    return f"{output} exists and was not written by unroll plan; use --force to replace it"
 
 
 def _probe_batch(graph: Any, dataset: str | None, size: int, seed: int) -> list | None:
@@ -206,7 +241,7 @@ def _header(model: Path, batch: int, budget: str, max_error, found: Any, measure
     """Comment lines of the config; user text only as ascii() (no line breaks)."""
     sim = found.simulation
     lines = [
-        "Written by unroll plan: per saved tensor, the form that fits the memory budget",
+        f"{PLAN_MARK}: per saved tensor, the form that fits the memory budget",
         "with the least predicted gradient error (rules by tensor name; edit freely).",
         f"model {ascii(str(model))}, batch {batch}, budget {ascii(budget)}"
         + (f", max error {max_error:g}" if max_error is not None else ""),
