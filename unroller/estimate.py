@@ -270,15 +270,36 @@ def samples_per_second(est: IpuEstimate) -> float:
     return est.micro_batch * est.micro_batches / est.step_seconds
 
 
+#: Where the batch searches stop. They double the batch until it no longer fits, so they
+#: end near the real limit after about 2 log2(limit) estimates; this ceiling only stops a
+#: model whose memory does not grow with the batch (or an absurd --device-memory). A result
+#: equal to it is "at least this many" (``at_ceiling``), never reported as the maximum.
+SEARCH_CEILING = 1 << 40
+
+
+def at_ceiling(batch: int) -> bool:
+    """Whether a largest-batch result is only a lower bound (the search stopped there)."""
+    return batch >= SEARCH_CEILING
+
+
 def largest_on_chip(
-    graph: Graph, options: Options, ipus: int, spec: IpuSpec | None = None, limit: int = 4096
+    graph: Graph,
+    options: Options,
+    ipus: int,
+    spec: IpuSpec | None = None,
+    limit: int | None = None,
 ) -> int:
-    """The largest micro-batch whose every IPU fits on chip (0: not even 1)."""
-    return _largest(lambda b: estimate_ipu(graph, options, b, ipus, spec).fits_on_chip, limit)
+    """The largest micro-batch whose every IPU fits on chip (0: not even 1); searched up
+    to ``limit`` (default ``SEARCH_CEILING``: see ``at_ceiling``)."""
+    return _largest(
+        lambda b: estimate_ipu(graph, options, b, ipus, spec).fits_on_chip,
+        SEARCH_CEILING if limit is None else limit,
+    )
 
 
 def _largest(fits: Any, limit: int) -> int:
-    """The largest n in [1, limit] with fits(n), fits being monotone (0: none)."""
+    """The largest n in [1, limit] with fits(n), fits being monotone (0: none; ``limit``:
+    it fits there, and the real largest may be larger)."""
     lo, hi = 0, 1
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
@@ -303,6 +324,9 @@ class GpuEstimate:
     max_batch: int
     total_bytes: int  # predicted at max_batch: state + batch + the step's own peak
     step_peak_bytes: int
+    #: the search stopped at its ceiling with the batch still fitting: max_batch is a
+    #: lower bound, not the maximum
+    max_batch_at_least: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -319,15 +343,17 @@ def estimate_gpu(
     options: Options,
     device_bytes: int,
     optimizer_states: int = 1,
-    limit: int = 1 << 16,
+    limit: int | None = None,
 ) -> GpuEstimate:
     """The largest batch whose predicted total fits ``device_bytes``: the weights and
     buffers, ``optimizer_states`` buffers per parameter (SGD momentum 1, Adam 2), the batch,
-    and the memory model's step peak (activations, stash, gradients, ``.grad``)."""
+    and the memory model's step peak (activations, stash, gradients, ``.grad``). Searched
+    up to ``limit`` (default ``SEARCH_CEILING``); reaching it sets ``max_batch_at_least``."""
+    limit = SEARCH_CEILING if limit is None else limit
     config = options.compression(graph)
     params = sum(p.nbytes() for n in graph.nodes for p in n.params if p.present)
     buffers = sum(p.nbytes() for n in graph.nodes for p in n.buffers if p.present)
     state = params + buffers + optimizer_states * params
     lo = _largest(lambda b: _gpu_total(graph, config, b, state)[0] <= device_bytes, limit)
     total, peak = _gpu_total(graph, config, lo, state) if lo else (state, 0)
-    return GpuEstimate(options.scheme, device_bytes, state, lo, total, peak)
+    return GpuEstimate(options.scheme, device_bytes, state, lo, total, peak, lo >= limit)

@@ -168,8 +168,26 @@ def estimate(
         typer.echo(found["table"])
 
 
+def _batch_text(batch: int, at_least: bool) -> str:
+    """A largest batch for the table: ``>=N`` when the search stopped at its ceiling."""
+    return f">={batch}" if at_least else str(batch)
+
+
+def _ceiling_note(scheme: str, batch: int, what: str) -> str:
+    return (
+        f"  note ({scheme}): the search stopped at {batch} with the predicted memory still "
+        f"within {what}: the largest batch is at least {batch}, maybe more"
+    )
+
+
 def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
-    from unroller.estimate import IpuSpec, estimate_ipu, largest_on_chip, samples_per_second
+    from unroller.estimate import (
+        IpuSpec,
+        at_ceiling,
+        estimate_ipu,
+        largest_on_chip,
+        samples_per_second,
+    )
 
     ipus, batch, micro_batches = settings["ipus"], settings["batch"], settings["micro_batches"]
     spec = IpuSpec(
@@ -184,6 +202,7 @@ def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
         opts = options(name, ipus)
         est = estimate_ipu(graph, opts, batch, ipus, spec, micro_batches)
         rate = samples_per_second(est)
+        largest = largest_on_chip(graph, opts, ipus, spec)
         rows.append(
             {
                 "scheme": name,
@@ -191,7 +210,9 @@ def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
                 "samples_per_s": rate,
                 "vs_nocompress_same_ipus": rate / samples_per_second(same),
                 "vs_nocompress_one_ipu": rate / samples_per_second(one),
-                "largest_on_chip_micro_batch": largest_on_chip(graph, opts, ipus, spec),
+                "largest_on_chip_micro_batch": largest,
+                # true: a lower bound (the search's ceiling), not the largest
+                "largest_on_chip_at_least": at_ceiling(largest),
             }
         )
     lines = [
@@ -213,7 +234,8 @@ def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
             tail = (
                 f"{row['streaming_bytes'] / MIB:>9.1f} {row['step_seconds'] * 1e3:>8.2f} "
                 f"{row['samples_per_s']:>9.1f} {row['vs_nocompress_same_ipus']:>6.2f}x "
-                f"{row['vs_nocompress_one_ipu']:>7.2f}x {row['largest_on_chip_micro_batch']:>11}"
+                f"{row['vs_nocompress_one_ipu']:>7.2f}x "
+                f"{_batch_text(row['largest_on_chip_micro_batch'], row['largest_on_chip_at_least']):>11}"
                 if first
                 else ""
             )
@@ -224,6 +246,9 @@ def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
             )
         for note in row["notes"]:
             lines.append(f"  note ({row['scheme']}): {note}")
+        if row["largest_on_chip_at_least"]:
+            largest = row["largest_on_chip_micro_batch"]
+            lines.append(_ceiling_note(row["scheme"], largest, "each IPU's memory"))
     return {"platform": "ipu", "spec": spec.__dict__, "rows": rows, "table": "\n".join(lines)}
 
 
@@ -244,11 +269,18 @@ def _gpu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
         f"{'scheme':<11} {'max batch':>9} {'vs nocompress':>13} {'total MiB there':>15} "
         f"{'step peak MiB':>13}",
     ]
+    bounded = rows[0]["max_batch_at_least"]
     for row in rows:
+        at_least = row["max_batch_at_least"]
+        ratio = row["max_batch"] / base
+        versus = "unknown" if bounded or at_least else f"{ratio:.2f}x"
         lines.append(
-            f"{row['scheme']:<11} {row['max_batch']:>9} {row['max_batch'] / base:>12.2f}x "
+            f"{row['scheme']:<11} {_batch_text(row['max_batch'], at_least):>9} {versus:>13} "
             f"{row['total_bytes'] / MIB:>15.1f} {row['step_peak_bytes'] / MIB:>13.1f}"
         )
+    for row in rows:
+        if row["max_batch_at_least"]:
+            lines.append(_ceiling_note(row["scheme"], row["max_batch"], "--device-memory"))
     return {"platform": "gpu", "rows": rows, "table": "\n".join(lines)}
 
 
