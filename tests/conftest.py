@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
 
@@ -22,6 +23,14 @@ from unroller.api import import_generated, write_atomic  # noqa: E402
 from unroller.codegen import Options  # noqa: E402
 
 SLOW = os.environ.get("SLOW") == "1"
+
+# Property tests draw the same examples on every machine and every run (derandomized, no
+# example database): a failure in CI is one anybody reproduces with the same command.
+# HYPOTHESIS_PROFILE=explore draws fresh random examples, for hunting new failures by hand;
+# what it finds becomes an @example.
+hypothesis.settings.register_profile("derandomized", derandomize=True, database=None)
+hypothesis.settings.register_profile("explore", derandomize=False, database=None)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "derandomized"))
 
 
 def pytest_configure(config):
