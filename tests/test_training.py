@@ -213,7 +213,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", disk_full_for_checkpoints)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(TrainError, match="disk full"):  # one line: cannot write ...: disk full
         train(config, out, resume=out / "checkpoint.pt", progress=False, log=quiet)
     assert (out / "checkpoint.pt").read_bytes() == before
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]

@@ -86,15 +86,21 @@ def read_bounded(path: str | Path, limit: int = MAX_READ_BYTES) -> bytes:
     ``limit`` of them. Anything else (folder, FIFO, device, socket, a bigger file) raises
     PathError without being read: a FIFO never blocks, /dev/zero is never read."""
     path = Path(path)
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        raise PathError(f"{path} is {file_kind(mode)}, not a regular file")
+    _check_readable(path, os.stat(path), limit)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as handle:
-        mode = os.fstat(fd).st_mode  # the file opened, should it have changed meanwhile
-        if not stat.S_ISREG(mode):
-            raise PathError(f"{path} is {file_kind(mode)}, not a regular file")
+        # the file opened, should it have changed meanwhile
+        _check_readable(path, os.fstat(fd), limit)
         return read_limited(handle, limit, str(path))
+
+
+def _check_readable(path: Path, info: os.stat_result, limit: int) -> None:
+    """Refuse a non-regular file, or one whose size already says it is too big (so a
+    sparse many-gigabyte file is refused without reading ``limit`` bytes of it)."""
+    if not stat.S_ISREG(info.st_mode):
+        raise PathError(f"{path} is {file_kind(info.st_mode)}, not a regular file")
+    if info.st_size > limit:
+        raise PathError(f"{path} is larger than {limit // 2**20} MiB")
 
 
 def output_target(path: str | Path) -> Path:
@@ -132,6 +138,19 @@ def output_target(path: str | Path) -> Path:
     if not stat.S_ISREG(mode):
         raise PathError(f"{path} is {file_kind(mode)}, not a regular file")
     return path
+
+
+def unlinked_target(path: str | Path) -> Path:
+    """``output_target`` for a place where links are never followed: a symbolic link at
+    ``path`` raises PathError; anything else is checked as ``output_target`` checks it."""
+    path = Path(path)
+    try:
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return path
+    if is_link:
+        raise PathError(f"{path} is a symbolic link, which is not followed here")
+    return output_target(path)
 
 
 def temp_path(target: Path) -> Path:
@@ -227,7 +246,9 @@ def generate_from_text(source: str, options: Options | None = None, label: str =
     return render(graph_from_text(source, label, options.resolution), label, options)
 
 
-def write_atomic(path: str | Path, text: str | bytes, *, parents: bool = True) -> Path:
+def write_atomic(
+    path: str | Path, text: str | bytes, *, parents: bool = True, follow_links: bool = True
+) -> Path:
     """Write ``text`` (UTF-8, ``\\n`` line ends) or bytes to ``path`` through a temporary
     file and a rename, so a reader or a crash never sees half a file; returns the file
     written.
@@ -237,8 +258,10 @@ def write_atomic(path: str | Path, text: str | bytes, *, parents: bool = True) -
     raises PathError and nothing is written. ``parents=False``: a missing folder is an
     error (FileNotFoundError) instead of being created. The temporary file,
     ``.NAME.unroller-tmp-PID-RANDOM`` beside the target, is removed on any failure,
-    KeyboardInterrupt included; the new file keeps the mode of the one it replaces."""
-    target = output_target(path)
+    KeyboardInterrupt included; the new file keeps the mode of the one it replaces.
+    ``follow_links=False``: a symbolic link at ``path`` is refused (PathError) instead of
+    followed (inside a run folder a link could point anywhere)."""
+    target = output_target(path) if follow_links else unlinked_target(path)
     if parents:
         target.parent.mkdir(parents=True, exist_ok=True)
     data = text.encode("utf-8") if isinstance(text, str) else text

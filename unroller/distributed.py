@@ -23,6 +23,7 @@ all-reduces take when nothing else runs.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,3 +221,41 @@ def sync_batchnorm_backward(
     grad_w = sum_g_xhat if mask[1] else None
     grad_b = sum_g if mask[2] else None
     return grad_x, grad_w, grad_b
+
+
+# -- launching: no code from the working directory ------------------------------------------
+
+# ``python -m MODULE`` puts the working directory first on sys.path, so a ``./numpy.py`` or
+# ``./typer.py`` there would run in the launcher and in every process. The launcher and the
+# processes run instead as ``python [-P] -c BOOT MODULE ARGS``: BOOT drops the entry that
+# ``-c`` puts first on sys.path (the working directory, as ''; none under -P, Python 3.11+)
+# before anything is imported, then runs MODULE as ``-m`` would. Nothing else of the
+# interpreter's setup (PYTHONPATH, site-packages, a virtual environment) changes.
+BOOT = """\
+import sys
+if not getattr(sys.flags, "safe_path", False):
+    if sys.path[:1] != [""]:
+        sys.exit("unroll: error: cannot launch: sys.path does not start as documented")
+    del sys.path[0]
+import runpy
+name = sys.argv[1]
+del sys.argv[0]
+runpy.run_module(name, run_name="__main__", alter_sys=True)
+"""
+
+
+def python_module_command(module: str, args: list[str], unbuffered: bool = False) -> list[str]:
+    """``python -m module args`` without the working directory on sys.path."""
+    flags = ["-P"] if sys.version_info >= (3, 11) else []
+    if unbuffered:
+        flags.append("-u")  # as torchrun runs its processes: their lines arrive whole
+    return [sys.executable, *flags, "-c", BOOT, module, *args]
+
+
+def torchrun_command(processes: int, module: str, args: list[str]) -> list[str]:
+    """torchrun on this machine (a rendezvous on a free local port) running ``processes``
+    copies of ``python -m module args``; neither torchrun nor the copies import anything
+    from the working directory (``--no-python``: torchrun runs the given command as is)."""
+    worker = python_module_command(module, args, unbuffered=True)
+    launcher = ["--standalone", f"--nproc-per-node={processes}", "--no-python", *worker]
+    return python_module_command("torch.distributed.run", launcher)

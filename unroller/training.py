@@ -35,8 +35,10 @@ import hashlib
 import io
 import json
 import math
+import os
 import pickle
 import random
+import stat
 import sys
 import time
 import typing
@@ -49,15 +51,29 @@ import torch
 from torch import Tensor
 
 from unroller import data as datasets
-from unroller.api import generate_source, import_generated, load_graph, write_atomic
+from unroller.api import (
+    PathError,
+    file_kind,
+    generate_source,
+    import_generated,
+    load_graph,
+    read_bounded,
+    write_atomic,
+)
 from unroller.codegen import Options
-from unroller.errors import ConfigError
 from unroller.metrics import PRIMARY, MetricSet
+from unroller.run_folder import (
+    CHECKPOINT,
+    GENERATED,
+    METRICS,
+    RUN_INFO,
+    TrainError,
+    check_run_folder,
+    claim_run_folder,
+    read_run_file,
+    write_run_file,
+)
 
-CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
-RUN_INFO = "run.json"
-GENERATED = "model.py"
 FORMAT = 2  # 2: the payload's SHA-256 in the zip comment (see the module docstring)
 # The zip comment torch.save leaves empty: this prefix, then 64 hex digits.
 DIGEST_PREFIX = b"unroller-checkpoint sha256:"
@@ -72,10 +88,16 @@ RESUMABLE_CHANGES = ("epochs", "schedule_epochs")
 LATER_FIELDS = ("nproc_per_node", "sync_bn")
 """TrainConfig fields newer than format 2 checkpoints: missing means the default."""
 PATH_FIELDS = ("model", "compress_config", "init")
-
-
-class TrainError(ConfigError):
-    """A training run that cannot start or continue (printed as is, exit 2)."""
+# Bounds on a run's settings, from the command line or from a checkpoint: far past any real
+# run, and small enough that nothing derived from them (the history, the sample order, a
+# synthetic dataset, the processes launched) can exhaust memory or overflow a seed.
+MAX_EPOCHS = 1_000_000
+MAX_SEED = 2**40 - 1  # epoch_order seeds with seed * 1_000_003 + epoch: within int64
+MAX_SAMPLES = 10_000_000  # --train-size, --test-size, --batch-size
+MAX_RESOLUTION = 16_384
+MAX_PROCESSES = 1024
+MAX_TEXT = 4096  # a string setting (a path, a dataset, a device)
+MAX_CHECKPOINT_BYTES = 16 * 2**30  # the most read of a checkpoint: never a whole device
 
 
 class CheckpointError(TrainError):
@@ -120,10 +142,41 @@ class TrainConfig:
                 raise TrainError(f"--{name.replace('_', '-')} must be at least 1")
         if not self.lr > 0:
             raise TrainError(f"--lr must be positive, got {self.lr}")
+        if not math.isfinite(self.lr):
+            raise TrainError(f"--lr must be finite, got {self.lr}")
         for name in ("momentum", "weight_decay"):
-            if not getattr(self, name) >= 0:
+            if not 0 <= getattr(self, name) < math.inf:
                 flag = name.replace("_", "-")
-                raise TrainError(f"--{flag} must be at least 0, got {getattr(self, name)}")
+                raise TrainError(
+                    f"--{flag} must be at least 0 and finite, got {getattr(self, name)}"
+                )
+        self._validate_ranges()
+
+    def _validate_ranges(self) -> None:
+        """Integers and texts within the bounds above (a checkpoint's config too)."""
+        bounds = {
+            "epochs": (1, MAX_EPOCHS),
+            "schedule_epochs": (1, MAX_EPOCHS),
+            "batch_size": (1, MAX_SAMPLES),
+            "train_size": (1, MAX_SAMPLES),
+            "test_size": (1, MAX_SAMPLES),
+            "resolution": (1, MAX_RESOLUTION),
+            "seed": (0, MAX_SEED),
+            "data_seed": (0, MAX_SEED),
+            "nproc_per_node": (1, MAX_PROCESSES),
+        }
+        for name, (low, high) in bounds.items():
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                flag = name.replace("_", "-")
+                raise TrainError(f"--{flag} must be between {low} and {high}, got {value}")
+        for name in ("model", "dataset", "scheme", "compress_config", "device", "init"):
+            value = getattr(self, name)
+            if value is not None and (len(value) > MAX_TEXT or not value.isprintable()):
+                raise TrainError(
+                    f"--{name.replace('_', '-')} must be printable text of at most "
+                    f"{MAX_TEXT} characters"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -207,7 +260,7 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
         raise RuntimeError("torch.save wrote an archive without the expected end record")
     body = data[:-2] + DIGEST_SIZE.to_bytes(2, "little")  # the comment's length, then it
     digest = hashlib.sha256(body).hexdigest().encode("ascii")
-    write_atomic(path, body + DIGEST_PREFIX + digest)
+    write_run_file(path, body + DIGEST_PREFIX + digest)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -217,13 +270,22 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _verified_bytes(path: Path) -> bytes:
-    """The file's bytes, once its digest matches them."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint")
-    if path.is_dir():
-        raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
+    """The file's bytes, once its digest matches them: a regular file (a FIFO never
+    blocks, a device is never read) of at most ``MAX_CHECKPOINT_BYTES``."""
     try:
-        data = path.read_bytes()
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({_one_line(exc)})") from None
+    if stat.S_ISDIR(mode):
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path}: is {file_kind(mode)}, not a checkpoint file")
+    try:
+        data = read_bounded(path, MAX_CHECKPOINT_BYTES)
+    except PathError as exc:
+        raise CheckpointError(f"{exc}: not a checkpoint this version reads") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({_one_line(exc)})") from None
     check_digest(path, data)
@@ -297,7 +359,8 @@ def _check_config(values: dict[str, Any]) -> str | None:
 def _check_history(history: Any, epoch: int) -> str | None:
     if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
         return f"its 'history' is {_kind(history)}, not a list of epoch records"
-    if [r.get("epoch") for r in history] != list(range(1, epoch + 1)):
+    # the length first: ``epoch`` is bounded, but no list of its size is built before
+    if len(history) != epoch or [r.get("epoch") for r in history] != list(range(1, epoch + 1)):
         return f"its 'history' does not hold one record for each of epochs 1 to {epoch}"
     for record in history:
         if record.get("diverged"):
@@ -341,6 +404,33 @@ def _check_rng(state: Any) -> str | None:
     return None
 
 
+def _check_settings(values: dict[str, Any], epoch: int) -> str | None:
+    """What is wrong with the values of a recorded config whose types are right."""
+    config = TrainConfig.from_dict(values)
+    try:
+        config.validate()
+    except TrainError as exc:
+        return f"its config is not one a run can have ({_one_line(exc)})"
+    if epoch > config.epochs:
+        return f"its 'epoch' {epoch} is past its config's {config.epochs} epochs"
+    return None
+
+
+def _check_rng_ranks(payload: dict[str, Any]) -> str | None:
+    """A data-parallel checkpoint's per-process RNG states: one valid state per process."""
+    if "rng_ranks" not in payload:
+        return None
+    ranks = payload["rng_ranks"]
+    processes = payload["config"].get("nproc_per_node", 1)
+    if not isinstance(ranks, list) or len(ranks) != processes:
+        return f"its 'rng_ranks' is {_kind(ranks)}, not one RNG state per process ({processes})"
+    for rank, state in enumerate(ranks):
+        problem = _check_rng(state)
+        if problem:
+            return f"rank {rank}: {problem}"
+    return None
+
+
 def _check_optimizer_shape(state: Any) -> str | None:
     if not isinstance(state, dict):
         return f"its 'optimizer' is {_kind(state)}, not a state dict"
@@ -379,8 +469,8 @@ def _check_structure(payload: dict[str, Any]) -> str | None:
                 f"its '{key}' is {_kind(value)}, not {'an' if kind is int else 'a'} {kind.__name__}"
             )
     epoch = payload["epoch"]
-    if epoch < 1:
-        return f"its 'epoch' is {epoch}"
+    if not 1 <= epoch <= MAX_EPOCHS:
+        return f"its 'epoch' is {epoch}, not between 1 and {MAX_EPOCHS}"
     bad = [
         str(k)
         for k, v in payload["model"].items()
@@ -390,8 +480,10 @@ def _check_structure(payload: dict[str, Any]) -> str | None:
         return f"its 'model' weights hold entries that are not named tensors ({', '.join(bad[:3])})"
     for check in (
         lambda: _check_config(payload["config"]),
+        lambda: _check_settings(payload["config"], epoch),
         lambda: _check_history(payload["history"], epoch),
         lambda: _check_rng(payload["rng"]),
+        lambda: _check_rng_ranks(payload),
         lambda: _check_optimizer_shape(payload["optimizer"]),
     ):
         problem = check()
@@ -482,6 +574,17 @@ def check_optimizer_state(path: Path, state: dict[str, Any], optimizer) -> None:
                     f"{prefix}: '{key}' of parameter {index} is {_kind(value)}, the "
                     f"parameter is {list(shape)}"
                 )
+
+
+def resumes_in_place(resume: str | Path | None, out: str | Path) -> bool:
+    """Whether the run resumes from the checkpoint inside ``out`` (loaded and verified by
+    then): the folder is a run's even if made before run folders were marked."""
+    if resume is None:
+        return False
+    try:
+        return os.path.samefile(resume, Path(out) / CHECKPOINT)
+    except OSError:
+        return False
 
 
 def _same_setting(name: str, a: Any, b: Any) -> bool:
@@ -727,9 +830,15 @@ def train(
     resume: str | Path | None = None,
     progress: bool = True,
     log: Callable[[str], None] = _stderr,
+    force: bool = False,
 ) -> Run:
     """Train as ``config`` says, writing into ``out``; continue from ``resume`` if given
-    (the checkpoint's config is used, except ``epochs``, which may grow)."""
+    (the checkpoint's config is used, except ``epochs``, which may grow).
+
+    ``out`` must be new, empty or a run folder unroller made (``unroller.run_folder``);
+    ``force`` writes into any other folder. After each epoch the checkpoint is written
+    before the metrics line, so ``metrics.jsonl`` never names an epoch whose checkpoint
+    is missing."""
     checkpoint = None
     if resume is not None:
         resume = Path(resume)
@@ -764,6 +873,9 @@ def train(
             "or choose another --out"
         )
     rank, world = _world()
+    out = Path(out)
+    if rank == 0:
+        check_run_folder(out, force=force, ours=resumes_in_place(resume, out))
     if world != config.nproc_per_node:
         raise TrainError(
             f"--nproc-per-node {config.nproc_per_node}, but {world} process(es) run: "
@@ -792,12 +904,10 @@ def train(
                     f"{record['epoch']} has no {PRIMARY[data.task]}"
                 )
 
-    out = Path(out)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        generated = out / GENERATED
-        if not generated.is_file() or generated.read_text(encoding="utf-8") != source:
-            write_atomic(generated, source)
+        claim_run_folder(out)
+        if read_run_file(out / GENERATED) != source.encode("utf-8"):
+            write_run_file(out / GENERATED, source)
     _barrier(world)
     module_name = f"unroller_train_{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"
     Model = import_generated(out / GENERATED, module_name).Model
@@ -857,8 +967,8 @@ def train(
         "threads": torch.get_num_threads(),
     }
     if rank == 0:
-        write_atomic(out / RUN_INFO, json.dumps(info, indent=2) + "\n")
-        write_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
+        write_run_file(out / RUN_INFO, json.dumps(info, indent=2) + "\n")
+        write_run_file(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
     if history and history[-1].get("diverged"):
         return run
 
@@ -911,9 +1021,9 @@ def train(
             }
             if world > 1:  # every process's generators, so a resume draws what it would have
                 payload["rng_ranks"] = _gathered(rng_state(device), world)
-            if rank == 0:
-                write_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
+            if rank == 0:  # the checkpoint first: no metrics line without its checkpoint
                 save_checkpoint(out / CHECKPOINT, payload)
+                write_run_file(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
             _barrier(world)
             if record.get("diverged"):
                 bar.done(task_id, f"{label}: loss is not finite; stopped")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from unroller.cli.errors import config_error, model_error
+from unroller.cli.errors import config_error, fail, model_error
 from unroller.cli.options import (
     DEFAULT_SCHEME,
     BatchOpt,
@@ -77,10 +77,7 @@ def _resumed_config(ctx: typer.Context, config: TrainConfig, resume: Path) -> Tr
     (``train`` then refuses any that differ, except --epochs)."""
     from unroller.training import TrainConfig, load_checkpoint
 
-    try:
-        recorded = TrainConfig.from_dict(load_checkpoint(resume)["config"])
-    except ConfigError as exc:
-        raise config_error(exc) from None
+    recorded = TrainConfig.from_dict(load_checkpoint(resume)["config"])
     given = {
         name
         for name in config.to_dict()
@@ -90,6 +87,20 @@ def _resumed_config(ctx: typer.Context, config: TrainConfig, resume: Path) -> Tr
     values = recorded.to_dict()
     values.update({name: value for name, value in config.to_dict().items() if name in given})
     return TrainConfig.from_dict(values)
+
+
+def _default_out(model: Path, dataset: str, label: str, seed: int) -> Path:
+    return Path("runs") / f"{model.stem}-{dataset.split(':', 1)[0]}-{label}-s{seed}"
+
+
+def _check_out(out: Path, resume: Path | None, force: bool) -> None:
+    """Refuse a run folder before anything is launched or written. Inside torchrun only
+    rank 0 checks (in ``training.train``): the others would see its files half-made."""
+    from unroller.run_folder import check_run_folder
+    from unroller.training import resumes_in_place
+
+    if "WORLD_SIZE" not in os.environ:
+        check_run_folder(out, force=force, ours=resumes_in_place(resume, out))
 
 
 def train(
@@ -134,11 +145,20 @@ def train(
         bool,
         typer.Option("--sync-bn", help="Data parallel: batch norm over the whole batch."),
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Write into --out even if it is a non-empty folder unroller did not make "
+            "(its model.py, metrics.jsonl, run.json are replaced).",
+        ),
+    ] = False,
 ) -> None:
     """Train the generated gpu-platform model of MODEL on a dataset.
 
     Writes OUT/metrics.jsonl (one line per epoch), OUT/checkpoint.pt (after every
-    epoch, atomically), OUT/run.json and OUT/model.py (the generated module).
+    epoch, atomically), OUT/run.json and OUT/model.py (the generated module). OUT must be
+    new, empty or a run folder unroll train made (marked by OUT/.unroller-run).
 
     Example: unroll train benchmarks/models/quick.txt --dataset digits --scheme dct-dense --epochs 15
     """
@@ -154,23 +174,29 @@ def train(
         nproc_per_node=nproc_per_node,
         sync_bn=sync_bn,
     )
-    if resume is not None:
-        config = _resumed_config(ctx, config, resume)
-        if out is None:
-            out = resume.parent
+    if out is None and resume is not None:
+        out = resume.parent
     if out is None:
-        data_name = dataset.split(":", 1)[0]
         label = value_of(scheme) if compress_config is None else compress_config.stem
-        out = Path("runs") / f"{model.stem}-{data_name}-{label}-s{seed}"
-    if config.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-        raise typer.Exit(_launch(config, out, resume, quiet))
+        out = _default_out(model, dataset, label, seed)
     try:
+        if resume is not None:
+            config = _resumed_config(ctx, config, resume)
+        config.validate()
+        _check_out(out, resume, force)
+        if config.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+            raise typer.Exit(_launch(config, out, resume, quiet, force))
         with _process_group(config):
-            run = run_training(config, out, resume=resume, progress=not quiet, log=_logger(quiet))
+            run = run_training(
+                config, out, resume=resume, progress=not quiet, log=_logger(quiet), force=force
+            )
     except ModelError as exc:
         raise model_error(exc, model) from None
     except ConfigError as exc:
         raise config_error(exc) from None
+    except OSError as exc:  # anything a run folder's checks did not foresee: one line
+        where = exc.filename or out
+        raise fail(f"{where}: {exc.strerror or exc}") from None
     except KeyboardInterrupt:
         if (out / "checkpoint.pt").is_file():
             typer.echo(f"interrupted; continue with --resume {out / 'checkpoint.pt'}", err=True)
@@ -189,7 +215,9 @@ def train(
         )
 
 
-def _child_args(config: TrainConfig, out: Path, resume: Path | None, quiet: bool) -> list[str]:
+def _child_args(
+    config: TrainConfig, out: Path, resume: Path | None, quiet: bool, force: bool = False
+) -> list[str]:
     """``unroll train`` arguments that give each torchrun process ``config``."""
     args = [config.model, "--out", str(Path(out).resolve())]
     if resume is not None:
@@ -205,24 +233,25 @@ def _child_args(config: TrainConfig, out: Path, resume: Path | None, quiet: bool
         args.append("--sync-bn")
     if quiet:
         args.append("--quiet")
+    if force:
+        args.append("--force")
     return args
 
 
-def _launch(config: TrainConfig, out: Path, resume: Path | None, quiet: bool) -> int:
-    """Run ``unroll train`` in ``nproc_per_node`` processes through torchrun (one machine,
-    a rendezvous on a free local port); its exit status."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={config.nproc_per_node}",
-        "-m",
-        "unroller.cli",
-        "train",
-        *_child_args(config, out, resume, quiet),
-    ]
-    return subprocess.run(command, check=False).returncode
+def launch_command(
+    config: TrainConfig, out: Path, resume: Path | None, quiet: bool, force: bool = False
+) -> list[str]:
+    """torchrun running ``unroll train`` in ``nproc_per_node`` processes (one machine, a
+    rendezvous on a free local port); no code from the working directory runs in it."""
+    from unroller.distributed import torchrun_command
+
+    args = ["train", *_child_args(config, out, resume, quiet, force)]
+    return torchrun_command(config.nproc_per_node, "unroller.cli", args)
+
+
+def _launch(config: TrainConfig, out: Path, resume: Path | None, quiet: bool, force: bool) -> int:
+    """Run the data-parallel training (``launch_command``); its exit status."""
+    return subprocess.run(launch_command(config, out, resume, quiet, force), check=False).returncode
 
 
 @contextlib.contextmanager
