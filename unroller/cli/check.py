@@ -8,8 +8,12 @@ in worker processes.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import stat
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -17,7 +21,7 @@ import typer
 
 from unroller.api import PathError, file_kind, generate_source, read_bounded, stale_temps
 from unroller.cli.errors import fail
-from unroller.cli.headers import checksum_problem, inspect_header
+from unroller.cli.headers import checksum_problem, inspect_header, short
 from unroller.cli.options import GENERATED
 from unroller.codegen import Options
 from unroller.errors import ConfigError, ModelError
@@ -25,23 +29,66 @@ from unroller.errors import ConfigError, ModelError
 PARALLEL_CHECK_FROM = 8  # files; fewer are checked in-process unless --jobs says otherwise
 
 
-def resolve_source(recorded: str, generated_file: Path) -> Path | None:
+def source_roots(directory: Path) -> tuple[Path, ...]:
+    """Where a header's source and compression config may lie: the working directory and
+    the folder holding the checked one (the project a generated/ folder belongs to). A
+    header is text anyone can write; without a bound it could make check read any file."""
+    roots = (Path.cwd().resolve(), directory.resolve().parent)
+    return tuple(dict.fromkeys(roots))
+
+
+def _inside(path: Path, roots: tuple[Path, ...]) -> bool:
+    """Whether ``path``, links followed, lies inside one of ``roots``."""
+    real = Path(os.path.realpath(path))
+    return any(real.is_relative_to(root) for root in roots)
+
+
+def resolve_source(
+    recorded: str, generated_file: Path, roots: tuple[Path, ...]
+) -> tuple[Path | None, bool]:
     """A recorded source path, relative to the working directory or an ancestor of the
-    file; only a regular file counts (a FIFO or device recorded there is never read)."""
+    file, that is a regular file inside ``roots`` (a FIFO or device recorded there is never
+    read); and whether one was found only outside them (a header pointing elsewhere)."""
+    outside = False
     try:
         candidate = Path(recorded)
-        if candidate.is_absolute():
-            return candidate if candidate.is_file() else None
-        for base in (Path.cwd(), *generated_file.resolve().parents):
-            if (base / candidate).is_file():
-                return base / candidate
+        bases = (
+            [Path()] if candidate.is_absolute() else [Path.cwd(), *generated_file.resolve().parents]
+        )
+        for base in bases:
+            path = base / candidate
+            if not path.is_file():
+                continue
+            if _inside(path, roots):
+                return path, False
+            outside = True
     except (OSError, ValueError):  # a name too long, a NUL byte
-        return None
-    return None
+        return None, False
+    return None, outside
 
 
-def check_file(path: Path) -> tuple[str, str]:
-    """('ok' | 'stale' | 'damaged' | 'ignored', why) for one .py file under a checked folder."""
+def _outside(what: str, recorded: str) -> tuple[str, str]:
+    return "damaged", (
+        f"header damaged: its {what} {short(recorded)} lies outside the working directory "
+        "and the folder holding the checked one (check reads nothing else)"
+    )
+
+
+def _regenerate_problem(exc: Exception, recorded: str) -> str:
+    """Why regeneration failed, by position only: the message of a model or config error
+    may quote the file's text, and the file is whatever a header named, so its content
+    must not reach the report (a CI log)."""
+    what = "compression config" if isinstance(exc, ConfigError) else f"source {short(recorded)}"
+    loc = getattr(exc, "loc", None)
+    where = f"an error at line {loc.line}, column {loc.col}" if loc else "an error"
+    return f"cannot regenerate: its {what} has {where} (unroll generate on it shows the error)"
+
+
+def check_file(path: Path, roots: tuple[Path, ...] = ()) -> tuple[str, str]:
+    """('ok' | 'stale' | 'damaged' | 'ignored', why) for one .py file under a checked
+    folder; its source and compression config must lie inside ``roots``
+    (``source_roots``; default: the working directory)."""
+    roots = roots or (Path.cwd().resolve(),)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -65,10 +112,12 @@ def check_file(path: Path) -> tuple[str, str]:
     if header is None:
         return "damaged", problem
     recorded = header["source"]
-    source = resolve_source(recorded, path)
+    source, outside = resolve_source(recorded, path, roots)
+    if outside:
+        return _outside("source", recorded)
     if source is None:
         return "damaged", (
-            f"header damaged or source gone: its source {recorded!r} is missing (no such "
+            f"header damaged or source gone: its source {short(recorded)} is missing (no such "
             "file relative to the working directory or the file's folders)"
         )
     found = checksum_problem(text)
@@ -76,34 +125,75 @@ def check_file(path: Path) -> tuple[str, str]:
         return found
     options = Options.from_header(header)
     if options.compress_config is not None:
-        if resolve_source(options.compress_config, path) is None:
-            return "stale", f"its compression config {options.compress_config!r} is missing"
+        config, outside = resolve_source(options.compress_config, path, roots)
+        if outside:
+            return _outside("compression config", options.compress_config)
+        if config is None:
+            return "stale", f"its compression config {short(options.compress_config)} is missing"
     try:
         fresh = generate_source(source, options, label=recorded)
     except (ModelError, ValueError, ConfigError) as exc:
-        return "stale", f"cannot regenerate ({getattr(exc, 'message', exc)})"
+        return "stale", _regenerate_problem(exc, recorded)
     except Exception as exc:  # noqa: BLE001 - a header the generator chokes on: one line
-        return "damaged", f"header damaged: cannot regenerate ({type(exc).__name__}: {exc})"
+        return "damaged", f"header damaged: cannot regenerate ({type(exc).__name__})"
     if fresh.encode("utf-8") != data:
         return "stale", "differs from what the generator emits now (unroll diff shows how)"
     return "ok", ""
 
 
+def _safe_path_possible() -> bool:
+    """Whether the interpreters multiprocessing starts (``python -c ...``) can be kept from
+    putting the working directory first on sys.path: with -I or -P given to this one, or
+    through PYTHONSAFEPATH (Python 3.11 on, unless -E makes them ignore the environment)."""
+    flags = sys.flags
+    if flags.isolated or getattr(flags, "safe_path", False):
+        return True
+    return sys.version_info >= (3, 11) and not flags.ignore_environment
+
+
+@contextlib.contextmanager
+def _safe_path_environment() -> Iterator[None]:
+    """PYTHONSAFEPATH=1 while the fork server and the resource tracker start: they run
+    ``python -c``, which would otherwise import ``multiprocessing`` (and what it imports)
+    from the working directory first, so a ``./multiprocessing/`` or ``./socket.py`` in
+    the checked project would run. Restored afterwards (nothing else started here needs it)."""
+    saved = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONSAFEPATH", None)
+        else:
+            os.environ["PYTHONSAFEPATH"] = saved
+
+
 def _map_files(function, paths: list[Path], jobs: int):
     """``map(function, paths)`` in order, over several processes when that pays: most of a
     check is black formatting each regenerated file, which is CPU-bound. Workers come from
-    a fork server (a clean process, not a fork of one that may hold torch's threads), and
-    each imports torch once, so a handful of files is checked in this process."""
+    a fork server (a clean process, not a fork of one that may hold torch's threads),
+    started so that no code from the working directory runs (``_safe_path_environment``;
+    where Python cannot promise that, everything is checked in this process), and each
+    imports torch once, so a handful of files is checked in this process."""
     workers = min(jobs or os.cpu_count() or 1, len(paths))
-    if workers <= 1 or (jobs == 0 and len(paths) < PARALLEL_CHECK_FROM):
+    if (
+        workers <= 1
+        or (jobs == 0 and len(paths) < PARALLEL_CHECK_FROM)
+        or not _safe_path_possible()
+    ):
         yield from map(function, paths)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import forkserver
 
     context = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
-        yield from pool.map(function, paths)
+    with _safe_path_environment():
+        forkserver.ensure_running()  # and the resource tracker, both ``python -c``
+        pool = ProcessPoolExecutor(workers, mp_context=context)
+        results = pool.map(function, paths)  # submits every file: the workers start here
+    with pool:
+        yield from results
 
 
 def files_under(directory: Path) -> tuple[list[Path], list[str], list[str]]:
@@ -158,7 +248,8 @@ def check(
     counts = {"ok": 0, "stale": 0, "damaged": len(unlisted), "ignored": 0}
     for line in unlisted:
         typer.echo(line, err=True)
-    for path, (verdict, why) in zip(paths, _map_files(check_file, paths, jobs)):
+    checker = functools.partial(check_file, roots=source_roots(directory))
+    for path, (verdict, why) in zip(paths, _map_files(checker, paths, jobs)):
         counts[verdict] += 1
         if verdict in ("stale", "damaged"):
             typer.echo(f"{path}: {why}", err=True)
