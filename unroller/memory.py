@@ -132,8 +132,9 @@ class Simulation:
 class _Sizes:
     """Bytes of every variable of the step program, from its structured key."""
 
-    def __init__(self, emitter: Emitter, plan: StashPlan, batch: int):
+    def __init__(self, emitter: Emitter, plan: StashPlan, batch: int, kernel_scale: float = 1.0):
         self.emitter, self.batch = emitter, batch
+        self.kernel_scale = kernel_scale  # multiplies the WORKSPACE tables' kernel entries
         graph = emitter.graph
         self.values = {v.name: v for v in graph.inputs}
         self.values.update({n.output.name: n.output for n in graph.nodes})
@@ -265,9 +266,18 @@ def _var_args(expr: CallExpr) -> list[str]:
 
 
 def simulate_graph(
-    graph: Graph, config: CompressionConfig, batch_size: int, platform: str = "gpu"
+    graph: Graph,
+    config: CompressionConfig,
+    batch_size: int,
+    platform: str = "gpu",
+    kernel_scale: float = 1.0,
 ) -> Simulation:
-    """The memory model of the step the code generator emits for ``graph`` and ``config``."""
+    """The memory model of the step the code generator emits for ``graph`` and ``config``.
+
+    ``kernel_scale`` multiplies the kernels' working memory (``WORKSPACE``,
+    ``PIECEWISE``, ``FORWARD_WORKSPACE``: measured on one CPU, where another CPU's oneDNN
+    may pick another algorithm with other scratch buffers); 0 and 2 bracket what another
+    machine can measure. Codec transients are measured on the running machine already."""
     plan = plan_stash(graph, config)
     emitter = Emitter(graph, plan, get_platform(platform))
     made: dict[int, Node] = {}
@@ -291,7 +301,7 @@ def simulate_graph(
     emitter.forward_step, emitter.backward_step = on_forward, on_backward  # type: ignore
     emitter.recompute_step = on_recompute  # type: ignore
     steps = emitter.training_steps()
-    return _run(steps, made, emitter, plan, batch_size)
+    return _run(steps, made, emitter, plan, batch_size, kernel_scale)
 
 
 def simulate(text: str, options: Options, batch_size: int, label: str = "<model>") -> Simulation:
@@ -303,9 +313,14 @@ def simulate(text: str, options: Options, batch_size: int, label: str = "<model>
 
 
 def _run(
-    steps: list[Step], made: dict[int, Node], emitter: Emitter, plan: StashPlan, batch: int
+    steps: list[Step],
+    made: dict[int, Node],
+    emitter: Emitter,
+    plan: StashPlan,
+    batch: int,
+    kernel_scale: float = 1.0,
 ) -> Simulation:
-    sizes = _Sizes(emitter, plan, batch)
+    sizes = _Sizes(emitter, plan, batch, kernel_scale)
     heap = _Heap()
     inputs = {emitter.var(v).name for v in emitter.graph.inputs}
     stash_names = {
@@ -467,11 +482,14 @@ def _workspace(work: Workspace, node: Node, sizes: _Sizes, piece: float = 1.0) -
         found = next((e for e in node.extras if e.name == name), None)
         extra = int(factor * sizes.tensor(found.type)) if found is not None else 0
     return int(
-        piece * work.input * sizes.tensor(node.inputs[0].type)
-        + piece * work.output * sizes.tensor(node.output.type)
-        + work.weight * weight
-        + work.fixed
-        + extra
+        sizes.kernel_scale
+        * (
+            piece * work.input * sizes.tensor(node.inputs[0].type)
+            + piece * work.output * sizes.tensor(node.output.type)
+            + work.weight * weight
+            + work.fixed
+            + extra
+        )
     )
 
 
