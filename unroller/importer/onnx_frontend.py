@@ -52,11 +52,13 @@ identifies these linear operators (another linear map differs by the size of the
 
 from __future__ import annotations
 
-import ast
+import math
+import os
 import re
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -77,9 +79,40 @@ B1, B2 = 5, 7
 #: Initializers up to this many elements go to shape inference with their values (shape
 #: arguments); larger ones (weights) with their shapes only, so inference copies no weights.
 SMALL = 4096
+#: A constant the importer computes may hold this many elements, or as many as the largest
+#: constant it is computed from (a transposed or cast weight); shape arguments and biases are
+#: far smaller. Checked on the shapes ONNX infers, before anything is allocated.
+MAX_CONST_ELEMENTS = 2**20
+#: All constants computed from one file hold at most this many bytes beyond twice its
+#: initializers' bytes, so that no chain of nodes multiplies the file's size.
+CONST_BUDGET_BYTES = 64 * 2**20
+#: The most elements the random input of a collapsed module's check may hold.
+MAX_CHECK_ELEMENTS = 2**24
+#: ONNX ops evaluated on constants: shape arithmetic, layout and elementwise ops, whose
+#: cost is linear in their inputs and outputs (no convolution or matrix product, whose
+#: cost a hostile file could make cubic in sizes it fits under the bounds above).
+FOLDED = frozenset(
+    """Abs Add And ArgMax ArgMin Cast CastLike Ceil Clip Concat Constant ConstantOfShape
+    CumSum Div Dropout Equal Erf Exp Expand EyeLike Flatten Floor Gather GatherElements
+    GatherND Greater GreaterOrEqual Identity IsInf IsNaN LeakyRelu Less LessOrEqual Log
+    LogSoftmax Max Mean Min Mod Mul Neg Not OneHot Or Pad Pow Range Reciprocal ReduceMax
+    ReduceMean ReduceMin ReduceProd ReduceSum Relu Reshape Round ScatterElements ScatterND
+    Shape Sigmoid Sign Size Slice Softmax Split Sqrt Squeeze Sub Sum Tanh Tile Transpose
+    Trilu Unsqueeze Where Xor""".split()
+)
+#: (op, attribute) pairs where an infinite value is meaningful (Clip before opset 11:
+#: no bound on that side).
+_UNBOUNDED = {("Clip", "min"), ("Clip", "max")}
 #: ONNX element type -> the model language's dtype.
 DTYPES = {1: "f32", 11: "f64", 10: "f16", 16: "bf16", 7: "i64", 6: "i32"}
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+#: The most bytes read from an ONNX file (protobuf's own limit for one message).
+MAX_FILE_BYTES = 2 * 2**30
+#: The most bytes read from the external data files beside it, all together.
+MAX_EXTERNAL_BYTES = 8 * 2**30
+#: Element types a tensor in the file may hold: numbers and booleans (no strings, complex
+#: numbers or the 4/8-bit float formats numpy cannot hold).
+NUMERIC = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 16})
 
 
 def _onnx():
@@ -105,15 +138,22 @@ def _one_line(exc: BaseException) -> str:
 
 
 def load_model(path: Path):
-    """The ONNX model at ``path``, local functions inlined; ImportFailure if unreadable."""
+    """The ONNX model at ``path``, local functions inlined; ImportFailure naming the file if
+    it cannot be read (missing, not a regular file, too big, empty, not ONNX) or is not a
+    valid model (``onnx.checker``, and the checks in ``_check_tensors``)."""
     onnx = _onnx()
     path = Path(path)
-    if not path.is_file():
-        raise ImportFailure(f"{path}: no such file")
+    data = _read(path, MAX_FILE_BYTES)
+    if not data:
+        raise ImportFailure(f"{path}: the file is empty, not an ONNX model")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load_model_from_string(data)
     except Exception as exc:  # noqa: BLE001 - any reader error: say it in one line
-        raise ImportFailure(f"cannot read {path} as ONNX: {_one_line(exc)}") from None
+        raise ImportFailure(f"{path}: not an ONNX model: {_one_line(exc)}") from None
+    del data
+    _check_tensors(onnx, model, path)
+    _load_external_data(onnx, model, path)
+    _check_model(onnx, model, path)
     if model.functions:
         try:
             model = onnx.inliner.inline_local_functions(model)
@@ -122,11 +162,138 @@ def load_model(path: Path):
     return model
 
 
-def _opset(model) -> int:
+def _check_model(onnx, model, path: Path) -> None:
+    """``onnx.checker`` (not ``full_check``: shapes are inferred node by node later) on the
+    model with its weights inline, so that the checker never opens a file itself: it
+    refuses duplicate names, values assigned twice, cycles, attributes of the wrong type,
+    data shorter than its shape. ONNX lets a graph input or output leave its shape out,
+    which the checker refuses on the main graph: such a value gets an empty shape for the
+    check only (no full check compares it with anything)."""
+    values = (*model.graph.input, *model.graph.output)
+    patched = [
+        v.type.tensor_type
+        for v in values
+        if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")
+    ]
+    for tensor_type in patched:
+        tensor_type.shape.SetInParent()
+    try:
+        onnx.checker.check_model(model)
+    except Exception as exc:  # noqa: BLE001 - ValidationError, or a proto past 2 GiB
+        raise ImportFailure(f"{path}: not a valid ONNX model: {_one_line(exc)}") from None
+    finally:
+        for tensor_type in patched:
+            tensor_type.ClearField("shape")
+
+
+def _read(path: Path, limit: int) -> bytes:
+    """``read_bounded``'s bytes (a regular file, at most ``limit``); ImportFailure naming
+    the file otherwise: a FIFO never blocks, /dev/zero is never read."""
+    from unroller.api import PathError, read_bounded
+
+    try:
+        info = os.stat(path)
+        if stat.S_ISREG(info.st_mode):  # read no more than it holds: read(limit) allocates
+            if info.st_size > limit:
+                raise ImportFailure(f"{path} is larger than {limit // 2**20} MiB")
+            limit = info.st_size
+        return read_bounded(path, limit)
+    except FileNotFoundError:
+        raise ImportFailure(f"{path}: no such file") from None
+    except PathError as exc:
+        raise ImportFailure(str(exc)) from None
+    except OSError as exc:
+        raise ImportFailure(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _check_tensors(onnx, model, path: Path) -> None:
+    """Every tensor in the file holds numbers, exactly as many as its shape says: a string
+    or complex weight, or data shorter or longer than the shape, is refused here rather
+    than failing (or allocating the shape's size) when a constant is read."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    for tensor in _get_all_tensors(model):
+        what = f"{path}: the tensor {tensor.name!r}"
+        if tensor.data_type not in NUMERIC:
+            kind = _type_name(onnx, tensor.data_type)
+            raise ImportFailure(f"{what} holds {kind} data; tensors must hold numbers")
+        if any(d < 0 for d in tensor.dims):
+            raise ImportFailure(f"{what} has the negative shape {list(tensor.dims)}")
+        count = _numel(tensor)
+        if uses_external_data(tensor):
+            continue  # its bytes are counted when read (_load_external_data)
+        if tensor.HasField("raw_data"):
+            have, want = len(tensor.raw_data), count * _itemsize(onnx, tensor.data_type)
+        else:
+            field = onnx.helper.tensor_dtype_to_field(tensor.data_type)
+            have, want = len(getattr(tensor, field)), count
+        if have != want:
+            raise ImportFailure(
+                f"{what} of shape {list(tensor.dims)} holds {have} "
+                f"{'bytes' if tensor.HasField('raw_data') else 'values'}, not {want}"
+            )
+
+
+def _load_external_data(onnx, model, path: Path) -> None:
+    """Weights kept beside the file (``torch.onnx.export(..., external_data=True)``), read
+    like the file itself: a relative location inside the file's folder, a regular file,
+    at most ``MAX_EXTERNAL_BYTES`` in all, each tensor exactly its shape's size."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    folder = path.resolve().parent
+    files: dict[Path, bytes] = {}
+    for tensor in _get_all_tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        what = f"{path}: the tensor {tensor.name!r}"
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        source = (folder / location).resolve()
+        if not location or Path(location).is_absolute() or not source.is_relative_to(folder):
+            raise ImportFailure(
+                f"{what} keeps its data in {location!r}, which is not a file in {path}'s folder"
+            )
+        if source not in files:
+            used = sum(len(b) for b in files.values())
+            try:
+                files[source] = _read(source, MAX_EXTERNAL_BYTES - used)
+            except ImportFailure as exc:
+                raise ImportFailure(f"{what}: {exc.message}") from None
+        data = files[source]
+        try:
+            offset = int(info.get("offset", "0"))
+            length = int(info["length"]) if "length" in info else len(data) - offset
+        except ValueError:
+            raise ImportFailure(
+                f"{what}: its external data offset or length is not a number"
+            ) from None
+        want = _numel(tensor) * _itemsize(onnx, tensor.data_type)
+        if offset < 0 or length != want or offset + length > len(data):
+            raise ImportFailure(
+                f"{what} of shape {list(tensor.dims)} needs {want} bytes; {location!r} has "
+                f"{max(0, min(length, len(data) - offset))} at offset {offset}"
+            )
+        tensor.raw_data = data[offset : offset + length]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
+
+
+def _type_name(onnx, elem: int) -> str:
+    try:
+        return onnx.TensorProto.DataType.Name(elem)
+    except ValueError:
+        return f"element type {elem}"
+
+
+def _itemsize(onnx, elem: int) -> int:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem)).itemsize
+
+
+def _opset(model, source: str) -> int:
     for entry in model.opset_import:
         if entry.domain in _DEFAULT_DOMAINS:
             return int(entry.version)
-    raise ImportFailure("the ONNX file imports no version of the default operator set")
+    raise ImportFailure(f"{source}: the file imports no version of the default operator set")
 
 
 def _dims(value_info) -> list[int | str | None] | None:
@@ -235,14 +402,21 @@ class _Where:
         return self.classes[-1] if self.classes and len(self.classes) == len(self.paths) else ""
 
 
+#: One quoted name, as the exporter's repr() of a list of strings writes it (no escapes:
+#: a name that needs one is not a module path anyway).
+_QUOTED = r"'[^'\\]*'|\"[^\"\\]*\""
+_NAME_LIST = re.compile(rf"\s*[\[(]\s*(?:(?:{_QUOTED})\s*(?:,\s*(?:{_QUOTED})\s*)*,?\s*)?[\])]\s*")
+#: Metadata longer than this is not a list of module paths the exporter wrote.
+MAX_METADATA_CHARS = 65536
+
+
 def _literal_list(text: str | None) -> list[str]:
-    if not text:
+    """``"['', 'layer1']"`` -> ['', 'layer1']; [] for anything else. A regular expression,
+    not ``ast.literal_eval``: hostile metadata (deeply nested, or megabytes long) must cost
+    linear time and no recursion."""
+    if not text or len(text) > MAX_METADATA_CHARS or not _NAME_LIST.fullmatch(text):
         return []
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return []
-    return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
+    return [item[1:-1] for item in re.findall(_QUOTED, text)]
 
 
 def _short(name: str) -> str:
@@ -309,6 +483,29 @@ class _Poisoned(Refuse):
     """Reads a value that already failed: reported once, at its root."""
 
 
+#: What a mapper raises on an attribute or constant of the wrong kind (a string where a
+#: number belongs, an infinite index): the file's fault, reported as such in one line.
+_UNREADABLE = (ValueError, TypeError, OverflowError, ArithmeticError, IndexError, KeyError)
+
+
+def _writable(value) -> bool:
+    """Whether a keyword value is one the model language can write: no inf or NaN, no
+    integer past int64."""
+    if isinstance(value, (tuple, list)):
+        return all(_writable(v) for v in value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, int):
+        return -(2**63) <= value < 2**63
+    return True
+
+
+def _non_finite(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_non_finite(v) for v in value)
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 class _Mapper:
     """Reads the graph once: shapes, constants, then statements or unmapped records."""
 
@@ -317,7 +514,7 @@ class _Mapper:
         self.model = model
         self.graph = model.graph
         self.source = source
-        self.opset = _opset(model)
+        self.opset = _opset(model, source)
         self.nodes = list(self.graph.node)
         self.inits = {t.name: t for t in self.graph.initializer}
         self.graph_inputs = [v for v in self.graph.input if v.name not in self.inits]
@@ -353,6 +550,8 @@ class _Mapper:
         self.classes: dict[str, str] = {}
         self.notes: list[str] = []
         self.groups: dict[int, str] = {}
+        init_bytes = sum(len(t.raw_data) or 8 * _numel(t) for t in self.graph.initializer)
+        self.const_budget = CONST_BUDGET_BYTES + 2 * init_bytes
 
     # ---- structure
 
@@ -400,11 +599,17 @@ class _Mapper:
                 self.dtypes[value.name] = value.type.tensor_type.elem_type
         for i in self.order():
             node = self.nodes[i]
+            self._check_known_inputs(i)
+            if any(name in self.poisoned for name in node.input if name):
+                self._poison(i)  # reported once, where it failed
+                continue
             try:
-                results = self._fold_node(node, runs)
+                results = self._fold_node(i, runs)
             except Refuse as exc:
                 self._fail(i, str(exc))
                 continue
+            except _UNREADABLE as exc:  # a hostile attribute or value
+                self.invalid(i, f"cannot read it: {_one_line(exc)}")
             if results is None:
                 self.data.update(out for out in node.output if out)
                 for k, run in enumerate(runs):
@@ -418,6 +623,21 @@ class _Mapper:
             other = runs[-1].get(name)
             if other is not None and len(other) == len(dims):
                 self.shapes[name] = tuple(_merge_dim(a, b) for a, b in zip(dims, other))
+
+    def _check_known_inputs(self, i: int) -> None:
+        """Every input is computed before it is read (``onnx.checker`` enforces this; kept
+        so that a cycle is a clean error whatever let the file through)."""
+        for name in self.nodes[i].input:
+            known = name in self.data or name in self.pairs or name in self.inits
+            if name and not known and name not in self.poisoned:
+                self.invalid(i, f"reads {name!r}, which no earlier node computes (a cycle?)")
+
+    def invalid(self, i: int, reason: str) -> NoReturn:
+        """Stop at a node the file got wrong (not an operation the registry lacks): one
+        line naming the file and the node."""
+        node = self.nodes[i]
+        label = f"{node.op_type} node {node.name!r}" if node.name else f"{node.op_type} node #{i}"
+        raise ImportFailure(f"{self.source}: {label}: {reason}")
 
     def _infer_node(self, node, shapes: dict[str, tuple], which: int) -> None:
         """ONNX shape inference of one data node into ``shapes`` (run ``which``)."""
@@ -488,7 +708,8 @@ class _Mapper:
     def is_constant(self, name: str) -> bool:
         return name in self.pairs or (name in self.inits and name not in self.data)
 
-    def _fold_node(self, node, runs: list[dict]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    def _fold_node(self, i: int, runs: list[dict]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        node = self.nodes[i]
         if node.domain not in _DEFAULT_DOMAINS or any(a.type in (5, 10) for a in node.attribute):
             return None  # other domains and control flow (subgraph attributes) are data
         names = [n for n in node.input if n]
@@ -502,11 +723,13 @@ class _Mapper:
             return [(a.astype(target), b.astype(target))]
         if any(not self.is_constant(n) for n in names):
             return None
+        if node.op_type not in FOLDED:
+            self.invalid(i, "computes a constant with an op this importer does not evaluate")
         pairs = [self.pair(n) for n in names]
-        first = self._evaluate(node, [p[0] for p in pairs])
+        first = self._evaluate(i, [p[0] for p in pairs])
         if all(p[0] is p[1] for p in pairs):
             return [(r, r) for r in first]
-        second = self._evaluate(node, [p[1] for p in pairs])
+        second = self._evaluate(i, [p[1] for p in pairs])
         return list(zip(first, second))
 
     def _fold_shape(self, node, runs: list[dict]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -521,13 +744,64 @@ class _Mapper:
         start, end = attrs.get("start", 0), attrs.get("end", len(first))
         return [(np.array(first[start:end], np.int64), np.array(second[start:end], np.int64))]
 
-    def _evaluate(self, node, args: list[np.ndarray]) -> list[np.ndarray]:
+    def _evaluate(self, i: int, args: list[np.ndarray]) -> list[np.ndarray]:
+        node = self.nodes[i]
         feeds = {name: value for name, value in zip([n for n in node.input if n], args)}
+        self._bound_constant(i, feeds)
         try:
             evaluator = self.onnx.reference.ReferenceEvaluator(node, opsets={"": self.opset})
-            return [np.asarray(r) for r in evaluator.run(None, feeds)]
+            results = [np.asarray(r) for r in evaluator.run(None, feeds)]
         except Exception as exc:  # noqa: BLE001 - the reference runtime's error, one line
-            raise Refuse(f"cannot evaluate this constant node: {_one_line(exc)}") from None
+            self.invalid(i, f"cannot compute this constant: {_one_line(exc)}")
+        self.const_budget -= sum(r.nbytes for r in results)
+        if self.const_budget < 0:
+            self.invalid(i, "the constants computed so far exceed the importer's memory budget")
+        return results
+
+    def _bound_constant(self, i: int, feeds: dict[str, np.ndarray]) -> None:
+        """Refuse, before it is computed, a constant larger than ``MAX_CONST_ELEMENTS`` (or
+        than its largest input) or the remaining budget: its size comes from ONNX shape
+        inference on the node alone, with the small inputs' values."""
+        helper, node = self.onnx.helper, self.nodes[i]
+        ins, inits = [], []
+        for name, value in feeds.items():
+            if value.size <= SMALL:
+                inits.append(self.onnx.numpy_helper.from_array(value, name))
+            else:
+                ins.append(
+                    helper.make_tensor_value_info(name, _elem(self.onnx, value), value.shape)
+                )
+        graph = helper.make_graph([node], "node", ins, [], initializer=inits)
+        model = helper.make_model(
+            graph, opset_imports=list(self.model.opset_import), ir_version=self.model.ir_version
+        )
+        try:
+            inferred = self.onnx.shape_inference.infer_shapes(model, data_prop=True)
+        except Exception as exc:  # noqa: BLE001 - its inputs do not fit the op
+            self.invalid(i, f"cannot compute this constant: {_one_line(exc)}")
+        found = {v.name: v for v in inferred.graph.value_info}
+        limit = max([MAX_CONST_ELEMENTS, *(v.size for v in feeds.values())])
+        total = 0
+        for out in (name for name in node.output if name):
+            dims = _dims(found[out]) if out in found else None
+            if dims is None or not all(isinstance(d, int) and d >= 0 for d in dims):
+                self.invalid(
+                    i, f"the size of the constant {out!r} is not known before computing it"
+                )
+            count = math.prod(dims)
+            if count > limit:
+                self.invalid(
+                    i,
+                    f"the constant {out!r} would hold {count} elements {dims} "
+                    f"(at most {limit} are computed)",
+                )
+            elem = found[out].type.tensor_type.elem_type
+            if elem not in NUMERIC:
+                kind = _type_name(self.onnx, elem)
+                self.invalid(i, f"computes the constant {out!r} of {kind}, not numbers")
+            total += count * _itemsize(self.onnx, elem)
+        if total > self.const_budget:
+            self.invalid(i, f"its {total} bytes of constants exceed the importer's memory budget")
 
     def _track_weight_views(self, node) -> None:
         """Identity(initializer) (the TorchScript exporter's deduplication) and the
@@ -646,6 +920,8 @@ class _Mapper:
         except Refuse as exc:
             self._fail(i, str(exc))
             return
+        except _UNREADABLE as exc:  # an attribute or constant of the wrong kind or size
+            self.invalid(i, f"cannot read its attributes or constant inputs: {_one_line(exc)}")
         self.values[node.output[0]] = result
 
     def _check_outputs(self, i: int) -> None:
@@ -689,6 +965,11 @@ class _Mapper:
         except Refuse:
             shape = None
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        for key, value in kwargs.items():
+            if not _writable(value):
+                self.invalid(
+                    i, f"it computes {op} with {key}={value}, which is not a finite number"
+                )
         self.stmts.append(Stmt(name, op, args, kwargs, module_path, shape))
         return name
 
@@ -790,6 +1071,7 @@ class _Mapper:
         batch = self.batch or B1
         shape = [batch if d is BATCH else d for d in self.shape(x)]
         inside = {o for i in nodes for o in self.nodes[i].output}
+        self._bound_check(nodes, [x, *inside], batch)
         consts = {}
         for i in nodes:
             for name in self.nodes[i].input:
@@ -818,6 +1100,20 @@ class _Mapper:
             got, want, rtol=tolerance, atol=tolerance * scale
         ):
             raise Refuse("its nodes do not compute what torch's module computes")
+
+    def _bound_check(self, nodes: list[int], values: list[str], batch: int) -> None:
+        """The check runs only cheap ops on values of known, bounded size (the file's
+        metadata chose these nodes: it must not make the check a memory or time bomb)."""
+        for i in nodes:
+            if self.nodes[i].op_type not in FOLDED:
+                raise Refuse(f"it computes {self.nodes[i].op_type}, which the check does not run")
+        for name in values:
+            dims = self.shapes.get(name)
+            if dims is None or any(d is None for d in dims):
+                raise Refuse(f"the shape of {name} is not known")
+            count = math.prod(batch if d is BATCH else int(d) for d in dims)
+            if count > MAX_CHECK_ELEMENTS:
+                raise Refuse(f"{name} would hold {count} elements in the check")
 
     def add_group_stmt(self, path: str, op: str, args: list[str], kwargs: dict, out: str) -> str:
         if path in self.names or not valid_path(path):
@@ -852,7 +1148,8 @@ def _merge_dim(a: int | None, b: int | None):
 
 
 def _numel(tensor) -> int:
-    return int(np.prod([int(d) for d in tensor.dims])) if tensor.dims else 1
+    """Exact (a Python int: hostile dims must not wrap around in int64)."""
+    return math.prod(int(d) for d in tensor.dims)
 
 
 def _np_dtype(onnx, elem: int):
@@ -887,7 +1184,12 @@ class NodeView:
         self.attrs = {a.name: _attr_value(mapper.onnx, a) for a in self.node.attribute}
 
     def attr(self, name: str, default=None):
-        return self.attrs.get(name, default)
+        """An attribute's value; an infinite or NaN float is the file's error (the model
+        language has no literal for it), except where ONNX gives it a meaning."""
+        value = self.attrs.get(name, default)
+        if name in self.attrs and _non_finite(value) and (self.op, name) not in _UNBOUNDED:
+            self.m.invalid(self.index, f"its attribute {name} is {value}: expected a finite number")
+        return value
 
     def has(self, i: int) -> bool:
         return i < len(self.node.input) and self.node.input[i] != ""
