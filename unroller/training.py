@@ -824,6 +824,36 @@ def prepare(config: TrainConfig):
     return source, sig, data
 
 
+def _resumable(resume: Path, config: TrainConfig) -> tuple[dict[str, Any], TrainConfig]:
+    """The checkpoint at ``resume`` and the config the run continues with (its lr schedule
+    keeps the length it was made with); TrainError if ``config`` differs from its config
+    in anything but ``epochs`` or ends before it."""
+    checkpoint = load_checkpoint(resume)
+    recorded = TrainConfig.from_dict(checkpoint["config"])
+    changed = [
+        f.name
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in RESUMABLE_CHANGES
+        and not _same_setting(f.name, getattr(recorded, f.name), getattr(config, f.name))
+    ]
+    if changed:
+        details = ", ".join(
+            f"{n} {getattr(recorded, n)!r} -> {getattr(config, n)!r}" for n in changed
+        )
+        raise TrainError(
+            f"--resume: {resume}: the checkpoint was made with other settings ({details}); "
+            "only --epochs may change"
+        )
+    if checkpoint["epoch"] > config.epochs:
+        raise TrainError(
+            f"--resume: {resume}: the checkpoint is at epoch {checkpoint['epoch']}, "
+            f"past --epochs {config.epochs}"
+        )
+    # extra epochs run at the schedule's end
+    schedule = recorded.schedule_epochs or recorded.epochs
+    return checkpoint, dataclasses.replace(config, schedule_epochs=schedule)
+
+
 def train(
     config: TrainConfig,
     out: str | Path,
@@ -842,40 +872,16 @@ def train(
     checkpoint = None
     if resume is not None:
         resume = Path(resume)
-        checkpoint = load_checkpoint(resume)
-        recorded = TrainConfig.from_dict(checkpoint["config"])
-        changed = [
-            f.name
-            for f in dataclasses.fields(TrainConfig)
-            if f.name not in RESUMABLE_CHANGES
-            and not _same_setting(f.name, getattr(recorded, f.name), getattr(config, f.name))
-        ]
-        if changed:
-            details = ", ".join(
-                f"{n} {getattr(recorded, n)!r} -> {getattr(config, n)!r}" for n in changed
-            )
-            raise TrainError(
-                f"--resume: {resume}: the checkpoint was made with other settings ({details}); "
-                "only --epochs may change"
-            )
-        if checkpoint["epoch"] > config.epochs:
-            raise TrainError(
-                f"--resume: {resume}: the checkpoint is at epoch {checkpoint['epoch']}, "
-                f"past --epochs {config.epochs}"
-            )
-        # the lr schedule keeps the length it was made with; extra epochs run at its end
-        config = dataclasses.replace(
-            config, schedule_epochs=recorded.schedule_epochs or recorded.epochs
-        )
-    elif (Path(out) / CHECKPOINT).exists():
-        raise TrainError(
-            f"{out} already holds a run; continue it with --resume {Path(out) / CHECKPOINT} "
-            "or choose another --out"
-        )
+        checkpoint, config = _resumable(resume, config)
     rank, world = _world()
     out = Path(out)
     if rank == 0:
         check_run_folder(out, force=force, ours=resumes_in_place(resume, out))
+    if resume is None and (out / CHECKPOINT).exists():
+        raise TrainError(
+            f"{out} already holds a run; continue it with --resume {out / CHECKPOINT} "
+            "or choose another --out"
+        )
     if world != config.nproc_per_node:
         raise TrainError(
             f"--nproc-per-node {config.nproc_per_node}, but {world} process(es) run: "
