@@ -23,6 +23,7 @@ from unroller.api import PathError, file_kind, generate_source, read_bounded, st
 from unroller.cli.errors import fail
 from unroller.cli.headers import checksum_problem, inspect_header, short
 from unroller.cli.options import GENERATED
+from unroller.cli.shadows import importable_kind, shadow_problem
 from unroller.codegen import Options
 from unroller.errors import ConfigError, ModelError
 
@@ -196,15 +197,18 @@ def _map_files(function, paths: list[Path], jobs: int):
         yield from results
 
 
-def files_under(directory: Path) -> tuple[list[Path], list[str], list[str]]:
-    """(.py files, folders that could not be listed, notes) under ``directory``;
-    symbolic links to folders are not followed (noted)."""
+def files_under(directory: Path) -> tuple[list[Path], list[str], list[str], int]:
+    """(.py files, problem lines, notes, how many importable non-.py files) under
+    ``directory``. Problem lines are folders that could not be listed and byte code or
+    extension modules outside ``__pycache__`` (modules import can load that unroller never
+    writes); symbolic links to folders are not followed (noted)."""
     found: list[Path] = []
-    unlisted: list[str] = []
+    problems: list[str] = []
     notes: list[str] = []
+    others = 0
 
     def unreadable(exc: OSError) -> None:
-        unlisted.append(f"{exc.filename}: cannot list this folder: {exc.strerror}")
+        problems.append(f"{exc.filename}: cannot list this folder: {exc.strerror}")
 
     for folder, dirs, files in os.walk(directory, onerror=unreadable):
         for name in dirs:
@@ -212,12 +216,30 @@ def files_under(directory: Path) -> tuple[list[Path], list[str], list[str]]:
                 notes.append(
                     f"{os.path.join(folder, name)}: a symbolic link to a folder, not followed"
                 )
-        for name in files:
+        in_cache = os.path.basename(folder) == "__pycache__"
+        for name in sorted(files):
+            kind = None if in_cache else importable_kind(name)
             if name.endswith(".py"):
                 found.append(Path(folder, name))
+            elif kind:
+                others += 1
+                problems.append(
+                    f"{Path(folder, name)}: not generated: {kind} that import can load "
+                    "(unroller writes only .py files)"
+                )
         for stale in stale_temps(folder):
             notes.append(f"{stale}: left by an interrupted write; safe to delete")
-    return sorted(found), unlisted, sorted(notes)
+    return sorted(found), problems, sorted(notes), others
+
+
+def _with_shadow(path: Path, verdict: str, why: str) -> tuple[str, str]:
+    """The verdict, made 'damaged' when import would load something else than ``path``."""
+    if verdict == "ignored" and path.name == "__init__.py":
+        return verdict, why
+    shadow = shadow_problem(path)
+    if shadow is None:
+        return verdict, why
+    return "damaged", shadow + (f"; and {why}" if why else "")
 
 
 def check(
@@ -244,18 +266,20 @@ def check(
     """
     if not directory.is_dir():
         raise fail(f"{directory} is not a folder")
-    paths, unlisted, notes = files_under(directory)
-    counts = {"ok": 0, "stale": 0, "damaged": len(unlisted), "ignored": 0}
-    for line in unlisted:
+    paths, problems, notes, others = files_under(directory)
+    counts = {"ok": 0, "stale": 0, "damaged": len(problems), "ignored": 0}
+    for line in problems:
         typer.echo(line, err=True)
     checker = functools.partial(check_file, roots=source_roots(directory))
     for path, (verdict, why) in zip(paths, _map_files(checker, paths, jobs)):
+        verdict, why = _with_shadow(path, verdict, why)
         counts[verdict] += 1
         if verdict in ("stale", "damaged"):
             typer.echo(f"{path}: {why}", err=True)
     for line in notes:
         typer.echo(f"note: {line}", err=True)
     ignored = f", {counts['ignored']} empty __init__.py" if counts["ignored"] else ""
+    ignored += f", {others} importable non-.py files" if others else ""
     typer.echo(
         f"{counts['ok']} up to date, {counts['stale']} stale, "
         f"{counts['damaged']} damaged/not generated "
