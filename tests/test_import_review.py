@@ -12,7 +12,6 @@ second (the first pays for torch.export's warm-up).
 
 from __future__ import annotations
 
-import os
 import sys
 import unicodedata
 from pathlib import Path
@@ -497,12 +496,15 @@ def test_mha_inverted_boolean_mask_is_not_taken_for_causal(nets):
 # ------------------------------------------------------------------ 5. SPEC resolution
 
 
-def test_module_spec_resolves_from_the_working_folder(nets, tmp_path, monkeypatch):
+def test_module_spec_never_resolves_from_the_working_folder(nets, tmp_path, monkeypatch):
+    """A dotted SPEC comes from the installed environment; local code is named as a file
+    (tests/adversarial/test_import_verify.py: a planted package shadowing an installed one)."""
     (tmp_path / "review_cwd_net.py").write_text(Path(nets).read_text())
-    here = {"", os.getcwd(), str(tmp_path)}
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in here])
+    monkeypatch.setattr(sys, "path", [str(tmp_path), "", *sys.path])
     monkeypatch.chdir(tmp_path)
-    imported = import_network("review_cwd_net:Tiny", ["x: f32[N, 4]"])
+    with pytest.raises(ImportFailure, match=r"not searched .*review_cwd_net\.py:NAME"):
+        import_network("review_cwd_net:Tiny", ["x: f32[N, 4]"])
+    imported = import_network("review_cwd_net.py:Tiny", ["x: f32[N, 4]"])
     assert "fc = linear(x, out_features=3)" in imported.text
 
 

@@ -16,6 +16,7 @@ a model inlines to at most ``MAX_NODES`` operator calls.
 from __future__ import annotations
 
 import hashlib
+import keyword
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -483,6 +484,13 @@ class GraphBuilder:
                 loc = next((kw.loc for kw in stmt.kwargs if kw.name == exc.arg), loc)
             raise ModelError(f"{full_name}: {exc.message}", loc, hint) from None
         if op.free:  # the model's float dtype; the parameter's attribute name
+            attribute = full_name.rpartition(".")[2]
+            if keyword.iskeyword(attribute):  # `lambda = parameter(...)`: no such attribute
+                raise ModelError(
+                    f"'{full_name}': a {op.name} is held as the attribute '{attribute}' of the "
+                    "generated module, and a Python keyword cannot be one; rename it",
+                    stmt.loc,
+                )
             result.type = TensorType(self.float_dtype, result.type.shape)
             result.derived = {**result.derived, "name": full_name.rpartition(".")[2]}
         if result.type.dtype == shapes.MODEL_FLOAT:  # a float made from integers (embedding)

@@ -578,11 +578,14 @@ def verify_text(
     """``verify`` for a model text held in memory."""
     import torch
 
+    from unroller.importer.source import user_code
+
     setup = _setup(text, label, dropout)
     against = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
     report = VerifyReport(label, against, tolerance)
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
-        _run(report, setup, spec, kwargs, batch_size, seed, dropout)
+        with user_code(against, "building or running it"):  # sys.exit in forward: exit 2
+            _run(report, setup, spec, kwargs, batch_size, seed, dropout)
     return report
 
 
@@ -603,6 +606,31 @@ def _run(report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dr
     _note_setup(report, setup, fresh, dropout, seed)
     inputs = make_inputs(setup.graph, batch_size, seed)
     _step_and_compare(report, setup, fresh, generated, inputs, seed)
+    require_finite(report, fresh)
+
+
+def require_finite(report: VerifyReport, original) -> None:
+    """The original's loss and gradients on the seeded inputs are finite, or ImportFailure
+    (exit 2): a network that overflows (``x * 1e300``) or divides by zero gives inf/nan,
+    which no comparison can judge; the fault is the network's, not the model text's."""
+    import torch
+
+    from unroller.importer.model import ImportFailure
+
+    loss = next((row for row in report.rows if row.name == "loss"), None)
+    bad = ["loss"] if loss is not None and not math.isfinite(loss.ref_max) else []
+    bad += [
+        f"grad {name}"
+        for name, p in original.named_parameters()
+        if p.grad is not None and not torch.isfinite(p.grad).all()
+    ]
+    if bad:
+        shown = ", ".join(bad[:4]) + (f", ... ({len(bad) - 4} more)" if len(bad) > 4 else "")
+        raise ImportFailure(
+            f"SPEC {report.against!r}: the original's step on seeded inputs gives inf or nan "
+            f"({shown}): the network overflows or divides by zero in float64, so there is "
+            "nothing to compare; fix the network"
+        )
 
 
 def _note_setup(report: VerifyReport, setup: _Setup, original, dropout: str, seed: int) -> None:

@@ -14,8 +14,16 @@ from pathlib import Path
 
 from unroller.importer.emit import emit_text, snake
 from unroller.importer.loss import add_loss
-from unroller.importer.model import ImportedModel, ImportFailure, parse_tensor_spec
-from unroller.importer.source import build_module, is_onnx, parse_kwargs
+from unroller.importer.model import (
+    ImportedModel,
+    ImportFailure,
+    check_elements,
+    parse_tensor_spec,
+)
+from unroller.importer.source import build_module, is_onnx, parse_kwargs, user_code
+
+#: The most --input declarations a network may have.
+MAX_INPUTS = 64
 
 
 @dataclass
@@ -46,11 +54,15 @@ def import_network(
     """The model text for the network SPEC names (see ``unroll import --help``)."""
     if not inputs:
         raise ImportFailure('give the network\'s inputs: --input "x: f32[N, 3, 224, 224]"')
+    if len(inputs) > MAX_INPUTS:
+        raise ImportFailure(f"{len(inputs)} --input options, more than the limit of {MAX_INPUTS}")
     tensors = [parse_tensor_spec(text) for text in inputs]
+    check_elements(tensors)
     if len({t.name for t in tensors}) != len(tensors):
         raise ImportFailure("two --input declarations have the same name")
     target_spec = parse_tensor_spec(target, "--target") if target else None
     label = model_name(spec, name)
+    module = None  # the torch.nn original, to diagnose a text that does not build
     if is_onnx(spec):
         from unroller.importer.onnx_frontend import import_onnx
 
@@ -61,9 +73,10 @@ def import_network(
         from unroller.importer.torch_frontend import import_torch
 
         options = kwargs if isinstance(kwargs, dict) else parse_kwargs(kwargs)
-        module = build_module(spec, options)
-        model = import_torch(module, tensors, label, spec)
-        state = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        with user_code(spec, "importing, building or capturing it"):
+            module = build_module(spec, options)
+            model = import_torch(module, tensors, label, spec)
+            state = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     add_loss(model, loss, target_spec)
     taken = {s.name for s in model.stmts}
     clash = [t.name for t in tensors if t.name in taken]
@@ -74,10 +87,15 @@ def import_network(
         )
     model.notes.insert(0, f"imported from {spec} by unroll import")
     try:
-        text = emit_text(model, reserved=_reserved())
-    except ValueError as exc:  # a value the language cannot write: an importer gap
-        raise ImportFailure(f"internal error: cannot write the text of {spec}: {exc}") from None
-    check_text(text, state, spec)
+        text = emit_checked(model, spec)
+        check_text(text, state, spec)
+    except ImportFailure:
+        if module is not None:  # the network or its declared inputs at fault: say so
+            from unroller.importer.torch_frontend import diagnose
+
+            with user_code(spec, "running it on example inputs"):
+                diagnose(module, tensors, f"SPEC {spec!r}")
+        raise
     return Imported(text, model, state)
 
 
@@ -86,6 +104,14 @@ def _reserved() -> set[str]:
     from unroller.registry import load_registry
 
     return set(load_registry()) | {"model", "input", "target", "block", "return", "N"}
+
+
+def emit_checked(model: ImportedModel, spec: str) -> str:
+    """The model's text; a value the language cannot write is an importer gap."""
+    try:
+        return emit_text(model, reserved=_reserved())
+    except ValueError as exc:
+        raise ImportFailure(f"internal error: cannot write the text of {spec}: {exc}") from None
 
 
 def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> None:

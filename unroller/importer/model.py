@@ -10,6 +10,7 @@ and to write comments naming the source.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -133,10 +134,20 @@ _INPUT = re.compile(
     r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([a-z0-9]+)\s*\[\s*N\s*((?:,\s*\d+\s*)*)\]\s*"
 )
 DTYPES = ("f32", "f64", "f16", "bf16", "i64", "i32")
+#: Bounds on a declared input, checked before anything is allocated or traced: the spec's
+#: length, its dims after N (2,000 dims once kept torch.export busy for minutes), and its
+#: elements per sample (the capture makes example inputs of a few samples).
+MAX_SPEC_CHARS = 1000
+MAX_INPUT_DIMS = 8
+MAX_INPUT_ELEMENTS = 2**26
 
 
 def parse_tensor_spec(text: str, what: str = "--input") -> Tensor:
     """``NAME: DTYPE[N, d1, ...]`` as a Tensor; ImportFailure with the expected form."""
+    if len(text) > MAX_SPEC_CHARS:
+        raise ImportFailure(
+            f"{what}: {len(text):,} characters, more than the limit of {MAX_SPEC_CHARS:,}"
+        )
     match = _INPUT.fullmatch(text)
     if not match or match.group(2) not in DTYPES:
         raise ImportFailure(
@@ -146,4 +157,21 @@ def parse_tensor_spec(text: str, what: str = "--input") -> Tensor:
     dims = tuple(int(d) for d in re.findall(r"\d+", match.group(3)))
     if any(d <= 0 or d > 2**31 for d in dims):
         raise ImportFailure(f"{what} {text!r}: dims after N must be positive integers")
+    if len(dims) > MAX_INPUT_DIMS:
+        raise ImportFailure(
+            f"{what} {match.group(1)!r}: {len(dims)} dims after N, more than the limit of "
+            f"{MAX_INPUT_DIMS}"
+        )
+    check_elements([Tensor(match.group(1), match.group(2), dims)], what)
     return Tensor(match.group(1), match.group(2), dims)
+
+
+def check_elements(tensors: list[Tensor], what: str = "--input") -> None:
+    """The declared tensors together hold at most MAX_INPUT_ELEMENTS per sample."""
+    total = sum(math.prod(t.dims) for t in tensors)
+    if total > MAX_INPUT_ELEMENTS:
+        names = ", ".join(repr(t.name) for t in tensors[:4])
+        raise ImportFailure(
+            f"{what} {names}: {total:,} elements per sample, more than the limit of "
+            f"{MAX_INPUT_ELEMENTS:,} (2**26)"
+        )

@@ -14,6 +14,7 @@ import copy
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -30,17 +31,89 @@ def class_name(cls) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
+#: ``--kwargs`` bounds: the text's length, and how deep lists and objects nest (the
+#: top-level object counts as 1). JSON nested thousands deep once ended in a RecursionError.
+MAX_KWARGS_CHARS = 65536
+MAX_KWARGS_DEPTH = 8
+#: The largest integer ``--kwargs`` may hold (int64: what any size or count fits in).
+MAX_KWARGS_INT = 2**63 - 1
+
+
 def parse_kwargs(text: str | None) -> dict:
-    """``--kwargs '{"num_classes": 10}'``: a JSON object, or ImportFailure."""
+    """``--kwargs '{"num_classes": 10}'``: a JSON object of bounded size and depth whose
+    keys are identifiers and whose values are strings, finite numbers, booleans, null, and
+    lists and objects of those; ImportFailure (one line) otherwise."""
     if not text:
         return {}
+    if len(text) > MAX_KWARGS_CHARS:
+        raise ImportFailure(
+            f"--kwargs: {len(text):,} characters, more than the limit of {MAX_KWARGS_CHARS:,}"
+        )
+    depth = _json_depth(text)
+    if depth > MAX_KWARGS_DEPTH:
+        raise ImportFailure(
+            f"--kwargs: lists and objects nest {depth} deep, more than the limit of "
+            f"{MAX_KWARGS_DEPTH}"
+        )
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise ImportFailure(f"--kwargs: not JSON ({exc.msg} at column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, NaN
+        raise ImportFailure(f"--kwargs: {' '.join(str(exc).split())[:200]}") from None
     if not isinstance(value, dict):
         raise ImportFailure("--kwargs: expected a JSON object such as '{\"num_classes\": 10}'")
+    for key in value:
+        if not (key.isascii() and key.isidentifier()):
+            raise ImportFailure(f"--kwargs: the key {key[:80]!r} is not a keyword-argument name")
+    _check_json_value(value, "--kwargs")
     return value
+
+
+def _no_constant(name: str):
+    """JSON's NaN / Infinity are not numbers a factory can be given."""
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _json_depth(text: str) -> int:
+    """How deep ``[`` and ``{`` nest in ``text`` outside strings, without parsing it (the
+    parser recurses once per level)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _check_json_value(value, where: str) -> None:
+    """Finite floats and int64 integers only, anywhere in the (already depth-bounded) value."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_json_value(item, f"{where}.{key[:40]}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json_value(item, f"{where}[{index}]")
+    elif isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    elif isinstance(value, int):
+        if abs(value) > MAX_KWARGS_INT:
+            raise ImportFailure(f"{where}: the integer is outside int64")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ImportFailure(f"{where}: {value} is not a finite number")
 
 
 @contextlib.contextmanager
@@ -54,6 +127,72 @@ def _on_path(folder: str):
             sys.path.remove(folder)
         except ValueError:
             pass
+
+
+@contextlib.contextmanager
+def _without_working_folder():
+    """sys.path without the working folder ('' or any entry naming it) while a dotted SPEC
+    is imported: ``pkg.module:F`` must resolve from the installed environment, never from a
+    ``./pkg/`` planted where the command happens to run (``python -m`` puts the working
+    folder first). Local code is named as a file: ``path/file.py:F``."""
+    here = os.path.realpath(os.getcwd())
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in saved if not _names_folder(entry, here)]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def _names_folder(entry: str, folder: str) -> bool:
+    """Whether the sys.path ``entry`` is ``folder`` ('' and '.' are the working folder)."""
+    try:
+        return os.path.realpath(entry or ".") == folder
+    except (OSError, ValueError):
+        return False
+
+
+def _import_installed(spec: str, location: str):
+    """The module ``location`` from the installed environment, or ImportFailure with a hint
+    when the working folder holds a file or package of that name."""
+    try:
+        with _without_working_folder():
+            return importlib.import_module(location)
+    except ModuleNotFoundError as exc:
+        top = location.partition(".")[0]
+        local = Path(f"{top}.py").is_file() or Path(top, "__init__.py").is_file()
+        hint = (
+            f"; the working folder is not searched (give a file instead: "
+            f"{location.replace('.', '/')}.py:NAME)"
+            if local
+            else ""
+        )
+        raise ImportFailure(f"SPEC {spec!r}: cannot import {location}: {exc!r}{hint}") from None
+    except (Exception, SystemExit) as exc:
+        raise ImportFailure(f"SPEC {spec!r}: cannot import {location}: {exc!r}") from None
+
+
+@contextlib.contextmanager
+def user_code(spec: str, doing: str):
+    """Runs the user's network code (its import, factory, forward): a ``SystemExit``
+    (``sys.exit`` in ``forward``) or another exception outside ``Exception`` it raises
+    becomes an ImportFailure naming it, so the command fails (exit 2) instead of exiting 0
+    or printing a traceback. KeyboardInterrupt stays an interrupt; ``os._exit`` ends the
+    process where it is called and cannot be caught."""
+    try:
+        yield
+    except SystemExit as exc:
+        raise ImportFailure(
+            f"SPEC {spec!r}: the network's code called sys.exit({exc.code!r}) while {doing}; "
+            "stopped, nothing written"
+        ) from None
+    except (Exception, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - GeneratorExit or a user BaseException
+        raise ImportFailure(
+            f"SPEC {spec!r}: the network's code raised {type(exc).__name__} while {doing}; "
+            "stopped, nothing written"
+        ) from None
 
 
 def is_onnx(spec: str) -> bool:
@@ -84,11 +223,7 @@ def load_object(spec: str):
         except (Exception, SystemExit) as exc:  # the user's file failed: say so
             raise ImportFailure(f"SPEC {spec!r}: running {location} failed: {exc!r}") from None
     else:
-        try:
-            with _on_path(os.getcwd()):  # `unroll import mynet:Net` beside mynet.py
-                module = importlib.import_module(location)
-        except (Exception, SystemExit) as exc:
-            raise ImportFailure(f"SPEC {spec!r}: cannot import {location}: {exc!r}") from None
+        module = _import_installed(spec, location)
     target = module
     for part in attr.split("."):
         if not hasattr(target, part):

@@ -17,6 +17,9 @@ Everything that cannot be mapped is collected, and the import fails listing all 
 
 from __future__ import annotations
 
+import contextlib
+import keyword
+import logging
 import operator
 import os
 import re
@@ -26,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
+from unroller.graph import MAX_FLOAT
 from unroller.importer import aten_ops
 from unroller.importer.aten_ops import Refuse
 from unroller.importer.model import (
@@ -74,15 +78,59 @@ def example_inputs(inputs: Sequence[Tensor], batch: int = EXAMPLE_BATCH) -> list
     return out
 
 
-def capture(module: torch.nn.Module, inputs: Sequence[Tensor]):
+class _Discard:
+    """A text stream that drops what is written (and never grows)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def quiet():
+    """No warning, log record or print while torch runs the user's code: export logs every
+    failed fake-tensor kernel with its traceback (~40 lines before the one-line error), a
+    traced module that fails prints its code to stderr, and a print in ``forward`` would
+    land in the model text on stdout; what went wrong reaches the user as the error."""
+    previous = logging.root.manager.disable
+    sink = _Discard()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+        warnings.simplefilter("ignore")
+        logging.disable(logging.CRITICAL)
+        try:
+            with contextlib.redirect_stderr(sink):
+                yield
+        finally:
+            logging.disable(previous)
+
+
+def capture(module: torch.nn.Module, inputs: Sequence[Tensor], source: str = "the network"):
     """The exported program of ``Predictions(module)`` with a symbolic batch dim, and a
     note saying how it was captured. Export first; ``torch.fx`` then export as fallback."""
-    with warnings.catch_warnings():  # export's advice on the user's code is not ours to show
-        warnings.simplefilter("ignore")
-        return _capture(module, inputs)
+    with quiet():
+        return _capture(module, inputs, source)
 
 
-def _capture(module: torch.nn.Module, inputs: Sequence[Tensor]):
+def diagnose(module: torch.nn.Module, inputs: Sequence[Tensor], source: str) -> None:
+    """After a failed capture or text: run the original eagerly on example inputs of the
+    declared shapes and dtypes. Where that fails (an ``i64`` input into a Linear, a wrong
+    shape) the fault is the network's or the declaration's, and the ImportFailure says so;
+    where it runs, the caller reports its own error. Only on failure: on success the
+    capture never allocates real activations."""
+    declared = ", ".join(f"{t.name}: {t.text()}" for t in inputs)
+    try:
+        with quiet(), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            Predictions(module).train()(*example_inputs(inputs))
+    except Exception as exc:  # noqa: BLE001 - the user's forward on the declared inputs
+        raise ImportFailure(
+            f"{source}: the network fails on inputs of the declared shapes and dtypes "
+            f"({declared}): {_one_line(exc)}"
+        ) from None
+
+
+def _capture(module: torch.nn.Module, inputs: Sequence[Tensor], source: str):
     wrapper = Predictions(module).train()
     try:
         example = tuple(example_inputs(inputs))
@@ -106,6 +154,7 @@ def _capture(module: torch.nn.Module, inputs: Sequence[Tensor]):
         return program, f"torch.export (torch {torch.__version__})"
     except Exception as first:  # noqa: BLE001 - any capture failure: try fx, then report
         export_error = _one_line(first)
+    diagnose(module, inputs, source)  # a forward that fails eagerly fails under fx too
     try:
         traced = Predictions(fx.symbolic_trace(module)).train()
         program = torch.export.export(traced, example, dynamic_shapes=dynamic, strict=False)
@@ -1046,11 +1095,13 @@ def import_torch(
     module: torch.nn.Module, inputs: Sequence[Tensor], name: str, source: str
 ) -> ImportedModel:
     """The network as an ImportedModel (no loss yet); ImportFailure lists what is unmapped."""
-    program, how = capture(module, inputs)
+    _check_parameter_names(module, source)
+    program, how = capture(module, inputs, f"SPEC {source!r}")
     mapper = _Mapper(program, module, inputs)
     predictions = mapper.run()
     if mapper.unmapped:
         raise ImportFailure(f"cannot import {source}", mapper.unmapped)
+    _check_constants(mapper.stmts, source)
     if len(predictions) != 1:
         raise ImportFailure(f"{source}: forward must return one prediction tensor")
     mapper.classes.setdefault("", _qualname(type(module)))
@@ -1064,3 +1115,33 @@ def import_torch(
         classes=mapper.classes,
         notes=[f"captured with {how}"],
     )
+
+
+def _check_parameter_names(module: torch.nn.Module, source: str) -> None:
+    """A parameter named ``class`` / ``None`` / ``lambda``: the generated module holds a
+    free parameter as an attribute of that name, which Python cannot write, and renaming
+    it would break ``load_state_dict(strict=True)`` with the original: refused up front."""
+    for key, _ in module.named_parameters():
+        last = key.rpartition(".")[2]
+        if keyword.iskeyword(last):
+            raise ImportFailure(
+                f"SPEC {source!r}: the parameter {key!r} is named after the Python keyword {last!r}, "
+                "which a generated module cannot hold as an attribute; rename it in the "
+                "original network"
+            )
+
+
+def _check_constants(stmts: Sequence[Stmt], source: str) -> None:
+    """A float constant of the user's code outside float32 (``x * 1e300``, ``* inf``) is
+    the network overflowing, not an importer gap: one line naming the statement."""
+    for stmt in stmts:
+        for key, value in stmt.kwargs.items():
+            for item in value if isinstance(value, tuple) else (value,):
+                if isinstance(item, float) and not abs(item) <= MAX_FLOAT:
+                    where = stmt.module_path or "<root>"
+                    raise ImportFailure(
+                        f"SPEC {source!r}: the network uses the constant {item!r} ({stmt.op} "
+                        f"{key}= at {where}), outside the float32 range the generated module "
+                        f"computes in (magnitude at most {MAX_FLOAT:g}): the network "
+                        "overflows there; change the constant"
+                    )
