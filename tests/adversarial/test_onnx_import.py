@@ -4,10 +4,10 @@ Each file is built here with ``onnx.helper`` (a few hundred bytes) and must end 
 ``unroll: error: ...`` line naming the file, exit status 2, no traceback, nothing on
 standard output, in bounded memory and time:
 
-- constant folding is bounded *before* anything is allocated: a ``ConstantOfShape`` /
-  ``Expand`` / ``Tile`` / ``Range`` / ``Pad`` whose inferred size is past the bound is
-  refused, naming the node (a 332-byte file once made the import allocate 1.2 GiB), and so
-  is a chain of constants past the memory budget;
+- constant folding is bounded *before* anything is allocated: a ``ConstantOfShape``,
+  ``Expand``, ``Tile``, ``Range``, ``Pad`` or sparse ``Constant`` whose inferred size is
+  past the bound is refused, naming the node (a 332-byte file once made the import
+  allocate 1.2 GiB), and so is a chain of constants past the memory budget;
 - graphs ``onnx.checker`` rejects (duplicate initializers, a value assigned twice, cycles,
   raw data shorter than the shape, string attributes where numbers belong) and tensors it
   lets through (string weights, typed data of the wrong length) are refused;
@@ -116,7 +116,10 @@ def reshaped_by(nodes, inits, value: str):
 
 HUGE = [20000, 20000]  # 400 M elements: 1.6 GB as float32, 3.2 GB as int64
 
+SPARSE = helper.make_sparse_tensor(floats("v", [1.0]), ints("i", [5]), HUGE)
+
 BOMBS = {
+    "Constant": ([helper.make_node("Constant", [], ["c"], sparse_value=SPARSE)], []),
     "ConstantOfShape": ([helper.make_node("ConstantOfShape", ["s"], ["c"])], [ints("s", HUGE)]),
     "Expand": (
         [helper.make_node("Expand", ["one", "s"], ["c"])],
