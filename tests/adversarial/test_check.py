@@ -383,3 +383,146 @@ def test_parallel_check_reports_like_a_sequential_one(tmp_path: Path, monkeypatc
     assert results["1"] == results["2"]
     assert results["2"][0] == 1
     assert "2 up to date, 1 stale, 1 damaged/not generated" in results["2"][1]
+
+
+# ---- files import would load instead of a checked module --------------------------------
+
+
+def forged_cache(source: Path, body: str = "import os\n") -> bytes:
+    """Byte code of other code, with a header that matches ``source`` (what import checks)."""
+    from importlib._bootstrap_external import _code_to_timestamp_pyc
+
+    info = source.stat()
+    return bytes(
+        _code_to_timestamp_pyc(compile(body, str(source), "exec"), info.st_mtime, info.st_size)
+    )
+
+
+def cache_name(stem: str, tag: str | None = None) -> str:
+    return f"{stem}.{tag or sys.implementation.cache_tag}.pyc"
+
+
+def test_files_that_shadow_a_checked_module_are_reported(work: Path):
+    """gen/a/__init__.pyc once left `check` saying "up to date" while `import gen.a` ran it."""
+    import py_compile
+
+    gen = work / "gen"
+    (gen / "a").mkdir()
+    (gen / "a" / "x.py").write_text("import os\n")
+    py_compile.compile(str(gen / "a" / "x.py"), cfile=str(gen / "a" / "__init__.pyc"))
+    (gen / "a" / "x.py").unlink()
+    (gen / "b").mkdir()
+    (gen / "b" / "__init__.py").write_text("")  # empty, yet `import gen.b` loads it
+    (gen / "c.abi3.so").write_bytes(b"\x7fELF")
+    (gen / "loose.pyc").write_bytes(b"")
+    result = check()
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert "gen/a.py: shadowed: gen/a/ is a package (__init__.pyc), which import loads" in (
+        result.stderr
+    )
+    assert "gen/b.py: shadowed: gen/b/ is a package (__init__.py)" in result.stderr
+    assert "gen/c.py: shadowed: gen/c.abi3.so is an extension module" in result.stderr
+    for name, kind in {
+        "gen/a/__init__.pyc": "byte code",
+        "gen/loose.pyc": "byte code",
+        "gen/c.abi3.so": "an extension module",
+    }.items():
+        assert f"{name}: not generated: {kind} that import can load (unroller writes only" in (
+            "\n".join(lines)
+        )
+    assert summary(result) == (
+        "0 up to date, 0 stale, 6 damaged/not generated "
+        "(4 .py files under gen, 1 empty __init__.py, 3 importable non-.py files)"
+    )
+
+
+def test_byte_code_caches_are_compared_with_their_source(work: Path):
+    """A cache whose header matches the source runs instead of it: forged, it is reported;
+    Python's own (import, compileall, -O) and one import ignores are fine."""
+    import compileall
+
+    gen = work / "gen"
+    assert compileall.compile_dir(str(gen), quiet=1, optimize=[0, 1])
+    cache = gen / "__pycache__"
+    assert check().exit_code == 0
+    (cache / cache_name("a")).write_bytes(forged_cache(gen / "a.py"))
+    (cache / cache_name("b", "cpython-39")).write_bytes(forged_cache(gen / "b.py"))
+    stale = forged_cache(gen / "c.py")
+    (cache / cache_name("c")).write_bytes(stale[:12] + b"\0\0\0\0" + stale[16:])  # wrong size
+    result = check()
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert lines[0] == (
+        f"gen/a.py: shadowed: gen/__pycache__/{cache_name('a')} is byte code that differs "
+        "from a.py, and import runs it instead of the source: delete it"
+    )
+    assert lines[1].startswith(
+        "gen/b.py: gen/__pycache__/b.cpython-39.pyc is byte code for another Python"
+    )
+    assert summary(result).startswith("1 up to date, 0 stale, 2 damaged")
+
+
+# ---- a header names a file outside the project ------------------------------------------
+
+
+def planted(path: Path, source: str) -> None:
+    """Point the header of ``path`` at ``source``, with a checksum that matches again."""
+    from unroller.codegen import CHECKSUM_TAG, body_checksum
+
+    with_fields(source=source)(path)
+    lines = lines_of(path)
+    at = next(i for i, line in enumerate(lines) if line.startswith(CHECKSUM_TAG))
+    lines[at] = f"{CHECKSUM_TAG}{body_checksum(''.join(lines))}\n"
+    path.write_text("".join(lines), encoding="utf-8")
+
+
+def test_a_header_cannot_point_check_outside_the_project(work: Path, tmp_path_factory):
+    secret = tmp_path_factory.mktemp("outside") / "token.txt"
+    secret.write_text("ghp_SECRET_TOKEN_123 and more\n")
+    (work / "inside.txt").write_text("ghp_INSIDE_TOKEN_456 and more\n")
+    os.symlink(secret, work / "link.txt")
+    gen = work / "gen"
+    ups = "../" * len(work.parts)
+    for name, source in {
+        "abs": str(secret),
+        "dotdot": ups + str(secret).lstrip("/"),
+        "link": "link.txt",
+        "inside": "inside.txt",
+    }.items():
+        (gen / f"{name}.py").write_bytes((gen / "a.py").read_bytes())
+        planted(gen / f"{name}.py", source)
+    result = check()
+    assert result.exit_code == 1
+    assert "SECRET" not in result.output and "INSIDE" not in result.output
+    for name in ("abs", "dotdot", "link"):
+        assert f"gen/{name}.py: header damaged: its source " in result.stderr
+    assert result.stderr.count("lies outside the working directory and the folder") == 3
+    assert "gen/inside.py: cannot regenerate: its source 'inside.txt' has an error at line 1" in (
+        result.stderr
+    )
+    assert summary(result).startswith("3 up to date, 1 stale, 3 damaged")
+
+
+# ---- parallel check: no code from the working directory ----------------------------------
+
+
+def test_parallel_check_runs_no_code_from_the_working_directory(work: Path):
+    """`check -j 2` starts multiprocessing's fork server (`python -c ...`), which once put
+    the working directory first on sys.path: ./multiprocessing/ ran before anything."""
+    planted_modules = ["multiprocessing/__init__.py", "socket.py", "selectors.py", "typer.py"]
+    for name in planted_modules:
+        (work / name).parent.mkdir(exist_ok=True)
+        marker = work / f"ran-{name.replace('/', '_')}"
+        (work / name).write_text(f"open({str(marker)!r}, 'w').close()\n")
+    result = subprocess.run(
+        [str(UNROLL), "check", "gen", "--jobs", "2"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        timeout=120,
+    )
+    assert sorted(p.name for p in work.glob("ran-*")) == []
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[-1].startswith("3 up to date, 0 stale, 0 damaged")
