@@ -655,7 +655,6 @@ def _step_and_compare(report: VerifyReport, setup: _Setup, original, generated, 
     except Exception as exc:  # noqa: BLE001 - a generator bug: reported, not raised
         report.problems.append(f"the generated module's step failed: {exc!r}")
         return
-    twin = copy.deepcopy(original)  # the same step on the batch reversed: rounding noise
     try:
         torch.manual_seed(seed)
         ref_loss = _original_loss(original, plan, model_inputs, other)
@@ -666,8 +665,7 @@ def _step_and_compare(report: VerifyReport, setup: _Setup, original, generated, 
         )
         return
     report.rows.append(compare("loss", loss, ref_loss, report.tolerance))
-    noise = _rounding_noise(original, twin, plan, model_inputs, other, seed)
-    report.rows += _noise_checked(_state_rows(original, generated, report.tolerance), noise)
+    report.rows += _noise_checked(_state_rows(original, generated, report.tolerance))
     report.rows.append(_prediction_row(original, generated, model_inputs, report.tolerance))
 
 
@@ -677,53 +675,18 @@ NOISE_FRACTION = 1e-13
 NOISE_NOTE = "zero in exact arithmetic"
 
 
-#: How far the generated gradient may be from the original's, in units of the measured
-#: rounding noise, for a gradient that is zero in exact arithmetic.
-NOISE_MARGIN = 10.0
-
-
-def _rounding_noise(original, twin, plan, model_inputs, other, seed) -> dict[str, float]:
-    """Per parameter, max |g - g'| where g' is the original's gradient on the batch given
-    twice (reversed the second time): the same value in exact arithmetic (the loss is a
-    mean over the batch, batch statistics are the same), summed in another order and
-    grouping, so the difference is what rounding alone does. Empty when the twin step
-    fails (then no gradient passes as noise)."""
-    import torch
-
-    if other.dim() == 0:
-        return {}
-    order = torch.arange(other.shape[0] - 1, -1, -1)
-
-    def twice(t):
-        return torch.cat([t, t[order]])
-
-    try:
-        torch.manual_seed(seed)
-        loss = _original_loss(twin, plan, [twice(t) for t in model_inputs], twice(other))
-        loss.backward()
-    except Exception:  # noqa: BLE001 - no estimate: the strict comparison stands
-        return {}
-    ref = dict(original.named_parameters())
-    noise = {}
-    for name, p in twin.named_parameters():
-        a, b = ref[name].grad, p.grad
-        if a is not None and b is not None:
-            noise[f"grad {name}"] = float((a.double() - b.double()).abs().max())
-    return noise
-
-
-def _noise_checked(rows: list[Row], noise: dict[str, float]) -> list[Row]:
+def _noise_checked(rows: list[Row]) -> list[Row]:
     """Gradients that are zero in exact arithmetic pass when both sides are noise.
 
     A key projection's bias under softmax (it shifts every score of a row alike) or a
     convolution's bias before batch norm has gradient exactly 0; both sides compute it as
     rounding noise (~1e-22 where the step's gradients are ~1), whose relative difference
-    means nothing. Such a row passes only when (1) the reference is below NOISE_FRACTION of
-    the largest gradient of the step, and (2) the difference is within NOISE_MARGIN times
-    the rounding noise measured for that gradient (the original's step on the batch
-    given twice, ``_rounding_noise``). A small but real gradient is computed far more
-    precisely than its size (its doubled-batch twin agrees to ~1e-16 of it), so dropping or
-    changing it still fails."""
+    means nothing and whose size depends on the CPU's summation order and vector width.
+    Such a row passes when its reference and its difference are both below NOISE_FRACTION
+    of the step's largest gradient: a scale every machine computes alike, ~450 units in the
+    last place of that gradient, far below any gradient that moves a float64 step. A small
+    but real gradient above that floor is still compared relatively, so dropping or changing
+    it fails."""
     grads = [row for row in rows if row.name.startswith("grad ") and row.ref_max == row.ref_max]
     scale = max((row.ref_max for row in grads), default=0.0)
     if scale <= 0.0:
@@ -731,18 +694,11 @@ def _noise_checked(rows: list[Row], noise: dict[str, float]) -> list[Row]:
     floor = NOISE_FRACTION * scale
     out = []
     for row in rows:
-        measured = noise.get(row.name, 0.0)
-        if (
-            not row.ok
-            and row in grads
-            and row.ref_max <= floor
-            and measured > 0.0
-            and row.abs_diff <= NOISE_MARGIN * measured
-        ):
+        if not row.ok and row in grads and row.ref_max <= floor and row.abs_diff <= floor:
             note = (
-                f"{NOISE_NOTE}: the reference is below {NOISE_FRACTION:g} x the largest "
-                f"gradient ({scale:.3e}); the difference is within {NOISE_MARGIN:g} x the "
-                f"rounding noise measured on the doubled batch ({measured:.1e})"
+                f"{NOISE_NOTE}: the reference ({row.ref_max:.1e}) and the difference "
+                f"({row.abs_diff:.1e}) are below {NOISE_FRACTION:g} x the step's largest "
+                f"gradient ({scale:.3e})"
             )
             row = replace(row, ok=True, note=note)
         out.append(row)
