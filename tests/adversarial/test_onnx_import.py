@@ -425,3 +425,42 @@ def test_external_data_outside_or_not_a_file(work: Path, location: str):
 def test_external_data_too_short(work: Path):
     (work / "m.data").write_bytes(b"\0\0")
     import_file(_external(work, "m.data"), "needs 4 bytes")
+
+
+# ---------------------------------------------------------------- numbers past the language
+
+
+def _graph_of(nodes, inits, shape: list):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)
+    graph = helper.make_graph(nodes, "g", [x], [y], initializer=list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(
+    "node, inits, phrase",
+    [
+        (helper.make_node("Pad", ["x", "p"], ["y"]), [ints("p", [0, 2**40, 0, 2**40])], "pad="),
+        (
+            helper.make_node("Slice", ["x", "a", "b", "ax", "st"], ["y"]),
+            [ints("a", [1]), ints("b", [2**62]), ints("ax", [1]), ints("st", [2**62])],
+            "step=",
+        ),
+        (helper.make_node("Gather", ["x", "i"], ["y"], axis=1), [ints("i", 2**62)], "index="),
+    ],
+    ids=["pad", "slice-step", "gather-index"],
+)
+def test_integer_past_the_language(work: Path, node, inits, phrase: str):
+    """The file's number, not an importer's gap: named at its node, not "internal error"."""
+    text = import_file(save(work, model([node], inits)), f"{node.op_type} node", phrase)
+    assert "internal error" not in text and "2147483647" in text
+
+
+def test_negative_inferred_size(work: Path):
+    """A pooling window larger than the input: a negative size, refused at its node."""
+    node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2**40, 1])
+    path = save(work, _graph_of([node], [], ["N", 1, 4, 4]))
+    result = invoke("import", str(path), "--input", "x: f32[N, 1, 4, 4]")
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "internal error" not in result.stderr and "MaxPool" in result.stderr
+    assert "not in 1..2147483647" in result.stderr

@@ -1,7 +1,14 @@
 """An ONNX file -> ``ImportedModel``: the ONNX twin of ``torch_frontend``.
 
-The file is read with ``onnx.load`` (local functions inlined) and its graph inputs are checked
-against ``--input`` by position: the rank and every size after the batch must match; the
+Hostile files. The file is read like every input (``unroller.api.read_bounded``: a regular
+file, at most ``MAX_FILE_BYTES``; external data only from regular files inside its folder),
+checked with ``onnx.checker`` and ``_check_tensors`` (numbers only, exactly as many as the
+shape says), then its local functions are inlined. A file that is not valid ONNX, or a node
+whose attributes or constants are unusable (an inf or NaN, a string where a number belongs,
+a constant that cannot be computed or would be too large), is one ``ImportFailure`` line
+naming the file and the node; an operation the registry lacks is an ``Unmapped`` entry.
+
+The graph inputs are checked against ``--input`` by position: the rank and every size after the batch must match; the
 batch dim may be symbolic (``torch.onnx.export(..., dynamic_shapes=...)``) or fixed (an
 export at one example batch), and is read as ``N`` either way.
 
@@ -15,7 +22,9 @@ entry is B (``Reshape`` to ``[B, 512]``) means ``N``.
 Constants. Nodes that read no input data (``Constant``, shape arithmetic, the zero bias the
 dynamo exporter builds for a bias-free ``Conv`` with ``Shape``/``Expand``/``CastLike``) are
 evaluated with ``onnx.reference`` and feed the mappers as arguments (reshape sizes, pads,
-scales). ``Shape`` of a data value is known from shape inference. A constant that reaches
+scales). Only ops whose cost is linear in their size (``FOLDED``) are evaluated, and each
+result's size is known from shape inference before it is computed: at most
+``MAX_CONST_ELEMENTS`` (or its largest input's size) and the file's memory budget. ``Shape`` of a data value is known from shape inference. A constant that reaches
 an operator as a tensor operand is refused (no registry operator adds a constant tensor),
 except a scalar factor (``scale``) and exact no-ops (``+ 0``, ``* 1``).
 
@@ -488,16 +497,20 @@ class _Poisoned(Refuse):
 _UNREADABLE = (ValueError, TypeError, OverflowError, ArithmeticError, IndexError, KeyError)
 
 
-def _writable(value) -> bool:
-    """Whether a keyword value is one the model language can write: no inf or NaN, no
-    integer past int64."""
+#: The largest integer magnitude the model language accepts in an argument or a dim.
+MAX_INT = 2**31 - 1
+
+
+def _unwritable(value) -> str | None:
+    """Why the model language cannot write a keyword value the file's numbers produced (an
+    inf or NaN, an integer past ``MAX_INT``), or None: the file's error, not an importer's."""
     if isinstance(value, (tuple, list)):
-        return all(_writable(v) for v in value)
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, int):
-        return -(2**63) <= value < 2**63
-    return True
+        return next((r for r in map(_unwritable, value) if r), None)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "not a finite number"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"past {MAX_INT} in magnitude"
+    return None
 
 
 def _non_finite(value) -> bool:
@@ -695,6 +708,8 @@ class _Mapper:
             raise Refuse(f"{name} [{', '.join(shown)}] does not keep the batch dim first")
         if any(d is None or d is BATCH for d in raw[1:]):
             raise Refuse(f"{name} [{', '.join(shown)}] has a size that is unknown or the batch's")
+        if any(not 0 < d <= MAX_INT for d in raw[1:]):
+            raise Refuse(f"{name} [{', '.join(shown)}] has a size that is not in 1..{MAX_INT}")
         return (BATCH, *raw[1:])
 
     # ---- constants (onnx.reference, at one or two batch sizes)
@@ -966,10 +981,9 @@ class _Mapper:
             shape = None
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         for key, value in kwargs.items():
-            if not _writable(value):
-                self.invalid(
-                    i, f"it computes {op} with {key}={value}, which is not a finite number"
-                )
+            reason = _unwritable(value)
+            if reason:
+                self.invalid(i, f"it computes {op} with {key}={value}: {reason}")
         self.stmts.append(Stmt(name, op, args, kwargs, module_path, shape))
         return name
 
