@@ -165,6 +165,8 @@ def test_the_launch_command_never_runs_python_dash_m(base, tmp_path):
     assert command[command.index("--no-python") + 1] == sys.executable  # run as given
     if sys.version_info >= (3, 11):
         assert command.count("-P") == 2
+    assert "--force" not in command
+    assert "--force" in launch_command(two, tmp_path / "run", None, quiet=True, force=True)
 
 
 def test_the_planted_modules_would_run_under_python_dash_m(tmp_path):
