@@ -191,6 +191,20 @@ def test_local_module_spec_points_to_the_file_form(work: Path):
     assert invoke("import", "nets.py:Lin", "--input", "x: f32[N, 4]").exit_code == 0
 
 
+def test_an_installed_entry_naming_the_working_folder_stays(work: Path, monkeypatch):
+    """An editable install of the project the command runs in adds its folder to sys.path
+    from a site file: that is the installed environment, so it resolves (only relative
+    entries and a first entry naming the working folder are the working folder's)."""
+    (work / "review_installed_net.py").write_text(NETS, encoding="utf-8")
+    installed = list(sys.path)
+    monkeypatch.setattr(sys, "path", [str(work), "", *installed])  # python -m, python -c
+    refused(invoke("import", "review_installed_net:Lin", "--input", "x: f32[N, 4]"))
+    monkeypatch.setattr(sys, "path", [installed[0], str(work), *installed])  # a site file
+    result = invoke("import", "review_installed_net:Lin", "--input", "x: f32[N, 4]")
+    assert result.exit_code == 0, (result.output, result.exception)
+    sys.modules.pop("review_installed_net", None)
+
+
 # ------------------------------------------------------------ 2. sys.exit in user code
 
 

@@ -131,13 +131,21 @@ def _on_path(folder: str):
 
 @contextlib.contextmanager
 def _without_working_folder():
-    """sys.path without the working folder ('' or any entry naming it) while a dotted SPEC
-    is imported: ``pkg.module:F`` must resolve from the installed environment, never from a
-    ``./pkg/`` planted where the command happens to run (``python -m`` puts the working
-    folder first). Local code is named as a file: ``path/file.py:F``."""
+    """sys.path without the working folder's implicit entries while a dotted SPEC is
+    imported: ``pkg.module:F`` must resolve from the installed environment, never from a
+    ``./pkg/`` planted where the command happens to run. Dropped: relative entries ('' from
+    ``python -c``, '.'), which name whatever folder the command runs in, and a first entry
+    naming the working folder (``python -m`` puts it there). Absolute entries that site
+    files or PYTHONPATH add stay, even where they name the working folder: an editable
+    install of the project the command runs in is installed. Local code is named as a
+    file: ``path/file.py:F``."""
     here = os.path.realpath(os.getcwd())
     saved = list(sys.path)
-    sys.path[:] = [entry for entry in saved if not _names_folder(entry, here)]
+    sys.path[:] = [
+        entry
+        for index, entry in enumerate(saved)
+        if os.path.isabs(entry) and not (index == 0 and _names_folder(entry, here))
+    ]
     try:
         yield
     finally:
@@ -145,9 +153,9 @@ def _without_working_folder():
 
 
 def _names_folder(entry: str, folder: str) -> bool:
-    """Whether the sys.path ``entry`` is ``folder`` ('' and '.' are the working folder)."""
+    """Whether the sys.path ``entry`` is ``folder``."""
     try:
-        return os.path.realpath(entry or ".") == folder
+        return os.path.realpath(entry) == folder
     except (OSError, ValueError):
         return False
 
