@@ -349,6 +349,26 @@ def make_inputs(graph: Graph, batch_size: int, seed: int) -> list[torch.Tensor]:
     return tensors
 
 
+#: The most input and target elements one verify step makes, all together (1 GiB in
+#: float64): the language admits 2**34 per sample, and --batch-size is unbounded.
+MAX_VERIFY_ELEMENTS = 2**27
+
+
+def check_input_size(graph: Graph, batch_size: int) -> None:
+    """VerifyError at the largest declaration when the step's inputs would exceed
+    MAX_VERIFY_ELEMENTS (checked before anything is built or allocated)."""
+    sizes = [(batch_size * math.prod(v.type.shape[1:]), v) for v in graph.inputs]
+    total = sum(size for size, _ in sizes)
+    if total > MAX_VERIFY_ELEMENTS:
+        largest = max(sizes, key=lambda pair: pair[0])[1]
+        raise VerifyError(
+            f"verify's inputs at --batch-size {batch_size} would hold {total:,} elements, "
+            f"more than the limit of {MAX_VERIFY_ELEMENTS:,} (2**27; '{largest.name}' is "
+            f"{largest.type}); use a smaller --batch-size or smaller declared shapes",
+            largest.loc,
+        )
+
+
 def integer_bound(value: Value) -> int | None:
     """The exclusive upper bound of valid integers for ``value`` (the smallest over its
     consumers), following shape ops; None when nothing bounds it."""
@@ -581,6 +601,7 @@ def verify_text(
     from unroller.importer.source import user_code
 
     setup = _setup(text, label, dropout)
+    check_input_size(setup.graph, batch_size)
     against = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
     report = VerifyReport(label, against, tolerance)
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was

@@ -313,6 +313,17 @@ def test_inputs_together_are_bounded(work: Path):
     refused(invoke("import", "nets.py:Lin", *specs), "elements per sample")
 
 
+def test_verify_batch_is_bounded_up_front(work: Path):
+    """--batch-size has no upper bound of its own: the step's inputs are bounded."""
+    result = invoke("verify", "lin.txt", "--against", "nets.py:Lin", "--batch-size", "10**9")
+    assert result.exit_code == 2  # not an integer: typer refuses it
+    with time_limit(10, TimeoutError("--batch-size not refused up front")):
+        result = invoke("verify", "lin.txt", "--against", "nets.py:Lin", "--batch-size", "10" * 5)
+    assert result.exit_code == 2, (result.output, result.exception)
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("lin.txt:2:11: error: ") and "more than the limit" in first, first
+
+
 # ------------------------------------------------------------ 6. the network at fault
 
 
