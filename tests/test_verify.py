@@ -392,24 +392,28 @@ class Biased(nn.Module):
 
 
 def test_a_gradient_zero_in_exact_arithmetic_passes_as_noise_and_says_so():
-    # rows as a BERT step gives them: the key bias's gradient is 0 in exact arithmetic
+    # rows as a BERT step gives them: the key bias's gradient is 0 in exact arithmetic.
+    # Judged against the step's largest gradient, whatever the noise's size on this CPU:
+    # only whether the reference reproduces on the doubled batch matters.
     from unroller.verify import Row, _noise_checked
 
-    # (whatever the noise's size on this CPU: judged against the step's largest gradient)
     rows = [
         Row("grad q.weight", (4, 4), 0.338, 1e-17, 3e-17, True),
-        Row("grad k.bias", (4,), 4.6e-22, 5.7e-22, 1.23, False),
+        Row("grad k.bias", (4,), 4.6e-22, 5.7e-22, 1.23, False),  # diff 100x the twin's
         Row("grad v.bias", (4,), 2e-15, 3e-15, 1.5, False),  # noise 1e7x larger: still noise
+        Row("grad zero", (4,), 0.0, 1e-20, float("inf"), False),  # exactly 0 on one side
         Row("grad small", (4,), 1e-12, 1e-16, 1e-4, False),  # small but real: still fails
-        Row("grad dropped", (4,), 3e-14, 3e-14, 1.0, False),  # noise-sized, but so is the diff
+        Row("grad branch", (4,), 3e-16, 3e-16, 1.0, False),  # reproduces: real, dropped
         Row("grad wrong", (4,), 1e-15, 1e-10, 1e5, False),  # noise reference, real difference
         Row("loss", (), 2.0, 0.0, 0.0, True),
     ]
-    checked = {row.name: row for row in _noise_checked(rows)}
-    assert checked["grad k.bias"].ok and checked["grad v.bias"].ok
+    noise = {"grad k.bias": 5e-24, "grad v.bias": 1e-15, "grad branch": 1e-31}
+    noise |= {"grad small": 1e-28, "grad wrong": 1e-15}
+    checked = {row.name: row for row in _noise_checked(rows, noise)}
+    assert checked["grad k.bias"].ok and checked["grad v.bias"].ok and checked["grad zero"].ok
     assert checked["grad k.bias"].note.startswith("zero in exact arithmetic")
-    assert checked["grad dropped"].ok  # 3e-14 < 1e-13 x 0.338: rounding-sized both ways
     assert not checked["grad small"].ok and not checked["grad wrong"].ok
+    assert not checked["grad branch"].ok
 
 
 def test_a_biased_conv_before_batch_norm_verifies(tmp_path):
