@@ -102,6 +102,18 @@ def test_plan_never_replaces_the_model_file(work: Path, no_probe, force: list[st
     assert (work / "m.txt").read_text(encoding="utf-8") == MODEL
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_generate_never_replaces_its_model_or_config(work: Path, force: list[str]):
+    (work / "c.toml").write_text('[default]\ncompressor = "quant"\nbits = 8\n')
+    (work / "alias.txt").symlink_to("m.txt")
+    before = snapshot(work)
+    for name in ("m.txt", "alias.txt", str(work / "m.txt")):
+        refused(invoke("generate", "m.txt", "-o", name, *force), "is the input file")
+    config = ["--compress-config", "c.toml"]
+    refused(invoke("generate", "m.txt", *config, "-o", "c.toml", *force), "is the input file")
+    assert snapshot(work) == before
+
+
 def test_plan_replaces_only_a_config_it_wrote(work: Path):
     (work / "mine.toml").write_text("# my own notes\n[default]\ncompressor = 'none'\n")
     before = snapshot(work)

@@ -84,8 +84,9 @@ def generate(
     The write is atomic (a temporary .NAME.unroller-tmp-PID-RANDOM beside the target, then
     a rename; removed on failure, and stale ones from interrupted runs are cleaned up).
     Refused, exit status 2: a folder, FIFO, device or socket as output, a missing folder
-    (unless --mkdir), a dangling symbolic link, and, unless --force, an existing file that
-    was not generated or was edited by hand.
+    (unless --mkdir), a dangling symbolic link, the model file or compress config itself
+    (even with --force), and, unless --force, an existing file that was not generated or
+    was edited by hand.
 
     Example: unroll generate models/resnet34.txt --platform gpu --scheme dct-dense -o resnet34.py
     """
@@ -101,7 +102,8 @@ def generate(
         pipeline,
     )
     to_stdout = output is None or str(output) == "-"
-    target = None if to_stdout else prepare_output(output, force, mkdir)
+    inputs = (model, *((compress_config,) if compress_config else ()))
+    target = None if to_stdout else prepare_output(output, force, mkdir, inputs=inputs)
     text = emit(model, options)
     print_warnings(model)
     if output is None or target is None:
