@@ -98,7 +98,7 @@ def scheme_options(scheme: str, out: Path) -> tuple[str, str | None]:
             f'[default]\ncompressor = "quant"\nbits = {QUANT_BITS[scheme]}\n'
         )
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            write_atomic(path, text)
+            write_atomic(path, text, follow_links=False)
         return "quant", str(path.resolve())
     return scheme, None
 
@@ -139,10 +139,10 @@ def initial_state(config: TrainConfig, seed: int, out: Path) -> Path:
         )
     if path.is_file():
         return path
-    write_atomic(module_path, source)
+    write_atomic(module_path, source, follow_links=False)
     Model = import_generated(module_path, f"unroller_init_{abs(hash(str(out.resolve())))}").Model
     torch.manual_seed(seed)
-    save_atomic(path, Model().state_dict())
+    save_atomic(path, Model().state_dict(), follow_links=False)
     return path
 
 
@@ -208,7 +208,7 @@ def gradient_error(config: TrainConfig, run_dir: Path, baseline: Path, data) -> 
     exact, approx = grads
     error = ((approx - exact).norm() / exact.norm().clamp_min(1e-300)).item()
     record = {"epoch": checkpoint["epoch"], "batch": count, "relative_l2": error}
-    write_atomic(probe, json.dumps(record) + "\n")
+    write_atomic(probe, json.dumps(record) + "\n", follow_links=False)
     return error
 
 
@@ -439,7 +439,7 @@ def plot(
         image = io.BytesIO()
         fig.savefig(image, format="png", dpi=110)
         plt.close(fig)
-        write_atomic(path, image.getvalue())
+        write_atomic(path, image.getvalue(), follow_links=False)
         written.append(path)
     return written
 
@@ -491,9 +491,9 @@ def run_accuracy(
         ),
         "finished": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
-    write_atomic(out / "accuracy.md", markdown(rows, header))
-    write_atomic(out / "accuracy.csv", csv_text(rows))
+    write_atomic(out / "accuracy.md", markdown(rows, header), follow_links=False)
+    write_atomic(out / "accuracy.csv", csv_text(rows), follow_links=False)
     summary = {"header": header, "task": data.task, "rows": [asdict(r) for r in rows]}
-    write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n", follow_links=False)
     plot(results, rows[0].metric, f"{sig.model} on {data.title}", out)
     return rows

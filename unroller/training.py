@@ -218,11 +218,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def save_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """torch.save through a temporary file and a rename: a crash never leaves half a file."""
+def save_atomic(path: Path, payload: dict[str, Any], *, follow_links: bool = True) -> None:
+    """torch.save through a temporary file and a rename: a crash never leaves half a file.
+    ``follow_links=False`` inside folders unroller owns: a planted link is refused."""
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    write_atomic(path, buffer.getvalue())
+    write_atomic(path, buffer.getvalue(), follow_links=follow_links)
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -640,3 +640,25 @@ def test_cli_out_of_range_options(base, tmp_path):
     refused(invoke(*train_args(config, "-o", out, "--seed", str(2**70))), "--seed must be")
     refused(invoke(*train_args(config, "-o", out, "--lr", "inf")), "--lr must be finite")
     assert not (tmp_path / "run").exists()
+
+
+# ---- unroll accuracy's output folder ----------------------------------------------------
+
+
+def test_accuracy_never_follows_a_link_in_its_output_folder(tmp_path: Path):
+    """``unroll accuracy --out`` writes its configs, initial weights, tables and plots with
+    links refused, as the run folders inside it: a link planted at the 4-bit config's name
+    is one error line, and its target is untouched."""
+    model = tmp_path / "model.txt"
+    model.write_text(CLASSIFIER, encoding="utf-8")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine\n", encoding="utf-8")
+    (tmp_path / "out" / "configs").mkdir(parents=True)
+    (tmp_path / "out" / "configs" / "quant-4bit.toml").symlink_to(victim)
+    args = ["accuracy", str(model), "--schemes", "quant-4bit", "--seeds", "1", *TINY]
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "out"), "--quiet"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unroll: error: "), result.stderr
+    assert "link" in lines[0], lines[0]
+    assert victim.read_text(encoding="utf-8") == "mine\n"

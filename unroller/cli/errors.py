@@ -49,13 +49,19 @@ def path_errors(command: Command) -> Command:
     ``unroll: error: PATH: reason`` line (status 2): commands check the paths they expect
     to be bad, but every ``open``, ``stat`` or ``mkdir`` of a user path can also fail in
     ways no command lists (ENAMETOOLONG, ELOOP, EACCES, ENOSPC), and those must not be
-    tracebacks. Errors that name no file are left alone: they are not the user's input."""
+    tracebacks; nor may a ``PathError`` (a link where none is followed, a FIFO) that a
+    command did not expect. Errors that name no file are left alone: they are not the
+    user's input."""
 
     @functools.wraps(command)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
         except OSError as exc:
+            from unroller.api import PathError
+
+            if isinstance(exc, PathError):  # the project's own refusal: it names the path
+                raise fail(shown_path(exc)) from None
             if exc.filename is None:
                 raise
             raise path_error(exc) from None
