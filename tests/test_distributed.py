@@ -131,8 +131,11 @@ def _assert_same_state(got: dict, want: dict, tol: float = 1e-12) -> None:
             assert torch.equal(got[key], value), key
 
 
+# make test keeps one two-process run (batch norm synchronised, so the reducer and the
+# statistics both cross processes); the plain model and the DDP peer under SLOW=1
 @pytest.mark.parametrize(
-    "text, name, kind", [(PLAIN, "plain", "ours"), (NORMED, "normed", "sync_bn")]
+    "text, name, kind",
+    [pytest.param(PLAIN, "plain", "ours", marks=pytest.mark.slow), (NORMED, "normed", "sync_bn")],
 )
 def test_two_processes_equal_one_on_the_whole_batch(tmp_path, text, name, kind):
     module = _module(tmp_path, text, name, bucket_bytes=1)  # a bucket per run: several
@@ -148,6 +151,7 @@ def test_two_processes_equal_one_on_the_whole_batch(tmp_path, text, name, kind):
         assert 0.0 <= overlap["hidden_fraction"] <= 1.0 and overlap["allreduce_seconds"] > 0
 
 
+@pytest.mark.slow  # two more processes: make test-slow
 def test_same_weights_as_torch_ddp(tmp_path):
     """torch's DDP on the torch.nn twin, two processes, ends where one process of the
     generated module ends on the whole batch, which is where two of ours end (above)."""
