@@ -65,12 +65,29 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_limited(handle, limit: int, what: str) -> bytes:
-    """At most ``limit`` bytes from a binary stream; PathError beyond that."""
-    data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise PathError(f"{what} is larger than {limit // 2**20} MiB")
-    return data
+READ_CHUNK = 1 << 20
+
+
+def size_text(nbytes: int) -> str:
+    """A byte limit for a message: MiB when it is at least one, bytes otherwise."""
+    return f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
+
+
+def read_limited(handle, limit: int, what: str, size_hint: int | None = None) -> bytes:
+    """At most ``limit`` bytes from a binary stream; PathError beyond that. Never asks the
+    stream for more than it is expected to hold (``size_hint``, the file's size) plus a
+    chunk at a time: ``read(n)`` reserves n bytes before reading, so ``read(limit + 1)``
+    with a 16 GiB limit fails on a small machine whatever the file's size."""
+    first = READ_CHUNK if size_hint is None else size_hint + 1
+    chunks = [handle.read(min(limit + 1, first))]
+    total = len(chunks[0])
+    while total <= limit and chunks[-1]:
+        chunks.append(handle.read(min(limit + 1 - total, READ_CHUNK)))
+        total += len(chunks[-1])
+    if total > limit:
+        raise PathError(f"{what} is larger than {size_text(limit)}")
+    data = [chunk for chunk in chunks if chunk]
+    return data[0] if len(data) == 1 else b"".join(data)  # one file-sized copy at most
 
 
 def read_model_text(path: str | Path) -> str:
@@ -90,8 +107,9 @@ def read_bounded(path: str | Path, limit: int = MAX_READ_BYTES) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as handle:
         # the file opened, should it have changed meanwhile
-        _check_readable(path, os.fstat(fd), limit)
-        return read_limited(handle, limit, str(path))
+        info = os.fstat(fd)
+        _check_readable(path, info, limit)
+        return read_limited(handle, limit, str(path), info.st_size)
 
 
 def _check_readable(path: Path, info: os.stat_result, limit: int) -> None:
@@ -100,7 +118,7 @@ def _check_readable(path: Path, info: os.stat_result, limit: int) -> None:
     if not stat.S_ISREG(info.st_mode):
         raise PathError(f"{path} is {file_kind(info.st_mode)}, not a regular file")
     if info.st_size > limit:
-        raise PathError(f"{path} is larger than {limit // 2**20} MiB")
+        raise PathError(f"{path} is larger than {size_text(limit)}")
 
 
 def output_target(path: str | Path) -> Path:

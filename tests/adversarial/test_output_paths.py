@@ -360,3 +360,21 @@ def test_replacing_keeps_the_file_mode(work: Path):
     assert invoke("generate", "m.txt", "-o", "out.py").exit_code == 0
     assert stat.S_IMODE((work / "out.py").stat().st_mode) == 0o640
     assert (work / "out.py").read_text() == fresh()
+
+
+def test_a_large_read_limit_reserves_no_memory(tmp_path: Path):
+    """read_bounded asks for what the file holds, not for its limit: ``read(limit + 1)``
+    reserves the limit first, so a 16 GiB checkpoint limit once made every ``--resume``
+    a MemoryError on a small machine. Run under a 3 GiB address-space cap."""
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"abc")
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "from unroller.api import read_bounded\n"
+        "assert read_bounded(sys.argv[1], 64 << 30) == b'abc'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(small)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

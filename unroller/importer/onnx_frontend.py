@@ -62,9 +62,7 @@ identifies these linear operators (another linear map differs by the size of the
 from __future__ import annotations
 
 import math
-import os
 import re
-import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -201,11 +199,6 @@ def _read(path: Path, limit: int) -> bytes:
     from unroller.api import PathError, read_bounded
 
     try:
-        info = os.stat(path)
-        if stat.S_ISREG(info.st_mode):  # read no more than it holds: read(limit) allocates
-            if info.st_size > limit:
-                raise ImportFailure(f"{path} is larger than {limit // 2**20} MiB")
-            limit = info.st_size
         return read_bounded(path, limit)
     except FileNotFoundError:
         raise ImportFailure(f"{path}: no such file") from None
