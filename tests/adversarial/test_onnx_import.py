@@ -414,7 +414,9 @@ def test_external_data_is_read(work: Path):
     assert "factor=2.0" in result.stdout
 
 
-@pytest.mark.parametrize("location", ["../outside.data", "/etc/passwd", "fifo.data", "link"])
+@pytest.mark.parametrize(
+    "location", ["../outside.data", "/etc/passwd", "fifo.data", "link", "m\0.data", "."]
+)
 def test_external_data_outside_or_not_a_file(work: Path, location: str):
     (work.parent / "outside.data").write_bytes(np.float32(2.0).tobytes())
     os.mkfifo(work / "fifo.data")

@@ -115,8 +115,9 @@ DTYPES = {1: "f32", 11: "f64", 10: "f16", 16: "bf16", 7: "i64", 6: "i32"}
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 #: The most bytes read from an ONNX file (protobuf's own limit for one message).
 MAX_FILE_BYTES = 2 * 2**30
-#: The most bytes read from the external data files beside it, all together.
-MAX_EXTERNAL_BYTES = 8 * 2**30
+#: The most bytes read from the external data files beside it, all together: the weights
+#: are inlined before ``onnx.checker`` runs, and it checks no model past 2 GiB in all.
+MAX_EXTERNAL_BYTES = 2 * 2**30
 #: Element types a tensor in the file may hold: numbers and booleans (no strings, complex
 #: numbers or the 4/8-bit float formats numpy cannot hold).
 NUMERIC = frozenset({1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 16})
@@ -250,8 +251,9 @@ def _load_external_data(onnx, model, path: Path) -> None:
         what = f"{path}: the tensor {tensor.name!r}"
         info = {entry.key: entry.value for entry in tensor.external_data}
         location = info.get("location", "")
-        source = (folder / location).resolve()
-        if not location or Path(location).is_absolute() or not source.is_relative_to(folder):
+        bad_name = not location or "\0" in location or Path(location).is_absolute()
+        source = folder if bad_name else (folder / location).resolve()
+        if bad_name or not source.is_relative_to(folder) or source == folder:
             raise ImportFailure(
                 f"{what} keeps its data in {location!r}, which is not a file in {path}'s folder"
             )
