@@ -504,6 +504,31 @@ def test_a_header_cannot_point_check_outside_the_project(work: Path, tmp_path_fa
     assert summary(result).startswith("3 up to date, 1 stale, 3 damaged")
 
 
+def test_a_config_outside_the_project_is_never_read_through_another_base(
+    work: Path, tmp_path_factory
+):
+    """The generator reads a header's compression config relative to the working
+    directory: check once skipped an outside file there, found a copy beside the
+    generated file, and then let the generator read the outside one."""
+    config = '[default]\ncompressor = "quant"\nbits = 8\n'
+    (work / "c.toml").write_text(config)
+    made = runner.invoke(
+        app, ["generate", "m.txt", "--compress-config", "c.toml", "-o", "gen/q.py"]
+    )
+    assert made.exit_code == 0, made.output
+    assert summary(check()).startswith("4 up to date")
+    secret = tmp_path_factory.mktemp("outside") / "c.toml"
+    secret.write_text(config)
+    (work / "c.toml").unlink()
+    os.symlink(secret, work / "c.toml")
+    (work / "gen" / "c.toml").write_text(config)  # an inside copy under another base
+    result = check()
+    assert "gen/q.py: header damaged: its compression config 'c.toml' lies outside" in (
+        result.stderr
+    )
+    assert summary(result).startswith("3 up to date, 0 stale, 1 damaged")
+
+
 # ---- parallel check: no code from the working directory ----------------------------------
 
 

@@ -45,27 +45,24 @@ def _inside(path: Path, roots: tuple[Path, ...]) -> bool:
 
 
 def resolve_source(
-    recorded: str, generated_file: Path, roots: tuple[Path, ...]
+    recorded: str, generated_file: Path | None, roots: tuple[Path, ...]
 ) -> tuple[Path | None, bool]:
-    """A recorded source path, relative to the working directory or an ancestor of the
-    file, that is a regular file inside ``roots`` (a FIFO or device recorded there is never
-    read); and whether one was found only outside them (a header pointing elsewhere)."""
-    outside = False
+    """A recorded path as the first regular file it names, relative to the working
+    directory or else an ancestor of ``generated_file`` (None: the working directory
+    only, where the generator itself reads a compression config), if that file lies
+    inside ``roots`` (a FIFO or device recorded there is never read); and whether it lies
+    outside them (a header pointing elsewhere: damaged, whatever another base holds)."""
     try:
         candidate = Path(recorded)
-        bases = (
-            [Path()] if candidate.is_absolute() else [Path.cwd(), *generated_file.resolve().parents]
-        )
+        ancestors = [] if generated_file is None else list(generated_file.resolve().parents)
+        bases = [Path()] if candidate.is_absolute() else [Path.cwd(), *ancestors]
         for base in bases:
             path = base / candidate
-            if not path.is_file():
-                continue
-            if _inside(path, roots):
-                return path, False
-            outside = True
+            if path.is_file():
+                return (path, False) if _inside(path, roots) else (None, True)
     except (OSError, ValueError):  # a name too long, a NUL byte
         return None, False
-    return None, outside
+    return None, False
 
 
 def _outside(what: str, recorded: str) -> tuple[str, str]:
@@ -126,7 +123,7 @@ def check_file(path: Path, roots: tuple[Path, ...] = ()) -> tuple[str, str]:
         return found
     options = Options.from_header(header)
     if options.compress_config is not None:
-        config, outside = resolve_source(options.compress_config, path, roots)
+        config, outside = resolve_source(options.compress_config, None, roots)
         if outside:
             return _outside("compression config", options.compress_config)
         if config is None:
