@@ -363,3 +363,13 @@ def test_prints_and_warnings_of_forward_stay_out_of_the_model_text(work: Path):
     assert result.exit_code == 0, (result.output, result.exception)
     assert "printed by forward" not in result.stdout and "warned" not in result.stderr
     assert result.stdout.startswith("# imported from nets.py:Noisy")
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_import_never_replaces_the_network_it_reads(work: Path, force: list[str]):
+    """``-o`` naming the SPEC's own file (or a link to it) is refused, --force or not."""
+    (work / "alias.py").symlink_to("nets.py")
+    for name in ("nets.py", "alias.py", str(work / "nets.py")):
+        result = invoke("import", "nets.py:Lin", "--input", "x: f32[N, 4]", "-o", name, *force)
+        refused(result, "is the input file")
+    assert (work / "nets.py").read_text(encoding="utf-8") == NETS

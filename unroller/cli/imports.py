@@ -27,7 +27,19 @@ SpecArg = Annotated[
 ]
 
 
-def _output_path(output: Path, force: bool) -> None:
+def _spec_file(spec: str) -> tuple[Path, ...]:
+    """The file a SPEC names (``model.onnx``, ``path/file.py:Name``); none for a module."""
+    path = spec.rpartition(":")[0] if spec.rpartition(":")[0].endswith(".py") else spec
+    return (Path(path),) if path.endswith((".py", ".onnx")) else ()
+
+
+def _output_path(output: Path, force: bool, inputs: tuple[Path, ...] = ()) -> None:
+    """Refuse an output that is a folder, exists (without --force), lies in a missing
+    folder, or is the command's input (never replaced, --force or not)."""
+    from unroller.cli.output import is_input
+
+    if is_input(output, inputs) is not None:
+        raise fail(f"{output} is the input file; it is never replaced: write elsewhere")
     if output.is_dir():
         raise fail(f"{output} is a folder; give the output file's name")
     if output.exists() and not force:
@@ -93,7 +105,7 @@ def import_command(
 
     to_stdout = output is None or str(output) == "-"
     if not to_stdout:
-        _output_path(output, force)
+        _output_path(output, force, _spec_file(spec))
     try:
         from unroller.importer.api import import_network
 
@@ -148,7 +160,7 @@ def weights_command(
     Example: unroll weights resnet18.onnx -o resnet18.pt, then
     Model().load_state_dict(torch.load("resnet18.pt"))
     """
-    _output_path(output, force)
+    _output_path(output, force, (model,))
     from unroller.importer.model import ImportFailure
 
     try:
