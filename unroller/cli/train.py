@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from unroller.cli.errors import config_error, fail, model_error
+from unroller.api import PathError
+from unroller.cli.errors import config_error, fail, model_error, path_error, shown_path
 from unroller.cli.options import (
     DEFAULT_SCHEME,
     BatchOpt,
@@ -194,9 +195,12 @@ def train(
         raise model_error(exc, model) from None
     except ConfigError as exc:
         raise config_error(exc) from None
+    except PathError as exc:  # a link or FIFO where a run file goes: the message names it
+        raise fail(shown_path(exc)) from None
     except OSError as exc:  # anything a run folder's checks did not foresee: one line
-        where = exc.filename or out
-        raise fail(f"{where}: {exc.strerror or exc}") from None
+        if exc.filename is None:
+            exc.filename = out
+        raise path_error(exc) from None
     except KeyboardInterrupt:
         if (out / "checkpoint.pt").is_file():
             typer.echo(f"interrupted; continue with --resume {out / 'checkpoint.pt'}", err=True)
