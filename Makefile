@@ -18,6 +18,7 @@ venv: $(STAMP)
 # (--no-deps) and built by the locked hatchling (--no-build-isolation); `pip check` fails
 # the setup when the lock no longer satisfies pyproject.toml.
 $(STAMP): pyproject.toml $(LOCK)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "requirements.lock holds versions for Python 3.11: make PYTHON=python3.11 ... (or make lock to re-resolve for this Python)")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r $(LOCK)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
