@@ -144,6 +144,10 @@ def test_gpu_max_batch_is_checked_against_a_measured_step(scheme):
     above = estimate_gpu(graph, _opts(scheme, platform="gpu"), est.total_bytes - 1)
     assert above.max_batch == est.max_batch - 1 or above.max_batch < est.max_batch
     measured = _measured_total(graph, _opts(scheme, platform="gpu"), est.max_batch)
+    # 10% holds on any CPU: the state, the batch and the tensors the step holds are the same
+    # bytes everywhere; only kernel scratch differs by CPU (oneDNN's choice), and on this
+    # small model that is a few hundred KiB of the ~24 MiB total (the memory model's own
+    # tests bracket it: test_memory_plan.assert_model_brackets_the_measured_peak)
     assert abs(measured / est.total_bytes - 1) < 0.10, (measured, est.total_bytes)
 
 
