@@ -55,6 +55,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def fast_subset(values, fast) -> list:
+    """pytest params for ``values`` (tuples for several arguments), every one not in
+    ``fast`` marked slow: make test keeps a representative corner of a matrix within its
+    time budget, and ``make test-slow`` (SLOW=1) runs all of it."""
+    fast = set(fast)
+    return [
+        pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=() if v in fast else SLOW_MARK)
+        for v in values
+    ]
+
+
+SLOW_MARK = pytest.mark.slow
+
+
 @contextlib.contextmanager
 def time_limit(seconds: int, error: BaseException):
     """Raise ``error`` inside the block once it has run ``seconds``: a test that could

@@ -39,6 +39,7 @@ def _timed(rec: dict, steps: int) -> None:
     assert rec["samples_per_s"] > 0 and rec["speedup_vs_one_process"] > 0
 
 
+@pytest.mark.slow  # the scaling preset end to end (test_pipeline_parallel covers the stages)
 def test_two_stage_pipeline_nocompress(tmp_path):
     meta, records, md = _run(tmp_path, ["--pipeline", "2", "--scheme", "nocompress", *TINY])
     assert [r["method"] for r in records] == ["ours:nocompress", "pipeline2:nocompress"]

@@ -63,7 +63,15 @@ CASES = {
 
 #: Families that tests/test_import_families.py also imports and verifies: their CASES run
 #: under SLOW=1 only (make test-slow), to keep make test within its time budget.
-SLOW_CASES = {"efficientnet_b0", "convnext_tiny", "densenet", "tcn", "mobilenet_v2", "vgg11_bn"}
+SLOW_CASES = {
+    "efficientnet_b0",
+    "convnext_tiny",
+    "densenet",
+    "tcn",
+    "mobilenet_v2",
+    "vgg11_bn",
+    "unet",
+}
 
 
 @pytest.mark.parametrize(

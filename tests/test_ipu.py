@@ -143,6 +143,11 @@ def test_without_poptorch_the_module_says_so_and_exits_2(build, tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "PopTorch" in lines[0] and "--emulate" in lines[0]
+
+
+@pytest.mark.slow  # a second interpreter running an emulated step: make test-slow
+def test_the_module_runs_as_a_script_under_emulation(build, tmp_path):
+    module = build(model_path("tiny_resnet"), Options(platform="ipu"))
     result = subprocess.run(
         [sys.executable, module.__file__, "--emulate", "--steps", "1", "--replication-factor", "2"],
         capture_output=True,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import fast_subset, rel_err
 
 from unroller.bench.reference import BENCHMARKS
 from unroller.bench.reference.sequence import VitEncoderBlock
@@ -62,12 +62,15 @@ def assert_ipu_equals_gpu_plus_sgd(emu, gpu, ipu, batch: list[torch.Tensor]) -> 
 
 
 # MobileNetV2's float64 ipu step (depthwise convolutions written out) takes a minute on
-# two cores: it runs with SLOW=1 (make test-slow)
-STEPPED = [pytest.param(n, marks=pytest.mark.slow) if "mobile" in n else n for n in MODELS]
+# two cores: it runs with SLOW=1 (make test-slow), as do the other schemes of each model
 
 
-@pytest.mark.parametrize("scheme", ["nocompress", "quant"])
-@pytest.mark.parametrize("name", STEPPED)
+#: make test: each model under one scheme, the schemes alternating; the rest with SLOW=1
+ROTATED = [("vit_tiny", "nocompress"), ("gpt_tiny", "quant"), ("tcn_small", "nocompress")]
+SCHEMES = [(m, s) for m in MODELS for s in ("nocompress", "quant")]
+
+
+@pytest.mark.parametrize("name, scheme", fast_subset(SCHEMES, ROTATED))
 def test_emulated_ipu_step_equals_gpu_step_plus_sgd(build, emulation, name, scheme):
     bench = BENCHMARKS[name]
     torch.manual_seed(0)
@@ -86,7 +89,7 @@ def test_emulated_ipu_step_equals_gpu_step_plus_sgd(build, emulation, name, sche
     )
 
 
-@pytest.mark.parametrize("name", STEPPED)
+@pytest.mark.parametrize("name", fast_subset(MODELS, ["gpt_tiny"]))
 def test_generated_ipu_modules_pass_lint(tmp_path, name):
     from typer.testing import CliRunner
 
@@ -194,8 +197,9 @@ def test_transformers_pipelined_over_two_emulated_ipus(build, emulation, name):
     assert {ipu_id for _, ipu_id in emulation.placements} == {0, 1}
 
 
-@pytest.mark.parametrize("scheme", ["nocompress", "quant"])
-@pytest.mark.parametrize("name", ["vit_tiny", "gpt_tiny", "tcn_small"])
+@pytest.mark.parametrize(
+    "name, scheme", fast_subset([p for p in SCHEMES if p[0] != "mobilenet_v2"], ROTATED)
+)
 def test_models_train(build, name, scheme):
     """Adam on one fixed synthetic batch through the generated step: the loss falls well
     below where it started (the unrolled gradients, compressed or not, are usable)."""

@@ -11,7 +11,7 @@ truncation; deep nesting; dtypes and dims changed; lines moved) must each either
   ``Model()`` runs one training step (batch 2, random inputs in the declared dtypes,
   class indices for cross_entropy targets) and ``predict()``, raising nothing.
 
-300 mutants by default, 3000 with ``SLOW=1``; ``FUZZ_SEED`` picks another seeded run.
+200 mutants by default, 3000 with ``SLOW=1``; ``FUZZ_SEED`` picks another seeded run.
 Every failure is collected (not just the first) and reported with the mutant's text, so
 a run shows all the bugs it found. Generation is the slow part (black formats the
 module); most mutants are formatted by a stand-in that only compiles the text (what the
@@ -49,7 +49,7 @@ SEEDS = sorted((ROOT / "tests" / "models").glob("*.txt")) + sorted(
     (ROOT / "benchmarks" / "models").glob("*.txt")
 )
 SLOW = os.environ.get("SLOW") == "1"
-TOTAL = 3000 if SLOW else 300
+TOTAL = 3000 if SLOW else 200
 FUZZ_SEED = int(os.environ.get("FUZZ_SEED", "1234"))
 FILE = "bad.txt"
 ERROR_LINE = re.compile(rf"^{re.escape(FILE)}:\d+:\d+: error: \S")

@@ -97,7 +97,14 @@ def _step(module, state, options: Options):
     return loss, grads, model.predict(x)
 
 
-@pytest.mark.parametrize("options", PLATFORMS, ids=["gpu-dct", "gpu-quant", "ipu", "ipu2"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(o, marks=() if i in (0, 2) else pytest.mark.slow)  # gpu-dct, ipu fast
+        for i, o in enumerate(PLATFORMS)
+    ],
+    ids=["gpu-dct", "gpu-quant", "ipu", "ipu2"],
+)
 def test_reserved_words_as_value_names_train_like_plain_names(tmp_path, options):
     plain = [f"v{i}" for i in range(len(NAMES))]
     clean = _module(tmp_path, chain_model(plain, "loss"), options, "clean")
