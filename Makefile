@@ -16,14 +16,14 @@ venv: $(STAMP)
 
 # The locked packages first, then the project itself without resolving anything more
 # (--no-deps) and built by the locked hatchling (--no-build-isolation); `pip check` fails
-# the setup when the lock no longer satisfies pyproject.toml. --no-compile: Python compiles
-# the modules it imports on first use, and pip compiling every file of torch and the rest
-# up front took half of a fresh setup (93 s -> 59 s).
+# the setup when the lock no longer satisfies pyproject.toml. (Not --no-compile: it saves
+# a third of the setup but the tests then spend more than that compiling in every
+# interpreter they start with PYTHONDONTWRITEBYTECODE.)
 $(STAMP): pyproject.toml $(LOCK)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "requirements.lock holds versions for Python 3.11: make PYTHON=python3.11 ... (or make lock to re-resolve for this Python)")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile -r $(LOCK)
-	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
 	touch $(STAMP)
 
