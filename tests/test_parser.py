@@ -1333,7 +1333,7 @@ def mutated_examples(draw):
     return text
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=1000 if SLOW else 200, deadline=None)
 @given(mutated_examples())
 def test_any_text_parses_or_raises_a_located_model_error(source):
     try:

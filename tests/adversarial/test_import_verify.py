@@ -163,7 +163,11 @@ def run_unroll(cwd: Path, *args: str, python_m: bool = False) -> subprocess.Comp
 # ------------------------------------------------------------ 1. dotted SPEC resolution
 
 
-@pytest.mark.parametrize("python_m", [False, True], ids=["unroll", "python -m"])
+# make test runs `python -m unroller.cli` (the entry that puts the working folder first on
+# sys.path); the installed script too under SLOW=1
+@pytest.mark.parametrize(
+    "python_m", [pytest.param(False, marks=pytest.mark.slow), True], ids=["unroll", "python -m"]
+)
 def test_planted_package_in_the_working_folder_never_runs(tmp_path: Path, python_m: bool):
     """``colorsys`` is installed (the standard library's); ``./colorsys/`` in the working
     folder would shadow it with the working folder first on sys.path (``python -m`` puts
