@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 from conftest import time_limit
-from typer.testing import CliRunner
 
 import unroller.estimate as estimate_module
 import unroller.plan as planner
+from tests.adversarial import cli_cases
+from tests.adversarial.cli_cases import invoke
 from unroller.api import load_graph
-from unroller.cli import app
 from unroller.codegen import Options
 
 MODEL = """\
@@ -40,7 +40,9 @@ model lin {
 PLAN = ["plan", "m.txt", "--batch-size", "4", "--probe-batch", "2"]
 LONG = "x" * 300  # over NAME_MAX (255) on every common file system
 
-runner = CliRunner()
+
+def refused(result, *phrases: str) -> str:
+    return cli_cases.refused(result, *phrases, located=True)
 
 
 @pytest.fixture(autouse=True)
@@ -55,26 +57,6 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "m.txt").write_text(MODEL, encoding="utf-8")
     return tmp_path
-
-
-def invoke(*args: str):
-    result = runner.invoke(app, list(args))
-    assert not isinstance(result.exception, TimeoutError), result.exception
-    return result
-
-
-def refused(result, *phrases: str) -> str:
-    """Exit 2, no traceback, one error line (``unroll: error:`` or ``FILE: error:``)."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
-        result.exception
-    )
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and ": error: " in lines[0], result.stderr
-    assert lines[0].startswith("unroll: error: ") or "error: " in lines[0]
-    for phrase in phrases:
-        assert phrase in lines[0], (phrase, lines[0])
-    return lines[0]
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

@@ -30,12 +30,10 @@ from pathlib import Path
 
 import pytest
 from conftest import time_limit
-from typer.testing import CliRunner
 
-from unroller.cli import app
+from tests.adversarial.cli_cases import invoke, refused
 
 UNROLL = Path(sys.executable).with_name("unroll")
-runner = CliRunner()
 
 NETS = """\
 import sys
@@ -118,19 +116,6 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "nets.py").write_text(NETS, encoding="utf-8")
     (tmp_path / "lin.txt").write_text(MODEL, encoding="utf-8")
     return tmp_path
-
-
-def invoke(*args: str):
-    result = runner.invoke(app, list(args))
-    assert not isinstance(result.exception, (TimeoutError, MemoryError)), result.exception
-    return result
-
-
-def refused(result, *phrases: str) -> str:
-    """The run failed with exit 2 and one error line holding every phrase."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    return one_line(result.stderr, *phrases)
 
 
 def one_line(stderr: str, *phrases: str) -> str:

@@ -31,18 +31,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import time_limit
-from typer.testing import CliRunner
 
 onnx = pytest.importorskip("onnx")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from unroller.cli import app  # noqa: E402
+from tests.adversarial import cli_cases  # noqa: E402
+from tests.adversarial.cli_cases import invoke  # noqa: E402
 from unroller.importer import onnx_frontend  # noqa: E402
 
 UNROLL = Path(sys.executable).with_name("unroll")
 INPUT = "x: f32[N, 4]"
-runner = CliRunner()
+
+
+def refused(result, *phrases: str) -> str:
+    return cli_cases.refused(result, *phrases, quiet=True)
 
 
 @pytest.fixture(autouse=True)
@@ -79,24 +82,6 @@ def save(folder: Path, content, name: str = "m.onnx") -> Path:
     data = content if isinstance(content, bytes) else content.SerializeToString()
     path.write_bytes(data)
     return path
-
-
-def invoke(*args: str):
-    result = runner.invoke(app, list(args))
-    assert not isinstance(result.exception, (TimeoutError, MemoryError)), result.exception
-    return result
-
-
-def refused(result, *phrases: str) -> str:
-    """Exit 2, nothing on stdout, one error line holding every phrase."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("unroll: error: "), result.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], (phrase, lines[0])
-    return lines[0]
 
 
 def import_file(path: Path, *phrases: str) -> str:

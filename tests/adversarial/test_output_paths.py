@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 from conftest import time_limit
-from typer.testing import CliRunner
 
+from tests.adversarial.cli_cases import invoke, refused
 from unroller import api
 from unroller.api import PathError, generate_source, read_bounded, stale_temps, write_atomic
 from unroller.cli import app
@@ -46,8 +46,6 @@ model lin {
 """
 CHANGED = MODEL.replace("out_features=5", "out_features=7")
 
-runner = CliRunner()
-
 
 @pytest.fixture(autouse=True)
 def alarm():
@@ -61,23 +59,6 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "m.txt").write_text(MODEL, encoding="utf-8")
     return tmp_path
-
-
-def invoke(*args: str):
-    result = runner.invoke(app, list(args))
-    assert not isinstance(result.exception, (TimeoutError, MemoryError)), result.exception
-    return result
-
-
-def refused(result, *phrases: str) -> str:
-    """The run failed with exit 2 and one error line holding every phrase."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("unroll: error: "), result.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], (phrase, lines[0])
-    return lines[0]
 
 
 def names(folder: Path) -> list[str]:

@@ -38,6 +38,7 @@ import torch
 from conftest import ROOT, time_limit
 from typer.testing import CliRunner
 
+from tests.adversarial.cli_cases import invoke, refused
 from tests.train_models import CLASSIFIER
 from unroller import run_folder
 from unroller.cli import app
@@ -79,23 +80,6 @@ def base(tmp_path_factory) -> tuple[TrainConfig, Path]:
     )
     train(config, root / "run", progress=False, log=quiet)
     return config, root / "run"
-
-
-def invoke(*args: str):
-    result = runner.invoke(app, list(args))
-    assert not isinstance(result.exception, (TimeoutError, MemoryError)), result.exception
-    return result
-
-
-def refused(result, *phrases: str) -> str:
-    """Exit 2, no traceback, one ``unroll: error:`` line holding every phrase."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("unroll: error: "), result.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], (phrase, lines[0])
-    return lines[0]
 
 
 def snapshot(folder: Path) -> dict[str, Any]:
