@@ -95,13 +95,13 @@ def _default_out(model: Path, dataset: str, label: str, seed: int) -> Path:
 
 
 def _check_out(out: Path, resume: Path | None, force: bool) -> None:
-    """Refuse a run folder before anything is launched or written. Inside torchrun only
-    rank 0 checks (in ``training.train``): the others would see its files half-made."""
+    """Refuse a run folder before torchrun launches anything. One process (and rank 0
+    inside torchrun) checks in ``training.train``; the other ranks would see its files
+    half-made."""
     from unroller.run_folder import check_run_folder
     from unroller.training import resumes_in_place
 
-    if "WORLD_SIZE" not in os.environ:
-        check_run_folder(out, force=force, ours=resumes_in_place(resume, out))
+    check_run_folder(out, force=force, ours=resumes_in_place(resume, out))
 
 
 def train(
@@ -184,8 +184,8 @@ def train(
         if resume is not None:
             config = _resumed_config(ctx, config, resume)
         config.validate()
-        _check_out(out, resume, force)
         if config.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+            _check_out(out, resume, force)
             raise typer.Exit(_launch(config, out, resume, quiet, force))
         with _process_group(config):
             run = run_training(
