@@ -119,3 +119,19 @@ def batch_text(gen: torch.Generator, batch: int, resolution: int) -> list[Tensor
     uniformly random) and the next code after each as the target."""
     ids = torch.randint(32, 127, (batch, resolution + 1), generator=gen)
     return [ids[:, :-1].contiguous(), ids[:, 1:].contiguous()]
+
+
+MASK_ID = 0  # bert_encoder's mask token (no printable character)
+MASK_SHARE = 0.15  # BERT's share of masked positions
+
+
+def batch_masked_text(gen: torch.Generator, batch: int, resolution: int) -> list[Tensor]:
+    """bert_encoder: ``resolution`` printable character codes per sample of which about
+    15% (at least one per sample, so the loss is never an empty mean) are replaced by the
+    mask token 0; the target holds the original code there and -100 (ignored) elsewhere."""
+    ids = torch.randint(32, 127, (batch, resolution), generator=gen)
+    masked = torch.rand(batch, resolution, generator=gen) < MASK_SHARE
+    masked[torch.arange(batch), torch.randint(0, resolution, (batch,), generator=gen)] = True
+    inputs = ids.masked_fill(masked, MASK_ID)
+    targets = ids.masked_fill(~masked, -100)
+    return [inputs, targets]

@@ -52,8 +52,23 @@ from unroller.bench.reference.published import (
     UNetLike,
     rewrite_opticaldamage,
 )
-from unroller.bench.reference.sequence import GptTiny, MobileNetV2, TcnSmall, VitTiny
+from unroller.bench.reference.sequence import (
+    CONTEXT_RULE,
+    CONTEXT_STEP,
+    BertEncoder,
+    GptSmall,
+    GptTiny,
+    MobileNetV2,
+    TcnSmall,
+    VitTiny,
+    rewrite_context,
+)
 from unroller.codegen import Options
+
+#: the quick preset's sequence lengths of the two larger transformers (their full sizes,
+#: 256 and 128 tokens, take minutes per method on a 2-core CPU; see config.QUICK)
+GPT_SMALL_QUICK_CONTEXT = 64
+BERT_QUICK_LENGTH = 64
 
 #: why the sequence models run at their declared size only
 FIXED_SIZE_RULE = (
@@ -266,6 +281,34 @@ BENCHMARKS: dict[str, Benchmark] = {
             from_paper=False,
             reference=lambda r: GptTiny(),
             batch_fn=batches.batch_text,
+        ),
+        Benchmark(
+            name="gpt_small",
+            description="GPT-style character LM (context 256, 6 causal layers, width 256, "
+            "8 heads)",
+            native_resolution=256,
+            paper_batch=32,
+            quick_resolution=GPT_SMALL_QUICK_CONTEXT,
+            resolution_step=CONTEXT_STEP,
+            resolution_rule=CONTEXT_RULE,
+            from_paper=False,
+            reference=lambda r: GptSmall(context=r),
+            batch_fn=batches.batch_text,
+            text_rewrite=rewrite_context,
+        ),
+        Benchmark(
+            name="bert_encoder",
+            description="BERT-style masked character encoder (sequence 128, 4 post-norm "
+            "layers, width 128, 4 heads)",
+            native_resolution=128,
+            paper_batch=32,
+            quick_resolution=BERT_QUICK_LENGTH,
+            resolution_step=CONTEXT_STEP,
+            resolution_rule=CONTEXT_RULE,
+            from_paper=False,
+            reference=lambda r: BertEncoder(length=r),
+            batch_fn=batches.batch_masked_text,
+            text_rewrite=rewrite_context,
         ),
         Benchmark(
             name="tcn_small",

@@ -7,13 +7,18 @@ generated module's state dict loads into it and back with strict=True:
 
 - ``VitTiny`` (``vit_tiny.txt``): torchvision's VisionTransformer layout and names;
 - ``GptTiny`` (``gpt_tiny.txt``): token + position embedding, two causal pre-norm
-  ``nn.TransformerEncoderLayer``s, a per-token cross-entropy;
+  ``nn.TransformerEncoderLayer``s, a per-token cross-entropy; ``GptSmall``
+  (``gpt_small.txt``) the same at context 256, width 256, 6 layers, 8 heads;
+- ``BertEncoder`` (``bert_encoder.txt``): token + position embedding and a layer norm,
+  four post-norm ``nn.TransformerEncoderLayer``s without a mask, BERT's masked-token head
+  and a cross-entropy over the masked positions;
 - ``TcnSmall`` (``tcn_small.txt``): residual Conv1d/BatchNorm1d stages;
 - ``MobileNetV2`` (``mobilenet_v2.txt``): torchvision's MobileNetV2 layout and names.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch
@@ -85,16 +90,24 @@ class VitTiny(Reference):
 
 class GptTiny(Reference):
     """benchmarks/models/gpt_tiny.txt: a character LM, context 64, vocabulary 128,
-    width 64, 4 heads, 2 causal ``nn.TransformerEncoderLayer``s (norm_first, gelu)."""
+    width 64, 4 heads, 2 causal ``nn.TransformerEncoderLayer``s (norm_first, gelu).
+    The sizes are arguments so ``GptSmall`` is the same network, larger."""
 
-    def __init__(self, vocab: int = 128, context: int = 64, width: int = 64, layers: int = 2):
+    def __init__(
+        self,
+        vocab: int = 128,
+        context: int = 64,
+        width: int = 64,
+        layers: int = 2,
+        heads: int = 4,
+    ):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, width)
         self.pos_emb = nn.Parameter(torch.empty(context, width).normal_(std=0.02))
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(
                 width,
-                4,
+                heads,
                 4 * width,
                 dropout=0.0,
                 activation="gelu",
@@ -114,6 +127,92 @@ class GptTiny(Reference):
         for layer in self.layers:
             h = run(lambda t, layer=layer: layer(t, src_mask=mask, is_causal=True), h)
         return (self.head(self.ln_f(h)),)
+
+    def criterion(self, preds, inputs, targets) -> Tensor:
+        return F.cross_entropy(preds[0].permute(0, 2, 1), targets[0])
+
+    def segments(self) -> dict[str, list[nn.Module]]:
+        return {f"layers.{i}": [m] for i, m in enumerate(self.layers)}
+
+
+class GptSmall(GptTiny):
+    """benchmarks/models/gpt_small.txt: ``GptTiny`` at width 256, 6 layers, 8 heads and
+    context 256 (``context``: the harness's quick preset runs a shorter one, the model
+    text rewritten to match)."""
+
+    def __init__(self, context: int = 256):
+        super().__init__(vocab=128, context=context, width=256, layers=6, heads=8)
+
+
+#: why the context of gpt_small and the sequence of bert_encoder come in steps
+CONTEXT_RULE = (
+    "the sequence length is the model's size: the harness rewrites the input, the target "
+    "and the position embedding to it, in steps of 16 tokens"
+)
+CONTEXT_STEP = 16
+
+
+def rewrite_context(text: str, length: int) -> str:
+    """A token model's text (``gpt_small.txt``, ``bert_encoder.txt``) at sequence length
+    ``length``: the ``ids`` input, the ``y`` target and ``pos_emb``'s first dim (each must
+    occur exactly once). Width and length may be the same number, so each edit is tied to
+    its statement, never to the number."""
+    edits = [
+        r"(input\s+ids\s*:\s*i64\[\s*N\s*,\s*)\d+(\s*\])",
+        r"(target\s+y\s*:\s*i64\[\s*N\s*,\s*)\d+(\s*\])",
+        r"(pos_emb\s*=\s*parameter\(\s*shape\s*=\s*\(\s*)\d+(\s*,)",
+    ]
+    for pattern in edits:
+        text, count = re.subn(pattern, rf"\g<1>{length}\g<2>", text)
+        if count != 1:
+            raise RuntimeError(
+                f"expected one match of {pattern!r} to rewrite for sequence length {length}, "
+                f"found {count}"
+            )
+    return text
+
+
+# --------------------------------------------------------------------------- BERT
+
+
+class BertEncoder(Reference):
+    """benchmarks/models/bert_encoder.txt: a masked character model, sequence 128 (the
+    ``length`` argument), width 128, 4 heads, MLP 512, 4 post-norm
+    ``nn.TransformerEncoderLayer``s (norm_first=False, gelu, no mask), BERT's masked-token
+    head with an untied decoder, a cross-entropy over the masked positions (targets -100
+    elsewhere, F.cross_entropy's default ignore_index)."""
+
+    def __init__(
+        self, vocab: int = 128, length: int = 128, width: int = 128, layers: int = 4, heads: int = 4
+    ):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, width)
+        self.pos_emb = nn.Parameter(torch.empty(length, width).normal_(std=0.02))
+        self.emb_ln = nn.LayerNorm(width)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                width,
+                heads,
+                4 * width,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+                norm_first=False,
+            )
+            for _ in range(layers)
+        )
+        self.mlm = nn.Module()
+        self.mlm.dense = nn.Linear(width, width)
+        self.mlm.ln = nn.LayerNorm(width)
+        self.mlm.decoder = nn.Linear(width, vocab)
+
+    def preds(self, inputs: Sequence[Tensor], run: StageRunner) -> tuple[Tensor, ...]:
+        (ids,) = inputs
+        h = self.emb_ln(self.tok_emb(ids) + self.pos_emb)
+        for layer in self.layers:
+            h = run(layer, h)
+        h = self.mlm.ln(F.gelu(self.mlm.dense(h)))
+        return (self.mlm.decoder(h),)
 
     def criterion(self, preds, inputs, targets) -> Tensor:
         return F.cross_entropy(preds[0].permute(0, 2, 1), targets[0])
