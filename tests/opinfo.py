@@ -600,10 +600,14 @@ def rel(a: Tensor, b: Tensor) -> float:
 
 # ---------------------------------------------------------------- attention
 
-# The references run torch's math attention (SDPBackend.MATH), the path the gpu kernels follow
-# op for op, so the gpu kernels equal it bit for bit. With q, k, v of one head size torch's
-# default CPU backend is a fused flash kernel that rounds differently (tests/test_attention.py
-# compares the kernels with that default to 1e-10 in float64).
+# The references run torch's math attention (SDPBackend.MATH). Both platforms compute
+# attention block by block from the row logsumexp (unroller/runtime/attention.py: the
+# probabilities are remade in the backward, never kept), which rounds differently from the
+# math path, so neither platform is bit for bit (_ATTENTION): the table's bounds hold, 1e-10
+# relative in float64 and 1e-5 in float32 for the gradients. With q, k, v of one head size
+# torch's default CPU backend is a fused flash kernel (tests/test_attention.py compares the
+# kernels with that default too).
+_ATTENTION = dict(exact_forward=(), exact_grads=())
 
 # q length, k/v length, head size of q and k, head size of v, is_causal, scale (None: omitted)
 SDPA_CASES = [
@@ -1511,8 +1515,14 @@ ROWS: tuple[OpInfo, ...] = (
         "scaled_dot_product_attention",
         _sdpa_reference,
         tuple(_sdpa_case(*c) for c in SDPA_CASES) + (Case("peaked", _sdpa_peaked),),
+        **_ATTENTION,
     ),
-    OpInfo("multihead_attention", _mha_reference, tuple(_mha_case(*c) for c in MHA_CASES)),
+    OpInfo(
+        "multihead_attention",
+        _mha_reference,
+        tuple(_mha_case(*c) for c in MHA_CASES),
+        **_ATTENTION,
+    ),
     *NORMS_ROWS,
 )
 

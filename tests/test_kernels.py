@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from unroller.registry import OpSpec, eval_expr, load_registry
-from unroller.runtime import common, gpu, ipu, shapeops
+from unroller.runtime import attention, common, gpu, ipu, shapeops
 
 OPS = load_registry()
 KERNELS = {"gpu": gpu, "ipu": ipu}
@@ -657,6 +657,9 @@ TENSOR_METHODS = {
 TORCH_CALLS |= {"reciprocal", "scatter_add"}
 TORCH_CALLS |= {"addmm"}  # transposed_linear (Hugging Face's Conv1D); PopTorch's BLAS list
 F_CALLS |= {"hardtanh", "silu", "elu", "softplus", "embedding"}
+# block-by-block attention (unroller/runtime/attention.py): amax is on the pointwise list,
+# masked_fill on the indexing list; the in-place forms of listed ops write a block's tile
+TENSOR_METHODS |= {"amax", "masked_fill_", "sub_", "exp_", "div_"}
 PYTHON_METHODS = {"get", "clear", "append", "items", "values", "insert"}
 HOST_CALLS = {"math": {"sqrt", "floor", "factorial", "prod"}, "struct": {"pack", "unpack"}}
 FORBIDDEN_NAMES = {
@@ -673,13 +676,18 @@ HOST_HELPERS = {
 }  # fmt: skip
 
 
-SHARED_KERNEL_MODULES = ("unroller.runtime.common", "unroller.runtime.shapeops")
+SHARED_KERNEL_MODULES = (
+    "unroller.runtime.common",
+    "unroller.runtime.shapeops",
+    "unroller.runtime.attention",
+)
 
 
 def _ipu_kernel_code() -> list[ast.AST]:
-    """ipu.py whole, and what it takes from common to compute with: the shared kernels it
-    imports and, transitively, the common functions they use (as ``unroll lint`` follows
-    names imported from a module); the host helpers are left out."""
+    """ipu.py whole, and what it takes from the shared modules to compute with: the shared
+    kernels it imports (attention's included) and, transitively, the functions of those
+    modules they use (as ``unroll lint`` follows names imported from a module); the host
+    helpers are left out."""
     ipu_tree = ast.parse(Path(ipu.__file__).read_text())
     todo = [
         alias.name
@@ -690,7 +698,7 @@ def _ipu_kernel_code() -> list[ast.AST]:
     ]
     defs = {
         n.name: n
-        for module in (common, shapeops)
+        for module in (common, shapeops, attention)
         for n in ast.parse(Path(module.__file__).read_text()).body
         if isinstance(n, ast.FunctionDef)
     }

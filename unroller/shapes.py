@@ -706,7 +706,8 @@ def scaled_dot_product_attention(
     op: str, inputs: list[TensorType], args: dict[str, Any]
 ) -> ShapeResult:
     """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> [N, H, L, Ev]; one dtype. The
-    attention probabilities [N, H, L, S] are kept for the backward (``probs_shape``)."""
+    row logsumexp [N, H, L] is kept for the backward (``lse_shape``), which remakes the
+    probabilities from it."""
     q, k, v = inputs
     _, heads, length, embed = _attention_operand(op, q, "q", 0)
     _, k_heads, k_length, k_embed = _attention_operand(op, k, "k", 1)
@@ -728,15 +729,16 @@ def scaled_dot_product_attention(
         )
     return ShapeResult(
         TensorType(q.dtype, (BATCH, heads, length, v_embed)),
-        {"probs_shape": (BATCH, heads, length, k_length)},
+        {"lse_shape": (BATCH, heads, length)},
     )
 
 
 def multihead_attention(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """Self-attention on x [N, L, E] -> [N, L, E]: E divisible by num_heads. Derives
     ``embed_dim`` (the module's size), ``head_shape`` [N, H, L, E/H] (q, k, v kept for the
-    backward) and ``probs_shape`` [N, H, L, L]. Attention dropout is refused: it draws inside
-    torch's SDPA from a random stream no kernel here can reproduce."""
+    backward) and ``lse_shape`` [N, H, L] (the row logsumexp it keeps beside them).
+    Attention dropout is refused: it draws inside torch's SDPA from a random stream no kernel
+    here can reproduce."""
     (x,) = inputs
     if x.rank != 3:
         raise ShapeError(f"{op} needs a 3-D input [N, L, E], got {x}", 0)
@@ -760,7 +762,7 @@ def multihead_attention(op: str, inputs: list[TensorType], args: dict[str, Any])
         {
             "embed_dim": embed,
             "head_shape": (BATCH, heads, length, embed // heads),  # type: ignore[operator]
-            "probs_shape": (BATCH, heads, length, length),
+            "lse_shape": (BATCH, heads, length),
         },
     )
 

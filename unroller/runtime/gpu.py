@@ -7,9 +7,10 @@ are only the kernels whose gpu code differs.
 
 Every backward calls the aten kernel that autograd's derivative formula calls, with the
 tensors autograd would have saved, so in float64 gradients equal ``torch.autograd``'s
-(bit for bit for almost every op), and nothing that is not needed is computed: aten backward
-kernels get an ``output_mask`` built from ``needs``. Each op's forward and backward sit side
-by side.
+(bit for bit for almost every op; attention, computed block by block in
+``unroller.runtime.attention``, to rounding), and nothing that is not needed is computed: aten
+backward kernels get an ``output_mask`` built from ``needs``. Each op's forward and backward
+sit side by side.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ from unroller.distributed import (
 )
 
 # Shared kernels and helpers, exported from here as gpu kernels (see __all__ at the end).
+from unroller.runtime.attention import (  # noqa: F401
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+)
 from unroller.runtime.common import (  # noqa: F401
     IGNORE_INDEX,
     Grads,
     Layers,
     Needs,
     Pair,
-    _attention_factors,
     _ceil_mode_of,
     _exports,
     _fit,
@@ -951,61 +955,11 @@ def log_softmax_backward(
 
 
 # ---------------------------------------------------------------- attention
-
-
-def _causal_mask(q: Tensor, key_length: int) -> Tensor:
-    """ATen's causal mask for the math path: 0 on and below the diagonal, -inf above."""
-    keep = torch.ones(q.shape[-2], key_length, dtype=torch.bool, device=q.device).tril()
-    return torch.where(keep, q.new_zeros(()), q.new_full((), float("-inf")))
-
-
-def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: float | None = None
-) -> tuple[Tensor, Tensor]:
-    """F.scaled_dot_product_attention as ATen's math path computes it (the path autograd
-    differentiates on the CPU): softmax((q * a) @ (k^T * b) [+ causal mask]) @ v with
-    a * b the softmax scale. Returns (output, probs); the backward reads q, k, v and probs."""
-    qa, kb = _attention_factors(q.shape[-1], scale)
-    attn = torch.matmul(q.mul(qa), k.transpose(-2, -1).mul(kb))
-    if is_causal:
-        attn.add_(_causal_mask(q, k.shape[-2]))
-    probs = _aten._safe_softmax(attn, -1)
-    return torch.matmul(probs, v), probs
-
-
-def scaled_dot_product_attention_backward(
-    g: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    probs: Tensor,
-    *,
-    scale: float | None = None,
-    needs: Needs | None = None,
-) -> Grads:
-    """The math path's autograd backward, op for op: bmm backward of probs @ v, then
-    aten::_softmax_backward_data, then bmm backward of (q * a) @ (k^T * b), each batched
-    matmul on the [N*H, ., .] views autograd uses."""
-    if not any(_need(needs, i) for i in range(3)):
-        return _fit((), needs)
-    n, h, length, embed = q.shape
-    keys = k.shape[-2]
-    g3 = g.reshape(n * h, length, g.shape[-1])
-    p3 = probs.reshape(n * h, length, keys)
-    gv = p3.transpose(1, 2).bmm(g3).view(v.shape) if _need(needs, 2) else None
-    if not (_need(needs, 0) or _need(needs, 1)):
-        return _fit((None, None, gv), needs)
-    gp = g3.bmm(v.reshape(n * h, keys, v.shape[-1]).transpose(1, 2)).view(probs.shape)
-    gattn = _aten._softmax_backward_data(gp, probs, -1, probs.dtype).view(n * h, length, keys)
-    qa, kb = _attention_factors(embed, scale)
-    gq = gk = None
-    if _need(needs, 1):
-        q3 = q.mul(qa).reshape(n * h, length, embed)
-        gk = q3.transpose(1, 2).bmm(gattn).view(n, h, embed, keys).mul(kb).transpose(-2, -1)
-    if _need(needs, 0):
-        kt = k.transpose(-2, -1).mul(kb).reshape(n * h, embed, keys)
-        gq = gattn.bmm(kt.transpose(1, 2)).view(q.shape).mul(qa)
-    return _fit((gq, gk, gv), needs)
+#
+# scaled_dot_product_attention and its backward are unroller.runtime.attention's (imported
+# above): block by block from q, k, v, the output and the row logsumexp, never the
+# [N, H, L, S] probabilities, so they equal autograd's to rounding (1e-10 in float64),
+# not bit for bit as the math path's kernels did.
 
 
 def _mha_tensors(layer: torch.nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
@@ -1027,18 +981,19 @@ def multihead_attention(
 ) -> tuple[Tensor, ...]:
     """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False) as
     F.multi_head_attention_forward computes it: the packed in-projection of x seen as
-    [L, N, E], heads split as views, the math attention, the out-projection, back to
-    [N, L, E]. Returns (y, q, k, v, probs, context): q, k, v [N, H, L, E/H] and the probs
-    for the attention backward, the context [N, L, E] (a view) for the out-projection's."""
+    [L, N, E], heads split as views, the attention (block by block: ``attention``), the
+    out-projection, back to [N, L, E]. Returns (y, q, k, v, lse, context): q, k, v
+    [N, H, L, E/H] and the row logsumexp lse [N, H, L] for the attention backward, the
+    context [N, L, E] (a view) for the out-projection's and as the attention's output."""
     n, length, embed = x.shape
     w_in, b_in, w_out, b_out = _mha_tensors(layer)
     proj = torch.nn.functional.linear(x.transpose(1, 0), w_in, b_in)
     proj = proj.unflatten(-1, (3, embed)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
     q, k, v = (_heads(proj[i], num_heads) for i in range(3))
-    y, probs = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    y, lse = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     context = y.permute(2, 0, 1, 3).reshape(length * n, embed)
     out = torch.nn.functional.linear(context, w_out, b_out).view(length, n, embed)
-    return out.transpose(1, 0), q, k, v, probs, context.view(length, n, embed).transpose(1, 0)
+    return out.transpose(1, 0), q, k, v, lse, context.view(length, n, embed).transpose(1, 0)
 
 
 def multihead_attention_backward(
@@ -1048,15 +1003,17 @@ def multihead_attention_backward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    probs: Tensor,
+    lse: Tensor,
     context: Tensor,
     *,
+    is_causal: bool = False,
     needs: Needs | None = None,
 ) -> Grads:
-    """Autograd's backward of the forward above, op for op: addmm's for the out-projection
-    (rows in [L, N] order), the attention's, the head views undone, then the packed
-    in-projection's (its bias gradient summed over [L, N], as sum_to does). Gradients:
-    x, in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias."""
+    """Autograd's backward of the forward above: addmm's for the out-projection (rows in
+    [L, N] order), the attention's (block by block, from q, k, v, the context as its output
+    and lse), the head views undone, then the packed in-projection's (its bias gradient
+    summed over [L, N], as sum_to does). Gradients: x, in_proj_weight, in_proj_bias,
+    out_proj.weight, out_proj.bias."""
     if not any(_need(needs, i) for i in range(5)):
         return _fit((), needs)
     n, length, embed = x.shape
@@ -1070,7 +1027,8 @@ def multihead_attention_backward(
     if any(_need(needs, i) for i in range(3)):
         heads, head_dim = q.shape[1], q.shape[3]
         g_y = g2.mm(w_out).view(length, n, heads, head_dim).permute(1, 2, 0, 3)
-        grads = scaled_dot_product_attention_backward(g_y, q, k, v, probs)
+        y = context.reshape(n, length, heads, head_dim).transpose(1, 2)
+        grads = scaled_dot_product_attention_backward(g_y, q, k, v, y, lse, is_causal=is_causal)
         parts = [
             t.reshape(n * heads, length, head_dim).transpose(0, 1).reshape(length, n, embed)
             for t in grads

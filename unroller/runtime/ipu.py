@@ -70,12 +70,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from unroller.runtime.attention import (  # noqa: F401  (re-exported: see __all__ at the end)
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+)
 from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ at the end)
     IGNORE_INDEX,
     Grads,
     Needs,
     Pair,
-    _attention_factors,
     _ceil_mode_of,
     _exports,
     _fit,
@@ -1164,70 +1167,28 @@ def log_softmax_backward(
 
 
 # ---------------------------------------------------------------- attention
-
-
-def _causal_scores(attn: Tensor) -> Tensor:
-    """Scores above the diagonal set to -inf (key j > query i), from arange comparisons
-    (PopTorch has no tril)."""
-    rows = torch.arange(attn.shape[-2], device=attn.device).unsqueeze(1)
-    cols = torch.arange(attn.shape[-1], device=attn.device).unsqueeze(0)
-    minus_inf = torch.full((), -math.inf, dtype=attn.dtype, device=attn.device)
-    return torch.where(cols <= rows, attn, minus_inf)
-
-
-def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: float | None = None
-) -> tuple[Tensor, Tensor]:
-    """softmax((q * a) @ (k^T * b) [masked above the diagonal]) @ v, a * b the softmax
-    scale as in ATen's math path. Returns (output, probs)."""
-    qa, kb = _attention_factors(q.shape[-1], scale)
-    attn = torch.matmul(q * qa, k.transpose(-2, -1) * kb)
-    if is_causal:
-        attn = _causal_scores(attn)
-    probs = F.softmax(attn, -1)
-    return torch.matmul(probs, v), probs
-
-
-def scaled_dot_product_attention_backward(
-    g: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    probs: Tensor,
-    *,
-    scale: float | None = None,
-    needs: Needs | None = None,
-) -> Grads:
-    """gv = probs^T g; softmax's gradient gs = probs * (g v^T - rowsum(g v^T * probs));
-    gq = gs (k * b) * a, gk = gs^T (q * a) * b."""
-    if not any(_need(needs, i) for i in range(3)):
-        return _fit((), needs)
-    gv = torch.matmul(probs.transpose(-2, -1), g) if _need(needs, 2) else None
-    if not (_need(needs, 0) or _need(needs, 1)):
-        return _fit((None, None, gv), needs)
-    gp = torch.matmul(g, v.transpose(-2, -1))
-    gs = probs * (gp - (gp * probs).sum(-1, keepdim=True))
-    qa, kb = _attention_factors(q.shape[-1], scale)
-    gq = torch.matmul(gs, k * kb) * qa if _need(needs, 0) else None
-    gk = torch.matmul(gs.transpose(-2, -1), q * qa) * kb if _need(needs, 1) else None
-    return _fit((gq, gk, gv), needs)
+#
+# scaled_dot_product_attention and its backward are unroller.runtime.attention's (imported
+# above, shared with gpu): block by block from matmul, exp, log, amax and sums, never the
+# [N, H, L, S] probabilities.
 
 
 def multihead_attention(
     x: Tensor, layer: torch.nn.Module, *, num_heads: int, is_causal: bool = False
 ) -> tuple[Tensor, ...]:
     """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False): one packed
-    projection [N, L, 3E] split into q, k, v [N, H, L, E/H], the attention, the heads
-    joined into the context [N, L, E], the out-projection. Returns (y, q, k, v, probs,
-    context)."""
+    projection [N, L, 3E] split into q, k, v [N, H, L, E/H], the attention (block by block:
+    ``attention``), the heads joined into the context [N, L, E], the out-projection.
+    Returns (y, q, k, v, lse, context): lse [N, H, L] the row logsumexp the attention
+    backward reads beside q, k, v and the context (its output)."""
     n, length, embed = x.shape
     out_layer = layer.out_proj
     proj = F.linear(x, layer.in_proj_weight, getattr(layer, "in_proj_bias", None))
     heads = proj.reshape(n, length, 3, num_heads, embed // num_heads).permute(2, 0, 3, 1, 4)
     q, k, v = heads[0], heads[1], heads[2]
-    y, probs = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    y, lse = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     context = y.transpose(1, 2).reshape(n, length, embed)
-    return linear(context, out_layer), q, k, v, probs, context
+    return linear(context, out_layer), q, k, v, lse, context
 
 
 def multihead_attention_backward(
@@ -1237,12 +1198,14 @@ def multihead_attention_backward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    probs: Tensor,
+    lse: Tensor,
     context: Tensor,
     *,
+    is_causal: bool = False,
     needs: Needs | None = None,
 ) -> Grads:
-    """The out-projection's linear backward, the attention's, the heads' gradients joined
+    """The out-projection's linear backward, the attention's (from q, k, v, lse and the
+    context as its output), the heads' gradients joined
     into [N, L, 3E] (q, k, v blocks), the in-projection's linear backward. Gradients: x,
     in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias."""
     if not any(_need(needs, i) for i in range(5)):
@@ -1256,7 +1219,8 @@ def multihead_attention_backward(
     if g_context is not None:
         heads, head_dim = q.shape[1], q.shape[3]
         g_y = g_context.reshape(n, length, heads, head_dim).transpose(1, 2)
-        grads = scaled_dot_product_attention_backward(g_y, q, k, v, probs)
+        y = context.reshape(n, length, heads, head_dim).transpose(1, 2)
+        grads = scaled_dot_product_attention_backward(g_y, q, k, v, y, lse, is_causal=is_causal)
         g_proj = torch.cat([t.transpose(1, 2).reshape(n, length, embed) for t in grads], -1)
         g_proj2 = g_proj.reshape(n * length, 3 * embed)
         if _need(needs, 0):

@@ -1,0 +1,201 @@
+"""Scaled dot-product attention that never holds the [N, H, L, S] probabilities: the forward
+and backward of softmax(q k^T * scale [+ causal mask]) v computed block by block, as flash
+attention computes them. Both platforms' attention kernels are these functions
+(``unroller.runtime.gpu`` and ``unroller.runtime.ipu`` import them; their multi-head
+attention calls them between its projections), so they use only operations on PopTorch's
+list (matmul, exp, log, amax, sum, masked_fill, arange, new_zeros, narrow, in-place
+add/sub/mul/div/exp): ``unroll lint --platform ipu`` follows generated ipu code into here.
+
+What the backward keeps from the forward: q, k, v, the output O and the row logsumexp
+``lse`` [N, H, L] (one number per query row, in q's dtype), the tensors torch's CPU flash
+attention keeps. Keeping the probabilities instead (the math path) costs H * S numbers per
+query, more than q, k, v and O together whenever S > 4E / H.
+
+Forward, per block of queries: the scores s = (q * a) @ (k * b)^T with ATen's math-path
+factors a * b = scale (``_attention_factors``: the scores round as torch's math attention's
+do), -inf above the diagonal when causal, the row maximum m, p = exp(s - m), the row sum l,
+the output (p / l) @ v and lse = m + log(l).
+
+Backward, per block: p = exp(s - lse) remade from q, k and lse (the forward's
+probabilities, to rounding), dV += p^T dO, dP = dO v^T, D = rowsum(dO * O) (each row once:
+it equals rowsum(dP * p) because O = p v), dS = p * (dP - D), dQ = dS (k * b) * a, dK +=
+dS^T (q * a) * b. Only the gradients asked for are made: dV alone needs neither dP nor dS.
+
+Blocks (``blocks``): the score tile of a block, [samples, H, rows, keys], is at most
+``TILE_BYTES`` (1 MiB), unless one query row of every head of one sample is larger. Whole
+samples go into a block while they fit (one block when the whole batch does, as for the
+benchmark transformers at small batches), then blocks of query rows of one sample. 1 MiB is
+big enough that each block's matmuls amortise the Python loop over blocks (at least 64K
+scores in float32 per block, a few ops each) and small enough that the two tiles the
+backward holds at once stay a small part of a transformer's working set at any batch.
+Under a causal mask a block reads only the keys up to its last row: the rest are masked for
+all its rows. The memory model reads the tile from here (``largest_tile``).
+
+Fully masked rows: the only mask is the top-left causal one (key j is masked for query i
+when j > i), which keeps key 0 in every row, and shapes have S >= 1, so no row is ever fully
+masked: the row maximum is finite and every row's probabilities sum to 1 (the math path's
+``_safe_softmax`` returns 0 for a fully masked row; that case cannot arise here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from unroller.runtime.common import Grads, Needs, _attention_factors, _fit, _need
+
+#: The most bytes one block's score tile may take (see the module docstring).
+TILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Block:
+    """Samples ``start`` .. ``start + samples`` (dim 0), query rows ``first`` .. ``first +
+    rows`` (dim 2), against keys 0 .. ``keys``."""
+
+    start: int
+    samples: int
+    first: int
+    rows: int
+    keys: int
+
+
+def blocks(
+    batch: int, heads: int, length: int, keys: int, itemsize: int, is_causal: bool
+) -> list[Block]:
+    """The blocks attention over q [batch, heads, length, .] and k [batch, heads, keys, .]
+    runs in, in order, each score tile at most ``TILE_BYTES`` where a row allows it."""
+    row = heads * keys * itemsize  # one query row of every head of one sample
+    sample = row * length
+    spans: list[tuple[int, int, int, int]]
+    if batch * sample <= TILE_BYTES:
+        spans = [(0, batch, 0, length)]
+    elif sample <= TILE_BYTES:
+        per = TILE_BYTES // sample
+        spans = [(n, min(per, batch - n), 0, length) for n in range(0, batch, per)]
+    else:
+        per = max(1, TILE_BYTES // row)
+        spans = [
+            (n, 1, first, min(per, length - first))
+            for n in range(batch)
+            for first in range(0, length, per)
+        ]
+    return [
+        Block(n, count, first, rows, min(keys, first + rows) if is_causal else keys)
+        for n, count, first, rows in spans
+    ]
+
+
+def largest_tile(
+    batch: int, heads: int, length: int, keys: int, itemsize: int, is_causal: bool
+) -> int:
+    """Bytes of the largest score tile among ``blocks``: what the memory model counts for
+    each tile the kernels hold at once."""
+    plan = blocks(batch, heads, length, keys, itemsize, is_causal)
+    return max(b.samples * heads * b.rows * b.keys * itemsize for b in plan)
+
+
+def _rows(t: Tensor, b: Block) -> Tensor:
+    """The block's part of a per-query tensor (q, dO, O: [N, H, L, .]; lse: [N, H, L])."""
+    return t.narrow(0, b.start, b.samples).narrow(2, b.first, b.rows)
+
+
+def _keys(t: Tensor, b: Block) -> Tensor:
+    """The block's part of a per-key tensor (k, v and their gradients: [N, H, S, .])."""
+    return t.narrow(0, b.start, b.samples).narrow(2, 0, b.keys)
+
+
+def _scores(qs: Tensor, ks: Tensor, b: Block, is_causal: bool) -> Tensor:
+    """(q * a) @ (k * b)^T for one block, with -inf where a key comes after the query's own
+    position when causal (only when the block holds such a pair)."""
+    s = torch.matmul(qs, ks.transpose(-2, -1))
+    if is_causal and b.keys - 1 > b.first:
+        rows = torch.arange(b.first, b.first + b.rows, device=s.device).unsqueeze(1)
+        cols = torch.arange(b.keys, device=s.device).unsqueeze(0)
+        s.masked_fill_(cols > rows, -math.inf)
+    return s
+
+
+def _whole(plan: list[Block], keys: int) -> bool:
+    """One block that covers everything: its results are the kernel's, with no copy."""
+    return len(plan) == 1 and plan[0].keys == keys
+
+
+def _forward_block(
+    q: Tensor, k: Tensor, v: Tensor, b: Block, qa: float, kb: float, is_causal: bool
+) -> tuple[Tensor, Tensor]:
+    """One block's output and row logsumexp; the score tile is made once and then reused in
+    place for exp(s - m) and the probabilities."""
+    s = _scores(_rows(q, b) * qa, _keys(k, b) * kb, b, is_causal)
+    m = s.amax(-1, keepdim=True)
+    p = s.sub_(m).exp_()
+    total = p.sum(-1, keepdim=True)
+    out = torch.matmul(p.div_(total), _keys(v, b))
+    return out, m.add_(torch.log(total)).squeeze(-1)
+
+
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """F.scaled_dot_product_attention (no mask but the causal one, no dropout) block by
+    block. Returns (output [N, H, L, Ev], lse [N, H, L]); the backward reads q, k, v, the
+    output and lse."""
+    n, heads, length, embed = q.shape
+    keys = k.shape[-2]
+    qa, kb = _attention_factors(embed, scale)
+    plan = blocks(n, heads, length, keys, q.dtype.itemsize, is_causal)
+    if _whole(plan, keys):
+        return _forward_block(q, k, v, plan[0], qa, kb, is_causal)
+    out = q.new_zeros(n, heads, length, v.shape[-1])
+    lse = q.new_zeros(n, heads, length)
+    for b in plan:
+        o, row_lse = _forward_block(q, k, v, b, qa, kb, is_causal)
+        _rows(out, b).add_(o)
+        _rows(lse, b).add_(row_lse)
+    return out, lse
+
+
+def scaled_dot_product_attention_backward(
+    g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    output: Tensor,
+    lse: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    needs: Needs | None = None,
+) -> Grads:
+    """Gradients of q, k, v (only those ``needs`` asks for), the probabilities remade per
+    block from q, k and lse (see the module docstring)."""
+    need_q, need_k, need_v = (_need(needs, i) for i in range(3))
+    if not (need_q or need_k or need_v):
+        return _fit((), needs)
+    n, heads, length, embed = q.shape
+    keys = k.shape[-2]
+    qa, kb = _attention_factors(embed, scale)
+    plan = blocks(n, heads, length, keys, q.dtype.itemsize, is_causal)
+    whole = _whole(plan, keys)
+    gq = q.new_zeros(q.shape) if need_q and not whole else None
+    gk = k.new_zeros(k.shape) if need_k and not whole else None
+    gv = v.new_zeros(v.shape) if need_v and not whole else None
+    for b in plan:
+        qs, ks, g_rows = _rows(q, b) * qa, _keys(k, b) * kb, _rows(g, b)
+        p = _scores(qs, ks, b, is_causal).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
+        part_v = torch.matmul(p.transpose(-2, -1), g_rows) if need_v else None
+        part_q = part_k = None
+        if need_q or need_k:
+            d = (g_rows * _rows(output, b)).sum(-1, keepdim=True)
+            ds = torch.matmul(g_rows, _keys(v, b).transpose(-2, -1)).sub_(d).mul_(p)
+            part_q = torch.matmul(ds, ks).mul_(qa) if need_q else None
+            part_k = torch.matmul(ds.transpose(-2, -1), qs).mul_(kb) if need_k else None
+        if whole:
+            return _fit((part_q, part_k, part_v), needs)
+        for total, part, region in ((gq, part_q, _rows), (gk, part_k, _keys), (gv, part_v, _keys)):
+            if total is not None and part is not None:
+                region(total, b).add_(part)
+    return _fit((gq, gk, gv), needs)
