@@ -24,7 +24,7 @@ import black
 import jinja2
 
 from unroller import __version__, safe
-from unroller.errors import ModelError
+from unroller.errors import ConfigError, ModelError
 from unroller.graph import BlockCall, Graph, Node, SavedArg, Value, explicit_kwargs
 from unroller.ir import (
     AddTo,
@@ -63,16 +63,22 @@ from unroller.resources import resource_dir
 from unroller.schedule import RESERVED, Namer
 from unroller.schemes import AUTO, SCHEMES, Codec, CompressionConfig, builtin, resolve
 from unroller.stash import (
+    SEGMENT_AUTO,
     Form,
+    Segment,
     Stashed,
     StashPlan,
     always_there,
+    changes_state,
     plan_stash,
     value_form,
     value_producers,
     wire_codec,
 )
 
+RECOMPUTE_SECTION = "recompute"
+"""The section of a segment's recompute steps (its forward again, in the backward): a run
+of its own for the outliner, rendered inside the backward."""
 HEADER_TAG = "# unroller: "
 CHECKSUM_TAG = "# unroller-checksum: "
 # Generated code favours one line per step over the 100 columns of hand-written code.
@@ -91,6 +97,9 @@ class Options:
     stage_starts: tuple[str, ...] = ()  # ipu: first node of each stage after the first
     resolution: int | None = None  # image inputs resized to this many rows (benchmarks)
     recompute: bool = False  # remake cheap ops' outputs in the backward (stash.plan_recompute)
+    #: block instances re-run in the backward (stash.plan_segments): "blocks", globs on
+    #: instance names, or "auto" (the planner's choice, with the auto scheme)
+    recompute_segments: tuple[str, ...] = ()
     data_parallel: bool = False  # all-reduce gradient buckets in the backward (distributed.py)
     bucket_bytes: int | None = None  # data parallel: bucket size (None: BUCKET_BYTES, 25 MiB)
     pipeline: int = 1  # gpu: stages over processes (unroller.pipeline_parallel); 1: none
@@ -111,6 +120,8 @@ class Options:
             found["resolution"] = self.resolution
         if self.recompute:
             found["recompute"] = True
+        if self.recompute_segments:
+            found["recompute_segments"] = list(self.recompute_segments)
         if self.data_parallel:
             found["data_parallel"] = True
         if self.bucket_bytes is not None:
@@ -123,7 +134,8 @@ class Options:
     def from_header(cls, header: dict[str, Any]) -> Options:
         known = {"generator", "source", "sha256", "platform", "scheme", "compress_config"}
         known |= {"compress_config_sha256", "opt_level", "num_ipus", "stage_starts", "resolution"}
-        known |= {"recompute", "data_parallel", "bucket_bytes", "pipeline"}
+        known |= {"recompute", "recompute_segments", "data_parallel", "bucket_bytes", "pipeline"}
+        segments = header.get("recompute_segments", [])
         return cls(
             platform=header.get("platform", "gpu"),
             scheme=header.get("scheme", "nocompress"),
@@ -133,6 +145,11 @@ class Options:
             stage_starts=tuple(header.get("stage_starts", ())),
             resolution=header.get("resolution"),
             recompute=header.get("recompute") is True,
+            recompute_segments=(
+                tuple(segments)
+                if isinstance(segments, list) and all(isinstance(s, str) for s in segments)
+                else ()
+            ),
             data_parallel=header.get("data_parallel") is True,
             bucket_bytes=header.get("bucket_bytes"),
             pipeline=header.get("pipeline", 1),
@@ -141,16 +158,25 @@ class Options:
 
     def compression(self, graph: Graph | None = None) -> CompressionConfig:
         """The compression config; the ``auto`` scheme plans it for ``graph``."""
-        if self.scheme == AUTO and self.compress_config is None and self.opt_level == 1:
+        planned = self.scheme == AUTO and self.compress_config is None and self.opt_level == 1
+        if SEGMENT_AUTO in self.recompute_segments and not planned:
+            raise ConfigError(
+                "--recompute-segments auto is the planner's choice: it needs --scheme auto "
+                "(or unroll plan); otherwise name the block instances, or give 'blocks'"
+            )
+        if planned:
             if graph is None:
                 raise ValueError("the auto scheme is planned per model: pass the graph")
             from unroller.plan import auto_config
 
-            config = auto_config(graph)
+            config = auto_config(graph, segments=self.recompute_segments)
         else:
             config = resolve(self.scheme, self.compress_config, self.opt_level)
         if self.recompute and not config.recompute:
             config = dataclasses.replace(config, recompute=True)
+        extra = tuple(s for s in self.recompute_segments if s not in config.segments)
+        if extra and not planned:
+            config = dataclasses.replace(config, segments=config.segments + extra)
         return config
 
 
@@ -199,6 +225,9 @@ class Emitter:
         self.private_count = 0  # variables of one recompute's own (Emitter.remade)
         self.producers = value_producers(graph)
         self.stashed = self.plan.by_key()
+        self.segment_of: dict[int, Segment] = {  # node index -> its recomputed segment
+            n.index: segment for segment in self.plan.segments for n in segment.nodes
+        }
         self.needs_default: dict[str, bool] = {}  # op -> its backward defaults needs=None
         for node in graph.nodes:
             self.check_supported(node)
@@ -541,12 +570,84 @@ class Emitter:
     def _input(self, name: str) -> Value:
         return next(v for v in self.graph.inputs if v.name == name)
 
-    def forward_with_stash(self, nodes: list[Node], entries: list[Stashed]) -> list[Step]:
+    # -- segment recompute ---------------------------------------------------------------
+
+    def segment_steps(self, segment: Segment, reader: Node) -> list[Step]:
+        """When ``segment``'s backward begins (right before ``reader``'s backward step, its
+        last statement with one): its inputs restored from what the forward kept, then its
+        forward statements again, each followed by the stash steps of the tensors only the
+        recompute makes, exactly as the forward makes them without segment recompute. The
+        steps are section ``recompute``: a run of their own, which the outliner turns into a
+        call of the block's recompute function."""
+        steps: list[Step] = []
+        for name in segment.inputs:
+            stashed = self.stashed[name]
+            form = value_form(stashed)
+            assert form is not None, f"{name} is not kept for {segment.name}"
+            if form.kind != "raw":
+                steps.append(self.restore_input(stashed, form, reader, segment))
+        entries = [self.stashed[key] for key in segment.internal]
+        steps += self.forward_with_stash(segment.nodes, entries, self.segment_forward_step)
+        for step in steps:
+            step.section = RECOMPUTE_SECTION
+        return steps
+
+    def restore_input(self, stashed: Stashed, form: Form, reader: Node, segment: Segment) -> Step:
+        """A segment input decompressed into its own variable for the recompute: the
+        forward's statements read it by that name, and the forward's tensor is long gone."""
+        call = CallExpr(
+            Global(f"{self.codec_names[form.codec]}.decompress"),
+            (
+                self.packed_var(stashed.key, form),
+                Const(tuple(stashed.type.shape[1:])),
+                Attr(self.grad(reader.output), "dtype"),
+            ),
+        )
+        calls = (segment.call,)
+        return Step(
+            RECOMPUTE_SECTION,
+            [Assign((self.raw_var(stashed.key),), call)],
+            comment=f"restore {stashed.key}: {form.label()} (input of {segment.name})",
+            calls=calls,
+            local_comment=f"restore {_relative(stashed.key, calls)}: {form.label()}",
+            stage=self.stage(reader),
+        )
+
+    def segment_forward_step(self, node: Node) -> Step:
+        """A statement of a recomputed segment: its forward step, or for an op that updates
+        buffers (batch norm) its registry recompute kernel, which makes the output with the
+        batch's statistics and leaves the running ones alone (the statistics its backward
+        reads stay those the forward kept)."""
+        if not changes_state(node):
+            return self.forward_step(node)
+        op = node.op
+        assert op.recompute is not None, f"{node.name} cannot be recomputed"
+        args: list[Expr] = [self.var(v) for v in node.inputs]
+        args.append(Layer(node.layer))
+        kwargs = self.kwargs(explicit_kwargs(op, node.kernel_kwargs))
+        call = CallExpr(self.kernel(node, op.recompute.kernel), tuple(args), kwargs)
+        step = Step(
+            "forward",
+            [Assign((self.var(node.output),), call)],
+            comment=node.text,
+            calls=node.blocks,
+            local_comment=node.local_text,
+            stage=self.stage(node),
+        )
+        return self.recompute_step(node, step)
+
+    def forward_with_stash(
+        self,
+        nodes: list[Node],
+        entries: list[Stashed],
+        forward: Callable[[Node], Step] | None = None,
+    ) -> list[Step]:
         """The forward steps of ``nodes`` with the stash steps of ``entries``: each kept
         form made right after the node that makes the tensor (before the first node when
         the tensor arrives from elsewhere: a model input, or a value another pipeline stage
         made), and what is kept raw recorded once per run of nodes (a block instance, or the
-        statements between)."""
+        statements between). ``forward``: each node's step (default ``forward_step``)."""
+        forward = forward or self.forward_step
         made_here = {n.index for n in nodes}
         after: dict[int, list[Stashed]] = {}
         for stashed in entries:
@@ -566,7 +667,7 @@ class Emitter:
             steps.append(self.stash_raw_step(raw(arrived), None))
         pending: list[Stashed] = []
         for i, n in enumerate(nodes):
-            steps.append(self.forward_step(n))
+            steps.append(forward(n))
             found = after.get(n.index, [])
             steps += [self.stash_step(s, n.blocks) for s in compressed(found)]
             pending += raw(found)
@@ -579,7 +680,8 @@ class Emitter:
 
     def training_steps(self) -> list[Step]:
         graph = self.graph
-        steps = self.forward_with_stash(graph.nodes, self.plan.entries)
+        kept = [e for e in self.plan.entries if e.segment is None]  # the rest: a recompute's
+        steps = self.forward_with_stash(graph.nodes, kept)
         loss = self.var(graph.loss)
         seed = CallExpr(Global("torch.ones_like"), (loss,))
         steps.append(
@@ -591,8 +693,13 @@ class Emitter:
             )
         )
         owned: dict[int, bool] = {id(graph.loss): True}
+        begun: set[str] = set()  # recomputed segments whose backward has begun
         for node in reversed(graph.nodes):
             if node.needs_backward:
+                segment = self.segment_of.get(node.index)
+                if segment is not None and segment.name not in begun:
+                    begun.add(segment.name)
+                    steps += self.segment_steps(segment, node)
                 steps += self.restore_steps(node)
                 steps.append(self.backward_step(node, owned))
         if self.data_parallel:
@@ -682,6 +789,8 @@ class Emitter:
                 return None
             if any(f.kind == "recompute" for f in forms):
                 raise ModelError("--recompute is not available with --pipeline")
+            if stashed.segment is not None or stashed.segment_readers:
+                raise ModelError("segment recompute is not available with --pipeline")
             return dataclasses.replace(stashed, readers=readers, forms=forms)
 
         entries = [e for e in map(own_forms, self.plan.entries) if e is not None]
@@ -747,7 +856,10 @@ class Emitter:
             if node.blocks and node.blocks[0].name not in seen:
                 seen.add(node.blocks[0].name)
                 counts[node.blocks[0].block] = counts.get(node.blocks[0].block, 0) + programs
-        outliner.reserve(sorted(counts), counts)
+        # a recompute function's name is claimed only when a segment is recomputed, so
+        # that every other module keeps the names it always had
+        extra = (RECOMPUTE_SECTION,) if self.plan.segments else ()
+        outliner.reserve(sorted(counts), counts, extra)
         return outliner
 
     def predict_steps(self) -> list[Step]:
@@ -879,10 +991,15 @@ def render(
         raise ValueError("data parallel is for the gpu platform (the ipu one replicates itself)")
     emitter = Emitter(graph, plan, target, pipeline, options.data_parallel, options.bucket_bytes)
     staged = pipeline is not None and pipeline.num_ipus > 1
+    if plan.segments and staged:
+        raise ModelError("segment recompute is not available with more than one pipeline stage")
     training_steps, predict_steps = emitter.training_steps(), emitter.predict_steps()
     outliner = emitter.outliner(2 if options.pipeline != 1 else 1)
     training_steps = outliner.outline(training_steps, emitter.training_keep())
     predict_steps = outliner.outline(predict_steps, emitter.predict_keep(), predict=True)
+    for step in training_steps:  # a segment's recompute is part of the backward
+        if step.section == RECOMPUTE_SECTION:
+            step.section = "backward"
     training = render_steps(training_steps, target.stage_block if staged else None)
     predict = render_steps(predict_steps)
     process_stages: list[dict[str, Any]] = []
@@ -901,7 +1018,7 @@ def render(
             (safe.identifier(name), safe.literal(codec.name), safe.kwargs(codec.kwargs))
             for codec, name in emitter.codec_names.items()
         ],
-        compression=safe.doc_text(_describe(config)),
+        compression=safe.doc_text(_describe(config) + _segments_note(plan)),
         version=safe.doc_text(__version__),
         source_path=safe.doc_text(source_path),
         model_name=safe.doc_text(graph.name),
@@ -912,7 +1029,7 @@ def render(
             for module, alias in sorted(emitter.kernel_alias.items(), key=lambda kv: kv[1])
         ],
         layers=layer_lines(graph),
-        functions=[_function_view(f) for f in outliner.functions],
+        functions=[_function_view(f, {s.name for s in plan.segments}) for f in outliner.functions],
         train_args=[safe.identifier(emitter.var(v).name) for v in graph.inputs],
         train_checks=_input_checks(emitter, graph.inputs),
         predict_checks=_input_checks(emitter, graph.model_inputs),
@@ -1031,13 +1148,25 @@ def _pipeline_meta(
     }
 
 
-def _function_view(function: Function) -> tuple[safe.Code, list[safe.Code], safe.Code, list]:
-    """(name, parameters, docstring, body lines) of one block function, for the template."""
+def _function_view(
+    function: Function, recomputed: set[str] = frozenset()
+) -> tuple[safe.Code, list[safe.Code], safe.Code, list]:
+    """(name, parameters, docstring, body lines) of one block function, for the template;
+    ``recomputed``: the block instances recomputed in the backward (segment recompute)."""
     shown = function.instances[:4]
     more = len(function.instances) - len(shown)
     where = ", ".join(shown) + (f" and {more} more" if more else "")
-    what = {"forward": "Forward", "backward": "Backward", "predict": "Prediction"}[function.section]
-    doc = f"{what} of block `{function.block}`, for {where}."
+    if function.section == RECOMPUTE_SECTION:
+        doc = (
+            f"Forward of block `{function.block}` again, where its backward begins (segment "
+            f"recompute), for {where}: from its kept inputs, keeping its stash as the "
+            "forward does without recompute."
+        )
+    else:
+        what = {"forward": "Forward", "backward": "Backward", "predict": "Prediction"}
+        doc = f"{what[function.section]} of block `{function.block}`, for {where}."
+        if function.section == "forward" and set(function.instances) <= recomputed:
+            doc += " Keeps nothing for its own backward: that recomputes it from its inputs."
     return (
         safe.identifier(function.name),
         [safe.identifier(p) for p in function.signature()],
@@ -1097,6 +1226,18 @@ def _surrogate_groups(graph: Graph, pipeline: Pipeline | None) -> list[tuple[int
             stage = pipeline.stage(node.name) if pipeline else 0
             groups.setdefault(stage, []).extend(p.key for p in node.params if p.present)
     return sorted((k, v) for k, v in groups.items() if v)
+
+
+def _segments_note(plan: StashPlan) -> str:
+    """The docstring's words on segment recompute ("" without it)."""
+    if not plan.segments and not plan.config.segments:
+        return ""
+    names = [s.name for s in plan.segments]
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    note = f"; blocks recomputed in the backward: {shown or 'none'}"
+    if plan.skipped_segments:
+        note += f" ({len(plan.skipped_segments)} not recomputable: see unroll graph)"
+    return note
 
 
 def _describe(config: CompressionConfig) -> str:

@@ -21,6 +21,12 @@ batch are resident before the step and not counted.
   ones included, and its kernel's working memory), plus the parameter gradients made so
   far (``.grad`` outlives the step). Everything else live at a moment is memory a better
   schedule could free: the generated code's peak over its floor says how much that is.
+
+Segment recompute is read off the same program: a recomputed segment's inputs are kept from
+the forward (in their stored form) until its backward begins; there its recompute steps
+(section ``recompute``) restore them, run its forward statements again (with their kernels'
+forward working memory) and make its own stash, which counts as stash from then until its
+backward steps free it.
 """
 
 from __future__ import annotations
@@ -31,13 +37,13 @@ from typing import Any
 
 import torch
 
-from unroller.codegen import Emitter, Options, called_name
+from unroller.codegen import RECOMPUTE_SECTION, Emitter, Options, called_name
 from unroller.dtypes import DTYPE_BYTES, torch_dtype
 from unroller.graph import Graph, Node
 from unroller.ir import AddTo, Assign, CallExpr, Do, Step, Var
 from unroller.platforms import platform as get_platform
 from unroller.schemes import Codec, CompressionConfig
-from unroller.stash import Form, Stashed, StashPlan, plan_stash
+from unroller.stash import Form, Stashed, StashPlan, plan_stash, value_form
 
 __all__ = ["Simulation", "Event", "simulate", "simulate_graph", "WORKSPACE", "Workspace"]
 
@@ -92,7 +98,7 @@ class Event:
     """Bytes live after one step of the program (and at most during it)."""
 
     index: int
-    section: str  # "forward" or "backward"
+    section: str  # "forward", "backward" or "recompute" (a segment's forward again)
     label: str  # the model statement or "keep X as ...", "restore X: ..."
     live_bytes: int  # after the step's releases
     during_bytes: int  # the most during the step (outputs made while inputs still live)
@@ -323,9 +329,10 @@ def _run(
     sizes = _Sizes(emitter, plan, batch, kernel_scale)
     heap = _Heap()
     inputs = {emitter.var(v).name for v in emitter.graph.inputs}
-    stash_names = {
-        emitter.raw_var(s.key).name: s.key for s in plan.entries if s.forms == [Form("raw")]
-    }
+    raw_kept = [s for s in plan.entries if s.forms == [Form("raw")]]
+    # kept raw by the forward, or made raw by a segment's recompute (only then stash)
+    stash_names = {emitter.raw_var(s.key).name: s.key for s in raw_kept if s.segment is None}
+    remade_names = {emitter.raw_var(s.key).name: s.key for s in raw_kept if s.segment}
     first_grad: set[str] = set()
     events: list[Event] = []
     peak, peak_at, peak_stash = 0, "", ()
@@ -353,10 +360,11 @@ def _run(
             working = sum(b for k, b in touched.items() if k not in heap.stash) + transient
             step_working = max(step_working, working)
             floor = max(floor, heap.stash_live + working + param_grads)
-        if step.section == "forward":
+        if step.section in ("forward", RECOMPUTE_SECTION):
+            raw_names = stash_names if step.section == "forward" else remade_names
             for name in _targets_of(step):
-                if name in stash_names:
-                    heap.mark_stash(name, stash_names[name])
+                if name in raw_names:
+                    heap.mark_stash(name, raw_names[name])
                 key = emitter.key_of.get(name, ("",))
                 if key[0] == "packed":
                     heap.mark_stash(name, key[1])
@@ -445,9 +453,16 @@ def _transient_of(
     """Working memory of a codec call or a backward kernel (``WORKSPACE``)."""
     if func.endswith((".compress", ".decompress")) and targets:
         key = sizes.emitter.key_of.get(targets[0], ("",))
-        if key[0] not in ("packed", "restored"):
+        if key[0] == "value" and key[1] in sizes.stashed:  # a segment's input, restored
+            stashed = sizes.stashed[key[1]]
+            found = value_form(stashed)
+            if found is None or found.kind == "raw":
+                return 0
+            form = found
+        elif key[0] not in ("packed", "restored"):
             return 0
-        stashed, form = sizes.forms[(key[1], key[3])]
+        else:
+            stashed, form = sizes.forms[(key[1], key[3])]
         t = form.type or stashed.type
         dtype = "bool" if form.kind == "mask" else t.dtype
         sample = tuple(d for d in t.shape[1:])
@@ -467,7 +482,7 @@ def _transient_of(
             return _workspace(PIECEWISE[node.op.name], node, sizes, piece)
         work = WORKSPACE.get(node.op.name)
         return _workspace(work, node, sizes) if work else 0
-    if step.section == "forward" and func.endswith(f".{node.op.name}"):
+    if step.section in ("forward", RECOMPUTE_SECTION) and func.endswith(f".{node.op.name}"):
         phases = FORWARD_WORKSPACE.get(node.op.name, ())
         return max((_workspace(w, node, sizes) for w in phases), default=0)
     return 0

@@ -10,6 +10,11 @@ bound to block parameter ``x`` -> ``x``). Instances whose functions come out as 
 text share one function: a ResNet's thirteen ``basic`` blocks call one ``basic_forward``
 and one ``basic_backward``.
 
+A recomputed segment (segment recompute) has a third run in the training program, its
+forward again at the start of its backward (section ``recompute``): it becomes a call of the
+block's recompute function, whose saved list the backward function empties, while the
+forward run, which then keeps nothing for the backward, returns what the rest reads.
+
 Memory stays what the flat program holds: what a forward run makes only for its own
 backward run travels in one list (``saved``) that the backward function empties on
 entry, and what the caller would delete right after a call is handed over in that list
@@ -57,7 +62,7 @@ class Function:
 
     name: str
     block: str
-    section: str  # "forward", "backward" or "predict"
+    section: str  # "forward", "backward", "predict" or "recompute"
     params: list[str]  # after L, the method variables it uses, and `saved`
     context: list[str]  # method variables it uses (stash, grads)
     returns: list[str]
@@ -129,10 +134,13 @@ class Outliner:
         self._function_names: dict[tuple[str, str, int], str] = {}
         self._local_reserved = reserved  # and the function names, once reserved
 
-    def reserve(self, blocks: list[str], counts: dict[str, int]) -> None:
-        """Claim every function name that may be needed before any local is named."""
+    def reserve(
+        self, blocks: list[str], counts: dict[str, int], extra: tuple[str, ...] = ()
+    ) -> None:
+        """Claim every function name that may be needed before any local is named
+        (``extra``: sections besides forward, backward and predict, e.g. recompute)."""
         for block in blocks:
-            for section in ("forward", "backward", "predict"):
+            for section in ("forward", "backward", "predict", *extra):
                 for variant in range(1, counts[block] + 1):
                     base = f"{block}_{section}" + (f"_v{variant}" if variant > 1 else "")
                     key = ("function", block, section, str(variant))
@@ -167,13 +175,19 @@ class Outliner:
         runs = [r for r in runs if r.instance.name not in inline]
         events = _events(steps)
         backward = {r.instance.name: r for r in runs if steps[r.start].section == "backward"}
+        # a recomputed instance's backward reads what its recompute run made, not its forward's
+        recomputed = {r.instance.name for r in runs if steps[r.start].section == "recompute"}
         out: list[Step] = []
         previous = 0
         for run in runs:
             out += steps[previous : run.start]
             previous = run.end
             section = "predict" if predict else steps[run.start].section
-            later = backward.get(run.instance.name) if section == "forward" else None
+            later = None
+            if section == "recompute" or (
+                section == "forward" and run.instance.name not in recomputed
+            ):
+                later = backward.get(run.instance.name)
             out += self._call(steps, run, events, keep, section, later)
         out += steps[previous:]
         release_dead(out, keep)
@@ -246,7 +260,8 @@ class Outliner:
         call = CallExpr(GlobalName(function.name), tuple(args))
         statement: Statement = Assign(tuple(targets), call) if targets else Do(call)
         steps_out = [*before, Step(body[0].section, [statement], stage=body[0].stage)]
-        steps_out[0].comment = f"[block] {run.instance.text}"
+        label = "[recompute]" if section == "recompute" else "[block]"
+        steps_out[0].comment = f"{label} {run.instance.text}"
         return steps_out
 
     def _function(

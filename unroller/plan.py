@@ -20,6 +20,16 @@ folded; keep 4 in bf16). Masks stay on (lossless) whatever the plan says.
   the tensors held at the peak to smaller forms, cheapest added error per byte saved
   first, until the bytes saved cover the excess; simulate again. ``max_error`` rules out
   candidates whose round-trip error on the probe is above it.
+- **Segment recompute** (``segments=("auto",)``): the top-level block instances that can
+  be recomputed (``unroller.stash.segment_problem``) are moves too. A move recomputes one
+  segment: the bytes it saves are its own stash (what only its recompute would make) held
+  at the peak, its cost the FLOPs of its forward statements (``estimate.forward_flops``),
+  and the moves are taken most bytes saved per recompute FLOP first. Moves come in three
+  tiers, each used up before the next: light compression (forms whose round-trip error on
+  the probe is at most ``LIGHT_ERROR``, 8-bit quant in practice: almost no error, little
+  time), then segment recompute (no error of its own under exact forms; about one more
+  forward of the segment), then harder compression. A fixed set of segments (``blocks``
+  or names) is planned with, not chosen.
 
 The result is an ordinary compression config (``[[rule]] tensor = ...``): readable,
 editable, diffable, and ``unroll generate --compress-config`` takes it as it is.
@@ -35,10 +45,19 @@ from typing import Any
 
 import torch
 
+from unroller.estimate import forward_flops
 from unroller.graph import Graph, Node
 from unroller.memory import Simulation, packed_bytes, simulate_graph
 from unroller.schemes import Codec, CompressionConfig, Rule, make_codec
-from unroller.stash import Form, Stashed, plan_stash
+from unroller.stash import (
+    SEGMENT_AUTO,
+    SEGMENT_BLOCKS,
+    Form,
+    Segment,
+    Stashed,
+    chosen_instances,
+    plan_stash,
+)
 from unroller.verify import generated_class
 
 __all__ = [
@@ -58,6 +77,7 @@ AUTO_BATCH = 256  # the batch the auto scheme plans for: activations, not weight
 AUTO_MAX_ERROR = 0.2  # auto: no candidate whose round trip is worse than this on the probe
 AUTO_SLACK = 1.10  # auto's budget: the least peak reachable under its candidates, + 10%
 PROBE_BATCH = 4
+LIGHT_ERROR = 0.02  # segment planning: forms this accurate on the probe are tried first
 ERROR_SAMPLES = 2  # round-trip errors are measured on the probe's first samples
 
 
@@ -101,13 +121,18 @@ def plannable(graph: Graph) -> list[Stashed]:
     return [s for s in plan_stash(graph, probe).entries if any(f.kind == "codec" for f in s.forms)]
 
 
-def config_of(assign: dict[str, Choice], recompute: bool = False) -> CompressionConfig:
+def config_of(
+    assign: dict[str, Choice], recompute: bool = False, segments: tuple[str, ...] = ()
+) -> CompressionConfig:
     """The compression config of an assignment: one ``tensor`` rule per compressed tensor
-    (``recompute``: cheap ops' outputs remade in the backward, too)."""
+    (``recompute``: cheap ops' outputs remade in the backward, too; ``segments``: the block
+    instances recomputed in the backward)."""
     rules = [
         Rule(choice.codec, tensor=key) for key, choice in assign.items() if choice.codec is not None
     ]
-    return CompressionConfig(default=None, rules=rules, source="<plan>", recompute=recompute)
+    return CompressionConfig(
+        default=None, rules=rules, source="<plan>", recompute=recompute, segments=segments
+    )
 
 
 def _bytes(stashed: Stashed, choice: Choice, batch: int) -> int:
@@ -277,6 +302,8 @@ class MemoryPlan:
     max_error: float | None
     fits: bool
     notes: list[str] = field(default_factory=list)
+    #: segment recompute: the block instances recomputed (planned or given), in graph order
+    segments: list[str] = field(default_factory=list)
 
     @property
     def predicted_error(self) -> float:
@@ -296,10 +323,22 @@ def make_plan(
     max_error: float | None = None,
     platform: str = "gpu",
     recompute: bool = False,
+    segments: tuple[str, ...] = (),
 ) -> MemoryPlan:
     """The least-error assignment whose predicted peak fits ``budget`` (None: the least
     peak reachable, then the least error at that peak + ``AUTO_SLACK``); ``recompute``: the
-    step remakes cheap ops' outputs in the backward (``--recompute``), planned with it."""
+    step remakes cheap ops' outputs in the backward (``--recompute``), planned with it;
+    ``segments``: block instances recomputed in the backward (``("auto",)``: the search
+    chooses them, see the module's docstring)."""
+    choosing = SEGMENT_AUTO in segments
+    pool = _segment_pool(graph, batch_size) if choosing else []
+    chosen: list[str] = []  # of the pool, recomputed so far
+    fixed = () if choosing else tuple(segments)
+
+    def config_now(assign_now: dict[str, Choice]) -> CompressionConfig:
+        picked = tuple(name for name, _, _ in pool if name in chosen) if choosing else fixed
+        return config_of(assign_now, recompute, picked)
+
     units = plannable(graph)
     norms = {k: float(torch.linalg.vector_norm(g.double())) ** 2 for k, g in probe.grads.items()}
     grad_norm = math.sqrt(sum(norms.values()))
@@ -322,7 +361,9 @@ def make_plan(
     notes = []
     if budget is None:
         smallest = {k: min(o, key=lambda c: c[1])[0] for k, o in options.items()}
-        least = simulate_graph(graph, config_of(smallest, recompute), batch_size, platform)
+        every = tuple(name for name, _, _ in pool) if choosing else fixed
+        least_config = config_of(smallest, recompute, every)
+        least = simulate_graph(graph, least_config, batch_size, platform)
         budget_used = int(least.peak_bytes * AUTO_SLACK)
         notes.append(
             f"budget: the least peak any plan reaches ({least.peak_bytes} bytes) " f"x {AUTO_SLACK}"
@@ -331,33 +372,38 @@ def make_plan(
         budget_used = budget
     assign = {k: options[k][0] for k in options}  # raw
     sim = nocompress
-    if recompute:
-        sim = simulate_graph(graph, config_of({}, recompute), batch_size, platform)
+    if recompute or fixed:
+        sim = simulate_graph(graph, config_now({}), batch_size, platform)
     while sim.peak_bytes > budget_used:
         excess = sim.peak_bytes - budget_used
-        moves = []
+        moves = []  # (tier, cost, key or segment, new form or None, bytes saved)
         for key in sim.peak_stash:
             if key not in assign:
                 continue
             choice, nbytes, err = assign[key]
             for c2, b2, e2 in options[key]:
                 if b2 < nbytes:
-                    cost = (e2**2 - err**2) * sens[key] ** 2
-                    moves.append((max(cost, 0.0) / (nbytes - b2), key, (c2, b2, e2), nbytes - b2))
+                    cost = max((e2**2 - err**2) * sens[key] ** 2, 0.0) / (nbytes - b2)
+                    tier = 0 if not choosing or e2 <= LIGHT_ERROR else 2
+                    moves.append((tier, cost, key, (c2, b2, e2), nbytes - b2))
+        if choosing:
+            moves += _segment_moves(graph, pool, chosen, config_now(_labels(assign)), sim)
         if not moves:
             break
-        moves.sort(key=lambda m: (m[0], -m[3]))
+        moves.sort(key=lambda m: (m[0], m[1], -m[4]))
         saved, moved = 0, set()
-        for _, key, new, gain in moves:
+        for _, _, key, new, gain in moves:
             if key in moved:
                 continue
-            assign[key] = new
+            if new is None:
+                chosen.append(key)
+            else:
+                assign[key] = new
             moved.add(key)
             saved += gain
             if saved >= excess:
                 break
-        config = config_of({k: v[0] for k, v in assign.items()}, recompute)
-        sim = simulate_graph(graph, config, batch_size, platform)
+        sim = simulate_graph(graph, config_now(_labels(assign)), batch_size, platform)
     fits = sim.peak_bytes <= budget_used
     if not fits:
         notes.append(
@@ -379,7 +425,12 @@ def make_plan(
         )
         for key, (choice, nbytes, err) in assign.items()
     ]
-    config = config_of({k: v[0] for k, v in assign.items()}, recompute)
+    config = config_now(_labels(assign))
+    if choosing:
+        notes.append(
+            f"segments recomputed: {len(config.segments)} of {len(pool)} "
+            "(most bytes saved per recompute FLOP first, after 8-bit-accurate forms)"
+        )
     return MemoryPlan(
         batch_size=batch_size,
         budget=budget_used,
@@ -392,7 +443,49 @@ def make_plan(
         max_error=max_error,
         fits=fits,
         notes=notes,
+        segments=[s.name for s in plan_stash(graph, config).segments] if config.segments else [],
     )
+
+
+def _labels(assign: dict[str, tuple[Choice, int, float]]) -> dict[str, Choice]:
+    return {k: v[0] for k, v in assign.items()}
+
+
+def _segment_pool(graph: Graph, batch: int) -> list[tuple[str, float, list[str]]]:
+    """The block instances the planner may recompute: (name, FLOPs of its forward at
+    ``batch``, the saved tensors only its recompute would make), in graph order."""
+    picked, _ = chosen_instances(graph, (SEGMENT_BLOCKS,))
+    every = plan_stash(graph, CompressionConfig(segments=(SEGMENT_BLOCKS,)))
+    own: dict[str, Segment] = {s.name: s for s in every.segments}
+    return [
+        (
+            call.name,
+            max(1.0, sum(forward_flops(n, batch) for n in nodes)),
+            list(own[call.name].internal) if call.name in own else [],
+        )
+        for call, nodes in picked
+    ]
+
+
+def _segment_moves(
+    graph: Graph,
+    pool: list[tuple[str, float, list[str]]],
+    chosen: list[str],
+    config: CompressionConfig,
+    sim: Simulation,
+) -> list[tuple[int, float, str, None, int]]:
+    """Tier-1 moves: recompute a segment not chosen yet, whose own stash is held at the
+    peak; saves those bytes (in their current forms), costs its forward's FLOPs."""
+    held = set(sim.peak_stash)
+    stored = {s.key: s.stored_bytes(sim.batch_size) for s in plan_stash(graph, config).entries}
+    moves = []
+    for name, flops, keys in pool:
+        if name in chosen:
+            continue
+        gain = sum(stored.get(k, 0) for k in keys if k in held)
+        if gain > 0:
+            moves.append((1, -gain / flops, name, None, gain))
+    return moves
 
 
 def measured_error(
@@ -419,13 +512,16 @@ def measured_error(
     return math.sqrt(num / den) if den > 0 else 0.0
 
 
-def auto_config(graph: Graph, label: str = "<model>") -> CompressionConfig:
+def auto_config(
+    graph: Graph, label: str = "<model>", segments: tuple[str, ...] = ()
+) -> CompressionConfig:
     """The ``auto`` scheme: a plan at ``AUTO_BATCH`` whose peak is within ``AUTO_SLACK`` of
     the least any plan reaches, candidates limited to round-trip errors of at most
     ``AUTO_MAX_ERROR``, calibrated on a seeded synthetic batch and seeded initial weights
-    (so the same model text always gives the same file)."""
+    (so the same model text always gives the same file); ``segments``: block instances to
+    recompute in the backward (``("auto",)``: the plan chooses them)."""
     probe = run_probe(graph, label=label)
-    found = make_plan(graph, AUTO_BATCH, None, probe, max_error=AUTO_MAX_ERROR)
+    found = make_plan(graph, AUTO_BATCH, None, probe, max_error=AUTO_MAX_ERROR, segments=segments)
     return found.config
 
 
@@ -455,6 +551,9 @@ def to_toml(plan: MemoryPlan, header: list[str]) -> str:
     lines = [f"# {_comment(line)}" if line else "#" for line in header]
     if plan.config.recompute:
         lines += ["", "recompute = true"]
+    if plan.config.segments:
+        names = ", ".join(_toml_string(name) for name in plan.config.segments)
+        lines += ["", f"recompute_segments = [{names}]"]
     lines += ["", "[default]", 'compressor = "none"']
     for row in plan.rows:
         if row.choice.codec is None:

@@ -8,6 +8,8 @@ configs too; ``--compress-config FILE`` reads one from TOML:
     masks = true                  # optional, default true
     derivatives = false           # optional: few-bit derivative codes (gelu, silu), default false
     recompute = false             # optional: remake cheap ops' outputs in the backward
+    recompute_segments = "blocks" # optional: block instances re-run in the backward
+                                  # ("blocks": all that can be; or a list of name globs)
     [default]
     compressor = "dct"            # "dct", "quant", ... or "none"
     keep = 4                      # the compressor's parameters
@@ -181,6 +183,10 @@ class CompressionConfig:
     #: remake the outputs of cheap ops (registry ``recompute``) in the backward from what is
     #: kept anyway, instead of keeping them (unroller.stash.plan_recompute)
     recompute: bool = False
+    #: segment recompute: the top-level block instances whose forward runs again in the
+    #: backward, keeping only their inputs from the forward pass (``"blocks"``: all that
+    #: can be; else globs on instance names; unroller.stash.plan_segments)
+    segments: tuple[str, ...] = ()
 
     @property
     def lossy(self) -> bool:
@@ -257,7 +263,7 @@ DERIVATIVE_CODECS = frozenset({"fewbit"})
 """Registered compressors that keep an activation's derivative, not the activation: only for
 the ops whose registry entry offers it (``derivative``), turned on by ``derivatives = true``."""
 
-_TOP_KEYS = ("masks", "derivatives", "recompute", "default", "rule")
+_TOP_KEYS = ("masks", "derivatives", "recompute", "recompute_segments", "default", "rule")
 _GLOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-")
 _WORD = re.compile(r"[A-Za-z0-9_.+-]*\Z")
 _SIMPLE = re.compile(r"[A-Za-z0-9_.*?\[\]!+ -]{0,60}\Z")
@@ -639,6 +645,7 @@ class _Checker:
             raise self.at_value(
                 ("recompute",), f"'recompute' must be true or false, not {_kind(recompute)}"
             )
+        segments = self.segments(data.get("recompute_segments", []))
         default = None
         if "default" in data:
             table = data["default"]
@@ -664,9 +671,37 @@ class _Checker:
             masks=masks,
             derivatives=derivatives,
             recompute=recompute,
+            segments=segments,
             source=self.label,
             sha256=hashlib.sha256(self.text.encode("utf-8")).hexdigest(),
         )
+
+    def segments(self, value: Any) -> tuple[str, ...]:
+        """``recompute_segments``: "blocks", or a list of globs on block instance names."""
+        path = ("recompute_segments",)
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise self.at_value(
+                path,
+                "'recompute_segments' must be \"blocks\" or a list of block instance names "
+                f"(globs), not {_kind(value)}",
+            )
+        if len(items) > MAX_RULES:
+            raise self.at_value(path, f"too many segments: {len(items)} (at most {MAX_RULES})")
+        for item in items:
+            if item == "auto":
+                raise self.at_value(
+                    path,
+                    "recompute_segments 'auto' is for --scheme auto and unroll plan; a config "
+                    "names the block instances",
+                )
+            if not item or len(item) > MAX_NAME or not set(item) <= _GLOB_CHARS:
+                raise self.at_value(
+                    path,
+                    f"bad segment {_show(item)}: a block instance name or glob of at most "
+                    f"{MAX_NAME} letters, digits and _ . * ? [ ] ! -",
+                )
+        return tuple(dict.fromkeys(items))
 
     def rule(self, table: Any, path: tuple) -> Rule:
         if not isinstance(table, dict):

@@ -17,14 +17,22 @@ scheme compresses nothing, dct-first's one tensor was another.
 Where the registry offers a few-bit derivative code for an activation's input
 (``derivative``) and the config turns ``derivatives`` on (the quant scheme), that input is
 kept as the code (``fewbit``) instead of the scheme's codec: 3 bits instead of 8.
+
+Segment recompute (``recompute_segments`` in the config): a top-level block instance
+chosen as a segment keeps only its inputs from the forward pass (each in its value form:
+the scheme's codec for it, or raw), and its own stash (``Stashed.segment``) is made again
+when its backward begins, by its forward statements re-run from those inputs
+(``plan_segments``).
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 
 from unroller.dtypes import DTYPE_BYTES, is_float, torch_dtype
-from unroller.graph import Graph, Node, Value
+from unroller.errors import ModelError
+from unroller.graph import BlockCall, Graph, Node, Value
 from unroller.registry import eval_expr
 from unroller.report import SavedTensor, saved_tensors
 from unroller.schemes import MAP, ROWS, Codec, CompressionConfig, make_codec
@@ -67,6 +75,10 @@ class Stashed:
     forms: list[Form] = field(default_factory=list)
     layout: str = MAP  # MAP or ROWS (what a 4-D tensor is; see layout_of)
     why: str = ""  # kept raw: the reason, for the stash table
+    #: segment recompute: the segment whose recompute makes it (None: the forward does)
+    segment: str | None = None
+    #: segment recompute: the segments that read it as an input of their recompute
+    segment_readers: list[str] = field(default_factory=list)
 
     def raw_bytes(self, batch: int) -> int:
         return self.type.numel(batch) * DTYPE_BYTES[self.type.dtype]
@@ -87,9 +99,27 @@ class Stashed:
 
 
 @dataclass
+class Segment:
+    """A top-level block instance whose forward runs again when its backward begins."""
+
+    call: BlockCall
+    nodes: list[Node]  # its statements, in order (contiguous in the graph)
+    inputs: list[str]  # values from outside it that its recompute reads (kept for it)
+    internal: list[str] = field(default_factory=list)  # stash keys only its recompute makes
+
+    @property
+    def name(self) -> str:
+        return self.call.name
+
+
+@dataclass
 class StashPlan:
     entries: list[Stashed]
     config: CompressionConfig
+    segments: list[Segment] = field(default_factory=list)  # recomputed, in graph order
+    #: block instances the config's segment patterns matched but that cannot be recomputed,
+    #: with the reason (for the stash table's notes)
+    skipped_segments: dict[str, str] = field(default_factory=dict)
 
     def by_key(self) -> dict[str, Stashed]:
         return {e.key: e for e in self.entries}
@@ -126,7 +156,8 @@ class StashPlan:
         rows = [
             {
                 "tensor": s.key,
-                "readers": [n.name for n, _, _ in s.readers],
+                "readers": [n.name for n, _, _ in s.readers]
+                + [f"{name} (recompute)" for name in s.segment_readers],
                 "compressor": "+".join(f.label() for f in s.forms),
                 "shape": [batch if d == "N" else d for d in s.type.shape],
                 "raw_bytes": s.raw_bytes(batch),
@@ -225,9 +256,14 @@ def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
             stashed.forms = [Form("raw")]
         else:
             stashed.forms = list(dict.fromkeys(forms))
+    segments: list[Segment] = []
+    skipped: dict[str, str] = {}
+    if config.segments:
+        segments, skipped = plan_segments(graph, ordered, config, rows)
+        ordered.sort(key=lambda s: s.producer)  # stable: inputs kept for a segment join
     if config.recompute:
-        plan_recompute(graph, ordered)
-    return StashPlan(ordered, config)
+        plan_recompute(graph, ordered, segments)
+    return StashPlan(ordered, config, segments, skipped)
 
 
 RECOMPUTE = Form("recompute")
@@ -263,7 +299,7 @@ def value_producers(graph: Graph) -> dict[str, Node | None]:
     return found
 
 
-def plan_recompute(graph: Graph, ordered: list[Stashed]) -> None:
+def plan_recompute(graph: Graph, ordered: list[Stashed], segments: list[Segment] = ()) -> None:
     """Remake in the backward, instead of keeping, every saved tensor that a short chain of
     cheap ops (registry ``recompute``: activations, pooling, resampling, concatenation, batch
     norm with its batch statistics) makes from tensors kept anyway.
@@ -276,15 +312,26 @@ def plan_recompute(graph: Graph, ordered: list[Stashed]) -> None:
     mask is 1 bit and exact, so it is not remade from a compressed input. Under a
     compressor the remade tensor is computed from the restored inputs: its error is theirs,
     passed through the op (relu(bn(c~)) for conv2's input instead of dct(relu(bn(c)))~).
+
+    With recomputed ``segments``, what a segment's recompute makes (``Stashed.segment``) is
+    left to it, and the inputs kept for a segment stay kept; a chain never reads a value
+    made inside a segment unless the forward keeps it (the recompute comes after every
+    reader outside the segment).
     """
     by_key = {s.key: s for s in ordered}
     producers = value_producers(graph)
     ops: dict[str, int | None] = {}  # decided tensors: ops to remake (0: kept or there)
+    inside = {n.output.name for segment in segments for n in segment.nodes}
+    kept_for_segments = {name for segment in segments for name in segment.inputs}
 
     def ops_to_make(name: str) -> int | None:
         if name in ops:
             return ops[name]
         stashed = by_key.get(name)
+        if name in inside and (
+            stashed is None or stashed.segment is not None or value_form(stashed) is None
+        ):
+            return None  # only a segment's recompute makes it
         if always_there(producers, name) or (stashed is not None and value_form(stashed)):
             return 0
         return chain(name)
@@ -304,6 +351,8 @@ def plan_recompute(graph: Graph, ordered: list[Stashed]) -> None:
     for stashed in ordered:
         if ":" in stashed.key or stashed.producer < 0:
             continue
+        if stashed.segment is not None or stashed.key in kept_for_segments:
+            continue
         value_forms = [f for f in stashed.forms if f.kind == "raw" or _is_value_codec(f)]
         reads_value = [r for r in stashed.readers if r[2] in value_forms]
         if not value_forms or not all(saved.activation for _, saved, _ in reads_value):
@@ -319,6 +368,186 @@ def plan_recompute(graph: Graph, ordered: list[Stashed]) -> None:
         ]
         stashed.forms = [f for f in stashed.forms if f not in value_forms] + [RECOMPUTE]
         stashed.why = f"remade in the backward from kept tensors ({count} op{'s' * (count > 1)})"
+
+
+SEGMENT_BLOCKS = "blocks"
+"""``recompute_segments`` pattern: every top-level block instance that can be recomputed."""
+SEGMENT_AUTO = "auto"
+"""``recompute_segments`` pattern for the planner (``--scheme auto``, ``unroll plan``): it
+chooses the instances and writes their names into the config it makes."""
+
+
+def block_instances(graph: Graph) -> list[tuple[BlockCall, list[Node]]]:
+    """The top-level block instances with their statements, in graph order."""
+    found: dict[str, tuple[BlockCall, list[Node]]] = {}
+    for node in graph.nodes:
+        if node.blocks:
+            found.setdefault(node.blocks[0].name, (node.blocks[0], []))[1].append(node)
+    return list(found.values())
+
+
+def draws_random(node: Node) -> bool:
+    """Does the node's forward draw random numbers (dropout with 0 < p < 1: its registry kind
+    is ``regularizer`` and it makes a mask)? Running it again would draw other ones."""
+    return node.op.kind == "regularizer" and any(e.present for e in node.extras)
+
+
+def changes_state(node: Node) -> bool:
+    """Does the node's training forward update buffers (batch norm's running statistics)?
+    A segment's recompute calls its registry ``recompute`` kernel instead, which leaves them
+    alone and makes the output only."""
+    return any(b.present for b in node.buffers)
+
+
+def segment_problem(graph: Graph, nodes: list[Node]) -> str:
+    """Why a block instance cannot be recomputed as a segment; "" when it can.
+
+    Only deterministic, state-free re-runs give the forward's tensors again: a random op
+    (dropout) would draw new masks (keeping its mask and replaying it is not built), and an
+    op that updates buffers must have a registry ``recompute`` kernel that leaves them alone
+    (batch norm's does)."""
+    first = nodes[0].index
+    if [n.index for n in nodes] != list(range(first, first + len(nodes))):
+        return "its statements are not consecutive in the model"
+    if not any(n.needs_backward for n in nodes):
+        return "none of its statements has a backward step"
+    for node in nodes:
+        if node.output is graph.loss:
+            return f"it makes the loss ({node.name})"
+        if draws_random(node):
+            return (
+                f"{node.name} is {node.op.name}, which draws random numbers (a recompute "
+                "would draw new ones)"
+            )
+        if changes_state(node) and (
+            node.op.recompute is None or node.op.recompute.kernel == node.op.name
+        ):
+            return (
+                f"{node.name} ({node.op.name}) updates its buffers and has no recompute kernel "
+                "that leaves them alone"
+            )
+    return ""
+
+
+def chosen_instances(
+    graph: Graph, patterns: tuple[str, ...]
+) -> tuple[list[tuple[BlockCall, list[Node]]], dict[str, str]]:
+    """The block instances ``patterns`` pick (``blocks``: all; else globs on instance
+    names), in graph order, and those they match that cannot be recomputed, with why.
+
+    A pattern matching nothing, and an instance named exactly that cannot be recomputed,
+    are errors: a config that names a segment expects it to be one."""
+    instances = block_instances(graph)
+    chosen: set[str] = set()
+    skipped: dict[str, str] = {}
+    for pattern in patterns:
+        if pattern == SEGMENT_AUTO:
+            raise ModelError(
+                "recompute_segments 'auto' is the planner's choice: use --scheme auto or "
+                "unroll plan, or name the block instances"
+            )
+        if pattern == SEGMENT_BLOCKS:
+            matched = instances
+        else:
+            matched = [(c, n) for c, n in instances if fnmatch.fnmatchcase(c.name, pattern)]
+            if not matched:
+                names = [c.name for c, _ in instances]
+                shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+                raise ModelError(
+                    f"recompute segment '{pattern}' matches no block instance "
+                    f"({'the model has none' if not names else 'the model has ' + shown})"
+                )
+        for call, nodes in matched:
+            why = segment_problem(graph, nodes)
+            if why and pattern == call.name:
+                raise ModelError(f"block instance '{call.name}' cannot be recomputed: {why}")
+            if why:
+                skipped[call.name] = why
+            else:
+                chosen.add(call.name)
+    picked = [(c, n) for c, n in instances if c.name in chosen]
+    return picked, {k: v for k, v in skipped.items() if k not in chosen}
+
+
+def plan_segments(
+    graph: Graph, ordered: list[Stashed], config: CompressionConfig, rows: set[str]
+) -> tuple[list[Segment], dict[str, str]]:
+    """Segment recompute: for every block instance the config's ``segments`` pick, which
+    saved tensors only its recompute makes, and what the forward keeps for it.
+
+    A saved tensor is the segment's own (made again, not kept by the forward) when a
+    statement of the segment makes it and only the segment's backward steps read it; an
+    extra output of an op whose recompute kernel makes only the output (batch norm's
+    statistics) stays kept by the forward. Everything else stays as it is: parameters,
+    what the rest of the graph reads, and the segment's inputs, which the forward keeps in
+    their value form (the one their readers already keep, or what the config chooses for
+    them as an activation of the segment's first reader; raw if none applies), appended to
+    ``ordered`` when nothing kept them before. Mutates ``ordered``'s entries."""
+    picked, skipped = chosen_instances(graph, config.segments)
+    producers = value_producers(graph)
+    values = {v.name: v for v in graph.inputs} | {n.output.name: n.output for n in graph.nodes}
+    segments: list[Segment] = []
+    segment_of: dict[int, Segment] = {}
+    for call, nodes in picked:
+        made = {n.output.name for n in nodes}
+        inputs: list[str] = []
+        for node in nodes:
+            for value in node.inputs:
+                name = value.name
+                if name not in made and name not in inputs and not always_there(producers, name):
+                    inputs.append(name)
+        segment = Segment(call, nodes, inputs)
+        segments.append(segment)
+        segment_of.update((n.index, segment) for n in nodes)
+    needed = {name for segment in segments for name in segment.inputs}
+    by_key = {s.key: s for s in ordered}
+    for stashed in ordered:
+        segment = segment_of.get(stashed.producer)
+        if segment is None or stashed.key in needed:
+            continue
+        if not all(segment_of.get(n.index) is segment for n, _, _ in stashed.readers):
+            continue
+        if ":" in stashed.key and changes_state(graph.nodes[stashed.producer]):
+            continue  # its recompute kernel makes the output only: the forward keeps these
+        stashed.segment = segment.name
+        segment.internal.append(stashed.key)
+        note = f"made again by {segment.name}'s recompute, kept during its backward only"
+        stashed.why = f"{stashed.why}; {note}" if stashed.why else note
+    for segment in segments:
+        for name in segment.inputs:
+            stashed = by_key.get(name)
+            if stashed is None:
+                node = producers[name]
+                stashed = Stashed(name, values[name].type, node.index if node else -1)
+                stashed.layout = layout_of(name, rows, [])
+                ordered.append(stashed)
+                by_key[name] = stashed
+            if value_form(stashed) is None:
+                reader = next(n for n in segment.nodes if any(v.name == name for v in n.inputs))
+                form = _input_form(stashed, reader, config)
+                if form.kind == "raw":  # one raw form serves every reader
+                    stashed.readers = [(n, s, form) for n, s, _ in stashed.readers]
+                    stashed.forms = [Form("raw")]
+                    stashed.why = stashed.why or form.why
+                else:
+                    stashed.forms.append(form)
+            stashed.segment_readers.append(segment.name)
+    return segments, skipped
+
+
+def _input_form(stashed: Stashed, reader: Node, config: CompressionConfig) -> Form:
+    """The form the forward keeps a segment's input in, when no backward step keeps it as a
+    value already: the config's codec for it as an activation of ``reader``, else raw."""
+    if not is_float(stashed.type.dtype):
+        return Form("raw", why=f"not a float tensor ({stashed.type.dtype})")
+    if config.first_only:
+        return Form("raw", why="dct-first compresses only the first activation")
+    codec, why = config.choose_why(
+        reader.op.name, reader.name, stashed.type.shape, stashed.layout, stashed.key
+    )
+    if codec is not None:
+        return Form("codec", codec)
+    return Form("raw", why=why)
 
 
 def _raw_reason(stashed: Stashed) -> str:

@@ -27,6 +27,7 @@ from unroller.cli.options import (
     PipelineOpt,
     PlatformOpt,
     RecomputeOpt,
+    RecomputeSegmentsOpt,
     SchemeOpt,
     SchemesOpt,
     StagesOpt,
@@ -68,6 +69,7 @@ def generate(
     num_ipus: NumIpusOpt = 1,
     stage_starts: StagesOpt = None,
     recompute: RecomputeOpt = False,
+    recompute_segments: RecomputeSegmentsOpt = None,
     data_parallel: DataParallelOpt = False,
     pipeline: PipelineOpt = 1,
     force: Annotated[
@@ -100,6 +102,7 @@ def generate(
         recompute,
         data_parallel,
         pipeline,
+        recompute_segments,
     )
     to_stdout = output is None or str(output) == "-"
     inputs = (model, *((compress_config,) if compress_config else ()))
@@ -150,6 +153,7 @@ def diff(
     num_ipus: NumIpusOpt = 1,
     stage_starts: StagesOpt = None,
     recompute: RecomputeOpt = False,
+    recompute_segments: RecomputeSegmentsOpt = None,
     against: Annotated[
         Path | None, typer.Option(help="The file to compare with (default: the checked-in one).")
     ] = None,
@@ -157,7 +161,9 @@ def diff(
     """Show what would change: emitted code against the checked-in file, or scheme against scheme.
 
     Examples: unroll diff models/quick.txt --platform gpu;
-    unroll diff models/quick.txt --scheme nocompress --scheme dct-dense.
+    unroll diff models/quick.txt --scheme nocompress --scheme dct-dense;
+    unroll diff models/gpt_tiny.txt --scheme quant --recompute-segments blocks --against
+    gpt_quant.py (what segment recompute changes in a module generated without it).
     Exit status 1 when there are differences, 0 when none.
     """
     schemes = [value_of(s) for s in scheme or ["nocompress"]]
@@ -166,7 +172,14 @@ def diff(
 
     def options_for(name: str) -> Options:
         return make_options(
-            platform, name, compress_config, opt_level, num_ipus, stage_starts, recompute
+            platform,
+            name,
+            compress_config,
+            opt_level,
+            num_ipus,
+            stage_starts,
+            recompute,
+            recompute_segments=recompute_segments,
         )
 
     if len(schemes) == 2:

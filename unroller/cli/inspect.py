@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -21,6 +21,7 @@ from unroller.cli.options import (
     OptLevelOpt,
     PlatformOpt,
     RecomputeOpt,
+    RecomputeSegmentsOpt,
     SchemeOpt,
     StagesOpt,
     value_of,
@@ -50,6 +51,7 @@ def graph(
     num_ipus: NumIpusOpt = 1,
     stage_starts: StagesOpt = None,
     recompute: RecomputeOpt = False,
+    recompute_segments: RecomputeSegmentsOpt = None,
 ) -> None:
     """Show the node graph: op, output shape, parameters and bytes saved for backward,
     and per saved tensor the form the scheme keeps it in, raw and stored bytes.
@@ -60,7 +62,14 @@ def graph(
     Example: unroll graph models/resnet34.txt --batch-size 32 --scheme dct-dense
     """
     options = make_options(
-        platform, scheme, compress_config, opt_level, num_ipus, stage_starts, recompute
+        platform,
+        scheme,
+        compress_config,
+        opt_level,
+        num_ipus,
+        stage_starts,
+        recompute,
+        recompute_segments=recompute_segments,
     )
     if fmt not in FORMATS:
         raise fail(f"unknown format '{fmt}' (table, json or dot)")
@@ -71,7 +80,10 @@ def graph(
         raise model_error(exc, model) from None
     for warning in g.warnings:
         typer.echo(warning.format(str(model), g.source), err=True)
-    plan = plan_stash(g, options.compression(g))
+    try:
+        plan = plan_stash(g, options.compression(g))
+    except ModelError as exc:  # a segment the model does not have, or cannot recompute
+        raise model_error(exc, model) from None
     stash = plan.report(batch_size)
     per_stage = None
     if platform_named(options.platform).pipelined:
@@ -91,9 +103,28 @@ def graph(
         out = [format_table(graph_report(g, batch_size)), ""]
         shown = value_of(scheme) if compress_config is None else str(compress_config)
         out.append(format_stash(stash, shown))
+        out += _segment_lines(plan, batch_size)
         if per_stage is not None:
             out += ["", format_ipus(per_stage)]
     write_stdout("".join(f"{line}\n" for line in out))
+
+
+def _segment_lines(plan: Any, batch: int) -> list[str]:
+    """Segment recompute, under the stash table: what the forward keeps through to the
+    backward, and which block instances the patterns matched but cannot be recomputed."""
+    if not plan.segments and not plan.skipped_segments:
+        return []
+    own = sum(s.stored_bytes(batch) for s in plan.entries if s.segment is not None)
+    total = sum(s.stored_bytes(batch) for s in plan.entries)
+    names = ", ".join(s.name for s in plan.segments) or "none"
+    lines = [
+        "",
+        f"segments recomputed in the backward: {names}; the forward keeps "
+        f"{total - own:,} bytes through to the backward, the recomputes make the other "
+        f"{own:,} again, one segment at a time",
+    ]
+    lines += [f"not recomputed: {name}: {why}" for name, why in plan.skipped_segments.items()]
+    return lines
 
 
 def lint(

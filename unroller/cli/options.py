@@ -136,6 +136,41 @@ RecomputeOpt = Annotated[
     ),
 ]
 
+SEGMENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-")
+"""What a segment pattern may hold: a block instance name or glob (as a config's globs)."""
+
+
+def parse_segments(text: str | None) -> tuple[str, ...]:
+    """``--recompute-segments blocks|auto|GLOB[,GLOB...]`` as patterns, or refused (status 2)."""
+    if text is None:
+        return ()
+    found = tuple(dict.fromkeys(part.strip() for part in text.split(",")))
+    for part in found:
+        if not part or len(part) > 200 or not set(part) <= SEGMENT_CHARS:
+            shown = part if set(part) <= SEGMENT_CHARS else ascii(part)
+            raise fail(
+                f"--recompute-segments: bad segment '{shown[:60]}' (blocks, auto, or block "
+                "instance names / globs of letters, digits and _ . * ? [ ] ! -, "
+                "comma-separated)"
+            )
+    if "auto" in found and len(found) > 1:
+        raise fail("--recompute-segments: auto stands alone (the planner chooses)")
+    return found
+
+
+RecomputeSegmentsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--recompute-segments",
+        metavar="blocks|auto|NAMES",
+        help="Segment recompute: these top-level block instances keep only their inputs "
+        "from the forward (compressed as the scheme compresses them) and run their forward "
+        "again when their backward begins. 'blocks': every one that can be; NAMES: "
+        "comma-separated instance names or globs ('layers.*'); 'auto': the planner chooses "
+        "(--scheme auto, unroll plan).",
+    ),
+]
+
 DataParallelOpt = Annotated[
     bool,
     typer.Option(

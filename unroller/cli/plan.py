@@ -14,7 +14,14 @@ from typing import Annotated, Any
 import typer
 
 from unroller.cli.errors import config_error, fail, model_error
-from unroller.cli.options import BatchOpt, ModelArg, RecomputeOpt, ResolutionOpt
+from unroller.cli.options import (
+    BatchOpt,
+    ModelArg,
+    RecomputeOpt,
+    RecomputeSegmentsOpt,
+    ResolutionOpt,
+    parse_segments,
+)
 from unroller.cli.output import prepare_output, write_output
 from unroller.errors import ConfigError, ModelError
 
@@ -88,6 +95,7 @@ def plan(
     resolution: ResolutionOpt = None,
     measure: MeasureOpt = False,
     recompute: RecomputeOpt = False,
+    recompute_segments: RecomputeSegmentsOpt = None,
     output: OutOpt = None,
     force: ForceOpt = False,
     mkdir: MkdirOpt = False,
@@ -105,6 +113,7 @@ def plan(
     from unroller.api import load_graph, source_label
     from unroller.bench.options import parse_bytes
 
+    segments = parse_segments(recompute_segments)
     budget = None
     if memory_budget.strip().lower() != "min":
         try:
@@ -118,6 +127,10 @@ def plan(
         )
     try:
         graph = load_graph(model, resolution)
+        if segments and "auto" not in segments:  # refused before the probe step
+            from unroller.stash import chosen_instances
+
+            chosen_instances(graph, segments)
     except ModelError as exc:
         raise model_error(exc, model) from None
     import unroller.plan as planner
@@ -128,7 +141,12 @@ def plan(
         raise config_error(exc) from None
     label = source_label(model)
     probe = planner.run_probe(graph, batch, probe_batch, seed, label=label)
-    found = planner.make_plan(graph, batch_size, budget, probe, max_error, recompute=recompute)
+    try:
+        found = planner.make_plan(
+            graph, batch_size, budget, probe, max_error, recompute=recompute, segments=segments
+        )
+    except ModelError as exc:  # a segment the model does not have, or cannot recompute
+        raise model_error(exc, model) from None
     measured = _measure(graph, found, probe, label) if measure else None
     typer.echo(render_table(found))
     typer.echo(summary(found, measured))
@@ -233,6 +251,8 @@ def summary(found: Any, measured: dict[str, Any] | None) -> str:
             f"measured: peak {_mib(measured['peak_bytes'])} MiB ({ratio:.3f}x predicted), "
             f"relative gradient error {measured['error']:.3g} on the probe batch"
         )
+    if found.segments:
+        lines.append(f"blocks recomputed in the backward: {', '.join(found.segments)}")
     lines += found.notes
     return "\n".join(lines)
 
@@ -256,6 +276,8 @@ def _header(model: Path, batch: int, budget: str, max_error, found: Any, measure
             f"gradient error {measured['error']:.4g}"
         )
     lines.append("forms: " + ", ".join(f"{k} {v}" for k, v in _counts(found).items()))
+    if found.segments:
+        lines.append(f"blocks recomputed in the backward: {len(found.segments)}")
     return lines
 
 

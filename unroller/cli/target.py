@@ -12,7 +12,7 @@ from pathlib import Path
 
 from unroller.api import source_label
 from unroller.cli.errors import config_error, fail
-from unroller.cli.options import value_of
+from unroller.cli.options import parse_segments, value_of
 from unroller.codegen import PROCESS_STAGES, Options
 from unroller.errors import ConfigError
 from unroller.platforms import PLATFORMS, platform
@@ -43,6 +43,7 @@ def make_options(
     recompute: bool = False,
     data_parallel: bool = False,
     pipeline: int = 1,
+    recompute_segments: str | None = None,
 ) -> Options:
     """Generator options from command-line values, refused (status 2) with the option to
     blame; the compression config is read and checked now, before anything is written."""
@@ -73,9 +74,12 @@ def make_options(
         num_ipus=num_ipus,
         stage_starts=starts,
         recompute=recompute,
+        recompute_segments=parse_segments(recompute_segments),
         data_parallel=data_parallel,
         pipeline=pipeline,
     )
+    if options.recompute_segments and (num_ipus != 1 or pipeline != 1):
+        raise fail("--recompute-segments does not combine with pipeline stages yet")
     if data_parallel and target.pipelined:
         raise fail("--data-parallel is for --platform gpu")
     try:
