@@ -702,13 +702,16 @@ def test_requires_grad_input_under_no_grad():
 # Both must give BIT-identical packed tensors and decompressed tensors. "device" runs the fast
 # formulation without host shortcuts (no read-backs, no numpy, no blocks): what CUDA runs;
 # "blocks" splits the CPU work into tiny blocks so that block edges fall everywhere, and reads
-# back the checks that skip steps however small the tensor.
+# back the checks that skip steps however small the tensor. "fast" runs the native kernels
+# where a compressor has them and they could be built (compress/native), "torch" the fast
+# path's PyTorch formulation in their place.
 
 FORMULATIONS = {
     "safe": {"IPU_SAFE": True},
     "fast": {},
+    "torch": {"NATIVE": False},
     "device": {"_HOST_SHORTCUTS": False},
-    "blocks": {"CHUNK_ELEMENTS": 301, "CHECK_ELEMENTS": 0},
+    "blocks": {"CHUNK_ELEMENTS": 301, "CHECK_ELEMENTS": 0, "NATIVE": False},
 }
 HYP_FAST = settings(HYP, max_examples=50)
 
@@ -822,7 +825,7 @@ def test_fast_path_bit_identical_larger_than_a_block(device):
     """Inputs of more than base.CHUNK_ELEMENTS elements, so the CPU works block by block."""
     x = randn((2, 3, 420, 420)).to(device)
     x[1, 2, 5, 5] = float("nan")
-    names = ("fast", "device")
+    names = ("fast", "torch", "device")
     for c in [Dct(), Dct(fold=True), Quant(), Quant(bits=4), Quant(bits=2, group_size=100_000)]:
         assert_formulations_agree(c, x, names=names)
     assert_formulations_agree(Quant(bits=2, stochastic=True), x.flatten(1), names=names)
@@ -858,6 +861,8 @@ def test_ipu_safe_dispatch(monkeypatch):
     for cls in (Dct, Quant):
         monkeypatch.setattr(cls, "_compress_fast", boom)
         monkeypatch.setattr(cls, "_decompress_fast", boom)
+    monkeypatch.setattr(Quant, "_compress_native", boom)
+    monkeypatch.setattr(Quant, "_decompress_native", boom)
     monkeypatch.setattr(base, "pack_codes_fast", boom)
     monkeypatch.setattr(base, "unpack_codes_fast", boom)
     monkeypatch.setattr(bits_module, "pack_codes_fast", boom)

@@ -63,6 +63,8 @@ __all__ = [
     "host_constant",
     "is_compiling",
     "host_checks",
+    "native_library",
+    "native_threads",
     "skip_checks",
     "pack_codes_fast",
     "unpack_codes_fast",
@@ -72,6 +74,7 @@ __all__ = [
     "saturate_fast",
     "CHUNK_ELEMENTS",
     "CHECK_ELEMENTS",
+    "THREAD_ELEMENTS",
 ]
 
 IPU_SAFE = False
@@ -401,6 +404,11 @@ def use_compiled_path(*tensors: Tensor) -> bool:  # unroller-lint: host-only (di
 
 
 _HOST_SHORTCUTS = True  # tests switch it off to run the CUDA formulation on the CPU
+NATIVE = True
+"""True: on the CPU the fast path runs the compiled kernels of ``compress/native`` where a
+compressor has them and they can be had (built on first use; see that package), else its
+PyTorch formulation. Read at each call; the results are bit-identical either way (tests
+switch it off to compare)."""
 CHUNK_ELEMENTS = 1 << 20
 """Elements per block of the fast path's elementwise chains on the CPU: each block's
 temporaries stay in the cache and are reused, instead of full-size buffers."""
@@ -415,6 +423,27 @@ def host_checks(t: Tensor) -> bool:  # unroller-lint: host-only (dispatch)
     work that no element needs. True on the CPU; on CUDA a read-back would wait for the
     device, so the work is done unconditionally there, in whole-tensor kernels."""
     return _HOST_SHORTCUTS and t.device.type == "cpu"
+
+
+def native_library(*tensors: Tensor) -> Any:  # unroller-lint: host-only (native path)
+    """The loaded native kernels (a ``ctypes.CDLL``) when ``NATIVE`` is on, every tensor is on
+    the CPU with host shortcuts allowed, and the kernels can be had (``native.library()``
+    builds them on first use); else None: then the PyTorch fast path runs."""
+    if not NATIVE or not all(host_checks(t) for t in tensors):
+        return None
+    from . import native
+
+    return native.library()
+
+
+THREAD_ELEMENTS = 1 << 17
+"""A native kernel starts one thread per this many elements at most (up to torch's intra-op
+thread count): starting a thread costs about as much as quantising that many elements."""
+
+
+def native_threads(elements: int) -> int:  # unroller-lint: host-only (native path)
+    """Threads a native kernel uses on ``elements`` elements (see ``THREAD_ELEMENTS``)."""
+    return max(1, min(torch.get_num_threads(), elements // THREAD_ELEMENTS))
 
 
 def skip_checks(t: Tensor) -> bool:  # unroller-lint: host-only (dispatch)

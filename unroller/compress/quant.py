@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -12,6 +12,8 @@ from .base import (
     ParamSpec,
     host_checks,
     itemsize,
+    native_library,
+    native_threads,
     pack_codes,
     pack_codes_compiled,
     pack_codes_fast,
@@ -102,7 +104,10 @@ class Quant(Compressor):
 
     # compress ----------------------------------------------------------------------------
 
-    def compress(self, t: Tensor) -> tuple[Tensor, ...]:
+    def compress(self, t: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, ...]:
+        """The packed form of ``t``. ``generator`` (a ``torch.Generator`` on ``t``'s device)
+        draws the noise of stochastic rounding instead of torch's global RNG: the same
+        generator state gives the same packed bytes on every path (tests, reproductions)."""
         self._float_input(t)
         n, m, g, groups = self.layout(tuple(t.shape))
         bits = self.params["bits"]
@@ -116,7 +121,10 @@ class Quant(Compressor):
             )
         compiled = use_compiled_path(t)
         if not compiled and use_fast_path(t):
-            return self._compress_fast(t, n, m, g, groups, levels, wd)
+            lib = native_library(t)
+            if lib is not None:
+                return self._compress_native(lib, t, n, m, g, groups, wd, generator)
+            return self._compress_fast(t, n, m, g, groups, levels, wd, generator)
         big_range = torch.finfo(wd).max * 0.25
         x = t.reshape(n, m).to(wd)
         if groups * g != m:  # pad the last group with copies of the last element
@@ -124,6 +132,10 @@ class Quant(Compressor):
         x = x.reshape(n, groups, g)
         mn = torch.amin(x, dim=-1, keepdim=True)  # NaN propagates
         mx = torch.amax(x, dim=-1, keepdim=True)
+        # a zero min or max is +0.0: which zero amin/amax return from a group holding both
+        # depends on the reduction order, and the formulations must agree bit for bit
+        mn = torch.where(mn == 0, torch.zeros_like(mn), mn)
+        mx = torch.where(mx == 0, torch.zeros_like(mx), mx)
         # s = 1/2 for groups whose range mx - mn might not fit the dtype, else 1 (exact).
         half = torch.full_like(mn, 0.5)
         s = torch.where(mx * 0.5 - mn * 0.5 > big_range, half, torch.ones_like(mn))
@@ -131,7 +143,8 @@ class Quant(Compressor):
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: v = 0
         v = (x * s - mn * s) / (safe * s)
         if self.params["stochastic"]:
-            v = torch.floor(v + torch.rand(v.shape, dtype=v.dtype, device=v.device))
+            noise = torch.rand(v.shape, dtype=v.dtype, device=v.device, generator=generator)
+            v = torch.floor(v + noise)
         else:
             v = torch.round(v)
         v = torch.clamp(v, 0.0, levels)
@@ -167,6 +180,9 @@ class Quant(Compressor):
             return torch.zeros(full, dtype=dtype, device=codes.device)
         compiled = use_compiled_path(codes, mn, scale)
         if not compiled and use_fast_path(codes, mn, scale):
+            lib = native_library(codes, mn, scale)
+            if lib is not None and self._native_packed_ok(codes, mn, scale, n, m, groups):
+                return self._decompress_native(lib, codes, mn, scale, full, m, g, groups, wd, dtype)
             return self._decompress_fast(codes, mn, scale, full, m, g, groups, levels, wd, dtype)
         fmax = torch.finfo(wd).max
         unpack = unpack_codes_compiled if compiled else unpack_codes
@@ -204,6 +220,8 @@ class Quant(Compressor):
         needs no halving (s == 1), so v = (x - mn) / safe exactly and v has no NaN."""
         mn = torch.amin(x, dim=-1, keepdim=True).to(wd)  # exact in any float dtype; NaN
         mx = torch.amax(x, dim=-1, keepdim=True).to(wd)  # propagates
+        mn = torch.where(mn == 0, 0.0, mn)  # a zero is +0.0, as in the IPU-safe formulation
+        mx = torch.where(mx == 0, 0.0, mx)
         d = mx * 0.5 - mn * 0.5
         big_range = torch.finfo(wd).max * 0.25
         # NaN and +-inf make d NaN or inf: not simple
@@ -219,7 +237,15 @@ class Quant(Compressor):
         return mn, s, scale, safe, simple
 
     def _compress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
-        self, t: Tensor, n: int, m: int, g: int, groups: int, levels: float, wd: torch.dtype
+        self,
+        t: Tensor,
+        n: int,
+        m: int,
+        g: int,
+        groups: int,
+        levels: float,
+        wd: torch.dtype,
+        generator: torch.Generator | None = None,
     ) -> tuple[Tensor, ...]:
         """``compress`` with the same packed bytes. Per block of rows (groups): amin/amax on the
         input as it is (exact in any float dtype), then v = (x - mn) / safe, round, clamp and
@@ -244,7 +270,7 @@ class Quant(Compressor):
         scale_out = torch.empty((rows, 1), dtype=wd, device=t.device)
         noise = None
         if self.params["stochastic"]:  # one draw, as in the IPU-safe formulation
-            noise = torch.rand((rows, g), dtype=wd, device=t.device)
+            noise = torch.rand((rows, g), dtype=wd, device=t.device, generator=generator)
         direct = not padded and g % per == 0  # whole bytes per row: pack block by block
         if direct:
             out = torch.empty(rows * g // per, dtype=torch.uint8, device=t.device)
@@ -365,3 +391,113 @@ class Quant(Compressor):
         if padded:
             return out.view(n, groups * g)[:, :m].reshape(full).to(dtype).contiguous()
         return out.view(full)
+
+    # native cpu path ---------------------------------------------------------------------
+
+    def _compress_native(  # unroller-lint: host-only (native cpu path)
+        self,
+        lib: Any,
+        t: Tensor,
+        n: int,
+        m: int,
+        g: int,
+        groups: int,
+        wd: torch.dtype,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, ...]:
+        """``compress`` through the native kernel (``native/quant_kernels.cpp``): per group,
+        min/max, the group's constants and the packed codes in one pass over the input, with
+        the bytes the PyTorch formulations give. float16 / bfloat16 inputs are widened to
+        float32 first (exact; the PyTorch path computes on them in float32 too). The noise of
+        stochastic rounding is the same single ``torch.rand`` draw as in the other paths."""
+        x = t.reshape(n, m)
+        if x.dtype != wd:
+            x = x.to(wd)
+        x = x.contiguous()
+        bits = self.params["bits"]
+        noise = None
+        if self.params["stochastic"]:
+            noise = torch.rand((n * groups, g), dtype=wd, device=t.device, generator=generator)
+        out = torch.empty((n, packed_code_bytes(m, bits)), dtype=torch.uint8, device=t.device)
+        mn = torch.empty((n, groups), dtype=wd, device=t.device)
+        scale = torch.empty((n, groups), dtype=wd, device=t.device)
+        encode = lib.uq_encode_f64 if wd == torch.float64 else lib.uq_encode_f32
+        encode(
+            x.data_ptr(),
+            None if noise is None else noise.data_ptr(),
+            n,
+            m,
+            g,
+            bits,
+            out.data_ptr(),
+            mn.data_ptr(),
+            scale.data_ptr(),
+            native_threads(n * m),
+        )
+        return out, mn, scale
+
+    def _native_packed_ok(  # unroller-lint: host-only (native cpu path)
+        self, codes: Tensor, mn: Tensor, scale: Tensor, n: int, m: int, groups: int
+    ) -> bool:
+        """Whether a packed form has exactly the dtypes and sizes the native kernel reads (it
+        trusts them: a short tensor would be read past its end). Anything else goes to the
+        PyTorch path, which raises the usual errors for malformed input."""
+        return (
+            codes.dtype == torch.uint8
+            and tuple(codes.shape) == (n, packed_code_bytes(m, self.params["bits"]))
+            and mn.is_floating_point()
+            and scale.is_floating_point()
+            and mn.numel() == n * groups
+            and scale.numel() == n * groups
+        )
+
+    def _decompress_native(  # unroller-lint: host-only (native cpu path)
+        self,
+        lib: Any,
+        codes: Tensor,
+        mn: Tensor,
+        scale: Tensor,
+        full: tuple[int, ...],
+        m: int,
+        g: int,
+        groups: int,
+        wd: torch.dtype,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """``decompress`` through the native kernel, bit-identical to the other paths: the
+        per-group terms of the general formula x = clamp((q * (scale * s) + mn * s) / s) +
+        (scale - scale) are computed here with the same tensor operations as the fast path
+        (s is 1 or 1/2, so dividing by it is multiplying by 1 or 2, exactly), and the kernel
+        applies them per element in one pass, writing the output. float16 / bfloat16 outputs
+        are computed in float32 and cast, as the fast path does."""
+        bits = self.params["bits"]
+        levels = float((1 << bits) - 1)
+        n = codes.shape[0]
+        rows = n * groups
+        fmax = torch.finfo(wd).max
+        mn = mn.to(wd).reshape(rows)
+        scale = scale.to(wd).reshape(rows)
+        big = scale > fmax / (2.0 * levels)
+        s = torch.where(big, 0.5, 1.0).to(wd)
+        a = (scale * s).contiguous()
+        b = (mn * s).contiguous()
+        twice = torch.where(big, 2.0, 1.0).to(wd).contiguous()
+        z = (scale - scale).contiguous()
+        out = torch.empty((n, m), dtype=wd, device=codes.device)
+        codes = codes.contiguous()
+        decode = lib.uq_decode_f64 if wd == torch.float64 else lib.uq_decode_f32
+        decode(
+            codes.data_ptr(),
+            a.data_ptr(),
+            b.data_ptr(),
+            twice.data_ptr(),
+            z.data_ptr(),
+            n,
+            m,
+            g,
+            bits,
+            out.data_ptr(),
+            native_threads(n * m),
+        )
+        out = out.view(full)
+        return out if dtype == wd else out.to(dtype)

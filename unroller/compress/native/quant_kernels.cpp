@@ -1,0 +1,362 @@
+// Native CPU kernels of the `quant` compressor (unroller/compress/quant.py).
+//
+// Why: the pure-PyTorch fast path reads and writes each block several times (min/max,
+// subtract, divide, round, clamp, cast, pack); these kernels do quantise + pack and
+// unpack + dequantise in one pass over each group, which stays in the cache. They are
+// compiled on demand by unroller/compress/native/__init__.py (no PyTorch headers: a plain
+// shared library called through ctypes) and are an optional accelerator: every result is
+// bit-identical to the PyTorch formulations, which is why
+//   - it is built with -ffp-contract=off and without -ffast-math: every operation below is
+//     one IEEE-754 operation in the work dtype, in the order the PyTorch code performs it;
+//   - per-group constants use only exact scalars (0.5, 0.25 * max, 2**bits - 1);
+//   - the order of the min/max reduction does not matter: NaN is tracked apart and a zero
+//     min or max is +0, as in the PyTorch formulations.
+// The layout and formulas are those documented on `Quant`: codes of a sample are
+// contiguous, code i of a byte in bits bits*i .. bits*i + bits - 1, the last group of a
+// sample padded (with its last element, which changes no min/max; padded codes not stored).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// One copy of each entry point per instruction-set level, chosen when the library loads:
+// the cached library stays valid on any x86-64 machine.
+#define UQ_CLONES \
+    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "arch=x86-64-v2", "default")))
+#else
+#define UQ_CLONES
+#endif
+
+#define UQ_INLINE inline __attribute__((always_inline))
+
+namespace {
+
+constexpr int64_t kChunk = 2048;  // codes per step of a group: a stack buffer in L1
+
+template <typename T>
+struct Stats {
+    T lo, hi;
+};
+
+// B bytes of T as one GCC/Clang vector. 32 bytes where the CPU has AVX2 (one register;
+// wider vectors of compares and selects are lowered badly by GCC 12 for AVX2), else 16
+// (SSE, NEON): ``wide_vectors()`` chooses at run time, since one source serves every clone.
+template <typename T, int B>
+struct Wide {
+    typedef T type __attribute__((vector_size(B)));
+};
+
+bool wide_vectors() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    static const bool wide = __builtin_cpu_supports("avx2");
+    return wide;
+#else
+    return false;
+#endif
+}
+
+template <typename T, int B>
+UQ_INLINE Stats<T> min_max(const T* __restrict x, int64_t len) {
+    typedef typename Wide<T, B>::type W;
+    constexpr int lanes = sizeof(W) / sizeof(T);
+    T lo_s = x[0], hi_s = x[0], z_s = T(0);
+    int64_t i = 0;
+    if (len >= 2 * lanes) {
+        W lo, hi, z = {};
+        std::memcpy(&lo, x, sizeof(W));
+        hi = lo;
+        for (; i + lanes <= len; i += lanes) {
+            W v;
+            std::memcpy(&v, x + i, sizeof(W));
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+            z += v - v;
+        }
+        for (int k = 0; k < lanes; ++k) {
+            lo_s = lo[k] < lo_s ? lo[k] : lo_s;
+            hi_s = hi[k] > hi_s ? hi[k] : hi_s;
+            z_s += z[k];
+        }
+    }
+    for (; i < len; ++i) {
+        const T v = x[i];
+        lo_s = v < lo_s ? v : lo_s;
+        hi_s = v > hi_s ? v : hi_s;
+        z_s += v - v;
+    }
+    Stats<T> s{lo_s, hi_s};
+    if (z_s != z_s) {  // a NaN or an infinity: is there a NaN?
+        for (int64_t j = 0; j < len; ++j) {
+            if (x[j] != x[j]) {
+                s.lo = s.hi = std::numeric_limits<T>::quiet_NaN();
+                break;
+            }
+        }
+    }
+    if (s.lo == T(0)) s.lo = T(0);  // -0.0 -> +0.0
+    if (s.hi == T(0)) s.hi = T(0);
+    return s;
+}
+
+// codes[i] = clamp(round((x*s - ls) / ss)) (or floor(. + noise)), NaN -> 0, as uint8.
+template <typename T>
+UQ_INLINE void codes_of(const T* __restrict x, const T* __restrict noise, int64_t len, T s,
+                        T ls, T ss, T levels, uint8_t* __restrict codes) {
+    if (noise == nullptr) {
+        for (int64_t i = 0; i < len; ++i) {
+            T v = std::rint((x[i] * s - ls) / ss);
+            v = v >= T(0) ? (v <= levels ? v : levels) : T(0);  // NaN -> 0
+            codes[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
+        }
+    } else {
+        for (int64_t i = 0; i < len; ++i) {
+            T v = std::floor((x[i] * s - ls) / ss + noise[i]);
+            v = v >= T(0) ? (v <= levels ? v : levels) : T(0);
+            codes[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
+        }
+    }
+}
+
+// Pack len codes into bytes starting at a byte boundary (the last byte zero-padded).
+UQ_INLINE void pack_aligned(const uint8_t* __restrict c, int64_t len, int bits,
+                            uint8_t* __restrict out) {
+    if (bits == 8) {
+        std::memcpy(out, c, static_cast<size_t>(len));
+        return;
+    }
+    const int per = 8 / bits;
+    const int64_t whole = len / per;
+    if (bits == 4) {
+        for (int64_t k = 0; k < whole; ++k) {
+            out[k] = static_cast<uint8_t>(c[2 * k] | (c[2 * k + 1] << 4));
+        }
+    } else {
+        for (int64_t k = 0; k < whole; ++k) {
+            out[k] = static_cast<uint8_t>(c[4 * k] | (c[4 * k + 1] << 2) | (c[4 * k + 2] << 4) |
+                                          (c[4 * k + 3] << 6));
+        }
+    }
+    const int64_t rest = len - whole * per;
+    if (rest) {
+        uint8_t b = 0;
+        for (int64_t t = 0; t < rest; ++t) b |= static_cast<uint8_t>(c[whole * per + t] << (bits * t));
+        out[whole] = b;
+    }
+}
+
+// OR len codes into bytes at code position j0 (any alignment; the bytes start zeroed).
+UQ_INLINE void pack_any(const uint8_t* __restrict c, int64_t len, int bits, int64_t j0,
+                        uint8_t* __restrict out) {
+    const int per = 8 / bits;
+    for (int64_t t = 0; t < len; ++t) {
+        const int64_t j = j0 + t;
+        out[j / per] |= static_cast<uint8_t>(c[t] << (bits * (j % per)));
+    }
+}
+
+template <typename T>
+struct EncodeArgs {
+    const T* x;      // [n, m]
+    const T* noise;  // [n, groups * g] or null
+    int64_t n, m, g, groups;
+    int bits;
+    uint8_t* out;  // [n, bytes]
+    T* mn;         // [n, groups]
+    T* scale;      // [n, groups]
+    bool wide;     // wide_vectors()
+};
+
+// Rows (sample, group) r0 .. r1 of the encoding; when groups are not byte-aligned the
+// range covers whole samples, whose bytes are zeroed here first.
+template <typename T>
+UQ_INLINE void encode_rows(const EncodeArgs<T>& a, int64_t r0, int64_t r1) {
+    const int per = 8 / a.bits;
+    const int64_t bytes = (a.m + per - 1) / per;
+    const bool aligned = a.g % per == 0;
+    const T levels = static_cast<T>((1 << a.bits) - 1);
+    const T big_range = std::numeric_limits<T>::max() * T(0.25);
+    uint8_t codes[kChunk];
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i = r / a.groups, k = r % a.groups;
+        const int64_t j0 = k * a.g;
+        const int64_t len = (a.m - j0) < a.g ? (a.m - j0) : a.g;
+        const T* x = a.x + i * a.m + j0;
+        uint8_t* out = a.out + i * bytes;
+        if (!aligned && k == 0) std::memset(out, 0, static_cast<size_t>(bytes));
+        const Stats<T> st = a.wide ? min_max<T, 32>(x, len) : min_max<T, 16>(x, len);
+        // s = 1/2 where mx - mn might not fit the dtype: (mx * s - mn * s) / levels / s
+        const T d = st.hi * T(0.5) - st.lo * T(0.5);
+        const T s = d > big_range ? T(0.5) : T(1);
+        const T scale = (st.hi * s - st.lo * s) / levels / s;
+        const T safe = scale > T(0) ? scale : T(1);
+        const T ls = st.lo * s, ss = safe * s;
+        a.mn[r] = st.lo;
+        a.scale[r] = scale;
+        const T* noise = a.noise ? a.noise + i * a.groups * a.g + j0 : nullptr;
+        for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
+            const int64_t cl = (len - c0) < kChunk ? (len - c0) : kChunk;
+            codes_of(x + c0, noise ? noise + c0 : nullptr, cl, s, ls, ss, levels, codes);
+            if (aligned) {
+                pack_aligned(codes, cl, a.bits, out + (j0 + c0) / per);
+            } else {
+                pack_any(codes, cl, a.bits, j0 + c0, out);
+            }
+        }
+    }
+}
+
+template <typename T>
+struct DecodeArgs {
+    const uint8_t* codes;  // [n, bytes]
+    const T* a;            // [n, groups]: scale * s
+    const T* b;            // [n, groups]: mn * s
+    const T* twice;        // [n, groups]: 1 / s (1 or 2)
+    const T* z;            // [n, groups]: scale - scale (+0 or NaN)
+    int64_t n, m, g, groups;
+    int bits;
+    T* out;  // [n, m]
+};
+
+template <typename T>
+UQ_INLINE T dequant(T q, T a, T b, T t, T z, T fmax) {
+    T v = (q * a + b) * t;
+    v = v < -fmax ? -fmax : v;  // NaN stays NaN
+    v = v > fmax ? fmax : v;
+    return v + z;
+}
+
+template <typename T>
+UQ_INLINE void decode_rows(const DecodeArgs<T>& a, int64_t r0, int64_t r1) {
+    const int per = 8 / a.bits;
+    const int64_t bytes = (a.m + per - 1) / per;
+    const int mask = (1 << a.bits) - 1;
+    const T fmax = std::numeric_limits<T>::max();
+    const bool aligned = a.g % per == 0;
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i = r / a.groups, k = r % a.groups;
+        const int64_t j0 = k * a.g;
+        const int64_t len = (a.m - j0) < a.g ? (a.m - j0) : a.g;
+        const uint8_t* in = a.codes + i * bytes;
+        T* __restrict out = a.out + i * a.m + j0;
+        const T ga = a.a[r], gb = a.b[r], gt = a.twice[r], gz = a.z[r];
+        if (a.bits == 8) {
+            const uint8_t* __restrict c = in + j0;
+            for (int64_t t = 0; t < len; ++t) out[t] = dequant(T(c[t]), ga, gb, gt, gz, fmax);
+        } else if (aligned) {
+            const uint8_t* __restrict c = in + j0 / per;
+            const int64_t whole = len / per;
+            if (a.bits == 4) {
+                for (int64_t kk = 0; kk < whole; ++kk) {
+                    const int v = c[kk];
+                    out[2 * kk] = dequant(T(v & 15), ga, gb, gt, gz, fmax);
+                    out[2 * kk + 1] = dequant(T(v >> 4), ga, gb, gt, gz, fmax);
+                }
+            } else {
+                for (int64_t kk = 0; kk < whole; ++kk) {
+                    const int v = c[kk];
+                    out[4 * kk] = dequant(T(v & 3), ga, gb, gt, gz, fmax);
+                    out[4 * kk + 1] = dequant(T((v >> 2) & 3), ga, gb, gt, gz, fmax);
+                    out[4 * kk + 2] = dequant(T((v >> 4) & 3), ga, gb, gt, gz, fmax);
+                    out[4 * kk + 3] = dequant(T(v >> 6), ga, gb, gt, gz, fmax);
+                }
+            }
+            for (int64_t t = whole * per; t < len; ++t) {
+                const int v = (c[t / per] >> (a.bits * (t % per))) & mask;
+                out[t] = dequant(T(v), ga, gb, gt, gz, fmax);
+            }
+        } else {
+            for (int64_t t = 0; t < len; ++t) {
+                const int64_t j = j0 + t;
+                const int v = (in[j / per] >> (a.bits * (j % per))) & mask;
+                out[t] = dequant(T(v), ga, gb, gt, gz, fmax);
+            }
+        }
+    }
+}
+
+UQ_CLONES void encode_f32(const EncodeArgs<float>* a, int64_t r0, int64_t r1) {
+    encode_rows(*a, r0, r1);
+}
+UQ_CLONES void encode_f64(const EncodeArgs<double>* a, int64_t r0, int64_t r1) {
+    encode_rows(*a, r0, r1);
+}
+UQ_CLONES void decode_f32(const DecodeArgs<float>* a, int64_t r0, int64_t r1) {
+    decode_rows(*a, r0, r1);
+}
+UQ_CLONES void decode_f64(const DecodeArgs<double>* a, int64_t r0, int64_t r1) {
+    decode_rows(*a, r0, r1);
+}
+
+// Split rows 0 .. rows into `threads` ranges (each a multiple of `unit` rows) and run fn.
+template <typename A>
+void run_split(void (*fn)(const A*, int64_t, int64_t), const A* args, int64_t rows,
+               int64_t unit, int threads) {
+    const int64_t units = rows / unit;
+    if (threads > units) threads = static_cast<int>(units);
+    if (threads <= 1) {
+        fn(args, 0, rows);
+        return;
+    }
+    std::vector<std::thread> pool;
+    pool.reserve(static_cast<size_t>(threads - 1));
+    for (int t = 1; t < threads; ++t) {
+        const int64_t u0 = units * t / threads, u1 = units * (t + 1) / threads;
+        pool.emplace_back(fn, args, u0 * unit, u1 * unit);
+    }
+    fn(args, 0, (units / threads) * unit);
+    for (auto& th : pool) th.join();
+}
+
+template <typename T>
+void encode(void (*fn)(const EncodeArgs<T>*, int64_t, int64_t), const T* x, const T* noise,
+            int64_t n, int64_t m, int64_t g, int bits, uint8_t* out, T* mn, T* scale,
+            int threads) {
+    const int64_t groups = (m + g - 1) / g;
+    const EncodeArgs<T> args{x, noise, n, m, g, groups, bits, out, mn, scale, wide_vectors()};
+    const int per = 8 / bits;
+    run_split(fn, &args, n * groups, g % per == 0 ? 1 : groups, threads);
+}
+
+template <typename T>
+void decode(void (*fn)(const DecodeArgs<T>*, int64_t, int64_t), const uint8_t* codes,
+            const T* a, const T* b, const T* twice, const T* z, int64_t n, int64_t m, int64_t g,
+            int bits, T* out, int threads) {
+    const int64_t groups = (m + g - 1) / g;
+    const DecodeArgs<T> args{codes, a, b, twice, z, n, m, g, groups, bits, out};
+    run_split(fn, &args, n * groups, 1, threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bumped whenever an entry point's meaning or signature changes (checked by the loader).
+int uq_abi_version() { return 1; }
+
+void uq_encode_f32(const float* x, const float* noise, int64_t n, int64_t m, int64_t g, int bits,
+                   uint8_t* out, float* mn, float* scale, int threads) {
+    encode(encode_f32, x, noise, n, m, g, bits, out, mn, scale, threads);
+}
+
+void uq_encode_f64(const double* x, const double* noise, int64_t n, int64_t m, int64_t g,
+                   int bits, uint8_t* out, double* mn, double* scale, int threads) {
+    encode(encode_f64, x, noise, n, m, g, bits, out, mn, scale, threads);
+}
+
+void uq_decode_f32(const uint8_t* codes, const float* a, const float* b, const float* twice,
+                   const float* z, int64_t n, int64_t m, int64_t g, int bits, float* out,
+                   int threads) {
+    decode(decode_f32, codes, a, b, twice, z, n, m, g, bits, out, threads);
+}
+
+void uq_decode_f64(const uint8_t* codes, const double* a, const double* b, const double* twice,
+                   const double* z, int64_t n, int64_t m, int64_t g, int bits, double* out,
+                   int threads) {
+    decode(decode_f64, codes, a, b, twice, z, n, m, g, bits, out, threads);
+}
+
+}  // extern "C"
