@@ -110,6 +110,47 @@ def test_predicted_peak_is_the_measured_one(scheme):
     assert sim.stash_bytes <= sim.stash_raw_bytes
 
 
+# Attention of both kinds, multi-head (causal and not) and scaled-dot-product on heads made by
+# linear layers, with sequences long enough that the score tiles rule the peak (64 tokens,
+# 16 wide, 4 heads: the scores would be 16 x the input).
+ATTENTION = """model attn {
+    input x: f32[N, 64, 16]
+    input heads: f32[N, 2, 48, 16]
+    target y: f32[N, 64, 16]
+    target z: f32[N, 2, 48, 8]
+    n1 = layernorm(x, normalized_shape=16)
+    a = multihead_attention(n1, num_heads=4, is_causal=true)
+    r = add(x, a)
+    b = multihead_attention(r, num_heads=2)
+    out = linear(b, out_features=16)
+    q = linear(heads, out_features=8)
+    k = linear(heads, out_features=8, bias=false)
+    v = linear(heads, out_features=8)
+    s = scaled_dot_product_attention(q, k, v, is_causal=true)
+    loss1 = mse_loss(out, y)
+    loss2 = mse_loss(s, z)
+    loss = add(loss1, loss2)
+    return loss, out
+}
+"""
+
+
+@pytest.mark.parametrize("tile", [None, 8192], ids=["one-block", "blocks"])
+def test_predicted_peak_is_the_measured_one_with_attention(monkeypatch, tile):
+    """Attention block by block (unroller/runtime/attention.py): the model counts the score
+    tiles its kernels hold (``attention.largest_tile``) beside q, k, v, the output and the
+    row logsumexp they keep, in one block and (with 8 KiB tiles) in blocks of query rows."""
+    from unroller.runtime import attention
+
+    if tile is not None:
+        monkeypatch.setattr(attention, "TILE_BYTES", tile)
+    graph = graph_from_text(ATTENTION, "attn.txt")
+    config = Options(scheme="nocompress").compression()
+    sim = simulate_graph(graph, config, 8)
+    assert_model_brackets_the_measured_peak(graph, config, 8)
+    assert 0 < sim.floor_bytes <= sim.peak_bytes
+
+
 @pytest.mark.skipif(not SLOW, reason="slow: run with SLOW=1 (make test-slow)")
 @pytest.mark.parametrize("scheme", ["nocompress", "dct-dense", "quant"])
 def test_predicted_peak_is_the_measured_one_on_a_resnet(scheme):

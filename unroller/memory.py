@@ -42,6 +42,7 @@ from unroller.dtypes import DTYPE_BYTES, torch_dtype
 from unroller.graph import Graph, Node
 from unroller.ir import AddTo, Assign, CallExpr, Do, Step, Var
 from unroller.platforms import platform as get_platform
+from unroller.runtime.attention import largest_tile
 from unroller.schemes import Codec, CompressionConfig
 from unroller.stash import Form, Stashed, StashPlan, plan_stash, value_form
 
@@ -60,6 +61,8 @@ class Workspace:
     weight: float = 0.0
     fixed: int = 0  # bytes whatever the sizes
     extra: tuple[str, float] | None = None  # (an extra output's name, multiple of its bytes)
+    #: multiple of the largest score tile of an attention kernel (``_score_tile``)
+    tiles: float = 0.0
 
 
 #: Measured on this project's CPU build (PyTorch profiler allocation events, one call):
@@ -68,12 +71,19 @@ class Workspace:
 #: into place (least squares over 11 shapes, [5..64, 3..128, 8..32, 8..32] 1x1 and 3x3,
 #: strides 1 and 2: 2.07 x input + 0.92 x output per piece + 2.1 x the weight + 39 KiB;
 #: within 8% on maps of 1 MiB and more, up to 3x off on tiny ones where the constant
-#: rules); batch-norm backward one input-sized buffer besides its result.
-WORKSPACE: dict[str, Workspace] = {
+#: rules); batch-norm backward one input-sized buffer besides its result. A tuple: the most
+#: over the kernel's phases.
+WORKSPACE: dict[str, Workspace | tuple[Workspace, ...]] = {
     "batchnorm2d": Workspace(1.0, 0.0),
-    # [N, L, E] attention, 4 shapes with H * L / E from 1 to 16: exactly 12 x the input +
-    # 2 x the probs [N, H, L, L] (the score gradient, the in-projection's gradients)
-    "multihead_attention": Workspace(12.0, 0.0, extra=("probs", 2.0)),
+    # attention block by block (unroller/runtime/attention.py), 6 shapes [N, H, L, E/H] from
+    # [4, 8, 128, 4] to [64, 4, 64, 16], one to 8 blocks: while a block runs, the output
+    # gradient's copies, q and k scaled and the gradients of q, k, v (5 x the input) beside
+    # two score tiles (p and dS); then the heads' gradients joined and the in-projection's
+    # (10 x the input). Within 1 x the input except where BLAS packs a third tile (head
+    # size 4), which the bracketing tests' twice-the-scratch bound covers.
+    "multihead_attention": (Workspace(10.0, 0.0), Workspace(5.0, 0.0, tiles=2.0)),
+    # q, k scaled, the gradients' partial sums and the rows' D beside the two tiles
+    "scaled_dot_product_attention": Workspace(2.0, 0.0, tiles=2.0),
     "conv2d": Workspace(1.0, 1.0),
     "conv1d": Workspace(1.0, 1.0),
     "conv_transpose2d": Workspace(1.0, 1.0),
@@ -86,10 +96,13 @@ PIECEWISE: dict[str, Workspace] = {
 """The same kernels called with ``pieces=K``: per piece of the batch."""
 
 #: Working memory of forward kernels, the most over their phases: multi-head attention holds
-#: the packed in-projection and its copy (4 x the input), then the scores beside the probs
-#: (1.25 x the probs + 1.1 x the input); measured as WORKSPACE's entry, within 1%.
+#: the packed in-projection beside its copy (1 x the input more than it keeps), then one
+#: block's score tile (q and k scaled, 2 x the input, are freed before the output and the
+#: context it keeps are made); scaled-dot-product attention the tile beside q and k scaled.
+#: Measured as WORKSPACE's entries.
 FORWARD_WORKSPACE: dict[str, tuple[Workspace, ...]] = {
-    "multihead_attention": (Workspace(4.0, 0.0), Workspace(1.1, 0.0, extra=("probs", 1.25))),
+    "multihead_attention": (Workspace(1.0, 0.0), Workspace(0.0, 0.0, tiles=1.0)),
+    "scaled_dot_product_attention": (Workspace(1.0, 0.0, tiles=1.0),),
 }
 
 
@@ -480,8 +493,9 @@ def _transient_of(
         if pieces > 1 and sizes.batch >= 2 and node.op.name in PIECEWISE:
             piece = -(-sizes.batch // pieces) / sizes.batch
             return _workspace(PIECEWISE[node.op.name], node, sizes, piece)
-        work = WORKSPACE.get(node.op.name)
-        return _workspace(work, node, sizes) if work else 0
+        work = WORKSPACE.get(node.op.name, ())
+        phases = work if isinstance(work, tuple) else (work,)
+        return max((_workspace(w, node, sizes) for w in phases), default=0)
     if step.section in ("forward", RECOMPUTE_SECTION) and func.endswith(f".{node.op.name}"):
         phases = FORWARD_WORKSPACE.get(node.op.name, ())
         return max((_workspace(w, node, sizes) for w in phases), default=0)
@@ -496,6 +510,7 @@ def _workspace(work: Workspace, node: Node, sizes: _Sizes, piece: float = 1.0) -
         name, factor = work.extra
         found = next((e for e in node.extras if e.name == name), None)
         extra = int(factor * sizes.tensor(found.type)) if found is not None else 0
+    tiles = work.tiles * _score_tile(node, sizes) if work.tiles else 0.0
     return int(
         sizes.kernel_scale
         * (
@@ -504,7 +519,26 @@ def _workspace(work: Workspace, node: Node, sizes: _Sizes, piece: float = 1.0) -
             + work.weight * weight
             + work.fixed
             + extra
+            + tiles
         )
+    )
+
+
+def _score_tile(node: Node, sizes: _Sizes) -> int:
+    """Bytes of the largest score tile an attention node's kernels hold at this batch: the
+    blocks of ``unroller.runtime.attention``, from q [N, H, L, E] and k [N, H, S, E] (the
+    inputs of scaled_dot_product_attention, the extras of multihead_attention)."""
+    types = {e.name: e.type for e in node.extras}
+    types.update(zip(node.input_names, (v.type for v in node.inputs)))
+    q, k = types["q"], types["k"]
+    _, heads, length, _ = q.shape
+    return largest_tile(
+        sizes.batch,
+        int(heads),
+        int(length),
+        int(k.shape[2]),
+        DTYPE_BYTES[q.dtype],
+        bool(node.args.get("is_causal", False)),
     )
 
 

@@ -40,6 +40,7 @@ masked: the row maximum is finite and every row's probabilities sum to 1 (the ma
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,20 @@ def _scores(qs: Tensor, ks: Tensor, b: Block, is_causal: bool) -> Tensor:
     return s
 
 
+def _add_block(
+    totals: Sequence[Tensor | None],
+    parts: Sequence[Tensor | None],
+    b: Block,
+    regions: Sequence[Callable[[Tensor, Block], Tensor]],
+) -> None:
+    """Adds each block result into its place in the whole (zeros there before: rows of q's
+    results are written once, keys' results summed over the blocks of queries). The parts
+    are the caller's temporaries, freed when this returns."""
+    for total, part, region in zip(totals, parts, regions):
+        if total is not None and part is not None:
+            region(total, b).add_(part)
+
+
 def _whole(plan: list[Block], keys: int) -> bool:
     """One block that covers everything: its results are the kernel's, with no copy."""
     return len(plan) == 1 and plan[0].keys == keys
@@ -152,10 +167,37 @@ def scaled_dot_product_attention(
     out = q.new_zeros(n, heads, length, v.shape[-1])
     lse = q.new_zeros(n, heads, length)
     for b in plan:
-        o, row_lse = _forward_block(q, k, v, b, qa, kb, is_causal)
-        _rows(out, b).add_(o)
-        _rows(lse, b).add_(row_lse)
+        _add_block((out, lse), _forward_block(q, k, v, b, qa, kb, is_causal), b, (_rows, _rows))
     return out, lse
+
+
+def _backward_block(
+    g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    output: Tensor,
+    lse: Tensor,
+    b: Block,
+    scales: tuple[float, float],
+    is_causal: bool,
+    need: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """One block's parts of the q, k and v gradients (None where not needed). A function of
+    its own so that its two tiles (p and dS) are freed when it returns, before the next
+    block makes its own: a loop body's locals would live on into the next iteration."""
+    qa, kb = scales
+    need_q, need_k, need_v = need
+    qs, ks, g_rows = _rows(q, b) * qa, _keys(k, b) * kb, _rows(g, b)
+    p = _scores(qs, ks, b, is_causal).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
+    part_v = torch.matmul(p.transpose(-2, -1), g_rows) if need_v else None
+    if not (need_q or need_k):
+        return None, None, part_v
+    d = (g_rows * _rows(output, b)).sum(-1, keepdim=True)
+    ds = torch.matmul(g_rows, _keys(v, b).transpose(-2, -1)).sub_(d).mul_(p)
+    part_q = torch.matmul(ds, ks).mul_(qa) if need_q else None
+    part_k = torch.matmul(ds.transpose(-2, -1), qs).mul_(kb) if need_k else None
+    return part_q, part_k, part_v
 
 
 def scaled_dot_product_attention_backward(
@@ -172,30 +214,21 @@ def scaled_dot_product_attention_backward(
 ) -> Grads:
     """Gradients of q, k, v (only those ``needs`` asks for), the probabilities remade per
     block from q, k and lse (see the module docstring)."""
-    need_q, need_k, need_v = (_need(needs, i) for i in range(3))
-    if not (need_q or need_k or need_v):
+    need_q, need_k, need_v = need = (_need(needs, 0), _need(needs, 1), _need(needs, 2))
+    if not any(need):
         return _fit((), needs)
     n, heads, length, embed = q.shape
     keys = k.shape[-2]
-    qa, kb = _attention_factors(embed, scale)
+    scales = _attention_factors(embed, scale)
     plan = blocks(n, heads, length, keys, q.dtype.itemsize, is_causal)
-    whole = _whole(plan, keys)
-    gq = q.new_zeros(q.shape) if need_q and not whole else None
-    gk = k.new_zeros(k.shape) if need_k and not whole else None
-    gv = v.new_zeros(v.shape) if need_v and not whole else None
+    if _whole(plan, keys):
+        parts = _backward_block(g, q, k, v, output, lse, plan[0], scales, is_causal, need)
+        return _fit(parts, needs)
+    gq = q.new_zeros(q.shape) if need_q else None
+    gk = k.new_zeros(k.shape) if need_k else None
+    gv = v.new_zeros(v.shape) if need_v else None
     for b in plan:
-        qs, ks, g_rows = _rows(q, b) * qa, _keys(k, b) * kb, _rows(g, b)
-        p = _scores(qs, ks, b, is_causal).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
-        part_v = torch.matmul(p.transpose(-2, -1), g_rows) if need_v else None
-        part_q = part_k = None
-        if need_q or need_k:
-            d = (g_rows * _rows(output, b)).sum(-1, keepdim=True)
-            ds = torch.matmul(g_rows, _keys(v, b).transpose(-2, -1)).sub_(d).mul_(p)
-            part_q = torch.matmul(ds, ks).mul_(qa) if need_q else None
-            part_k = torch.matmul(ds.transpose(-2, -1), qs).mul_(kb) if need_k else None
-        if whole:
-            return _fit((part_q, part_k, part_v), needs)
-        for total, part, region in ((gq, part_q, _rows), (gk, part_k, _keys), (gv, part_v, _keys)):
-            if total is not None and part is not None:
-                region(total, b).add_(part)
+        parts = _backward_block(g, q, k, v, output, lse, b, scales, is_causal, need)
+        _add_block((gq, gk, gv), parts, b, (_rows, _keys, _keys))
+        del parts  # a loop variable would outlive the iteration: free it before the next tiles
     return _fit((gq, gk, gv), needs)
