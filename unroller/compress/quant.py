@@ -381,10 +381,13 @@ class Quant(Compressor):
                 if buf is None or buf.numel() < qb.numel():
                     buf = torch.empty(qb.numel(), dtype=wd, device=codes.device)
                 xb = buf[: qb.numel()].view(qb.shape)
+            # codes cast first (exact), then float * float: a uint8 * float product takes
+            # TensorIterator's slower mixed-dtype loop, for the same bits
+            xb.copy_(qb)
             if simple:
-                torch.mul(qb, scale[r0:r1], out=xb).add_(mn[r0:r1])
+                xb.mul_(scale[r0:r1]).add_(mn[r0:r1])
             else:
-                torch.mul(qb, scale_s[r0:r1], out=xb).add_(mn_s[r0:r1]).div_(s[r0:r1])
+                xb.mul_(scale_s[r0:r1]).add_(mn_s[r0:r1]).div_(s[r0:r1])
                 xb.clamp_(-fmax, fmax).add_(nan_term[r0:r1])
             if xb is not ob:
                 ob.copy_(xb)
