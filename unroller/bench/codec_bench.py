@@ -10,6 +10,11 @@ Each round trip is timed twice: eagerly, and under torch.compile (compress and d
 compiled apart, as a compiled step keeps the packed form between them), where the codec
 chains fuse; issue 14's goal is a compiled round trip at half a copy's bandwidth or better.
 The tensors live on ``--device`` (the CPU by default; the same code on CUDA).
+
+The ``quant`` configurations also run on a token tensor [N, L, E] of the same byte count
+(``token_tensor``), where groups are tokens (rows of E values) rather than channels. On the
+CPU they run the native kernels when those could be built (``unroller.compress.native``);
+``native`` in the results says whether they were, and why not.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from torch import Tensor, nn
 
 from unroller.bench.stats import summary
 from unroller.bench.timing import synchronize, time_interleaved
-from unroller.compress import make, packed_nbytes
+from unroller.compress import base, make, native, packed_nbytes
 
 BLUR_SIGMA = 3.0  # pixels
 COMPILED_GOAL = 0.5  # issue 14: a compiled round trip at half a copy's bandwidth or better
 
-# (label, compressor name, parameters, input): input "activation" (float32) or "mask" (bool)
+# (label, compressor name, parameters, input): input "activation" (float32 [N, C, H, W]),
+# "tokens" (float32 [N, L, E], the same bytes) or "mask" (bool)
 CODEC_CONFIGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("dct default (b8 keep4 int8)", "dct", {}, "activation"),
     ("dct fold=True", "dct", {"fold": True}, "activation"),
@@ -40,8 +46,14 @@ CODEC_CONFIGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("quant bits=8", "quant", {"bits": 8}, "activation"),
     ("quant bits=4", "quant", {"bits": 4}, "activation"),
     ("quant bits=2", "quant", {"bits": 2}, "activation"),
+    ("quant bits=8 tokens", "quant", {"bits": 8}, "tokens"),
+    ("quant bits=4 tokens", "quant", {"bits": 4}, "tokens"),
+    ("quant bits=2 tokens", "quant", {"bits": 2}, "tokens"),
+    ("quant bits=2 stochastic tokens", "quant", {"bits": 2, "stochastic": True}, "tokens"),
     ("bits (bool mask)", "bits", {}, "mask"),
 )
+TOKEN_WIDTHS = (768, 512, 256, 128, 64)
+"""E of the token tensor: the first of these that divides C * H * W (else W)."""
 
 ACTIVATION_TEXT = (
     "the output of torch.nn.Conv2d(3, C, 3, padding=1) (torch's default initialisation, "
@@ -79,6 +91,32 @@ def activation_tensor(shape: Sequence[int], seed: int) -> Tensor:
         return conv(images).contiguous()
 
 
+TOKEN_TEXT = (
+    "torch.nn.Linear(E, E) (torch's default initialisation, seeded) applied to "
+    "torch.nn.functional.layer_norm of standard normal tokens [N, L, E]: what a transformer "
+    "block saves for the backward of its next linear layer; float32, contiguous, as many "
+    "bytes as the activation"
+)
+
+
+def token_shape(shape: Sequence[int]) -> tuple[int, int, int]:
+    """[N, L, E] with the elements of the map ``shape`` [N, C, H, W] (``TOKEN_WIDTHS``)."""
+    n, c, h, w = shape
+    per = c * h * w
+    e = next((e for e in TOKEN_WIDTHS if per % e == 0), w)
+    return n, per // e, e
+
+
+def token_tensor(shape: Sequence[int], seed: int) -> Tensor:
+    """A float32 token tensor [N, L, E]: a seeded linear layer on layer-normed tokens."""
+    n, length, e = shape
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        x = F.layer_norm(torch.randn(n, length, e, generator=gen), (e,))
+        torch.manual_seed(seed)
+        return nn.Linear(e, e)(x).contiguous()
+
+
 def rel_l2(x_hat: Tensor, x: Tensor) -> float:
     x64, d = x.double(), x_hat.double() - x.double()
     return float(d.norm() / max(float(x64.norm()), 1e-300))
@@ -108,9 +146,11 @@ def bench_codec(
     warmup: int,
     repeats: int,
     compiled: bool = True,
+    kind: str | None = None,
 ) -> dict[str, Any]:
     """One configuration: bytes, error, and the round trip timed against ``torch.clone``,
-    eagerly and (``compiled``) under torch.compile, the three interleaved round by round."""
+    eagerly and (``compiled``) under torch.compile, the three interleaved round by round.
+    ``kind`` names the input in the results (default: "mask" for bool, else "activation")."""
     codec = make(name, **params)
     shape, dtype, device = tuple(x.shape[1:]), x.dtype, x.device
     raw = x.numel() * x.element_size()
@@ -162,7 +202,7 @@ def bench_codec(
         "compressor": repr(codec),
         "name": name,
         "params": codec.params,
-        "input": "mask" if dtype == torch.bool else "activation",
+        "input": kind or ("mask" if dtype == torch.bool else "activation"),
         "shape": list(x.shape),
         "dtype": str(dtype).replace("torch.", ""),
         "device": str(device),
@@ -250,9 +290,10 @@ def bench_codecs(args: argparse.Namespace) -> dict[str, Any]:
     compiled = getattr(args, "compile_codecs", True)
     act = activation_tensor(args.shape, args.seed).to(device)
     mask = act > 0
-    inputs = {"activation": act, "mask": mask}
+    tokens = token_tensor(token_shape(args.shape), args.seed).to(device)
+    inputs = {"activation": act, "mask": mask, "tokens": tokens}
     results = [
-        bench_codec(label, name, params, inputs[kind], args.warmup, args.repeats, compiled)
+        bench_codec(label, name, params, inputs[kind], args.warmup, args.repeats, compiled, kind)
         for label, name, params, kind in CODEC_CONFIGS
     ]
     a64 = act.double()
@@ -261,12 +302,13 @@ def bench_codecs(args: argparse.Namespace) -> dict[str, Any]:
         ms for c in results if c["input"] == "activation" for ms in c["time_ms"]["clone"]["samples"]
     ]
     pooled_gbps = raw / (statistics.median(pooled) * 1e-3) / 1e9
-    for c in results:  # the mask against its own clone (medians)
+    for c in results:  # the mask against its own clone (medians); tokens: as many bytes
         c["ratio_to_pooled_clone"] = (
             c["gbps"]["round_trip"] / pooled_gbps
-            if c["input"] == "activation"
+            if c["input"] in ("activation", "tokens")
             else c["ratio_to_clone_of_medians"]
         )
+    lib = native.library() if device.type == "cpu" else None
     return {
         "device": str(device),
         "compiled_goal": f"compiled round trip >= {COMPILED_GOAL}x a clone's bandwidth",
@@ -284,6 +326,17 @@ def bench_codecs(args: argparse.Namespace) -> dict[str, Any]:
             "mean": float(a64.mean()),
             "std": float(a64.std()),
             "fraction_positive": float(mask.double().mean()),
+        },
+        "tokens": {
+            "description": TOKEN_TEXT,
+            "shape": list(tokens.shape),
+            "dtype": "float32",
+            "raw_bytes": tokens.numel() * tokens.element_size(),
+        },
+        "native": {
+            "used": lib is not None and base.NATIVE,
+            "why_not": None if lib is not None else native.build_error() or "not on the CPU",
+            "threads": torch.get_num_threads(),
         },
         "configs": results,
     }
