@@ -106,12 +106,17 @@ def own_total(found: dict[str, Any], module: torch.nn.Module, batch: list[Tensor
     return int(found["total_peak_bytes"])
 
 
-def measure_total(method: Method, batch: list[Tensor], device: torch.device) -> int:
-    """``own_total`` of one measured step; a method that compiles (``Method.compiles``)
-    first steps once untimed, so a compilation for a new batch size is not measured."""
+def measure_step(method: Method, batch: list[Tensor], device: torch.device) -> dict[str, Any]:
+    """``peak_step`` of one step; a method that compiles (``Method.compiles``) first steps
+    once untimed, so a compilation for a new batch size is not measured."""
     if getattr(method, "compiles", False):
         method.step(batch)
-    return own_total(peak_step(method, batch, device), method.module, batch)
+    return peak_step(method, batch, device)
+
+
+def measure_total(method: Method, batch: list[Tensor], device: torch.device) -> int:
+    """``own_total`` of one measured step (``measure_step``)."""
+    return own_total(measure_step(method, batch, device), method.module, batch)
 
 
 def largest_batch(

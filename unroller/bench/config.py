@@ -1,8 +1,8 @@
 """Flags of the benchmark suite (the default preset) and its quick and full sizes.
 
 Without ``--full`` the quick preset applies (what ``make bench`` runs): every suite
-model (the four published ones and the four spec-v2 ones, ``SUITE``) at its
-``quick_resolution``, a small batch, few timed rounds, the memory-budget search under
+model (the four published ones, the four spec-v2 ones and the two larger transformers,
+``SUITE``) at its ``quick_resolution`` (for gpt_small a shorter context), a small batch, few timed rounds, the memory-budget search under
 the "quarter" budget (weights, their gradients and the optimizer state are a quarter of
 it), no measured step predicted to take over ``step_seconds`` (larger max batches are
 predicted, not confirmed) and the peers that compile nothing. ``--full`` runs the
@@ -27,7 +27,11 @@ PUBLISHED = ("resnet34", "emdenoise", "slstrcloud", "opticaldamage")
 # gpt_tiny: 64 integer character ids), 1-D convolutions on [N, 4, 128] signals, and
 # depthwise-separable convolutions. They run at their declared size only.
 SPEC_V2 = ("vit_tiny", "gpt_tiny", "tcn_small", "mobilenet_v2")
-SUITE = PUBLISHED + SPEC_V2  # what --benchmark all (the default) runs
+# Transformers of the size published activation-memory work measures: a GPT-style causal
+# decoder (context 256, width 256, 6 layers) and a BERT-style encoder (128 tokens, width
+# 128, 4 layers). Their sequence length is rewritable, so the quick preset can shorten it.
+LARGER_TRANSFORMERS = ("gpt_small", "bert_encoder")
+SUITE = PUBLISHED + SPEC_V2 + LARGER_TRANSFORMERS  # what --benchmark all (the default) runs
 HOOK_SCHEMES = ("dct-dense", "quant")  # schemes with a hook-based peer (same compressor)
 # schemes with an ours:SCHEME+recompute row (--recompute): none, the densest, the planned
 RECOMPUTE_SCHEMES = ("nocompress", "dct-dense", "auto")
@@ -107,8 +111,9 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
     add(
         "--benchmark",
         default="all",
-        help="a model of the registry, a comma list, or 'all' (the four published models "
-        f"and the four spec-v2 ones: {', '.join(SUITE)}; default)",
+        help="a model of the registry, a comma list, or 'all' (the four published models, "
+        f"the four spec-v2 ones and the two larger transformers: {', '.join(SUITE)}; "
+        "default)",
     )
     add("--scheme", default="all", help=f"one of {', '.join(SCHEMES)}, a comma list, or 'all'")
     add("--platform", choices=("gpu", "ipu"), default="gpu")
@@ -121,7 +126,8 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         "--resolution",
         type=positive,
         help="rows of image inputs (default: preset); the spec-v2 models take only their "
-        "declared size (vit_tiny 32, gpt_tiny 64 tokens, tcn_small 128 steps, mobilenet_v2 any)",
+        "declared size (vit_tiny 32, gpt_tiny 64 tokens, tcn_small 128 steps, mobilenet_v2 "
+        "any); for gpt_small and bert_encoder the sequence length, a multiple of 16",
     )
     add(
         "--get-memory",
@@ -176,6 +182,12 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         default=True,
         help="plot the bytes live over one step, ours per scheme vs autograd, per benchmark "
         "(with --plots; default: on)",
+    )
+    add(
+        "--per-sample-batches",
+        type=pair,
+        help="the two batch sizes A,B the bytes per sample (the slope of the measured step "
+        "peak) are measured between (default: the run's batch and twice it)",
     )
     add(
         "--probe-batches",

@@ -12,6 +12,16 @@ OpticalDamage, ahead of every hook-based peer and of checkpointing; for every ou
 method: samples/s at its max batch >= 0.85x autograd's at autograd's max batch, and the
 measured step peak <= 1.25x the predicted floor; on the CPU, ResNet-34 step times against
 autograd (``CPU_TIME``, the +compile rows included).
+
+Bytes per sample (the slope of the measured step peak between two batches,
+``unroller.bench.per_sample``: the large-budget limit of the max-batch ratio, which no
+choice of budget moves): on the transformers (``TRANSFORMERS``) ours:nocompress keeps no
+more per sample than autograd, and the best ours:* whose step time is within
+``PER_SAMPLE_TIME`` of autograd's keeps ``PER_SAMPLE_LESS`` times less per sample than
+autograd and less than checkpointing; on ResNet-34 the same best keeps
+``PER_SAMPLE_LESS`` times less. "Best" is picked among the rows that meet the time bound,
+so a scheme that saves memory only by being slow cannot meet it. These goals carry the
+command that measured them (``command``).
 """
 
 from __future__ import annotations
@@ -33,6 +43,11 @@ SPEED_AT_MAX = 0.85  # samples/s at the max batch, ours / autograd at its own ma
 FLOOR = 1.25  # measured step peak / predicted floor
 CPU_TIME = {"nocompress": 1.00, "quant": 1.15, "dct-dense": 1.15}  # ResNet-34, CPU
 CPU_TIME_MODELS = ("resnet34",)
+TRANSFORMERS = ("vit_tiny", "gpt_tiny", "gpt_small", "bert_encoder")
+PER_SAMPLE_LESS = 8.0  # autograd's bytes per sample / the best ours:*'s
+PER_SAMPLE_TIME = 1.3  # the best is picked among ours:* at most this step time vs autograd
+PER_SAMPLE_CNN = ("resnet34",)
+MIB = 2**20
 
 TEXTS = {
     "nocompress_time": f"ours:nocompress step time <= {NOCOMPRESS_TIME}x autograd",
@@ -52,6 +67,14 @@ TEXTS = {
     "cpu_time": "CPU ResNet-34 step time vs autograd: "
     + ", ".join(f"{s} <= {v:.2f}x" for s, v in CPU_TIME.items())
     + " (and their +compile rows)",
+    "per_sample_nocompress": "bytes per sample (slope of the measured step peak): "
+    "ours:nocompress <= autograd's (transformers)",
+    "per_sample_best": f"bytes per sample: the best ours:* at step time <= {PER_SAMPLE_TIME:g}x "
+    f"autograd's keeps >= {PER_SAMPLE_LESS:g}x less than autograd, and less than "
+    "checkpointing (transformers)",
+    "per_sample_best_cnn": "bytes per sample: the best ours:* at step time <= "
+    f"{PER_SAMPLE_TIME:g}x autograd's keeps >= {PER_SAMPLE_LESS:g}x less than autograd "
+    "(ResNet-34)",
 }
 # the key each budget goal had before issue 14 (dct-dense's 6x goal), kept for readers
 GOAL_KEYS = {("max_batch", "dct-dense"): "dense_max_batch"}
@@ -213,9 +236,87 @@ def _cpu_time(bench: str, runs: dict[str, dict], device: str | None) -> tuple:
     return met, f"{ratios[worst]:.3f}x {worst}", f"{figures}; batch {batch} (the issue: 32)"
 
 
-def _entry(bench: str, key: str, found: tuple, scheme: str | None = None) -> dict[str, Any]:
+def _slope(record: dict[str, Any] | None) -> float | None:
+    """A record's bytes per sample (``per_sample.slope``), None without a figure."""
+    return ((record or {}).get("per_sample") or {}).get("bytes_per_sample")
+
+
+def _why_no_slope(name: str, record: dict[str, Any] | None) -> str:
+    """Why ``record`` has no bytes per sample: not run, memory not measured, or the
+    slope's own problem (equal peaks, a falling peak)."""
+    if record is None:
+        return f"{name} not run"
+    found = record.get("per_sample")
+    if not found:
+        return f"{name}: no bytes per sample (needs --get-memory)"
+    return f"{name}: {found['problem']}"
+
+
+def _per_sample_nocompress(noc: dict | None, ag: dict | None) -> tuple:
+    """ours:nocompress's bytes per sample against autograd's (same two batches)."""
+    a, b = _slope(noc), _slope(ag)
+    if a is None or b is None:
+        why = [_why_no_slope(n, r) for n, r in (("ours:nocompress", noc), ("autograd", ag))]
+        return None, None, "; ".join(w for w, v in zip(why, (a, b)) if v is None)
+    if noc["per_sample"]["batches"] != ag["per_sample"]["batches"]:
+        return None, None, "measured between different batches"
+    span = "->".join(f"b{n}" for n in ag["per_sample"]["batches"])
+    figures = f"{a / MIB:.3f} vs {b / MIB:.3f} MiB per sample ({span})"
+    return a <= b, f"{a / b:.3f}x", figures
+
+
+def _per_sample_best(runs: dict[str, dict], against_checkpoint: bool) -> tuple:
+    """The ours:* row with the least bytes per sample among those whose step time is at
+    most PER_SAMPLE_TIME x autograd's: >= PER_SAMPLE_LESS x less than autograd's, and
+    (``against_checkpoint``) less than checkpointing's."""
+    ag = runs.get("autograd")
+    base = _slope(ag)
+    if base is None:
+        return None, None, _why_no_slope("autograd", ag)
+    span = ag["per_sample"]["batches"]
+    rows = {
+        name: rec
+        for name, rec in runs.items()
+        if rec["kind"] == "ours"
+        and _slope(rec) is not None
+        and rec["per_sample"]["batches"] == span
+        and _time_ratio(rec) is not None
+    }
+    if not rows:
+        return None, None, "needs ours:* rows with a bytes per sample and a step time"
+    parts = [f"autograd {base / MIB:.3f} MiB per sample (b{span[0]}->b{span[1]})"]
+    parts += [
+        f"{name} {base / _slope(rec):.2f}x less at {_time_ratio(rec):.3f}x time"
+        for name, rec in rows.items()
+    ]
+    within = {k: v for k, v in rows.items() if _time_ratio(v) <= PER_SAMPLE_TIME}
+    if not within:
+        return False, f"no ours:* within {PER_SAMPLE_TIME:g}x time", "; ".join(parts)
+    best = min(within, key=lambda k: _slope(within[k]))
+    less = base / _slope(within[best])
+    met: bool | None = less >= PER_SAMPLE_LESS
+    value = f"{less:.2f}x less ({best}, {_time_ratio(within[best]):.3f}x time)"
+    if against_checkpoint:
+        ck = runs.get("checkpoint")
+        rival = _slope(ck)
+        if rival is None:
+            parts.append(_why_no_slope("checkpoint", ck))
+            met = False if not met else None
+        else:
+            parts.append(f"checkpoint {base / rival:.2f}x less")
+            met = met and _slope(within[best]) < rival
+    return met, value, "; ".join(parts)
+
+
+def _entry(
+    bench: str,
+    key: str,
+    found: tuple,
+    scheme: str | None = None,
+    command: str | None = None,
+) -> dict[str, Any]:
     met, value, figures = found
-    return {
+    entry = {
         "benchmark": bench,
         "goal": GOAL_KEYS.get((key, scheme), key if scheme is None else f"{key}:{scheme}"),
         "text": TEXTS[key].format(scheme=scheme),
@@ -223,6 +324,9 @@ def _entry(bench: str, key: str, found: tuple, scheme: str | None = None) -> dic
         "value": value,
         "figures": figures,
     }
+    if command is not None:
+        entry["command"] = command
+    return entry
 
 
 def _budget_goals(bench: str, runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -240,11 +344,31 @@ def _budget_goals(bench: str, runs: dict[str, dict[str, Any]]) -> list[dict[str,
     return found
 
 
+def _per_sample_goals(
+    bench: str, runs: dict[str, dict[str, Any]], command: str | None
+) -> list[dict[str, Any]]:
+    """The bytes-per-sample goals of ``bench``: the transformers' two, ResNet-34's one."""
+    if bench in TRANSFORMERS:
+        noc = _per_sample_nocompress(runs.get("ours:nocompress"), runs.get("autograd"))
+        return [
+            _entry(bench, "per_sample_nocompress", noc, command=command),
+            _entry(bench, "per_sample_best", _per_sample_best(runs, True), command=command),
+        ]
+    if bench in PER_SAMPLE_CNN:
+        best = _per_sample_best(runs, False)
+        return [_entry(bench, "per_sample_best_cnn", best, command=command)]
+    return []
+
+
 def evaluate_benchmark(
-    bench: str, runs: dict[str, dict[str, Any]], device: str | None = None
+    bench: str,
+    runs: dict[str, dict[str, Any]],
+    device: str | None = None,
+    command: str | None = None,
 ) -> list[dict[str, Any]]:
     """``runs``: the records of one benchmark by method name; ``device``: where the steps
-    ran (the CPU time goal needs "cpu")."""
+    ran (the CPU time goal needs "cpu"); ``command``: the command line that measured
+    them, carried by the goals that state it."""
     noc, dense, ag = runs.get("ours:nocompress"), runs.get("ours:dct-dense"), runs.get("autograd")
     found = {
         "nocompress_time": _time_goal(noc, NOCOMPRESS_TIME),
@@ -259,14 +383,21 @@ def evaluate_benchmark(
     entries.append(_entry(bench, "floor", _floor(runs)))
     if bench in CPU_TIME_MODELS:
         entries.append(_entry(bench, "cpu_time", _cpu_time(bench, runs, device)))
+    entries += _per_sample_goals(bench, runs, command)
     return entries
 
 
-def evaluate(records: list[dict[str, Any]], device: str | None = None) -> list[dict[str, Any]]:
+def evaluate(
+    records: list[dict[str, Any]], device: str | None = None, command: str | None = None
+) -> list[dict[str, Any]]:
     by_bench: dict[str, dict[str, dict[str, Any]]] = {}
     for rec in records:
         by_bench.setdefault(rec["benchmark"], {})[rec["method"]] = rec
-    return [g for bench, runs in by_bench.items() for g in evaluate_benchmark(bench, runs, device)]
+    return [
+        g
+        for bench, runs in by_bench.items()
+        for g in evaluate_benchmark(bench, runs, device, command)
+    ]
 
 
 def verdict(met: bool | None) -> str:

@@ -5,6 +5,9 @@
 ``PREFIX.csv``: one row per run (``CSV_FIELDS``). ``PREFIX.md``: the table, the max batch
 table (samples/s there, the predicted peak and floor against the measured peak), the goals,
 the methods. The summary on screen: one row per method, one column per benchmark.
+Every table that shows a max batch shows the bytes per sample beside it (the slope of the
+measured step peak, ``unroller.bench.per_sample``), with the two batches it is measured
+between in the header line, since a slope means nothing without its range.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from unroller.bench.goals import verdict
+from unroller.bench.per_sample import batches_label
 
 MIB = 1024.0 * 1024.0
 
@@ -64,14 +68,26 @@ CSV_FIELDS = (
     "floor_bytes",
     "measured_over_floor",
     "measured_over_predicted",
+    "per_sample_batch_a",
+    "per_sample_batch_b",
+    "per_sample_bytes",
+    "per_sample_ratio_vs_autograd",
+    "per_sample_problem",
 )
 
 
-def _get(record: dict[str, Any], *path: str) -> Any:
+def _get(record: Any, *path: str | int) -> Any:
+    """``record[path[0]][path[1]]...``: keys of dicts, indices of lists; None where a step
+    is missing."""
     for key in path:
-        if not isinstance(record, dict) or record.get(key) is None:
+        if isinstance(record, dict):
+            record = record.get(key)
+        elif isinstance(record, list) and isinstance(key, int) and 0 <= key < len(record):
+            record = record[key]
+        else:
             return None
-        record = record[key]
+        if record is None:
+            return None
     return record
 
 
@@ -117,6 +133,11 @@ def csv_row(rec: dict[str, Any]) -> dict[str, Any]:
         "floor_bytes": _get(rec, "predicted", "floor_bytes"),
         "measured_over_floor": _get(rec, "predicted", "measured_over_floor"),
         "measured_over_predicted": _get(rec, "predicted", "measured_over_predicted"),
+        "per_sample_batch_a": _get(rec, "per_sample", "batches", 0),
+        "per_sample_batch_b": _get(rec, "per_sample", "batches", 1),
+        "per_sample_bytes": _get(rec, "per_sample", "bytes_per_sample"),
+        "per_sample_ratio_vs_autograd": rec.get("per_sample_ratio_vs_autograd"),
+        "per_sample_problem": _get(rec, "per_sample", "problem"),
     }
 
 
@@ -200,6 +221,38 @@ def _floor_cells(rec: dict[str, Any]) -> str:
     )
 
 
+def per_sample_range(records: list[dict]) -> str:
+    """The batches the bytes per sample of ``records`` are measured between, for a header
+    line: ``b4->b8`` when every record shares them, else each benchmark's."""
+    ranges = {r["benchmark"]: batches_label(r.get("per_sample")) for r in records}
+    ranges = {k: v for k, v in ranges.items() if v != "n/a"}
+    if not ranges:
+        return "not measured"
+    if len(set(ranges.values())) == 1:
+        return next(iter(ranges.values()))
+    return ", ".join(f"{k} {v}" for k, v in ranges.items())
+
+
+def _per_sample_cells(rec: dict[str, Any]) -> str:
+    """Bytes per sample in MiB (or why there is none) and the ratio to autograd's."""
+    found = rec.get("per_sample")
+    if not found:
+        return "n/a | n/a"
+    value = found["bytes_per_sample"]
+    cell = f"{value / MIB:.3f}" if value is not None else "none"
+    return f"{cell} | {_x(rec.get('per_sample_ratio_vs_autograd'), 3)}"
+
+
+def _per_sample_notes(records: list[dict]) -> list[str]:
+    """One line per record whose slope has no figure: why ("none" in the tables)."""
+    lines = [
+        f"- {r['benchmark']} {r['method']}: {r['per_sample']['problem']}"
+        for r in records
+        if r.get("per_sample") and r["per_sample"]["problem"]
+    ]
+    return ["", 'Bytes per sample "none" (no figure), why:', "", *lines] if lines else []
+
+
 def _budget_table(records: list[dict]) -> list[str]:
     """Per method: max batch, samples/s there, and (ours) the memory model's figures."""
     if not any(r.get("max_batch") or r.get("predicted") for r in records):
@@ -208,16 +261,19 @@ def _budget_table(records: list[dict]) -> list[str]:
         "",
         "### Max batch, samples/s there, predicted peak and floor",
         "",
-        "| benchmark | method | budget MiB | max batch (vs autograd) | timed at batch "
+        "| benchmark | method | budget MiB | max batch (vs autograd) "
+        f"| per sample MiB ({per_sample_range(records)}) | per sample vs autograd "
+        "| timed at batch "
         "| samples/s there | vs autograd at its max | ideal max batch (floor-limited) "
         "| predicted step peak MiB | floor MiB | measured step peak / floor "
         "| measured / predicted peak |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rec in records:
         lines.append(
             f"| {rec['benchmark']} | {rec['method']} "
             f"| {_mib(_get(rec, 'max_batch', 'budget_bytes'))} | {_max_batch(rec)} "
+            f"| {_per_sample_cells(rec)} "
             f"| {_speed_cells(rec)} | {_floor_cells(rec)} |"
         )
     return lines
@@ -230,8 +286,9 @@ def markdown(meta: dict, records: list[dict], goals: list[dict]) -> str:
         "",
         "| benchmark | batch @ res | method | step ms median (p10/p90) | time vs autograd "
         "| samples/s | stashed MiB raw / stored | step peak MiB | total peak MiB "
-        "| live at bwd MiB | peak vs autograd | final loss | max batch (vs autograd) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| live at bwd MiB | peak vs autograd | final loss | max batch (vs autograd) "
+        f"| per sample MiB ({per_sample_range(records)}) | per sample vs autograd |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rec in records:
         t, st, mem = rec["time_ms"], rec["stash"], rec.get("memory") or {}
@@ -243,14 +300,17 @@ def markdown(meta: dict, records: list[dict], goals: list[dict]) -> str:
             f"| {_mib(mem.get('step_peak_bytes'))} | {_mib(mem.get('total_peak_bytes'))} "
             f"| {_mib(mem.get('live_at_backward_bytes'))} "
             f"| {_x(rec.get('peak_ratio_vs_autograd'))} | {rec['loss']:.6g} "
-            f"| {_max_batch(rec)} |"
+            f"| {_max_batch(rec)} | {_per_sample_cells(rec)} |"
         )
+    lines += _per_sample_notes(records)
     lines += _budget_table(records)
     lines += ["", "### Goals (reported, never asserted)", ""]
     for g in goals:
         value = "" if g["value"] is None else f"{g['value']}; "
+        command = f"; command: `{g['command']}`" if g.get("command") else ""
         lines.append(
             f"- {g['benchmark']}: {g['text']}: **{verdict(g['met'])}** ({value}{g['figures']})"
+            + command
         )
     budgets = [r for r in records if r.get("max_batch")]
     if budgets:
@@ -286,15 +346,16 @@ def markdown(meta: dict, records: list[dict], goals: list[dict]) -> str:
 
 def summary_table(meta: dict, records: list[dict]) -> Table:
     """Rows: methods; columns: benchmarks. Autograd's cell holds its own figures (step ms,
-    step peak MiB, max batch); every other cell its ratios to autograd's (time, step
-    peak, max batch)."""
+    step peak MiB, max batch, samples/s there, MiB per sample); every other cell its
+    ratios to autograd's (time, step peak, max batch, samples/s, bytes per sample)."""
     benches = list(dict.fromkeys(r["benchmark"] for r in records))
     methods = list(dict.fromkeys(r["method"] for r in records))
     cells = {(r["benchmark"], r["method"]): r for r in records}
     table = Table(
         title=meta["title"],
         caption="cells: step time, step peak, max batch under the budget, samples/s at the "
-        "max batch, as ratios to autograd's; autograd's row: ms, MiB, batch, samples/s",
+        f"max batch, bytes per sample ({per_sample_range(records)}), as ratios to "
+        "autograd's; autograd's row: ms, MiB, batch, samples/s, MiB per sample",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
         collapse_padding=True,
@@ -314,12 +375,14 @@ def summary_table(meta: dict, records: list[dict]) -> Table:
                 continue
             mb = rec.get("max_batch") or {}
             rate = _get(rec, "max_batch_speed", "samples_per_s")
+            slope = _get(rec, "per_sample", "bytes_per_sample")
             if method == "autograd":
                 peak = (rec.get("memory") or {}).get("step_peak_bytes")
                 row.append(
                     f"{rec['time_ms']['median']:.0f} "
                     f"{'n/a' if peak is None else f'{peak / MIB:.0f}'} {mb.get('max_batch', 'n/a')}"
                     f" {'n/a' if rate is None else f'{rate:.0f}'}"
+                    f" {'n/a' if slope is None else f'{slope / MIB:.2f}'}"
                 )
                 continue
             figures = (
@@ -331,6 +394,8 @@ def summary_table(meta: dict, records: list[dict]) -> Table:
             row.append(" ".join("n/a" if f is None else f"{f:.2f}" for f in figures[:2]))
             row[-1] += " n/a" if figures[2] is None else f" {figures[2]:.1f}"
             row[-1] += " n/a" if figures[3] is None else f" {figures[3]:.2f}"
+            ratio = rec.get("per_sample_ratio_vs_autograd")
+            row[-1] += " n/a" if ratio is None else f" {ratio:.2f}"
         table.add_row(*row)
     return table
 
@@ -352,6 +417,8 @@ def print_summary(
             + ("" if g["value"] is None else f" {g['value']}")
             for g in items
         )
+        commands = list(dict.fromkeys(g["command"] for g in items if g.get("command")))
+        found += "".join(f" (command: {c})" for c in commands)
         console.print(f"- {text}: {found}", markup=False, highlight=False)
     where = files[0].parent if files else "."
     names = ", ".join(f.name for f in files)

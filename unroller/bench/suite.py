@@ -45,6 +45,7 @@ from unroller.bench import (  # noqa: E402
     options,
     output,
     peers,
+    per_sample,
     plots,
 )
 from unroller.bench.paths import ModelsNotFound  # noqa: E402
@@ -217,20 +218,21 @@ def _max_batches(
     run: _Run,
     methods: list[Method],
     ref: torch.nn.Module,
-    totals: dict[str, int | None],
+    totals: dict[str, dict[int, int]],
     ms_per_sample: dict[str, float],
     note: Callable[[str], None],
 ) -> dict[str, dict[str, Any]]:
     """budget.search per method under the run's budget ('auto': from autograd's line;
     'quarter': from the model's parameters, the momentum reserved). The probes default
-    to the run's batch (whose peak the memory phase measured, ``totals``) and twice it;
-    no step predicted to take over --max-step-seconds is measured."""
+    to the run's batch and twice it, whose total peaks the memory and per-sample phases
+    measured already (``totals``: per method, batch -> bytes); no step predicted to take
+    over --max-step-seconds is measured."""
     args, g, batch_size = run.args, run.granularity, run.batch_size
     probes = args.probe_batches or (batch_size, 2 * batch_size)
     probes = tuple(-(-n // g) * g for n in probes)
     fits = {}
     for m in sorted(methods, key=lambda m: m.name != "autograd"):
-        known = {batch_size: totals[m.name]} if totals.get(m.name) else None
+        known = totals.get(m.name) or None
         note(f"max batch, {m.name}: probes {probes[0]}, {probes[1]}")
         fits[m.name] = budget.probe_fit(m, run.make_batch, probes, run.device, known)
     limit, reserved = _budget(args, ref, fits, batch_size)
@@ -248,6 +250,46 @@ def _max_batches(
         )
         for m in methods
     }
+
+
+def per_sample_batches(run: _Run) -> tuple[int, int]:
+    """The two batches the bytes per sample are measured between: --per-sample-batches,
+    else the run's batch and twice it (so the max-batch probes reuse both), as multiples
+    of the run's granularity."""
+    a, b = run.args.per_sample_batches or (run.batch_size, 2 * run.batch_size)
+    g = run.granularity
+    a, b = (-(-n // g) * g for n in (a, b))
+    return a, max(b, a + g)
+
+
+def _per_sample(
+    run: _Run,
+    methods: list[Method],
+    memory: dict[str, dict | None],
+    advance: Callable[[str], None],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[int, int]]]:
+    """Per method the bytes per sample (per_sample.slope) between the two batches of
+    ``per_sample_batches``, and the total peaks measured on the way (method -> batch ->
+    bytes, the run's batch included) for the max-batch probes. The run's batch reuses the
+    memory phase's measurement; any other batch is one more measured step per method."""
+    pair = per_sample_batches(run)
+    peaks: dict[str, dict[int, int | None]] = {m.name: {} for m in methods}
+    totals: dict[str, dict[int, int]] = {m.name: {} for m in methods}
+    for m in methods:
+        if memory.get(m.name):
+            peaks[m.name][run.batch_size] = memory[m.name]["step_peak_bytes"]
+    for n in pair:
+        if n == run.batch_size and all(memory.get(m.name) for m in methods):
+            continue
+        batch = run.make_batch(n)
+        for m in methods:
+            found = budget.measure_step(m, batch, run.device)
+            peaks[m.name][n] = found["step_peak_bytes"]
+            totals[m.name][n] = budget.own_total(found, m.module, batch)
+            advance(f"bytes per sample, {m.name} at batch {n}")
+        del batch
+    slopes = {m.name: per_sample.slope([(n, peaks[m.name].get(n)) for n in pair]) for m in methods}
+    return slopes, totals
 
 
 def _timed_batch(run: _Run, found: dict[str, Any] | None, ms_per_sample: float | None) -> int:
@@ -413,10 +455,11 @@ def bench_one(
         methods = _methods(bench, args, run.resolution, ref, device, Path(tmp), notes)
     names = [m.name for m in methods]
     searching = args.memory_budget is not None
+    extra_batches = sum(n != batch_size for n in per_sample_batches(run))
     bar.add(
         args.warmup
         + args.iterations
-        + len(methods) * (1 + args.get_memory + searching)
+        + len(methods) * (1 + args.get_memory * (1 + extra_batches) + searching)
         + searching * (1 + args.max_batch_rounds)
     )
     batch = run.make_batch(batch_size)
@@ -442,13 +485,21 @@ def bench_one(
         bar.advance(f"{label}: stash {m.name}")
     phases.done("stash")
     memory: dict[str, dict | None] = dict.fromkeys(names)
-    totals: dict[str, int | None] = dict.fromkeys(names)
+    totals: dict[str, dict[int, int]] = {name: {} for name in names}
+    slopes: dict[str, dict | None] = dict.fromkeys(names)
     if args.get_memory:
         for m in methods:
             memory[m.name] = measure.peak_step(m, batch, device)
-            totals[m.name] = budget.own_total(memory[m.name], m.module, batch)
+            totals[m.name][batch_size] = budget.own_total(memory[m.name], m.module, batch)
             bar.advance(f"{label}: peak memory {m.name}")
         phases.done("memory")
+        found_slopes, more = _per_sample(
+            run, methods, memory, lambda what: bar.advance(f"{label}: {what}")
+        )
+        slopes.update(found_slopes)
+        for name, by_batch in more.items():
+            totals[name].update(by_batch)
+        phases.done("per_sample")
     predicted = _predicted(run, methods, notes)
     phases.done("predict")
     timelines = _timelines(run, methods, batch, notes) if args.get_memory else {}
@@ -475,6 +526,7 @@ def bench_one(
         phases.done("max_batch_speed")
 
     base_peak = (memory["autograd"] or {}).get("step_peak_bytes")
+    base_slope = slopes["autograd"]
     base_batch = (searched["autograd"] or {}).get("max_batch")
     fixed = models.state_bytes(ref)
     records = []
@@ -514,6 +566,8 @@ def bench_one(
                     mb["max_batch"] / base_batch if mb and base_batch else None
                 ),
                 "max_batch_speed": sp,
+                "per_sample": slopes[m.name],
+                "per_sample_ratio_vs_autograd": per_sample.ratio(slopes[m.name], base_slope),
                 "notes": m.notes,
             }
         )
@@ -570,6 +624,7 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str,
         "peak_memory": measure.MEMORY_METHODS[how],
         **{f"stash_{k}": v for k, v in STASH_METHODS.items()},
         "max_batch": budget.METHOD,
+        "per_sample": per_sample.METHOD,
         "budget": _budget_method(args),
         "max_batch_speed": MAX_BATCH_SPEED_METHOD.format(rounds=args.max_batch_rounds),
         "predicted_memory": PREDICTED_METHOD,
@@ -720,12 +775,12 @@ def main(argv: Sequence[str], prog: str = "unroll bench") -> int:
     finally:
         if args.platform == "ipu" and args.emulate:
             ipu_device.use_emulation(False)
-    found = goals.evaluate(records, device=device.type)
+    meta = _meta(args, argv, prog)
+    found = goals.evaluate(records, device=device.type, command=meta["command"])
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     prefix = "bench" if args.platform == "gpu" else "bench_ipu"
     files = [out / f"{prefix}.jsonl", out / f"{prefix}.csv", out / f"{prefix}.md"]
-    meta = _meta(args, argv, prog)
     notes = list(dict.fromkeys(n for info in ran for n in info.pop("notes")))
     if args.plots:
         files += plots.write_all(records, out, prefix)
