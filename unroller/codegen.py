@@ -71,6 +71,7 @@ from unroller.stash import (
     always_there,
     changes_state,
     plan_stash,
+    rerun_nodes,
     value_form,
     value_producers,
     wire_codec,
@@ -578,16 +579,22 @@ class Emitter:
         forward statements again, each followed by the stash steps of the tensors only the
         recompute makes, exactly as the forward makes them without segment recompute. The
         steps are section ``recompute``: a run of their own, which the outliner turns into a
-        call of the block's recompute function."""
+        call of the block's recompute function. A statement none of those tensors depends on
+        (what only the rest of the graph reads, such as the block's last residual sum) is
+        left out: the forward made it already."""
+        nodes = rerun_nodes(segment, [self.stashed[key].producer for key in segment.internal])
+        read = {v.name for n in nodes for v in n.inputs}
         steps: list[Step] = []
         for name in segment.inputs:
+            if name not in read:
+                continue
             stashed = self.stashed[name]
             form = value_form(stashed)
             assert form is not None, f"{name} is not kept for {segment.name}"
             if form.kind != "raw":
                 steps.append(self.restore_input(stashed, form, reader, segment))
-        entries = [self.stashed[key] for key in segment.internal]
-        steps += self.forward_with_stash(segment.nodes, entries, self.segment_forward_step)
+        entries = [_remade_part(self.stashed[key]) for key in segment.internal]
+        steps += self.forward_with_stash(nodes, entries, self.segment_forward_step)
         for step in steps:
             step.section = RECOMPUTE_SECTION
         return steps
@@ -680,7 +687,11 @@ class Emitter:
 
     def training_steps(self) -> list[Step]:
         graph = self.graph
-        kept = [e for e in self.plan.entries if e.segment is None]  # the rest: a recompute's
+        kept = [  # the rest: a segment's recompute makes them
+            e if e.segment is None else dataclasses.replace(e, forms=e.segment_keeps)
+            for e in self.plan.entries
+            if e.segment is None or e.segment_keeps
+        ]
         steps = self.forward_with_stash(graph.nodes, kept)
         loss = self.var(graph.loss)
         seed = CallExpr(Global("torch.ones_like"), (loss,))
@@ -879,6 +890,15 @@ class Emitter:
         ]
         release_dead(steps, keep=self.predict_keep())
         return steps
+
+
+def _remade_part(stashed: Stashed) -> Stashed:
+    """A segment's own saved tensor as its recompute keeps it: the forms the forward does
+    not keep already (``Stashed.segment_keeps``)."""
+    if not stashed.segment_keeps:
+        return stashed
+    forms = [f for f in stashed.forms if f not in stashed.segment_keeps]
+    return dataclasses.replace(stashed, forms=forms)
 
 
 def _run_of(node: Node) -> BlockCall | None:

@@ -166,7 +166,14 @@ class Rule:
             and (self.name is None or fnmatch.fnmatchcase(node, self.name))
             and (
                 self.tensor is None
-                or (tensor is not None and fnmatch.fnmatchcase(tensor, self.tensor))
+                or (
+                    tensor is not None
+                    # a saved extra output ("self_attn:q") matches by its own key or by its
+                    # node's value name (a rule for "self_attn" covers all its extras)
+                    and any(
+                        fnmatch.fnmatchcase(t, self.tensor) for t in {tensor, tensor.split(":")[0]}
+                    )
+                )
             )
         )
 
@@ -740,13 +747,17 @@ class _Checker:
             raise self.at_value(path, f"'{key}' is empty; expected a glob such as \"layer4.*\"")
         if len(name) > MAX_NAME:
             raise self.at_value(path, f"'{key}' is {len(name)} characters long; at most {MAX_NAME}")
-        bad = next((c for c in name if c not in _GLOB_CHARS), None)
+        # a saved tensor's key may name an extra output of its node ("self_attn:q"), which
+        # unroll plan writes for attention's q, k, v
+        allowed = _GLOB_CHARS | {":"} if key == "tensor" else _GLOB_CHARS
+        bad = next((c for c in name if c not in allowed), None)
         if bad is not None:
             raise self.at_value(
                 path,
                 f"'{key}' {_show(name)} contains {ascii(bad)}, which no {what} name has",
                 "a name glob has letters, digits, '_' and '.', and the glob characters "
-                "'*', '?', '[', ']', '!' and '-'",
+                "'*', '?', '[', ']', '!' and '-'"
+                + (" (a tensor's also ':')" if key == "tensor" else ""),
             )
 
     def codec(self, table: dict[str, Any], path: tuple, extra: tuple[str, ...]) -> Codec | None:
