@@ -395,3 +395,58 @@ def test_planner_chooses_segments_and_writes_them(tmp_path):
     loaded = load_config(path)
     assert loaded.segments == tuple(found.segments)
     assert simulate_graph(graph, loaded, 32).peak_bytes == found.simulation.peak_bytes
+
+
+# -- the ipu platform, one IPU -----------------------------------------------------------------
+
+
+def test_emulated_ipu_step_with_segments_equals_the_gpu_step(build):
+    """On one IPU the whole step runs in the module's forward: the recomputes run there as
+    on the gpu. Under the CPU emulation of PopTorch, loss and weights after one SGD step
+    equal the gpu module's with torch.optim.SGD (1e-9, float64, as tests/test_ipu.py)."""
+    from unroller.runtime import ipu_device, poptorch_emulation
+
+    sgd = dict(lr=0.1, momentum=0.9, weight_decay=1e-4)
+    stem = "resnet_like"
+    torch.manual_seed(0)
+    ref = REFERENCES[stem]()
+    gpu = build(model_path(stem), Options(recompute_segments=BLOCKS)).Model().double()
+    options = Options(platform="ipu", recompute_segments=BLOCKS)
+    ipu = build(model_path(stem), options).Model()
+    gpu.load_state_dict(ref.state_dict())
+    ipu.load_state_dict(ref.state_dict())
+    ipu = ipu.double()
+    batch = make_inputs(stem, 4)
+    opt = torch.optim.SGD(gpu.parameters(), **sgd)
+    want = gpu(*batch)
+    opt.step()
+    ipu_device.use_emulation()
+    try:
+        emulation = poptorch_emulation
+        training = emulation.trainingModel(
+            ipu, emulation.Options(), emulation.optim.SGD(ipu.parameters(), **sgd)
+        )
+        _, loss = training(*batch)
+    finally:
+        ipu_device.use_emulation(False)
+    assert rel_err(loss, want) <= 1e-9
+    expected = gpu.state_dict()
+    for key, value in ipu.state_dict().items():
+        if value.is_floating_point():
+            assert rel_err(value, expected[key]) <= 1e-9, key
+        else:
+            assert torch.equal(value, expected[key]), key
+
+
+def test_data_parallel_module_with_segments_steps_as_without(build):
+    """--data-parallel adds bucket all-reduces between backward runs (no-ops in one
+    process); the recompute calls sit among them and the step is unchanged."""
+    torch.manual_seed(0)
+    plain = build(model_path(CNN), Options(recompute_segments=BLOCKS)).Model().double()
+    options = Options(recompute_segments=BLOCKS, data_parallel=True, bucket_bytes=4096)
+    parallel = build(model_path(CNN), options).Model().double()
+    parallel.load_state_dict(plain.state_dict())
+    batch = make_inputs(CNN, 2)
+    assert torch.equal(plain(*batch), parallel(*batch))
+    for (name, a), (_, b) in zip(plain.named_parameters(), parallel.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
