@@ -450,3 +450,15 @@ def test_data_parallel_module_with_segments_steps_as_without(build):
     assert torch.equal(plain(*batch), parallel(*batch))
     for (name, a), (_, b) in zip(plain.named_parameters(), parallel.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_check_says_a_damaged_segments_field_is_damaged(tmp_path):
+    out = tmp_path / "m.py"
+    args = ["generate", str(model_path(CNN)), "--recompute-segments", "layer1.*", "-o", str(out)]
+    assert run_cli(args).exit_code == 0
+    assert run_cli(["check", str(tmp_path)]).exit_code == 0
+    text = out.read_text().replace('"recompute_segments": ["layer1.*"]', '"recompute_segments": 3')
+    out.write_text(text)
+    result = run_cli(["check", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "'recompute_segments' is 3, not a list of block instance globs" in result.output

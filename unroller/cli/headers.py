@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+from unroller.cli.options import SEGMENT_CHARS
 from unroller.cli.target import ALL_STAGE_COUNTS
 from unroller.codegen import CHECKSUM_TAG, HEADER_TAG, PROCESS_STAGES, body_checksum
 from unroller.platforms import PLATFORMS
@@ -55,6 +56,13 @@ def header_problem(header: object) -> str | None:
     starts = header.get("stage_starts", [])
     if not isinstance(starts, list) or not all(isinstance(x, str) for x in starts):
         return f"'stage_starts' is {short(starts)}, not a list of node names"
+    segments = header.get("recompute_segments", [])
+    if (
+        not isinstance(segments, list)
+        or not all(isinstance(x, str) and x and set(x) <= SEGMENT_CHARS for x in segments)
+        or len(segments) > 1000
+    ):
+        return f"'recompute_segments' is {short(segments)}, not a list of block instance globs"
     resolution = header.get("resolution")
     if resolution is not None and (
         isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1
