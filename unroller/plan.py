@@ -477,7 +477,16 @@ def _segment_moves(
     """Tier-1 moves: recompute a segment not chosen yet, whose own stash is held at the
     peak; saves those bytes (in their current forms), costs its forward's FLOPs."""
     held = set(sim.peak_stash)
-    stored = {s.key: s.stored_bytes(sim.batch_size) for s in plan_stash(graph, config).entries}
+    batch = sim.batch_size
+    # under a lossy config the forward keeps a segment's 1-bit masks anyway: not saved
+    stored = {
+        s.key: sum(
+            packed_bytes(s, f, batch)
+            for f in s.forms
+            if f.kind != "recompute" and not (config.lossy and f.kind == "mask")
+        )
+        for s in plan_stash(graph, config).entries
+    }
     moves = []
     for name, flops, keys in pool:
         if name in chosen:
