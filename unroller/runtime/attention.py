@@ -14,7 +14,7 @@ query, more than q, k, v and O together whenever S > 4E / H.
 Forward, per block of queries: the scores s = (q * a) @ (k * b)^T with ATen's math-path
 factors a * b = scale (``_attention_factors``: the scores round as torch's math attention's
 do), -inf above the diagonal when causal, the row maximum m, p = exp(s - m), the row sum l,
-the output (p / l) @ v and lse = m + log(l).
+the output (p @ v) / l and lse = m + log(l).
 
 Backward, per block: p = exp(s - lse) remade from q, k and lse (the forward's
 probabilities, to rounding), dV += p^T dO, dP = dO v^T, D = rowsum(dO * O) (each row once:
@@ -109,14 +109,26 @@ def _keys(t: Tensor, b: Block) -> Tensor:
     return t.narrow(0, b.start, b.samples).narrow(2, 0, b.keys)
 
 
+def _packed(t: Tensor) -> Tensor:
+    """``t`` in contiguous memory (itself when it is already). The heads of a multi-head
+    attention are strided views of its packed projection, rows of different samples
+    interleaved ([N, H, L, E/H] with the length's stride N * E): a batched matmul on such
+    an operand runs several times slower on the CPU than on a copy, which costs a pass
+    over a block's q, k, v or dO, not over its tile."""
+    return t.contiguous()
+
+
 def _scores(qs: Tensor, ks: Tensor, b: Block, is_causal: bool) -> Tensor:
     """(q * a) @ (k * b)^T for one block, with -inf where a key comes after the query's own
     position when causal (only when the block holds such a pair)."""
     s = torch.matmul(qs, ks.transpose(-2, -1))
     if is_causal and b.keys - 1 > b.first:
+        # an additive [rows, keys] mask of 0 and -inf, broadcast over samples and heads: on
+        # the CPU several times faster than masked_fill_ with a broadcast boolean mask
         rows = torch.arange(b.first, b.first + b.rows, device=s.device).unsqueeze(1)
         cols = torch.arange(b.keys, device=s.device).unsqueeze(0)
-        s.masked_fill_(cols > rows, -math.inf)
+        bias = torch.zeros(b.rows, b.keys, dtype=s.dtype, device=s.device)
+        s.add_(bias.masked_fill_(cols > rows, -math.inf))
     return s
 
 
@@ -143,12 +155,13 @@ def _forward_block(
     q: Tensor, k: Tensor, v: Tensor, b: Block, qa: float, kb: float, is_causal: bool
 ) -> tuple[Tensor, Tensor]:
     """One block's output and row logsumexp; the score tile is made once and then reused in
-    place for exp(s - m) and the probabilities."""
-    s = _scores(_rows(q, b) * qa, _keys(k, b) * kb, b, is_causal)
+    place for exp(s - m), and the output is divided by the row sums rather than the tile
+    (Ev numbers a row instead of S)."""
+    s = _scores(_packed(_rows(q, b) * qa), _packed(_keys(k, b) * kb), b, is_causal)
     m = s.amax(-1, keepdim=True)
     p = s.sub_(m).exp_()
     total = p.sum(-1, keepdim=True)
-    out = torch.matmul(p.div_(total), _keys(v, b))
+    out = torch.matmul(p, _packed(_keys(v, b))).div_(total)
     return out, m.add_(torch.log(total)).squeeze(-1)
 
 
@@ -188,13 +201,14 @@ def _backward_block(
     block makes its own: a loop body's locals would live on into the next iteration."""
     qa, kb = scales
     need_q, need_k, need_v = need
-    qs, ks, g_rows = _rows(q, b) * qa, _keys(k, b) * kb, _rows(g, b)
+    qs, ks = _packed(_rows(q, b) * qa), _packed(_keys(k, b) * kb)
+    g_rows, v_keys = _packed(_rows(g, b)), _packed(_keys(v, b))
     p = _scores(qs, ks, b, is_causal).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
     part_v = torch.matmul(p.transpose(-2, -1), g_rows) if need_v else None
     if not (need_q or need_k):
         return None, None, part_v
     d = (g_rows * _rows(output, b)).sum(-1, keepdim=True)
-    ds = torch.matmul(g_rows, _keys(v, b).transpose(-2, -1)).sub_(d).mul_(p)
+    ds = torch.matmul(g_rows, v_keys.transpose(-2, -1)).sub_(d).mul_(p)
     part_q = torch.matmul(ds, ks).mul_(qa) if need_q else None
     part_k = torch.matmul(ds.transpose(-2, -1), qs).mul_(kb) if need_k else None
     return part_q, part_k, part_v
