@@ -64,7 +64,10 @@ QUICK = Preset(
     max_batch_rounds=2,
     step_seconds=3.0,
     # torch.compile takes ~50 s per ResNet-34 graph on a 2-core CPU, and once more when the
-    # max-batch search changes the batch: too slow for make bench (--peers all adds them)
+    # max-batch search changes the batch: too slow for make bench (--peers all adds them).
+    # The transformers too: the first compile of compiled-budget-0.5 took 231 s on gpt_tiny
+    # and 339 s on gpt_small at 128 tokens (2-core CPU, loaded), longer than the rest of
+    # either model's quick run; the full preset runs them (and --peers adds them here)
     peers=("checkpoint", "hooks"),
 )
 FULL = Preset(

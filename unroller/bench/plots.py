@@ -4,6 +4,8 @@
 - ``PREFIX_time_ratio.png``: step time / autograd's per method (median, p10-p90 bars);
 - ``PREFIX_layers.png``: stored bytes per block of the model (stash_report rows) per scheme;
 - ``PREFIX_max_batch.png``: the largest batch under the budget per method (if searched);
+- ``PREFIX_per_sample.png``: bytes per sample (the slope of the step peak) per method, the
+  budget-free figure next to the max batch;
 - ``timeline``: bytes live over one step per method (``unroller.bench.timeline.record``),
   the caller names the file.
 """
@@ -152,6 +154,39 @@ def max_batch(records: list[dict], path: Path) -> Path | None:
     return _save(plt, fig, path)
 
 
+def per_sample(records: list[dict], path: Path) -> Path | None:
+    """Bytes per sample per method (MiB), annotated with the ratio to autograd's; a method
+    without a figure (a flat or falling peak) is left at 0 and marked "none"."""
+    found = [r for r in records if r.get("per_sample")]
+    if not found:
+        return None
+    plt = _pyplot()
+    fig, groups = _panels(plt, found)
+    for bench, recs, ax in groups:
+        values = [(r["per_sample"]["bytes_per_sample"] or 0) / MIB for r in recs]
+        bars = ax.bar(range(len(recs)), values, color="tab:orange")
+        for bar, rec in zip(bars, recs):
+            ratio = rec.get("per_sample_ratio_vs_autograd")
+            text = "none" if rec["per_sample"]["bytes_per_sample"] is None else None
+            if text or ratio is not None:
+                ax.annotate(
+                    text or f"{ratio:.2f}x",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
+        a, b = recs[0]["per_sample"]["batches"]
+        ax.set_xticks(
+            list(range(len(recs))), [r["method"] for r in recs], rotation=60, ha="right", fontsize=7
+        )
+        ax.set_ylabel("MiB per sample")
+        ax.margins(y=0.15)
+        ax.set_title(f"{bench} (step peak, batch {a} to {b})", fontsize=9)
+    fig.suptitle("Bytes per sample: slope of the measured step peak (x: vs autograd)", fontsize=10)
+    return _save(plt, fig, path)
+
+
 def timeline(records_by_method: dict[str, dict], path: Path, title: str) -> Path:
     """Bytes live (MiB) against the step's normalised time, one line per method: a dashed
     vertical line where its backward pass begins and a dot at its peak, so a reader sees
@@ -182,5 +217,6 @@ def write_all(records: list[dict[str, Any]], out_dir: Path, prefix: str) -> list
         time_ratio(records, out_dir / f"{prefix}_time_ratio.png"),
         layers(records, out_dir / f"{prefix}_layers.png"),
         max_batch(records, out_dir / f"{prefix}_max_batch.png"),
+        per_sample(records, out_dir / f"{prefix}_per_sample.png"),
     ]
     return [p for p in made if p is not None]
