@@ -301,11 +301,22 @@ void run_split(void (*fn)(const A*, int64_t, int64_t), const A* args, int64_t ro
         fn(args, 0, rows);
         return;
     }
+    // Nothing may throw out of an extern "C" entry point: a range whose thread cannot be
+    // started (a resource limit) runs here instead.
     std::vector<std::thread> pool;
-    pool.reserve(static_cast<size_t>(threads - 1));
+    try {
+        pool.reserve(static_cast<size_t>(threads - 1));
+    } catch (...) {
+        fn(args, 0, rows);
+        return;
+    }
     for (int t = 1; t < threads; ++t) {
         const int64_t u0 = units * t / threads, u1 = units * (t + 1) / threads;
-        pool.emplace_back(fn, args, u0 * unit, u1 * unit);
+        try {
+            pool.emplace_back(fn, args, u0 * unit, u1 * unit);
+        } catch (...) {
+            fn(args, u0 * unit, u1 * unit);
+        }
     }
     fn(args, 0, (units / threads) * unit);
     for (auto& th : pool) th.join();
