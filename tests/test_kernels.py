@@ -659,7 +659,7 @@ TORCH_CALLS |= {"addmm"}  # transposed_linear (Hugging Face's Conv1D); PopTorch'
 F_CALLS |= {"hardtanh", "silu", "elu", "softplus", "embedding"}
 # block-by-block attention (unroller/runtime/attention.py): amax is on the pointwise list,
 # masked_fill on the indexing list; the in-place forms of listed ops write a block's tile
-TENSOR_METHODS |= {"amax", "masked_fill_", "sub_", "exp_", "div_"}
+TENSOR_METHODS |= {"amax", "masked_fill_", "sub_", "exp_", "div_", "is_contiguous"}
 PYTHON_METHODS = {"get", "clear", "append", "items", "values", "insert"}
 HOST_CALLS = {"math": {"sqrt", "floor", "factorial", "prod"}, "struct": {"pack", "unpack"}}
 FORBIDDEN_NAMES = {

@@ -77,10 +77,10 @@ WORKSPACE: dict[str, Workspace | tuple[Workspace, ...]] = {
     "batchnorm2d": Workspace(1.0, 0.0),
     # attention block by block (unroller/runtime/attention.py), 10 shapes [N, H, L, E/H]
     # from [4, 8, 128, 4] to [64, 4, 64, 16], one to 8 blocks: while a block runs, the output
-    # gradient's copies, q, k scaled, v and dO made contiguous and the gradients of q, k, v
-    # (6.4-7.2 x the input) beside two score tiles (p and dS); then the heads' gradients
-    # joined and the in-projection's (10 x the input)
-    "multihead_attention": (Workspace(10.0, 0.0), Workspace(7.0, 0.0, tiles=2.0)),
+    # gradient's copies, q, k scaled, v made contiguous and the gradients of q, k, v (3.7-6 x
+    # the input, the most in one block) beside two score tiles (p and dS); then the heads'
+    # gradients copied into the packed layout one by one and the in-projection's (6.5 x)
+    "multihead_attention": (Workspace(6.5, 0.0), Workspace(6.0, 0.0, tiles=2.0)),
     # q, k scaled, the gradients' partial sums and the rows' D beside the two tiles
     "scaled_dot_product_attention": Workspace(2.0, 0.0, tiles=2.0),
     "conv2d": Workspace(1.0, 1.0),

@@ -118,6 +118,13 @@ def _packed(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
+def _scaled(t: Tensor, factor: float) -> Tensor:
+    """t * factor in contiguous memory (see ``_packed``), with one allocation either way."""
+    if t.is_contiguous():
+        return t * factor
+    return t.contiguous().mul_(factor)
+
+
 def _scores(qs: Tensor, ks: Tensor, b: Block, is_causal: bool) -> Tensor:
     """(q * a) @ (k * b)^T for one block, with -inf where a key comes after the query's own
     position when causal (only when the block holds such a pair)."""
@@ -157,7 +164,7 @@ def _forward_block(
     """One block's output and row logsumexp; the score tile is made once and then reused in
     place for exp(s - m), and the output is divided by the row sums rather than the tile
     (Ev numbers a row instead of S)."""
-    s = _scores(_packed(_rows(q, b) * qa), _packed(_keys(k, b) * kb), b, is_causal)
+    s = _scores(_scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb), b, is_causal)
     m = s.amax(-1, keepdim=True)
     p = s.sub_(m).exp_()
     total = p.sum(-1, keepdim=True)
@@ -201,7 +208,7 @@ def _backward_block(
     block makes its own: a loop body's locals would live on into the next iteration."""
     qa, kb = scales
     need_q, need_k, need_v = need
-    qs, ks = _packed(_rows(q, b) * qa), _packed(_keys(k, b) * kb)
+    qs, ks = _scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb)
     g_rows, v_keys = _packed(_rows(g, b)), _packed(_keys(v, b))
     p = _scores(qs, ks, b, is_causal).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
     part_v = torch.matmul(p.transpose(-2, -1), g_rows) if need_v else None
