@@ -65,10 +65,13 @@ from unroller.bench.reference.sequence import (
 )
 from unroller.codegen import Options
 
-#: the quick preset's sequence lengths of the two larger transformers (their full sizes,
-#: 256 and 128 tokens, take minutes per method on a 2-core CPU; see config.QUICK)
+#: the quick preset's sequence lengths of the two larger transformers: gpt_small at a
+#: quarter of its context (6 layers of width 256 at 256 tokens cost ~5x gpt_small at 64
+#: per step; its quick run at 64 tokens took ~130 CPU-seconds, 2.5x gpt_tiny's whole quick
+#: run), bert_encoder at its full 128 tokens (~70 CPU-seconds, cheaper per step than
+#: gpt_small at 64)
 GPT_SMALL_QUICK_CONTEXT = 64
-BERT_QUICK_LENGTH = 64
+BERT_QUICK_LENGTH = 128
 
 #: why the sequence models run at their declared size only
 FIXED_SIZE_RULE = (
