@@ -125,18 +125,32 @@ def _scaled(t: Tensor, factor: float) -> Tensor:
     return t.contiguous().mul_(factor)
 
 
-def _scores(qs: Tensor, ks: Tensor, b: Block, is_causal: bool) -> Tensor:
-    """(q * a) @ (k * b)^T for one block, with -inf where a key comes after the query's own
-    position when causal (only when the block holds such a pair)."""
+Masks = dict[tuple[int, int, int], Tensor]
+"""The causal masks one kernel call has made, by (first row, rows, keys)."""
+
+
+def _causal_mask(b: Block, like: Tensor, masks: Masks) -> Tensor | None:
+    """The block's additive causal mask [rows, keys]: 0, and -inf where a key comes after
+    the query's own position; None when the block holds no such pair. Added to the scores
+    it broadcasts over samples and heads (on the CPU several times faster than masked_fill_
+    with a broadcast boolean mask). Blocks of whole samples share one: made once a call."""
+    if b.keys - 1 <= b.first:
+        return None
+    key = (b.first, b.rows, b.keys)
+    mask = masks.get(key)
+    if mask is None:
+        rows = torch.arange(b.first, b.first + b.rows, device=like.device).unsqueeze(1)
+        cols = torch.arange(b.keys, device=like.device).unsqueeze(0)
+        mask = torch.zeros(b.rows, b.keys, dtype=like.dtype, device=like.device)
+        mask = mask.masked_fill_(cols > rows, -math.inf)
+        masks[key] = mask
+    return mask
+
+
+def _scores(qs: Tensor, ks: Tensor, mask: Tensor | None) -> Tensor:
+    """(q * a) @ (k * b)^T for one block, plus its causal mask if any."""
     s = torch.matmul(qs, ks.transpose(-2, -1))
-    if is_causal and b.keys - 1 > b.first:
-        # an additive [rows, keys] mask of 0 and -inf, broadcast over samples and heads: on
-        # the CPU several times faster than masked_fill_ with a broadcast boolean mask
-        rows = torch.arange(b.first, b.first + b.rows, device=s.device).unsqueeze(1)
-        cols = torch.arange(b.keys, device=s.device).unsqueeze(0)
-        bias = torch.zeros(b.rows, b.keys, dtype=s.dtype, device=s.device)
-        s.add_(bias.masked_fill_(cols > rows, -math.inf))
-    return s
+    return s if mask is None else s.add_(mask)
 
 
 def _add_block(
@@ -159,12 +173,12 @@ def _whole(plan: list[Block], keys: int) -> bool:
 
 
 def _forward_block(
-    q: Tensor, k: Tensor, v: Tensor, b: Block, qa: float, kb: float, is_causal: bool
+    q: Tensor, k: Tensor, v: Tensor, b: Block, qa: float, kb: float, mask: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """One block's output and row logsumexp; the score tile is made once and then reused in
     place for exp(s - m), and the output is divided by the row sums rather than the tile
     (Ev numbers a row instead of S)."""
-    s = _scores(_scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb), b, is_causal)
+    s = _scores(_scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb), mask)
     m = s.amax(-1, keepdim=True)
     p = s.sub_(m).exp_()
     total = p.sum(-1, keepdim=True)
@@ -182,12 +196,15 @@ def scaled_dot_product_attention(
     keys = k.shape[-2]
     qa, kb = _attention_factors(embed, scale)
     plan = blocks(n, heads, length, keys, q.dtype.itemsize, is_causal)
+    masks: Masks = {}
     if _whole(plan, keys):
-        return _forward_block(q, k, v, plan[0], qa, kb, is_causal)
+        mask = _causal_mask(plan[0], q, masks) if is_causal else None
+        return _forward_block(q, k, v, plan[0], qa, kb, mask)
     out = q.new_zeros(n, heads, length, v.shape[-1])
     lse = q.new_zeros(n, heads, length)
     for b in plan:
-        _add_block((out, lse), _forward_block(q, k, v, b, qa, kb, is_causal), b, (_rows, _rows))
+        mask = _causal_mask(b, q, masks) if is_causal else None
+        _add_block((out, lse), _forward_block(q, k, v, b, qa, kb, mask), b, (_rows, _rows))
     return out, lse
 
 
@@ -200,7 +217,7 @@ def _backward_block(
     lse: Tensor,
     b: Block,
     scales: tuple[float, float],
-    is_causal: bool,
+    mask: Tensor | None,
     need: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """One block's parts of the q, k and v gradients (None where not needed). A function of
@@ -210,7 +227,7 @@ def _backward_block(
     need_q, need_k, need_v = need
     qs, ks = _scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb)
     g_rows, v_keys = _packed(_rows(g, b)), _packed(_keys(v, b))
-    p = _scores(qs, ks, b, is_causal).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
+    p = _scores(qs, ks, mask).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
     part_v = torch.matmul(p.transpose(-2, -1), g_rows) if need_v else None
     if not (need_q or need_k):
         return None, None, part_v
@@ -242,14 +259,16 @@ def scaled_dot_product_attention_backward(
     keys = k.shape[-2]
     scales = _attention_factors(embed, scale)
     plan = blocks(n, heads, length, keys, q.dtype.itemsize, is_causal)
+    masks: Masks = {}
     if _whole(plan, keys):
-        parts = _backward_block(g, q, k, v, output, lse, plan[0], scales, is_causal, need)
-        return _fit(parts, needs)
+        mask = _causal_mask(plan[0], q, masks) if is_causal else None
+        return _fit(_backward_block(g, q, k, v, output, lse, plan[0], scales, mask, need), needs)
     gq = q.new_zeros(q.shape) if need_q else None
     gk = k.new_zeros(k.shape) if need_k else None
     gv = v.new_zeros(v.shape) if need_v else None
     for b in plan:
-        parts = _backward_block(g, q, k, v, output, lse, b, scales, is_causal, need)
+        mask = _causal_mask(b, q, masks) if is_causal else None
+        parts = _backward_block(g, q, k, v, output, lse, b, scales, mask, need)
         _add_block((gq, gk, gv), parts, b, (_rows, _keys, _keys))
         del parts  # a loop variable would outlive the iteration: free it before the next tiles
     return _fit((gq, gk, gv), needs)
