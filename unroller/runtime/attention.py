@@ -3,8 +3,9 @@ and backward of softmax(q k^T * scale [+ causal mask]) v computed block by block
 attention computes them. Both platforms' attention kernels are these functions
 (``unroller.runtime.gpu`` and ``unroller.runtime.ipu`` import them; their multi-head
 attention calls them between its projections), so they use only operations on PopTorch's
-list (matmul, exp, log, amax, sum, masked_fill, arange, new_zeros, narrow, in-place
-add/sub/mul/div/exp): ``unroll lint --platform ipu`` follows generated ipu code into here.
+list (matmul, exp, log, amax, sum, masked_fill, arange, zeros, new_zeros, narrow,
+contiguous, in-place add/sub/mul/div/exp): ``unroll lint --platform ipu`` follows generated
+ipu code into here.
 
 What the backward keeps from the forward: q, k, v, the output O and the row logsumexp
 ``lse`` [N, H, L] (one number per query row, in q's dtype), the tensors torch's CPU flash
@@ -25,9 +26,12 @@ Blocks (``blocks``): the score tile of a block, [samples, H, rows, keys], is at 
 ``TILE_BYTES`` (1 MiB), unless one query row of every head of one sample is larger. Whole
 samples go into a block while they fit (one block when the whole batch does, as for the
 benchmark transformers at small batches), then blocks of query rows of one sample. 1 MiB is
-big enough that each block's matmuls amortise the Python loop over blocks (at least 64K
-scores in float32 per block, a few ops each) and small enough that the two tiles the
-backward holds at once stay a small part of a transformer's working set at any batch.
+big enough that each block's matmuls amortise the Python loop over blocks (up to 256K
+float32 scores per block, a few dozen ops each: on the benchmark transformers' shapes,
+multi-head attention forward and backward took 5-18% longer with 256 KiB tiles, 20-100%
+with 64 KiB) and small enough that the two tiles the backward holds at once stay a small
+part of a transformer's working set at any batch (at small batches, where the whole batch
+is one block, the tiles still grow with it: a smaller bound would trade time for that).
 Under a causal mask a block reads only the keys up to its last row: the rest are masked for
 all its rows. The memory model reads the tile from here (``largest_tile``).
 
