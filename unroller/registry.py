@@ -164,6 +164,9 @@ class OpSpec:
     #: the backward kernel takes ``pieces=K``: it may run on K pieces of the batch (the
     #: platform's ``batch_pieces``, under lossy schemes) to shrink its working buffers
     backward_pieces: bool = False
+    #: a sample's output depends on other samples (batch norm's batch statistics): a segment
+    #: holding it cannot be recomputed in pieces of the batch (``--segment-pieces``)
+    batch_coupled: bool = False
 
     @property
     def is_loss(self) -> bool:
@@ -265,6 +268,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "layout",
         "recompute",
         "backward_pieces",
+        "batch_coupled",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -328,6 +332,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         layout=raw.get("layout"),
         recompute=_recompute_spec(where, name, raw.get("recompute")),
         backward_pieces=bool(raw.get("backward_pieces", False)),
+        batch_coupled=bool(raw.get("batch_coupled", False)),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}
