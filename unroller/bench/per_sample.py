@@ -26,7 +26,8 @@ METHOD = (
     "peaks measured as the memory phase measures them (one step each; the run's batch and "
     "twice it unless --per-sample-batches A,B): the bytes each extra sample adds to the "
     "step's peak, which is the large-budget limit of the max-batch ratio (the fixed bytes "
-    "of a step, such as parameter gradients, cancel); vs autograd = the method's slope / "
+    "of a step, such as parameter gradients, cancel; the batch itself, resident before the "
+    "step and the same for every method, is not in it); vs autograd = the method's slope / "
     "autograd's. No figure when the peak did not grow between A and B (equal peaks, or a "
     "lower peak at B): the reason is given instead"
 )
