@@ -48,7 +48,7 @@ from unroller.ir import (
     render_expr,
     render_steps,
 )
-from unroller.outline import Function, Outliner, relative
+from unroller.outline import Function, Outliner, relative, rename_vars
 from unroller.pipeline import (
     Boundary,
     Pipeline,
@@ -62,6 +62,7 @@ from unroller.platforms import platform as get_platform
 from unroller.resources import resource_dir
 from unroller.schedule import RESERVED, Namer
 from unroller.schemes import AUTO, SCHEMES, Codec, CompressionConfig, builtin, resolve
+from unroller.shapes import TensorType
 from unroller.stash import (
     SEGMENT_AUTO,
     Form,
@@ -101,6 +102,9 @@ class Options:
     #: block instances re-run in the backward (stash.plan_segments): "blocks", globs on
     #: instance names, or "auto" (the planner's choice, with the auto scheme)
     recompute_segments: tuple[str, ...] = ()
+    #: recomputed segments run their recompute and backward in this many pieces of the
+    #: batch where they can (stash.plan_pieces); 1: whole
+    segment_pieces: int = 1
     data_parallel: bool = False  # all-reduce gradient buckets in the backward (distributed.py)
     bucket_bytes: int | None = None  # data parallel: bucket size (None: BUCKET_BYTES, 25 MiB)
     pipeline: int = 1  # gpu: stages over processes (unroller.pipeline_parallel); 1: none
@@ -123,6 +127,8 @@ class Options:
             found["recompute"] = True
         if self.recompute_segments:
             found["recompute_segments"] = list(self.recompute_segments)
+        if self.segment_pieces != 1:
+            found["segment_pieces"] = self.segment_pieces
         if self.data_parallel:
             found["data_parallel"] = True
         if self.bucket_bytes is not None:
@@ -136,7 +142,9 @@ class Options:
         known = {"generator", "source", "sha256", "platform", "scheme", "compress_config"}
         known |= {"compress_config_sha256", "opt_level", "num_ipus", "stage_starts", "resolution"}
         known |= {"recompute", "recompute_segments", "data_parallel", "bucket_bytes", "pipeline"}
+        known |= {"segment_pieces"}
         segments = header.get("recompute_segments", [])
+        pieces = header.get("segment_pieces", 1)
         return cls(
             platform=header.get("platform", "gpu"),
             scheme=header.get("scheme", "nocompress"),
@@ -150,6 +158,9 @@ class Options:
                 tuple(segments)
                 if isinstance(segments, list) and all(isinstance(s, str) for s in segments)
                 else ()
+            ),
+            segment_pieces=(
+                pieces if isinstance(pieces, int) and not isinstance(pieces, bool) else 1
             ),
             data_parallel=header.get("data_parallel") is True,
             bucket_bytes=header.get("bucket_bytes"),
@@ -229,6 +240,8 @@ class Emitter:
         self.segment_of: dict[int, Segment] = {  # node index -> its recomputed segment
             n.index: segment for segment in self.plan.segments for n in segment.nodes
         }
+        #: segments run in pieces: (the loop's header step, its last step, the segment)
+        self.piece_loops: list[tuple[Step, Step, Segment]] = []
         self.needs_default: dict[str, bool] = {}  # op -> its backward defaults needs=None
         for node in graph.nodes:
             self.check_supported(node)
@@ -345,7 +358,9 @@ class Emitter:
         if found is not None and found[1].kind == "recompute":
             return self.recomputed[found[0].key]
         if found is not None and found[1].kind != "raw":
-            return self.restored_var(found[0].key, found[1])
+            # restored once for the whole batch ahead of a segment run in pieces, or here
+            restored = self.restored.get((found[0].key, found[1]))
+            return restored or self.restored_var(found[0].key, found[1])
         return self.raw_var(arg.key)
 
     def backward_step(self, node: Node, owned: dict[int, bool]) -> Step:
@@ -573,7 +588,9 @@ class Emitter:
 
     # -- segment recompute ---------------------------------------------------------------
 
-    def segment_steps(self, segment: Segment, reader: Node) -> list[Step]:
+    def segment_steps(
+        self, segment: Segment, reader: Node, restore_inputs: bool = True
+    ) -> list[Step]:
         """When ``segment``'s backward begins (right before ``reader``'s backward step, its
         last statement with one): its inputs restored from what the forward kept, then its
         forward statements again, each followed by the stash steps of the tensors only the
@@ -591,7 +608,7 @@ class Emitter:
             stashed = self.stashed[name]
             form = value_form(stashed)
             assert form is not None, f"{name} is not kept for {segment.name}"
-            if form.kind != "raw":
+            if form.kind != "raw" and restore_inputs:
                 steps.append(self.restore_input(stashed, form, reader, segment))
         entries = [_remade_part(self.stashed[key]) for key in segment.internal]
         steps += self.forward_with_stash(nodes, entries, self.segment_forward_step)
@@ -619,6 +636,134 @@ class Emitter:
             local_comment=f"restore {_relative(stashed.key, calls)}: {form.label()}",
             stage=self.stage(reader),
         )
+
+    def pieced_steps(self, segment: Segment, reader: Node, owned: dict[int, bool]) -> list[Step]:
+        """``segment``'s recompute and backward run in ``segment.pieces`` pieces of the batch
+        (``stash.plan_pieces``), one piece at a time, so that their working set is a piece's.
+
+        Its inputs kept compressed are restored once for the whole batch; each value the
+        steps read from outside (inputs, the output gradients) is split into views along
+        the batch (``tensor_split``: pieces differ by at most one sample), and each piece
+        runs the segment's recompute and backward steps, renamed to the piece's variables.
+        The parameter gradients accumulate into ``.grad`` piece after piece (summed in
+        another order than one whole-batch kernel: equal to rounding, not bit for bit);
+        each input's gradient is copied into its slice of one whole-batch tensor, added to
+        what the input had from elsewhere when it had some. The header step (the loop) and
+        the last step of a piece are recorded in ``piece_loops`` for rendering."""
+        pieces = segment.pieces
+        nodes = [n for n in reversed(segment.nodes) if n.needs_backward]
+        made = {n.output.name for n in segment.nodes}
+        outside: list[Value] = []
+        for node in segment.nodes:
+            for value in node.inputs:
+                if value.name not in made and all(value is not o for o in outside):
+                    outside.append(value)
+        steps: list[Step] = []
+        rerun = rerun_nodes(segment, [self.stashed[key].producer for key in segment.internal])
+        read = {v.name for n in rerun for v in n.inputs}
+        read |= {stashed.key for n in nodes for stashed, _, _ in self.plan.reads_of(n)}
+        for name in segment.inputs:
+            stashed = self.stashed[name]
+            form = value_form(stashed)
+            if name in read and form is not None and form.kind != "raw":
+                step = self.restore_input(stashed, form, reader, segment)
+                step.section, step.calls = "backward", ()
+                step.comment = (
+                    f"restore {name}: {form.label()} (input of {segment.name}, whole batch)"
+                )
+                steps.append(step)
+                self.restored[(name, form)] = self.raw_var(name)
+        before = {id(v): owned.pop(id(v)) for v in outside if id(v) in owned}
+        body = self.segment_steps(segment, reader, restore_inputs=False)
+        for node in nodes:
+            body += self.restore_steps(node)
+            body.append(self.backward_step(node, owned))
+        graded = [v for v in outside if id(v) in owned]
+        free = _free_reads(body)
+        mapping: dict[str, str] = {}
+        for name in free:
+            found = self.key_type(name)
+            if found is None or not found.shape or found.shape[0] != "N":
+                raise ModelError(
+                    f"segment {segment.name} cannot run in pieces: it reads {name}, which has "
+                    "no batch dimension first"
+                )
+            mapping[name] = self.name("piece", *self.key_of[name]).name
+        for value in graded:
+            grad = self.grad(value).name
+            mapping[grad] = self.name("piece", *self.key_of[grad]).name
+        body = [rename_vars(step, mapping) for step in body]
+        anchor = Var(next(n for n in free if self.key_of[n][0] == "grad"))
+        full: dict[str, Var] = {}
+        for value in graded:
+            if id(value) in before:  # the input has a gradient from elsewhere: add to it
+                full[value.name] = self.name("partial", value.name, segment.name, "pieces")
+            else:
+                full[value.name] = self.grad(value)
+        if graded:
+            size = CallExpr(Attr(anchor, "size"), (Const(0),))
+            allocations: list[Statement] = [
+                Assign(
+                    (full[v.name],),
+                    CallExpr(
+                        Attr(anchor, "new_empty"),
+                        (TupleExpr((size, *(Const(d) for d in v.type.shape[1:]))),),
+                    ),
+                )
+                for v in graded
+            ]
+            what = ", ".join(f"grad {v.name}" for v in graded)
+            steps.append(Step("backward", allocations, comment=f"{what}: filled piece by piece"))
+        slots = {v.name: self.name("slot", *self.key_of[self.grad(v).name]) for v in graded}
+        targets = tuple(Var(mapping[n]) for n in free) + tuple(slots[v.name] for v in graded)
+        splits = [Var(n) for n in free] + [full[v.name] for v in graded]
+        split = tuple(CallExpr(Attr(t, "tensor_split"), (Const(pieces),)) for t in splits)
+        header = Step(
+            "backward",
+            [Assign(targets, CallExpr(Global("zip"), split))],
+            comment=(
+                f"[pieces] {segment.call.text}: its recompute and backward in {pieces} pieces "
+                "of the batch"
+            ),
+        )
+        steps += [header, *body]
+        if graded:
+            copies: list[Statement] = [
+                Do(CallExpr(Attr(slots[v.name], "copy_"), (Var(mapping[self.grad(v).name]),)))
+                for v in graded
+            ]
+            steps.append(Step("backward", copies, comment="the piece's input gradients"))
+        self.piece_loops.append((header, steps[-1], segment))
+        for value in graded:
+            if id(value) in before:
+                add = AddTo(self.grad(value), full[value.name], in_place=before[id(value)])
+                steps.append(
+                    Step("backward", [add], comment=f"grad {value.name}: add {segment.name}'s")
+                )
+            owned[id(value)] = True
+        for key, flag in before.items():
+            owned.setdefault(key, flag)
+        return steps
+
+    def key_type(self, name: str) -> TensorType | None:
+        """The tensor type of a variable, from its structured key (None: not a tensor of the
+        graph, such as a packed form)."""
+        key = self.key_of.get(name)
+        if key is None:
+            return None
+        if key[0] in ("value", "grad", "recomputed", "partial", "restored"):
+            value = key[1].split(":")[0]
+            if key[0] == "restored" or ":" in key[1]:
+                stashed = self.stashed.get(key[1])
+                return stashed.type if stashed is not None else None
+            found = self.producers.get(value, False)
+            if found is None:
+                return self._input(value).type
+            return found.output.type if found else None
+        if key[0] == "extra":
+            node = self.node_named[key[1]]
+            return next(e.type for e in node.extras if e.name == key[2])
+        return None
 
     def segment_forward_step(self, node: Node) -> Step:
         """A statement of a recomputed segment: its forward step, or for an op that updates
@@ -708,6 +853,11 @@ class Emitter:
         for node in reversed(graph.nodes):
             if node.needs_backward:
                 segment = self.segment_of.get(node.index)
+                if segment is not None and segment.pieces > 1:
+                    if segment.name not in begun:  # the whole segment's backward, in pieces
+                        begun.add(segment.name)
+                        steps += self.pieced_steps(segment, node, owned)
+                    continue
                 if segment is not None and segment.name not in begun:
                     begun.add(segment.name)
                     steps += self.segment_steps(segment, node)
@@ -892,6 +1042,55 @@ class Emitter:
         return steps
 
 
+def _free_reads(steps: list[Step]) -> list[str]:
+    """Variables ``steps`` read before writing them, in order, but the method's own (``L``,
+    ``stash``, ``grads``): what a piece of a segment takes from outside."""
+    free: dict[str, None] = {}
+    written: set[str] = set()
+    for step in steps:
+        for name, kind in step.events():
+            if kind == "r" and name not in written:
+                free.setdefault(name)
+            elif kind == "w":
+                written.add(name)
+    return [n for n in free if n not in ("L", "stash", "grads")]
+
+
+def render_training(
+    steps: list[Step], loops: list[tuple[Step, Step, Segment]], stage_block: str | None = None
+) -> list[safe.Code]:
+    """``render_steps`` of the training program, with each segment run in pieces as a
+    ``for`` loop: its header step (``zip`` of the pieces) becomes the ``for`` line, the
+    steps up to the loop's last one its body, and what the header step releases (the
+    whole-batch tensors) is released after the loop."""
+    if not loops:
+        return render_steps(steps, stage_block)
+    where = {id(step): i for i, step in enumerate(steps)}
+    lines: list[safe.Code] = []
+    start = 0
+    for header, last, _ in loops:
+        at, end = where[id(header)], where[id(last)]
+        lines += _continued(render_steps(steps[start:at]), start)
+        assign = header.statements[0]
+        assert isinstance(assign, Assign)
+        names = ", ".join(safe.identifier(t.name) for t in assign.targets if t is not None)
+        lines.append(safe.Code(f"# {safe.comment_text(header.comment)}"))
+        lines.append(safe.Code(f"for {names} in {render_expr(assign.value)}:"))
+        body = _continued(render_steps(steps[at + 1 : end + 1]), 1)
+        lines += [safe.Code("    " + line if line else line) for line in body]
+        if header.release:
+            lines.append(safe.Code(f"del {', '.join(map(safe.identifier, header.release))}"))
+        start = end + 1
+    return lines + _continued(render_steps(steps[start:]), start)
+
+
+def _continued(lines: list[safe.Code], start: int) -> list[safe.Code]:
+    """Lines of a later part of the backward: without the section heading again."""
+    if start and len(lines) >= 2 and not lines[0] and lines[1].startswith("# ---- "):
+        return lines[2:]
+    return lines
+
+
 def _remade_part(stashed: Stashed) -> Stashed:
     """A segment's own saved tensor as its recompute keeps it: the forms the forward does
     not keep already (``Stashed.segment_keeps``)."""
@@ -930,6 +1129,10 @@ def base_name(key: tuple[str, ...], rel: Callable[[str], str] = lambda name: nam
         return f"{rel(stashed)}_{extra + '_' if extra else ''}{key[2]}"
     if kind == "recomputed":
         return f"{rel(key[1])}_recomputed"
+    if kind == "piece":  # a segment run in pieces: one piece of the variable
+        return f"{base_name(key[1:], rel)}_piece"
+    if kind == "slot":  # ... and the piece's slice of a whole-batch gradient
+        return f"{base_name(key[1:], rel)}_slot"
     if kind == "partial":
         return f"grad_{rel(key[1])}_from_{rel(key[2])}"
     if kind == "pgrad":
@@ -990,7 +1193,14 @@ def render(
         raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
     if config is None:
         config = options.compression(graph)
-    plan = plan_stash(graph, config)
+    if options.segment_pieces < 1:
+        raise ValueError("--segment-pieces must be at least 1")
+    plan = plan_stash(graph, config, options.segment_pieces)
+    if any(s.pieces > 1 for s in plan.segments):
+        if target.grads != "accumulate" or target.pipelined:  # pieces add into .grad
+            raise ValueError(f"--segment-pieces is not for platform {target.name}")
+        if options.data_parallel:
+            raise ValueError("--segment-pieces and --data-parallel do not combine yet")
     pipeline = None
     starts = list(options.stage_starts) or None
     if target.pipelined:
@@ -1020,7 +1230,9 @@ def render(
     for step in training_steps:  # a segment's recompute is part of the backward
         if step.section == RECOMPUTE_SECTION:
             step.section = "backward"
-    training = render_steps(training_steps, target.stage_block if staged else None)
+    training = render_training(
+        training_steps, emitter.piece_loops, target.stage_block if staged else None
+    )
     predict = render_steps(predict_steps)
     process_stages: list[dict[str, Any]] = []
     pipeline_meta: dict[str, safe.Code] = {}

@@ -378,6 +378,26 @@ def _rename_step(step: Step, rename: _Renamer) -> Step:
     return replace(step, statements=[statement(s) for s in step.statements], release=[])
 
 
+class _Mapping:
+    """Renames the variables of a mapping, model names left alone (``rename_vars``)."""
+
+    def __init__(self, mapping: dict[str, str]):
+        self.mapping = mapping
+
+    def model_name(self, name: str) -> str:
+        return name
+
+    def __call__(self, name: str) -> str:
+        return self.mapping.get(name, name)
+
+
+def rename_vars(step: Step, mapping: dict[str, str]) -> Step:
+    """``step`` with its variables renamed by ``mapping`` (the rest as they are), releases
+    dropped (liveness is redone over the whole program): how a segment's steps are turned
+    into the steps of one piece of the batch."""
+    return _rename_step(step, _Mapping(mapping))  # type: ignore[arg-type]
+
+
 def _outlinable(body: list[Step], instance: BlockCall) -> bool:
     """A run can become a function when every model name it spells (stash keys, layer
     names) is the instance's own, so the scoped ``L`` and ``stash`` restore them."""

@@ -109,6 +109,8 @@ class Segment:
     nodes: list[Node]  # its statements, in order (contiguous in the graph)
     inputs: list[str]  # values from outside it that its recompute reads (kept for it)
     internal: list[str] = field(default_factory=list)  # stash keys only its recompute makes
+    #: its recompute and backward run in this many pieces of the batch (``plan_pieces``)
+    pieces: int = 1
 
     @property
     def name(self) -> str:
@@ -123,6 +125,8 @@ class StashPlan:
     #: block instances the config's segment patterns matched but that cannot be recomputed,
     #: with the reason (for the stash table's notes)
     skipped_segments: dict[str, str] = field(default_factory=dict)
+    #: recomputed segments asked to run in pieces that cannot, with the reason
+    unpieced_segments: dict[str, str] = field(default_factory=dict)
 
     def by_key(self) -> dict[str, Stashed]:
         return {e.key: e for e in self.entries}
@@ -230,8 +234,10 @@ def _reader_form(
     return Form("raw", why=why)
 
 
-def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
-    """Decide the stored forms of every tensor saved for backward."""
+def plan_stash(graph: Graph, config: CompressionConfig, pieces: int = 1) -> StashPlan:
+    """Decide the stored forms of every tensor saved for backward (``pieces``: the
+    recomputed segments' recompute and backward run in that many pieces of the batch
+    where they can, ``plan_pieces``)."""
     producers = {v.name: -1 for v in graph.inputs}
     for node in graph.nodes:
         producers[node.output.name] = node.index
@@ -263,9 +269,10 @@ def plan_stash(graph: Graph, config: CompressionConfig) -> StashPlan:
     if config.segments:
         segments, skipped = plan_segments(graph, ordered, config, rows)
         ordered.sort(key=lambda s: s.producer)  # stable: inputs kept for a segment join
+    unpieced = plan_pieces(graph, ordered, segments, pieces) if pieces > 1 else {}
     if config.recompute:
         plan_recompute(graph, ordered, segments)
-    return StashPlan(ordered, config, segments, skipped)
+    return StashPlan(ordered, config, segments, skipped, unpieced)
 
 
 RECOMPUTE = Form("recompute")
@@ -565,6 +572,61 @@ def _own_stash(
             continue  # only a mask, under a lossy scheme: the forward's exact one is kept
         found[segment.name].append((stashed, keeps))
     return found
+
+
+def pieces_problem(graph: Graph, segment: Segment, ordered: list[Stashed]) -> str:
+    """Why ``segment``'s recompute and backward cannot run in pieces of the batch; "" when
+    they can.
+
+    A piece must give the same result as the whole batch sliced: no op may couple the
+    samples (registry ``batch_coupled``: batch norm's statistics), and every tensor the
+    segment reads from outside or makes has the batch as its first dimension, so that a
+    piece is a slice of it. What the forward keeps for the segment beside its inputs (1-bit
+    masks under a lossy scheme) is packed for the whole batch and cannot be sliced."""
+    producers = value_producers(graph)
+    made = {n.output.name for n in segment.nodes}
+    for node in segment.nodes:
+        if node.op.batch_coupled:
+            return f"{node.name} ({node.op.name}) couples the samples of the batch"
+        values = [node.output] + [v for v in node.inputs if v.name not in made]
+        for value in values:
+            if not value.type.shape or value.type.shape[0] != "N":
+                return f"{value.name} has no batch dimension first ({value.type})"
+        if any(always_there(producers, v.name) and producers[v.name] for v in node.inputs):
+            return f"{node.name} reads a free parameter made outside it"
+    for stashed in ordered:
+        if stashed.segment == segment.name and stashed.segment_keeps:
+            return f"the forward keeps {stashed.key} for it, packed for the whole batch"
+    return ""
+
+
+def plan_pieces(
+    graph: Graph, ordered: list[Stashed], segments: list[Segment], pieces: int
+) -> dict[str, str]:
+    """Segment pieces: each recomputed segment that can (``pieces_problem``) runs its
+    recompute and backward in ``pieces`` pieces of the batch, one piece at a time, so that
+    their working set scales with a piece rather than the batch. Its own stash is then kept
+    raw: a piece's stash is consumed by the piece's backward right away, and compressing it
+    would only cost time (its bytes no longer grow with the batch). Returns the segments
+    that stay whole, with why. Mutates the segments and ``ordered``'s entries."""
+    unpieced: dict[str, str] = {}
+    for segment in segments:
+        why = pieces_problem(graph, segment, ordered)
+        if why:
+            unpieced[segment.name] = why
+            continue
+        segment.pieces = pieces
+        for stashed in ordered:
+            if stashed.segment != segment.name:
+                continue
+            stashed.readers = [(n, s, Form("raw")) for n, s, _ in stashed.readers]
+            stashed.forms = [Form("raw")]
+            stashed.why = (
+                f"made again by {segment.name}'s recompute in {pieces} pieces of the batch, "
+                "each consumed by the piece's backward right away (compressing it would "
+                "only cost time)"
+            )
+    return unpieced
 
 
 def rerun_nodes(segment: Segment, producers: list[int]) -> list[Node]:

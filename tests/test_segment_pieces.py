@@ -1,0 +1,206 @@
+"""Segment pieces (``--segment-pieces K``): a recomputed segment runs its recompute and
+backward in K pieces of the batch, one piece at a time, so that their working set scales
+with a piece instead of the batch.
+
+Exactness: under nocompress the pieces compute what the whole batch computes, sample by
+sample; the parameter gradients are summed over the pieces (``.grad`` accumulates piece
+after piece), another order of the same sums, so float64 gradients equal torch.autograd's
+to 1e-10 relative, not bit for bit. A segment holding an op that couples the batch
+(registry ``batch_coupled``: batch norm) stays whole, and ``unroll graph`` says why.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel_err
+from typer.testing import CliRunner
+
+from unroller.api import generate_from_text, graph_from_text
+from unroller.bench.reference import BENCHMARKS
+from unroller.bench.reference import suite_model_path as model_path
+from unroller.cli import app
+from unroller.codegen import Options, read_header
+from unroller.memory import simulate_graph
+from unroller.registry import load_registry
+from unroller.stash import plan_stash
+
+TOL = 1e-10
+BLOCKS = ("blocks",)
+GPT = Path("benchmarks/models/gpt_tiny.txt")
+
+#: a block whose input also has a gradient from outside it before its backward begins
+#: (``s = add(a, h)``: h's gradient from the add comes first), read by a plain statement too
+FANIN = """model fanin {
+    input x: f32[N, 6, 16]
+    target y: i64[N, 6]
+    block mlp(x) {
+        n = layernorm(x, normalized_shape=16)
+        l = linear(n, out_features=32)
+        g = gelu(l)
+        o = linear(g, out_features=16)
+        return o
+    }
+    h = linear(x, out_features=16)
+    a = mlp(h)
+    s = add(a, h)
+    b = mlp(s)
+    head = linear(b, out_features=5)
+    logits = permute(head, dims=(0, 2, 1))
+    loss = cross_entropy(logits, y)
+    return loss
+}
+"""
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for _, p in sorted(model.named_parameters())])
+
+
+def _bench_step(tmp_path: Path, name: str, options: Options, batch: int):
+    """One float64 step of a benchmark's generated module and of its torch.nn reference
+    (same weights, same batch): (loss, gradients, reference loss, reference gradients)."""
+    bench = BENCHMARKS[name]
+    torch.manual_seed(0)
+    ref = bench.build().double()
+    inputs = [t.double() if t.is_floating_point() else t for t in bench.make_batch(batch)]
+    ref_loss = ref(*inputs)[0]
+    ref_loss.backward()
+    gen = bench.model_class(options, tmp_path)().double()
+    gen.load_state_dict(ref.state_dict())
+    source = Path(sys.modules[type(gen).__module__].__file__).read_text()
+    return gen(*inputs), _grads(gen), ref_loss, _grads(ref), source
+
+
+@pytest.mark.parametrize(
+    "name,batch,pieces", [("gpt_tiny", 4, 4), ("gpt_tiny", 5, 2), ("vit_tiny", 3, 2)]
+)
+def test_pieces_are_exact_without_compression(tmp_path, name, batch, pieces):
+    """gpt_tiny (batch 4 in pieces of 1; batch 5 in pieces of 3 and 2) and a small vision
+    transformer: the loss and every gradient as autograd's to 1e-10."""
+    options = Options(recompute_segments=BLOCKS, segment_pieces=pieces)
+    loss, grads, ref_loss, ref_grads, source = _bench_step(tmp_path, name, options, batch)
+    assert f"in {pieces} pieces of the batch" in source
+    assert f".tensor_split({pieces})" in source
+    assert rel_err(loss, ref_loss) <= TOL
+    assert rel_err(grads, ref_grads) <= TOL, rel_err(grads, ref_grads)
+
+
+def test_more_pieces_than_samples(tmp_path):
+    """Batch 2 in 4 pieces: two of them are empty, and change nothing."""
+    options = Options(recompute_segments=BLOCKS, segment_pieces=4)
+    loss, grads, ref_loss, ref_grads, _ = _bench_step(tmp_path, "gpt_tiny", options, 2)
+    assert rel_err(grads, ref_grads) <= TOL
+
+
+def test_an_input_with_a_gradient_from_outside(build):
+    """``h`` has its gradient from ``s = add(a, h)`` before ``a``'s backward begins: the
+    pieces' gradient is added to it; the result is the whole-batch step's."""
+    torch.manual_seed(0)
+    whole = build(FANIN, Options(recompute_segments=BLOCKS)).Model().double()
+    pieced = build(FANIN, Options(recompute_segments=BLOCKS, segment_pieces=2))
+    pieced = pieced.Model().double()
+    pieced.load_state_dict(whole.state_dict())
+    x = torch.randn(5, 6, 16, dtype=torch.float64)
+    y = torch.randint(0, 5, (5, 6))
+    assert rel_err(pieced(x, y), whole(x, y)) <= TOL
+    assert rel_err(_grads(pieced), _grads(whole)) <= TOL
+    source = Path(sys.modules[type(pieced).__module__].__file__).read_text()
+    assert "grad_h += grad_h_from_a" in source or "grad_h = grad_h + grad_h_from_a" in source
+
+
+def test_quant_pieces_keep_the_scheme_error(tmp_path):
+    """Under quant the pieces' own stash is raw (consumed right away): the error is at most
+    that of quant with whole segments (which compresses that stash too)."""
+    whole = _bench_step(
+        tmp_path / "whole", "gpt_tiny", Options("gpu", "quant", recompute_segments=BLOCKS), 4
+    )
+    pieced = _bench_step(
+        tmp_path / "pieced",
+        "gpt_tiny",
+        Options("gpu", "quant", recompute_segments=BLOCKS, segment_pieces=2),
+        4,
+    )
+    assert torch.equal(whole[0], pieced[0])  # the forward's loss
+    error_whole, error_pieced = rel_err(whole[1], whole[3]), rel_err(pieced[1], pieced[3])
+    assert 0 < error_pieced <= 1.1 * error_whole, (error_pieced, error_whole)
+
+
+def test_batch_norm_couples_the_batch():
+    """The registry names the ops that couple the batch; a segment holding one stays whole
+    (resnet_like's blocks have batch norm), and the plan says why."""
+    assert {n for n, op in load_registry().items() if op.batch_coupled} >= {
+        "batchnorm1d",
+        "batchnorm2d",
+    }
+    graph = graph_from_text(model_path("resnet_like").read_text(), "resnet_like.txt")
+    config = Options(recompute_segments=BLOCKS).compression(graph)
+    plan = plan_stash(graph, config, 4)
+    assert plan.segments and all(s.pieces == 1 for s in plan.segments)
+    assert all("couples the samples of the batch" in why for why in plan.unpieced_segments.values())
+    text = generate_from_text(
+        model_path("resnet_like").read_text(),
+        Options(recompute_segments=BLOCKS, segment_pieces=4),
+        "resnet_like.txt",
+    )
+    assert "tensor_split" not in text
+
+
+def test_default_code_is_unchanged():
+    """Without pieces the emitted code is what it was; pieces 1 is no pieces."""
+    plain = generate_from_text(GPT.read_text(), Options(recompute_segments=BLOCKS), "g.txt")
+    one = generate_from_text(
+        GPT.read_text(), Options(recompute_segments=BLOCKS, segment_pieces=1), "g.txt"
+    )
+    assert plain == one and "tensor_split" not in plain
+
+
+def test_the_loop_reads_well():
+    text = generate_from_text(
+        GPT.read_text(), Options(recompute_segments=BLOCKS, segment_pieces=4), "gpt_tiny.txt"
+    )
+    assert (
+        "# [pieces] layers.1 = layer(layers.0.out, width=64, heads=4): its recompute and "
+        "backward in 4 pieces of the batch"
+    ) in text
+    assert "for layers_0_out_piece, grad_layers_1_out_piece, grad_layers_0_out_slot in zip(" in (
+        text
+    )
+    assert "def layer_recompute(L, stash, x_piece):" in text  # one function for both layers
+    assert "grad_layers_0_out_slot.copy_(grad_layers_0_out_piece)" in text
+    assert read_header(text)["segment_pieces"] == 4
+
+
+def test_cli_records_it_and_check_regenerates(tmp_path):
+    out = tmp_path / "pieced.py"
+    args = ["generate", str(GPT), "--recompute-segments", "blocks", "--segment-pieces", "4"]
+    result = CliRunner().invoke(app, [*args, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_header(out.read_text())["segment_pieces"] == 4
+    assert CliRunner().invoke(app, ["check", str(tmp_path)]).exit_code == 0
+    shown = CliRunner().invoke(
+        app,
+        ["graph", str(model_path("resnet_like")), "--recompute-segments", "blocks"]
+        + ["--segment-pieces", "2"],
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "not in pieces" in shown.output and "couples the samples" in shown.output
+
+
+def test_memory_model_runs_a_piece_at_a_time():
+    """The model's peak under pieces shrinks with the piece: its slope between batch 8 and
+    32 is well below that of whole segments."""
+    graph = graph_from_text(GPT.read_text(), "gpt_tiny.txt")
+    config = Options(scheme="quant", recompute_segments=BLOCKS).compression(graph)
+
+    def slope(pieces: int) -> float:
+        low, high = (
+            simulate_graph(graph, config, b, segment_pieces=pieces * b // 8).peak_bytes
+            for b in (8, 32)
+        )
+        return (high - low) / 24
+
+    assert slope(4) < 0.6 * slope(0)
