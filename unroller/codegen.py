@@ -1469,6 +1469,14 @@ def _segments_note(plan: StashPlan) -> str:
     note = f"; blocks recomputed in the backward: {shown or 'none'}"
     if plan.skipped_segments:
         note += f" ({len(plan.skipped_segments)} not recomputable: see unroll graph)"
+    pieced = [s for s in plan.segments if s.pieces > 1]
+    if pieced:
+        note += (
+            f", {len(pieced)} of them with their recompute and backward in "
+            f"{pieced[0].pieces} pieces of the batch"
+        )
+    if plan.unpieced_segments:
+        note += f" ({len(plan.unpieced_segments)} whole: see unroll graph)"
     return note
 
 

@@ -27,6 +27,11 @@ the forward (in their stored form) until its backward begins; there its recomput
 (section ``recompute``) restore them, run its forward statements again (with their kernels'
 forward working memory) and make its own stash, which counts as stash from then until its
 backward steps free it.
+
+A segment run in pieces (``--segment-pieces K``) is one loop in the program: its body, one
+piece's recompute and backward, is walked once with every batch-sized tensor (and kernel
+working memory) at the largest piece's batch, ceil(N / K); the pieces of the whole-batch
+tensors it reads are views, and those tensors stay live until the loop ends.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch
 from unroller.codegen import RECOMPUTE_SECTION, Emitter, Options, called_name
 from unroller.dtypes import DTYPE_BYTES, torch_dtype
 from unroller.graph import Graph, Node
-from unroller.ir import AddTo, Assign, CallExpr, Do, Step, Var
+from unroller.ir import AddTo, Assign, Attr, CallExpr, Do, Step, Var
 from unroller.platforms import platform as get_platform
 from unroller.runtime.attention import largest_tile
 from unroller.schemes import Codec, CompressionConfig
@@ -164,9 +169,12 @@ class _Sizes:
 
     def of(self, name: str, node: Node | None) -> int:
         key = self.emitter.key_of.get(name)
-        if key is None:
-            return 0
+        return 0 if key is None else self.of_key(key, node)
+
+    def of_key(self, key: tuple[str, ...], node: Node | None) -> int:
         kind = key[0]
+        if kind == "piece":  # one piece's tensor (made in a loop body, at the piece's batch)
+            return self.of_key(key[1:], node)
         if kind in ("value", "grad", "recomputed"):
             return self.tensor(self.values[key[1]].type)
         if kind == "partial":
@@ -289,14 +297,16 @@ def simulate_graph(
     batch_size: int,
     platform: str = "gpu",
     kernel_scale: float = 1.0,
+    segment_pieces: int = 1,
 ) -> Simulation:
-    """The memory model of the step the code generator emits for ``graph`` and ``config``.
+    """The memory model of the step the code generator emits for ``graph`` and ``config``
+    (``segment_pieces``: the recomputed segments in that many pieces of the batch).
 
     ``kernel_scale`` multiplies the kernels' working memory (``WORKSPACE``,
     ``PIECEWISE``, ``FORWARD_WORKSPACE``: measured on one CPU, where another CPU's oneDNN
     may pick another algorithm with other scratch buffers); 0 and 2 bracket what another
     machine can measure. Codec transients are measured on the running machine already."""
-    plan = plan_stash(graph, config)
+    plan = plan_stash(graph, config, segment_pieces)
     emitter = Emitter(graph, plan, get_platform(platform))
     made: dict[int, Node] = {}
     forward_step, backward_step = emitter.forward_step, emitter.backward_step
@@ -327,7 +337,13 @@ def simulate(text: str, options: Options, batch_size: int, label: str = "<model>
     from unroller.api import graph_from_text
 
     graph = graph_from_text(text, label, options.resolution)
-    return simulate_graph(graph, options.compression(graph), batch_size, options.platform)
+    return simulate_graph(
+        graph,
+        options.compression(graph),
+        batch_size,
+        options.platform,
+        segment_pieces=options.segment_pieces,
+    )
 
 
 def _run(
@@ -352,10 +368,27 @@ def _run(
     stash_most = 0
     param_grads = 0
     floor = 0
+    at = {id(step): i for i, step in enumerate(steps)}
+    loop_end: dict[int, int] = {}  # a pieces loop's header index -> its last step's index
+    piece_batch: dict[int, int] = {}  # step index in a loop body -> the largest piece's batch
+    for header, last, segment in emitter.piece_loops:
+        start, end = at[id(header)], at[id(last)]
+        loop_end[start] = end
+        for k in range(start + 1, end + 1):
+            piece_batch[k] = -(-batch // segment.pieces)
+    deferred: dict[int, list[str]] = {}  # releases held until a loop's end
     for i, step in enumerate(steps):
         node = made.get(id(step))
         during = heap.live
         step_working = 0
+        sizes.batch = piece_batch.get(i, batch)
+        if i in loop_end:  # the loop header: views of the whole-batch tensors, kept to its end
+            _bind_pieces(step, heap)
+            deferred[loop_end[i]] = list(step.release)
+            events.append(
+                Event(i, step.section, step.comment, heap.live, heap.live, heap.stash_live)
+            )
+            continue
         for statement in step.statements:
             reads = Step(step.section, [statement]).reads()
             touched = {  # storages this statement reads or makes, with their bytes
@@ -381,7 +414,7 @@ def _run(
                 if key[0] == "packed":
                     heap.mark_stash(name, key[1])
         stash_during, stash_ids = heap.stash_live, dict(heap.stash)
-        for name in step.release:
+        for name in [*step.release, *deferred.pop(i, [])]:
             heap.unbind(name)
         if step_working > largest:
             largest, largest_at = step_working, step.comment
@@ -403,6 +436,18 @@ def _run(
         param_grad_bytes=param_grads,
         floor_bytes=floor,
     )
+
+
+def _bind_pieces(header: Step, heap: _Heap) -> None:
+    """A pieces loop's header (``a_piece, b_slot = zip(a.tensor_split(K), ...)``): each
+    target is a view of its whole-batch tensor, sharing its storage."""
+    assign = header.statements[0]
+    assert isinstance(assign, Assign) and isinstance(assign.value, CallExpr)
+    for target, split in zip(assign.targets, assign.value.args):
+        assert target is not None and isinstance(split, CallExpr)
+        source = split.func.var.name if isinstance(split.func, Attr) else ""
+        storage = heap.storage_of.get(source)
+        heap.bind(target.name, storage if storage is not None else heap.new(0))
 
 
 def _targets(statement: Any) -> list[str]:

@@ -30,6 +30,7 @@ from unroller.cli.options import (
     RecomputeSegmentsOpt,
     SchemeOpt,
     SchemesOpt,
+    SegmentPiecesOpt,
     StagesOpt,
     value_of,
 )
@@ -70,6 +71,7 @@ def generate(
     stage_starts: StagesOpt = None,
     recompute: RecomputeOpt = False,
     recompute_segments: RecomputeSegmentsOpt = None,
+    segment_pieces: SegmentPiecesOpt = 1,
     data_parallel: DataParallelOpt = False,
     pipeline: PipelineOpt = 1,
     force: Annotated[
@@ -103,6 +105,7 @@ def generate(
         data_parallel,
         pipeline,
         recompute_segments,
+        segment_pieces,
     )
     to_stdout = output is None or str(output) == "-"
     inputs = (model, *((compress_config,) if compress_config else ()))
@@ -154,6 +157,7 @@ def diff(
     stage_starts: StagesOpt = None,
     recompute: RecomputeOpt = False,
     recompute_segments: RecomputeSegmentsOpt = None,
+    segment_pieces: SegmentPiecesOpt = 1,
     against: Annotated[
         Path | None, typer.Option(help="The file to compare with (default: the checked-in one).")
     ] = None,
@@ -180,6 +184,7 @@ def diff(
             stage_starts,
             recompute,
             recompute_segments=recompute_segments,
+            segment_pieces=segment_pieces,
         )
 
     if len(schemes) == 2:

@@ -63,6 +63,9 @@ def header_problem(header: object) -> str | None:
         or len(segments) > 1000
     ):
         return f"'recompute_segments' is {short(segments)}, not a list of block instance globs"
+    pieces = header.get("segment_pieces", 1)
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or not 1 <= pieces <= 4096:
+        return f"'segment_pieces' is {short(pieces)}, not a whole number from 1 to 4096"
     resolution = header.get("resolution")
     if resolution is not None and (
         isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1

@@ -23,6 +23,7 @@ from unroller.cli.options import (
     RecomputeOpt,
     RecomputeSegmentsOpt,
     SchemeOpt,
+    SegmentPiecesOpt,
     StagesOpt,
     value_of,
 )
@@ -52,6 +53,7 @@ def graph(
     stage_starts: StagesOpt = None,
     recompute: RecomputeOpt = False,
     recompute_segments: RecomputeSegmentsOpt = None,
+    segment_pieces: SegmentPiecesOpt = 1,
 ) -> None:
     """Show the node graph: op, output shape, parameters and bytes saved for backward,
     and per saved tensor the form the scheme keeps it in, raw and stored bytes.
@@ -70,6 +72,7 @@ def graph(
         stage_starts,
         recompute,
         recompute_segments=recompute_segments,
+        segment_pieces=segment_pieces,
     )
     if fmt not in FORMATS:
         raise fail(f"unknown format '{fmt}' (table, json or dot)")
@@ -81,7 +84,7 @@ def graph(
     for warning in g.warnings:
         typer.echo(warning.format(str(model), g.source), err=True)
     try:
-        plan = plan_stash(g, options.compression(g))
+        plan = plan_stash(g, options.compression(g), options.segment_pieces)
     except ModelError as exc:  # a segment the model does not have, or cannot recompute
         raise model_error(exc, model) from None
     stash = plan.report(batch_size)
@@ -124,6 +127,16 @@ def _segment_lines(plan: Any, batch: int) -> list[str]:
         f"{own:,} again, one segment at a time",
     ]
     lines += [f"not recomputed: {name}: {why}" for name, why in plan.skipped_segments.items()]
+    pieced = [s for s in plan.segments if s.pieces > 1]
+    if pieced:
+        lines.append(
+            f"in {pieced[0].pieces} pieces of the batch (recompute and backward, one piece at "
+            f"a time): {', '.join(s.name for s in pieced)}"
+        )
+    lines += [
+        f"not in pieces (whole batch): {name}: {why}"
+        for name, why in plan.unpieced_segments.items()
+    ]
     return lines
 
 

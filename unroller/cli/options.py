@@ -171,6 +171,23 @@ RecomputeSegmentsOpt = Annotated[
     ),
 ]
 
+MAX_SEGMENT_PIECES = 4096
+"""The most pieces ``--segment-pieces`` takes (a piece of one sample at batch 4096)."""
+
+SegmentPiecesOpt = Annotated[
+    int,
+    typer.Option(
+        "--segment-pieces",
+        min=1,
+        max=MAX_SEGMENT_PIECES,
+        metavar="K",
+        help="With --recompute-segments: each recomputed segment runs its recompute and "
+        "backward in K pieces of the batch, one at a time, so that their working memory is "
+        "a piece's (segments holding an op that couples the batch, batch norm, stay whole; "
+        "unroll graph says which). 1: whole.",
+    ),
+]
+
 DataParallelOpt = Annotated[
     bool,
     typer.Option(

@@ -44,6 +44,7 @@ def make_options(
     data_parallel: bool = False,
     pipeline: int = 1,
     recompute_segments: str | None = None,
+    segment_pieces: int = 1,
 ) -> Options:
     """Generator options from command-line values, refused (status 2) with the option to
     blame; the compression config is read and checked now, before anything is written."""
@@ -75,11 +76,19 @@ def make_options(
         stage_starts=starts,
         recompute=recompute,
         recompute_segments=parse_segments(recompute_segments),
+        segment_pieces=segment_pieces,
         data_parallel=data_parallel,
         pipeline=pipeline,
     )
     if options.recompute_segments and (num_ipus != 1 or pipeline != 1):
         raise fail("--recompute-segments does not combine with pipeline stages yet")
+    if segment_pieces != 1:
+        if not options.recompute_segments:
+            raise fail("--segment-pieces splits recomputed segments: give --recompute-segments")
+        if target.grads != "accumulate" or target.pipelined:
+            raise fail(f"--segment-pieces is not for --platform {target.name}")
+        if data_parallel:
+            raise fail("--segment-pieces and --data-parallel do not combine yet")
     if data_parallel and target.pipelined:
         raise fail("--data-parallel is for --platform gpu")
     try:
