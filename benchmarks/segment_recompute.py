@@ -2,8 +2,9 @@
 
 Rows: autograd on the torch.nn reference, ``torch.utils.checkpoint`` around each of its
 stages (the reference's ``forward_checkpointed``: per transformer layer, per residual
-block), and the generated step under nocompress and quant, each without and with
-``--recompute-segments blocks``. Per row: the measured peak of one step (the CPU
+block), and the generated step under nocompress and quant, each without segment recompute,
+with ``--recompute-segments blocks``, and with it in K pieces of the batch
+(``--segment-pieces K``, default 8: pieces of 1 sample at batch 8, 4 at batch 32). Per row: the measured peak of one step (the CPU
 profiler's allocation events: the step's own allocations, gradients set to None before,
 as ``make bench`` measures) at two batch sizes, the slope between them (bytes per sample:
 what one more sample costs, whose ratio is the max-batch gain under a large budget), the
@@ -13,7 +14,8 @@ each per round, so a load that drifts reaches all of them; on a machine shared w
 jobs, read the times to one digit).
 
     python -m benchmarks.segment_recompute [--model gpt_tiny] [--batches 8,32]
-        [--iterations 5] [--threads 1] [--out benchmarks/results/segment_recompute.md]
+        [--iterations 5] [--threads 1] [--pieces 8]
+        [--out benchmarks/results/segment_recompute.md]
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _time(step: Callable[[], torch.Tensor], zero: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def measure(name: str, batches: tuple[int, int], iterations: int) -> list[dict]:
+def measure(name: str, batches: tuple[int, int], iterations: int, pieces: int = 8) -> list[dict]:
     """One row per method: peaks at both batches, slope, predicted slope, median time."""
     bench = BENCHMARKS[name]
     torch.manual_seed(0)
@@ -66,12 +68,13 @@ def measure(name: str, batches: tuple[int, int], iterations: int) -> list[dict]:
     folder = Path(tempfile.mkdtemp(prefix="unroller-segments-"))
     graph = graph_from_text(bench.model_text(), bench.path.name)
     for scheme in SCHEMES:
-        for segments in ((), ("blocks",)):
-            options = Options(scheme=scheme, recompute_segments=segments)
-            model = bench.model_class(options, folder / f"{scheme}{len(segments)}")()
+        for segments, k in (((), 1), (("blocks",), 1), (("blocks",), pieces)):
+            options = Options(scheme=scheme, recompute_segments=segments, segment_pieces=k)
+            model = bench.model_class(options, folder / f"{scheme}{len(segments)}_{k}")()
             model.load_state_dict(ref.state_dict())
             model.train()
             label = f"ours {scheme}" + (" + block recompute" if segments else "")
+            label += f" in {k} pieces" if k > 1 else ""
             methods.append((label, lambda m, batch: m(*batch), model, options))
     rows = []
     steps = {
@@ -89,7 +92,10 @@ def measure(name: str, batches: tuple[int, int], iterations: int) -> list[dict]:
         predicted = None
         if options is not None:
             config = options.compression(graph)
-            sims = [simulate_graph(graph, config, b).peak_bytes for b in batches]
+            sims = [
+                simulate_graph(graph, config, b, segment_pieces=options.segment_pieces).peak_bytes
+                for b in batches
+            ]
             predicted = (sims[1] - sims[0]) / (batches[1] - batches[0])
         slope = (peaks[1] - peaks[0]) / (batches[1] - batches[0])
         rows.append(
@@ -130,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="8,32", help="two batch sizes, comma-separated")
     parser.add_argument("--iterations", type=int, default=5, help="timed steps per method")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--pieces", type=int, default=8, help="the pieces rows' K")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
     small, large = (int(b) for b in args.batches.split(","))
     torch.set_num_threads(args.threads)
-    rows = measure(args.model, (small, large), args.iterations)
+    rows = measure(args.model, (small, large), args.iterations, args.pieces)
     text = table(args.model, (small, large), args.threads, rows)
     sys.stdout.write(text)
     if args.out is not None:
