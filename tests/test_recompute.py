@@ -244,11 +244,16 @@ def test_conv_backward_in_pieces_matches_the_whole_kernel(kind, batch):
     g = torch.randn_like(layer(x))
     backward = getattr(K, f"{kind}_backward")
     whole = backward(g, x, layer, **kwargs)
-    pieces = backward(g, x, layer, **kwargs, pieces=8)
+    two = x[0].numel() * x.element_size() * 2  # pieces of two samples (a weight is smaller)
+    pieces = backward(g, x, layer, **kwargs, piece_bytes=two)
     for a, b in zip(whole, pieces):
         assert rel_err(b, a) <= 1e-13
-    only_weight = backward(g, x, layer, **kwargs, pieces=8, needs=(False, True, False))
+    only_weight = backward(g, x, layer, **kwargs, piece_bytes=two, needs=(False, True, False))
     assert only_weight[0] is None and rel_err(only_weight[1], whole[1]) <= 1e-13
+    total = torch.randn_like(x)  # add_into: the same sums as adding the whole gradient
+    added = backward(g, x, layer, **kwargs, piece_bytes=two, add_into=total.clone())
+    assert rel_err(added[0], total + whole[0]) <= 1e-13 and rel_err(added[1], whole[1]) <= 1e-13
+    assert torch.equal(backward(g, x, layer, **kwargs, add_into=total.clone())[0], total + whole[0])
 
 
 def test_pieces_only_under_lossy_schemes():
@@ -256,16 +261,18 @@ def test_pieces_only_under_lossy_schemes():
     from unroller.api import generate_from_text
 
     exact = generate_from_text(text, Options(scheme="nocompress", recompute=True))
-    assert "pieces=" not in exact  # nocompress stays bit-identical to autograd
+    for keyword in ("piece_bytes=", "in_place=", "add_into=", "restore_in_pieces", ".add_("):
+        assert keyword not in exact  # nocompress stays bit-identical to autograd
     lossy = generate_from_text(text, Options(scheme="quant"))
-    assert "pieces=8" in lossy
+    assert "piece_bytes=1048576" in lossy and "in_place=True" in lossy
     ipu = generate_from_text(text, Options(platform="ipu", scheme="quant"))
-    assert "pieces=" not in ipu  # PopTorch compiles one graph: nothing to split
+    assert "piece_bytes=" not in ipu  # PopTorch compiles one graph: nothing to split
+    assert "in_place=" not in ipu and "restore_in_pieces" not in ipu
 
 
 def test_memory_model_predicts_the_piecewise_kernel():
-    """The planner's tiny CNN at batch 16 under quant: the convolutions' backward runs in 8
-    pieces of 2 samples."""
+    """The planner's tiny CNN at batch 16 under quant: the convolutions' backward runs
+    whole (its maps are far under ``piece_bytes``), the input gradients in place."""
     from test_memory_plan import TINY, assert_model_brackets_the_measured_peak
 
     graph = graph_from_text(TINY, "tiny.txt")

@@ -36,8 +36,16 @@ def test_kernels_take_what_the_registry_passes(name, platform):
     module = importlib.import_module(op.kernels.get(platform, PLATFORMS[platform].kernels))
     forward, backward = getattr(module, name), getattr(module, f"{name}_backward")
     assert keyword_only(forward) == set(op.kernel_args)
-    pieces = {"pieces"} if op.backward_pieces and PLATFORMS[platform].batch_pieces > 1 else set()
-    assert keyword_only(backward) == set(op.backward_args) | {"needs"} | pieces
+    lean = {  # passed where the platform shrinks the backward working set
+        name
+        for name, on in (
+            ("piece_bytes", op.backward_pieces),
+            ("in_place", op.backward_in_place),
+            ("add_into", op.backward_add_into),
+        )
+        if on and PLATFORMS[platform].piece_bytes > 0
+    }
+    assert keyword_only(backward) == set(op.backward_args) | {"needs"} | lean
     if op.recompute is not None:  # --recompute calls it as the forward is called
         again = getattr(module, op.recompute.kernel)
         assert keyword_only(again) == set(op.kernel_args)

@@ -43,6 +43,23 @@ PER_OP = [
 ]
 
 
+#: The working-set keywords' defaults: whole, a new input gradient, nothing to add into.
+LEAN_DEFAULTS = {"piece_bytes": 0, "in_place": False, "add_into": None}
+
+
+def lean_keywords(op: OpSpec, platform: str) -> set[str]:
+    """The keywords a backward kernel takes beyond the registry's arguments and ``needs``
+    on a platform that shrinks the backward working set (``Platform.piece_bytes``)."""
+    if platforms.platform(platform).piece_bytes <= 0:
+        return set()
+    flags = {
+        "piece_bytes": op.backward_pieces,
+        "in_place": op.backward_in_place,
+        "add_into": op.backward_add_into,
+    }
+    return {name for name, on in flags.items() if on}
+
+
 def kernel_names(op: OpSpec) -> list[str]:
     """Every kernel the code generator may call for ``op``."""
     names = [op.name, f"{op.name}_backward"]
@@ -113,10 +130,11 @@ def test_kernels_take_what_the_registry_passes(platform, name):
     op, K = OPS[name], KERNELS[platform]
     forward, backward = getattr(K, name), getattr(K, f"{name}_backward")
     assert set(keyword_only(forward)) == set(op.kernel_args)
-    # pieces=K: the platform's batch_pieces, passed under lossy schemes (backward_pieces)
-    batch_pieces = platforms.platform(platform).batch_pieces
-    pieces = {"pieces"} if op.backward_pieces and batch_pieces > 1 else set()
-    assert set(keyword_only(backward)) == set(op.backward_args) | {"needs"} | pieces
+    # piece_bytes, in_place, add_into: passed under lossy schemes where the platform has
+    # piece_bytes (registry backward_pieces, backward_in_place, backward_add_into)
+    assert set(keyword_only(backward)) == set(op.backward_args) | {"needs"} | lean_keywords(
+        op, platform
+    )
     if op.has_eval:
         assert set(keyword_only(getattr(K, f"{name}_eval"))) == set(op.kernel_args)
     for mask in op.masks.values():
@@ -155,7 +173,7 @@ def test_keyword_defaults_are_the_normalised_registry_defaults(platform, name):
     "not needed" (the code generator leaves derived Nones out). ``needs`` defaults to None,
     every gradient (generated code leaves it out when it wants them all)."""
     op, K = OPS[name], KERNELS[platform]
-    defaults = {**normalized_defaults(op), "needs": None, "pieces": 1}  # pieces: 1 = whole
+    defaults = {**normalized_defaults(op), "needs": None, **LEAN_DEFAULTS}
     for kernel in kernel_names(op):
         for pname, param in keyword_only(getattr(K, kernel)).items():
             if pname in defaults:

@@ -371,18 +371,33 @@ class Emitter:
         input buffers do) or may alias another gradient (then the sum is out of place).
         """
         op = node.op
+        lean = self.lean()
+        in_place = (  # the input's gradient may overwrite g: g is ours, and dead after this
+            lean
+            and op.backward_in_place
+            and owned.get(id(node.output), False)
+            and bool(node.inputs)
+            and node.inputs[0].requires_grad
+            and node.inputs[0].type == node.output.type
+        )
         targets: list[Var | None] = []
         sums: list[Statement] = []
+        add_into: Var | None = None  # the kernel adds the input's gradient into the total
         for position, value in enumerate(node.inputs):
             if not value.requires_grad:
                 targets.append(None)
             elif id(value) not in owned:
                 owned[id(value)] = not op.grad_aliases
                 targets.append(self.grad(value))
+            elif position == 0 and lean and owned[id(value)] and op.backward_add_into:
+                add_into = self.grad(value)
+                targets.append(add_into)
             else:
                 partial = self.name("partial", value.name, node.output.name, str(position))
                 targets.append(partial)
-                sums.append(AddTo(self.grad(value), partial, in_place=owned[id(value)]))
+                mine = owned[id(value)]  # else: add into the part when it is a new tensor
+                into = lean and not mine and not op.grad_aliases
+                sums.append(AddTo(self.grad(value), partial, in_place=mine, into_part=into))
                 owned[id(value)] = True
         # parameter gradients by the module holding them (a parameter "out_proj.weight" is
         # held by the node's submodule out_proj; a free parameter by its parent)
@@ -398,9 +413,12 @@ class Emitter:
             owner, _, attr = p.key.rpartition(".")
             param_grads.setdefault(owner, []).append((attr, grad))
         kwargs = self.kwargs(explicit_kwargs(op, node.backward_kwargs))
-        pieces = self.platform.batch_pieces
-        if op.backward_pieces and pieces > 1 and self.plan.config.lossy:
-            kwargs += (("pieces", Const(pieces)),)
+        if op.backward_pieces and lean:
+            kwargs += (("piece_bytes", Const(self.platform.piece_bytes)),)
+        if add_into is not None:
+            kwargs += (("add_into", add_into),)
+        elif in_place:
+            kwargs += (("in_place", Const(True)),)
         call = CallExpr(
             self.kernel(node, f"{op.name}_backward"),
             (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),
@@ -417,6 +435,23 @@ class Emitter:
             calls=node.blocks,
             local_comment=node.local_text,
             stage=self.stage(node),
+        )
+
+    def lean(self) -> bool:
+        """Does the step shrink its backward working set (the platform's ``piece_bytes``):
+        kernels in pieces of the batch and in place, inputs restored a piece at a time? Only
+        under lossy schemes: their summation order differs from autograd's."""
+        return self.platform.piece_bytes > 0 and self.plan.config.lossy
+
+    def restored_in_pieces(self, stashed: Stashed, form: Form) -> bool:
+        """Is a compressed form read only as the first saved entry of backward kernels that
+        run in pieces? Then it is handed over packed (``K.restore_in_pieces``) and each
+        kernel decompresses one piece of the batch at a time."""
+        if not self.lean() or form.kind != "codec":
+            return False
+        readers = [(n, saved) for n, saved, f in stashed.readers if f == form]
+        return bool(readers) and all(
+            n.op.backward_pieces and saved.entry == n.op.saved[0] for n, saved in readers
         )
 
     def param_grads(self, owner: str, grads: tuple[tuple[str, Expr], ...]) -> CallExpr:
@@ -507,10 +542,11 @@ class Emitter:
         else:
             dtype = Attr(self.grad(node.output), "dtype")
         codec = self.codec_names[form.codec]
-        call = CallExpr(
-            Global(f"{codec}.decompress"),
-            (self.packed_var(stashed.key, form), Const(tuple(logical.shape[1:])), dtype),
-        )
+        args = (self.packed_var(stashed.key, form), Const(tuple(logical.shape[1:])), dtype)
+        if shared and self.restored_in_pieces(stashed, form):
+            call = CallExpr(Global("K.restore_in_pieces"), (Global(codec), *args))
+        else:
+            call = CallExpr(Global(f"{codec}.decompress"), args)
         steps.append(
             Step(
                 "backward",

@@ -98,11 +98,14 @@ class Assign:
 
 @dataclass(frozen=True)
 class AddTo:
-    """``total += part`` (in place) or ``total = total + part`` (``total`` may alias)."""
+    """``total += part`` (in place), ``total = total + part`` (``total`` may alias), or with
+    ``into_part`` ``total = part.add_(total)`` (``total`` may alias, ``part`` is a new tensor
+    of the step's own: no third full-size tensor; addition commutes, so the same bits)."""
 
     total: Var
     part: Var
     in_place: bool
+    into_part: bool = False
 
 
 @dataclass(frozen=True)
@@ -267,7 +270,13 @@ def render_statement(statement: Statement) -> str:
         return f"{targets} = {render_expr(statement.value)}"
     if isinstance(statement, AddTo):
         total, part = safe.identifier(statement.total.name), safe.identifier(statement.part.name)
-        return f"{total} += {part}" if statement.in_place else f"{total} = {total} + {part}"
+        if statement.in_place:
+            return f"{total} += {part}"
+        return (
+            f"{total} = {part}.add_({total})"
+            if statement.into_part
+            else f"{total} = {total} + {part}"
+        )
     if isinstance(statement, Do):
         return render_expr(statement.value)
     if isinstance(statement, Yield):

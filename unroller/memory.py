@@ -48,6 +48,7 @@ from unroller.graph import Graph, Node
 from unroller.ir import AddTo, Assign, Attr, CallExpr, Do, Step, Var
 from unroller.platforms import platform as get_platform
 from unroller.runtime.attention import largest_tile
+from unroller.runtime.gpu import piece_samples
 from unroller.schemes import Codec, CompressionConfig
 from unroller.stash import Form, Stashed, StashPlan, plan_stash, value_form
 
@@ -58,8 +59,10 @@ __all__ = ["Simulation", "Event", "simulate", "simulate_graph", "WORKSPACE", "Wo
 class Workspace:
     """Working memory a backward kernel allocates beyond its outputs: multiples of its first
     input's bytes, of its output gradient's bytes and of its weight's bytes. Called with
-    ``pieces=K`` (registry ``backward_pieces``), the kernel runs on K pieces of the batch, so
-    the batch-sized parts are those of one piece."""
+    ``piece_bytes`` (registry ``backward_pieces``), the kernel runs on pieces of the batch
+    (``unroller.runtime.gpu.piece_samples``), so the batch-sized parts are those of one
+    piece; an input restored a piece at a time (``K.restore_in_pieces``) adds its piece,
+    ``restored`` times the input's bytes, and the codec's decompression transient."""
 
     input: float
     output: float
@@ -68,6 +71,7 @@ class Workspace:
     extra: tuple[str, float] | None = None  # (an extra output's name, multiple of its bytes)
     #: multiple of the largest score tile of an attention kernel (``_score_tile``)
     tiles: float = 0.0
+    restored: float = 1.0  # a piece decompressed from a RestoredInPieces, beyond ``input``
 
 
 #: Measured on this project's CPU build (PyTorch profiler allocation events, one call):
@@ -96,8 +100,11 @@ PIECEWISE: dict[str, Workspace] = {
     "conv2d": Workspace(2.0, 1.0, 2.0, 40 * 1024),
     "conv1d": Workspace(2.0, 1.0, 2.0, 40 * 1024),
     "conv_transpose2d": Workspace(2.0, 1.0, 2.0, 40 * 1024),
+    # a piece's x - mean (a restored piece is centred in place: nothing beyond it)
+    "batchnorm2d": Workspace(1.0, 0.0, restored=0.0),
+    "batchnorm1d": Workspace(1.0, 0.0, restored=0.0),
 }
-"""The same kernels called with ``pieces=K``: per piece of the batch."""
+"""The same kernels run in pieces of the batch (``piece_bytes``): per piece."""
 
 #: Working memory of forward kernels, the most over their phases: multi-head attention holds
 #: the packed in-projection beside its copy (1 x the input more than it keeps), then one
@@ -108,6 +115,17 @@ FORWARD_WORKSPACE: dict[str, tuple[Workspace, ...]] = {
     "multihead_attention": (Workspace(1.0, 0.0), Workspace(0.5, 0.0, tiles=1.0)),
     "scaled_dot_product_attention": (Workspace(1.0, 0.0, tiles=1.0),),
 }
+#: mkldnn convolutions make their output in a blocked layout and reorder the weight: 1 x the
+#: output + 1 x the weight (ResNet-34's stages, within 5%; channels padded to 16 make it up
+#: to 2 x on maps of fewer channels), 2 x the output transposed. Once the backward runs in
+#: pieces, a CNN's first convolutions can set the step's peak.
+FORWARD_WORKSPACE.update(
+    {
+        "conv2d": (Workspace(0.0, 1.0, 1.0),),
+        "conv1d": (Workspace(0.0, 1.0, 1.0),),
+        "conv_transpose2d": (Workspace(0.0, 2.0, 1.0),),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -163,6 +181,7 @@ class _Sizes:
         self.values.update({n.output.name: n.output for n in graph.nodes})
         self.stashed = plan.by_key()
         self.forms = {(s.key, str(f)): (s, f) for s in plan.entries for f in s.forms}
+        self.in_pieces: set[str] = set()  # restored variables a kernel decompresses by piece
 
     def tensor(self, t, dtype: str | None = None) -> int:
         return t.numel(self.batch) * DTYPE_BYTES[dtype or t.dtype]
@@ -474,7 +493,9 @@ def _statement(
     """Apply one statement to the heap: (parameter-gradient bytes it adds, bytes it holds
     only while it runs)."""
     if isinstance(statement, AddTo):
-        if not statement.in_place:
+        if statement.into_part and statement.part.name in heap.storage_of:
+            heap.bind(statement.total.name, heap.storage_of[statement.part.name])
+        elif not statement.in_place:
             heap.bind(statement.total.name, heap.new(sizes.of(statement.total.name, node)))
         return 0, 0
     if isinstance(statement, Do):
@@ -494,13 +515,18 @@ def _statement(
     targets = [t.name for t in statement.targets if t is not None]
     transient = _transient_of(statement, step, node, sizes, func, targets)
     shared = _aliased_storage(statement, step, node, heap, func)
-    for name in targets:
-        if name in inputs:
+    overwritten = _overwritten_storage(statement, step, node, heap, sizes, func)
+    if func == "K.restore_in_pieces":
+        sizes.in_pieces.update(targets)
+    for position, target in enumerate(statement.targets):
+        if target is None or target.name in inputs:
             continue
         if shared is not None:
-            heap.bind(name, shared)
+            heap.bind(target.name, shared)
+        elif position == 0 and overwritten is not None:
+            heap.bind(target.name, overwritten)
         else:
-            heap.bind(name, heap.new(sizes.of(name, node)))
+            heap.bind(target.name, heap.new(sizes.of(target.name, node)))
     return 0, transient
 
 
@@ -533,17 +559,74 @@ def _transient_of(
         return 0
     kwargs = dict(statement.value.kwargs) if isinstance(statement.value, CallExpr) else {}
     if step.section == "backward" and func.endswith("_backward"):
-        pieces = int(kwargs["pieces"].value) if "pieces" in kwargs else 1
-        if pieces > 1 and sizes.batch >= 2 and node.op.name in PIECEWISE:
-            piece = -(-sizes.batch // pieces) / sizes.batch
-            return _workspace(PIECEWISE[node.op.name], node, sizes, piece)
-        work = WORKSPACE.get(node.op.name, ())
-        phases = work if isinstance(work, tuple) else (work,)
-        return max((_workspace(w, node, sizes) for w in phases), default=0)
+        piece = _piece(statement, node, sizes)
+        args = _var_args(statement.value) if isinstance(statement.value, CallExpr) else []
+        packed = len(args) > 1 and args[1] in sizes.in_pieces  # x restored by the kernel
+        if piece < 1.0 and node.op.name in PIECEWISE:
+            phases: tuple[Workspace, ...] = (PIECEWISE[node.op.name],)
+        else:
+            work = WORKSPACE.get(node.op.name, ())
+            phases, piece = work if isinstance(work, tuple) else (work,), 1.0
+        found = max((_workspace(w, node, sizes, piece) for w in phases), default=0)
+        if "add_into" in kwargs and piece >= 1.0:  # whole: the gradient, then added
+            found += sizes.tensor(node.inputs[0].type)
+        if packed:
+            restored = min((w.restored for w in phases), default=1.0)
+            found += _restore_transient(args[1], sizes, piece, restored)
+        return found
     if step.section in ("forward", RECOMPUTE_SECTION) and func.endswith(f".{node.op.name}"):
         phases = FORWARD_WORKSPACE.get(node.op.name, ())
         return max((_workspace(w, node, sizes) for w in phases), default=0)
     return 0
+
+
+def _piece(statement: Assign, node: Node, sizes: _Sizes) -> float:
+    """The batch fraction one call of a backward kernel handles: that of a piece when it is
+    called with ``piece_bytes`` and splits the batch (``piece_samples``), else 1."""
+    kwargs = dict(statement.value.kwargs) if isinstance(statement.value, CallExpr) else {}
+    if "piece_bytes" not in kwargs or sizes.batch < 2 or not node.inputs:
+        return 1.0
+    sample = max(
+        sizes.tensor(node.inputs[0].type) // sizes.batch,
+        sizes.tensor(node.output.type) // sizes.batch,
+    )
+    weight = next((p.nbytes() for p in node.params if p.name == "weight"), 0)
+    step = piece_samples(sizes.batch, sample, int(kwargs["piece_bytes"].value), weight)
+    return step / sizes.batch if step < sizes.batch else 1.0
+
+
+def _restore_transient(name: str, sizes: _Sizes, piece: float, restored: float) -> int:
+    """What a kernel holds while it decompresses a piece of an input it was handed packed
+    (``RestoredInPieces``): the piece itself (``restored`` times its bytes: none where the
+    kernel's own workspace is that piece) and the codec's transient."""
+    key = sizes.emitter.key_of[name]
+    stashed, form = sizes.forms[(key[1], key[3])]
+    t = form.type or stashed.type
+    nbytes = piece * t.numel(sizes.batch) * DTYPE_BYTES[t.dtype]
+    ratio = codec_transients(form.codec, tuple(t.shape[1:]), t.dtype)[1]
+    return int((restored + ratio) * nbytes)
+
+
+def _overwritten_storage(
+    statement: Assign, step: Step, node: Node | None, heap: _Heap, sizes: _Sizes, func: str
+) -> int | None:
+    """Where a backward kernel writes its first input gradient when that is no new tensor:
+    the total it adds into (``add_into``, registry ``backward_add_into``), or the output
+    gradient with ``in_place`` (registry ``backward_in_place``): always for a kernel that
+    does not run in pieces (relu), only when it splits the batch for one that does (batch
+    norm and convolutions run whole with aten's kernels, into a new tensor)."""
+    if node is None or step.section != "backward" or not func.endswith("_backward"):
+        return None
+    kwargs = dict(statement.value.kwargs) if isinstance(statement.value, CallExpr) else {}
+    into = kwargs.get("add_into")
+    if isinstance(into, Var):
+        return heap.storage_of.get(into.name)
+    if "in_place" not in kwargs or not kwargs["in_place"].value:
+        return None
+    if node.op.backward_pieces and _piece(statement, node, sizes) >= 1.0:
+        return None
+    args = _var_args(statement.value)
+    return heap.storage_of.get(args[0]) if args else None
 
 
 def _workspace(work: Workspace, node: Node, sizes: _Sizes, piece: float = 1.0) -> int:
@@ -590,6 +673,9 @@ def _aliased_storage(
     statement: Assign, step: Step, node: Node | None, heap: _Heap, func: str
 ) -> int | None:
     """The storage the statement's outputs share, for views (None: they allocate)."""
+    if func == "K.restore_in_pieces":  # handed over packed: holds the packed form
+        packed = _var_args(statement.value)
+        return heap.storage_of.get(packed[0]) if packed else None
     if node is None or not isinstance(statement.value, CallExpr):
         return None
     args = _var_args(statement.value)

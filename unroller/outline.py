@@ -367,7 +367,7 @@ def _rename_step(step: Step, rename: _Renamer) -> Step:
             targets = tuple(Var(rename(t.name)) if t is not None else None for t in s.targets)
             return Assign(targets, expr(s.value), s.unpack)
         if isinstance(s, AddTo):
-            return AddTo(Var(rename(s.total.name)), Var(rename(s.part.name)), s.in_place)
+            return replace(s, total=Var(rename(s.total.name)), part=Var(rename(s.part.name)))
         if isinstance(s, RecordRaw):
             items = tuple(
                 (ModelName(rename.model_name(k.name)), Var(rename(v.name))) for k, v in s.items

@@ -30,10 +30,14 @@ class Platform:
     #: (formatted with ``section`` and ``stage``).
     stage_block: str = ""
     #: Under a lossy scheme, backward kernels whose registry entry says ``backward_pieces``
-    #: (convolutions) run on this many pieces of the batch (``pieces=`` in the generated
-    #: call): their working buffers shrink by that factor, at the cost of a different
-    #: summation order (so never under nocompress, which stays bit-identical). 1: whole.
-    batch_pieces: int = 1
+    #: (convolutions, batch norm) run on pieces of the batch of about this many bytes each
+    #: (``piece_bytes=`` in the generated call), reading a compressed input one piece at a
+    #: time, and those that say ``backward_in_place`` write their input gradient into the
+    #: output gradient when the step owns it: the working set of the largest stage shrinks
+    #: to what must be held, at the cost of a different summation order (so never under
+    #: nocompress, which stays bit-identical). 0: whole, as on a platform whose graph
+    #: compiler plans memory itself.
+    piece_bytes: int = 0
     #: ``--pipeline K``: the module also gets one generator per stage, for K processes
     #: (``unroller.pipeline_parallel``) that send boundary tensors over torch.distributed.
     process_stages: bool = False
@@ -49,7 +53,7 @@ GPU = Platform(
     template="gpu/module.py.j2",
     kernels="unroller.runtime.gpu",
     grads="accumulate",
-    batch_pieces=8,
+    piece_bytes=1 << 20,
     process_stages=True,
 )
 

@@ -161,12 +161,19 @@ class OpSpec:
     layout: str | None = None  # "rows": its 4-D tensors are rows, not image maps
     #: the backward may remake the output from the inputs (``--recompute``); None: never
     recompute: RecomputeSpec | None = None
-    #: the backward kernel takes ``pieces=K``: it may run on K pieces of the batch (the
-    #: platform's ``batch_pieces``, under lossy schemes) to shrink its working buffers
+    #: the backward kernel takes ``piece_bytes=B``: it may run on pieces of the batch of
+    #: about B bytes (the platform's ``piece_bytes``, under lossy schemes) to shrink its
+    #: working buffers, and read its first saved entry restored one piece at a time
     backward_pieces: bool = False
     #: a sample's output depends on other samples (batch norm's batch statistics): a segment
     #: holding it cannot be recomputed in pieces of the batch (``--segment-pieces``)
     batch_coupled: bool = False
+    #: the backward kernel takes ``in_place=True``: it may write its first input's gradient
+    #: into the output gradient, passed when the code generator owns that gradient
+    backward_in_place: bool = False
+    #: the backward kernel takes ``add_into=T``: it adds its first input's gradient into T
+    #: (the gradient so far, the code generator's own) and returns T
+    backward_add_into: bool = False
 
     @property
     def is_loss(self) -> bool:
@@ -269,6 +276,8 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "recompute",
         "backward_pieces",
         "batch_coupled",
+        "backward_in_place",
+        "backward_add_into",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -333,6 +342,8 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         recompute=_recompute_spec(where, name, raw.get("recompute")),
         backward_pieces=bool(raw.get("backward_pieces", False)),
         batch_coupled=bool(raw.get("batch_coupled", False)),
+        backward_in_place=bool(raw.get("backward_in_place", False)),
+        backward_add_into=bool(raw.get("backward_add_into", False)),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}

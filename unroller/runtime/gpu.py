@@ -199,9 +199,69 @@ def conv2d(
     )
 
 
+class RestoredInPieces:
+    """A saved tensor kept compressed, which the backward kernel that reads it decompresses
+    one piece of the batch at a time (``restore_in_pieces``): the whole restored tensor never
+    exists, so in the first stage of a CNN, where the step peaks, the working set holds one
+    piece of it instead of a full-size map. Every compressor packs each sample on its own
+    (``unroller.compress.base.Compressor``), so rows ``start:start + length`` of each packed
+    tensor are the packed form of those samples."""
+
+    def __init__(
+        self, codec: Any, packed: Sequence[Tensor], shape: Sequence[int], dtype: torch.dtype
+    ) -> None:
+        self.codec, self.packed, self.dtype = codec, tuple(packed), dtype
+        self.sample_shape = tuple(shape)
+        self.shape = torch.Size((self.packed[0].shape[0], *self.sample_shape))
+        self.device = self.packed[0].device
+
+    def narrow(self, dim: int, start: int, length: int) -> Tensor:
+        """Samples ``start:start + length``, decompressed (a new tensor, the caller's own)."""
+        if dim != 0:
+            raise ValueError("a tensor restored in pieces is read along the batch dim only")
+        part = tuple(p.narrow(0, start, length) for p in self.packed)
+        return self.codec.decompress(part, self.sample_shape, self.dtype)
+
+    def whole(self) -> Tensor:
+        return self.codec.decompress(self.packed, self.sample_shape, self.dtype)
+
+
+def restore_in_pieces(
+    codec: Any, packed: Sequence[Tensor], shape: Sequence[int], dtype: torch.dtype
+) -> RestoredInPieces | Tensor:
+    """A compressed saved tensor handed to backward kernels that run in pieces of the batch
+    (the code generator emits this instead of ``codec.decompress`` when every reader takes
+    ``piece_bytes``): each piece is decompressed when the kernel reaches it. Compiled
+    (``Model(compile=True)``): decompressed whole, as the kernels then run whole."""
+    if torch.compiler.is_compiling():
+        return codec.decompress(tuple(packed), tuple(shape), dtype)
+    return RestoredInPieces(codec, packed, shape, dtype)
+
+
+def _whole(x: Tensor | RestoredInPieces) -> Tensor:
+    return x.whole() if isinstance(x, RestoredInPieces) else x
+
+
+def _sample_bytes(t: Tensor | RestoredInPieces) -> int:
+    return t.shape[1:].numel() * t.dtype.itemsize
+
+
+def piece_samples(batch: int, sample_bytes: int, piece_bytes: int, weight_bytes: int = 0) -> int:
+    """Samples per piece of a backward kernel run in pieces of the batch (``piece_bytes``):
+    about ``piece_bytes`` of the largest batch-sized operand per piece, in whole samples (at
+    least one), but no fewer bytes than the weight's, so that a layer whose weight gradient
+    outweighs its maps (a late ResNet stage) is not split into pieces that each make a
+    weight-sized gradient to sum (the CPU kernel ran 3x slower in 8 pieces there). The
+    working buffers are then a constant, not a fraction, of the batch; ``batch``: whole.
+    The memory model (``unroller.memory``) counts pieces by this same rule."""
+    if piece_bytes <= 0 or batch < 2:
+        return batch
+    return min(batch, max(1, max(piece_bytes, weight_bytes) // max(1, sample_bytes)))
+
+
 def _conv_backward(
     g: Tensor,
-    x: Tensor,
+    x: Tensor | RestoredInPieces,
     weight: Tensor,
     bias_sizes: list[int],
     stride: Sequence[int],
@@ -211,33 +271,49 @@ def _conv_backward(
     output_padding: Sequence[int],
     groups: int,
     mask: list[bool],
-    pieces: int = 1,
+    piece_bytes: int = 0,
+    in_place: bool = False,
+    add_into: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """aten::convolution_backward, on ``pieces`` pieces of the batch (the generated code
-    passes ``pieces`` under lossy schemes: ``Platform.batch_pieces``).
+    """aten::convolution_backward, in pieces of the batch of about ``piece_bytes`` each
+    (``piece_samples``; the generated code passes the platform's ``piece_bytes`` under lossy
+    schemes only).
 
     The CPU kernel (mkldnn) allocates, besides its results, a buffer the size of its input
     and a contiguous copy of the output gradient: two batch-sized tensors on top of the
-    step's working set, where the step peaks (the first stage's backward). Run on 1/8 of the
-    batch at a time, those shrink eightfold, and the kernel was no slower in one
-    measurement (425 against 512 ms for [64, 64, 32, 32], 1 thread, a loaded machine);
-    the weight and bias gradients are summed over the pieces, so their bits differ from
-    the whole kernel's (float64: 1e-15)."""
+    step's working set, where the step peaks (the first stage's backward). In pieces those
+    are a piece's, and ``x`` may be restored one piece at a time (``RestoredInPieces``).
+    ``in_place``: the input gradient is written into ``g`` piece by piece (each piece of
+    ``g`` is read only by its own call), when the two have the same shape; the code
+    generator passes it only when ``g`` is its own and dead after this call. ``add_into``:
+    the input gradient is added into that tensor (piece by piece: the same sums as adding
+    the whole), which is returned. The weight and bias gradients are summed over the
+    pieces, so their bits differ from the whole kernel's (float64: 1e-15)."""
     args = (weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
-    n = x.shape[0]
-    if pieces <= 1 or n < 2 or torch.compiler.is_compiling():
+    n = g.shape[0]
+    sample = max(_sample_bytes(x), _sample_bytes(g))
+    step = piece_samples(n, sample, piece_bytes, weight.numel() * weight.element_size())
+    if step >= n or torch.compiler.is_compiling():
         # compiled (Model(compile=True)): whole, as the loop over pieces would specialise
         # the graph on the batch size, and the compiler plans the kernel's memory itself
-        return _aten.convolution_backward(g, x, *args, mask)
-    step = -(-n // pieces)
-    grad_x = torch.empty_like(x) if mask[0] else None
+        gx, gw, gb = _aten.convolution_backward(g, _whole(x), *args, mask)
+        if add_into is not None and gx is not None:
+            gx = add_into.add_(gx)
+        return gx, gw, gb
+    grad_x = None
+    if mask[0]:
+        same = in_place and g.shape == x.shape and g.dtype == x.dtype
+        grad_x = g if same else torch.empty(x.shape, dtype=x.dtype, device=g.device)
+        grad_x = add_into if add_into is not None else grad_x
     grad_w = grad_b = None
     for start in range(0, n, step):
         size = min(step, n - start)
         gx, gw, gb = _aten.convolution_backward(
             g.narrow(0, start, size), x.narrow(0, start, size), *args, mask
         )
-        if grad_x is not None:
+        if add_into is not None and gx is not None:
+            add_into.narrow(0, start, size).add_(gx)
+        elif grad_x is not None:
             grad_x.narrow(0, start, size).copy_(gx)
         del gx
         if mask[1]:
@@ -257,9 +333,12 @@ def conv2d_backward(
     dilation: Pair = (1, 1),
     groups: int = 1,
     needs: Needs | None = None,
-    pieces: int = 1,
+    piece_bytes: int = 0,
+    in_place: bool = False,
+    add_into: Tensor | None = None,
 ) -> Grads:
-    """aten::convolution_backward (transposed=False); ``pieces``: see _conv_backward."""
+    """aten::convolution_backward (transposed=False); ``piece_bytes``, ``in_place``, ``add_into``: see
+    _conv_backward."""
     mask = _need_mask(needs)
     if not any(mask):
         return _fit((), needs)
@@ -276,7 +355,9 @@ def conv2d_backward(
         _NO_OUTPUT_PADDING,
         groups,
         mask,
-        pieces,
+        piece_bytes,
+        in_place,
+        add_into,
     )
     return _fit(grads, needs)
 
@@ -309,10 +390,12 @@ def conv_transpose2d_backward(
     dilation: Pair = (1, 1),
     groups: int = 1,
     needs: Needs | None = None,
-    pieces: int = 1,
+    piece_bytes: int = 0,
+    in_place: bool = False,
+    add_into: Tensor | None = None,
 ) -> Grads:
     """aten::convolution_backward (transposed=True); weight is [in, out/groups, kh, kw];
-    ``pieces``: see _conv_backward."""
+    ``piece_bytes``, ``in_place``, ``add_into``: see _conv_backward."""
     mask = _need_mask(needs)
     if not any(mask):
         return _fit((), needs)
@@ -329,7 +412,9 @@ def conv_transpose2d_backward(
         output_padding,
         groups,
         mask,
-        pieces,
+        piece_bytes,
+        in_place,
+        add_into,
     )
     return _fit(grads, needs)
 
@@ -357,7 +442,7 @@ def batchnorm2d(
 
 def batchnorm2d_backward(
     g: Tensor,
-    x: Tensor,
+    x: Tensor | RestoredInPieces,
     layer: torch.nn.Module,
     save_mean: Tensor,
     save_invstd: Tensor,
@@ -365,21 +450,91 @@ def batchnorm2d_backward(
     eps: float = 1e-05,
     momentum: float | None = 0.1,
     needs: Needs | None = None,
+    piece_bytes: int = 0,
+    in_place: bool = False,
 ) -> Grads:
-    """aten::native_batch_norm_backward(train=True); running stats are not read in training."""
+    """aten::native_batch_norm_backward(train=True); running stats are not read in training.
+
+    ``piece_bytes`` (lossy schemes): in pieces of the batch (``_batchnorm_backward_pieces``)
+    when that makes more than one; ``in_place``: then the input gradient is written into
+    ``g`` (the code generator passes it when ``g`` is its own and dead after this call)."""
     mask = _need_mask(needs)
     if not any(mask):
         return _fit((), needs)
     group = getattr(layer, SYNC_ATTR, None)
     if group is not None:
         return _fit(
-            sync_batchnorm_backward(g, x, layer, save_mean, save_invstd, group, mask), needs
+            sync_batchnorm_backward(g, _whole(x), layer, save_mean, save_invstd, group, mask),
+            needs,
         )
     weight = getattr(layer, "weight", None)
+    step = piece_samples(g.shape[0], _sample_bytes(g), piece_bytes)
+    if step < g.shape[0] and not torch.compiler.is_compiling():
+        grads = _batchnorm_backward_pieces(
+            g, x, weight, save_mean, save_invstd, mask, step, in_place
+        )
+        return _fit(grads, needs)
     grads = _aten.native_batch_norm_backward(
-        g, x, weight, None, None, save_mean, save_invstd, True, eps, mask
+        g, _whole(x), weight, None, None, save_mean, save_invstd, True, eps, mask
     )
     return _fit(grads, needs)
+
+
+def _batchnorm_backward_pieces(
+    g: Tensor,
+    x: Tensor | RestoredInPieces,
+    weight: Tensor | None,
+    mean: Tensor,
+    invstd: Tensor,
+    mask: list[bool],
+    step: int,
+    in_place: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The training batch-norm backward over pieces of ``step`` samples, with aten's CPU
+    formula: per channel, sum_dy = sum(g) and dot = sum(g * (x - mean)) over the batch, in a
+    first pass over the pieces; then, piece by piece, dx = (g - sum_dy / M - (x - mean) *
+    dot * invstd^2 / M) * invstd * weight (M: elements per channel). The whole kernel holds
+    an input-sized buffer besides its result, and its result beside ``g``; here a piece's
+    x - mean is all, and with ``in_place`` dx overwrites ``g``, so the first stage of a CNN,
+    where the step peaks, holds one full-size gradient less and no restored input. Each pass
+    reads x once: a ``RestoredInPieces`` is decompressed twice, a piece at a time. The sums
+    run in another order than aten's, so the bits differ (float64: 1e-15); the code
+    generator asks for this only under lossy schemes."""
+    n, c = g.shape[0], g.shape[1]
+    view = (1, c) + (1,) * (g.dim() - 2)
+    dims = [0, *range(2, g.dim())]
+    acc = mean.dtype  # float32 for half inputs, as aten's accumulation
+    centre = mean.reshape(view)
+    sum_dy = torch.zeros(c, dtype=acc, device=g.device)
+    dot = torch.zeros(c, dtype=acc, device=g.device)
+
+    def centred(start: int, size: int) -> Tensor:
+        """x - mean for one piece: in place on a freshly decompressed piece."""
+        piece = x.narrow(0, start, size)
+        if isinstance(x, RestoredInPieces) and piece.dtype == acc:
+            return piece.sub_(centre)
+        return piece.sub(centre)
+
+    for start in range(0, n, step):
+        size = min(step, n - start)
+        dy = g.narrow(0, start, size)
+        sum_dy += dy.sum(dims, dtype=acc)
+        dot += centred(start, size).mul_(dy).sum(dims)
+    grad_w = (dot * invstd).to(weight.dtype) if mask[1] and weight is not None else None
+    grad_b = sum_dy.to(weight.dtype) if mask[2] and weight is not None else None
+    if not mask[0]:
+        return None, grad_w, grad_b
+    count = g.numel() // c
+    k = (dot * invstd * invstd / count).reshape(view)
+    grad_mean = (sum_dy / count).reshape(view)
+    scale = (invstd if weight is None else invstd * weight).reshape(view)
+    out = g if in_place and g.is_contiguous() else torch.empty_like(g)
+    for start in range(0, n, step):
+        size = min(step, n - start)
+        part = out.narrow(0, start, size)
+        torch.sub(g.narrow(0, start, size), grad_mean, out=part)
+        part.sub_(centred(start, size).mul_(k)).mul_(scale)
+    return out, grad_w, grad_b
 
 
 def reduce_bucket(layers: Layers, index: int, names: tuple[str, ...]) -> None:
@@ -427,12 +582,19 @@ def batchnorm2d_eval(
 # ---------------------------------------------------------------- activations
 
 
-def relu_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
-    """aten::threshold_backward(g, y, 0); y may be the bool mask y > 0 (same result)."""
+def relu_backward(
+    g: Tensor, y: Tensor, *, needs: Needs | None = None, in_place: bool = False
+) -> Grads:
+    """aten::threshold_backward(g, y, 0); y may be the bool mask y > 0 (same result).
+    ``in_place``: written into ``g`` (the same kernels with ``g`` as their output, so the
+    same bits), which the code generator passes when ``g`` is its own and dead after this
+    call: a full-size gradient less in a CNN's backward."""
     if not _need(needs, 0):
         return (None,)
     if y.dtype == torch.bool:
-        return (torch.where(y, g, g.new_zeros(())),)
+        return (torch.where(y, g, g.new_zeros(()), out=g if in_place else None),)
+    if in_place:
+        return (_aten.threshold_backward.grad_input(g, y, 0, grad_input=g),)
     return (_aten.threshold_backward(g, y, 0),)
 
 
@@ -1159,9 +1321,12 @@ def conv1d_backward(
     dilation: int = 1,
     groups: int = 1,
     needs: Needs | None = None,
-    pieces: int = 1,
+    piece_bytes: int = 0,
+    in_place: bool = False,
+    add_into: Tensor | None = None,
 ) -> Grads:
-    """aten::convolution_backward with one spatial dim; ``pieces``: see _conv_backward."""
+    """aten::convolution_backward with one spatial dim; ``piece_bytes``, ``in_place``, ``add_into``: see
+    _conv_backward."""
     mask = _need_mask(needs)
     if not any(mask):
         return _fit((), needs)
@@ -1178,7 +1343,9 @@ def conv1d_backward(
         [0],
         groups,
         mask,
-        pieces,
+        piece_bytes,
+        in_place,
+        add_into,
     )
     return _fit(grads, needs)
 
