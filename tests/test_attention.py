@@ -25,6 +25,7 @@ kernels with torch's math attention to the same bounds). Beyond those rows, this
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -177,6 +178,19 @@ def test_blocks_match_the_math_path(monkeypatch, case, dtype):
     rows = sum(b.samples * b.rows for b in plan)
     assert rows == n * lq and len(plan) == len({(b.start, b.first) for b in plan})
     assert all(b.samples * h * b.rows * lk * dtype.itemsize <= max(tile, h * lk * 8) for b in plan)
+
+
+@pytest.mark.parametrize("tile", [64, 300, 3000, 1 << 20])
+def test_largest_tile_is_the_largest_block(monkeypatch, tile):
+    """What the memory model counts (``largest_tile``, read off one sample's blocks or the
+    first block) is the largest tile of the blocks the kernels run, for every way they split."""
+    monkeypatch.setattr(attention, "TILE_BYTES", tile)
+    for n, h, lq, lk, size, causal in itertools.product(
+        (1, 3, 7), (1, 4), (1, 9, 64), (1, 9, 64), (4, 8), (False, True)
+    ):
+        plan = attention.blocks(n, h, lq, lk, size, causal)
+        most = max(b.samples * h * b.rows * b.keys * size for b in plan)
+        assert attention.largest_tile(n, h, lq, lk, size, causal) == most
 
 
 class _Allocations(TorchDispatchMode):

@@ -98,8 +98,12 @@ def largest_tile(
     batch: int, heads: int, length: int, keys: int, itemsize: int, is_causal: bool
 ) -> int:
     """Bytes of the largest score tile among ``blocks``: what the memory model counts for
-    each tile the kernels hold at once."""
-    plan = blocks(batch, heads, length, keys, itemsize, is_causal)
+    each tile the kernels hold at once. Read off one sample's blocks when a sample is split
+    (every sample is split alike), else off the first block (the fullest), so the memory
+    model's batch searches never list a large batch's blocks."""
+    plan = blocks(1, heads, length, keys, itemsize, is_causal)
+    if len(plan) == 1:
+        plan = blocks(batch, heads, length, keys, itemsize, is_causal)[:1]
     return max(b.samples * heads * b.rows * b.keys * itemsize for b in plan)
 
 
