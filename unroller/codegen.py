@@ -728,7 +728,8 @@ class Emitter:
         for value in graded:
             grad = self.grad(value).name
             mapping[grad] = self.name("piece", *self.key_of[grad]).name
-        body = [rename_vars(step, mapping) for step in body]
+        for step in body:  # in place: the memory model knows the steps by identity
+            step.statements = rename_vars(step, mapping).statements
         anchor = Var(next(n for n in free if self.key_of[n][0] == "grad"))
         full: dict[str, Var] = {}
         for value in graded:
@@ -780,6 +781,63 @@ class Emitter:
         for key, flag in before.items():
             owned.setdefault(key, flag)
         return steps
+
+    def pieced_forward(self, segment: Segment, steps: list[Step]) -> list[Step]:
+        """The forward of a segment run in pieces, in pieces as well: it keeps nothing for
+        its own backward (its recompute makes that), so each piece of its inputs gives the
+        piece of its outputs, copied into whole-batch tensors; what the forward keeps of
+        those outputs for others (the next segment's input, compressed) is kept after the
+        loop, from the whole tensors. Left whole (``steps`` as they are) when an output's
+        dtype is not that of a batch tensor it reads (nothing to allocate it like)."""
+        run = [
+            i
+            for i, step in enumerate(steps)
+            if step.section == "forward" and step.calls[:1] == (segment.call,)
+        ]
+        if not run or run != list(range(run[0], run[-1] + 1)):
+            return steps
+        keeping = [steps[i] for i in run if _keeps(steps[i])]
+        body = [steps[i] for i in run if not _keeps(steps[i])]
+        free = _free_reads(body)
+        written = {name for step in body for name in step.writes()}
+        later = [*keeping, *steps[run[-1] + 1 :]]
+        outputs = [n for n in dict.fromkeys(written) if any(n in s.reads() for s in later)]
+        types = {name: self.key_type(name) for name in [*free, *outputs]}
+        if any(t is None or not t.shape or t.shape[0] != "N" for t in types.values()):
+            return steps
+        anchors = {types[n].dtype: n for n in reversed(free)}
+        if not outputs or any(types[n].dtype not in anchors for n in outputs):
+            return steps
+        mapping = {n: self.name("piece", *self.key_of[n]).name for n in [*free, *outputs]}
+        for step in body:  # in place: the memory model knows the steps by identity
+            step.statements = rename_vars(step, mapping).statements
+        allocations: list[Statement] = []
+        for name in outputs:
+            anchor = Var(anchors[types[name].dtype])
+            size = CallExpr(Attr(anchor, "size"), (Const(0),))
+            shape = TupleExpr((size, *(Const(d) for d in types[name].shape[1:])))
+            allocations.append(Assign((Var(name),), CallExpr(Attr(anchor, "new_empty"), (shape,))))
+        slots = {n: self.name("slot", *self.key_of[n]) for n in outputs}
+        targets = tuple(Var(mapping[n]) for n in free) + tuple(slots[n] for n in outputs)
+        splits = [Var(n) for n in [*free, *outputs]]
+        split = tuple(CallExpr(Attr(v, "tensor_split"), (Const(segment.pieces),)) for v in splits)
+        pieces = segment.pieces
+        header = Step(
+            "forward",
+            [Assign(targets, CallExpr(Global("zip"), split))],
+            comment=f"[pieces] {segment.call.text}: its forward in {pieces} pieces of the batch",
+        )
+        copies: list[Statement] = [
+            Do(CallExpr(Attr(slots[n], "copy_"), (Var(mapping[n]),))) for n in outputs
+        ]
+        copy = Step("forward", copies, comment="the piece's outputs")
+        self.piece_loops.append((header, copy, segment))
+        what = ", ".join(self.key_of[n][-1] for n in outputs)
+        made = Step("forward", allocations, comment=f"{what}: filled piece by piece")
+        for step in keeping:  # from the whole outputs, at the top level
+            step.calls = ()
+        start, end = run[0], run[-1] + 1
+        return [*steps[:start], made, header, *body, copy, *keeping, *steps[end:]]
 
     def key_type(self, name: str) -> TensorType | None:
         """The tensor type of a variable, from its structured key (None: not a tensor of the
@@ -874,6 +932,9 @@ class Emitter:
             if e.segment is None or e.segment_keeps
         ]
         steps = self.forward_with_stash(graph.nodes, kept)
+        for segment in self.plan.segments:
+            if segment.pieces > 1:
+                steps = self.pieced_forward(segment, steps)
         loss = self.var(graph.loss)
         seed = CallExpr(Global("torch.ones_like"), (loss,))
         steps.append(
@@ -1076,6 +1137,14 @@ class Emitter:
         ]
         release_dead(steps, keep=self.predict_keep())
         return steps
+
+
+def _keeps(step: Step) -> bool:
+    """Is ``step`` a stash step (compress and record, or record raw)?"""
+    return any(
+        isinstance(s, RecordRaw) or (isinstance(s, Do) and called_name(s.value) == "K.stash")
+        for s in step.statements
+    )
 
 
 def _free_reads(steps: list[Step]) -> list[str]:
