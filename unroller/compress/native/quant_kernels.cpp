@@ -106,7 +106,13 @@ UQ_INLINE Stats<T> min_max(const T* __restrict x, int64_t len) {
 template <typename T>
 UQ_INLINE void codes_of(const T* __restrict x, const T* __restrict noise, int64_t len, T s,
                         T ls, T ss, T levels, uint8_t* __restrict codes) {
-    if (noise == nullptr) {
+    if (noise == nullptr && s == T(1)) {  // x * 1 is x, bit for bit: skip the multiply
+        for (int64_t i = 0; i < len; ++i) {
+            T v = std::rint((x[i] - ls) / ss);
+            v = v >= T(0) ? (v <= levels ? v : levels) : T(0);  // NaN -> 0
+            codes[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
+        }
+    } else if (noise == nullptr) {
         for (int64_t i = 0; i < len; ++i) {
             T v = std::rint((x[i] * s - ls) / ss);
             v = v >= T(0) ? (v <= levels ? v : levels) : T(0);  // NaN -> 0
