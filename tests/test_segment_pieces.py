@@ -241,3 +241,18 @@ def test_memory_model_brackets_the_measured_peak_with_pieces(scheme):
     )
     measured = _measured_peak(graph, config, 8, 4)
     assert 0.94 * low <= measured <= 1.06 * high, (low, measured, high)
+
+
+def test_check_says_a_damaged_pieces_field_is_damaged(tmp_path):
+    out = tmp_path / "m.py"
+    args = ["generate", str(GPT), "--recompute-segments", "blocks", "--segment-pieces", "2"]
+    assert CliRunner().invoke(app, [*args, "-o", str(out)]).exit_code == 0
+    out.write_text(out.read_text().replace('"segment_pieces": 2', '"segment_pieces": 0'))
+    result = CliRunner().invoke(app, ["check", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "'segment_pieces' is 0, not a whole number from 1 to 4096" in result.output
+
+
+def test_cli_refuses_pieces_without_segments():
+    result = CliRunner().invoke(app, ["generate", str(GPT), "--segment-pieces", "2"])
+    assert result.exit_code == 2 and "give --recompute-segments" in result.output
