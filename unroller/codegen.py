@@ -1577,8 +1577,8 @@ def _segments_note(plan: StashPlan) -> str:
     pieced = [s for s in plan.segments if s.pieces > 1]
     if pieced:
         note += (
-            f", {len(pieced)} of them with their recompute and backward in "
-            f"{pieced[0].pieces} pieces of the batch"
+            f", {len(pieced)} of them run in {pieced[0].pieces} pieces of the batch (forward, "
+            "recompute and backward)"
         )
     if plan.unpieced_segments:
         note += f" ({len(plan.unpieced_segments)} whole: see unroll graph)"

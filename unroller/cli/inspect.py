@@ -130,8 +130,8 @@ def _segment_lines(plan: Any, batch: int) -> list[str]:
     pieced = [s for s in plan.segments if s.pieces > 1]
     if pieced:
         lines.append(
-            f"in {pieced[0].pieces} pieces of the batch (recompute and backward, one piece at "
-            f"a time): {', '.join(s.name for s in pieced)}"
+            f"in {pieced[0].pieces} pieces of the batch (forward, recompute and backward, one "
+            f"piece at a time, a piece's own stash raw): {', '.join(s.name for s in pieced)}"
         )
     lines += [
         f"not in pieces (whole batch): {name}: {why}"
