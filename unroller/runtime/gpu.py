@@ -471,7 +471,7 @@ def batchnorm2d_backward(
     step = piece_samples(g.shape[0], _sample_bytes(g), piece_bytes)
     if step < g.shape[0] and not torch.compiler.is_compiling():
         grads = _batchnorm_backward_pieces(
-            g, x, weight, save_mean, save_invstd, mask, step, in_place
+            g, x, weight, save_mean, save_invstd, mask, step, in_place, eps
         )
         return _fit(grads, needs)
     grads = _aten.native_batch_norm_backward(
@@ -489,51 +489,65 @@ def _batchnorm_backward_pieces(
     mask: list[bool],
     step: int,
     in_place: bool,
+    eps: float,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The training batch-norm backward over pieces of ``step`` samples, with aten's CPU
-    formula: per channel, sum_dy = sum(g) and dot = sum(g * (x - mean)) over the batch, in a
-    first pass over the pieces; then, piece by piece, dx = (g - sum_dy / M - (x - mean) *
-    dot * invstd^2 / M) * invstd * weight (M: elements per channel). The whole kernel holds
-    an input-sized buffer besides its result, and its result beside ``g``; here a piece's
-    x - mean is all, and with ``in_place`` dx overwrites ``g``, so the first stage of a CNN,
-    where the step peaks, holds one full-size gradient less and no restored input. Each pass
-    reads x once: a ``RestoredInPieces`` is decompressed twice, a piece at a time. The sums
-    run in another order than aten's, so the bits differ (float64: 1e-15); the code
-    generator asks for this only under lossy schemes."""
+    formula: per channel, sum_dy = sum(g) and dot = sum(g * (x - mean)) * invstd over the
+    batch, in a first pass over the pieces (aten's own kernel on each piece, asked for the
+    weight and bias gradients only: the batch's statistics given, it sums exactly these);
+    then, piece by piece, dx = (g - sum_dy / M - (x - mean) * dot * invstd / M) * invstd *
+    weight (M: elements per channel). The whole kernel holds an input-sized buffer besides
+    its result, and its result beside ``g``; here a piece's x - mean is all, and with
+    ``in_place`` dx overwrites ``g``, so the first stage of a CNN, where the step peaks,
+    holds one full-size gradient less and no restored input. Each pass reads x: a
+    ``RestoredInPieces`` is decompressed twice a piece at a time, but for the last piece,
+    which the second pass, run backwards, takes from the first. The sums run in another order
+    than aten's, so the bits differ (float64: 1e-15); the code generator asks for this only
+    under lossy schemes."""
     n, c = g.shape[0], g.shape[1]
     view = (1, c) + (1,) * (g.dim() - 2)
-    dims = [0, *range(2, g.dim())]
     acc = mean.dtype  # float32 for half inputs, as aten's accumulation
-    centre = mean.reshape(view)
     sum_dy = torch.zeros(c, dtype=acc, device=g.device)
-    dot = torch.zeros(c, dtype=acc, device=g.device)
-
-    def centred(start: int, size: int) -> Tensor:
-        """x - mean for one piece: in place on a freshly decompressed piece."""
-        piece = x.narrow(0, start, size)
-        if isinstance(x, RestoredInPieces) and piece.dtype == acc:
-            return piece.sub_(centre)
-        return piece.sub(centre)
-
-    for start in range(0, n, step):
+    dot = torch.zeros(c, dtype=acc, device=g.device)  # sum(g * (x - mean)) * invstd
+    starts = list(range(0, n, step))
+    last: Tensor | None = None
+    for start in starts:
         size = min(step, n - start)
-        dy = g.narrow(0, start, size)
-        sum_dy += dy.sum(dims, dtype=acc)
-        dot += centred(start, size).mul_(dy).sum(dims)
-    grad_w = (dot * invstd).to(weight.dtype) if mask[1] and weight is not None else None
+        last = x.narrow(0, start, size)
+        _, dot_piece, sum_piece = _aten.native_batch_norm_backward(
+            g.narrow(0, start, size),
+            last,
+            None,
+            None,
+            None,
+            mean,
+            invstd,
+            True,
+            eps,
+            [False, True, True],
+        )
+        sum_dy += sum_piece
+        dot += dot_piece
+    grad_w = dot.to(weight.dtype) if mask[1] and weight is not None else None
     grad_b = sum_dy.to(weight.dtype) if mask[2] and weight is not None else None
     if not mask[0]:
         return None, grad_w, grad_b
     count = g.numel() // c
-    k = (dot * invstd * invstd / count).reshape(view)
+    k = (dot * invstd / count).reshape(view)
     grad_mean = (sum_dy / count).reshape(view)
     scale = (invstd if weight is None else invstd * weight).reshape(view)
+    centre = mean.reshape(view)
+    fresh = isinstance(x, RestoredInPieces)  # its pieces are the kernel's own
     out = g if in_place and g.is_contiguous() else torch.empty_like(g)
-    for start in range(0, n, step):
+    for start in reversed(starts):
         size = min(step, n - start)
+        piece = last if last is not None else x.narrow(0, start, size)
+        last = None
+        centred = piece.sub_(centre) if fresh and piece.dtype == acc else piece.sub(centre)
         part = out.narrow(0, start, size)
         torch.sub(g.narrow(0, start, size), grad_mean, out=part)
-        part.sub_(centred(start, size).mul_(k)).mul_(scale)
+        part.addcmul_(centred, k, value=-1).mul_(scale)
+        del piece, centred
     return out, grad_w, grad_b
 
 
