@@ -440,12 +440,27 @@ def test_suite_methods_follow_the_peers_flag(tmp_path: Path):
     bench = BENCHMARKS["quick"]
     ref = models.build_reference(bench, 16, 0, CPU)
     notes: list[str] = []
-    args = config.parse_args([*argv, "--no-recompute"])
+    args = config.parse_args([*argv, "--no-recompute", "--no-segments"])
     found = suite._methods(bench, args, 16, ref, CPU, tmp_path, notes)
     assert [m.name for m in found] == ["ours:nocompress", "autograd"] and not notes
     found = suite._methods(bench, config.parse_args(argv), 16, ref, CPU, tmp_path, notes)
-    names = ["ours:nocompress", "ours:nocompress+recompute", "autograd"]
+    names = [
+        "ours:nocompress",
+        "ours:nocompress+recompute",
+        "ours:nocompress+blocks+pieces",
+        "autograd",
+    ]
     assert [m.name for m in found] == names and found[1].recompute and not notes
+    assert found[2].variant == {"recompute_segments": ("blocks",), "segment_pieces": 8}
+    assert not found[1].variant
+
+
+def test_segment_rows_only_for_models_with_blocks(tmp_path: Path):
+    """A model without block instances gets no +blocks+pieces row: it would repeat ours."""
+    text = (Path(__file__).parent / "models" / "autoencoder.txt").read_text()
+    bench = types.SimpleNamespace(model_text=lambda resolution: text)
+    args = config.parse_args([*TINY, "--scheme", "nocompress", "--peers", "none"])
+    assert suite._segmented_ours(bench, args, 16, None, CPU, tmp_path) == []
 
 
 # --------------------------------------------------------------------------- end to end

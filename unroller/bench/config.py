@@ -35,6 +35,12 @@ SUITE = PUBLISHED + SPEC_V2 + LARGER_TRANSFORMERS  # what --benchmark all (the d
 HOOK_SCHEMES = ("dct-dense", "quant")  # schemes with a hook-based peer (same compressor)
 # schemes with an ours:SCHEME+recompute row (--recompute): none, the densest, the planned
 RECOMPUTE_SCHEMES = ("nocompress", "dct-dense", "auto")
+# schemes with an ours:SCHEME+blocks+pieces row (--segments): every top-level block instance
+# keeps only its inputs and runs its forward again in the backward, in SEGMENT_PIECES pieces
+# of the batch where no op couples the samples (unroll generate --recompute-segments blocks
+# --segment-pieces K); none and the token codec
+SEGMENT_SCHEMES = ("nocompress", "quant")
+SEGMENT_PIECES = 8
 AUTO = "auto"
 NONE = "none"
 QUARTER = "quarter"
@@ -53,6 +59,7 @@ class Preset:
     step_seconds: float | None  # the longest step the max-batch phase measures (None: any)
     peers: tuple[str, ...]  # the peers run besides autograd
     recompute: bool = True  # ours:SCHEME+recompute rows (RECOMPUTE_SCHEMES)
+    segments: bool = True  # ours:SCHEME+blocks+pieces rows (SEGMENT_SCHEMES)
 
 
 QUICK = Preset(
@@ -180,6 +187,14 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         "(unroll generate --recompute)",
     )
     add(
+        "--segments",
+        action=argparse.BooleanOptionalAction,
+        help="also run ours:SCHEME+blocks+pieces for nocompress and quant (those run; default: "
+        f"on in both presets): every block instance recomputed in {SEGMENT_PIECES} pieces of "
+        f"the batch (unroll generate --recompute-segments blocks --segment-pieces "
+        f"{SEGMENT_PIECES}) on models with blocks",
+    )
+    add(
         "--timeline",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -249,6 +264,8 @@ def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argpar
     args.max_batch_rounds = args.max_batch_rounds or preset.max_batch_rounds
     if args.recompute is None:
         args.recompute = preset.recompute
+    if args.segments is None:
+        args.segments = preset.segments
     if args.max_step_seconds is None:
         args.max_step_seconds = preset.step_seconds
     elif args.max_step_seconds == 0:

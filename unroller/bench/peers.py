@@ -89,6 +89,9 @@ class Method:
     notes: list[str] = field(default_factory=list)
     compiles: bool = False  # its first step compiles: run one untimed step first
     recompute: bool = False  # ours with --recompute: cheap ops remade in the backward
+    #: ours built with more than the scheme: Options fields (``recompute_segments``,
+    #: ``segment_pieces``) the memory model must see too; the row's name says which
+    variant: dict[str, Any] = field(default_factory=dict)
 
     def step(self, batch: list[Tensor]) -> Tensor:
         return self.run(batch, False)

@@ -18,6 +18,7 @@ interleaved rounds; stashed bytes, peak step memory, final loss; and with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -96,6 +97,40 @@ def _recomputing_ours(
     return found
 
 
+def _segmented_ours(
+    bench: Any,
+    args: argparse.Namespace,
+    resolution: int,
+    ref: torch.nn.Module,
+    device: torch.device,
+    directory: Path,
+) -> list[Method]:
+    """ours:SCHEME+blocks+pieces per scheme of ``config.SEGMENT_SCHEMES`` run (``--segments``):
+    every top-level block instance keeps only its inputs from the forward and runs its
+    forward again when its backward begins, in ``config.SEGMENT_PIECES`` pieces of the batch
+    where no op couples the samples (``Options.recompute_segments``, ``segment_pieces``).
+    None on a model without block instances: the row would repeat ours:SCHEME."""
+    from unroller.api import graph_from_text
+    from unroller.stash import block_instances
+
+    if not block_instances(graph_from_text(bench.model_text(resolution))):
+        return []
+    variant = {"recompute_segments": ("blocks",), "segment_pieces": config.SEGMENT_PIECES}
+    found = []
+    for scheme in [s for s in args.schemes if s in config.SEGMENT_SCHEMES]:
+        options = dataclasses.replace(_options(args, scheme, resolution), **variant)
+        model = models.build_ours(bench, options, ref, device, directory / "segments")
+        method = peers.ours_gpu(scheme, model)
+        method.name = f"ours:{scheme}+blocks+pieces"
+        method.variant = variant  # the memory model predicts it with the same Options
+        method.notes.append(
+            f"--recompute-segments blocks --segment-pieces {config.SEGMENT_PIECES}: every "
+            "block instance recomputed in the backward, in pieces of the batch"
+        )
+        found.append(method)
+    return found
+
+
 def _compiled_ours(
     bench: Any,
     args: argparse.Namespace,
@@ -161,6 +196,8 @@ def _methods(
         found += _compiled_ours(bench, args, resolution, ref, device, directory, notes)
     if getattr(args, "recompute", False) and args.platform == "gpu":
         found += _recomputing_ours(bench, args, resolution, ref, device, directory)
+    if getattr(args, "segments", False) and args.platform == "gpu":
+        found += _segmented_ours(bench, args, resolution, ref, device, directory)
     found.append(peers.autograd(ref))
     if "checkpoint" in args.peers and hasattr(ref, "forward_checkpointed"):
         found.append(peers.checkpointed(ref))
@@ -355,9 +392,10 @@ def _predicted(run: _Run, methods: list[Method], notes: list[str]) -> dict[str, 
         if m.kind != "ours":
             continue
         recompute = getattr(m, "recompute", False)
-        key = f"{m.scheme}+recompute" if recompute else m.scheme
+        key = m.name
         if key not in cache:
             options = _options(run.args, m.scheme, run.resolution, recompute)
+            options = dataclasses.replace(options, **getattr(m, "variant", {}))
             try:
                 cache[key] = models.predict_memory(run.bench, options, run.batch_size)
             except Exception as exc:  # the memory model is new: a failure must not stop the run
