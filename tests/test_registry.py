@@ -42,6 +42,7 @@ def test_kernels_take_what_the_registry_passes(name, platform):
             ("piece_bytes", op.backward_pieces),
             ("in_place", op.backward_in_place),
             ("add_into", op.backward_add_into),
+            ("consume", bool(op.backward_consumes)),
         )
         if on and PLATFORMS[platform].piece_bytes > 0
     }

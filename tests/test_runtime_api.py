@@ -44,7 +44,7 @@ PER_OP = [
 
 
 #: The working-set keywords' defaults: whole, a new input gradient, nothing to add into.
-LEAN_DEFAULTS = {"piece_bytes": 0, "in_place": False, "add_into": None}
+LEAN_DEFAULTS = {"piece_bytes": 0, "in_place": False, "add_into": None, "consume": False}
 
 
 def lean_keywords(op: OpSpec, platform: str) -> set[str]:
@@ -56,6 +56,7 @@ def lean_keywords(op: OpSpec, platform: str) -> set[str]:
         "piece_bytes": op.backward_pieces,
         "in_place": op.backward_in_place,
         "add_into": op.backward_add_into,
+        "consume": bool(op.backward_consumes),
     }
     return {name for name, on in flags.items() if on}
 

@@ -419,6 +419,8 @@ class Emitter:
             kwargs += (("add_into", add_into),)
         elif in_place:
             kwargs += (("in_place", Const(True)),)
+        if lean and node.inputs and node.inputs[0].requires_grad and self.consumable(node):
+            kwargs += (("consume", Const(True)),)
         call = CallExpr(
             self.kernel(node, f"{op.name}_backward"),
             (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),
@@ -436,6 +438,29 @@ class Emitter:
             local_comment=node.local_text,
             stage=self.stage(node),
         )
+
+    def consumable(self, node: Node) -> bool:
+        """May the backward overwrite its saved extras named in ``backward_consumes``? Each
+        must reach it as a tensor this code owns and nothing else reads: kept raw (the
+        forward's own output), or restored into a new tensor from a compressed form; never
+        a packed form restored piece by piece, and never one a segment's recompute reads."""
+        consumed = node.op.backward_consumes
+        if not consumed:
+            return False
+        for arg in node.saved:
+            if arg.entry not in consumed:
+                continue
+            if arg.kind != "extra":
+                return False  # the kernel returned no such extra (None) with these arguments
+            found = self.plan.form_for(node, arg.entry)
+            if found is None:
+                return False
+            stashed, form = found
+            if stashed.segment_readers or any(n is not node for n, _, _ in stashed.readers):
+                return False
+            if form.kind == "recompute" or self.restored_in_pieces(stashed, form):
+                return False
+        return True
 
     def lean(self) -> bool:
         """Does the step shrink its backward working set (the platform's ``piece_bytes``):

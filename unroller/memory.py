@@ -46,7 +46,7 @@ import torch
 from unroller.codegen import RECOMPUTE_SECTION, Emitter, Options, called_name
 from unroller.dtypes import DTYPE_BYTES, torch_dtype
 from unroller.graph import Graph, Node
-from unroller.ir import AddTo, Assign, Attr, CallExpr, Do, Step, Var
+from unroller.ir import AddTo, Assign, Attr, CallExpr, Const, Do, Step, Var
 from unroller.platforms import platform as get_platform
 from unroller.runtime.attention import largest_tile
 from unroller.runtime.gpu import piece_samples
@@ -97,7 +97,8 @@ WORKSPACE: dict[str, Workspace | tuple[Workspace, ...]] = {
     "conv1d": Workspace(1.0, 1.0),
     "conv_transpose2d": Workspace(1.0, 1.0),
     # the nll gradient [N, C, ...] beside log_softmax's input gradient: 1.0 x the logits
-    # (measured); the step's peak once the layers run in pieces (gpt_tiny, nocompress)
+    # (measured); the step's peak once the layers run in pieces (gpt_tiny, nocompress).
+    # Called with ``consume`` it works in log_probs' storage: nothing beyond it
     "cross_entropy": Workspace(1.0, 0.0),
 }
 PIECEWISE: dict[str, Workspace] = {
@@ -302,6 +303,12 @@ class _Heap:
                 del self.stash[old]
                 self.stash_live -= self.size[old]
             del self.size[old], self.refs[old]
+
+    def unmark_stash(self, storage: int) -> None:
+        """The storage holds a saved tensor no more (a kernel consumed it, see
+        ``backward_consumes``): live still, as whatever was written into it."""
+        if self.stash.pop(storage, None) is not None:
+            self.stash_live -= self.size[storage]
 
     def mark_stash(self, name: str, key: str) -> None:
         storage = self.storage_of.get(name)
@@ -566,8 +573,11 @@ def _transient_of(
         piece = _piece(statement, node, sizes)
         args = _var_args(statement.value) if isinstance(statement.value, CallExpr) else []
         packed = len(args) > 1 and args[1] in sizes.in_pieces  # x restored by the kernel
-        if piece < 1.0 and node.op.name in PIECEWISE:
-            phases: tuple[Workspace, ...] = (PIECEWISE[node.op.name],)
+        if _consumed_arg(statement.value, node, kwargs) is not None:
+            phases: tuple[Workspace, ...] = ()  # worked out in the consumed extra's storage
+            piece = 1.0
+        elif piece < 1.0 and node.op.name in PIECEWISE:
+            phases = (PIECEWISE[node.op.name],)
         else:
             work = WORKSPACE.get(node.op.name, ())
             phases, piece = work if isinstance(work, tuple) else (work,), 1.0
@@ -618,19 +628,41 @@ def _overwritten_storage(
     the total it adds into (``add_into``, registry ``backward_add_into``), or the output
     gradient with ``in_place`` (registry ``backward_in_place``): always for a kernel that
     does not run in pieces (relu), only when it splits the batch for one that does (batch
-    norm and convolutions run whole with aten's kernels, into a new tensor)."""
+    norm and convolutions run whole with aten's kernels, into a new tensor); or the saved
+    extra it consumes (``consume``, registry ``backward_consumes``: cross entropy's
+    log_probs)."""
     if node is None or step.section != "backward" or not func.endswith("_backward"):
         return None
     kwargs = dict(statement.value.kwargs) if isinstance(statement.value, CallExpr) else {}
     into = kwargs.get("add_into")
     if isinstance(into, Var):
         return heap.storage_of.get(into.name)
+    consumed = _consumed_arg(statement.value, node, kwargs)
+    if consumed is not None:  # from now on the gradient's, no longer stash
+        storage = heap.storage_of.get(consumed)
+        if storage is not None:
+            heap.unmark_stash(storage)
+        return storage
     if "in_place" not in kwargs or not kwargs["in_place"].value:
         return None
     if node.op.backward_pieces and _piece(statement, node, sizes) >= 1.0:
         return None
     args = _var_args(statement.value)
     return heap.storage_of.get(args[0]) if args else None
+
+
+def _consumed_arg(call: Any, node: Node, kwargs: dict) -> str | None:
+    """The variable a backward kernel called with ``consume`` writes its first input's
+    gradient into: its first saved entry named in ``backward_consumes`` (the call's
+    arguments are the output gradient, then one per saved entry)."""
+    flag = kwargs.get("consume")
+    if not isinstance(call, CallExpr) or not isinstance(flag, Const) or not flag.value:
+        return None
+    for position, arg in enumerate(node.saved):
+        if arg.entry in node.op.backward_consumes:
+            found = call.args[1 + position]
+            return found.name if isinstance(found, Var) else None
+    return None
 
 
 def _workspace(work: Workspace, node: Node, sizes: _Sizes, piece: float = 1.0) -> int:

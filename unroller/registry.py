@@ -174,6 +174,10 @@ class OpSpec:
     #: the backward kernel takes ``add_into=T``: it adds its first input's gradient into T
     #: (the gradient so far, the code generator's own) and returns T
     backward_add_into: bool = False
+    #: saved extras of the op's own forward that the backward kernel may overwrite
+    #: (``consume=True``): nothing else reads them, so the first input's gradient can be
+    #: written into their storage instead of a new tensor (cross entropy's log_probs)
+    backward_consumes: tuple[str, ...] = ()
 
     @property
     def is_loss(self) -> bool:
@@ -278,6 +282,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "batch_coupled",
         "backward_in_place",
         "backward_add_into",
+        "backward_consumes",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -344,6 +349,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         batch_coupled=bool(raw.get("batch_coupled", False)),
         backward_in_place=bool(raw.get("backward_in_place", False)),
         backward_add_into=bool(raw.get("backward_add_into", False)),
+        backward_consumes=tuple(raw.get("backward_consumes", ())),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}
@@ -360,6 +366,9 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
             raise RegistryError(f"{where}: derivative.{entry} must name a saved activation")
     if spec.layout is not None and spec.layout not in LAYOUTS:
         raise RegistryError(f"{where}: layout must be one of {LAYOUTS}")
+    extras = {e.name for e in spec.extras}
+    if any(e not in spec.saved or e not in extras for e in spec.backward_consumes):
+        raise RegistryError(f"{where}: backward_consumes must name saved extras")
     if not set(spec.activations) <= set(spec.saved):
         raise RegistryError(f"{where}: every activation must also be saved")
     if (spec.params or spec.buffers) and not spec.module:

@@ -1044,13 +1044,21 @@ def cross_entropy_backward(
     label_smoothing: float = 0.0,
     ignore_index: int = IGNORE_INDEX,
     needs: Needs | None = None,
+    consume: bool = False,
 ) -> Grads:
     """aten's nll backward then aten::_log_softmax_backward_data; the total weight is the
     count of non-ignored targets, as nll_loss_forward computes it. With label smoothing,
     the composite's backward step by step: mul, then div by the count, sum's expand,
-    masked_fill, neg and sum's expand over C, added to the nll path's gradient."""
+    masked_fill, neg and sum's expand over C, added to the nll path's gradient.
+
+    ``consume`` (registry ``backward_consumes``): ``log_probs`` is the caller's own and dead
+    after this call, so the logits' gradient is written into it (_cross_entropy_grad_into)
+    instead of two new logits-sized tensors."""
     if not _need(needs, 0):
         return _fit((), needs)
+    if consume:
+        grad = _cross_entropy_grad_into(g, log_probs, target, ignore_index, label_smoothing)
+        return _fit((grad,), needs)
     if label_smoothing == 0.0:
         glp = _nll_backward(g, log_probs, target, ignore_index)
     else:
@@ -1060,6 +1068,28 @@ def cross_entropy_backward(
         g_rows = g_smooth.expand(ignored.shape).masked_fill(ignored, 0).neg()
         glp = glp + g_rows.unsqueeze(1).expand(log_probs.shape)
     return _fit((_aten._log_softmax_backward_data(glp, log_probs, 1, log_probs.dtype),), needs)
+
+
+def _cross_entropy_grad_into(
+    g: Tensor, log_probs: Tensor, target: Tensor, ignore_index: int, label_smoothing: float
+) -> Tensor:
+    """The logits' gradient made in ``log_probs``' storage: exp(log_probs) * s - w_smooth -
+    one_hot(target) * w_nll per kept row, where w_nll = g (1 - ls) / count, w_smooth =
+    g ls / C / count and s = w_nll + C w_smooth (what _log_softmax_backward_data sums
+    over the classes); zero on ignored rows (all ignored: zero, as aten's kernels give).
+    aten's kernels compute the same products in another order, so the results differ
+    only where their exp or a fused multiply-add rounds differently."""
+    kept = target.ne(ignore_index)
+    total = kept.sum().to(g.dtype)
+    zero = g.new_zeros(())
+    classes = log_probs.shape[1]
+    w_nll = torch.where(kept, g * (1 - label_smoothing) / total, zero).unsqueeze(1)
+    index = torch.where(kept, target, target.new_zeros(())).unsqueeze(1)
+    if label_smoothing == 0.0:
+        return log_probs.exp_().mul_(w_nll).scatter_add_(1, index, w_nll.neg())
+    w_smooth = torch.where(kept, g * (label_smoothing / classes) / total, zero).unsqueeze(1)
+    grad = log_probs.exp_().mul_(w_nll + classes * w_smooth).sub_(w_smooth)
+    return grad.scatter_add_(1, index, w_nll.neg())
 
 
 def mse_loss(a: Tensor, b: Tensor) -> Tensor:
