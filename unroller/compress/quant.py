@@ -40,14 +40,20 @@ class Quant(Compressor):
     Groups: ``group_size=None`` makes one group per channel of each sample for inputs of rank
     >= 3 ([N, C, ...]) and one group per sample for rank 1-2 inputs; an int makes groups of that
     many consecutive elements of each flattened sample (the last group padded by repeating the
-    sample's last element, which changes no min/max). Per group: mn = amin, mx = amax,
-    scale = (mx - mn) / (2**bits - 1), code = round((x - mn) / scale) in [0, 2**bits - 1]
-    (``stochastic``: floor(v + U[0, 1)), unbiased, using torch's global RNG);
-    x_hat = mn + code * scale. Error per element: <= scale / 2 (nearest), < scale (stochastic).
+    sample's last element, which changes no min/max). The planner (``schemes.Codec.fit``)
+    sets ``group_size`` to the last dim for 4-D tensors laid out as rows (attention maps,
+    per-head tensors), so that token tensors [N, L, E], their [N*L, E] views and per-head
+    tensors all get one group per row. Per group: mn = amin, mx = amax (a zero min or max is
+    +0.0), scale = (mx - mn) / (2**bits - 1), code = round((x - mn) / scale) in
+    [0, 2**bits - 1] (``stochastic``: floor(v + U[0, 1)), unbiased, the noise from torch's
+    global RNG or the ``generator`` given to ``compress``); x_hat = mn + code * scale. Error
+    per element: <= scale / 2 (nearest), < scale (stochastic).
 
     Packed form: (codes uint8 [N, ceil(M * bits / 8)], mn [N, G], scale [N, G]) where M is the
     per-sample element count and G the groups per sample; mn and scale are float32 (float64 for
-    float64 inputs). Work is done in float32 (float64 for float64 inputs).
+    float64 inputs). Work is done in float32 (float64 for float64 inputs). On the CPU the native
+    kernels of ``compress/native`` run when they can be built (``base.NATIVE``), with the same
+    bytes.
 
     Zero-size inputs round-trip: N = 0 gives packed tensors with N = 0; empty samples (M = 0,
     e.g. C, H or W of 0) have no groups (codes [N, 0], mn and scale [N, 0]).
