@@ -2,7 +2,10 @@
 cross entropy writes the logits' gradient into the log-probabilities its forward made and
 nothing else reads, instead of aten's two logits-sized tensors (the nll gradient, then
 log_softmax's input gradient). Once a transformer's layers run in pieces that backward is
-the step's peak, so the memory model counts the gradient in that storage.
+the step's peak, so the memory model counts the gradient in that storage. Beside it, at
+the same height, the copies aten makes of logits permuted from a head's [N, L, C] (the
+forward's log_softmax input, linear's output gradient in the backward), which the memory
+model counts too.
 
 The kernel computes aten's products in another order (float64: within 1e-15 of aten's, not
 bit for bit), so, like ``backward_in_place``, the code generator passes ``consume=True``
@@ -18,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import rel_err
+from test_memory_plan import assert_model_brackets_the_measured_peak
 
 import unroller.runtime.gpu as K
 from unroller import platforms
@@ -147,8 +151,7 @@ def _loss_backward(events: list) -> tuple:
 def test_memory_model_counts_the_gradient_in_log_probs(monkeypatch):
     """Under quant the loss backward makes no logits-sized tensor: while it runs the step
     holds what it held before (log_probs turns into the gradient, stash no more), where
-    without ``consume`` it holds two more logits-sized tensors. (Against measured peaks:
-    test_segment_pieces, where this step is the peak.)"""
+    without ``consume`` it holds two more logits-sized tensors."""
     graph = graph_from_text(_tokens(0.0), "tokens.txt")
     config = Options(scheme="quant").compression(graph)
     logits = 64 * 11 * 6 * 4
@@ -161,3 +164,12 @@ def test_memory_model_counts_the_gradient_in_log_probs(monkeypatch):
     assert lean.during_bytes <= before.live_bytes
     assert lean.stash_bytes + logits == before.stash_bytes
     assert whole.during_bytes - lean.during_bytes >= logits
+
+
+@pytest.mark.parametrize("scheme", ["nocompress", "quant"])
+def test_memory_model_counts_the_copies_of_reordered_logits(scheme):
+    """Logits permuted from a head's [N, L, C]: aten's log_softmax copies them contiguous in
+    the forward and linear's backward copies their gradient, handed back permuted; with
+    those copies counted, the model brackets the measured peak."""
+    graph = graph_from_text(_tokens(0.0), "tokens.txt")
+    assert_model_brackets_the_measured_peak(graph, Options(scheme=scheme).compression(graph), 64)

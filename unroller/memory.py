@@ -101,6 +101,14 @@ WORKSPACE: dict[str, Workspace | tuple[Workspace, ...]] = {
     # Called with ``consume`` it works in log_probs' storage: nothing beyond it
     "cross_entropy": Workspace(1.0, 0.0),
 }
+#: Kernels that copy a reordered operand (a permute's or transpose's view) into a contiguous
+#: tensor first, a copy of its bytes beside everything else, whatever the machine:
+#: aten::_log_softmax its input (a transformer head's logits [N, C, L] permuted from
+#: [N, L, C]: the forward's peak beside the head's output and log_probs), aten::matmul in
+#: linear's backward its output gradient (the same head's gradient, handed back permuted).
+REORDERING = frozenset({"permute", "transpose"})
+CONTIGUOUS_INPUT = frozenset({"cross_entropy"})
+CONTIGUOUS_GRAD = frozenset({"linear"})
 PIECEWISE: dict[str, Workspace] = {
     "conv2d": Workspace(2.0, 1.0, 2.0, 40 * 1024),
     "conv1d": Workspace(2.0, 1.0, 2.0, 40 * 1024),
@@ -584,14 +592,31 @@ def _transient_of(
         found = max((_workspace(w, node, sizes, piece) for w in phases), default=0)
         if "add_into" in kwargs and piece >= 1.0:  # whole: the gradient, then added
             found += sizes.tensor(node.inputs[0].type)
+        if node.op.name in CONTIGUOUS_GRAD and _gradient_reordered(node):
+            found += sizes.tensor(node.output.type)
         if packed:
             restored = min((w.restored for w in phases), default=1.0)
             found += _restore_transient(args[1], sizes, piece, restored)
         return found
     if step.section in ("forward", RECOMPUTE_SECTION) and func.endswith(f".{node.op.name}"):
         phases = FORWARD_WORKSPACE.get(node.op.name, ())
-        return max((_workspace(w, node, sizes) for w in phases), default=0)
+        found = max((_workspace(w, node, sizes) for w in phases), default=0)
+        if node.op.name in CONTIGUOUS_INPUT and _reordered(node.inputs[0]):
+            found += sizes.tensor(node.inputs[0].type)
+        return found
     return 0
+
+
+def _reordered(value: Any) -> bool:
+    """Is the tensor a view with its dims reordered (a permute's or transpose's output)?"""
+    return value.producer is not None and value.producer.op.name in REORDERING
+
+
+def _gradient_reordered(node: Node) -> bool:
+    """Does the node's output gradient arrive as a reordered view: the output's one reader
+    a permute or transpose, whose backward hands back its own gradient permuted?"""
+    readers = node.output.consumers
+    return len(readers) == 1 and readers[0][0].op.name in REORDERING
 
 
 def _piece(statement: Assign, node: Node, sizes: _Sizes) -> float:
