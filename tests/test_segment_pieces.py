@@ -256,3 +256,48 @@ def test_check_says_a_damaged_pieces_field_is_damaged(tmp_path):
 def test_cli_refuses_pieces_without_segments():
     result = CliRunner().invoke(app, ["generate", str(GPT), "--segment-pieces", "2"])
     assert result.exit_code == 2 and "give --recompute-segments" in result.output
+
+
+# --------------------------------------------------------------------------- pieces of P samples
+
+
+@pytest.mark.parametrize("name,batch,size", [("gpt_tiny", 5, 2), ("vit_tiny", 3, 4)])
+def test_piece_size_is_exact_without_compression(tmp_path, name, batch, size):
+    """--segment-piece-size P: pieces of P samples (the last one smaller; one piece when the
+    batch is at most P), the loss and every gradient as autograd's to 1e-10."""
+    options = Options(recompute_segments=BLOCKS, segment_piece_size=size)
+    loss, grads, ref_loss, ref_grads, source = _bench_step(tmp_path, name, options, batch)
+    assert f"in pieces of {size} samples" in source and f".split({size})" in source
+    assert rel_err(loss, ref_loss) <= TOL
+    assert rel_err(grads, ref_grads) <= TOL, rel_err(grads, ref_grads)
+
+
+def test_piece_size_working_set_is_the_same_at_every_batch():
+    """With pieces of a fixed size, the model's peak grows per sample by what each sample
+    keeps, not by the pieces' working set: its slope between batch 8 and 32 is below that
+    of 8 pieces of the batch (whose pieces grow with it)."""
+    graph = graph_from_text(GPT.read_text(), "gpt_tiny.txt")
+    config = Options(scheme="quant", recompute_segments=BLOCKS).compression(graph)
+
+    def slope(**pieces: int) -> float:
+        low, high = (simulate_graph(graph, config, b, **pieces) for b in (8, 32))
+        return (high.peak_bytes - low.peak_bytes) / 24
+
+    assert slope(segment_piece_size=2) < slope(segment_pieces=8)
+
+
+def test_piece_size_cli_header_and_refusals(tmp_path):
+    out = tmp_path / "sized.py"
+    args = ["generate", str(GPT), "--recompute-segments", "blocks", "--segment-piece-size", "4"]
+    result = CliRunner().invoke(app, [*args, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_header(out.read_text())["segment_piece_size"] == 4
+    assert CliRunner().invoke(app, ["check", str(tmp_path)]).exit_code == 0
+    both = CliRunner().invoke(app, [*args, "--segment-pieces", "2"])
+    assert both.exit_code == 2 and "give one of them" in both.output
+    alone = CliRunner().invoke(app, ["generate", str(GPT), "--segment-piece-size", "2"])
+    assert alone.exit_code == 2 and "give --recompute-segments" in alone.output
+    out.write_text(out.read_text().replace('"segment_piece_size": 4', '"segment_piece_size": -1'))
+    damaged = CliRunner().invoke(app, ["check", str(tmp_path)])
+    assert damaged.exit_code == 1
+    assert "'segment_piece_size' is -1, not a whole number from 0 to 4096" in damaged.output

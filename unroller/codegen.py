@@ -105,6 +105,8 @@ class Options:
     #: recomputed segments run their recompute and backward in this many pieces of the
     #: batch where they can (stash.plan_pieces); 1: whole
     segment_pieces: int = 1
+    #: or, when not 0, in pieces of at most this many samples (``split``), whatever the batch
+    segment_piece_size: int = 0
     data_parallel: bool = False  # all-reduce gradient buckets in the backward (distributed.py)
     bucket_bytes: int | None = None  # data parallel: bucket size (None: BUCKET_BYTES, 25 MiB)
     pipeline: int = 1  # gpu: stages over processes (unroller.pipeline_parallel); 1: none
@@ -129,6 +131,8 @@ class Options:
             found["recompute_segments"] = list(self.recompute_segments)
         if self.segment_pieces != 1:
             found["segment_pieces"] = self.segment_pieces
+        if self.segment_piece_size:
+            found["segment_piece_size"] = self.segment_piece_size
         if self.data_parallel:
             found["data_parallel"] = True
         if self.bucket_bytes is not None:
@@ -142,9 +146,10 @@ class Options:
         known = {"generator", "source", "sha256", "platform", "scheme", "compress_config"}
         known |= {"compress_config_sha256", "opt_level", "num_ipus", "stage_starts", "resolution"}
         known |= {"recompute", "recompute_segments", "data_parallel", "bucket_bytes", "pipeline"}
-        known |= {"segment_pieces"}
+        known |= {"segment_pieces", "segment_piece_size"}
         segments = header.get("recompute_segments", [])
         pieces = header.get("segment_pieces", 1)
+        size = header.get("segment_piece_size", 0)
         return cls(
             platform=header.get("platform", "gpu"),
             scheme=header.get("scheme", "nocompress"),
@@ -162,6 +167,7 @@ class Options:
             segment_pieces=(
                 pieces if isinstance(pieces, int) and not isinstance(pieces, bool) else 1
             ),
+            segment_piece_size=size if isinstance(size, int) and not isinstance(size, bool) else 0,
             data_parallel=header.get("data_parallel") is True,
             bucket_bytes=header.get("bucket_bytes"),
             pipeline=header.get("pipeline", 1),
@@ -199,6 +205,14 @@ BUCKET_BYTES = 25 * 2**20
 def called_name(expr: Any) -> str:
     """The dotted name a statement's call calls (``K.accumulate``); "" for anything else."""
     return expr.func.dotted if isinstance(expr, CallExpr) and isinstance(expr.func, Global) else ""
+
+
+def _split_batch(value: Var, segment: Segment) -> CallExpr:
+    """``value`` split along the batch as ``segment`` runs: ``value.split(P)`` for pieces of
+    P samples, else ``value.tensor_split(K)`` for K pieces (views either way)."""
+    if segment.piece_size:
+        return CallExpr(Attr(value, "split"), (Const(segment.piece_size),))
+    return CallExpr(Attr(value, "tensor_split"), (Const(segment.pieces),))
 
 
 class Emitter:
@@ -704,14 +718,14 @@ class Emitter:
 
         Its inputs kept compressed are restored once for the whole batch; each value the
         steps read from outside (inputs, the output gradients) is split into views along
-        the batch (``tensor_split``: pieces differ by at most one sample), and each piece
+        the batch (``tensor_split(K)``: K pieces differing by at most one sample; or
+        ``split(P)``: pieces of P samples, the last one smaller), and each piece
         runs the segment's recompute and backward steps, renamed to the piece's variables.
         The parameter gradients accumulate into ``.grad`` piece after piece (summed in
         another order than one whole-batch kernel: equal to rounding, not bit for bit);
         each input's gradient is copied into its slice of one whole-batch tensor, added to
         what the input had from elsewhere when it had some. The header step (the loop) and
         the last step of a piece are recorded in ``piece_loops`` for rendering."""
-        pieces = segment.pieces
         nodes = [n for n in reversed(segment.nodes) if n.needs_backward]
         made = {n.output.name for n in segment.nodes}
         outside: list[Value] = []
@@ -779,13 +793,13 @@ class Emitter:
         slots = {v.name: self.name("slot", *self.key_of[self.grad(v).name]) for v in graded}
         targets = tuple(Var(mapping[n]) for n in free) + tuple(slots[v.name] for v in graded)
         splits = [Var(n) for n in free] + [full[v.name] for v in graded]
-        split = tuple(CallExpr(Attr(t, "tensor_split"), (Const(pieces),)) for t in splits)
+        split = tuple(_split_batch(t, segment) for t in splits)
         header = Step(
             "backward",
             [Assign(targets, CallExpr(Global("zip"), split))],
             comment=(
-                f"[pieces] {segment.call.text}: its recompute and backward in {pieces} pieces "
-                "of the batch"
+                f"[pieces] {segment.call.text}: its recompute and backward in "
+                f"{segment.pieces_text()}"
             ),
         )
         steps += [header, *body]
@@ -845,12 +859,11 @@ class Emitter:
         slots = {n: self.name("slot", *self.key_of[n]) for n in outputs}
         targets = tuple(Var(mapping[n]) for n in free) + tuple(slots[n] for n in outputs)
         splits = [Var(n) for n in [*free, *outputs]]
-        split = tuple(CallExpr(Attr(v, "tensor_split"), (Const(segment.pieces),)) for v in splits)
-        pieces = segment.pieces
+        split = tuple(_split_batch(v, segment) for v in splits)
         header = Step(
             "forward",
             [Assign(targets, CallExpr(Global("zip"), split))],
-            comment=f"[pieces] {segment.call.text}: its forward in {pieces} pieces of the batch",
+            comment=f"[pieces] {segment.call.text}: its forward in {segment.pieces_text()}",
         )
         copies: list[Statement] = [
             Do(CallExpr(Attr(slots[n], "copy_"), (Var(mapping[n]),))) for n in outputs
@@ -958,7 +971,7 @@ class Emitter:
         ]
         steps = self.forward_with_stash(graph.nodes, kept)
         for segment in self.plan.segments:
-            if segment.pieces > 1:
+            if segment.in_pieces:
                 steps = self.pieced_forward(segment, steps)
         loss = self.var(graph.loss)
         seed = CallExpr(Global("torch.ones_like"), (loss,))
@@ -975,7 +988,7 @@ class Emitter:
         for node in reversed(graph.nodes):
             if node.needs_backward:
                 segment = self.segment_of.get(node.index)
-                if segment is not None and segment.pieces > 1:
+                if segment is not None and segment.in_pieces:
                     if segment.name not in begun:  # the whole segment's backward, in pieces
                         begun.add(segment.name)
                         steps += self.pieced_steps(segment, node, owned)
@@ -1323,10 +1336,12 @@ def render(
         raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
     if config is None:
         config = options.compression(graph)
-    if options.segment_pieces < 1:
-        raise ValueError("--segment-pieces must be at least 1")
-    plan = plan_stash(graph, config, options.segment_pieces)
-    if any(s.pieces > 1 for s in plan.segments):
+    if options.segment_pieces < 1 or options.segment_piece_size < 0:
+        raise ValueError("--segment-pieces must be at least 1, --segment-piece-size at least 0")
+    if options.segment_pieces != 1 and options.segment_piece_size:
+        raise ValueError("--segment-pieces and --segment-piece-size: give one of them")
+    plan = plan_stash(graph, config, options.segment_pieces, options.segment_piece_size)
+    if any(s.in_pieces for s in plan.segments):
         if target.grads != "accumulate" or target.pipelined:  # pieces add into .grad
             raise ValueError(f"--segment-pieces is not for platform {target.name}")
         if options.data_parallel:
@@ -1599,10 +1614,10 @@ def _segments_note(plan: StashPlan) -> str:
     note = f"; blocks recomputed in the backward: {shown or 'none'}"
     if plan.skipped_segments:
         note += f" ({len(plan.skipped_segments)} not recomputable: see unroll graph)"
-    pieced = [s for s in plan.segments if s.pieces > 1]
+    pieced = [s for s in plan.segments if s.in_pieces]
     if pieced:
         note += (
-            f", {len(pieced)} of them run in {pieced[0].pieces} pieces of the batch (forward, "
+            f", {len(pieced)} of them run in {pieced[0].pieces_text()} (forward, "
             "recompute and backward)"
         )
     if plan.unpieced_segments:

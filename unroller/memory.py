@@ -336,15 +336,17 @@ def simulate_graph(
     platform: str = "gpu",
     kernel_scale: float = 1.0,
     segment_pieces: int = 1,
+    segment_piece_size: int = 0,
 ) -> Simulation:
     """The memory model of the step the code generator emits for ``graph`` and ``config``
-    (``segment_pieces``: the recomputed segments in that many pieces of the batch).
+    (``segment_pieces``: the recomputed segments in that many pieces of the batch;
+    ``segment_piece_size``: in pieces of at most that many samples instead).
 
     ``kernel_scale`` multiplies the kernels' working memory (``WORKSPACE``,
     ``PIECEWISE``, ``FORWARD_WORKSPACE``: measured on one CPU, where another CPU's oneDNN
     may pick another algorithm with other scratch buffers); 0 and 2 bracket what another
     machine can measure. Codec transients are measured on the running machine already."""
-    plan = plan_stash(graph, config, segment_pieces)
+    plan = plan_stash(graph, config, segment_pieces, segment_piece_size)
     emitter = Emitter(graph, plan, get_platform(platform))
     made: dict[int, Node] = {}
     forward_step, backward_step = emitter.forward_step, emitter.backward_step
@@ -381,6 +383,7 @@ def simulate(text: str, options: Options, batch_size: int, label: str = "<model>
         batch_size,
         options.platform,
         segment_pieces=options.segment_pieces,
+        segment_piece_size=options.segment_piece_size,
     )
 
 
@@ -413,7 +416,11 @@ def _run(
         start, end = at[id(header)], at[id(last)]
         loop_end[start] = end
         for k in range(start + 1, end + 1):
-            piece_batch[k] = -(-batch // segment.pieces)
+            piece_batch[k] = (
+                min(batch, segment.piece_size)
+                if segment.piece_size
+                else -(-batch // segment.pieces)
+            )
     deferred: dict[int, list[str]] = {}  # releases held until a loop's end
     for i, step in enumerate(steps):
         node = made.get(id(step))

@@ -111,6 +111,20 @@ class Segment:
     internal: list[str] = field(default_factory=list)  # stash keys only its recompute makes
     #: its recompute and backward run in this many pieces of the batch (``plan_pieces``)
     pieces: int = 1
+    #: or, when not 0, in pieces of at most this many samples: the working set is then the
+    #: same at every batch size, so it drops out of the bytes each extra sample costs
+    piece_size: int = 0
+
+    @property
+    def in_pieces(self) -> bool:
+        return self.pieces > 1 or self.piece_size > 0
+
+    def pieces_text(self) -> str:
+        """How the batch is split, for comments and tables: "8 pieces of the batch" or
+        "pieces of 4 samples"."""
+        if self.piece_size:
+            return f"pieces of {self.piece_size} sample{'s' if self.piece_size > 1 else ''}"
+        return f"{self.pieces} pieces of the batch"
 
     @property
     def name(self) -> str:
@@ -234,10 +248,13 @@ def _reader_form(
     return Form("raw", why=why)
 
 
-def plan_stash(graph: Graph, config: CompressionConfig, pieces: int = 1) -> StashPlan:
+def plan_stash(
+    graph: Graph, config: CompressionConfig, pieces: int = 1, piece_size: int = 0
+) -> StashPlan:
     """Decide the stored forms of every tensor saved for backward (``pieces``: the
     recomputed segments' recompute and backward run in that many pieces of the batch
-    where they can, ``plan_pieces``)."""
+    where they can, ``plan_pieces``; ``piece_size``: in pieces of at most that many
+    samples instead)."""
     producers = {v.name: -1 for v in graph.inputs}
     for node in graph.nodes:
         producers[node.output.name] = node.index
@@ -269,7 +286,8 @@ def plan_stash(graph: Graph, config: CompressionConfig, pieces: int = 1) -> Stas
     if config.segments:
         segments, skipped = plan_segments(graph, ordered, config, rows)
         ordered.sort(key=lambda s: s.producer)  # stable: inputs kept for a segment join
-    unpieced = plan_pieces(graph, ordered, segments, pieces) if pieces > 1 else {}
+    split = pieces > 1 or piece_size > 0
+    unpieced = plan_pieces(graph, ordered, segments, pieces, piece_size) if split else {}
     if config.recompute:
         plan_recompute(graph, ordered, segments)
     return StashPlan(ordered, config, segments, skipped, unpieced)
@@ -601,7 +619,7 @@ def pieces_problem(graph: Graph, segment: Segment, ordered: list[Stashed]) -> st
 
 
 def plan_pieces(
-    graph: Graph, ordered: list[Stashed], segments: list[Segment], pieces: int
+    graph: Graph, ordered: list[Stashed], segments: list[Segment], pieces: int, piece_size: int = 0
 ) -> dict[str, str]:
     """Segment pieces: each recomputed segment that can (``pieces_problem``) runs its
     recompute and backward in ``pieces`` pieces of the batch, one piece at a time, so that
@@ -615,14 +633,14 @@ def plan_pieces(
         if why:
             unpieced[segment.name] = why
             continue
-        segment.pieces = pieces
+        segment.pieces, segment.piece_size = (1, piece_size) if piece_size else (pieces, 0)
         for stashed in ordered:
             if stashed.segment != segment.name:
                 continue
             stashed.readers = [(n, s, Form("raw")) for n, s, _ in stashed.readers]
             stashed.forms = [Form("raw")]
             stashed.why = (
-                f"made again by {segment.name}'s recompute in {pieces} pieces of the batch, "
+                f"made again by {segment.name}'s recompute in {segment.pieces_text()}, "
                 "each consumed by the piece's backward right away (compressing it would "
                 "only cost time)"
             )

@@ -30,6 +30,7 @@ from unroller.cli.options import (
     RecomputeSegmentsOpt,
     SchemeOpt,
     SchemesOpt,
+    SegmentPieceSizeOpt,
     SegmentPiecesOpt,
     StagesOpt,
     value_of,
@@ -72,6 +73,7 @@ def generate(
     recompute: RecomputeOpt = False,
     recompute_segments: RecomputeSegmentsOpt = None,
     segment_pieces: SegmentPiecesOpt = 1,
+    segment_piece_size: SegmentPieceSizeOpt = 0,
     data_parallel: DataParallelOpt = False,
     pipeline: PipelineOpt = 1,
     force: Annotated[
@@ -106,6 +108,7 @@ def generate(
         pipeline,
         recompute_segments,
         segment_pieces,
+        segment_piece_size,
     )
     to_stdout = output is None or str(output) == "-"
     inputs = (model, *((compress_config,) if compress_config else ()))
@@ -158,6 +161,7 @@ def diff(
     recompute: RecomputeOpt = False,
     recompute_segments: RecomputeSegmentsOpt = None,
     segment_pieces: SegmentPiecesOpt = 1,
+    segment_piece_size: SegmentPieceSizeOpt = 0,
     against: Annotated[
         Path | None, typer.Option(help="The file to compare with (default: the checked-in one).")
     ] = None,
@@ -185,6 +189,7 @@ def diff(
             recompute,
             recompute_segments=recompute_segments,
             segment_pieces=segment_pieces,
+            segment_piece_size=segment_piece_size,
         )
 
     if len(schemes) == 2:

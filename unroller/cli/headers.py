@@ -66,6 +66,9 @@ def header_problem(header: object) -> str | None:
     pieces = header.get("segment_pieces", 1)
     if isinstance(pieces, bool) or not isinstance(pieces, int) or not 1 <= pieces <= 4096:
         return f"'segment_pieces' is {short(pieces)}, not a whole number from 1 to 4096"
+    size = header.get("segment_piece_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= 4096:
+        return f"'segment_piece_size' is {short(size)}, not a whole number from 0 to 4096"
     resolution = header.get("resolution")
     if resolution is not None and (
         isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1

@@ -23,6 +23,7 @@ from unroller.cli.options import (
     RecomputeOpt,
     RecomputeSegmentsOpt,
     SchemeOpt,
+    SegmentPieceSizeOpt,
     SegmentPiecesOpt,
     StagesOpt,
     value_of,
@@ -54,6 +55,7 @@ def graph(
     recompute: RecomputeOpt = False,
     recompute_segments: RecomputeSegmentsOpt = None,
     segment_pieces: SegmentPiecesOpt = 1,
+    segment_piece_size: SegmentPieceSizeOpt = 0,
 ) -> None:
     """Show the node graph: op, output shape, parameters and bytes saved for backward,
     and per saved tensor the form the scheme keeps it in, raw and stored bytes.
@@ -73,6 +75,7 @@ def graph(
         recompute,
         recompute_segments=recompute_segments,
         segment_pieces=segment_pieces,
+        segment_piece_size=segment_piece_size,
     )
     if fmt not in FORMATS:
         raise fail(f"unknown format '{fmt}' (table, json or dot)")
@@ -84,7 +87,9 @@ def graph(
     for warning in g.warnings:
         typer.echo(warning.format(str(model), g.source), err=True)
     try:
-        plan = plan_stash(g, options.compression(g), options.segment_pieces)
+        plan = plan_stash(
+            g, options.compression(g), options.segment_pieces, options.segment_piece_size
+        )
     except ModelError as exc:  # a segment the model does not have, or cannot recompute
         raise model_error(exc, model) from None
     stash = plan.report(batch_size)
@@ -127,10 +132,10 @@ def _segment_lines(plan: Any, batch: int) -> list[str]:
         f"{own:,} again, one segment at a time",
     ]
     lines += [f"not recomputed: {name}: {why}" for name, why in plan.skipped_segments.items()]
-    pieced = [s for s in plan.segments if s.pieces > 1]
+    pieced = [s for s in plan.segments if s.in_pieces]
     if pieced:
         lines.append(
-            f"in {pieced[0].pieces} pieces of the batch (forward, recompute and backward, one "
+            f"in {pieced[0].pieces_text()} (forward, recompute and backward, one "
             f"piece at a time, a piece's own stash raw): {', '.join(s.name for s in pieced)}"
         )
     lines += [

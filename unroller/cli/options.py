@@ -187,6 +187,19 @@ SegmentPiecesOpt = Annotated[
         "unroll graph says which). 1: whole.",
     ),
 ]
+SegmentPieceSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--segment-piece-size",
+        min=0,
+        max=MAX_SEGMENT_PIECES,
+        metavar="P",
+        help="With --recompute-segments, instead of --segment-pieces: pieces of at most P "
+        "samples, whatever the batch, so that a segment's working memory is the same at "
+        "every batch size (what each extra sample costs is then its kept inputs and "
+        "gradients). 0: by --segment-pieces.",
+    ),
+]
 
 DataParallelOpt = Annotated[
     bool,

@@ -45,6 +45,7 @@ def make_options(
     pipeline: int = 1,
     recompute_segments: str | None = None,
     segment_pieces: int = 1,
+    segment_piece_size: int = 0,
 ) -> Options:
     """Generator options from command-line values, refused (status 2) with the option to
     blame; the compression config is read and checked now, before anything is written."""
@@ -77,12 +78,15 @@ def make_options(
         recompute=recompute,
         recompute_segments=parse_segments(recompute_segments),
         segment_pieces=segment_pieces,
+        segment_piece_size=segment_piece_size,
         data_parallel=data_parallel,
         pipeline=pipeline,
     )
     if options.recompute_segments and (num_ipus != 1 or pipeline != 1):
         raise fail("--recompute-segments does not combine with pipeline stages yet")
-    if segment_pieces != 1:
+    if segment_pieces != 1 and segment_piece_size:
+        raise fail("--segment-pieces and --segment-piece-size: give one of them")
+    if segment_pieces != 1 or segment_piece_size:
         if not options.recompute_segments:
             raise fail("--segment-pieces splits recomputed segments: give --recompute-segments")
         if target.grads != "accumulate" or target.pipelined:
