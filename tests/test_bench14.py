@@ -451,7 +451,7 @@ def test_suite_methods_follow_the_peers_flag(tmp_path: Path):
         "autograd",
     ]
     assert [m.name for m in found] == names and found[1].recompute and not notes
-    assert found[2].variant == {"recompute_segments": ("blocks",), "segment_pieces": 8}
+    assert found[2].variant == {"recompute_segments": ("blocks",), "segment_piece_size": 4}
     assert not found[1].variant
 
 

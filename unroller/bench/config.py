@@ -36,11 +36,12 @@ HOOK_SCHEMES = ("dct-dense", "quant")  # schemes with a hook-based peer (same co
 # schemes with an ours:SCHEME+recompute row (--recompute): none, the densest, the planned
 RECOMPUTE_SCHEMES = ("nocompress", "dct-dense", "auto")
 # schemes with an ours:SCHEME+blocks+pieces row (--segments): every top-level block instance
-# keeps only its inputs and runs its forward again in the backward, in SEGMENT_PIECES pieces
-# of the batch where no op couples the samples (unroll generate --recompute-segments blocks
-# --segment-pieces K); none and the token codec
+# keeps only its inputs and runs its forward again in the backward, in pieces of at most
+# SEGMENT_PIECE_SIZE samples where no op couples the samples (unroll generate
+# --recompute-segments blocks --segment-piece-size P: a piece's working set is then the same
+# at both batches of the bytes-per-sample slope); none and the token codec
 SEGMENT_SCHEMES = ("nocompress", "quant")
-SEGMENT_PIECES = 8
+SEGMENT_PIECE_SIZE = 4
 AUTO = "auto"
 NONE = "none"
 QUARTER = "quarter"
@@ -190,9 +191,9 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         "--segments",
         action=argparse.BooleanOptionalAction,
         help="also run ours:SCHEME+blocks+pieces for nocompress and quant (those run; default: "
-        f"on in both presets): every block instance recomputed in {SEGMENT_PIECES} pieces of "
-        f"the batch (unroll generate --recompute-segments blocks --segment-pieces "
-        f"{SEGMENT_PIECES}) on models with blocks",
+        f"on in both presets): every block instance recomputed in pieces of at most "
+        f"{SEGMENT_PIECE_SIZE} samples (unroll generate --recompute-segments blocks "
+        f"--segment-piece-size {SEGMENT_PIECE_SIZE}) on models with blocks",
     )
     add(
         "--timeline",

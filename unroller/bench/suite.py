@@ -107,15 +107,16 @@ def _segmented_ours(
 ) -> list[Method]:
     """ours:SCHEME+blocks+pieces per scheme of ``config.SEGMENT_SCHEMES`` run (``--segments``):
     every top-level block instance keeps only its inputs from the forward and runs its
-    forward again when its backward begins, in ``config.SEGMENT_PIECES`` pieces of the batch
-    where no op couples the samples (``Options.recompute_segments``, ``segment_pieces``).
+    forward again when its backward begins, in pieces of at most ``config.SEGMENT_PIECE_SIZE``
+    samples where no op couples the samples (``Options.recompute_segments``,
+    ``segment_piece_size``).
     None on a model without block instances: the row would repeat ours:SCHEME."""
     from unroller.api import graph_from_text
     from unroller.stash import block_instances
 
     if not block_instances(graph_from_text(bench.model_text(resolution))):
         return []
-    variant = {"recompute_segments": ("blocks",), "segment_pieces": config.SEGMENT_PIECES}
+    variant = {"recompute_segments": ("blocks",), "segment_piece_size": config.SEGMENT_PIECE_SIZE}
     found = []
     for scheme in [s for s in args.schemes if s in config.SEGMENT_SCHEMES]:
         options = dataclasses.replace(_options(args, scheme, resolution), **variant)
@@ -124,8 +125,8 @@ def _segmented_ours(
         method.name = f"ours:{scheme}+blocks+pieces"
         method.variant = variant  # the memory model predicts it with the same Options
         method.notes.append(
-            f"--recompute-segments blocks --segment-pieces {config.SEGMENT_PIECES}: every "
-            "block instance recomputed in the backward, in pieces of the batch"
+            f"--recompute-segments blocks --segment-piece-size {config.SEGMENT_PIECE_SIZE}: "
+            "every block instance recomputed in the backward, in pieces of the batch"
         )
         found.append(method)
     return found
