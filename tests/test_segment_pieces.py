@@ -301,3 +301,22 @@ def test_piece_size_cli_header_and_refusals(tmp_path):
     damaged = CliRunner().invoke(app, ["check", str(tmp_path)])
     assert damaged.exit_code == 1
     assert "'segment_piece_size' is -1, not a whole number from 0 to 4096" in damaged.output
+
+
+def test_piece_size_from_a_compress_config(tmp_path):
+    """``segment_piece_size = P`` in a compress config, beside ``recompute_segments``: the
+    same loop as --segment-piece-size; a bad value is the config file's error."""
+    config = tmp_path / "pieces.toml"
+    config.write_text('recompute_segments = "blocks"\nsegment_piece_size = 2\n')
+    text = generate_from_text(GPT.read_text(), Options(compress_config=str(config)), "gpt_tiny.txt")
+    assert "in pieces of 2 samples" in text and ".split(2)" in text
+    for bad, says in [
+        ("segment_piece_size = 2\n", "with recompute_segments"),
+        ('recompute_segments = "blocks"\nsegment_piece_size = -1\n', "from 1 to 4096"),
+        ('recompute_segments = "blocks"\nsegment_piece_size = true\n', "a whole number"),
+    ]:
+        config.write_text(bad)
+        result = CliRunner().invoke(app, ["generate", str(GPT), "--compress-config", str(config)])
+        assert result.exit_code == 2, result.output
+        assert f"{config}:" in result.output and says in result.output, result.output
+        assert "Traceback" not in result.output

@@ -194,6 +194,9 @@ class CompressionConfig:
     #: backward, keeping only their inputs from the forward pass (``"blocks"``: all that
     #: can be; else globs on instance names; unroller.stash.plan_segments)
     segments: tuple[str, ...] = ()
+    #: the recomputed segments run in pieces of at most this many samples (0: whole, or
+    #: as --segment-pieces / --segment-piece-size say; those win over the config)
+    segment_piece_size: int = 0
 
     @property
     def lossy(self) -> bool:
@@ -270,7 +273,15 @@ DERIVATIVE_CODECS = frozenset({"fewbit"})
 """Registered compressors that keep an activation's derivative, not the activation: only for
 the ops whose registry entry offers it (``derivative``), turned on by ``derivatives = true``."""
 
-_TOP_KEYS = ("masks", "derivatives", "recompute", "recompute_segments", "default", "rule")
+_TOP_KEYS = (
+    "masks",
+    "derivatives",
+    "recompute",
+    "recompute_segments",
+    "segment_piece_size",
+    "default",
+    "rule",
+)
 _GLOB_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-")
 _WORD = re.compile(r"[A-Za-z0-9_.+-]*\Z")
 _SIMPLE = re.compile(r"[A-Za-z0-9_.*?\[\]!+ -]{0,60}\Z")
@@ -653,6 +664,18 @@ class _Checker:
                 ("recompute",), f"'recompute' must be true or false, not {_kind(recompute)}"
             )
         segments = self.segments(data.get("recompute_segments", []))
+        piece_size = data.get("segment_piece_size", 0)
+        if isinstance(piece_size, bool) or not isinstance(piece_size, int):
+            raise self.at_value(
+                ("segment_piece_size",),
+                f"'segment_piece_size' must be a whole number of samples, not {_kind(piece_size)}",
+            )
+        if not 0 <= piece_size <= 4096 or (piece_size and not segments):
+            raise self.at_value(
+                ("segment_piece_size",),
+                f"'segment_piece_size' is {piece_size}: from 1 to 4096 samples, with "
+                "recompute_segments (0: whole segments)",
+            )
         default = None
         if "default" in data:
             table = data["default"]
@@ -679,6 +702,7 @@ class _Checker:
             derivatives=derivatives,
             recompute=recompute,
             segments=segments,
+            segment_piece_size=piece_size,
             source=self.label,
             sha256=hashlib.sha256(self.text.encode("utf-8")).hexdigest(),
         )

@@ -255,6 +255,8 @@ def plan_stash(
     recomputed segments' recompute and backward run in that many pieces of the batch
     where they can, ``plan_pieces``; ``piece_size``: in pieces of at most that many
     samples instead)."""
+    if pieces == 1 and not piece_size:  # the config's, unless the options say otherwise
+        piece_size = config.segment_piece_size
     producers = {v.name: -1 for v in graph.inputs}
     for node in graph.nodes:
         producers[node.output.name] = node.index
