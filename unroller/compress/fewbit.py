@@ -211,6 +211,24 @@ def _bit_plane_compiled(  # unroller-lint: host-only (compiled path)
     return torch.bitwise_and(torch.bitwise_right_shift(codes, shift), (1 << bits) - 1)
 
 
+def _bit_plane_fast(codes: Tensor, shift: int, p: int) -> Tensor:  # unroller-lint: host-only
+    """The ``p`` bits of uint8 ``codes`` from bit ``shift`` on, by shift and mask (the CPU
+    fast path; the same values as the floor division and remainder of the other paths)."""
+    return codes.bitwise_right_shift(shift).bitwise_and_((1 << p) - 1)
+
+
+def _interval_codes(x: Tensor, edges: Tensor) -> Tensor:  # unroller-lint: host-only
+    """``torch.bucketize(x, edges).to(torch.uint8)``, code for code, by counting edges: the
+    code of x is the number of edges below it, len(edges) minus those at or above it, and
+    NaN, at or above none, gets len(edges) as bucketize gives it. With the few edges of a
+    few-bit code (at most 15) this is a compare and a subtract per edge, several times
+    faster on the CPU than bucketize's binary search per element."""
+    codes = torch.full(x.shape, len(edges), dtype=torch.uint8, device=x.device)
+    for k in range(len(edges)):
+        codes.sub_(x.le(edges[k]).view(torch.uint8))
+    return codes
+
+
 class FewBit(Compressor):
     """Keeps x as the ``bits``-bit index of its interval of ``function``'s derivative; decodes
     to the interval's representative x_k, whose derivative is the interval's level.
@@ -252,17 +270,20 @@ class FewBit(Compressor):
         m = prod(tuple(t.shape[1:]))
         wd = work_dtype(t.dtype)
         edges = self._table(0, wd, t.device)
-        codes = torch.bucketize(t.reshape(n, m).to(wd), edges)  # edges[c-1] < x <= edges[c]
         compiled = use_compiled_path(t)
         fast = not compiled and use_fast_path(t)
         if fast:
-            codes = codes.to(torch.uint8)
+            codes = _interval_codes(t.reshape(n, m).to(wd), edges)
+        else:
+            codes = torch.bucketize(t.reshape(n, m).to(wd), edges)  # edges[c-1] < x <= edges[c]
         pack = pack_codes_compiled if compiled else pack_codes_fast if fast else pack_codes
         packed = []
         shift = 0
         for p in _PLANES[self.params["bits"]]:
             if compiled:
                 plane = _bit_plane_compiled(codes, shift, p)
+            elif fast:
+                plane = _bit_plane_fast(codes, shift, p)
             else:
                 plane = torch.remainder(torch.div(codes, 1 << shift, rounding_mode="floor"), 1 << p)
             packed.append(pack(plane, p))
