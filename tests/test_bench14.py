@@ -452,7 +452,7 @@ def test_suite_methods_follow_the_peers_flag(tmp_path: Path):
     ]
     assert [m.name for m in found] == names and found[1].recompute and not notes
     assert found[2].variant == {"recompute_segments": ("blocks",), "segment_piece_size": 4}
-    assert not found[1].variant
+    assert found[1].variant == {"recompute": True}
 
 
 def test_segment_rows_only_for_models_with_blocks(tmp_path: Path):

@@ -75,26 +75,49 @@ def _options(
     )
 
 
-def _recomputing_ours(
+def _variant_ours(
     bench: Any,
     args: argparse.Namespace,
     resolution: int,
     ref: torch.nn.Module,
     device: torch.device,
     directory: Path,
+    variant: tuple[tuple[str, ...], str, dict[str, Any], str],
 ) -> list[Method]:
-    """ours:SCHEME+recompute per scheme of ``config.RECOMPUTE_SCHEMES`` run (``--recompute``):
-    cheap ops' outputs remade in the backward (``Options.recompute``)."""
+    """ours:SCHEME+SUFFIX for each scheme run of ``schemes``, built with the Options fields
+    ``fields`` on top of the scheme's (kept on the method, so that the memory model predicts
+    it with the same Options); ``note`` says what the row runs."""
+    schemes, suffix, fields, note = variant
     found = []
-    for scheme in [s for s in args.schemes if s in config.RECOMPUTE_SCHEMES]:
-        options = _options(args, scheme, resolution, recompute=True)
-        model = models.build_ours(bench, options, ref, device, directory / "recompute")
+    for scheme in [s for s in args.schemes if s in schemes]:
+        options = dataclasses.replace(_options(args, scheme, resolution), **fields)
+        model = models.build_ours(bench, options, ref, device, directory / suffix)
         method = peers.ours_gpu(scheme, model)
-        method.name = f"ours:{scheme}+recompute"
-        method.recompute = True  # the memory model predicts it with Options.recompute
-        method.notes.append("--recompute: cheap ops remade in the backward")
+        method.name = f"ours:{scheme}+{suffix}"
+        method.recompute = options.recompute
+        method.variant = fields
+        method.notes.append(note)
         found.append(method)
     return found
+
+
+RECOMPUTE_VARIANT = (
+    config.RECOMPUTE_SCHEMES,
+    "recompute",
+    {"recompute": True},
+    "--recompute: cheap ops remade in the backward",
+)
+"""ours:SCHEME+recompute (``--recompute``): cheap ops' outputs remade in the backward."""
+SEGMENT_VARIANT = (
+    config.SEGMENT_SCHEMES,
+    "blocks+pieces",
+    {"recompute_segments": ("blocks",), "segment_piece_size": config.SEGMENT_PIECE_SIZE},
+    f"--recompute-segments blocks --segment-piece-size {config.SEGMENT_PIECE_SIZE}: every "
+    "block instance recomputed in the backward, in pieces of the batch",
+)
+"""ours:SCHEME+blocks+pieces (``--segments``): every top-level block instance keeps only its
+inputs from the forward and runs its forward again when its backward begins, in pieces of
+at most ``config.SEGMENT_PIECE_SIZE`` samples where no op couples the samples."""
 
 
 def _segmented_ours(
@@ -105,31 +128,14 @@ def _segmented_ours(
     device: torch.device,
     directory: Path,
 ) -> list[Method]:
-    """ours:SCHEME+blocks+pieces per scheme of ``config.SEGMENT_SCHEMES`` run (``--segments``):
-    every top-level block instance keeps only its inputs from the forward and runs its
-    forward again when its backward begins, in pieces of at most ``config.SEGMENT_PIECE_SIZE``
-    samples where no op couples the samples (``Options.recompute_segments``,
-    ``segment_piece_size``).
-    None on a model without block instances: the row would repeat ours:SCHEME."""
+    """The ``SEGMENT_VARIANT`` rows; none on a model without block instances, where they
+    would repeat ours:SCHEME."""
     from unroller.api import graph_from_text
     from unroller.stash import block_instances
 
     if not block_instances(graph_from_text(bench.model_text(resolution))):
         return []
-    variant = {"recompute_segments": ("blocks",), "segment_piece_size": config.SEGMENT_PIECE_SIZE}
-    found = []
-    for scheme in [s for s in args.schemes if s in config.SEGMENT_SCHEMES]:
-        options = dataclasses.replace(_options(args, scheme, resolution), **variant)
-        model = models.build_ours(bench, options, ref, device, directory / "segments")
-        method = peers.ours_gpu(scheme, model)
-        method.name = f"ours:{scheme}+blocks+pieces"
-        method.variant = variant  # the memory model predicts it with the same Options
-        method.notes.append(
-            f"--recompute-segments blocks --segment-piece-size {config.SEGMENT_PIECE_SIZE}: "
-            "every block instance recomputed in the backward, in pieces of the batch"
-        )
-        found.append(method)
-    return found
+    return _variant_ours(bench, args, resolution, ref, device, directory, SEGMENT_VARIANT)
 
 
 def _compiled_ours(
@@ -196,7 +202,7 @@ def _methods(
     if args.compile:
         found += _compiled_ours(bench, args, resolution, ref, device, directory, notes)
     if getattr(args, "recompute", False) and args.platform == "gpu":
-        found += _recomputing_ours(bench, args, resolution, ref, device, directory)
+        found += _variant_ours(bench, args, resolution, ref, device, directory, RECOMPUTE_VARIANT)
     if getattr(args, "segments", False) and args.platform == "gpu":
         found += _segmented_ours(bench, args, resolution, ref, device, directory)
     found.append(peers.autograd(ref))
@@ -396,7 +402,7 @@ def _predicted(run: _Run, methods: list[Method], notes: list[str]) -> dict[str, 
         key = m.name
         if key not in cache:
             options = _options(run.args, m.scheme, run.resolution, recompute)
-            options = dataclasses.replace(options, **getattr(m, "variant", {}))
+            options = dataclasses.replace(options, **m.variant)
             try:
                 cache[key] = models.predict_memory(run.bench, options, run.batch_size)
             except Exception as exc:  # the memory model is new: a failure must not stop the run
