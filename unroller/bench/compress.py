@@ -78,7 +78,7 @@ def main(argv: Sequence[str], prog: str = "unroll bench compress") -> int:
         "threads": args.threads,
         "seed": args.seed,
         "shape": list(args.shape),
-        "out": str(args.out),
+        "out": machine.shown_path(args.out),
     }
     results: dict[str, Any] = {"meta": meta, "methods": METHODS}
     results["goals_defined"] = {

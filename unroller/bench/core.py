@@ -175,7 +175,7 @@ def main(argv: Sequence[str], prog: str = "unroll bench core") -> int:
         "warmup": args.warmup,
         "threads": args.threads,
         "seed": args.seed,
-        "out": str(args.out),
+        "out": machine.shown_path(args.out),
     }
     results: dict[str, Any] = {"meta": meta, "methods": METHODS}
     results["models"] = [bench_model(registry[name], args) for name in args.models]

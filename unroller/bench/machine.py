@@ -50,5 +50,16 @@ def describe(prog: str, argv: Sequence[str]) -> dict[str, Any]:
         "num_threads": torch.get_num_threads(),
         "loadavg_start": loadavg(),
         "command": shlex.join([*prog.split(), *argv]),
-        "executable": sys.executable,
+        "executable": shown_path(sys.executable),
     }
+
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a results file records it: relative to the working directory when it lies
+    inside it, else its last part only, so that results name no absolute path of the
+    machine that measured them."""
+    resolved = Path(path).resolve()
+    try:
+        return resolved.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return resolved.name

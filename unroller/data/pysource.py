@@ -204,7 +204,8 @@ def build(
     total_test = window_starts(len(corpus.test), length, None).numel()
     description = (
         f"Python {platform.python_version()} standard library .py sources (real, "
-        f"{corpus.root}, tests and site-packages left out; sha256 {corpus.sha256[:12]}), "
+        f"the interpreter's stdlib folder, tests and site-packages left out; sha256 "
+        f"{corpus.sha256[:12]}), "
         f"split by file: {corpus.train_files} files / {len(corpus.train):,} characters train, "
         f"{corpus.test_files} files / {len(corpus.test):,} validation; {VOCAB_SIZE} ids "
         f"(ASCII, {OTHER} = other); windows of {length}: {len(train):,} of {total_train:,} "
