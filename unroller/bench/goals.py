@@ -234,7 +234,11 @@ def _cpu_time(bench: str, runs: dict[str, dict], device: str | None) -> tuple:
     worst = max(limits, key=lambda k: ratios[k] / limits[k])
     figures = ", ".join(f"{k} {ratios[k]:.3f}x (<= {limits[k]:.2f}x)" for k in limits)
     batch = next(iter(runs.values()))["batch"]
-    return met, f"{ratios[worst]:.3f}x {worst}", f"{figures}; batch {batch} (the goal is stated at 32)"
+    return (
+        met,
+        f"{ratios[worst]:.3f}x {worst}",
+        f"{figures}; batch {batch} (the goal is stated at 32)",
+    )
 
 
 def _slope(record: dict[str, Any] | None) -> float | None:
