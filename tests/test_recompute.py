@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err
+from suite_steps import assert_grads_and_buffers_match, suite_pair, suite_step
 from typer.testing import CliRunner
 
 from unroller.api import graph_from_text
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
-from unroller.bench.reference import make_inputs
 from unroller.bench.reference import suite_model_path as model_path
 from unroller.cli import app
 from unroller.codegen import Options, read_header
@@ -31,41 +31,13 @@ from unroller.stash import MAX_RECOMPUTE_OPS, plan_stash
 TOL = 1e-10
 
 
-def _step(gen, ref, stem: str, batch: int, seed: int):
-    inputs = make_inputs(stem, batch, seed=seed)
-    torch.manual_seed(100 + seed)
-    ref_loss = ref(*inputs)[0]
-    ref_loss.backward()
-    torch.manual_seed(100 + seed)
-    return gen(*inputs), ref_loss
-
-
-def _pair(build, stem: str, options: Options):
-    torch.manual_seed(0)
-    ref = REFERENCES[stem]().double()
-    gen = build(model_path(stem), options).Model().double()
-    gen.load_state_dict(ref.state_dict())
-    return gen, ref
-
-
 @pytest.mark.parametrize("stem", sorted(REFERENCES))
 def test_recompute_is_exact_without_compression(build, stem):
-    gen, ref = _pair(build, stem, Options(recompute=True))
+    gen, ref = suite_pair(build, stem, Options(recompute=True))
     for seed in range(2):  # twice: gradients accumulate, running statistics move twice
-        loss, ref_loss = _step(gen, ref, stem, 3, seed)
+        loss, ref_loss = suite_step(gen, ref, stem, 3, seed)
         assert rel_err(loss, ref_loss) <= TOL
-    ref_params = dict(ref.named_parameters())
-    for name, param in gen.named_parameters():
-        want = ref_params[name].grad
-        assert (param.grad is None) == (want is None), name
-        if want is not None:
-            assert rel_err(param.grad, want) <= TOL, (name, rel_err(param.grad, want))
-    ref_buffers = dict(ref.named_buffers())
-    for name, buf in gen.named_buffers():  # recomputing batch norm moves no statistics
-        if buf.is_floating_point():
-            assert rel_err(buf, ref_buffers[name]) <= TOL, name
-        else:
-            assert torch.equal(buf, ref_buffers[name]), name
+    assert_grads_and_buffers_match(gen, ref, TOL)  # recomputing batch norm moves no statistics
 
 
 # -- what is remade and what is kept ------------------------------------------------------
@@ -140,8 +112,8 @@ def test_recompute_shrinks_the_stash(stem, scheme):
 
 def _grad_error(build, stem: str, options: Options) -> float:
     """Relative error of all parameter gradients of one float64 step against autograd."""
-    gen, ref = _pair(build, stem, options)
-    _step(gen, ref, stem, 4, 0)
+    gen, ref = suite_pair(build, stem, options)
+    suite_step(gen, ref, stem, 4, 0)
     got = torch.cat([p.grad.flatten() for _, p in sorted(gen.named_parameters())])
     want = torch.cat([p.grad.flatten() for _, p in sorted(ref.named_parameters())])
     return rel_err(got, want)

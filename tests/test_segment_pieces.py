@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err
+from suite_steps import flat_grads
 from typer.testing import CliRunner
 
 from unroller.api import generate_from_text, graph_from_text
@@ -56,10 +57,6 @@ FANIN = """model fanin {
 """
 
 
-def _grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for _, p in sorted(model.named_parameters())])
-
-
 def _bench_step(tmp_path: Path, name: str, options: Options, batch: int):
     """One float64 step of a benchmark's generated module and of its torch.nn reference
     (same weights, same batch): (loss, gradients, reference loss, reference gradients)."""
@@ -72,7 +69,7 @@ def _bench_step(tmp_path: Path, name: str, options: Options, batch: int):
     gen = bench.model_class(options, tmp_path)().double()
     gen.load_state_dict(ref.state_dict())
     source = Path(sys.modules[type(gen).__module__].__file__).read_text()
-    return gen(*inputs), _grads(gen), ref_loss, _grads(ref), source
+    return gen(*inputs), flat_grads(gen), ref_loss, flat_grads(ref), source
 
 
 @pytest.mark.parametrize(
@@ -107,7 +104,7 @@ def test_an_input_with_a_gradient_from_outside(build):
     x = torch.randn(5, 6, 16, dtype=torch.float64)
     y = torch.randint(0, 5, (5, 6))
     assert rel_err(pieced(x, y), whole(x, y)) <= TOL
-    assert rel_err(_grads(pieced), _grads(whole)) <= TOL
+    assert rel_err(flat_grads(pieced), flat_grads(whole)) <= TOL
     source = Path(sys.modules[type(pieced).__module__].__file__).read_text()
     assert "grad_h += grad_h_from_a" in source or "grad_h = grad_h + grad_h_from_a" in source
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import rel_err
+from suite_steps import assert_grads_and_buffers_match, flat_grads, suite_pair, suite_step
 from typer.testing import CliRunner
 
 from unroller.api import generate_from_text, graph_from_text
@@ -38,27 +39,6 @@ GPT = Path("benchmarks/models/gpt_tiny.txt")
 CNN = "tiny_resnet"  # the small CNN: two residual blocks with batch norm
 
 
-def _pair(build, stem: str, options: Options):
-    torch.manual_seed(0)
-    ref = REFERENCES[stem]().double()
-    gen = build(model_path(stem), options).Model().double()
-    gen.load_state_dict(ref.state_dict())
-    return gen, ref
-
-
-def _step(gen, ref, stem: str, batch: int, seed: int):
-    inputs = make_inputs(stem, batch, seed=seed)
-    torch.manual_seed(100 + seed)
-    ref_loss = ref(*inputs)[0]
-    ref_loss.backward()
-    torch.manual_seed(100 + seed)
-    return gen(*inputs), ref_loss
-
-
-def _grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for _, p in sorted(model.named_parameters())])
-
-
 # -- exactness without compression ----------------------------------------------------------
 
 
@@ -69,24 +49,13 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
 def test_segments_are_exact_without_compression(build, stem, ops):
     """Every block instance recomputed (``ops``: with --recompute's single ops too): the
     loss, every gradient and every running statistic as autograd's, over two steps."""
-    gen, ref = _pair(build, stem, Options(recompute=ops, recompute_segments=BLOCKS))
+    gen, ref = suite_pair(build, stem, Options(recompute=ops, recompute_segments=BLOCKS))
     source = Path(sys.modules[type(gen).__module__].__file__).read_text()
     assert "_recompute(L.within(" in source  # a block's recompute function is called
     for seed in range(2):  # gradients accumulate, running statistics move twice
-        loss, ref_loss = _step(gen, ref, stem, 3, seed)
+        loss, ref_loss = suite_step(gen, ref, stem, 3, seed)
         assert rel_err(loss, ref_loss) <= TOL
-    ref_params = dict(ref.named_parameters())
-    for name, param in gen.named_parameters():
-        want = ref_params[name].grad
-        assert (param.grad is None) == (want is None), name
-        if want is not None:
-            assert rel_err(param.grad, want) <= TOL, (name, rel_err(param.grad, want))
-    ref_buffers = dict(ref.named_buffers())
-    for name, buf in gen.named_buffers():  # the recompute moves no running statistics
-        if buf.is_floating_point():
-            assert rel_err(buf, ref_buffers[name]) <= TOL, name
-        else:
-            assert torch.equal(buf, ref_buffers[name]), name
+    assert_grads_and_buffers_match(gen, ref, TOL)  # the recompute moves no running statistics
 
 
 def _gpt_step(tmp_path: Path, options: Options):
@@ -100,7 +69,7 @@ def _gpt_step(tmp_path: Path, options: Options):
     ref_loss.backward()
     gen = bench.model_class(options, tmp_path)().double()
     gen.load_state_dict(ref.state_dict())
-    return gen(*batch), _grads(gen), ref_loss, _grads(ref)
+    return gen(*batch), flat_grads(gen), ref_loss, flat_grads(ref)
 
 
 def test_gpt_tiny_segments_are_exact_without_compression(tmp_path):
@@ -122,9 +91,9 @@ def test_segments_under_a_compressor_keep_its_error(build, stem, scheme):
     forward's, which segment recompute leaves as it is: the same bits."""
     errors, losses = [], []
     for segments in ((), BLOCKS):
-        gen, ref = _pair(build, stem, Options(scheme=scheme, recompute_segments=segments))
-        loss, _ = _step(gen, ref, stem, 4, 0)
-        errors.append(rel_err(_grads(gen), _grads(ref)))
+        gen, ref = suite_pair(build, stem, Options(scheme=scheme, recompute_segments=segments))
+        loss, _ = suite_step(gen, ref, stem, 4, 0)
+        errors.append(rel_err(flat_grads(gen), flat_grads(ref)))
         losses.append(loss)
     plain, remade = errors
     assert 0 < remade <= 2.0 * plain, (remade, plain)

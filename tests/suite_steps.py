@@ -1,0 +1,54 @@
+"""Float64 steps of a suite model's generated module beside its torch.nn reference, shared
+by the recompute tests (single ops, segments, segment pieces): one way to build the pair,
+take a step and compare, so the exactness the tests ask for is the same everywhere."""
+
+from __future__ import annotations
+
+import torch
+from conftest import rel_err
+
+from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
+from unroller.bench.reference import make_inputs
+from unroller.bench.reference import suite_model_path as model_path
+from unroller.codegen import Options
+
+
+def suite_pair(build, stem: str, options: Options):
+    """(generated module, reference) of suite model ``stem`` in float64, same weights."""
+    torch.manual_seed(0)
+    ref = REFERENCES[stem]().double()
+    gen = build(model_path(stem), options).Model().double()
+    gen.load_state_dict(ref.state_dict())
+    return gen, ref
+
+
+def suite_step(gen, ref, stem: str, batch: int, seed: int):
+    """One step of both on the same batch and dropout seed: (loss, reference loss)."""
+    inputs = make_inputs(stem, batch, seed=seed)
+    torch.manual_seed(100 + seed)
+    ref_loss = ref(*inputs)[0]
+    ref_loss.backward()
+    torch.manual_seed(100 + seed)
+    return gen(*inputs), ref_loss
+
+
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter gradient, in name order, as one vector."""
+    return torch.cat([p.grad.flatten() for _, p in sorted(model.named_parameters())])
+
+
+def assert_grads_and_buffers_match(gen, ref, tol: float) -> None:
+    """Every parameter gradient (or its absence) and every buffer of ``gen`` as ``ref``'s,
+    to ``tol`` relative (integer buffers exactly)."""
+    ref_params = dict(ref.named_parameters())
+    for name, param in gen.named_parameters():
+        want = ref_params[name].grad
+        assert (param.grad is None) == (want is None), name
+        if want is not None:
+            assert rel_err(param.grad, want) <= tol, (name, rel_err(param.grad, want))
+    ref_buffers = dict(ref.named_buffers())
+    for name, buf in gen.named_buffers():
+        if buf.is_floating_point():
+            assert rel_err(buf, ref_buffers[name]) <= tol, name
+        else:
+            assert torch.equal(buf, ref_buffers[name]), name
