@@ -63,15 +63,9 @@ EMULATION_NOTE = (
 )
 
 
-def _options(
-    args: argparse.Namespace, scheme: str, resolution: int, recompute: bool = False
-) -> Options:
+def _options(args: argparse.Namespace, scheme: str, resolution: int) -> Options:
     return Options(
-        platform=args.platform,
-        scheme=scheme,
-        num_ipus=args.num_ipus,
-        resolution=resolution,
-        recompute=recompute,
+        platform=args.platform, scheme=scheme, num_ipus=args.num_ipus, resolution=resolution
     )
 
 
@@ -398,10 +392,9 @@ def _predicted(run: _Run, methods: list[Method], notes: list[str]) -> dict[str, 
     for m in methods:
         if m.kind != "ours":
             continue
-        recompute = getattr(m, "recompute", False)
         key = m.name
         if key not in cache:
-            options = _options(run.args, m.scheme, run.resolution, recompute)
+            options = _options(run.args, m.scheme, run.resolution)
             options = dataclasses.replace(options, **m.variant)
             try:
                 cache[key] = models.predict_memory(run.bench, options, run.batch_size)
