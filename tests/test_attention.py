@@ -1,14 +1,17 @@
 """The attention family (spec v2): scaled_dot_product_attention and multihead_attention.
 
-Both platforms compute attention block by block (unroller/runtime/attention.py): the
+The ipu platform computes attention block by block (unroller/runtime/attention.py): the
 forward keeps q, k, v, the output and the row logsumexp, never the [N, H, L, S]
-probabilities, and the backward remakes them per block. Their rounding is thus neither the
-math path's nor torch's flash kernel's, so no comparison here asks for bit-identity: 1e-10
-relative in float64 and 1e-5 in float32 (the OpInfo rows, tests/test_kernels.py, compare the
-kernels with torch's math attention to the same bounds). Beyond those rows, this file checks:
+probabilities, and the backward remakes them per block. The gpu platform does the same
+with ATen's CPU flash kernels on the CPU (the ones autograd runs there for one head size)
+and with the block version elsewhere. Comparisons ask for 1e-10 relative in float64 and
+1e-5 in float32 (the OpInfo rows, tests/test_kernels.py, compare the kernels with torch's
+math attention to the same bounds), bit-identity only where the kernels are autograd's own.
+Beyond those rows, this file checks:
 
 * the kernels against torch's *default* CPU attention, which for q, k, v of one head size is
-  a fused flash kernel;
+  a fused flash kernel: on the gpu platform, bit for bit; the block version where ATen's
+  kernel does not apply or is turned off (``UNROLLER_ATEN_ATTENTION=0``);
 * the blocks: forced small tiles (every way ``attention.blocks`` splits: samples, query rows
   of one sample, keys cut by the causal mask) give the one-block results to rounding, only
   the gradients asked for are made, and no tensor as large as the scores is ever allocated;
@@ -75,6 +78,65 @@ def test_sdpa_matches_torch_default_backend(platform, dtype, causal):
     assert rel_err(y, ref) <= tol
     for ours, theirs in zip(got, want):
         assert rel_err(ours, theirs) <= tol
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_gpu_attention_on_the_cpu_is_autograds_own_kernel(dtype, causal, scale):
+    """On the CPU the gpu platform's attention is ATen's flash kernel pair, the one
+    F.scaled_dot_product_attention runs under autograd for one head size: the output and
+    every gradient equal autograd's bit for bit (keys longer and shorter than the queries)."""
+    for lq, lk in [(7, 7), (5, 9), (9, 4)]:
+        torch.manual_seed(lq * 10 + lk)
+        q = torch.randn(2, 3, lq, 8, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(2, 3, lk, 8, dtype=dtype, requires_grad=True) for _ in range(2))
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        g = torch.randn_like(ref)
+        want = torch.autograd.grad(ref, (q, k, v), g)
+        with torch.no_grad():
+            y, lse = gpu.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            got = gpu.scaled_dot_product_attention_backward(
+                g, q, k, v, y, lse, is_causal=causal, scale=scale
+            )
+            only_k = gpu.scaled_dot_product_attention_backward(
+                g, q, k, v, y, lse, is_causal=causal, scale=scale, needs=(False, True)
+            )
+        assert torch.equal(y, ref)
+        assert all(torch.equal(ours, theirs) for ours, theirs in zip(got, want))
+        assert only_k[0] is None and torch.equal(only_k[1], want[1])
+
+
+def test_gpu_attention_falls_back_to_the_blocks(monkeypatch):
+    """Where ATen's CPU flash kernel does not apply (v's head size differs from q's) or
+    ``UNROLLER_ATEN_ATTENTION=0`` turns it off, the gpu kernels are the block version's, call
+    for call; with it on, the two agree to rounding, and each one's lse serves the other's
+    backward (the same row logsumexp)."""
+    torch.manual_seed(8)
+    q, k = torch.randn(2, 2, 6, 4, dtype=F64), torch.randn(2, 2, 6, 4, dtype=F64)
+    v_other = torch.randn(2, 2, 6, 5, dtype=F64)
+    g_other = torch.randn(2, 2, 6, 5, dtype=F64)
+    y, lse = gpu.scaled_dot_product_attention(q, k, v_other, is_causal=True)
+    y2, lse2 = attention.scaled_dot_product_attention(q, k, v_other, is_causal=True)
+    assert torch.equal(y, y2) and torch.equal(lse, lse2)
+    got = gpu.scaled_dot_product_attention_backward(g_other, q, k, v_other, y, lse, is_causal=True)
+    blocks = attention.scaled_dot_product_attention_backward(
+        g_other, q, k, v_other, y, lse, is_causal=True
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, blocks))
+    v, g = torch.randn(2, 2, 6, 4, dtype=F64), torch.randn(2, 2, 6, 4, dtype=F64)
+    flash = gpu.scaled_dot_product_attention(q, k, v, is_causal=True)
+    monkeypatch.setenv("UNROLLER_ATEN_ATTENTION", "0")
+    off = gpu.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(off, attention.scaled_dot_product_attention(q, k, v, is_causal=True))
+    )
+    assert all(rel_err(a, b) <= TOL for a, b in zip(off, flash))
+    crossed = gpu.scaled_dot_product_attention_backward(g, q, k, v, *flash, is_causal=True)
+    monkeypatch.delenv("UNROLLER_ATEN_ATTENTION")
+    native = gpu.scaled_dot_product_attention_backward(g, q, k, v, *off, is_causal=True)
+    assert all(rel_err(a, b) <= TOL for a, b in zip(crossed, native))
 
 
 @pytest.mark.parametrize("platform", ["gpu", "ipu"])

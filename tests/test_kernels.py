@@ -299,6 +299,27 @@ def _check_backward(run: Run, g: Tensor, saved: list, refs: list) -> None:
         every = run.backward(g, saved, None)
         assert len(every) == len(slots)
         assert all(torch.equal(a, b) for a, b in zip(every, run.backward(g, saved, slots)))
+    if run.op.fresh_param_grads and not limited:
+        _assert_fresh_param_grads(run, g, saved, run.backward(g, saved, slots))
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _assert_fresh_param_grads(run: Run, g: Tensor, saved: list, grads: tuple) -> None:
+    """The registry's ``fresh_param_grads``: every parameter gradient is a tensor of its own
+    (``K.accumulate_fresh`` makes it the parameter's .grad as it is), sharing memory with no
+    other gradient, the output gradient, an input, a saved value or a parameter."""
+    count = sum(p is not None for p in _layer_params(run.op, run.s))
+    params = [t for t in grads[len(grads) - count :] if t is not None]
+    others = [g, *run.s.inputs, *(v for _, v in saved if isinstance(v, Tensor))]
+    others += [t for t in grads[: len(grads) - count] if t is not None]
+    others += list(run.layer.parameters()) if run.layer is not None else []
+    taken = {_storage(t) for t in others if isinstance(t, Tensor)}
+    for grad in params:
+        assert _storage(grad) not in taken, "a parameter gradient shares memory with another value"
+        taken.add(_storage(grad))
 
 
 def _forward_or_reference(run: Run) -> tuple[Tensor, tuple, Tensor, bool]:

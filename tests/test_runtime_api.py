@@ -36,7 +36,7 @@ SHARED_HELPERS = [
     "stash_log",
     "unsupported",
 ]
-HELPERS = {"gpu": [*SHARED_HELPERS, "accumulate"], "ipu": SHARED_HELPERS}
+HELPERS = {"gpu": [*SHARED_HELPERS, "accumulate", "accumulate_fresh"], "ipu": SHARED_HELPERS}
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 PER_OP = [
     pytest.param(platform, name, id=f"{platform}-{name}") for platform in KERNELS for name in OPS
@@ -210,6 +210,7 @@ def test_helpers_are_exported(platform):
         if not (platform == "ipu" and name == "unsupported"):
             assert getattr(K, name) is getattr(common, name), name
     assert ("accumulate" in ipu.__all__) is False
+    assert ("accumulate_fresh" in ipu.__all__) is False
     assert ipu.unsupported is not common.unsupported
 
 
@@ -247,6 +248,52 @@ def test_accumulate_shared_gradient():
     gpu.accumulate(b, weight=gb)
     gpu.accumulate(a, weight=torch.ones_like(g))
     assert torch.equal(b.weight.grad, g) and torch.equal(a.weight.grad, g + 1)
+
+
+def test_accumulate_fresh_takes_the_first_gradient_as_it_is():
+    """accumulate_fresh (the registry's fresh_param_grads): the first gradient becomes .grad
+    itself, as autograd's AccumulateGrad takes a gradient only it holds; later ones are added
+    in place into it; one with other strides than the parameter's is copied, so an optimizer
+    sees the parameter's layout either way."""
+    layer = nn.Linear(4, 3)
+    first, second = torch.randn(3, 4), torch.randn(3, 4)
+    want = first + second
+    gpu.accumulate_fresh(layer, weight=first, bias=None)
+    assert layer.weight.grad is not None and layer.weight.grad.data_ptr() == first.data_ptr()
+    assert layer.bias.grad is None
+    gpu.accumulate_fresh(layer, weight=second)
+    assert layer.weight.grad.data_ptr() == first.data_ptr()  # added in place
+    assert torch.equal(layer.weight.grad, want) and not layer.weight.grad.requires_grad
+    other = nn.Linear(4, 3)
+    strided = torch.randn(4, 3).t()  # the parameter's shape, not its strides
+    gpu.accumulate_fresh(other, weight=strided)
+    assert other.weight.grad.data_ptr() != strided.data_ptr()
+    assert other.weight.grad.stride() == other.weight.stride()
+    assert torch.equal(other.weight.grad, strided)
+    wrong_dtype = torch.randn(3, 4, dtype=torch.float64)
+    gpu.accumulate_fresh(nn.Linear(4, 3), weight=wrong_dtype)  # copied into float32
+
+
+def test_the_generator_hands_over_fresh_gradients_only_where_the_registry_says():
+    """K.accumulate_fresh for ops whose parameter gradients are new tensors (linear here);
+    K.accumulate, which copies, for a free parameter, whose gradient is the output gradient
+    itself when nothing was broadcast (add_backward hands back g for both operands)."""
+    from unroller.api import generate_from_text
+
+    source = (
+        "model m {\n"
+        "    input x: f32[N, 4]\n"
+        "    target y: f32[N, 3]\n"
+        "    fc = linear(x, out_features=3)\n"
+        "    shift = parameter(shape=(3,))\n"
+        "    out = add(fc, shift)\n"
+        "    loss = mse_loss(out, y)\n"
+        "    return loss\n"
+        "}\n"
+    )
+    code = generate_from_text(source)
+    assert 'K.accumulate_fresh(L["fc"], weight=grad_weight, bias=grad_bias)' in code
+    assert 'K.accumulate(L[""], shift=' in code
 
 
 def test_accumulate_refuses_a_missing_parameter():

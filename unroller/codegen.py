@@ -202,6 +202,10 @@ BUCKET_BYTES = 25 * 2**20
 """Data parallel: the size at which a gradient bucket closes (DistributedDataParallel's)."""
 
 
+ACCUMULATORS = ("K.accumulate", "K.accumulate_fresh")
+"""The calls that add parameter gradients into ``.grad`` (``Platform.grads == "accumulate"``)."""
+
+
 def called_name(expr: Any) -> str:
     """The dotted name a statement's call calls (``K.accumulate``); "" for anything else."""
     return expr.func.dotted if isinstance(expr, CallExpr) and isinstance(expr.func, Global) else ""
@@ -443,7 +447,7 @@ class Emitter:
         statements: list[Statement] = [Assign(tuple(targets), call, unpack=len(targets) == 1)]
         statements += sums
         for owner, grads in param_grads.items():
-            statements.append(Do(self.param_grads(owner, tuple(grads))))
+            statements.append(Do(self.param_grads(owner, tuple(grads), op.fresh_param_grads)))
         return Step(
             "backward",
             statements,
@@ -493,10 +497,15 @@ class Emitter:
             n.op.backward_pieces and saved.entry == n.op.saved[0] for n, saved in readers
         )
 
-    def param_grads(self, owner: str, grads: tuple[tuple[str, Expr], ...]) -> CallExpr:
-        """Where the platform wants the gradients of the parameters module ``owner`` holds."""
+    def param_grads(
+        self, owner: str, grads: tuple[tuple[str, Expr], ...], fresh: bool = False
+    ) -> CallExpr:
+        """Where the platform wants the gradients of the parameters module ``owner`` holds;
+        ``fresh``: the kernel made them and nothing else holds them (the registry's
+        ``fresh_param_grads``), so the first becomes ``.grad`` without a copy."""
         if self.platform.grads == "accumulate":  # into each parameter's .grad
-            return CallExpr(Global("K.accumulate"), (Layer(owner),), grads)
+            kernel = "K.accumulate_fresh" if fresh else "K.accumulate"
+            return CallExpr(Global(kernel), (Layer(owner),), grads)
         # "collect": into the step's dict, by state-dict name, for the surrogate loss
         return CallExpr(Global("K.collect"), (Var("grads"), Var("L"), ModelName(owner)), grads)
 
@@ -1020,7 +1029,7 @@ class Emitter:
                     nbytes[p.key] = p.nbytes()
         for i, step in enumerate(steps):
             for statement in step.statements:
-                if isinstance(statement, Do) and called_name(statement.value) == "K.accumulate":
+                if isinstance(statement, Do) and called_name(statement.value) in ACCUMULATORS:
                     owner = statement.value.args[0]
                     prefix = f"{owner.path}." if isinstance(owner, Layer) and owner.path else ""
                     for attr, _ in statement.value.kwargs:

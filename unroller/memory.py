@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from unroller.codegen import RECOMPUTE_SECTION, Emitter, Options, called_name
+from unroller.codegen import ACCUMULATORS, RECOMPUTE_SECTION, Emitter, Options, called_name
 from unroller.dtypes import DTYPE_BYTES, torch_dtype
 from unroller.graph import Graph, Node
 from unroller.ir import AddTo, Assign, Attr, CallExpr, Const, Do, Step, Var
@@ -525,14 +525,19 @@ def _statement(
             heap.bind(statement.total.name, heap.new(sizes.of(statement.total.name, node)))
         return 0, 0
     if isinstance(statement, Do):
-        if called_name(statement.value) != "K.accumulate" or node is None:
+        func = called_name(statement.value)
+        if func not in ACCUMULATORS or node is None:
             return 0, 0
         added = 0
-        for attr, _ in statement.value.kwargs:
+        for attr, value in statement.value.kwargs:
             param = next((p for p in node.params if p.name == attr), None)
             if param is not None and param.key not in first_grad:
                 first_grad.add(param.key)
-                heap.new(param.nbytes())  # .grad: lives past the step
+                grad = heap.storage_of.get(value.name) if isinstance(value, Var) else None
+                if func == "K.accumulate_fresh" and grad is not None:
+                    heap.bind(f".grad:{param.key}", grad)  # the gradient itself: lives on
+                else:
+                    heap.new(param.nbytes())  # .grad, a copy: lives past the step
                 added += param.nbytes()
         return added, 0
     if not isinstance(statement, Assign):

@@ -178,6 +178,10 @@ class OpSpec:
     #: (``consume=True``): nothing else reads them, so the first input's gradient can be
     #: written into their storage instead of a new tensor (cross entropy's log_probs)
     backward_consumes: tuple[str, ...] = ()
+    #: the backward's parameter gradients are new tensors nothing else holds (matmul and
+    #: reduction results): the first one becomes the parameter's ``.grad`` as it is
+    #: (``K.accumulate_fresh``), as autograd's AccumulateGrad takes a gradient only it holds
+    fresh_param_grads: bool = False
 
     @property
     def is_loss(self) -> bool:
@@ -283,6 +287,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "backward_in_place",
         "backward_add_into",
         "backward_consumes",
+        "fresh_param_grads",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -350,6 +355,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         backward_in_place=bool(raw.get("backward_in_place", False)),
         backward_add_into=bool(raw.get("backward_add_into", False)),
         backward_consumes=tuple(raw.get("backward_consumes", ())),
+        fresh_param_grads=bool(raw.get("fresh_param_grads", False)),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}

@@ -3,7 +3,8 @@
 Three kinds of code live here, so that a fix reaches both platforms at once:
 
 * the helpers generated code calls around the kernels (``add_layer``, ``layers``,
-  ``tensors``, ``check_inputs``, ``accumulate``, ``collect``, the ``stash`` accounting);
+  ``tensors``, ``check_inputs``, ``accumulate`` (``accumulate_fresh``), ``collect``, the
+  ``stash`` accounting);
 * the ``needs`` / gradient-padding helpers every backward kernel uses (``_need``, ``_fit``,
   ``_need_mask``) and the accessors that read a layer handle's parameters and buffers;
 * every kernel whose code is the same on both platforms. These use only operations PopTorch
@@ -21,7 +22,7 @@ Kernel conventions (both platforms):
 * every keyword with a registry default has that default (normalised as the graph gives it),
   because the code generator leaves out arguments equal to their default.
 
-``accumulate`` is deliberately not re-exported by ``ipu``: it allocates with
+``accumulate`` and ``accumulate_fresh`` are deliberately not re-exported by ``ipu``: they allocate with
 ``torch.empty_like`` and runs only on the host platform (the IPU hands gradients to
 PopTorch through ``collect``).
 """
@@ -484,12 +485,41 @@ def _param(layer: Any, name: str) -> Tensor:
     return param
 
 
-def _accumulate_one(param: Tensor, grad: Tensor) -> None:
+def accumulate_fresh(layer: Any, /, **grads: Tensor | None) -> None:
+    """``accumulate`` for gradients the caller made and holds alone (the registry's
+    ``fresh_param_grads``: a backward kernel's matmul or reduction results, handed over and
+    dropped): the first one becomes ``.grad`` itself when it has the parameter's dtype, device
+    and strides, as autograd's AccumulateGrad takes a gradient nothing else holds. That
+    saves a parameter-sized allocation and copy per parameter and step. A later one is added
+    in place as ``accumulate`` does, into a tensor nothing else holds either."""
+    for name, grad in grads.items():
+        if grad is not None:
+            _accumulate_one(_param(layer, name), grad, adopt=True)
+
+
+def _accumulate_one(param: Tensor, grad: Tensor, adopt: bool = False) -> None:
     with torch.no_grad():
         if param.grad is None:
-            param.grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
+            if adopt and _adoptable(param, grad):
+                param.grad = grad.detach()
+            else:
+                param.grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(
+                    grad
+                )
         else:
             param.grad += grad
+
+
+def _adoptable(param: Tensor, grad: Tensor) -> bool:
+    """May ``grad`` be the parameter's ``.grad`` as it is? Its layout must be the one
+    ``accumulate`` would give (the parameter's), or an optimizer would see other strides."""
+    return (
+        grad.dtype == param.dtype
+        and grad.device == param.device
+        and grad.shape == param.shape
+        and grad.stride() == param.stride()
+        and not grad.requires_grad
+    )
 
 
 def collect(

@@ -15,6 +15,7 @@ sit side by side.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,10 +32,7 @@ from unroller.distributed import (
 )
 
 # Shared kernels and helpers, exported from here as gpu kernels (see __all__ at the end).
-from unroller.runtime.attention import (  # noqa: F401
-    scaled_dot_product_attention,
-    scaled_dot_product_attention_backward,
-)
+from unroller.runtime import attention as _blocks
 from unroller.runtime.common import (  # noqa: F401
     IGNORE_INDEX,
     Grads,
@@ -49,6 +47,7 @@ from unroller.runtime.common import (  # noqa: F401
     _norm_tensors,
     _weight_bias,
     accumulate,
+    accumulate_fresh,
     add,
     add_backward,
     add_layer,
@@ -1162,10 +1161,69 @@ def log_softmax_backward(
 
 # ---------------------------------------------------------------- attention
 #
-# scaled_dot_product_attention and its backward are unroller.runtime.attention's (imported
-# above): block by block from q, k, v, the output and the row logsumexp, never the
-# [N, H, L, S] probabilities, so they equal autograd's to rounding (1e-10 in float64),
-# not bit for bit as the math path's kernels did.
+# Both keep q, k, v, the output and the row logsumexp lse [N, H, L], never the [N, H, L, S]
+# probabilities. On the CPU they are ATen's flash-attention kernels, the ones
+# F.scaled_dot_product_attention runs under autograd there (so the values are autograd's,
+# bit for bit); elsewhere, or where that kernel does not apply (v's head size differs from
+# q's), unroller.runtime.attention's block-by-block version of the same algorithm, which
+# equals them to rounding (1e-10 in float64) and is also the ipu platform's.
+
+
+def _aten_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """May ATen's CPU flash-attention kernels take these? (CPU tensors of 4 dims, float32 or
+    float64, one head size for q, k and v.)"""
+    return (
+        q.device.type == "cpu"
+        and q.dim() == k.dim() == v.dim() == 4
+        and q.dtype in (torch.float32, torch.float64)
+        and q.dtype == k.dtype == v.dtype
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and _flash_enabled()
+    )
+
+
+def _flash_enabled() -> bool:
+    """False when ``UNROLLER_ATEN_ATTENTION`` is ``0`` (then the block version runs on the CPU
+    too: what tests and benchmarks compare it by)."""
+    return os.environ.get("UNROLLER_ATEN_ATTENTION", "1").strip() != "0"
+
+
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """F.scaled_dot_product_attention (no mask but the causal one, no dropout). Returns
+    (output [N, H, L, Ev], lse [N, H, L]); the backward reads q, k, v, the output and lse."""
+    if _aten_flash(q, k, v):
+        return _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, scale=scale
+        )
+    return _blocks.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+
+
+def scaled_dot_product_attention_backward(
+    g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    output: Tensor,
+    lse: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    needs: Needs | None = None,
+) -> Grads:
+    """Gradients of q, k, v (only those ``needs`` asks for), the probabilities remade from q,
+    k and lse."""
+    if not any(_need(needs, i) for i in range(3)):
+        return _fit((), needs)
+    if _aten_flash(q, k, v):
+        grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, output, lse, 0.0, is_causal, scale=scale
+        )
+        return _fit(grads, needs)
+    return _blocks.scaled_dot_product_attention_backward(
+        g, q, k, v, output, lse, is_causal=is_causal, scale=scale, needs=needs
+    )
 
 
 def _mha_tensors(layer: torch.nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
@@ -1174,32 +1232,28 @@ def _mha_tensors(layer: torch.nn.Module) -> tuple[Tensor, Tensor | None, Tensor,
     return layer.in_proj_weight, getattr(layer, "in_proj_bias", None), out_weight, out_bias
 
 
-def _heads(t: Tensor, num_heads: int) -> Tensor:
-    """[L, N, E] -> [N, H, L, E/H] by views, as F.multi_head_attention_forward splits heads."""
-    length, n, embed = t.shape
-    head_dim = embed // num_heads
-    t = t.view(length, n * num_heads, head_dim).transpose(0, 1)
-    return t.view(n, num_heads, length, head_dim)
-
-
 def multihead_attention(
     x: Tensor, layer: torch.nn.Module, *, num_heads: int, is_causal: bool = False
 ) -> tuple[Tensor, ...]:
-    """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False) as
-    F.multi_head_attention_forward computes it: the packed in-projection of x seen as
-    [L, N, E], heads split as views, the attention (block by block: ``attention``), the
-    out-projection, back to [N, L, E]. Returns (y, q, k, v, lse, context): q, k, v
-    [N, H, L, E/H] and the row logsumexp lse [N, H, L] for the attention backward, the
-    context [N, L, E] (a view) for the out-projection's and as the attention's output."""
+    """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False): the packed
+    in-projection [N, L, 3E], copied once into q, k, v [N, H, L, E/H] (contiguous heads: the
+    attention's batched matmuls run several times slower on the CPU on strided ones), the
+    attention (block by block: ``attention``), the heads joined into the context [N, L, E],
+    the out-projection. Rows stay in the input's [N, L] order throughout, so no step copies
+    x or the output gradient to reorder them (F.multi_head_attention_forward works in
+    [L, N]: the values agree to rounding, float64 to 1e-10). Returns (y, q, k, v, lse,
+    context): lse [N, H, L] the row logsumexp the attention backward reads beside q, k, v
+    and the context (its output)."""
     n, length, embed = x.shape
     w_in, b_in, w_out, b_out = _mha_tensors(layer)
-    proj = torch.nn.functional.linear(x.transpose(1, 0), w_in, b_in)
-    proj = proj.unflatten(-1, (3, embed)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
-    q, k, v = (_heads(proj[i], num_heads) for i in range(3))
+    proj = torch.nn.functional.linear(x, w_in, b_in)
+    heads = proj.view(n, length, 3, num_heads, embed // num_heads).permute(2, 0, 3, 1, 4)
+    q, k, v = heads.contiguous().unbind(0)
+    del proj, heads
     y, lse = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-    context = y.permute(2, 0, 1, 3).reshape(length * n, embed)
-    out = torch.nn.functional.linear(context, w_out, b_out).view(length, n, embed)
-    return out.transpose(1, 0), q, k, v, lse, context.view(length, n, embed).transpose(1, 0)
+    context = y.transpose(1, 2).reshape(n, length, embed)
+    del y
+    return torch.nn.functional.linear(context, w_out, b_out), q, k, v, lse, context
 
 
 def _packed_grad(
@@ -1211,24 +1265,24 @@ def _packed_grad(
     context: Tensor,
     is_causal: bool,
 ) -> Tensor:
-    """The packed in-projection's output gradient [L, N, 3E] from the context's [L * N, E]:
-    the attention backward on the head views, then each head gradient copied into its third
-    of the packed layout and released (the values torch.stack of the three [L, N, E]
-    copies gives, with 3 x the input fewer bytes live at once). A function of its own so
-    that the head views and gradients are freed when it returns."""
+    """The packed in-projection's output gradient [N * L, 3E] from the context's
+    [N * L, E]: the attention backward on the heads, then each head gradient copied into
+    its third of the packed layout and released (the values torch.cat of the three gives,
+    with fewer bytes live at once). A function of its own so that the heads' gradients are
+    freed when it returns."""
     n, heads, length, head_dim = q.shape
     # the heads' output gradient made contiguous once (the attention's matmuls need it so),
     # the context's released before the attention's tiles are made
-    g_y = g_context.view(length, n, heads, head_dim).permute(1, 2, 0, 3).contiguous()
+    g_y = g_context.view(n, length, heads, head_dim).transpose(1, 2).contiguous()
     del g_context
-    y = context.reshape(n, length, heads, head_dim).transpose(1, 2)
+    y = context.view(n, length, heads, head_dim).transpose(1, 2)
     grads = list(scaled_dot_product_attention_backward(g_y, q, k, v, y, lse, is_causal=is_causal))
     del g_y
-    g_proj = q.new_empty(length, n, 3, heads, head_dim)
+    g_proj = q.new_empty(n, length, 3, heads, head_dim)
     for i in range(3):
-        g_proj[:, :, i].copy_(grads[i].permute(2, 0, 1, 3))
+        g_proj[:, :, i].copy_(grads[i].transpose(1, 2))
         grads[i] = None
-    return g_proj.view(length, n, 3 * heads * head_dim)
+    return g_proj.view(n * length, 3 * heads * head_dim)
 
 
 def multihead_attention_backward(
@@ -1244,31 +1298,29 @@ def multihead_attention_backward(
     is_causal: bool = False,
     needs: Needs | None = None,
 ) -> Grads:
-    """Autograd's backward of the forward above: addmm's for the out-projection (rows in
-    [L, N] order), the attention's (block by block, from q, k, v, the context as its output
-    and lse), the head views undone, then the packed in-projection's (its bias gradient
-    summed over [L, N], as sum_to does). Gradients: x, in_proj_weight, in_proj_bias,
-    out_proj.weight, out_proj.bias."""
+    """The backward of the forward above: the out-projection's (rows in [N, L] order), the
+    attention's (block by block, from q, k, v, the context as its output and lse), the
+    heads joined back into the packed layout, then the in-projection's. Gradients: x,
+    in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias."""
     if not any(_need(needs, i) for i in range(5)):
         return _fit((), needs)
     n, length, embed = x.shape
     w_in, _, w_out, _ = _mha_tensors(layer)
-    g2 = g.transpose(1, 0).reshape(length * n, embed)
+    g2 = g.reshape(n * length, embed)
     g_w_out = g_b_out = gx = g_w_in = g_b_in = None
     if _need(needs, 3):
-        g_w_out = g2.t().mm(context.transpose(1, 0).reshape(length * n, embed))
+        g_w_out = g2.t().mm(context.reshape(n * length, embed))
     if _need(needs, 4):
-        g_b_out = g2.sum(0, keepdim=True).view(embed)
+        g_b_out = g2.sum(0)
     if any(_need(needs, i) for i in range(3)):
         g_proj = _packed_grad(g2.mm(w_out), q, k, v, lse, context, is_causal)
         del g2  # only the out-projection's gradients read it
         if _need(needs, 2):
-            g_b_in = g_proj.sum((0, 1), keepdim=True).view(3 * embed)
-        g_proj2 = g_proj.view(length * n, 3 * embed)
+            g_b_in = g_proj.sum(0)
         if _need(needs, 1):
-            g_w_in = g_proj2.t().mm(x.transpose(1, 0).reshape(length * n, embed))
+            g_w_in = g_proj.t().mm(x.reshape(n * length, embed))
         if _need(needs, 0):
-            gx = g_proj2.mm(w_in).view(length, n, embed).transpose(1, 0)
+            gx = g_proj.mm(w_in).view(n, length, embed)
     return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs)
 
 
