@@ -785,19 +785,32 @@ class Emitter:
                 full[value.name] = self.name("partial", value.name, segment.name, "pieces")
             else:
                 full[value.name] = self.grad(value)
+        reused = self.reusable_output_grads(segment, graded, before, free, owned)
         if graded:
             size = CallExpr(Attr(anchor, "size"), (Const(0),))
             allocations: list[Statement] = [
                 Assign(
                     (full[v.name],),
-                    CallExpr(
-                        Attr(anchor, "new_empty"),
-                        (TupleExpr((size, *(Const(d) for d in v.type.shape[1:]))),),
+                    (
+                        Var(reused[v.name])
+                        if v.name in reused
+                        else CallExpr(
+                            Attr(anchor, "new_empty"),
+                            (TupleExpr((size, *(Const(d) for d in v.type.shape[1:]))),),
+                        )
                     ),
                 )
                 for v in graded
             ]
-            what = ", ".join(f"grad {v.name}" for v in graded)
+            what = ", ".join(
+                f"grad {v.name}"
+                + (
+                    f" (in grad {self.key_of[reused[v.name]][1]}'s memory)"
+                    if v.name in reused
+                    else ""
+                )
+                for v in graded
+            )
             steps.append(Step("backward", allocations, comment=f"{what}: filled piece by piece"))
         slots = {v.name: self.name("slot", *self.key_of[self.grad(v).name]) for v in graded}
         targets = tuple(Var(mapping[n]) for n in free) + tuple(slots[v.name] for v in graded)
@@ -829,6 +842,43 @@ class Emitter:
         for key, flag in before.items():
             owned.setdefault(key, flag)
         return steps
+
+    def reusable_output_grads(
+        self,
+        segment: Segment,
+        graded: list[Value],
+        before: dict[int, bool],
+        free: list[str],
+        owned: dict[int, bool],
+    ) -> dict[str, str]:
+        """Input gradients of a pieced segment that can be written over an output gradient
+        of the same type, piece by piece (a transformer block: [N, L, E] in and out): input
+        name -> the output gradient's variable. A piece's input gradient is copied into its
+        slice once the piece's backward is done, and that slice of the output gradient is
+        read by nothing after it, so the whole-batch input gradient needs no memory of its
+        own. Only an output gradient this code owns alone (no other value's gradient
+        aliases it: ``owned``), read by nothing after the loop, and only for an input with
+        no gradient from elsewhere."""
+        outputs = {n.output.name: n.output for n in segment.nodes}
+        candidates = []
+        for name in free:
+            key = self.key_of.get(name, ())
+            value = outputs.get(key[1]) if len(key) > 1 and key[0] == "grad" else None
+            if value is not None and owned.get(id(value), False):
+                candidates.append((name, value))
+        found: dict[str, str] = {}
+        for value in graded:
+            if id(value) in before:
+                continue
+            for i, (name, out) in enumerate(candidates):
+                if (
+                    out.type.shape[1:] == value.type.shape[1:]
+                    and out.type.dtype == value.type.dtype
+                ):
+                    found[value.name] = name
+                    del candidates[i]
+                    break
+        return found
 
     def pieced_forward(self, segment: Segment, steps: list[Step]) -> list[Step]:
         """The forward of a segment run in pieces, in pieces as well: it keeps nothing for

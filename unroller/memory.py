@@ -746,6 +746,8 @@ def _aliased_storage(
     statement: Assign, step: Step, node: Node | None, heap: _Heap, func: str
 ) -> int | None:
     """The storage the statement's outputs share, for views (None: they allocate)."""
+    if isinstance(statement.value, Var):  # another name for a tensor (written over in place)
+        return heap.storage_of.get(statement.value.name)
     if func == "K.restore_in_pieces":  # handed over packed: holds the packed form
         packed = _var_args(statement.value)
         return heap.storage_of.get(packed[0]) if packed else None
