@@ -109,6 +109,52 @@ def test_an_input_with_a_gradient_from_outside(build):
     assert "grad_h += grad_h_from_a" in source or "grad_h = grad_h + grad_h_from_a" in source
 
 
+#: a block whose output gradient is also another value's (``s = add(a, z)``: add's backward
+#: hands the same tensor to both), so the block's input gradient must not be written over it
+SHARED = """model shared {
+    input x: f32[N, 6, 16]
+    target y: i64[N, 6]
+    block mlp(x) {
+        n = layernorm(x, normalized_shape=16)
+        l = linear(n, out_features=16)
+        g = gelu(l)
+        return g
+    }
+    z = linear(x, out_features=16)
+    h = linear(x, out_features=16)
+    a = mlp(h)
+    s = add(a, z)
+    head = linear(s, out_features=5)
+    logits = permute(head, dims=(0, 2, 1))
+    loss = cross_entropy(logits, y)
+    return loss
+}
+"""
+
+
+def test_input_gradient_written_over_the_output_gradient(tmp_path, build):
+    """A transformer block's input gradient has its output gradient's type: the pieces write
+    it over the output gradient, a slice at a time, instead of a new whole-batch tensor.
+    Not when another value shares the output gradient (SHARED: z's gradient is the same
+    tensor, read after the block's backward): there a new tensor, and the gradients stay
+    the whole-batch step's."""
+    text = generate_from_text(
+        GPT.read_text(), Options(recompute_segments=BLOCKS, segment_pieces=2), "gpt_tiny.txt"
+    )
+    assert "grad_layers_0_out = grad_layers_1_out\n" in text
+    assert "grad_h = grad_layers_0_out\n" in text
+    torch.manual_seed(0)
+    whole = build(SHARED, Options(recompute_segments=BLOCKS)).Model().double()
+    pieced = build(SHARED, Options(recompute_segments=BLOCKS, segment_pieces=2)).Model().double()
+    pieced.load_state_dict(whole.state_dict())
+    x = torch.randn(5, 6, 16, dtype=torch.float64)
+    y = torch.randint(0, 5, (5, 6))
+    assert rel_err(pieced(x, y), whole(x, y)) <= TOL
+    assert rel_err(flat_grads(pieced), flat_grads(whole)) <= TOL
+    source = Path(sys.modules[type(pieced).__module__].__file__).read_text()
+    assert "grad_h = grad_a_g.new_empty(" in source
+
+
 def test_quant_pieces_keep_the_scheme_error(tmp_path):
     """Under quant the pieces' own stash is raw (consumed right away): the error is at most
     that of quant with whole segments (which compresses that stash too)."""
