@@ -1236,9 +1236,9 @@ def multihead_attention(
     x: Tensor, layer: torch.nn.Module, *, num_heads: int, is_causal: bool = False
 ) -> tuple[Tensor, ...]:
     """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False): the packed
-    in-projection [N, L, 3E], copied once into q, k, v [N, H, L, E/H] (contiguous heads: the
-    attention's batched matmuls run several times slower on the CPU on strided ones), the
-    attention (block by block: ``attention``), the heads joined into the context [N, L, E],
+    in-projection [N, L, 3E], whose thirds seen as [N, H, L, E/H] are q, k and v (views: ATen's
+    CPU flash kernels read them strided, faster than from copies, and write the output in
+    the same [N, L, H, E/H] order, so the context [N, L, E] is a view too), the attention,
     the out-projection. Rows stay in the input's [N, L] order throughout, so no step copies
     x or the output gradient to reorder them (F.multi_head_attention_forward works in
     [L, N]: the values agree to rounding, float64 to 1e-10). Returns (y, q, k, v, lse,
@@ -1248,7 +1248,7 @@ def multihead_attention(
     w_in, b_in, w_out, b_out = _mha_tensors(layer)
     proj = torch.nn.functional.linear(x, w_in, b_in)
     heads = proj.view(n, length, 3, num_heads, embed // num_heads).permute(2, 0, 3, 1, 4)
-    q, k, v = heads.contiguous().unbind(0)
+    q, k, v = heads.unbind(0)
     del proj, heads
     y, lse = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     context = y.transpose(1, 2).reshape(n, length, embed)
@@ -1271,9 +1271,7 @@ def _packed_grad(
     with fewer bytes live at once). A function of its own so that the heads' gradients are
     freed when it returns."""
     n, heads, length, head_dim = q.shape
-    # the heads' output gradient made contiguous once (the attention's matmuls need it so),
-    # the context's released before the attention's tiles are made
-    g_y = g_context.view(n, length, heads, head_dim).transpose(1, 2).contiguous()
+    g_y = g_context.view(n, length, heads, head_dim).transpose(1, 2)
     del g_context
     y = context.view(n, length, heads, head_dim).transpose(1, 2)
     grads = list(scaled_dot_product_attention_backward(g_y, q, k, v, y, lse, is_causal=is_causal))
