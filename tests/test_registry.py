@@ -46,6 +46,8 @@ def test_kernels_take_what_the_registry_passes(name, platform):
         )
         if on and PLATFORMS[platform].piece_bytes > 0
     }
+    if op.backward_accumulates and PLATFORMS[platform].grads == "accumulate":
+        lean.add("accumulate")  # parameter gradients added into .grad by the kernel
     assert keyword_only(backward) == set(op.backward_args) | {"needs"} | lean
     if op.recompute is not None:  # --recompute calls it as the forward is called
         again = getattr(module, op.recompute.kernel)

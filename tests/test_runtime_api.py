@@ -44,21 +44,32 @@ PER_OP = [
 
 
 #: The working-set keywords' defaults: whole, a new input gradient, nothing to add into.
-LEAN_DEFAULTS = {"piece_bytes": 0, "in_place": False, "add_into": None, "consume": False}
+LEAN_DEFAULTS = {
+    "piece_bytes": 0,
+    "in_place": False,
+    "add_into": None,
+    "consume": False,
+    "accumulate": False,
+}
 
 
 def lean_keywords(op: OpSpec, platform: str) -> set[str]:
     """The keywords a backward kernel takes beyond the registry's arguments and ``needs``
-    on a platform that shrinks the backward working set (``Platform.piece_bytes``)."""
-    if platforms.platform(platform).piece_bytes <= 0:
-        return set()
+    on a platform that shrinks the backward working set (``Platform.piece_bytes``), and
+    ``accumulate`` (registry ``backward_accumulates``) where gradients go into ``.grad``."""
+    target = platforms.platform(platform)
+    into_grad = (
+        {"accumulate"} if op.backward_accumulates and target.grads == "accumulate" else set()
+    )
+    if target.piece_bytes <= 0:
+        return into_grad
     flags = {
         "piece_bytes": op.backward_pieces,
         "in_place": op.backward_in_place,
         "add_into": op.backward_add_into,
         "consume": bool(op.backward_consumes),
     }
-    return {name for name, on in flags.items() if on}
+    return {name for name, on in flags.items() if on} | into_grad
 
 
 def kernel_names(op: OpSpec) -> list[str]:

@@ -155,6 +155,66 @@ def test_input_gradient_written_over_the_output_gradient(tmp_path, build):
     assert "grad_h = grad_a_g.new_empty(" in source
 
 
+def test_kernels_add_parameter_gradients_into_grad():
+    """``accumulate=True`` (registry backward_accumulates): linear, transposed_linear and
+    multi-head attention add their parameter gradients into .grad themselves and return
+    None for them; the first call's product becomes .grad, later ones are added in place
+    (no parameter-sized gradient is made to be added). Two calls give the two gradients'
+    sum, to rounding; the input gradient is the plain kernel's."""
+    from unroller.runtime import gpu
+
+    torch.manual_seed(3)
+    f64 = torch.float64
+    x1, x2 = torch.randn(2, 5, 8, dtype=f64), torch.randn(2, 5, 8, dtype=f64)
+    g1, g2 = torch.randn(2, 5, 8, dtype=f64), torch.randn(2, 5, 8, dtype=f64)
+    linear = torch.nn.Linear(8, 8).double()
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).double()
+    conv1d = gpu.transposed_linear_layer(8, 8).double()
+    cases = [
+        (linear, lambda x: (x,), lambda g, x, s, **kw: gpu.linear_backward(g, x, linear, **kw)),
+        (
+            conv1d,
+            lambda x: (x,),
+            lambda g, x, s, **kw: gpu.transposed_linear_backward(g, x, conv1d, **kw),
+        ),
+        (
+            mha,
+            lambda x: gpu.multihead_attention(x, mha, num_heads=2, is_causal=True)[1:],
+            lambda g, x, s, **kw: gpu.multihead_attention_backward(
+                g, x, mha, *s, is_causal=True, **kw
+            ),
+        ),
+    ]
+    for layer, saved, backward in cases:
+        params = list(layer.parameters())
+        with torch.no_grad():
+            s1, s2 = saved(x1), saved(x2)
+            want = [backward(g, x, s) for g, x, s in ((g1, x1, s1), (g2, x2, s2))]
+            layer.zero_grad(set_to_none=True)
+            first = backward(g1, x1, s1, accumulate=True)
+            made = [p.grad.data_ptr() for p in params]
+            second = backward(g2, x2, s2, accumulate=True)
+        assert all(t is None for t in (*first[1:], *second[1:]))
+        assert torch.equal(first[0], want[0][0]) and torch.equal(second[0], want[1][0])
+        assert [p.grad.data_ptr() for p in params] == made  # added in place
+        sums = [a + b for a, b in zip(want[0][1:], want[1][1:])]
+        for param, total in zip(params, sums):
+            assert rel_err(param.grad, total) <= TOL
+
+
+def test_pieces_add_parameter_gradients_in_the_kernels():
+    """Inside a segment run in pieces the linear and attention backward add into .grad
+    (``accumulate=True``, no K.accumulate after them); a whole segment's are as before."""
+    pieced = generate_from_text(
+        GPT.read_text(), Options(recompute_segments=BLOCKS, segment_pieces=2), "gpt_tiny.txt"
+    )
+    whole = generate_from_text(GPT.read_text(), Options(recompute_segments=BLOCKS), "gpt_tiny.txt")
+    assert 'K.linear_backward(grad_linear2, act, L["linear2"], accumulate=True)' in pieced
+    assert 'L["linear2"], weight=' not in pieced
+    assert "accumulate=True" not in whole
+    assert 'K.accumulate_fresh(L["linear2"], weight=grad_weight, bias=grad_bias)' in whole
+
+
 def test_quant_pieces_keep_the_scheme_error(tmp_path):
     """Under quant the pieces' own stash is raw (consumed right away): the error is at most
     that of quant with whole segments (which compresses that stash too)."""

@@ -381,15 +381,20 @@ class Emitter:
             return restored or self.restored_var(found[0].key, found[1])
         return self.raw_var(arg.key)
 
-    def backward_step(self, node: Node, owned: dict[int, bool]) -> Step:
+    def backward_step(self, node: Node, owned: dict[int, bool], pieces: bool = False) -> Step:
         """One backward kernel call, gradient sums for fan-out, parameter gradients.
 
         ``owned`` maps each value that already has a gradient to whether that tensor is
         exclusively ours (then later contributions are added in place, as autograd's
         input buffers do) or may alias another gradient (then the sum is out of place).
+        ``pieces``: the call runs once per piece of the batch (``pieced_steps``); an op whose
+        kernel can add its parameter gradients into ``.grad`` itself (registry
+        ``backward_accumulates``) is then asked to (``accumulate=True``), so that no piece
+        makes parameter-sized gradients only to add them.
         """
         op = node.op
         lean = self.lean()
+        into_grad = pieces and op.backward_accumulates and self.platform.grads == "accumulate"
         in_place = (  # the input's gradient may overwrite g: g is ours, and dead after this
             lean
             and op.backward_in_place
@@ -424,6 +429,9 @@ class Emitter:
             if not p.present:
                 targets.append(None)
                 continue
+            if into_grad:  # the kernel adds it into .grad itself
+                targets.append(None)
+                continue
             # One name per parameter kind (grad_weight, grad_bias), reused by every layer:
             # each is handed over on the next line, so a per-layer name would only be noise.
             grad = self.name("pgrad", p.name)
@@ -439,6 +447,8 @@ class Emitter:
             kwargs += (("in_place", Const(True)),)
         if lean and node.inputs and node.inputs[0].requires_grad and self.consumable(node):
             kwargs += (("consume", Const(True)),)
+        if into_grad and any(p.present for p in node.params):
+            kwargs += (("accumulate", Const(True)),)
         call = CallExpr(
             self.kernel(node, f"{op.name}_backward"),
             (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),
@@ -761,7 +771,7 @@ class Emitter:
         body = self.segment_steps(segment, reader, restore_inputs=False)
         for node in nodes:
             body += self.restore_steps(node)
-            body.append(self.backward_step(node, owned))
+            body.append(self.backward_step(node, owned, pieces=True))
         graded = [v for v in outside if id(v) in owned]
         free = _free_reads(body)
         mapping: dict[str, str] = {}

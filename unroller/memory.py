@@ -357,8 +357,8 @@ def simulate_graph(
         made[id(step)] = node
         return step
 
-    def on_backward(node: Node, owned: dict[int, bool]) -> Step:
-        step = backward_step(node, owned)
+    def on_backward(node: Node, owned: dict[int, bool], pieces: bool = False) -> Step:
+        step = backward_step(node, owned, pieces)
         made[id(step)] = node
         return step
 
@@ -544,6 +544,7 @@ def _statement(
         return 0, 0
     func = called_name(statement.value)
     targets = [t.name for t in statement.targets if t is not None]
+    added = _grads_in_kernel(statement, node, heap, first_grad)
     transient = _transient_of(statement, step, node, sizes, func, targets)
     shared = _aliased_storage(statement, step, node, heap, func)
     overwritten = _overwritten_storage(statement, step, node, heap, sizes, func)
@@ -558,7 +559,27 @@ def _statement(
             heap.bind(target.name, overwritten)
         else:
             heap.bind(target.name, heap.new(sizes.of(target.name, node)))
-    return 0, transient
+    return added, transient
+
+
+def _grads_in_kernel(
+    statement: Assign, node: Node | None, heap: _Heap, first_grad: set[str]
+) -> int:
+    """A backward kernel called with ``accumulate=True`` adds its parameter gradients into
+    ``.grad`` itself: the first time a parameter's ``.grad`` is made (it lives past the
+    step), later calls add in place. Returns the parameter-gradient bytes made."""
+    if node is None or not isinstance(statement.value, CallExpr):
+        return 0
+    accumulate = dict(statement.value.kwargs).get("accumulate")
+    if not (isinstance(accumulate, Const) and accumulate.value is True):
+        return 0
+    added = 0
+    for param in node.params:
+        if param.present and param.key not in first_grad:
+            first_grad.add(param.key)
+            heap.new(param.nbytes())
+            added += param.nbytes()
+    return added
 
 
 def _transient_of(

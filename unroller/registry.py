@@ -182,6 +182,10 @@ class OpSpec:
     #: reduction results): the first one becomes the parameter's ``.grad`` as it is
     #: (``K.accumulate_fresh``), as autograd's AccumulateGrad takes a gradient only it holds
     fresh_param_grads: bool = False
+    #: the backward kernel takes ``accumulate=True`` on a platform whose parameter gradients
+    #: go into ``.grad``: it then adds them into each ``.grad`` itself (a matmul in place)
+    #: and returns None for them; passed inside segments run in pieces of the batch
+    backward_accumulates: bool = False
 
     @property
     def is_loss(self) -> bool:
@@ -288,6 +292,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "backward_add_into",
         "backward_consumes",
         "fresh_param_grads",
+        "backward_accumulates",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -356,6 +361,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         backward_add_into=bool(raw.get("backward_add_into", False)),
         backward_consumes=tuple(raw.get("backward_consumes", ())),
         fresh_param_grads=bool(raw.get("fresh_param_grads", False)),
+        backward_accumulates=bool(raw.get("backward_accumulates", False)),
     )
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}

@@ -33,6 +33,7 @@ from unroller.distributed import (
 
 # Shared kernels and helpers, exported from here as gpu kernels (see __all__ at the end).
 from unroller.runtime import attention as _blocks
+from unroller.runtime import common as _common
 from unroller.runtime.common import (  # noqa: F401
     IGNORE_INDEX,
     Grads,
@@ -71,7 +72,6 @@ from unroller.runtime.common import (  # noqa: F401
     layers,
     leaky_relu_mask,
     linear,
-    linear_backward,
     mul,
     mul_backward,
     parameter,
@@ -96,7 +96,6 @@ from unroller.runtime.common import (  # noqa: F401
     tanh,
     tensors,
     transposed_linear,
-    transposed_linear_backward,
     transposed_linear_layer,
     unsupported,
 )
@@ -1159,6 +1158,63 @@ def log_softmax_backward(
     return (torch._log_softmax_backward_data(g, y, dim, y.dtype),)
 
 
+# ---------------------------------------------------------------- gradients added into .grad
+#
+# A backward kernel called with ``accumulate=True`` (registry ``backward_accumulates``; the
+# code generator passes it inside segments run in pieces of the batch) adds its parameter
+# gradients into each parameter's ``.grad`` itself and returns None for them: from the
+# second piece on, a matmul adds its product into ``.grad`` in place (``addmm_``) instead of
+# making a parameter-sized gradient to add, so later pieces need no more memory than the
+# first. Equal to the gradient made and then added, to rounding.
+
+
+def _add_product(param: Tensor, a: Tensor, b: Tensor) -> None:
+    """param.grad += a @ b; the product itself becomes .grad when there is none yet."""
+    with torch.no_grad():
+        grad = param.grad
+        if grad is None:
+            _common._accumulate_one(param, a.mm(b), adopt=True)
+        else:
+            grad.addmm_(a, b)
+
+
+def _add_rows(param: Tensor | None, rows: Tensor) -> None:
+    """param.grad += the sum of ``rows`` [M, C] over M (a bias gradient)."""
+    if param is not None:
+        _common._accumulate_one(param, rows.sum(0), adopt=True)
+
+
+def linear_backward(
+    g: Tensor, x: Tensor, layer: Any, *, needs: Needs | None = None, accumulate: bool = False
+) -> Grads:
+    """common.linear_backward; ``accumulate``: the weight and bias gradients are added into
+    their ``.grad`` (see above) and returned as None."""
+    if not accumulate:
+        return _common.linear_backward(g, x, layer, needs=needs)
+    gx = g.matmul(layer.weight) if _need(needs, 0) else None
+    g2 = g.reshape(-1, g.shape[-1])
+    if _need(needs, 1):
+        _add_product(layer.weight, g2.t(), x.reshape(-1, x.shape[-1]))
+    if _need(needs, 2):
+        _add_rows(_weight_bias(layer)[1], g2)
+    return _fit((gx, None, None), needs)
+
+
+def transposed_linear_backward(
+    g: Tensor, x: Tensor, layer: Any, *, needs: Needs | None = None, accumulate: bool = False
+) -> Grads:
+    """common.transposed_linear_backward; ``accumulate`` as for ``linear_backward``."""
+    if not accumulate:
+        return _common.transposed_linear_backward(g, x, layer, needs=needs)
+    g2 = g.reshape(-1, g.shape[-1])
+    gx = g.matmul(layer.weight.t()) if _need(needs, 0) else None
+    if _need(needs, 1):
+        _add_product(layer.weight, x.reshape(-1, x.shape[-1]).t(), g2)
+    if _need(needs, 2):
+        _add_rows(_weight_bias(layer)[1], g2)
+    return _fit((gx, None, None), needs)
+
+
 # ---------------------------------------------------------------- attention
 #
 # Both keep q, k, v, the output and the row logsumexp lse [N, H, L], never the [N, H, L, S]
@@ -1295,28 +1351,43 @@ def multihead_attention_backward(
     *,
     is_causal: bool = False,
     needs: Needs | None = None,
+    accumulate: bool = False,
 ) -> Grads:
     """The backward of the forward above: the out-projection's (rows in [N, L] order), the
     attention's (block by block, from q, k, v, the context as its output and lse), the
     heads joined back into the packed layout, then the in-projection's. Gradients: x,
-    in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias."""
+    in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias; ``accumulate``: the four
+    parameter gradients are added into their ``.grad`` and returned as None."""
     if not any(_need(needs, i) for i in range(5)):
         return _fit((), needs)
     n, length, embed = x.shape
-    w_in, _, w_out, _ = _mha_tensors(layer)
+    w_in, b_in, w_out, b_out = _mha_tensors(layer)
     g2 = g.reshape(n * length, embed)
+    context2 = context.reshape(n * length, embed)
     g_w_out = g_b_out = gx = g_w_in = g_b_in = None
     if _need(needs, 3):
-        g_w_out = g2.t().mm(context.reshape(n * length, embed))
+        if accumulate:
+            _add_product(w_out, g2.t(), context2)
+        else:
+            g_w_out = g2.t().mm(context2)
     if _need(needs, 4):
-        g_b_out = g2.sum(0)
+        if accumulate:
+            _add_rows(b_out, g2)
+        else:
+            g_b_out = g2.sum(0)
     if any(_need(needs, i) for i in range(3)):
         g_proj = _packed_grad(g2.mm(w_out), q, k, v, lse, context, is_causal)
         del g2  # only the out-projection's gradients read it
         if _need(needs, 2):
-            g_b_in = g_proj.sum(0)
+            if accumulate:
+                _add_rows(b_in, g_proj)
+            else:
+                g_b_in = g_proj.sum(0)
         if _need(needs, 1):
-            g_w_in = g_proj.t().mm(x.reshape(n * length, embed))
+            if accumulate:
+                _add_product(w_in, g_proj.t(), x.reshape(n * length, embed))
+            else:
+                g_w_in = g_proj.t().mm(x.reshape(n * length, embed))
         if _need(needs, 0):
             gx = g_proj.mm(w_in).view(n, length, embed)
     return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs)
