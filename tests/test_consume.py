@@ -168,8 +168,41 @@ def test_memory_model_counts_the_gradient_in_log_probs(monkeypatch):
 
 @pytest.mark.parametrize("scheme", ["nocompress", "quant"])
 def test_memory_model_counts_the_copies_of_reordered_logits(scheme):
-    """Logits permuted from a head's [N, L, C]: aten's log_softmax copies them contiguous in
-    the forward and linear's backward copies their gradient, handed back permuted; with
-    those copies counted, the model brackets the measured peak."""
+    """Logits permuted from a head's [N, L, C]: cross_entropy keeps that layout (no copy in
+    the forward) and hands back a gradient that permutes back contiguous (no copy in
+    linear's backward); the model, counting neither, brackets the measured peak."""
     graph = graph_from_text(_tokens(0.0), "tokens.txt")
     assert_model_brackets_the_measured_peak(graph, Options(scheme=scheme).compression(graph), 64)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("consume", [False, True])
+def test_token_logits_keep_their_layout(label_smoothing, consume):
+    """A token head's logits [N, L, C] seen as [N, C, L] (classes innermost in memory): the
+    log-probabilities keep that layout, and the logits' gradient, with or without
+    ``consume``, permutes back to a contiguous [N, L, C] tensor (the head's linear backward
+    then copies nothing); loss and gradient as autograd's in float64 to 1e-10, ignored
+    targets included. Logits already [N, C, L]-contiguous take aten's kernels as before."""
+    gpu = K
+    head = torch.randn(3, 7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 5, (3, 7), generator=torch.Generator().manual_seed(2))
+    target.view(-1)[::3] = IGNORE
+    leaf = head.clone().requires_grad_()
+    ref = F.cross_entropy(leaf.permute(0, 2, 1), target, label_smoothing=label_smoothing)
+    ref.backward()
+    loss, log_probs = gpu.cross_entropy(
+        head.permute(0, 2, 1), target, label_smoothing=label_smoothing
+    )
+    assert log_probs.movedim(1, -1).is_contiguous()
+    (grad,) = gpu.cross_entropy_backward(
+        torch.ones((), dtype=torch.float64),
+        log_probs,
+        target,
+        label_smoothing=label_smoothing,
+        needs=(True,),
+        consume=consume,
+    )
+    assert grad.permute(0, 2, 1).is_contiguous()
+    assert rel_err(loss, ref) <= TOL and rel_err(grad.permute(0, 2, 1), leaf.grad) <= TOL
+    plain, plain_lp = gpu.cross_entropy(head.permute(0, 2, 1).contiguous(), target)
+    assert plain_lp.is_contiguous()

@@ -213,6 +213,9 @@ def test_pieces_add_parameter_gradients_in_the_kernels():
     assert 'L["linear2"], weight=' not in pieced
     assert "accumulate=True" not in whole
     assert 'K.accumulate_fresh(L["linear2"], weight=grad_weight, bias=grad_bias)' in whole
+    # pieces already sum in another order than autograd: the lean kernels run too (the loss
+    # backward writes the logits' gradient into log_probs), as under lossy schemes
+    assert "consume=True" in pieced and "consume=" not in whole
 
 
 def test_quant_pieces_keep_the_scheme_error(tmp_path):

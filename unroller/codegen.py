@@ -493,8 +493,11 @@ class Emitter:
     def lean(self) -> bool:
         """Does the step shrink its backward working set (the platform's ``piece_bytes``):
         kernels in pieces of the batch and in place, inputs restored a piece at a time? Only
-        under lossy schemes: their summation order differs from autograd's."""
-        return self.platform.piece_bytes > 0 and self.plan.config.lossy
+        where the step already differs from autograd's rounding: under lossy schemes, and
+        with segments run in pieces of the batch (their parameter gradients are summed piece
+        by piece); a plain nocompress step keeps autograd's kernels and summation order."""
+        pieced = any(s.in_pieces for s in self.plan.segments)
+        return self.platform.piece_bytes > 0 and (self.plan.config.lossy or pieced)
 
     def restored_in_pieces(self, stashed: Stashed, form: Form) -> bool:
         """Is a compressed form read only as the first saved entry of backward kernels that

@@ -634,7 +634,8 @@ def _transient_of(
     if step.section in ("forward", RECOMPUTE_SECTION) and func.endswith(f".{node.op.name}"):
         phases = FORWARD_WORKSPACE.get(node.op.name, ())
         found = max((_workspace(w, node, sizes) for w in phases), default=0)
-        if node.op.name in CONTIGUOUS_INPUT and _reordered(node.inputs[0]):
+        inner = _classes_innermost(node.inputs[0])
+        if node.op.name in CONTIGUOUS_INPUT and _reordered(node.inputs[0]) and not inner:
             found += sizes.tensor(node.inputs[0].type)
         return found
     return 0
@@ -645,11 +646,34 @@ def _reordered(value: Any) -> bool:
     return value.producer is not None and value.producer.op.name in REORDERING
 
 
+def _classes_innermost(value: Any) -> bool:
+    """Is the value a permute of a tensor made in place of its own (an op's output, not a
+    view) that brings that tensor's last dim to dim 1, the classes of a token head's
+    [N, L, C] seen as [N, C, L]? cross_entropy then keeps the layout (no copy), and its
+    gradient, made in the log-probabilities' storage, permutes back contiguous."""
+    producer = value.producer
+    if producer is None or producer.op.name != "permute" or not producer.inputs:
+        return False
+    source = producer.inputs[0].producer
+    dims = tuple(producer.args.get("dims", ()))
+    last = len(value.type.shape) - 1
+    return source is not None and not source.op.view and len(dims) > 2 and dims[1] == last
+
+
 def _gradient_reordered(node: Node) -> bool:
     """Does the node's output gradient arrive as a reordered view: the output's one reader
-    a permute or transpose, whose backward hands back its own gradient permuted?"""
+    a permute or transpose, whose backward hands back its own gradient permuted? Not when
+    it comes back contiguous: from a cross entropy over the classes-innermost permute,
+    which makes the logits' gradient in that layout."""
     readers = node.output.consumers
-    return len(readers) == 1 and readers[0][0].op.name in REORDERING
+    if len(readers) != 1 or readers[0][0].op.name not in REORDERING:
+        return False
+    view = readers[0][0].output
+    losses = [n for n, _ in view.consumers]
+    kept_layout = (
+        len(losses) == 1 and losses[0].op.name == "cross_entropy" and _classes_innermost(view)
+    )
+    return not kept_layout
 
 
 def _piece(statement: Assign, node: Node, sizes: _Sizes) -> float:

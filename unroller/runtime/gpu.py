@@ -756,10 +756,22 @@ def _nll_forward(log_probs: Tensor, target: Tensor, ignore_index: int) -> Tensor
 def _nll_backward(g: Tensor, log_probs: Tensor, target: Tensor, ignore_index: int) -> Tensor:
     """aten::nll_loss_backward / nll_loss2d_backward (mean); the total weight is the count of
     non-ignored targets, as the forward computes it. log_probs is read for its shape only."""
+    if not log_probs.is_contiguous():  # cross_entropy's [N, L, C] layout: aten needs [N, C, ...]
+        return _nll_grad_like(g, log_probs, target, ignore_index)
     lp, t, image = _nll_nd(log_probs, target)
     total = target.ne(ignore_index).sum().to(g.dtype)
     backward = _aten.nll_loss2d_backward if image else _aten.nll_loss_backward
     return backward(g, lp, t, None, _MEAN, ignore_index, total).reshape(log_probs.shape)
+
+
+def _nll_grad_like(g: Tensor, log_probs: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """What aten's nll backward (mean) makes, in ``log_probs``' layout: -g / count at each
+    kept row's target class, zero elsewhere (ignored rows included)."""
+    kept = target.ne(ignore_index)
+    total = kept.sum().to(g.dtype)
+    weight = torch.where(kept, -g / total, g.new_zeros(())).unsqueeze(1)
+    index = torch.where(kept, target, target.new_zeros(())).unsqueeze(1)
+    return torch.zeros_like(log_probs).scatter_(1, index, weight.to(log_probs.dtype))
 
 
 def nll_loss(log_probs: Tensor, target: Tensor, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -1022,8 +1034,19 @@ def cross_entropy(
     """As F.cross_entropy: aten::_log_softmax over dim 1 then aten's nll (nll_loss_nd's
     choice of kernel and view); with label smoothing, PyTorch's composite
     (1 - ls) * nll + ls / C * (the mean over kept elements of -sum_c log_probs), op for op.
-    Autograd saves the log-probabilities (and the target)."""
-    log_probs = _aten._log_softmax(logits, 1, False)
+    Autograd saves the log-probabilities (and the target).
+
+    Logits whose classes are the innermost dim in memory (a token model's [N, L, C] head
+    seen as [N, C, L] through a permute) keep that layout: the log-probabilities are made
+    over the last dim of the [N, L, C] tensor and seen as [N, C, L] again, so the gradient
+    made in their storage (``consume``) permutes back to a contiguous [N, L, C] tensor and
+    the head's linear backward needs no copy of it. aten's log_softmax over dim 1 would
+    write them [N, C, L]-contiguous; the values agree to rounding."""
+    moved = logits.movedim(1, -1)
+    if logits.dim() > 2 and moved.is_contiguous():
+        log_probs = _aten._log_softmax(moved, -1, False).movedim(-1, 1)
+    else:
+        log_probs = _aten._log_softmax(logits, 1, False)
     nll = _nll_forward(log_probs, target, ignore_index)
     if label_smoothing == 0.0:
         return nll, log_probs
@@ -1065,6 +1088,10 @@ def cross_entropy_backward(
         g_smooth = g * (label_smoothing / log_probs.shape[1]) / ignored.logical_not().sum()
         g_rows = g_smooth.expand(ignored.shape).masked_fill(ignored, 0).neg()
         glp = glp + g_rows.unsqueeze(1).expand(log_probs.shape)
+    moved = log_probs.movedim(1, -1)
+    if not log_probs.is_contiguous() and moved.is_contiguous():  # cross_entropy's [N, L, C]
+        grad = _aten._log_softmax_backward_data(glp.movedim(1, -1), moved, -1, moved.dtype)
+        return _fit((grad.movedim(-1, 1),), needs)
     return _fit((_aten._log_softmax_backward_data(glp, log_probs, 1, log_probs.dtype),), needs)
 
 
