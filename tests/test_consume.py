@@ -206,3 +206,6 @@ def test_token_logits_keep_their_layout(label_smoothing, consume):
     assert rel_err(loss, ref) <= TOL and rel_err(grad.permute(0, 2, 1), leaf.grad) <= TOL
     plain, plain_lp = gpu.cross_entropy(head.permute(0, 2, 1).contiguous(), target)
     assert plain_lp.is_contiguous()
+    nothing = torch.full_like(target, IGNORE)  # every target ignored: nan, as torch's
+    assert torch.isnan(gpu.cross_entropy(head.permute(0, 2, 1), nothing)[0])
+    assert torch.isnan(F.cross_entropy(head.permute(0, 2, 1), nothing))

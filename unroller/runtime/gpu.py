@@ -748,6 +748,8 @@ def _nll_nd(log_probs: Tensor, target: Tensor) -> tuple[Tensor, Tensor, bool]:
 
 def _nll_forward(log_probs: Tensor, target: Tensor, ignore_index: int) -> Tensor:
     """aten::nll_loss_forward / nll_loss2d_forward (mean), as F.nll_loss."""
+    if not log_probs.is_contiguous():  # cross_entropy's [N, L, C] layout: aten would copy it
+        return _nll_picked(log_probs, target, ignore_index)
     lp, t, image = _nll_nd(log_probs, target)
     forward = _aten.nll_loss2d_forward if image else _aten.nll_loss_forward
     return forward(lp, t, None, _MEAN, ignore_index)[0]
@@ -762,6 +764,16 @@ def _nll_backward(g: Tensor, log_probs: Tensor, target: Tensor, ignore_index: in
     total = target.ne(ignore_index).sum().to(g.dtype)
     backward = _aten.nll_loss2d_backward if image else _aten.nll_loss_backward
     return backward(g, lp, t, None, _MEAN, ignore_index, total).reshape(log_probs.shape)
+
+
+def _nll_picked(log_probs: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """The mean over kept rows of -log_probs at the target class, read in place (no copy of
+    the log-probabilities); nan when every row is ignored, as aten's."""
+    kept = target.ne(ignore_index)
+    index = torch.where(kept, target, target.new_zeros(())).unsqueeze(1)
+    picked = log_probs.gather(1, index).squeeze(1)
+    zero = picked.new_zeros(())
+    return torch.where(kept, picked, zero).sum().neg() / kept.sum().to(picked.dtype)
 
 
 def _nll_grad_like(g: Tensor, log_probs: Tensor, target: Tensor, ignore_index: int) -> Tensor:
