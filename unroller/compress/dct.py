@@ -93,6 +93,47 @@ def fold_index(keep: int, device: torch.device | str) -> Tensor:
     return cached_constant(("dct_fold", keep, device), build)
 
 
+def tile_matrix(
+    block: int, keep: int, fold: bool, dtype: torch.dtype, device: torch.device | str, inverse: bool
+) -> Tensor:
+    """The 2-D transform of a whole tile as one matrix, so that every tile of a tensor goes
+    through one matrix product (a tile a row of block * block values, p * block + q).
+
+    Forward (``inverse`` False): [block**2, kept], column (i, j) holding T[i, p] T[j, q] /
+    2**e: a tile row times it gives the kept coefficients (Tk B Tk^T) / 2**e, all keep x keep
+    of them in row-major order, or with ``fold`` those with i + j < keep in ``fold_index``
+    order. Inverse: [kept, block**2], row (i, j) holding T[i, p] T[j, q] * 2**e: coefficient
+    rows times it give the tiles Tk^T C Tk * 2**e. The products are taken in float64 on the
+    host (Python floats, as ``dct_matrix``) and cast once; cached per arguments.
+
+    Used where every plane is one tile (H, W <= block: ResNet-34's 8 x 8 maps at 32 x 32
+    input), whose rows are then a view of the input: one product of [N*C, block**2] by
+    [block**2, kept], where the separable form (two products with the keep x block rows)
+    broadcasts a small matrix over every plane, a batched product of thousands of tiny
+    matrices (3x slower at batch 32; larger maps keep the separable form, whose tiles would
+    need a permuted copy)."""
+    device = torch.device(device)
+    e = prescale_exponent(block)
+    left = _dct_rows(block, keep, e if inverse else -e)
+    right = _dct_rows(block, keep, 0)
+    if inverse:
+        left, right = right, left  # T[i, p] * (T * 2**e)[j, q]
+    pairs = [(i, j) for i in range(keep) for j in range(keep) if not fold or i + j < keep]
+    rows = [
+        [left[i][p] * right[j][q] for p in range(block) for q in range(block)] for i, j in pairs
+    ]
+    if is_compiling():
+        table = float_constant_compiled(rows, dtype, device)
+        return table if inverse else table.t()
+
+    def build() -> Tensor:  # as dct_matrix builds its rows: ops PopTorch has
+        full = [[torch.full((), v, dtype=torch.float64, device=device) for v in r] for r in rows]
+        table = torch.stack([torch.stack(r) for r in full]).to(dtype)
+        return table if inverse else table.t().contiguous()
+
+    return cached_constant(("dct_tile", block, keep, fold, dtype, device, inverse), build)
+
+
 class Dct(Compressor):
     """DCT+Chop for 4-D activations [N, C, H, W].
 
@@ -217,6 +258,16 @@ class Dct(Compressor):
             dct_matrix(b, k, wd, device, e),
         )
 
+    def _one_tile(self, hb: int, wb: int) -> bool:
+        """Is every plane a single tile? Then the 2-D transform is one matrix product
+        (``tile_matrix``) on both paths (a shape-only branch, so they stay bit-identical)."""
+        return hb == 1 and wb == 1
+
+    def _tile_product(self, rows: Tensor, wd: torch.dtype, inverse: bool) -> Tensor:
+        b, k = self.params["block"], self.params["keep"]
+        table = tile_matrix(b, k, self.params["fold"], wd, rows.device, inverse)
+        return torch.matmul(rows, table)
+
     def _pad(self, x: Tensor, hb: int, wb: int) -> Tensor:
         """``x`` [N, C, H, W] (H, W >= 1) padded to [N, C, Hb*b, Wb*b] by edge replication."""
         b = self.params["block"]
@@ -253,14 +304,18 @@ class Dct(Compressor):
         if not compiled and use_fast_path(t):
             return self._compress_fast(t, hb, wb, wd)
         x = self._pad(t.to(wd), hb, wb)
-        tk, tk_down, _ = self._matrices(wd, x.device)
-        # rows of each tile: [k, b] @ [N, C, Hb, b, Wp] -> [N, C, Hb, k, Wp], divided by 2**e
-        y = torch.matmul(tk_down, x.reshape(n, c, hb, b, wb * b))
-        # columns: [N, C, Hb, k, Wb, b] @ [b, k] -> [N, C, Hb, k, Wb, k]
-        y = torch.matmul(y.reshape(n, c, hb, k, wb, b), tk.t())
-        if self.params["fold"]:
-            y = y.permute(0, 1, 2, 4, 3, 5).reshape(n, c, hb, wb, k * k)
-            y = torch.index_select(y, -1, fold_index(k, y.device))
+        if self._one_tile(hb, wb):  # [N*C, b*b] @ [b*b, kept]: the kept coefficients / 2**e
+            y = self._tile_product(x.reshape(n * c, b * b), wd, inverse=False)
+            y = y.reshape(self._coeff_shape(n, c, hb, wb))
+        else:
+            tk, tk_down, _ = self._matrices(wd, x.device)
+            # rows of each tile: [k, b] @ [N, C, Hb, b, Wp] -> [N, C, Hb, k, Wp], / 2**e
+            y = torch.matmul(tk_down, x.reshape(n, c, hb, b, wb * b))
+            # columns: [N, C, Hb, k, Wb, b] @ [b, k] -> [N, C, Hb, k, Wb, k]
+            y = torch.matmul(y.reshape(n, c, hb, k, wb, b), tk.t())
+            if self.params["fold"]:
+                y = y.permute(0, 1, 2, 4, 3, 5).reshape(n, c, hb, wb, k * k)
+                y = torch.index_select(y, -1, fold_index(k, y.device))
         storage = self.params["storage"]
         if storage != "int8":
             return (y.to(_STORAGE_DTYPES[storage]),)
@@ -309,6 +364,10 @@ class Dct(Compressor):
             y = q.to(wd) * scale.to(wd).reshape(n, c, *([1] * (q.dim() - 2)))
         else:
             y = packed[0].to(wd)
+        if self._one_tile(hb, wb):  # [N*C, kept] @ [kept, b*b]: the tiles, times 2**e
+            x = self._tile_product(y.reshape(n * c, -1), wd, inverse=True)
+            x = x.reshape(n, c, b, b)[:, :, :h, :w]
+            return saturate(x, dtype).to(dtype).contiguous()
         if self.params["fold"]:
             idx = fold_index(k, y.device).expand(y.shape)
             full = torch.zeros((n, c, hb, wb, k * k), dtype=wd, device=y.device)
@@ -346,10 +405,14 @@ class Dct(Compressor):
         storage = self.params["storage"]
         n, c, h, w = t.shape
         x = self._pad(t.to(wd), hb, wb)
-        tk, tk_down, _ = self._matrices(wd, x.device)
-        y = torch.matmul(tk_down, x.reshape(n, c, hb, b, wb * b))
-        y = torch.matmul(y.reshape(n, c, hb, k, wb, b), tk.t())
-        if self.params["fold"]:
+        if self._one_tile(hb, wb):
+            y = self._tile_product(x.reshape(n * c, b * b), wd, inverse=False)
+            y = y.reshape(self._coeff_shape(n, c, hb, wb))
+        else:
+            tk, tk_down, _ = self._matrices(wd, x.device)
+            y = torch.matmul(tk_down, x.reshape(n, c, hb, b, wb * b))
+            y = torch.matmul(y.reshape(n, c, hb, k, wb, b), tk.t())
+        if self.params["fold"] and not self._one_tile(hb, wb):
             rows, cols = self._fold_positions(y.device)
             y = y.permute(0, 1, 2, 4, 3, 5)[..., rows, cols]  # [N, C, Hb, Wb, kept]
         if storage != "int8":
@@ -391,6 +454,11 @@ class Dct(Compressor):
             y = torch.mul(coeffs, scale)  # int8 * float: the codes are cast exactly
         else:
             y = coeffs.to(wd)
+        if self._one_tile(hb, wb):
+            x = self._tile_product(y.reshape(n * c, -1), wd, inverse=True).reshape(n, c, b, b)
+            if b == h and b == w and dtype == wd:
+                return x
+            return saturate_fast(x[:, :, :h, :w], dtype)
         if self.params["fold"]:
             rows, cols = self._fold_positions(y.device)
             full = torch.zeros((n, c, hb, k, wb, k), dtype=wd, device=y.device)
