@@ -656,8 +656,13 @@ def _classes_innermost(value: Any) -> bool:
         return False
     source = producer.inputs[0].producer
     dims = tuple(producer.args.get("dims", ()))
-    last = len(value.type.shape) - 1
-    return source is not None and not source.op.view and len(dims) > 2 and dims[1] == last
+    moved = dims[:1] + dims[2:] + dims[1:2]  # dim 1 back to the end: the source's order?
+    return (
+        source is not None
+        and not source.op.view
+        and len(dims) > 2
+        and moved == tuple(range(len(dims)))
+    )
 
 
 def _gradient_reordered(node: Node) -> bool:
