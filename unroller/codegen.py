@@ -426,10 +426,7 @@ class Emitter:
         # held by the node's submodule out_proj; a free parameter by its parent)
         param_grads: dict[str, list[tuple[str, Expr]]] = {}
         for p in node.params:
-            if not p.present:
-                targets.append(None)
-                continue
-            if into_grad:  # the kernel adds it into .grad itself
+            if not p.present or into_grad:  # none, or the kernel adds it into .grad itself
                 targets.append(None)
                 continue
             # One name per parameter kind (grad_weight, grad_bias), reused by every layer:
