@@ -183,18 +183,17 @@ def test_token_logits_keep_their_layout(label_smoothing, consume):
     ``consume``, permutes back to a contiguous [N, L, C] tensor (the head's linear backward
     then copies nothing); loss and gradient as autograd's in float64 to 1e-10, ignored
     targets included. Logits already [N, C, L]-contiguous take aten's kernels as before."""
-    gpu = K
     head = torch.randn(3, 7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     target = torch.randint(0, 5, (3, 7), generator=torch.Generator().manual_seed(2))
     target.view(-1)[::3] = IGNORE
     leaf = head.clone().requires_grad_()
     ref = F.cross_entropy(leaf.permute(0, 2, 1), target, label_smoothing=label_smoothing)
     ref.backward()
-    loss, log_probs = gpu.cross_entropy(
+    loss, log_probs = K.cross_entropy(
         head.permute(0, 2, 1), target, label_smoothing=label_smoothing
     )
     assert log_probs.movedim(1, -1).is_contiguous()
-    (grad,) = gpu.cross_entropy_backward(
+    (grad,) = K.cross_entropy_backward(
         torch.ones((), dtype=torch.float64),
         log_probs,
         target,
@@ -204,8 +203,8 @@ def test_token_logits_keep_their_layout(label_smoothing, consume):
     )
     assert grad.permute(0, 2, 1).is_contiguous()
     assert rel_err(loss, ref) <= TOL and rel_err(grad.permute(0, 2, 1), leaf.grad) <= TOL
-    plain, plain_lp = gpu.cross_entropy(head.permute(0, 2, 1).contiguous(), target)
+    plain, plain_lp = K.cross_entropy(head.permute(0, 2, 1).contiguous(), target)
     assert plain_lp.is_contiguous()
     nothing = torch.full_like(target, IGNORE)  # every target ignored: nan, as torch's
-    assert torch.isnan(gpu.cross_entropy(head.permute(0, 2, 1), nothing)[0])
+    assert torch.isnan(K.cross_entropy(head.permute(0, 2, 1), nothing)[0])
     assert torch.isnan(F.cross_entropy(head.permute(0, 2, 1), nothing))

@@ -1207,20 +1207,28 @@ def log_softmax_backward(
 # first. Equal to the gradient made and then added, to rounding.
 
 
-def _add_product(param: Tensor, a: Tensor, b: Tensor) -> None:
-    """param.grad += a @ b; the product itself becomes .grad when there is none yet."""
+def _product_grad(param: Tensor, a: Tensor, b: Tensor, into: bool) -> Tensor | None:
+    """``param``'s gradient a @ b, returned; ``into``: added into param.grad instead (the
+    product itself becomes .grad when there is none yet, else ``addmm_`` in place) and None
+    returned."""
+    if not into:
+        return a.mm(b)
     with torch.no_grad():
-        grad = param.grad
-        if grad is None:
+        if param.grad is None:
             _common._accumulate_one(param, a.mm(b), adopt=True)
         else:
-            grad.addmm_(a, b)
+            param.grad.addmm_(a, b)
+    return None
 
 
-def _add_rows(param: Tensor | None, rows: Tensor) -> None:
-    """param.grad += the sum of ``rows`` [M, C] over M (a bias gradient)."""
+def _rows_grad(param: Tensor | None, rows: Tensor, into: bool) -> Tensor | None:
+    """A bias gradient, the sum of ``rows`` [M, C] over M: returned, or with ``into`` added
+    into param.grad and None returned."""
+    if not into:
+        return rows.sum(0)
     if param is not None:
         _common._accumulate_one(param, rows.sum(0), adopt=True)
+    return None
 
 
 def linear_backward(
@@ -1233,9 +1241,9 @@ def linear_backward(
     gx = g.matmul(layer.weight) if _need(needs, 0) else None
     g2 = g.reshape(-1, g.shape[-1])
     if _need(needs, 1):
-        _add_product(layer.weight, g2.t(), x.reshape(-1, x.shape[-1]))
+        _product_grad(layer.weight, g2.t(), x.reshape(-1, x.shape[-1]), into=True)
     if _need(needs, 2):
-        _add_rows(_weight_bias(layer)[1], g2)
+        _rows_grad(_weight_bias(layer)[1], g2, into=True)
     return _fit((gx, None, None), needs)
 
 
@@ -1248,9 +1256,9 @@ def transposed_linear_backward(
     g2 = g.reshape(-1, g.shape[-1])
     gx = g.matmul(layer.weight.t()) if _need(needs, 0) else None
     if _need(needs, 1):
-        _add_product(layer.weight, x.reshape(-1, x.shape[-1]).t(), g2)
+        _product_grad(layer.weight, x.reshape(-1, x.shape[-1]).t(), g2, into=True)
     if _need(needs, 2):
-        _add_rows(_weight_bias(layer)[1], g2)
+        _rows_grad(_weight_bias(layer)[1], g2, into=True)
     return _fit((gx, None, None), needs)
 
 
@@ -1405,28 +1413,16 @@ def multihead_attention_backward(
     context2 = context.reshape(n * length, embed)
     g_w_out = g_b_out = gx = g_w_in = g_b_in = None
     if _need(needs, 3):
-        if accumulate:
-            _add_product(w_out, g2.t(), context2)
-        else:
-            g_w_out = g2.t().mm(context2)
+        g_w_out = _product_grad(w_out, g2.t(), context2, accumulate)
     if _need(needs, 4):
-        if accumulate:
-            _add_rows(b_out, g2)
-        else:
-            g_b_out = g2.sum(0)
+        g_b_out = _rows_grad(b_out, g2, accumulate)
     if any(_need(needs, i) for i in range(3)):
         g_proj = _packed_grad(g2.mm(w_out), q, k, v, lse, context, is_causal)
         del g2  # only the out-projection's gradients read it
         if _need(needs, 2):
-            if accumulate:
-                _add_rows(b_in, g_proj)
-            else:
-                g_b_in = g_proj.sum(0)
+            g_b_in = _rows_grad(b_in, g_proj, accumulate)
         if _need(needs, 1):
-            if accumulate:
-                _add_product(w_in, g_proj.t(), x.reshape(n * length, embed))
-            else:
-                g_w_in = g_proj.t().mm(x.reshape(n * length, embed))
+            g_w_in = _product_grad(w_in, g_proj.t(), x.reshape(n * length, embed), accumulate)
         if _need(needs, 0):
             gx = g_proj.mm(w_in).view(n, length, embed)
     return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs)
