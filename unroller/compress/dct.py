@@ -17,6 +17,8 @@ from .base import (
     float_constant_compiled,
     is_compiling,
     itemsize,
+    native_library,
+    native_threads,
     saturate,
     saturate_fast,
     skip_checks,
@@ -404,6 +406,12 @@ class Dct(Compressor):
         b, k = self.params["block"], self.params["keep"]
         storage = self.params["storage"]
         n, c, h, w = t.shape
+        if storage == "int8" and wd == torch.float32:
+            lib = native_library(t)
+            if lib is not None:
+                packed = self._compress_native(lib, t, hb, wb)
+                if packed is not None:
+                    return packed
         x = self._pad(t.to(wd), hb, wb)
         if self._one_tile(hb, wb):
             y = self._tile_product(x.reshape(n * c, b * b), wd, inverse=False)
@@ -449,6 +457,12 @@ class Dct(Compressor):
         c, h, w = shape
         coeffs = packed[0]
         n = coeffs.shape[0]
+        if len(packed) == 2 and wd == torch.float32 and dtype == torch.float32:
+            lib = native_library(*packed)
+            if lib is not None and self._native_packed_ok(packed, n, c, hb, wb):
+                out = self._decompress_native(lib, packed, (n, c, h, w))
+                if out is not None:
+                    return out
         if len(packed) == 2:
             scale = packed[1].to(wd).reshape(n, c, *([1] * (coeffs.dim() - 2)))
             y = torch.mul(coeffs, scale)  # int8 * float: the codes are cast exactly
@@ -473,3 +487,75 @@ class Dct(Compressor):
             return out
         x = torch.matmul(x, tk_up).reshape(n, c, hb * b, wb * b)[:, :, :h, :w]
         return saturate_fast(x, dtype)
+
+    # native cpu path ---------------------------------------------------------------------
+    # int8 storage, float32 work: ``native/dct_kernels.cpp`` does a plane at a time (pad,
+    # transform, chop, scale, codes; and back) in one call. Its products are not BLAS's, so
+    # it equals the PyTorch formulations up to float rounding, not bit for bit (coefficients
+    # within a few ulps; a code may differ by one next to a half-integer).
+
+    def _native_packed_ok(  # unroller-lint: host-only (native cpu path)
+        self, packed: tuple[Tensor, ...], n: int, c: int, hb: int, wb: int
+    ) -> bool:
+        """Packed tensors the kernel can read as they are: int8 codes of this layout and a
+        float32 scale [N, C] (anything else goes through the PyTorch formulation, which says
+        what is wrong)."""
+        q, scale = packed
+        return (
+            q.dtype == torch.int8
+            and tuple(q.shape) == self._coeff_shape(n, c, hb, wb)
+            and scale.dtype == torch.float32
+            and tuple(scale.shape) == (n, c)
+        )
+
+    def _compress_native(  # unroller-lint: host-only (native cpu path)
+        self, lib, t: Tensor, hb: int, wb: int
+    ) -> tuple[Tensor, Tensor] | None:
+        """``compress`` through the native kernel; None when it could not get scratch memory
+        (the PyTorch formulation then runs)."""
+        b, k = self.params["block"], self.params["keep"]
+        n, c, h, w = t.shape
+        x = t.to(torch.float32).contiguous()
+        q = torch.empty(self._coeff_shape(n, c, hb, wb), dtype=torch.int8)
+        scale = torch.empty((n, c), dtype=torch.float32)
+        tk, tk_down, _ = self._matrices(torch.float32, x.device)
+        failed = lib.ud_compress_f32(
+            x.data_ptr(),
+            n * c,
+            h,
+            w,
+            b,
+            k,
+            int(self.params["fold"]),
+            tk_down.contiguous().data_ptr(),
+            tk.contiguous().data_ptr(),
+            q.data_ptr(),
+            scale.data_ptr(),
+            native_threads(x.numel()),
+        )
+        return None if failed else (q, scale)
+
+    def _decompress_native(  # unroller-lint: host-only (native cpu path)
+        self, lib, packed: tuple[Tensor, ...], full: tuple[int, int, int, int]
+    ) -> Tensor | None:
+        """``decompress`` through the native kernel (float32 out); None as above."""
+        b, k = self.params["block"], self.params["keep"]
+        n, c, h, w = full
+        q, scale = (p.contiguous() for p in packed)
+        out = torch.empty(full, dtype=torch.float32)
+        tk, _, tk_up = self._matrices(torch.float32, q.device)
+        failed = lib.ud_decompress_f32(
+            q.data_ptr(),
+            scale.data_ptr(),
+            n * c,
+            h,
+            w,
+            b,
+            k,
+            int(self.params["fold"]),
+            tk.contiguous().data_ptr(),
+            tk_up.contiguous().data_ptr(),
+            out.data_ptr(),
+            native_threads(out.numel()),
+        )
+        return None if failed else out

@@ -1,9 +1,12 @@
-"""Optional native CPU kernels for ``quant``, compiled on first use and cached on disk.
+"""Optional native CPU kernels for ``quant`` and ``dct``, compiled on first use and cached on disk.
 
 Why: the pure-PyTorch fast path of ``quant`` makes several passes over each block (min/max,
 subtract, divide, round, clamp, cast, pack), so its round trip runs well below a copy's
 bandwidth. ``quant_kernels.cpp`` does quantise + pack and unpack + dequantise in one pass
 per group, with results bit-identical to the PyTorch formulations (the tests compare them).
+``dct_kernels.cpp`` pads, transforms, chops and quantises one plane at a time (int8 storage,
+float32 work), and back; its results equal the PyTorch formulation's up to float rounding
+(its products are not BLAS's: see that file and ``Dct``).
 
 It is an accelerator, never a requirement: nothing here is needed for correctness, and
 when the library cannot be had (no C++ compiler, a failed build, a platform whose byte
@@ -43,7 +46,7 @@ except ImportError:  # pragma: no cover - Windows
 
 __all__ = [
     "ABI_VERSION",
-    "SOURCE",
+    "SOURCES",
     "build_error",
     "cache_dir",
     "compiler",
@@ -51,8 +54,12 @@ __all__ = [
     "library",
 ]
 
-SOURCE = Path(__file__).with_name("quant_kernels.cpp")
-ABI_VERSION = 1
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("native_common.h", "quant_kernels.cpp", "dct_kernels.cpp")
+)
+"""Everything the library is built from (the header first: it is included, not compiled)."""
+ABI_VERSION = 2
 """What ``uq_abi_version()`` must return: a library of another version is not used."""
 FLAGS = (
     "-O3",
@@ -163,7 +170,7 @@ def _build(cxx: str, target: Path) -> None:  # unroller-lint: host-only (native 
     os.close(fd)
     try:
         result = subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", tmp],
+            [cxx, *FLAGS, *(str(p) for p in SOURCES if p.suffix == ".cpp"), "-o", tmp],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
@@ -190,6 +197,10 @@ def _declare(lib: ctypes.CDLL) -> None:  # unroller-lint: host-only (native path
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [p, p, p, p, p, i64, i64, i64, i32, p, i32]
+    lib.ud_compress_f32.restype = i32
+    lib.ud_compress_f32.argtypes = [p, i64, i64, i64, i64, i64, i32, p, p, p, p, i32]
+    lib.ud_decompress_f32.restype = i32
+    lib.ud_decompress_f32.argtypes = [p, p, i64, i64, i64, i64, i64, i32, p, p, p, i32]
 
 
 def _load() -> ctypes.CDLL:  # unroller-lint: host-only (native path)
@@ -199,8 +210,8 @@ def _load() -> ctypes.CDLL:  # unroller-lint: host-only (native path)
     cxx = compiler()
     if cxx is None:
         raise OSError("no C++ compiler found (set CXX, or install g++ or clang++)")
-    source = SOURCE.read_bytes()
-    target = cache_dir() / f"quant-{_key(cxx, source)}.so"
+    source = b"\0".join(p.read_bytes() for p in SOURCES)
+    target = cache_dir() / f"kernels-{_key(cxx, source)}.so"
     if not target.exists():
         with _build_lock(target.parent):  # one build at a time (test workers start together)
             if not target.exists():

@@ -19,21 +19,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <thread>
-#include <vector>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-// One copy of each entry point per instruction-set level, chosen when the library loads:
-// the cached library stays valid on any x86-64 machine.
-#define UQ_CLONES \
-    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "arch=x86-64-v2", "default")))
-#else
-#define UQ_CLONES
-#endif
-
-#define UQ_INLINE inline __attribute__((always_inline))
+#include "native_common.h"
 
 namespace {
+
+using unroller_native::run_split;
 
 constexpr int64_t kChunk = 2048;  // codes per step of a group: a stack buffer in L1
 
@@ -297,37 +288,6 @@ UQ_CLONES void decode_f64(const DecodeArgs<double>* a, int64_t r0, int64_t r1) {
     decode_rows(*a, r0, r1);
 }
 
-// Split rows 0 .. rows into `threads` ranges (each a multiple of `unit` rows) and run fn.
-template <typename A>
-void run_split(void (*fn)(const A*, int64_t, int64_t), const A* args, int64_t rows,
-               int64_t unit, int threads) {
-    const int64_t units = rows / unit;
-    if (threads > units) threads = static_cast<int>(units);
-    if (threads <= 1) {
-        fn(args, 0, rows);
-        return;
-    }
-    // Nothing may throw out of an extern "C" entry point: a range whose thread cannot be
-    // started (a resource limit) runs here instead.
-    std::vector<std::thread> pool;
-    try {
-        pool.reserve(static_cast<size_t>(threads - 1));
-    } catch (...) {
-        fn(args, 0, rows);
-        return;
-    }
-    for (int t = 1; t < threads; ++t) {
-        const int64_t u0 = units * t / threads, u1 = units * (t + 1) / threads;
-        try {
-            pool.emplace_back(fn, args, u0 * unit, u1 * unit);
-        } catch (...) {
-            fn(args, u0 * unit, u1 * unit);
-        }
-    }
-    fn(args, 0, (units / threads) * unit);
-    for (auto& th : pool) th.join();
-}
-
 template <typename T>
 void encode(void (*fn)(const EncodeArgs<T>*, int64_t, int64_t), const T* x, const T* noise,
             int64_t n, int64_t m, int64_t g, int bits, uint8_t* out, T* mn, T* scale,
@@ -352,7 +312,7 @@ void decode(void (*fn)(const DecodeArgs<T>*, int64_t, int64_t), const uint8_t* c
 extern "C" {
 
 // Bumped whenever an entry point's meaning or signature changes (checked by the loader).
-int uq_abi_version() { return 1; }
+int uq_abi_version() { return 2; }
 
 void uq_encode_f32(const float* x, const float* noise, int64_t n, int64_t m, int64_t g, int bits,
                    uint8_t* out, float* mn, float* scale, int threads) {

@@ -1,0 +1,261 @@
+// Native CPU kernels of the `dct` compressor (unroller/compress/dct.py), int8 storage and
+// float32 work: pad, transform, chop and quantise one plane at a time, and back.
+//
+// Why: the PyTorch fast path is two matrix products plus a dozen full-size passes (padding,
+// |max|, divide, round, clamp, NaN fix, cast) and as many dispatches per call; on the small
+// maps of a CNN at CIFAR size the dispatches alone cost more than the arithmetic. Here each
+// plane stays in the cache from its first read to its last write.
+//
+// Not bit-identical to the PyTorch formulations, unlike the quant kernels: those products go
+// through BLAS, whose summation order is its own. What holds instead (tests check it):
+//   - the same formulas and layout as `Dct` (edge-replicated padding, Tk B Tk^T / 2**e, the
+//     symmetric per-(sample, channel) scale amax / 127, round half to even, clamp to +-127,
+//     NaN -> 0; the inverse Tk^T C Tk * 2**e, cropped);
+//   - each coefficient and each output value is one fixed sequence of IEEE operations (built
+//     with -ffp-contract=off, no fast-math; vector lanes run independent outputs), so the
+//     results do not depend on the thread count or the instruction-set clone;
+//   - they differ from the PyTorch path's by float rounding only: coefficients by a few
+//     units in the last place, so a code can differ by one where a scaled coefficient lies
+//     within rounding of a half-integer.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <vector>
+
+#include "native_common.h"
+
+namespace {
+
+using unroller_native::run_split;
+
+struct DctArgs {
+    const float* x;     // compress: planes [P, H, W]
+    int8_t* q;          // codes, per plane [Hb, K, Wb, K] or folded [Hb, Wb, K(K+1)/2]
+    float* scale;       // [P]
+    float* out;         // decompress: planes [P, H, W]
+    const float* down;  // [K, B]: Tk / 2**e (the forward's first product)
+    const float* rows;  // [K, B]: Tk
+    const float* up;    // [K, B]: Tk * 2**e (the inverse's last product)
+    int64_t h, w, b, k, hb, wb;
+    int fold;
+    int* failed;  // set when scratch memory could not be had
+};
+
+int64_t kept_per_tile(const DctArgs& a) { return a.fold ? a.k * (a.k + 1) / 2 : a.k * a.k; }
+
+// Forward transform of one plane into y [Hb, K, Wb, K] (float32).
+// Rows: strip[i][col] = sum_p down[i][p] * row_p[col], p ascending, over the padded width.
+// Columns: y[i][j] = sum_q strip[i][q] * rows[j][q], q ascending, per tile.
+UQ_INLINE void forward_plane(const DctArgs& a, const float* __restrict x, float* __restrict y,
+                             float* __restrict strip, float* __restrict row,
+                             const float* __restrict rows_t, const int64_t B, const int64_t K) {
+    const int64_t Wp = a.wb * B;
+    for (int64_t r = 0; r < a.hb; ++r) {
+        for (int64_t p = 0; p < B; ++p) {
+            int64_t src = r * B + p;
+            if (src > a.h - 1) src = a.h - 1;  // edge replication of the last row
+            std::memcpy(row, x + src * a.w, static_cast<size_t>(a.w) * sizeof(float));
+            const float last = x[src * a.w + a.w - 1];
+            for (int64_t col = a.w; col < Wp; ++col) row[col] = last;
+            for (int64_t i = 0; i < K; ++i) {
+                const float t = a.down[i * B + p];
+                float* __restrict s = strip + i * Wp;
+                if (p == 0) {
+                    for (int64_t col = 0; col < Wp; ++col) s[col] = t * row[col];
+                } else {
+                    for (int64_t col = 0; col < Wp; ++col) s[col] = s[col] + t * row[col];
+                }
+            }
+        }
+        for (int64_t i = 0; i < K; ++i) {
+            for (int64_t c = 0; c < a.wb; ++c) {
+                const float* __restrict s = strip + i * Wp + c * B;
+                float* __restrict dst = y + ((r * K + i) * a.wb + c) * K;
+                for (int64_t j = 0; j < K; ++j) dst[j] = s[0] * rows_t[j];
+                for (int64_t q = 1; q < B; ++q) {
+                    const float v = s[q];
+                    const float* __restrict t = rows_t + q * K;
+                    for (int64_t j = 0; j < K; ++j) dst[j] = dst[j] + v * t[j];
+                }
+            }
+        }
+    }
+}
+
+// The symmetric scale of a plane's kept coefficients and their int8 codes (as `Dct`:
+// amax |y| with NaN propagated, 1 for an all-zero plane; rint, clamp, NaN -> 0).
+UQ_INLINE void quantise_plane(const DctArgs& a, const float* __restrict y, int8_t* __restrict q,
+                              float* __restrict scale_out) {
+    const int64_t K = a.k;
+    const int64_t len = a.hb * K * a.wb * K;
+    float amax = 0.0f;
+    bool nan = false;
+    for (int64_t i = 0; i < len; ++i) {
+        const float v = std::fabs(y[i]);
+        nan |= v != v;
+        amax = v > amax ? v : amax;
+    }
+    if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+    const float scale = amax == 0.0f ? 1.0f : amax / 127.0f;
+    *scale_out = scale;
+    auto code = [scale](float v) -> int8_t {
+        v = std::rint(v / scale);
+        v = v >= -127.0f ? (v <= 127.0f ? v : 127.0f) : (v != v ? 0.0f : -127.0f);
+        return static_cast<int8_t>(static_cast<int32_t>(v));
+    };
+    if (!a.fold) {
+        for (int64_t i = 0; i < len; ++i) q[i] = code(y[i]);
+        return;
+    }
+    int64_t o = 0;  // [Hb, Wb, kept], (i, j) with i + j < K in row-major order
+    for (int64_t r = 0; r < a.hb; ++r) {
+        for (int64_t c = 0; c < a.wb; ++c) {
+            for (int64_t i = 0; i < K; ++i) {
+                for (int64_t j = 0; j + i < K; ++j) {
+                    q[o++] = code(y[((r * K + i) * a.wb + c) * K + j]);
+                }
+            }
+        }
+    }
+}
+
+// Inverse of one plane from its codes: y = code * scale (into [Hb, K, Wb, K], zeros where a
+// fold dropped a coefficient); rows: strip[p][c*K + j] = sum_i rows[i][p] * y[r][i][c][j],
+// i ascending; columns: x[p][c*B + q] = sum_j strip[p][c*K + j] * up[j][q], j ascending;
+// cropped to H x W.
+UQ_INLINE void inverse_plane(const DctArgs& a, const int8_t* __restrict q, float scale,
+                             float* __restrict out, float* __restrict y, float* __restrict strip,
+                             float* __restrict tile_row, const int64_t B, const int64_t K) {
+    const int64_t Wk = a.wb * K;
+    const int64_t len = a.hb * K * Wk;
+    if (!a.fold) {
+        for (int64_t i = 0; i < len; ++i) y[i] = static_cast<float>(q[i]) * scale;
+    } else {
+        std::memset(y, 0, static_cast<size_t>(len) * sizeof(float));
+        int64_t o = 0;
+        for (int64_t r = 0; r < a.hb; ++r) {
+            for (int64_t c = 0; c < a.wb; ++c) {
+                for (int64_t i = 0; i < K; ++i) {
+                    for (int64_t j = 0; j + i < K; ++j) {
+                        y[((r * K + i) * a.wb + c) * K + j] = static_cast<float>(q[o++]) * scale;
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < a.hb; ++r) {
+        const float* __restrict yr = y + r * K * Wk;
+        for (int64_t p = 0; p < B; ++p) {
+            float* __restrict s = strip + p * Wk;
+            const float t0 = a.rows[p];
+            for (int64_t col = 0; col < Wk; ++col) s[col] = t0 * yr[col];
+            for (int64_t i = 1; i < K; ++i) {
+                const float t = a.rows[i * B + p];
+                const float* __restrict yi = yr + i * Wk;
+                for (int64_t col = 0; col < Wk; ++col) s[col] = s[col] + t * yi[col];
+            }
+        }
+        const int64_t rows_here = (a.h - r * B) < B ? (a.h - r * B) : B;
+        for (int64_t p = 0; p < rows_here; ++p) {
+            const float* __restrict s = strip + p * Wk;
+            for (int64_t c = 0; c < a.wb; ++c) {
+                float* __restrict dst = tile_row + c * B;
+                const float* __restrict sc = s + c * K;
+                for (int64_t qq = 0; qq < B; ++qq) dst[qq] = sc[0] * a.up[qq];
+                for (int64_t j = 1; j < K; ++j) {
+                    const float v = sc[j];
+                    const float* __restrict u = a.up + j * B;
+                    for (int64_t qq = 0; qq < B; ++qq) dst[qq] = dst[qq] + v * u[qq];
+                }
+            }
+            std::memcpy(out + (r * B + p) * a.w, tile_row, static_cast<size_t>(a.w) * sizeof(float));
+        }
+    }
+}
+
+// Planes p0 .. p1. B and K are passed as literals for the common sizes, so that the inner
+// loops have fixed trip counts after inlining.
+template <bool Compress>
+UQ_INLINE void planes(const DctArgs& a, int64_t p0, int64_t p1, const int64_t B,
+                      const int64_t K) {
+    const int64_t plane_in = a.h * a.w;
+    const int64_t plane_codes = a.hb * a.wb * kept_per_tile(a);
+    const int64_t plane_y = a.hb * K * a.wb * K;
+    std::vector<float> y, strip, row, rows_t;
+    try {
+        y.resize(static_cast<size_t>(plane_y));
+        strip.resize(static_cast<size_t>((Compress ? K * a.wb * B : B * a.wb * K)));
+        row.resize(static_cast<size_t>(a.wb * B));
+        rows_t.resize(static_cast<size_t>(B * K));
+    } catch (...) {
+        __atomic_store_n(a.failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t q = 0; q < B; ++q) {
+        for (int64_t j = 0; j < K; ++j) rows_t[q * K + j] = a.rows[j * B + q];
+    }
+    for (int64_t p = p0; p < p1; ++p) {
+        if (Compress) {
+            forward_plane(a, a.x + p * plane_in, y.data(), strip.data(), row.data(),
+                          rows_t.data(), B, K);
+            quantise_plane(a, y.data(), a.q + p * plane_codes, a.scale + p);
+        } else {
+            inverse_plane(a, a.q + p * plane_codes, a.scale[p], a.out + p * plane_in, y.data(),
+                          strip.data(), row.data(), B, K);
+        }
+    }
+}
+
+template <bool Compress>
+UQ_INLINE void dispatch(const DctArgs* a, int64_t p0, int64_t p1) {
+    if (a->b == 8 && a->k == 4) {
+        planes<Compress>(*a, p0, p1, 8, 4);
+    } else if (a->b == 8 && a->k == 8) {
+        planes<Compress>(*a, p0, p1, 8, 8);
+    } else if (a->b == 8 && a->k == 2) {
+        planes<Compress>(*a, p0, p1, 8, 2);
+    } else if (a->b == 4 && a->k == 2) {
+        planes<Compress>(*a, p0, p1, 4, 2);
+    } else {
+        planes<Compress>(*a, p0, p1, a->b, a->k);
+    }
+}
+
+UQ_CLONES void compress_range(const DctArgs* a, int64_t p0, int64_t p1) {
+    dispatch<true>(a, p0, p1);
+}
+UQ_CLONES void decompress_range(const DctArgs* a, int64_t p0, int64_t p1) {
+    dispatch<false>(a, p0, p1);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or 1 when scratch memory could not be had (the caller then runs PyTorch).
+int ud_compress_f32(const float* x, int64_t planes, int64_t h, int64_t w, int64_t b, int64_t k,
+                    int fold, const float* down, const float* rows, int8_t* q, float* scale,
+                    int threads) {
+    int failed = 0;
+    const int64_t hb = (h + b - 1) / b, wb = (w + b - 1) / b;
+    const DctArgs args{x, q, scale, nullptr, down, rows, nullptr, h, w, b, k, hb, wb, fold,
+                       &failed};
+    run_split(compress_range, &args, planes, 1, threads);
+    return failed;
+}
+
+int ud_decompress_f32(const int8_t* q, const float* scale, int64_t planes, int64_t h, int64_t w,
+                      int64_t b, int64_t k, int fold, const float* rows, const float* up,
+                      float* out, int threads) {
+    int failed = 0;
+    const int64_t hb = (h + b - 1) / b, wb = (w + b - 1) / b;
+    const DctArgs args{nullptr, const_cast<int8_t*>(q), const_cast<float*>(scale), out, nullptr,
+                       rows, up, h, w, b, k, hb, wb, fold, &failed};
+    run_split(decompress_range, &args, planes, 1, threads);
+    return failed;
+}
+
+}  // extern "C"
