@@ -41,6 +41,10 @@ _STORAGE_DTYPES = {
 MAX_BLOCK = 64
 """Largest ``block`` (and so ``keep``): the tiles of one plane are padded to multiples of it."""
 
+ONE_TILE_MAX_BLOCK = 8
+"""Largest ``block`` whose single-tile planes go through ``tile_matrix`` (a [64, kept] table
+at most); larger blocks keep the separable form on every plane."""
+
 
 def dct_matrix(
     block: int, keep: int, dtype: torch.dtype, device: torch.device | str, exponent: int = 0
@@ -261,9 +265,11 @@ class Dct(Compressor):
         )
 
     def _one_tile(self, hb: int, wb: int) -> bool:
-        """Is every plane a single tile? Then the 2-D transform is one matrix product
-        (``tile_matrix``) on both paths (a shape-only branch, so they stay bit-identical)."""
-        return hb == 1 and wb == 1
+        """Is every plane a single tile of a small block? Then the 2-D transform is one matrix
+        product (``tile_matrix``) on both paths (a shape-only branch, so they stay
+        bit-identical). Only up to ``ONE_TILE_MAX_BLOCK``: the table has block**2 * kept
+        entries, built one scalar at a time (block 64 would be 16.7 million)."""
+        return hb == 1 and wb == 1 and self.params["block"] <= ONE_TILE_MAX_BLOCK
 
     def _tile_product(self, rows: Tensor, wd: torch.dtype, inverse: bool) -> Tensor:
         b, k = self.params["block"], self.params["keep"]

@@ -86,11 +86,26 @@ UQ_INLINE void forward_plane(const DctArgs& a, const float* __restrict x, float*
 }
 
 // The symmetric scale of a plane's kept coefficients and their int8 codes (as `Dct`:
-// amax |y| with NaN propagated, 1 for an all-zero plane; rint, clamp, NaN -> 0).
-UQ_INLINE void quantise_plane(const DctArgs& a, const float* __restrict y, int8_t* __restrict q,
-                              float* __restrict scale_out) {
+// amax |y| over the kept ones with NaN propagated, 1 for an all-zero plane; rint, clamp,
+// NaN -> 0). With fold the kept ones (i + j < K) are first gathered into `kept`, in the
+// packed order [Hb, Wb, kept].
+UQ_INLINE void quantise_plane(const DctArgs& a, const float* __restrict y, float* __restrict kept,
+                              int8_t* __restrict q, float* __restrict scale_out) {
     const int64_t K = a.k;
-    const int64_t len = a.hb * K * a.wb * K;
+    int64_t len = a.hb * K * a.wb * K;
+    if (a.fold) {
+        int64_t o = 0;
+        for (int64_t r = 0; r < a.hb; ++r) {
+            for (int64_t c = 0; c < a.wb; ++c) {
+                for (int64_t i = 0; i < K; ++i) {
+                    const float* __restrict src = y + ((r * K + i) * a.wb + c) * K;
+                    for (int64_t j = 0; j + i < K; ++j) kept[o++] = src[j];
+                }
+            }
+        }
+        len = o;
+        y = kept;
+    }
     float amax = 0.0f;
     bool nan = false;
     for (int64_t i = 0; i < len; ++i) {
@@ -101,24 +116,10 @@ UQ_INLINE void quantise_plane(const DctArgs& a, const float* __restrict y, int8_
     if (nan) amax = std::numeric_limits<float>::quiet_NaN();
     const float scale = amax == 0.0f ? 1.0f : amax / 127.0f;
     *scale_out = scale;
-    auto code = [scale](float v) -> int8_t {
-        v = std::rint(v / scale);
+    for (int64_t i = 0; i < len; ++i) {
+        float v = std::rint(y[i] / scale);
         v = v >= -127.0f ? (v <= 127.0f ? v : 127.0f) : (v != v ? 0.0f : -127.0f);
-        return static_cast<int8_t>(static_cast<int32_t>(v));
-    };
-    if (!a.fold) {
-        for (int64_t i = 0; i < len; ++i) q[i] = code(y[i]);
-        return;
-    }
-    int64_t o = 0;  // [Hb, Wb, kept], (i, j) with i + j < K in row-major order
-    for (int64_t r = 0; r < a.hb; ++r) {
-        for (int64_t c = 0; c < a.wb; ++c) {
-            for (int64_t i = 0; i < K; ++i) {
-                for (int64_t j = 0; j + i < K; ++j) {
-                    q[o++] = code(y[((r * K + i) * a.wb + c) * K + j]);
-                }
-            }
-        }
+        q[i] = static_cast<int8_t>(static_cast<int32_t>(v));
     }
 }
 
@@ -184,9 +185,10 @@ UQ_INLINE void planes(const DctArgs& a, int64_t p0, int64_t p1, const int64_t B,
     const int64_t plane_in = a.h * a.w;
     const int64_t plane_codes = a.hb * a.wb * kept_per_tile(a);
     const int64_t plane_y = a.hb * K * a.wb * K;
-    std::vector<float> y, strip, row, rows_t;
+    std::vector<float> y, kept, strip, row, rows_t;
     try {
         y.resize(static_cast<size_t>(plane_y));
+        if (Compress && a.fold) kept.resize(static_cast<size_t>(plane_codes));
         strip.resize(static_cast<size_t>((Compress ? K * a.wb * B : B * a.wb * K)));
         row.resize(static_cast<size_t>(a.wb * B));
         rows_t.resize(static_cast<size_t>(B * K));
@@ -201,7 +203,7 @@ UQ_INLINE void planes(const DctArgs& a, int64_t p0, int64_t p1, const int64_t B,
         if (Compress) {
             forward_plane(a, a.x + p * plane_in, y.data(), strip.data(), row.data(),
                           rows_t.data(), B, K);
-            quantise_plane(a, y.data(), a.q + p * plane_codes, a.scale + p);
+            quantise_plane(a, y.data(), kept.data(), a.q + p * plane_codes, a.scale + p);
         } else {
             inverse_plane(a, a.q + p * plane_codes, a.scale[p], a.out + p * plane_in, y.data(),
                           strip.data(), row.data(), B, K);
