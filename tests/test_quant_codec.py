@@ -176,8 +176,10 @@ def test_native_is_bit_identical_to_pytorch(native_lib, bits, dtype):
             assert_native_matches(c, x, dtype=torch.float32)  # decompressed to another dtype
 
 
-def test_native_is_bit_identical_on_large_inputs_and_threads(native_lib):
-    """More elements than one thread takes (base.THREAD_ELEMENTS), on 1 and 2 threads."""
+def test_native_is_bit_identical_on_large_inputs_and_threads(native_lib, monkeypatch):
+    """More elements than one thread takes (base.THREAD_ELEMENTS, lowered here so that a
+    small tensor is split), on 1 and 2 threads."""
+    monkeypatch.setattr(base, "THREAD_ELEMENTS", 1 << 14)
     x = tokens((6, 40, 1100), seed=5)
     x[3, 7, 100] = float("nan")
     saved = torch.get_num_threads()
