@@ -45,6 +45,8 @@ from .base import (
     float_constant_compiled,
     host_constant,
     is_compiling,
+    native_library,
+    native_threads,
     pack_codes,
     pack_codes_compiled,
     pack_codes_fast,
@@ -272,6 +274,9 @@ class FewBit(Compressor):
         edges = self._table(0, wd, t.device)
         compiled = use_compiled_path(t)
         fast = not compiled and use_fast_path(t)
+        lib = native_library(t) if fast else None
+        if lib is not None:
+            return self._compress_native(lib, t.reshape(n, m).to(wd), edges)
         if fast:
             codes = _interval_codes(t.reshape(n, m).to(wd), edges)
         else:
@@ -303,6 +308,9 @@ class FewBit(Compressor):
         m = prod(tuple(shape))
         compiled = use_compiled_path(*packed)
         fast = not compiled and use_fast_path(*packed)
+        lib = native_library(*packed) if fast else None
+        if lib is not None and self._native_packed_ok(packed, n, m, dtype):
+            return self._decompress_native(lib, packed, n, shape, dtype)
         unpack = unpack_codes_compiled if compiled else unpack_codes_fast if fast else unpack_codes
         codes = None
         shift = 0
@@ -313,3 +321,66 @@ class FewBit(Compressor):
         reps = self._table(2, dtype, packed[0].device)
         x = torch.index_select(reps, 0, codes.reshape(-1))
         return x.reshape(n, *shape)
+
+    # native cpu path ---------------------------------------------------------------------
+    # ``native/fewbit_kernels.cpp``: the codes and their planes in one pass per chunk of a
+    # sample, and back through the representatives' table; bit-identical (no arithmetic
+    # rounds: compares, bit fields and a table lookup).
+
+    def _compress_native(  # unroller-lint: host-only (native cpu path)
+        self, lib, x: Tensor, edges: Tensor
+    ) -> tuple[Tensor, ...]:
+        """``compress`` of ``x`` [N, M] (in the work dtype) through the kernel."""
+        n, m = x.shape
+        x = x.contiguous()
+        planes = _PLANES[self.params["bits"]]
+        outs = [torch.empty((n, packed_code_bytes(m, p)), dtype=torch.uint8) for p in planes]
+        encode = lib.ufb_encode_f64 if x.dtype == torch.float64 else lib.ufb_encode_f32
+        encode(
+            x.data_ptr(),
+            n,
+            m,
+            edges.contiguous().data_ptr(),
+            edges.numel(),
+            planes[0],
+            planes[1] if len(planes) > 1 else 0,
+            outs[0].data_ptr(),
+            outs[1].data_ptr() if len(planes) > 1 else None,
+            native_threads(n * m),
+        )
+        return tuple(outs)
+
+    def _native_packed_ok(  # unroller-lint: host-only (native cpu path)
+        self, packed: tuple[Tensor, ...], n: int, m: int, dtype: torch.dtype
+    ) -> bool:
+        """Planes of exactly the bytes the kernel reads (it trusts them), and an output dtype
+        it writes (float32, float64); anything else takes the PyTorch path, which raises the
+        usual errors for malformed input."""
+        planes = _PLANES[self.params["bits"]]
+        return dtype in (torch.float32, torch.float64) and all(
+            t.dtype == torch.uint8 and tuple(t.shape) == (n, packed_code_bytes(m, p))
+            for t, p in zip(packed, planes)
+        )
+
+    def _decompress_native(  # unroller-lint: host-only (native cpu path)
+        self, lib, packed: tuple[Tensor, ...], n: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> Tensor:
+        """``decompress`` through the kernel: each code's representative, in ``dtype``."""
+        planes = _PLANES[self.params["bits"]]
+        m = prod(tuple(shape))
+        reps = self._table(2, dtype, packed[0].device).contiguous()
+        ins = [t.contiguous() for t in packed]
+        out = torch.empty((n, *shape), dtype=dtype)
+        decode = lib.ufb_decode_f64 if dtype == torch.float64 else lib.ufb_decode_f32
+        decode(
+            ins[0].data_ptr(),
+            ins[1].data_ptr() if len(planes) > 1 else None,
+            n,
+            m,
+            planes[0],
+            planes[1] if len(planes) > 1 else 0,
+            reps.data_ptr(),
+            out.data_ptr(),
+            native_threads(n * m),
+        )
+        return out

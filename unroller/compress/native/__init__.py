@@ -1,4 +1,5 @@
-"""Optional native CPU kernels for ``quant`` and ``dct``, compiled on first use and cached on disk.
+"""Optional native CPU kernels for ``quant``, ``dct`` and ``fewbit``, compiled on first use and
+cached on disk.
 
 Why: the pure-PyTorch fast path of ``quant`` makes several passes over each block (min/max,
 subtract, divide, round, clamp, cast, pack), so its round trip runs well below a copy's
@@ -6,7 +7,8 @@ bandwidth. ``quant_kernels.cpp`` does quantise + pack and unpack + dequantise in
 per group, with results bit-identical to the PyTorch formulations (the tests compare them).
 ``dct_kernels.cpp`` pads, transforms, chops and quantises one plane at a time (int8 storage,
 float32 work), and back; its results equal the PyTorch formulation's up to float rounding
-(its products are not BLAS's: see that file and ``Dct``).
+(its products are not BLAS's: see that file and ``Dct``). ``fewbit_kernels.cpp`` codes and
+packs ``fewbit``'s interval codes, and decodes them, bit-identically.
 
 It is an accelerator, never a requirement: nothing here is needed for correctness, and
 when the library cannot be had (no C++ compiler, a failed build, a platform whose byte
@@ -56,7 +58,7 @@ __all__ = [
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("native_common.h", "quant_kernels.cpp", "dct_kernels.cpp")
+    for name in ("native_common.h", "quant_kernels.cpp", "dct_kernels.cpp", "fewbit_kernels.cpp")
 )
 """Everything the library is built from (the header first: it is included, not compiled)."""
 ABI_VERSION = 2
@@ -201,6 +203,14 @@ def _declare(lib: ctypes.CDLL) -> None:  # unroller-lint: host-only (native path
     lib.ud_compress_f32.argtypes = [p, i64, i64, i64, i64, i64, i32, p, p, p, p, i32]
     lib.ud_decompress_f32.restype = i32
     lib.ud_decompress_f32.argtypes = [p, p, i64, i64, i64, i64, i64, i32, p, p, p, i32]
+    for name in ("ufb_encode_f32", "ufb_encode_f64"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [p, i64, i64, p, i32, i32, i32, p, p, i32]
+    for name in ("ufb_decode_f32", "ufb_decode_f64"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [p, p, i64, i64, i32, i32, p, p, i32]
 
 
 def _load() -> ctypes.CDLL:  # unroller-lint: host-only (native path)

@@ -172,7 +172,8 @@ UQ_INLINE void inverse_plane(const DctArgs& a, const int8_t* __restrict q, float
                     for (int64_t qq = 0; qq < B; ++qq) dst[qq] = dst[qq] + v * u[qq];
                 }
             }
-            std::memcpy(out + (r * B + p) * a.w, tile_row, static_cast<size_t>(a.w) * sizeof(float));
+            std::memcpy(out + (r * B + p) * a.w, tile_row,
+                        static_cast<size_t>(a.w) * sizeof(float));
         }
     }
 }

@@ -24,6 +24,8 @@
 
 namespace {
 
+using unroller_native::pack_aligned;
+using unroller_native::pack_any;
 using unroller_native::run_split;
 
 constexpr int64_t kChunk = 2048;  // codes per step of a group: a stack buffer in L1
@@ -115,43 +117,6 @@ UQ_INLINE void codes_of(const T* __restrict x, const T* __restrict noise, int64_
             v = v >= T(0) ? (v <= levels ? v : levels) : T(0);
             codes[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
         }
-    }
-}
-
-// Pack len codes into bytes starting at a byte boundary (the last byte zero-padded).
-UQ_INLINE void pack_aligned(const uint8_t* __restrict c, int64_t len, int bits,
-                            uint8_t* __restrict out) {
-    if (bits == 8) {
-        std::memcpy(out, c, static_cast<size_t>(len));
-        return;
-    }
-    const int per = 8 / bits;
-    const int64_t whole = len / per;
-    if (bits == 4) {
-        for (int64_t k = 0; k < whole; ++k) {
-            out[k] = static_cast<uint8_t>(c[2 * k] | (c[2 * k + 1] << 4));
-        }
-    } else {
-        for (int64_t k = 0; k < whole; ++k) {
-            out[k] = static_cast<uint8_t>(c[4 * k] | (c[4 * k + 1] << 2) | (c[4 * k + 2] << 4) |
-                                          (c[4 * k + 3] << 6));
-        }
-    }
-    const int64_t rest = len - whole * per;
-    if (rest) {
-        uint8_t b = 0;
-        for (int64_t t = 0; t < rest; ++t) b |= static_cast<uint8_t>(c[whole * per + t] << (bits * t));
-        out[whole] = b;
-    }
-}
-
-// OR len codes into bytes at code position j0 (any alignment; the bytes start zeroed).
-UQ_INLINE void pack_any(const uint8_t* __restrict c, int64_t len, int bits, int64_t j0,
-                        uint8_t* __restrict out) {
-    const int per = 8 / bits;
-    for (int64_t t = 0; t < len; ++t) {
-        const int64_t j = j0 + t;
-        out[j / per] |= static_cast<uint8_t>(c[t] << (bits * (j % per)));
     }
 }
 

@@ -1,0 +1,82 @@
+"""The native few-bit kernels (``unroller/compress/native/fewbit_kernels.cpp``): bit-identical
+to the PyTorch formulations (packed planes and decoded tensors) at every bit width, both
+functions, the float dtypes, lengths around the kernel's 2048-code chunks, NaN and +-inf, on
+1 and 2 threads; malformed packed forms never reach the kernel."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.codec_agreement import same_bits
+from unroller.compress import FewBit, base
+from unroller.compress import native as native_module
+
+pytestmark = pytest.mark.skipif(
+    native_module.library() is None, reason="no native kernels (no C++ compiler?)"
+)
+
+SHAPES = [(3, 5), (2, 7, 13), (4, 64, 64), (2, 2047), (2, 2048), (1, 4099), (0, 5), (3, 0)]
+
+
+def both(c: FewBit, x: torch.Tensor, dtype: torch.dtype):
+    out = {}
+    for native in (False, True):
+        saved = base.NATIVE
+        base.NATIVE = native
+        try:
+            packed = c.compress(x)
+            out[native] = (packed, c.decompress(packed, tuple(x.shape[1:]), dtype))
+        finally:
+            base.NATIVE = saved
+    return out[False], out[True]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("function", ["gelu", "silu"])
+def test_native_fewbit_bit_identical(bits, function):
+    c = FewBit(bits=bits, function=function)
+    g = torch.Generator().manual_seed(bits)
+    for shape in SHAPES:
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            x = (torch.randn(shape, generator=g) * 3).to(dtype)
+            if x.numel() > 4:
+                flat = x.view(-1)
+                flat[0], flat[1], flat[2] = math.nan, math.inf, -math.inf
+                flat[3] = float(c.levels()[0][0])  # exactly on an edge: x <= edge
+            (p_t, y_t), (p_n, y_n) = both(c, x, dtype)
+            assert len(p_t) == len(p_n)
+            assert all(same_bits(a, b) for a, b in zip(p_t, p_n)), (shape, dtype)
+            assert same_bits(y_t, y_n), (shape, dtype)
+
+
+def test_native_fewbit_threads(monkeypatch):
+    monkeypatch.setattr(base, "THREAD_ELEMENTS", 1 << 10)
+    x = torch.randn((6, 3000), generator=torch.Generator().manual_seed(1))
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            (p_t, y_t), (p_n, y_n) = both(FewBit(bits=3), x, torch.float32)
+            assert all(same_bits(a, b) for a, b in zip(p_t, p_n)) and same_bits(y_t, y_n)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_native_fewbit_used_and_malformed_forms_refused(monkeypatch):
+    c = FewBit(bits=3)
+    x = torch.randn(2, 100)
+    calls = []
+    real_c, real_d = FewBit._compress_native, FewBit._decompress_native
+    monkeypatch.setattr(FewBit, "_compress_native", lambda *a: calls.append("c") or real_c(*a))
+    monkeypatch.setattr(FewBit, "_decompress_native", lambda *a: calls.append("d") or real_d(*a))
+    packed = c.compress(x)
+    c.decompress(packed, (100,), torch.float32)
+    assert calls == ["c", "d"]
+    calls.clear()
+    with pytest.raises((RuntimeError, ValueError)):  # a short plane: the PyTorch path says so
+        c.decompress((packed[0][:, :-1], packed[1]), (100,), torch.float32)
+    c.decompress(packed, (100,), torch.float16)  # no native float16 output
+    assert calls == []
