@@ -473,34 +473,23 @@ class Quant(Compressor):
         wd: torch.dtype,
         dtype: torch.dtype,
     ) -> Tensor:
-        """``decompress`` through the native kernel, bit-identical to the other paths: the
-        per-group terms of the general formula x = clamp((q * (scale * s) + mn * s) / s) +
-        (scale - scale) are computed here with the same tensor operations as the fast path
-        (s is 1 or 1/2, so dividing by it is multiplying by 1 or 2, exactly), and the kernel
-        applies them per element in one pass, writing the output. float16 / bfloat16 outputs
-        are computed in float32 and cast, as the fast path does."""
+        """``decompress`` through the native kernel, bit-identical to the other paths: per group
+        the kernel computes the terms of the general formula x = clamp((q * (scale * s) +
+        mn * s) / s) + (scale - scale) as the fast path does (s is 1, or 1/2 where scale >
+        max / (2 * levels); dividing by it is multiplying by 1 or 2, exactly) and applies
+        them per element in one pass, writing the output. float16 / bfloat16 outputs are
+        computed in float32 and cast, as the fast path does."""
         bits = self.params["bits"]
-        levels = float((1 << bits) - 1)
         n = codes.shape[0]
-        rows = n * groups
-        fmax = torch.finfo(wd).max
-        mn = mn.to(wd).reshape(rows)
-        scale = scale.to(wd).reshape(rows)
-        big = scale > fmax / (2.0 * levels)
-        s = torch.where(big, 0.5, 1.0).to(wd)
-        a = (scale * s).contiguous()
-        b = (mn * s).contiguous()
-        twice = torch.where(big, 2.0, 1.0).to(wd).contiguous()
-        z = (scale - scale).contiguous()
+        mn = mn.to(wd).contiguous()
+        scale = scale.to(wd).contiguous()
         out = torch.empty((n, m), dtype=wd, device=codes.device)
         codes = codes.contiguous()
         decode = lib.uq_decode_f64 if wd == torch.float64 else lib.uq_decode_f32
         decode(
             codes.data_ptr(),
-            a.data_ptr(),
-            b.data_ptr(),
-            twice.data_ptr(),
-            z.data_ptr(),
+            mn.data_ptr(),
+            scale.data_ptr(),
             n,
             m,
             g,

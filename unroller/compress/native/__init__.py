@@ -61,7 +61,7 @@ SOURCES = tuple(
     for name in ("native_common.h", "quant_kernels.cpp", "dct_kernels.cpp", "fewbit_kernels.cpp")
 )
 """Everything the library is built from (the header first: it is included, not compiled)."""
-ABI_VERSION = 2
+ABI_VERSION = 3
 """What ``uq_abi_version()`` must return: a library of another version is not used."""
 FLAGS = (
     "-O3",
@@ -198,7 +198,7 @@ def _declare(lib: ctypes.CDLL) -> None:  # unroller-lint: host-only (native path
     for name in ("uq_decode_f32", "uq_decode_f64"):
         fn = getattr(lib, name)
         fn.restype = None
-        fn.argtypes = [p, p, p, p, p, i64, i64, i64, i32, p, i32]
+        fn.argtypes = [p, p, p, i64, i64, i64, i32, p, i32]
     lib.ud_compress_f32.restype = i32
     lib.ud_compress_f32.argtypes = [p, i64, i64, i64, i64, i64, i32, p, p, p, p, i32]
     lib.ud_decompress_f32.restype = i32

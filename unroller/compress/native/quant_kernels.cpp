@@ -174,10 +174,8 @@ UQ_INLINE void encode_rows(const EncodeArgs<T>& a, int64_t r0, int64_t r1) {
 template <typename T>
 struct DecodeArgs {
     const uint8_t* codes;  // [n, bytes]
-    const T* a;            // [n, groups]: scale * s
-    const T* b;            // [n, groups]: mn * s
-    const T* twice;        // [n, groups]: 1 / s (1 or 2)
-    const T* z;            // [n, groups]: scale - scale (+0 or NaN)
+    const T* mn;           // [n, groups]
+    const T* scale;        // [n, groups]
     int64_t n, m, g, groups;
     int bits;
     T* out;  // [n, m]
@@ -197,6 +195,7 @@ UQ_INLINE void decode_rows(const DecodeArgs<T>& a, int64_t r0, int64_t r1) {
     const int64_t bytes = (a.m + per - 1) / per;
     const int mask = (1 << a.bits) - 1;
     const T fmax = std::numeric_limits<T>::max();
+    const double big_scale = static_cast<double>(fmax) / (2.0 * ((1 << a.bits) - 1));
     const bool aligned = a.g % per == 0;
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t i = r / a.groups, k = r % a.groups;
@@ -204,7 +203,13 @@ UQ_INLINE void decode_rows(const DecodeArgs<T>& a, int64_t r0, int64_t r1) {
         const int64_t len = (a.m - j0) < a.g ? (a.m - j0) : a.g;
         const uint8_t* in = a.codes + i * bytes;
         T* __restrict out = a.out + i * a.m + j0;
-        const T ga = a.a[r], gb = a.b[r], gt = a.twice[r], gz = a.z[r];
+        // the group's terms, as the PyTorch path computes them: s = 1/2 where q * scale + mn
+        // might overflow on the way (scale > max / (2 * levels)), a = scale * s, b = mn * s,
+        // times 1/s (1 or 2), plus scale - scale (+0, or NaN for a non-finite group)
+        const T sc = a.scale[r];
+        const bool big = static_cast<double>(sc) > big_scale;
+        const T s = big ? T(0.5) : T(1);
+        const T ga = sc * s, gb = a.mn[r] * s, gt = big ? T(2) : T(1), gz = sc - sc;
         if (a.bits == 8) {
             const uint8_t* __restrict c = in + j0;
             for (int64_t t = 0; t < len; ++t) out[t] = dequant(T(c[t]), ga, gb, gt, gz, fmax);
@@ -265,10 +270,10 @@ void encode(void (*fn)(const EncodeArgs<T>*, int64_t, int64_t), const T* x, cons
 
 template <typename T>
 void decode(void (*fn)(const DecodeArgs<T>*, int64_t, int64_t), const uint8_t* codes,
-            const T* a, const T* b, const T* twice, const T* z, int64_t n, int64_t m, int64_t g,
-            int bits, T* out, int threads) {
+            const T* mn, const T* scale, int64_t n, int64_t m, int64_t g, int bits, T* out,
+            int threads) {
     const int64_t groups = (m + g - 1) / g;
-    const DecodeArgs<T> args{codes, a, b, twice, z, n, m, g, groups, bits, out};
+    const DecodeArgs<T> args{codes, mn, scale, n, m, g, groups, bits, out};
     run_split(fn, &args, n * groups, 1, threads);
 }
 
@@ -277,7 +282,7 @@ void decode(void (*fn)(const DecodeArgs<T>*, int64_t, int64_t), const uint8_t* c
 extern "C" {
 
 // Bumped whenever an entry point's meaning or signature changes (checked by the loader).
-int uq_abi_version() { return 2; }
+int uq_abi_version() { return 3; }
 
 void uq_encode_f32(const float* x, const float* noise, int64_t n, int64_t m, int64_t g, int bits,
                    uint8_t* out, float* mn, float* scale, int threads) {
@@ -289,16 +294,14 @@ void uq_encode_f64(const double* x, const double* noise, int64_t n, int64_t m, i
     encode(encode_f64, x, noise, n, m, g, bits, out, mn, scale, threads);
 }
 
-void uq_decode_f32(const uint8_t* codes, const float* a, const float* b, const float* twice,
-                   const float* z, int64_t n, int64_t m, int64_t g, int bits, float* out,
-                   int threads) {
-    decode(decode_f32, codes, a, b, twice, z, n, m, g, bits, out, threads);
+void uq_decode_f32(const uint8_t* codes, const float* mn, const float* scale, int64_t n,
+                   int64_t m, int64_t g, int bits, float* out, int threads) {
+    decode(decode_f32, codes, mn, scale, n, m, g, bits, out, threads);
 }
 
-void uq_decode_f64(const uint8_t* codes, const double* a, const double* b, const double* twice,
-                   const double* z, int64_t n, int64_t m, int64_t g, int bits, double* out,
-                   int threads) {
-    decode(decode_f64, codes, a, b, twice, z, n, m, g, bits, out, threads);
+void uq_decode_f64(const uint8_t* codes, const double* mn, const double* scale, int64_t n,
+                   int64_t m, int64_t g, int bits, double* out, int threads) {
+    decode(decode_f64, codes, mn, scale, n, m, g, bits, out, threads);
 }
 
 }  // extern "C"
