@@ -201,24 +201,34 @@ class BertEncoder(Reference):
             )
             for _ in range(layers)
         )
-        self.mlm = nn.Module()
-        self.mlm.dense = nn.Linear(width, width)
-        self.mlm.ln = nn.LayerNorm(width)
-        self.mlm.decoder = nn.Linear(width, vocab)
+        self.mlm = _MlmHead(width, vocab)
 
     def preds(self, inputs: Sequence[Tensor], run: StageRunner) -> tuple[Tensor, ...]:
         (ids,) = inputs
         h = self.emb_ln(self.tok_emb(ids) + self.pos_emb)
         for layer in self.layers:
             h = run(layer, h)
-        h = self.mlm.ln(F.gelu(self.mlm.dense(h)))
-        return (self.mlm.decoder(h),)
+        return (run(self.mlm, h),)
 
     def criterion(self, preds, inputs, targets) -> Tensor:
         return F.cross_entropy(preds[0].permute(0, 2, 1), targets[0])
 
     def segments(self) -> dict[str, list[nn.Module]]:
-        return {f"layers.{i}": [m] for i, m in enumerate(self.layers)}
+        """The layers and the masked-token head, as the model text's blocks."""
+        return {**{f"layers.{i}": [m] for i, m in enumerate(self.layers)}, "mlm": [self.mlm]}
+
+
+class _MlmHead(nn.Module):
+    """BERT's masked-token head: dense, GELU, layer norm, decoder (untied)."""
+
+    def __init__(self, width: int, vocab: int):
+        super().__init__()
+        self.dense = nn.Linear(width, width)
+        self.ln = nn.LayerNorm(width)
+        self.decoder = nn.Linear(width, vocab)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.decoder(self.ln(F.gelu(self.dense(h))))
 
 
 # --------------------------------------------------------------------------- TCN
