@@ -429,8 +429,8 @@ def native_library(*tensors: Tensor) -> Any:  # unroller-lint: host-only (native
     """The loaded native kernels (a ``ctypes.CDLL``) when ``NATIVE`` is on, every tensor is on
     the CPU with host shortcuts allowed, and the kernels can be had (``native.library()``
     builds them on first use); else None: then the PyTorch fast path runs."""
-    if not NATIVE or not all(host_checks(t) for t in tensors):
-        return None
+    if not NATIVE or not _HOST_SHORTCUTS or any(t.device.type != "cpu" for t in tensors):
+        return None  # host_checks of every tensor, inlined (this runs on every codec call)
     from . import native
 
     return native.library()

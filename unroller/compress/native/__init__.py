@@ -238,13 +238,18 @@ def _load() -> ctypes.CDLL:  # unroller-lint: host-only (native path)
 
 def library() -> ctypes.CDLL | None:  # unroller-lint: host-only (native path)
     """The loaded kernels, building them on first use; None when they cannot be had (why:
-    ``build_error()``) or ``enabled()`` is False. Tried once per process."""
-    if not enabled():
-        return None
-    if "lib" in _state:
-        return _state["lib"]  # type: ignore[return-value]
+    ``build_error()``) or ``enabled()`` is False. Tried once per process, ``UNROLLER_NATIVE``
+    read then too: every codec call on the CPU asks, and an environment lookup per call was
+    a tenth of a small codec call's time."""
+    state = _state.get("lib", _state)
+    if state is not _state:
+        return state  # type: ignore[return-value]
     with _lock:
         if "lib" not in _state:
+            if not enabled():
+                _state["lib"] = None
+                _state["error"] = "UNROLLER_NATIVE turns the native kernels off"
+                return None
             try:
                 _state["lib"] = _load()
             except (OSError, subprocess.SubprocessError, AttributeError) as exc:
