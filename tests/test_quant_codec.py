@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.codec_agreement import same_bits
 from unroller.compress import Quant, base, make, native, packed_nbytes
 from unroller.schemes import ROWS, load_config, make_codec
 
@@ -50,19 +51,6 @@ def native_path(on: bool) -> Iterator[None]:
         yield
     finally:
         base.NATIVE = saved
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bits (NaN: same positions, payloads not compared)."""
-    if (a.dtype, a.shape) != (b.dtype, b.shape):
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    ints = {torch.float64: torch.int64, torch.float32: torch.int32}.get(a.dtype, torch.int16)
-    return torch.equal(nan_a, nan_b) and torch.equal(
-        a.masked_fill(nan_a, 0).view(ints), b.masked_fill(nan_b, 0).view(ints)
-    )
 
 
 def trip(c: Quant, x: torch.Tensor, seed: int = 0, dtype: torch.dtype | None = None):
