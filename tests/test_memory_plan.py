@@ -309,3 +309,30 @@ def test_cli_plan_header_keeps_hostile_paths_inside_comments(tmp_path):
     assert result.exit_code == 0, result.output
     config = load_config(out)
     assert config.rules == []  # everything fits raw: no rule, none smuggled in
+
+
+def test_cli_plan_with_segment_pieces(tmp_path):
+    """--segment-piece-size plans the recomputed blocks in pieces: the least peak it reaches
+    at batch 32 is lower than with whole segments, the config it writes says so, and that
+    config generates a step whose memory model is the plan's."""
+    model = Path(__file__).resolve().parent.parent / "benchmarks" / "models" / "gpt_tiny.txt"
+    peaks = {}
+    for size in (0, 4):
+        out = tmp_path / f"plan{size}.toml"
+        args = ["plan", str(model), "--batch-size", "32", "--probe-batch", "2"]
+        args += ["--recompute-segments", "blocks", "-o", str(out)]
+        if size:
+            args += ["--segment-piece-size", str(size)]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        data = tomllib.loads(out.read_text())
+        assert data["recompute_segments"] == ["blocks"]
+        assert data.get("segment_piece_size", 0) == size
+        config = load_config(out)
+        assert config.segment_piece_size == size
+        graph = graph_from_text(model.read_text(), "gpt_tiny.txt")
+        peaks[size] = simulate_graph(graph, config, 32).peak_bytes
+        assert f"{peaks[size] / 2**20:,.2f} MiB" in result.output  # the plan's own prediction
+    assert peaks[4] < 0.5 * peaks[0]
+    result = runner.invoke(app, ["plan", str(model), "--segment-piece-size", "4"])
+    assert result.exit_code == 2 and "--recompute-segments" in result.output

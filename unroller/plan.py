@@ -122,16 +122,25 @@ def plannable(graph: Graph) -> list[Stashed]:
 
 
 def config_of(
-    assign: dict[str, Choice], recompute: bool = False, segments: tuple[str, ...] = ()
+    assign: dict[str, Choice],
+    recompute: bool = False,
+    segments: tuple[str, ...] = (),
+    piece_size: int = 0,
 ) -> CompressionConfig:
     """The compression config of an assignment: one ``tensor`` rule per compressed tensor
     (``recompute``: cheap ops' outputs remade in the backward, too; ``segments``: the block
-    instances recomputed in the backward)."""
+    instances recomputed in the backward; ``piece_size``: in pieces of at most that many
+    samples)."""
     rules = [
         Rule(choice.codec, tensor=key) for key, choice in assign.items() if choice.codec is not None
     ]
     return CompressionConfig(
-        default=None, rules=rules, source="<plan>", recompute=recompute, segments=segments
+        default=None,
+        rules=rules,
+        source="<plan>",
+        recompute=recompute,
+        segments=segments,
+        segment_piece_size=piece_size if segments else 0,
     )
 
 
@@ -324,12 +333,14 @@ def make_plan(
     platform: str = "gpu",
     recompute: bool = False,
     segments: tuple[str, ...] = (),
+    segment_piece_size: int = 0,
 ) -> MemoryPlan:
     """The least-error assignment whose predicted peak fits ``budget`` (None: the least
     peak reachable, then the least error at that peak + ``AUTO_SLACK``); ``recompute``: the
     step remakes cheap ops' outputs in the backward (``--recompute``), planned with it;
     ``segments``: block instances recomputed in the backward (``("auto",)``: the search
-    chooses them, see the module's docstring)."""
+    chooses them, see the module's docstring); ``segment_piece_size``: those segments run in
+    pieces of at most that many samples (``--segment-piece-size``), planned so."""
     choosing = SEGMENT_AUTO in segments
     pool = _segment_pool(graph, batch_size) if choosing else []
     chosen: list[str] = []  # of the pool, recomputed so far
@@ -337,7 +348,7 @@ def make_plan(
 
     def config_now(assign_now: dict[str, Choice]) -> CompressionConfig:
         picked = tuple(name for name, _, _ in pool if name in chosen) if choosing else fixed
-        return config_of(assign_now, recompute, picked)
+        return config_of(assign_now, recompute, picked, segment_piece_size)
 
     units = plannable(graph)
     norms = {k: float(torch.linalg.vector_norm(g.double())) ** 2 for k, g in probe.grads.items()}
@@ -362,7 +373,7 @@ def make_plan(
     if budget is None:
         smallest = {k: min(o, key=lambda c: c[1])[0] for k, o in options.items()}
         every = tuple(name for name, _, _ in pool) if choosing else fixed
-        least_config = config_of(smallest, recompute, every)
+        least_config = config_of(smallest, recompute, every, segment_piece_size)
         least = simulate_graph(graph, least_config, batch_size, platform)
         budget_used = int(least.peak_bytes * AUTO_SLACK)
         notes.append(
@@ -563,6 +574,8 @@ def to_toml(plan: MemoryPlan, header: list[str]) -> str:
     if plan.config.segments:
         names = ", ".join(_toml_string(name) for name in plan.config.segments)
         lines += ["", f"recompute_segments = [{names}]"]
+        if plan.config.segment_piece_size:
+            lines.append(f"segment_piece_size = {int(plan.config.segment_piece_size)}")
     lines += ["", "[default]", 'compressor = "none"']
     for row in plan.rows:
         if row.choice.codec is None:

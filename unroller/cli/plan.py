@@ -20,6 +20,7 @@ from unroller.cli.options import (
     RecomputeOpt,
     RecomputeSegmentsOpt,
     ResolutionOpt,
+    SegmentPieceSizeOpt,
     parse_segments,
 )
 from unroller.cli.output import prepare_output, write_output
@@ -96,6 +97,7 @@ def plan(
     measure: MeasureOpt = False,
     recompute: RecomputeOpt = False,
     recompute_segments: RecomputeSegmentsOpt = None,
+    segment_piece_size: SegmentPieceSizeOpt = 0,
     output: OutOpt = None,
     force: ForceOpt = False,
     mkdir: MkdirOpt = False,
@@ -109,11 +111,17 @@ def plan(
     config: unroll generate MODEL --compress-config plan.toml.
 
     Example: unroll plan benchmarks/models/resnet34.txt --batch-size 32 --memory-budget 600MiB -o plan.toml
+
+    With --recompute-segments the plan counts those blocks as recomputed (auto: the search
+    picks them); --segment-piece-size P plans them run in pieces of at most P samples, and
+    the config it writes says so (segment_piece_size).
     """
     from unroller.api import load_graph, source_label
     from unroller.bench.options import parse_bytes
 
     segments = parse_segments(recompute_segments)
+    if segment_piece_size and not segments:
+        raise fail("--segment-piece-size needs --recompute-segments (pieces of what?)")
     budget = None
     if memory_budget.strip().lower() != "min":
         try:
@@ -143,7 +151,14 @@ def plan(
     probe = planner.run_probe(graph, batch, probe_batch, seed, label=label)
     try:
         found = planner.make_plan(
-            graph, batch_size, budget, probe, max_error, recompute=recompute, segments=segments
+            graph,
+            batch_size,
+            budget,
+            probe,
+            max_error,
+            recompute=recompute,
+            segments=segments,
+            segment_piece_size=segment_piece_size,
         )
     except ModelError as exc:  # a segment the model does not have, or cannot recompute
         raise model_error(exc, model) from None
