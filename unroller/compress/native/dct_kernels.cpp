@@ -190,14 +190,14 @@ UQ_INLINE void planes(const DctArgs& a, int64_t p0, int64_t p1, const int64_t B,
     try {
         y.resize(static_cast<size_t>(plane_y));
         if (Compress && a.fold) kept.resize(static_cast<size_t>(plane_codes));
-        strip.resize(static_cast<size_t>((Compress ? K * a.wb * B : B * a.wb * K)));
+        strip.resize(static_cast<size_t>(K * a.wb * B));  // [K, Wp] or [B, Wb * K]
         row.resize(static_cast<size_t>(a.wb * B));
-        rows_t.resize(static_cast<size_t>(B * K));
+        if (Compress) rows_t.resize(static_cast<size_t>(B * K));
     } catch (...) {
         __atomic_store_n(a.failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    for (int64_t q = 0; q < B; ++q) {
+    for (int64_t q = 0; Compress && q < B; ++q) {  // rows transposed: [B, K]
         for (int64_t j = 0; j < K; ++j) rows_t[q * K + j] = a.rows[j * B + q];
     }
     for (int64_t p = p0; p < p1; ++p) {
