@@ -310,7 +310,7 @@ class FewBit(Compressor):
         fast = not compiled and use_fast_path(*packed)
         lib = native_library(*packed) if fast else None
         if lib is not None and self._native_packed_ok(packed, n, m, dtype):
-            return self._decompress_native(lib, packed, n, shape, dtype)
+            return self._decompress_native(lib, packed, n, m, shape, dtype)
         unpack = unpack_codes_compiled if compiled else unpack_codes_fast if fast else unpack_codes
         codes = None
         shift = 0
@@ -363,11 +363,17 @@ class FewBit(Compressor):
         )
 
     def _decompress_native(  # unroller-lint: host-only (native cpu path)
-        self, lib, packed: tuple[Tensor, ...], n: int, shape: tuple[int, ...], dtype: torch.dtype
+        self,
+        lib,
+        packed: tuple[Tensor, ...],
+        n: int,
+        m: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
     ) -> Tensor:
-        """``decompress`` through the kernel: each code's representative, in ``dtype``."""
+        """``decompress`` through the kernel: each code's representative, in ``dtype``
+        (``m`` elements per sample, of ``shape``)."""
         planes = _PLANES[self.params["bits"]]
-        m = prod(tuple(shape))
         reps = self._table(2, dtype, packed[0].device).contiguous()
         ins = [t.contiguous() for t in packed]
         out = torch.empty((n, *shape), dtype=dtype)
