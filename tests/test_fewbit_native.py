@@ -1,7 +1,8 @@
 """The native few-bit kernels (``unroller/compress/native/fewbit_kernels.cpp``): bit-identical
 to the PyTorch formulations (packed planes and decoded tensors) at every bit width, both
-functions, the float dtypes, lengths around the kernel's 2048-code chunks, NaN and +-inf, on
-1 and 2 threads; malformed packed forms never reach the kernel."""
+functions, the float dtypes, lengths around the kernel's 2048-code chunks and its 8- and
+32-code steps, NaN and +-inf, on 1 and 2 threads, through its AVX2 chunks (where the CPU has
+them) and its portable ones; malformed packed forms never reach the kernel."""
 
 from __future__ import annotations
 
@@ -18,7 +19,28 @@ pytestmark = pytest.mark.skipif(
     native_module.library() is None, reason="no native kernels (no C++ compiler?)"
 )
 
-SHAPES = [(3, 5), (2, 7, 13), (4, 64, 64), (2, 2047), (2, 2048), (1, 4099), (0, 5), (3, 0)]
+SHAPES = [
+    (3, 5),
+    (2, 7, 13),
+    (4, 64, 64),
+    (2, 31),
+    (2, 33),
+    (1, 65),
+    (2, 2047),
+    (2, 2048),
+    (1, 4099),
+    (0, 5),
+    (3, 0),
+]
+
+
+@pytest.fixture(params=["fastest", "portable"])
+def chunks(request):
+    """Which chunks the kernel runs: its fastest for this CPU, or the portable ones only."""
+    lib = native_module.library()
+    lib.ufb_set_generic(1 if request.param == "portable" else 0)
+    yield request.param
+    lib.ufb_set_generic(0)
 
 
 def both(c: FewBit, x: torch.Tensor, dtype: torch.dtype):
@@ -36,7 +58,7 @@ def both(c: FewBit, x: torch.Tensor, dtype: torch.dtype):
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("function", ["gelu", "silu"])
-def test_native_fewbit_bit_identical(bits, function):
+def test_native_fewbit_bit_identical(bits, function, chunks):
     c = FewBit(bits=bits, function=function)
     g = torch.Generator().manual_seed(bits)
     for shape in SHAPES:
@@ -52,7 +74,7 @@ def test_native_fewbit_bit_identical(bits, function):
             assert same_bits(y_t, y_n), (shape, dtype)
 
 
-def test_native_fewbit_threads(monkeypatch):
+def test_native_fewbit_threads(monkeypatch, chunks):
     monkeypatch.setattr(base, "THREAD_ELEMENTS", 1 << 10)
     x = torch.randn((6, 3000), generator=torch.Generator().manual_seed(1))
     saved = torch.get_num_threads()

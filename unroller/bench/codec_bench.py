@@ -50,6 +50,7 @@ CODEC_CONFIGS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("quant bits=4 tokens", "quant", {"bits": 4}, "tokens"),
     ("quant bits=2 tokens", "quant", {"bits": 2}, "tokens"),
     ("quant bits=2 stochastic tokens", "quant", {"bits": 2, "stochastic": True}, "tokens"),
+    ("fewbit bits=3 gelu", "fewbit", {"bits": 3, "function": "gelu"}, "activation"),
     ("bits (bool mask)", "bits", {}, "mask"),
 )
 TOKEN_WIDTHS = (768, 512, 256, 128, 64)

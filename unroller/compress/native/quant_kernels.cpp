@@ -282,7 +282,7 @@ void decode(void (*fn)(const DecodeArgs<T>*, int64_t, int64_t), const uint8_t* c
 extern "C" {
 
 // Bumped whenever an entry point's meaning or signature changes (checked by the loader).
-int uq_abi_version() { return 3; }
+int uq_abi_version() { return 4; }
 
 void uq_encode_f32(const float* x, const float* noise, int64_t n, int64_t m, int64_t g, int bits,
                    uint8_t* out, float* mn, float* scale, int threads) {
