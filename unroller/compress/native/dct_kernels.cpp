@@ -47,27 +47,60 @@ struct DctArgs {
 int64_t kept_per_tile(const DctArgs& a) { return a.fold ? a.k * (a.k + 1) / 2 : a.k * a.k; }
 
 // Forward transform of one plane into y [Hb, K, Wb, K] (float32).
-// Rows: strip[i][col] = sum_p down[i][p] * row_p[col], p ascending, over the padded width.
+// Rows: strip[i][col] = sum_p down[i][p] * row_p[col], p ascending, over the padded width,
+// kCols columns at a time with the K sums held in registers (rows read straight from the
+// plane unless the width needs edge padding, then from `padded`).
 // Columns: y[i][j] = sum_q strip[i][q] * rows[j][q], q ascending, per tile.
+constexpr int64_t kCols = 16;
+constexpr int64_t kMaxRegK = 8;  // K up to this keeps its row sums in registers
+
 UQ_INLINE void forward_plane(const DctArgs& a, const float* __restrict x, float* __restrict y,
-                             float* __restrict strip, float* __restrict row,
+                             float* __restrict strip, float* __restrict padded,
                              const float* __restrict rows_t, const int64_t B, const int64_t K) {
     const int64_t Wp = a.wb * B;
+    const bool pad = a.w != Wp;
     for (int64_t r = 0; r < a.hb; ++r) {
+        const float* src[64];  // B <= MAX_BLOCK (64) rows of this tile row, edge-replicated
         for (int64_t p = 0; p < B; ++p) {
-            int64_t src = r * B + p;
-            if (src > a.h - 1) src = a.h - 1;  // edge replication of the last row
-            std::memcpy(row, x + src * a.w, static_cast<size_t>(a.w) * sizeof(float));
-            const float last = x[src * a.w + a.w - 1];
-            for (int64_t col = a.w; col < Wp; ++col) row[col] = last;
-            for (int64_t i = 0; i < K; ++i) {
-                const float t = a.down[i * B + p];
-                float* __restrict s = strip + i * Wp;
-                if (p == 0) {
-                    for (int64_t col = 0; col < Wp; ++col) s[col] = t * row[col];
-                } else {
-                    for (int64_t col = 0; col < Wp; ++col) s[col] = s[col] + t * row[col];
+            int64_t row = r * B + p;
+            if (row > a.h - 1) row = a.h - 1;  // edge replication of the last row
+            src[p] = x + row * a.w;
+            if (pad) {
+                float* dst = padded + p * Wp;
+                std::memcpy(dst, src[p], static_cast<size_t>(a.w) * sizeof(float));
+                const float last = src[p][a.w - 1];
+                for (int64_t col = a.w; col < Wp; ++col) dst[col] = last;
+                src[p] = dst;
+            }
+        }
+        int64_t col0 = 0;
+        if (K <= kMaxRegK) {
+            for (; col0 + kCols <= Wp; col0 += kCols) {
+                float acc[kMaxRegK][kCols];
+                for (int64_t i = 0; i < K; ++i) {
+                    const float t = a.down[i * B];
+                    for (int64_t l = 0; l < kCols; ++l) acc[i][l] = t * src[0][col0 + l];
                 }
+                for (int64_t p = 1; p < B; ++p) {
+                    const float* __restrict v = src[p] + col0;
+                    for (int64_t i = 0; i < K; ++i) {
+                        const float t = a.down[i * B + p];
+                        for (int64_t l = 0; l < kCols; ++l) acc[i][l] = acc[i][l] + t * v[l];
+                    }
+                }
+                for (int64_t i = 0; i < K; ++i) {
+                    for (int64_t l = 0; l < kCols; ++l) strip[i * Wp + col0 + l] = acc[i][l];
+                }
+            }
+        }
+        for (int64_t i = 0; i < K; ++i) {  // the rest of the columns (or any K), same sums
+            float* __restrict s = strip + i * Wp;
+            const float t0 = a.down[i * B];
+            for (int64_t col = col0; col < Wp; ++col) s[col] = t0 * src[0][col];
+            for (int64_t p = 1; p < B; ++p) {
+                const float t = a.down[i * B + p];
+                const float* __restrict v = src[p];
+                for (int64_t col = col0; col < Wp; ++col) s[col] = s[col] + t * v[col];
             }
         }
         for (int64_t i = 0; i < K; ++i) {
@@ -106,12 +139,30 @@ UQ_INLINE void quantise_plane(const DctArgs& a, const float* __restrict y, float
         len = o;
         y = kept;
     }
+    // amax over 16 running maxima (independent lanes the compiler vectorises: one running
+    // maximum is a chain of dependent max instructions); max is exact, so any order gives
+    // the same value, and NaN is tracked apart.
+    constexpr int kLanes = 16;
+    float lane_max[kLanes] = {};
+    int lane_nan[kLanes] = {};
+    int64_t i0 = 0;
+    for (; i0 + kLanes <= len; i0 += kLanes) {
+        for (int j = 0; j < kLanes; ++j) {
+            const float v = std::fabs(y[i0 + j]);
+            lane_nan[j] |= v != v;
+            lane_max[j] = v > lane_max[j] ? v : lane_max[j];
+        }
+    }
+    for (; i0 < len; ++i0) {
+        const float v = std::fabs(y[i0]);
+        lane_nan[0] |= v != v;
+        lane_max[0] = v > lane_max[0] ? v : lane_max[0];
+    }
     float amax = 0.0f;
     bool nan = false;
-    for (int64_t i = 0; i < len; ++i) {
-        const float v = std::fabs(y[i]);
-        nan |= v != v;
-        amax = v > amax ? v : amax;
+    for (int j = 0; j < kLanes; ++j) {
+        nan |= lane_nan[j] != 0;
+        amax = lane_max[j] > amax ? lane_max[j] : amax;
     }
     if (nan) amax = std::numeric_limits<float>::quiet_NaN();
     const float scale = amax == 0.0f ? 1.0f : amax / 127.0f;
@@ -124,12 +175,15 @@ UQ_INLINE void quantise_plane(const DctArgs& a, const float* __restrict y, float
 }
 
 // Inverse of one plane from its codes: y = code * scale (into [Hb, K, Wb, K], zeros where a
-// fold dropped a coefficient); rows: strip[p][c*K + j] = sum_i rows[i][p] * y[r][i][c][j],
-// i ascending; columns: x[p][c*B + q] = sum_j strip[p][c*K + j] * up[j][q], j ascending;
-// cropped to H x W.
+// fold dropped a coefficient); per tile row, first within each tile's K coefficient rows:
+// strip[i][c*B + q] = sum_j y[r][i][c][j] * rows[j][q], j ascending (K rows of B-wide work,
+// not B rows of K-wide: half the products of the other order); then across rows, written
+// straight into the output: x[p][col] = sum_i up[i][p] * strip[i][col], i ascending, for
+// the first W columns and H rows (the crop). The 2**e of `up` comes last, as in `Dct`, so
+// no intermediate overflows where the output does not.
 UQ_INLINE void inverse_plane(const DctArgs& a, const int8_t* __restrict q, float scale,
                              float* __restrict out, float* __restrict y, float* __restrict strip,
-                             float* __restrict tile_row, const int64_t B, const int64_t K) {
+                             const int64_t B, const int64_t K) {
     const int64_t Wk = a.wb * K;
     const int64_t len = a.hb * K * Wk;
     if (!a.fold) {
@@ -147,33 +201,33 @@ UQ_INLINE void inverse_plane(const DctArgs& a, const int8_t* __restrict q, float
             }
         }
     }
+    const int64_t Wp = a.wb * B;
     for (int64_t r = 0; r < a.hb; ++r) {
         const float* __restrict yr = y + r * K * Wk;
-        for (int64_t p = 0; p < B; ++p) {
-            float* __restrict s = strip + p * Wk;
-            const float t0 = a.rows[p];
-            for (int64_t col = 0; col < Wk; ++col) s[col] = t0 * yr[col];
-            for (int64_t i = 1; i < K; ++i) {
-                const float t = a.rows[i * B + p];
-                const float* __restrict yi = yr + i * Wk;
-                for (int64_t col = 0; col < Wk; ++col) s[col] = s[col] + t * yi[col];
-            }
-        }
-        const int64_t rows_here = (a.h - r * B) < B ? (a.h - r * B) : B;
-        for (int64_t p = 0; p < rows_here; ++p) {
-            const float* __restrict s = strip + p * Wk;
+        for (int64_t i = 0; i < K; ++i) {  // within each tile's rows: K coefficients to B
+            const float* __restrict yi = yr + i * Wk;
+            float* __restrict s = strip + i * Wp;
             for (int64_t c = 0; c < a.wb; ++c) {
-                float* __restrict dst = tile_row + c * B;
-                const float* __restrict sc = s + c * K;
-                for (int64_t qq = 0; qq < B; ++qq) dst[qq] = sc[0] * a.up[qq];
+                float* __restrict dst = s + c * B;
+                const float* __restrict sc = yi + c * K;
+                for (int64_t qq = 0; qq < B; ++qq) dst[qq] = sc[0] * a.rows[qq];
                 for (int64_t j = 1; j < K; ++j) {
                     const float v = sc[j];
-                    const float* __restrict u = a.up + j * B;
+                    const float* __restrict u = a.rows + j * B;
                     for (int64_t qq = 0; qq < B; ++qq) dst[qq] = dst[qq] + v * u[qq];
                 }
             }
-            std::memcpy(out + (r * B + p) * a.w, tile_row,
-                        static_cast<size_t>(a.w) * sizeof(float));
+        }
+        const int64_t rows_here = (a.h - r * B) < B ? (a.h - r * B) : B;
+        for (int64_t p = 0; p < rows_here; ++p) {  // across rows, straight into the output
+            float* __restrict o = out + (r * B + p) * a.w;
+            const float t0 = a.up[p];
+            for (int64_t col = 0; col < a.w; ++col) o[col] = t0 * strip[col];
+            for (int64_t i = 1; i < K; ++i) {
+                const float t = a.up[i * B + p];
+                const float* __restrict si = strip + i * Wp;
+                for (int64_t col = 0; col < a.w; ++col) o[col] = o[col] + t * si[col];
+            }
         }
     }
 }
@@ -190,8 +244,8 @@ UQ_INLINE void planes(const DctArgs& a, int64_t p0, int64_t p1, const int64_t B,
     try {
         y.resize(static_cast<size_t>(plane_y));
         if (Compress && a.fold) kept.resize(static_cast<size_t>(plane_codes));
-        strip.resize(static_cast<size_t>(K * a.wb * B));  // [K, Wp] or [B, Wb * K]
-        row.resize(static_cast<size_t>(a.wb * B));
+        strip.resize(static_cast<size_t>(K * a.wb * B));  // [K, Wp]
+        if (Compress && a.w != a.wb * B) row.resize(static_cast<size_t>(B * a.wb * B));
         if (Compress) rows_t.resize(static_cast<size_t>(B * K));
     } catch (...) {
         __atomic_store_n(a.failed, 1, __ATOMIC_RELAXED);
@@ -207,7 +261,7 @@ UQ_INLINE void planes(const DctArgs& a, int64_t p0, int64_t p1, const int64_t B,
             quantise_plane(a, y.data(), kept.data(), a.q + p * plane_codes, a.scale + p);
         } else {
             inverse_plane(a, a.q + p * plane_codes, a.scale[p], a.out + p * plane_in, y.data(),
-                          strip.data(), row.data(), B, K);
+                          strip.data(), B, K);
         }
     }
 }
