@@ -59,9 +59,32 @@ UQ_INLINE Stats<T> min_max(const T* __restrict x, int64_t len) {
     T lo_s = x[0], hi_s = x[0], z_s = T(0);
     int64_t i = 0;
     if (len >= 2 * lanes) {
+        // Four running vectors each: one would be a chain of dependent min/max/add
+        // instructions, bound by their latency (min and max are exact, and z only tells
+        // whether a NaN or inf was seen, so any order gives the same result).
         W lo, hi, z = {};
         std::memcpy(&lo, x, sizeof(W));
         hi = lo;
+        W lo1 = lo, lo2 = lo, lo3 = lo, hi1 = lo, hi2 = lo, hi3 = lo, z1 = z, z2 = z, z3 = z;
+        for (; i + 4 * lanes <= len; i += 4 * lanes) {
+            W v0, v1, v2, v3;
+            std::memcpy(&v0, x + i, sizeof(W));
+            std::memcpy(&v1, x + i + lanes, sizeof(W));
+            std::memcpy(&v2, x + i + 2 * lanes, sizeof(W));
+            std::memcpy(&v3, x + i + 3 * lanes, sizeof(W));
+            lo = v0 < lo ? v0 : lo;
+            lo1 = v1 < lo1 ? v1 : lo1;
+            lo2 = v2 < lo2 ? v2 : lo2;
+            lo3 = v3 < lo3 ? v3 : lo3;
+            hi = v0 > hi ? v0 : hi;
+            hi1 = v1 > hi1 ? v1 : hi1;
+            hi2 = v2 > hi2 ? v2 : hi2;
+            hi3 = v3 > hi3 ? v3 : hi3;
+            z += v0 - v0;
+            z1 += v1 - v1;
+            z2 += v2 - v2;
+            z3 += v3 - v3;
+        }
         for (; i + lanes <= len; i += lanes) {
             W v;
             std::memcpy(&v, x + i, sizeof(W));
@@ -69,6 +92,13 @@ UQ_INLINE Stats<T> min_max(const T* __restrict x, int64_t len) {
             hi = v > hi ? v : hi;
             z += v - v;
         }
+        lo1 = lo1 < lo ? lo1 : lo;
+        lo3 = lo3 < lo2 ? lo3 : lo2;
+        lo = lo3 < lo1 ? lo3 : lo1;
+        hi1 = hi1 > hi ? hi1 : hi;
+        hi3 = hi3 > hi2 ? hi3 : hi2;
+        hi = hi3 > hi1 ? hi3 : hi1;
+        z = (z + z1) + (z2 + z3);
         for (int k = 0; k < lanes; ++k) {
             lo_s = lo[k] < lo_s ? lo[k] : lo_s;
             hi_s = hi[k] > hi_s ? hi[k] : hi_s;
