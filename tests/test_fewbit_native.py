@@ -102,3 +102,25 @@ def test_native_fewbit_used_and_malformed_forms_refused(monkeypatch):
         c.decompress((packed[0][:, :-1], packed[1]), (100,), torch.float32)
     c.decompress(packed, (100,), torch.float16)  # no native float16 output
     assert calls == []
+
+
+@pytest.mark.parametrize("chunk_kind", ["fastest", "portable"])
+def test_native_fewbit_any_edge_count(chunk_kind):
+    """An edge count that is not 2**bits - 1 (5 edges, one 4-bit plane) takes the kernel's
+    general loop: codes as torch.bucketize gives them, packed as base.pack_codes packs."""
+    lib = native_module.library()
+    lib.ufb_set_generic(1 if chunk_kind == "portable" else 0)
+    try:
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn((3, 2049), generator=g) * 2
+        x[0, 0], x[1, 1] = math.nan, math.inf
+        edges = torch.tensor([-1.5, -0.5, 0.0, 0.5, 1.5])
+        x[2, 3] = 0.0  # on an edge: x <= edge
+        out = torch.zeros((3, (2049 * 4 + 7) // 8), dtype=torch.uint8)
+        lib.ufb_encode_f32(
+            x.data_ptr(), 3, 2049, edges.data_ptr(), 5, 4, 0, out.data_ptr(), None, 1
+        )
+        codes = torch.where(torch.isnan(x), 5, torch.bucketize(x, edges))
+        assert torch.equal(out, base.pack_codes(codes, 4))
+    finally:
+        lib.ufb_set_generic(0)

@@ -127,14 +127,12 @@ UQ_INLINE void pack_plane_p(const uint8_t* __restrict codes, int64_t len, int sh
     }
 }
 
-// Codes t0 .. t0 + len - 1 (t0 a multiple of 8) of a packed plane of p bits, ORed into
-// codes at bit `shift` (codes past len: garbage-free zeros or the plane's padding bits,
-// never read).
+// The first `len` codes of a packed plane of p bits (from its first byte), ORed into codes
+// at bit `shift` (the word past len may get the plane's zero padding bits; never read).
 template <int P, bool First>
-UQ_INLINE void unpack_plane_p(const uint8_t* __restrict in, int64_t t0, int64_t len, int shift,
+UQ_INLINE void unpack_plane_p(const uint8_t* __restrict b, int64_t len, int shift,
                               uint8_t* __restrict codes) {
     constexpr int p = P;
-    const uint8_t* b = in + t0 / 8 * p;
     const int64_t groups = len / 8;
     for (int64_t g = 0; g < groups; ++g) {
         uint64_t v = 0;
@@ -171,27 +169,31 @@ UQ_INLINE void pack_plane(const uint8_t* __restrict codes, int64_t len, int shif
 }
 
 template <bool First>
-UQ_INLINE void unpack_plane(const uint8_t* __restrict in, int64_t t0, int64_t len, int shift,
+UQ_INLINE void unpack_plane(const uint8_t* __restrict in, int64_t len, int shift,
                             int p, uint8_t* __restrict codes) {
     switch (p) {
-        case 1: unpack_plane_p<1, First>(in, t0, len, shift, codes); break;
-        case 2: unpack_plane_p<2, First>(in, t0, len, shift, codes); break;
-        case 4: unpack_plane_p<4, First>(in, t0, len, shift, codes); break;
-        default: unpack_plane_p<8, First>(in, t0, len, shift, codes); break;
+        case 1: unpack_plane_p<1, First>(in, len, shift, codes); break;
+        case 2: unpack_plane_p<2, First>(in, len, shift, codes); break;
+        case 4: unpack_plane_p<4, First>(in, len, shift, codes); break;
+        default: unpack_plane_p<8, First>(in, len, shift, codes); break;
     }
 }
 
 // One chunk of a sample: `len` values to their codes, and the codes' planes into out0
-// (bits 0 .. p0 - 1) and out1 (bits p0 .. p0 + p1 - 1). Bits = 0: any number of edges up to
-// 15 (a loop bound the compiler does not know).
+// (bits 0 .. p0 - 1) and out1 (bits p0 .. p0 + p1 - 1). Bits = 0: any number of edges (a
+// loop bound the compiler does not know; the codes must fit the planes).
 template <typename T, int Bits>
 UQ_INLINE void encode_chunk(const T* __restrict x, int64_t len, const T* __restrict edges,
                             int nedges, int p0, int p1, uint8_t* __restrict out0,
                             uint8_t* __restrict out1) {
     const int kEdges = Bits ? (1 << Bits) - 1 : nedges;
     alignas(64) uint8_t codes[kChunk + 8];
-    T e[15];
-    for (int k = 0; k < kEdges; ++k) e[k] = edges[k];
+    T local[15];  // Bits > 0: the edges in a fixed-size array
+    const T* e = edges;
+    if (Bits) {
+        for (int k = 0; k < kEdges; ++k) local[k] = edges[k];
+        e = local;
+    }
     for (int64_t i = 0; i < len; ++i) {
         const T v = x[i];
         int c = kEdges;
@@ -211,8 +213,8 @@ UQ_INLINE void decode_chunk(const uint8_t* __restrict in0, const uint8_t* __rest
                             T* __restrict out) {
     constexpr int kLevels = 1 << Bits;
     alignas(64) uint8_t codes[kChunk + 8];
-    unpack_plane<true>(in0, 0, len, 0, p0, codes);
-    if (p1) unpack_plane<false>(in1, 0, len, p0, p1, codes);
+    unpack_plane<true>(in0, len, 0, p0, codes);
+    if (p1) unpack_plane<false>(in1, len, p0, p1, codes);
     for (int64_t i = 0; i < len; ++i) out[i] = table[codes[i] & (kLevels - 1)];
 }
 
