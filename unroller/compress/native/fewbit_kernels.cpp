@@ -36,6 +36,7 @@
 
 namespace {
 
+using unroller_native::cpu_has_avx2;
 using unroller_native::run_split;
 
 constexpr int64_t kChunk = 2048;  // codes per step: a stack buffer in L1 (a multiple of 8)
@@ -312,11 +313,6 @@ UFB_AVX2 void decode_chunk_avx2(const uint8_t* in0, const uint8_t* in1, int64_t 
                                   P0, P1, table, out + 8 * groups);
     }
 }
-
-bool have_avx2() {
-    static const bool yes = __builtin_cpu_supports("avx2");
-    return yes;
-}
 #endif
 
 int generic_only = 0;  // ufb_set_generic(1): the portable chunks even where AVX2 runs (tests)
@@ -325,7 +321,7 @@ template <typename T, int Bits>
 UQ_INLINE void encode_rows(const EncodeArgs<T>& a, int64_t r0, int64_t r1) {
     const int64_t b0 = bytes_of(a.m, a.p0), b1 = a.p1 ? bytes_of(a.m, a.p1) : 0;
 #if UFB_X86
-    const bool avx2 = Bits && sizeof(T) == 4 && have_avx2() && !generic_only;
+    const bool avx2 = Bits && sizeof(T) == 4 && cpu_has_avx2() && !generic_only;
 #endif
     for (int64_t r = r0; r < r1; ++r) {
         for (int64_t c0 = 0; c0 < a.m; c0 += kChunk) {
@@ -357,7 +353,7 @@ UQ_INLINE void decode_rows(const DecodeArgs<T>& a, int64_t r0, int64_t r1) {
 #if UFB_X86
     constexpr int P0 = Bits == 3 ? 2 : Bits, P1 = Bits == 3 ? 1 : 0;  // fewbit's planes
     const bool avx2 =
-        sizeof(T) == 4 && a.p0 == P0 && a.p1 == P1 && have_avx2() && !generic_only;
+        sizeof(T) == 4 && a.p0 == P0 && a.p1 == P1 && cpu_has_avx2() && !generic_only;
 #endif
     for (int64_t r = r0; r < r1; ++r) {
         for (int64_t c0 = 0; c0 < a.m; c0 += kChunk) {

@@ -1,5 +1,5 @@
-// What the native kernels share (quant_kernels.cpp, dct_kernels.cpp): the per-ISA clones
-// of each entry point and the split of work over threads.
+// What the native kernels share (quant, dct and fewbit kernels): the per-ISA clones of each
+// entry point, the run-time AVX2 check, the split of work over threads and the code packers.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,17 @@
 #define UQ_INLINE inline __attribute__((always_inline))
 
 namespace unroller_native {
+
+// Whether this CPU has AVX2 (asked once): the kernels that pick a wider formulation at run
+// time (one source serves every clone) ask here.
+inline bool cpu_has_avx2() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    static const bool yes = __builtin_cpu_supports("avx2");
+    return yes;
+#else
+    return false;
+#endif
+}
 
 // Split rows 0 .. rows into `threads` ranges (each a multiple of `unit` rows) and run fn.
 template <typename A>

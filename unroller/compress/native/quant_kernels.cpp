@@ -24,6 +24,7 @@
 
 namespace {
 
+using unroller_native::cpu_has_avx2;
 using unroller_native::pack_aligned;
 using unroller_native::pack_any;
 using unroller_native::run_split;
@@ -37,20 +38,11 @@ struct Stats {
 
 // B bytes of T as one GCC/Clang vector. 32 bytes where the CPU has AVX2 (one register;
 // wider vectors of compares and selects are lowered badly by GCC 12 for AVX2), else 16
-// (SSE, NEON): ``wide_vectors()`` chooses at run time, since one source serves every clone.
+// (SSE, NEON): ``cpu_has_avx2()`` chooses at run time, since one source serves every clone.
 template <typename T, int B>
 struct Wide {
     typedef T type __attribute__((vector_size(B)));
 };
-
-bool wide_vectors() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    static const bool wide = __builtin_cpu_supports("avx2");
-    return wide;
-#else
-    return false;
-#endif
-}
 
 template <typename T, int B>
 UQ_INLINE Stats<T> min_max(const T* __restrict x, int64_t len) {
@@ -172,7 +164,7 @@ struct EncodeArgs {
     uint8_t* out;  // [n, bytes]
     T* mn;         // [n, groups]
     T* scale;      // [n, groups]
-    bool wide;     // wide_vectors()
+    bool wide;     // cpu_has_avx2()
 };
 
 // Rows (sample, group) r0 .. r1 of the encoding; when groups are not byte-aligned the
@@ -306,7 +298,7 @@ void encode(void (*fn)(const EncodeArgs<T>*, int64_t, int64_t), const T* x, cons
             int64_t n, int64_t m, int64_t g, int bits, uint8_t* out, T* mn, T* scale,
             int threads) {
     const int64_t groups = (m + g - 1) / g;
-    const EncodeArgs<T> args{x, noise, n, m, g, groups, bits, out, mn, scale, wide_vectors()};
+    const EncodeArgs<T> args{x, noise, n, m, g, groups, bits, out, mn, scale, cpu_has_avx2()};
     const int per = 8 / bits;
     run_split(fn, &args, n * groups, g % per == 0 ? 1 : groups, threads);
 }
