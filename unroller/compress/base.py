@@ -64,6 +64,7 @@ __all__ = [
     "is_compiling",
     "host_checks",
     "native_library",
+    "native_path",
     "native_threads",
     "skip_checks",
     "pack_codes_fast",
@@ -425,6 +426,25 @@ def host_checks(t: Tensor) -> bool:  # unroller-lint: host-only (dispatch)
     return _HOST_SHORTCUTS and t.device.type == "cpu"
 
 
+def native_path(*tensors: Tensor) -> Any:  # unroller-lint: host-only (native path)
+    """``native_library(*tensors)`` where the fast path may run (``use_fast_path``, which
+    also means no ``torch.compile`` trace, so not the compiled path), else None: the checks
+    of the three, each asked once, cheapest first. A codec asks this first on every call;
+    only when it is None does it tell the compiled, fast and IPU-safe paths apart."""
+    if not NATIVE or not _HOST_SHORTCUTS or IPU_SAFE or "cpu" not in _FAST_DEVICES:
+        return None
+    if sys.byteorder != "little":
+        return None
+    for t in tensors:
+        if t.device.type != "cpu":
+            return None
+    if torch.jit.is_tracing() or _is_compiling():
+        return None
+    from . import native
+
+    return native.library()
+
+
 def native_library(*tensors: Tensor) -> Any:  # unroller-lint: host-only (native path)
     """The loaded native kernels (a ``ctypes.CDLL``) when ``NATIVE`` is on, every tensor is on
     the CPU with host shortcuts allowed, and the kernels can be had (``native.library()``
@@ -446,6 +466,8 @@ ms against 0.5-1.2 ms on one. Below 2**21 elements (8 MiB of float32) one thread
 
 def native_threads(elements: int) -> int:  # unroller-lint: host-only (native path)
     """Threads a native kernel uses on ``elements`` elements (see ``THREAD_ELEMENTS``)."""
+    if elements < 2 * THREAD_ELEMENTS:  # the common case, without asking torch
+        return 1
     return max(1, min(torch.get_num_threads(), elements // THREAD_ELEMENTS))
 
 

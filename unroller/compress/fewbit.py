@@ -45,7 +45,7 @@ from .base import (
     float_constant_compiled,
     host_constant,
     is_compiling,
-    native_library,
+    native_path,
     native_threads,
     pack_codes,
     pack_codes_compiled,
@@ -272,11 +272,11 @@ class FewBit(Compressor):
         m = prod(tuple(t.shape[1:]))
         wd = work_dtype(t.dtype)
         edges = self._table(0, wd, t.device)
-        compiled = use_compiled_path(t)
-        fast = not compiled and use_fast_path(t)
-        lib = native_library(t) if fast else None
+        lib = native_path(t)
         if lib is not None:
             return self._compress_native(lib, t.reshape(n, m).to(wd), edges)
+        compiled = use_compiled_path(t)
+        fast = not compiled and use_fast_path(t)
         if fast:
             codes = _interval_codes(t.reshape(n, m).to(wd), edges)
         else:
@@ -306,11 +306,11 @@ class FewBit(Compressor):
             )
         n = packed[0].shape[0]
         m = prod(tuple(shape))
-        compiled = use_compiled_path(*packed)
-        fast = not compiled and use_fast_path(*packed)
-        lib = native_library(*packed) if fast else None
+        lib = native_path(*packed)
         if lib is not None and self._native_packed_ok(packed, n, m, dtype):
             return self._decompress_native(lib, packed, n, m, shape, dtype)
+        compiled = use_compiled_path(*packed)
+        fast = not compiled and use_fast_path(*packed)
         unpack = unpack_codes_compiled if compiled else unpack_codes_fast if fast else unpack_codes
         codes = None
         shift = 0

@@ -12,7 +12,7 @@ from .base import (
     ParamSpec,
     host_checks,
     itemsize,
-    native_library,
+    native_path,
     native_threads,
     pack_codes,
     pack_codes_compiled,
@@ -88,14 +88,24 @@ class Quant(Compressor):
 
     def layout(self, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
         """(N, M, group, groups) for a full shape: M elements per sample, ``groups`` groups of
-        ``group`` elements each per sample (groups * group >= M)."""
+        ``group`` elements each per sample (groups * group >= M). Remembered per (shape,
+        group_size): every codec call asks, with the few shapes of one model."""
+        key = (tuple(shape), self.params["group_size"])
+        known = self.__dict__.setdefault("_layouts", {})
+        found = known.get(key)
+        if found is None:
+            if len(known) >= 256:  # many shapes (variable lengths): start again
+                known.clear()
+            found = known[key] = self._layout(*key)
+        return found
+
+    def _layout(self, shape: tuple[int, ...], gs: int | None) -> tuple[int, int, int, int]:
         if len(shape) < 1:
             raise ValueError(f"{self!r}: expected a batch dimension, got shape {tuple(shape)}")
         n = shape[0]
         m = prod(tuple(shape[1:]))
         if m == 0:  # empty samples: no groups
             return n, 0, 1, 0
-        gs = self.params["group_size"]
         if gs is None:
             g = prod(tuple(shape[2:])) if len(shape) >= 3 else m
         else:
@@ -125,11 +135,11 @@ class Quant(Compressor):
                 torch.zeros((n, groups), dtype=wd, device=t.device),
                 torch.zeros((n, groups), dtype=wd, device=t.device),
             )
+        lib = native_path(t)
+        if lib is not None:
+            return self._compress_native(lib, t, n, m, g, groups, wd, generator)
         compiled = use_compiled_path(t)
-        if not compiled and use_fast_path(t):
-            lib = native_library(t)
-            if lib is not None:
-                return self._compress_native(lib, t, n, m, g, groups, wd, generator)
+        if not compiled and use_fast_path(t):  # without the native kernels
             return self._compress_fast(t, n, m, g, groups, levels, wd, generator)
         big_range = torch.finfo(wd).max * 0.25
         x = t.reshape(n, m).to(wd)
@@ -184,11 +194,11 @@ class Quant(Compressor):
         wd = work_dtype(dtype)
         if n * m == 0:  # zero-size tensor; same on both paths
             return torch.zeros(full, dtype=dtype, device=codes.device)
+        lib = native_path(codes, mn, scale)
+        if lib is not None and self._native_packed_ok(codes, mn, scale, n, m, groups):
+            return self._decompress_native(lib, codes, mn, scale, full, m, g, groups, wd, dtype)
         compiled = use_compiled_path(codes, mn, scale)
         if not compiled and use_fast_path(codes, mn, scale):
-            lib = native_library(codes, mn, scale)
-            if lib is not None and self._native_packed_ok(codes, mn, scale, n, m, groups):
-                return self._decompress_native(lib, codes, mn, scale, full, m, g, groups, wd, dtype)
             return self._decompress_fast(codes, mn, scale, full, m, g, groups, levels, wd, dtype)
         fmax = torch.finfo(wd).max
         unpack = unpack_codes_compiled if compiled else unpack_codes

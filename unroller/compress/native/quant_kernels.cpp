@@ -177,8 +177,8 @@ UQ_INLINE void encode_rows(const EncodeArgs<T>& a, int64_t r0, int64_t r1) {
     const T levels = static_cast<T>((1 << a.bits) - 1);
     const T big_range = std::numeric_limits<T>::max() * T(0.25);
     uint8_t codes[kChunk];
-    for (int64_t r = r0; r < r1; ++r) {
-        const int64_t i = r / a.groups, k = r % a.groups;
+    int64_t i = r0 / a.groups, k = r0 % a.groups;  // then counted: no division per group
+    for (int64_t r = r0; r < r1; ++r, k = k + 1 == a.groups ? (++i, 0) : k + 1) {
         const int64_t j0 = k * a.g;
         const int64_t len = (a.m - j0) < a.g ? (a.m - j0) : a.g;
         const T* x = a.x + i * a.m + j0;
@@ -188,7 +188,8 @@ UQ_INLINE void encode_rows(const EncodeArgs<T>& a, int64_t r0, int64_t r1) {
         // s = 1/2 where mx - mn might not fit the dtype: (mx * s - mn * s) / levels / s
         const T d = st.hi * T(0.5) - st.lo * T(0.5);
         const T s = d > big_range ? T(0.5) : T(1);
-        const T scale = (st.hi * s - st.lo * s) / levels / s;
+        const T per_level = (st.hi * s - st.lo * s) / levels;
+        const T scale = s == T(1) ? per_level : per_level / s;  // v / 1 is v: one division less
         const T safe = scale > T(0) ? scale : T(1);
         const T ls = st.lo * s, ss = safe * s;
         a.mn[r] = st.lo;
@@ -196,6 +197,11 @@ UQ_INLINE void encode_rows(const EncodeArgs<T>& a, int64_t r0, int64_t r1) {
         const T* noise = a.noise ? a.noise + i * a.groups * a.g + j0 : nullptr;
         for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
             const int64_t cl = (len - c0) < kChunk ? (len - c0) : kChunk;
+            if (a.bits == 8) {  // the codes are the bytes: straight into the output
+                codes_of(x + c0, noise ? noise + c0 : nullptr, cl, s, ls, ss, levels,
+                         out + j0 + c0);
+                continue;
+            }
             codes_of(x + c0, noise ? noise + c0 : nullptr, cl, s, ls, ss, levels, codes);
             if (aligned) {
                 pack_aligned(codes, cl, a.bits, out + (j0 + c0) / per);
@@ -232,8 +238,8 @@ UQ_INLINE void decode_rows(const DecodeArgs<T>& a, int64_t r0, int64_t r1) {
     const T fmax = std::numeric_limits<T>::max();
     const double big_scale = static_cast<double>(fmax) / (2.0 * ((1 << a.bits) - 1));
     const bool aligned = a.g % per == 0;
-    for (int64_t r = r0; r < r1; ++r) {
-        const int64_t i = r / a.groups, k = r % a.groups;
+    int64_t i = r0 / a.groups, k = r0 % a.groups;  // then counted: no division per group
+    for (int64_t r = r0; r < r1; ++r, k = k + 1 == a.groups ? (++i, 0) : k + 1) {
         const int64_t j0 = k * a.g;
         const int64_t len = (a.m - j0) < a.g ? (a.m - j0) : a.g;
         const uint8_t* in = a.codes + i * bytes;
@@ -246,8 +252,15 @@ UQ_INLINE void decode_rows(const DecodeArgs<T>& a, int64_t r0, int64_t r1) {
         const T s = big ? T(0.5) : T(1);
         const T ga = sc * s, gb = a.mn[r] * s, gt = big ? T(2) : T(1), gz = sc - sc;
         if (a.bits == 8) {
+            // below 64, blocks of 16 with a fixed trip count (as codes_of, for the same reason)
             const uint8_t* __restrict c = in + j0;
-            for (int64_t t = 0; t < len; ++t) out[t] = dequant(T(c[t]), ga, gb, gt, gz, fmax);
+            const int64_t whole = len >= 64 ? 0 : len - len % 16;
+            for (int64_t t0 = 0; t0 < whole; t0 += 16) {
+                for (int64_t t = t0; t < t0 + 16; ++t) {
+                    out[t] = dequant(T(c[t]), ga, gb, gt, gz, fmax);
+                }
+            }
+            for (int64_t t = whole; t < len; ++t) out[t] = dequant(T(c[t]), ga, gb, gt, gz, fmax);
         } else if (aligned) {
             const uint8_t* __restrict c = in + j0 / per;
             const int64_t whole = len / per;
