@@ -139,30 +139,36 @@ UQ_INLINE void quantise_plane(const DctArgs& a, const float* __restrict y, float
         len = o;
         y = kept;
     }
-    // amax over 16 running maxima (independent lanes the compiler vectorises: one running
-    // maximum is a chain of dependent max instructions); max is exact, so any order gives
-    // the same value, and NaN is tracked apart.
-    constexpr int kLanes = 16;
-    float lane_max[kLanes] = {};
-    int lane_nan[kLanes] = {};
+    // amax over running maxima in vectors (GCC/Clang vector types: a scalar loop is one
+    // chain of dependent max instructions, and this one the compiler left scalar); max is
+    // exact, so any order gives the same value, and NaN is tracked apart.
+    typedef float V8 __attribute__((vector_size(32)));
+    typedef int32_t M8 __attribute__((vector_size(32)));
+    V8 m0 = {}, m1 = {};
+    M8 bad0 = {}, bad1 = {};
     int64_t i0 = 0;
-    for (; i0 + kLanes <= len; i0 += kLanes) {
-        for (int j = 0; j < kLanes; ++j) {
-            const float v = std::fabs(y[i0 + j]);
-            lane_nan[j] |= v != v;
-            lane_max[j] = v > lane_max[j] ? v : lane_max[j];
-        }
+    for (; i0 + 16 <= len; i0 += 16) {
+        V8 u0, u1;
+        std::memcpy(&u0, y + i0, 32);
+        std::memcpy(&u1, y + i0 + 8, 32);
+        const V8 v0 = u0 < 0.0f ? -u0 : u0, v1 = u1 < 0.0f ? -u1 : u1;
+        bad0 |= v0 != v0;
+        bad1 |= v1 != v1;
+        m0 = v0 > m0 ? v0 : m0;
+        m1 = v1 > m1 ? v1 : m1;
+    }
+    m0 = m1 > m0 ? m1 : m0;
+    bad0 |= bad1;
+    float amax = 0.0f;
+    bool nan = false;
+    for (int j = 0; j < 8; ++j) {
+        nan |= bad0[j] != 0;
+        amax = m0[j] > amax ? m0[j] : amax;
     }
     for (; i0 < len; ++i0) {
         const float v = std::fabs(y[i0]);
-        lane_nan[0] |= v != v;
-        lane_max[0] = v > lane_max[0] ? v : lane_max[0];
-    }
-    float amax = 0.0f;
-    bool nan = false;
-    for (int j = 0; j < kLanes; ++j) {
-        nan |= lane_nan[j] != 0;
-        amax = lane_max[j] > amax ? lane_max[j] : amax;
+        nan |= v != v;
+        amax = v > amax ? v : amax;
     }
     if (nan) amax = std::numeric_limits<float>::quiet_NaN();
     const float scale = amax == 0.0f ? 1.0f : amax / 127.0f;
