@@ -27,6 +27,13 @@
 
 #include "native_common.h"
 
+// GCC 12+ and Clang: vector types with lane shuffles, for the two-tiles-per-vector step.
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define UD_SHUFFLE 1
+#endif
+#endif
+
 namespace {
 
 using unroller_native::run_split;
@@ -74,6 +81,28 @@ UQ_INLINE void forward_plane(const DctArgs& a, const float* __restrict x, float*
             }
         }
         int64_t col0 = 0;
+#ifdef UD_SHUFFLE
+        if (K == 4) {  // the default codec: the four row sums as 16-lane vectors
+            typedef float V16 __attribute__((vector_size(64)));
+            for (; col0 + kCols <= Wp; col0 += kCols) {
+                V16 v;
+                std::memcpy(&v, src[0] + col0, 64);
+                V16 s0 = a.down[0] * v, s1 = a.down[B] * v, s2 = a.down[2 * B] * v,
+                    s3 = a.down[3 * B] * v;
+                for (int64_t p = 1; p < B; ++p) {
+                    std::memcpy(&v, src[p] + col0, 64);
+                    s0 = s0 + a.down[p] * v;
+                    s1 = s1 + a.down[B + p] * v;
+                    s2 = s2 + a.down[2 * B + p] * v;
+                    s3 = s3 + a.down[3 * B + p] * v;
+                }
+                std::memcpy(strip + col0, &s0, 64);
+                std::memcpy(strip + Wp + col0, &s1, 64);
+                std::memcpy(strip + 2 * Wp + col0, &s2, 64);
+                std::memcpy(strip + 3 * Wp + col0, &s3, 64);
+            }
+        }
+#endif
         if (K <= kMaxRegK) {
             for (; col0 + kCols <= Wp; col0 += kCols) {
                 float acc[kMaxRegK][kCols];
@@ -123,8 +152,8 @@ UQ_INLINE void forward_plane(const DctArgs& a, const float* __restrict x, float*
 // NaN -> 0). With fold the kept ones (i + j < K) are first gathered into `kept`, in the
 // packed order [Hb, Wb, kept].
 UQ_INLINE void quantise_plane(const DctArgs& a, const float* __restrict y, float* __restrict kept,
-                              int8_t* __restrict q, float* __restrict scale_out) {
-    const int64_t K = a.k;
+                              int8_t* __restrict q, float* __restrict scale_out,
+                              const int64_t K) {
     int64_t len = a.hb * K * a.wb * K;
     if (a.fold) {
         int64_t o = 0;
@@ -208,12 +237,38 @@ UQ_INLINE void inverse_plane(const DctArgs& a, const int8_t* __restrict q, float
         }
     }
     const int64_t Wp = a.wb * B;
+#ifdef UD_SHUFFLE
+    typedef float F8 __attribute__((vector_size(32)));
+    typedef float F16 __attribute__((vector_size(64)));
+    F16 pair_rows[4];  // K = 4, B = 8: rows[j][q] for two tiles side by side (lane 8t + q)
+    for (int j = 0; j < 4 && K == 4 && B == 8; ++j) {
+        for (int l = 0; l < 16; ++l) pair_rows[j][l] = a.rows[j * 8 + (l & 7)];
+    }
+#endif
     for (int64_t r = 0; r < a.hb; ++r) {
         const float* __restrict yr = y + r * K * Wk;
         for (int64_t i = 0; i < K; ++i) {  // within each tile's rows: K coefficients to B
             const float* __restrict yi = yr + i * Wk;
             float* __restrict s = strip + i * Wp;
-            for (int64_t c = 0; c < a.wb; ++c) {
+            int64_t c = 0;
+#ifdef UD_SHUFFLE
+            // K = 4, B = 8 (the default codec): two tiles per 16-lane vector, each lane the
+            // same products and sums, in the same order, as the loop below.
+            for (; K == 4 && B == 8 && c + 2 <= a.wb; c += 2) {
+                F8 v;  // coefficients 0..3 of tiles c and c + 1
+                std::memcpy(&v, yi + c * 4, 32);
+#define UD_SPREAD(j)                                                                          \
+    __builtin_shufflevector(v, v, j, j, j, j, j, j, j, j, 4 + j, 4 + j, 4 + j, 4 + j, 4 + j, \
+                            4 + j, 4 + j, 4 + j)
+                F16 acc = UD_SPREAD(0) * pair_rows[0];
+                acc = acc + UD_SPREAD(1) * pair_rows[1];
+                acc = acc + UD_SPREAD(2) * pair_rows[2];
+                acc = acc + UD_SPREAD(3) * pair_rows[3];
+#undef UD_SPREAD
+                std::memcpy(s + c * 8, &acc, 64);
+            }
+#endif
+            for (; c < a.wb; ++c) {
                 float* __restrict dst = s + c * B;
                 const float* __restrict sc = yi + c * K;
                 for (int64_t qq = 0; qq < B; ++qq) dst[qq] = sc[0] * a.rows[qq];
@@ -228,11 +283,29 @@ UQ_INLINE void inverse_plane(const DctArgs& a, const int8_t* __restrict q, float
         for (int64_t p = 0; p < rows_here; ++p) {  // across rows, straight into the output
             float* __restrict o = out + (r * B + p) * a.w;
             const float t0 = a.up[p];
-            for (int64_t col = 0; col < a.w; ++col) o[col] = t0 * strip[col];
+            int64_t col0 = 0;
+#ifdef UD_SHUFFLE
+            if (K == 4) {
+                const float t1 = a.up[B + p], t2 = a.up[2 * B + p], t3 = a.up[3 * B + p];
+                for (; col0 + 16 <= a.w; col0 += 16) {
+                    F16 s0, s1, s2, s3;
+                    std::memcpy(&s0, strip + col0, 64);
+                    std::memcpy(&s1, strip + Wp + col0, 64);
+                    std::memcpy(&s2, strip + 2 * Wp + col0, 64);
+                    std::memcpy(&s3, strip + 3 * Wp + col0, 64);
+                    F16 acc = t0 * s0;
+                    acc = acc + t1 * s1;
+                    acc = acc + t2 * s2;
+                    acc = acc + t3 * s3;
+                    std::memcpy(o + col0, &acc, 64);
+                }
+            }
+#endif
+            for (int64_t col = col0; col < a.w; ++col) o[col] = t0 * strip[col];
             for (int64_t i = 1; i < K; ++i) {
                 const float t = a.up[i * B + p];
                 const float* __restrict si = strip + i * Wp;
-                for (int64_t col = 0; col < a.w; ++col) o[col] = o[col] + t * si[col];
+                for (int64_t col = col0; col < a.w; ++col) o[col] = o[col] + t * si[col];
             }
         }
     }
@@ -264,7 +337,7 @@ UQ_INLINE void planes(const DctArgs& a, int64_t p0, int64_t p1, const int64_t B,
         if (Compress) {
             forward_plane(a, a.x + p * plane_in, y.data(), strip.data(), row.data(),
                           rows_t.data(), B, K);
-            quantise_plane(a, y.data(), kept.data(), a.q + p * plane_codes, a.scale + p);
+            quantise_plane(a, y.data(), kept.data(), a.q + p * plane_codes, a.scale + p, K);
         } else {
             inverse_plane(a, a.q + p * plane_codes, a.scale[p], a.out + p * plane_in, y.data(),
                           strip.data(), B, K);
