@@ -658,6 +658,65 @@ def gpt(
 
 
 # --------------------------------------------------------------------------------------------
+# A decoder with RMSNorm and a SiLU-gated MLP (the Llama family's norm and MLP, torch.nn)
+# --------------------------------------------------------------------------------------------
+
+
+class RmsBlock(nn.Module):
+    """Pre-norm causal block with ``nn.RMSNorm`` (eps 1e-6 before attention, the default
+    None, the dtype's epsilon, before the MLP) and a SiLU-gated MLP: down(silu(gate(x)) *
+    up(x)), bias-free, as in Llama (whose rotary positions this block leaves out)."""
+
+    def __init__(self, width: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.input_norm = nn.RMSNorm(width, eps=1e-6)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.post_norm = nn.RMSNorm(width)
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.input_norm(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, is_causal=True, need_weights=False)[0]
+        h = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class RmsDecoder(nn.Module):
+    """Token embeddings, ``RmsBlock`` layers, a final ``nn.RMSNorm`` without a weight and a
+    bias-free head; logits ``[N, L, vocab]``."""
+
+    def __init__(
+        self, vocab: int = 64, width: int = 32, heads: int = 2, hidden: int = 48, layers: int = 2
+    ) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(RmsBlock(width, heads, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(width, elementwise_affine=False)
+        self.head = nn.Linear(width, vocab, bias=False)
+        with torch.no_grad():  # weights away from 1, so a swapped or missing one shows
+            for module in self.modules():
+                if isinstance(module, nn.RMSNorm) and module.weight is not None:
+                    module.weight.uniform_(0.5, 1.5)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        length = idx.shape[1]
+        x = self.tok_emb(idx)
+        mask = nn.Transformer.generate_square_subsequent_mask(
+            length, device=idx.device, dtype=x.dtype
+        )
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
+def rms_decoder(**kwargs: Any) -> RmsDecoder:
+    """The RMSNorm decoder at test size."""
+    return RmsDecoder(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
 # EfficientNet-B0 (torchvision.models.efficientnet, torchvision.ops.misc)
 # --------------------------------------------------------------------------------------------
 

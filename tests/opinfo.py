@@ -882,6 +882,30 @@ def _layernorm_case(shape, normalized, eps=None, affine=True, bias=True) -> Case
     return Case(f"{label}-affine{affine}-bias{bias}", make)
 
 
+def _rmsnorm_case(shape, normalized, eps=None, affine=True, scale=3.0) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs: dict[str, Any] = dict(normalized_shape=normalized)
+        if eps is not None:
+            kwargs["eps"] = eps
+        layer = nn.RMSNorm(normalized, eps=eps, elementwise_affine=affine).to(dtype)
+        x = torch.randn(*shape, dtype=dtype) * scale + 1
+        return Sample((leaf(x),), _randomize_affine(layer), kwargs)
+
+    label = f"{'x'.join(map(str, shape))}-norm{'x'.join(map(str, normalized))}-eps{eps}"
+    return Case(f"{label}-affine{affine}-scale{scale}", make)
+
+
+def _rms_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
+    """rstd is 1 / sqrt(mean(x**2) + eps) per row (eps None: the dtype's epsilon)."""
+    x = s.inputs[0].detach()
+    eps = s.kwargs.get("eps")
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    (rstd,) = extras
+    ref = 1 / (x.square().mean(_layernorm_dims(s), keepdim=True) + eps).sqrt()
+    assert rel(rstd, ref) <= (1e-12 if x.dtype == F64 else 1e-6)
+
+
 def _norm_extras(dims_of: Callable[[Sample], Any], group: bool = False) -> ExtrasCheck:
     """mean and rstd are the biased statistics aten::native_{layer,group}_norm saves."""
 
@@ -1102,6 +1126,18 @@ NORMS_ROWS: tuple[OpInfo, ...] = (
             _layernorm_case((2, 2, 3, 4), (2, 3, 4), eps=0.5),
         ),
         check_extras=_norm_extras(_layernorm_dims),
+    ),
+    OpInfo(
+        "rmsnorm",
+        _layer_reference,
+        (
+            _rmsnorm_case((3, 4, 5), (5,)),
+            _rmsnorm_case((2, 3, 4), (3, 4), eps=1e-3),
+            _rmsnorm_case((5, 6), (6,), affine=False),
+            _rmsnorm_case((2, 2, 3, 4), (2, 3, 4), eps=0.5),
+            _rmsnorm_case((3, 7), (7,), scale=1e-3),  # eps comparable to mean(x**2)
+        ),
+        check_extras=_rms_extras,
     ),
     OpInfo(
         "groupnorm",

@@ -38,6 +38,7 @@ CASES = {
     "unet": ({}, "x: f32[N, 3, 32, 32]", "y: i64[N, 32, 32]", ["down", "up"]),
     "vit": ({}, "x: f32[N, 3, 32, 32]", None, ["encoder_block"]),
     "gpt": ({}, "ids: i64[N, 16]", "y: i64[N, 16]", ["transformer_encoder_layer"]),
+    "rms_decoder": ({}, "ids: i64[N, 16]", "y: i64[N, 16]", ["rms_block"]),
     # MBConv (squeeze-excitation, SiLU); mb_conv_2 is the variant with the residual
     "efficientnet_b0": (
         {"width_mult": 0.1, "depth_mult": 0.5},

@@ -1,6 +1,6 @@
-"""Normalisation and 1-D operators (spec v2): layernorm, groupnorm, batchnorm1d, conv1d,
-maxpool1d, avgpool1d, adaptive_avgpool1d, batchnorm2d's affine / track_running_stats and the
-pools' ceil_mode.
+"""Normalisation and 1-D operators (spec v2): layernorm, rmsnorm, groupnorm, batchnorm1d,
+conv1d, maxpool1d, avgpool1d, adaptive_avgpool1d, batchnorm2d's affine / track_running_stats
+and the pools' ceil_mode.
 
 The kernels themselves are checked against torch.autograd by tests/test_kernels.py (their
 rows are in tests/opinfo.py). Here: each operator's bad inputs give an exact
@@ -70,6 +70,19 @@ ERRORS = [
         "normalized_shape",
         "o: layernorm: normalized_shape (4,) must equal the input's trailing dims (10,) "
         "(input f32[N, 4, 10])",
+    ),
+    (
+        "rmsnorm-not-trailing",
+        "o = rmsnorm(s, normalized_shape=(4, 9))",
+        "normalized_shape",
+        "o: rmsnorm: normalized_shape (4, 9) must equal the input's trailing dims (4, 10) "
+        "(input f32[N, 4, 10])",
+    ),
+    (
+        "rmsnorm-eps-negative",
+        "o = rmsnorm(s, normalized_shape=10, eps=-1.0)",
+        "-1.0",
+        "rmsnorm: argument 'eps' must be a number >= 0.0, got -1.0",
     ),
     (
         "groupnorm-groups-do-not-divide",
@@ -171,6 +184,7 @@ def test_the_scaffolding_is_valid():
     """Each case differs from a valid model only in its mistake."""
     graph_from_text(_source("o = layernorm(s, normalized_shape=(4, 10))"), FILE)
     graph_from_text(_source("o = groupnorm(x, num_groups=2)"), FILE)
+    graph_from_text(_source("o = rmsnorm(s, normalized_shape=(4, 10))"), FILE)
 
 
 def test_cli_reports_a_bad_norm_and_exits_2(tmp_path: Path):
@@ -283,7 +297,48 @@ class Image(nn.Module):
         return F.cross_entropy(self.logits(x), y)
 
 
-MODELS = {"sequence": (SEQUENCE, Sequence, (4, 15), 5), "image": (IMAGE, Image, (3, 9, 9), 4)}
+TOKENS = """\
+model tokens {
+    input x: f32[N, 6, 8]
+    target y: i64[N]
+    r1 = rmsnorm(x, normalized_shape=8)
+    l1 = linear(r1, out_features=12)
+    a = relu(l1)
+    r2 = rmsnorm(a, normalized_shape=(6, 12), eps=1e-3)
+    r3 = rmsnorm(r2, normalized_shape=12, elementwise_affine=false, eps=0.5)
+    f = flatten(r3)
+    l = linear(f, out_features=4)
+    loss = cross_entropy(l, y)
+    return loss, l
+}
+"""
+
+
+class Tokens(nn.Module):
+    """TOKENS in torch.nn: RMSNorm with the default eps (None: the dtype's epsilon), over two
+    dims, and without a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r1 = nn.RMSNorm(8)
+        self.l1 = nn.Linear(8, 12)
+        self.r2 = nn.RMSNorm((6, 12), eps=1e-3)
+        self.r3 = nn.RMSNorm(12, eps=0.5, elementwise_affine=False)
+        self.l = nn.Linear(72, 4)
+
+    def logits(self, x: Tensor) -> Tensor:
+        h = self.r2(F.relu(self.l1(self.r1(x))))
+        return self.l(self.r3(h).flatten(1))
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(self.logits(x), y)
+
+
+MODELS = {
+    "sequence": (SEQUENCE, Sequence, (4, 15), 5),
+    "image": (IMAGE, Image, (3, 9, 9), 4),
+    "tokens": (TOKENS, Tokens, (6, 8), 4),
+}
 
 
 def _reference(stem: str) -> nn.Module:
@@ -291,7 +346,7 @@ def _reference(stem: str) -> nn.Module:
     ref = MODELS[stem][1]().double()
     with torch.no_grad():  # affine parameters away from their 1 / 0 initialisation
         for name, p in ref.named_parameters():
-            if name.startswith(("bn.", "gn.", "ln.")):
+            if name.startswith(("bn.", "gn.", "ln.", "r1.", "r2.")):
                 p.add_(torch.rand_like(p) - 0.5)
     return ref
 
@@ -331,7 +386,7 @@ def test_gpu_gradients_match_autograd(build, stem: str, scheme: str):
     result = gen.load_state_dict(ref.state_dict())
     assert not result.missing_keys and not result.unexpected_keys
     assert list(gen.state_dict()) == list(ref.state_dict())
-    exact = scheme == "nocompress" or stem == "sequence"  # 3-D only: dct leaves it raw
+    exact = scheme == "nocompress" or stem != "image"  # 3-D only: dct leaves it raw
     for step in range(2):
         x, y = _batch(stem, step)
         ref_loss = ref(x, y)
@@ -373,7 +428,7 @@ def test_ipu_gradients_match_autograd(build, emulation, stem: str, scheme: str):
     surrogate, loss = ipu(x, y)
     surrogate.backward()
     grads = {n: p.grad for n, p in ipu.named_parameters()}
-    if scheme == "nocompress" or stem == "sequence":
+    if scheme == "nocompress" or stem != "image":
         ref_loss = ref(x, y)
         ref_loss.backward()
         assert rel_err(loss, ref_loss) <= TOL
@@ -386,6 +441,32 @@ def test_ipu_gradients_match_autograd(build, emulation, stem: str, scheme: str):
     assert rel_err(loss, want) <= 1e-9
     for name, p in gpu.named_parameters():
         assert rel_err(grads[name], p.grad) <= 1e-9, name
+
+
+def test_rmsnorm_backward_from_its_compressed_input(build):
+    """Under quant, an rmsnorm keeps its input compressed (8-bit per-row groups; the model's
+    input x stays raw, as every scheme leaves inputs) and its per-row rstd exact; the gradients then differ from autograd's by the codec's error only:
+    within 2% of the largest gradient, where the inputs' own round-trip error is about 0.4%."""
+    from unroller.compress import make
+
+    ref = _reference("tokens")
+    gen = build(TOKENS, Options(scheme="quant")).Model().double()
+    gen.load_state_dict(ref.state_dict())
+    x, y = _batch("tokens", 0)
+    gen(x, y)
+    ref(x, y).backward()
+    kept = {r["tensor"]: r["compressor"] for r in gen.stash_report()["rows"]}
+    assert kept["x"] == "raw", kept  # a model input: its caller holds it anyway
+    assert "Quant(" in kept["a"] and "Quant(" in kept["r2"], kept  # r2's and r3's inputs
+    assert [kept[f"r{i}:rstd"] for i in (1, 2, 3)] == ["raw"] * 3, kept
+    codec_error = rel_err(make("quant").decompress(make("quant").compress(x), (6, 8), x.dtype), x)
+    assert 0 < codec_error < 0.01
+    errors = {}
+    for name, p in ref.named_parameters():
+        got = dict(gen.named_parameters())[name].grad
+        errors[name] = float((got - p.grad).abs().max() / p.grad.abs().max())
+    assert max(errors.values()) <= 0.02, errors
+    assert min(errors["r1.weight"], errors["r2.weight"]) > 1e-6, errors  # the codec did act
 
 
 def test_default_arguments_leave_the_generated_call_unchanged():

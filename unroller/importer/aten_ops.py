@@ -183,6 +183,22 @@ def layer_norm(view):
     )
 
 
+@maps("aten.rms_norm.default")
+def rms_norm(view):
+    a = view.a
+    shape = tuple(int(d) for d in a["normalized_shape"])
+    eps = a.get("eps")
+    layer = view.layer("weight") if a.get("weight") is not None else None
+    return view.stmt(
+        "rmsnorm",
+        [view.value("input")],
+        layer=layer,
+        normalized_shape=shape[0] if len(shape) == 1 else shape,
+        eps=None if eps is None else float(eps),
+        elementwise_affine=a.get("weight") is not None,
+    )
+
+
 @maps("aten.group_norm.default")
 def group_norm(view):
     a = view.a

@@ -102,6 +102,8 @@ from unroller.runtime.common import (  # noqa: F401
 
 # The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
 # sum and slice shadow the builtins here, so this module calls neither bare).
+# RMSNorm, the same on both platforms (see norms' doc).
+from unroller.runtime.norms import rmsnorm, rmsnorm_backward  # noqa: F401  (re-exported)
 from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__)
     expand,
     expand_backward,
