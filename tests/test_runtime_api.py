@@ -20,7 +20,7 @@ from torch import nn
 
 from unroller import platforms
 from unroller.registry import OpSpec, load_registry
-from unroller.runtime import attention, common, gpu, ipu, shapeops
+from unroller.runtime import attention, common, gpu, ipu, norms, shapeops
 
 OPS = load_registry()
 KERNELS = {"gpu": gpu, "ipu": ipu}
@@ -128,8 +128,15 @@ def test_all_is_every_public_function_and_nothing_else(platform):
         name
         for name, obj in vars(K).items()
         if inspect.isfunction(obj) and not name.startswith("_")
-        # the runtime's shared modules: common helpers, shape ops, the blocked attention
-        if obj.__module__ in (K.__name__, common.__name__, shapeops.__name__, attention.__name__)
+        # the runtime's shared modules: common helpers, shape ops, the blocked attention, norms
+        if obj.__module__
+        in (
+            K.__name__,
+            common.__name__,
+            shapeops.__name__,
+            attention.__name__,
+            norms.__name__,
+        )
     }
     assert K.__all__ == sorted(set(K.__all__))
     assert set(K.__all__) == public
