@@ -159,9 +159,10 @@ UQ_INLINE void quantise_plane(const DctArgs& a, const float* __restrict y, float
         int64_t o = 0;
         for (int64_t r = 0; r < a.hb; ++r) {
             for (int64_t c = 0; c < a.wb; ++c) {
-                for (int64_t i = 0; i < K; ++i) {
+                for (int64_t i = 0; i < K; ++i) {  // row i keeps its first K - i (one copy)
                     const float* __restrict src = y + ((r * K + i) * a.wb + c) * K;
-                    for (int64_t j = 0; j + i < K; ++j) kept[o++] = src[j];
+                    std::memcpy(kept + o, src, static_cast<size_t>(K - i) * sizeof(float));
+                    o += K - i;
                 }
             }
         }
@@ -224,14 +225,15 @@ UQ_INLINE void inverse_plane(const DctArgs& a, const int8_t* __restrict q, float
     if (!a.fold) {
         for (int64_t i = 0; i < len; ++i) y[i] = static_cast<float>(q[i]) * scale;
     } else {
-        std::memset(y, 0, static_cast<size_t>(len) * sizeof(float));
         int64_t o = 0;
         for (int64_t r = 0; r < a.hb; ++r) {
             for (int64_t c = 0; c < a.wb; ++c) {
-                for (int64_t i = 0; i < K; ++i) {
-                    for (int64_t j = 0; j + i < K; ++j) {
-                        y[((r * K + i) * a.wb + c) * K + j] = static_cast<float>(q[o++]) * scale;
+                for (int64_t i = 0; i < K; ++i) {  // row i: K - i codes, then zeros
+                    float* __restrict dst = y + ((r * K + i) * a.wb + c) * K;
+                    for (int64_t j = 0; j < K; ++j) {
+                        dst[j] = j + i < K ? static_cast<float>(q[o + j]) * scale : 0.0f;
                     }
+                    o += K - i;
                 }
             }
         }
