@@ -12,7 +12,10 @@ to the PyTorch formulations (its products are not BLAS's). What it must do inste
 
 from __future__ import annotations
 
+import ctypes
 import math
+import platform
+import subprocess
 
 import pytest
 import torch
@@ -202,3 +205,87 @@ def test_scale_headroom_documented():
     (q, scale), _ = round_trip(c, x, True)
     dc = float(q[0, 0, 0, 0, 0, 0]) * float(scale[0, 0])
     assert dc == pytest.approx(2.0 * 8 / 2 ** prescale_exponent(8), rel=1e-6)
+
+
+def _variant(tmp_path, label: str, march: str | None, shuffles: bool):
+    """The DCT kernel built alone as another machine's compiler would build it: one copy for
+    ``march`` (no per-ISA clones), and without the vector-shuffle steps when ``shuffles`` is
+    False (a compiler without ``__builtin_shufflevector`` runs the scalar loops)."""
+    folder = tmp_path / label
+    folder.mkdir()
+    here = native_module.SOURCES[0].parent
+    header = (here / "native_common.h").read_text()
+    start = header.index("#define UQ_CLONES \\")
+    end = header.index("#else", start)
+    (folder / "native_common.h").write_text(header[:start] + "#define UQ_CLONES\n" + header[end:])
+    source = (here / "dct_kernels.cpp").read_text()
+    if not shuffles:
+        assert "#define UD_SHUFFLE 1" in source
+        source = source.replace("#define UD_SHUFFLE 1", "")
+    (folder / "dct_kernels.cpp").write_text(source)
+    target = folder / "dct.so"
+    flags = [*native_module.FLAGS] + ([f"-march={march}"] if march else [])
+    subprocess.run(
+        [native_module.compiler(), *flags, str(folder / "dct_kernels.cpp"), "-o", str(target)],
+        check=True,
+        capture_output=True,
+    )
+    lib = ctypes.CDLL(str(target))
+    lib.ud_compress_f32.restype = lib.ud_decompress_f32.restype = ctypes.c_int
+    return lib
+
+
+@pytest.mark.skipif(
+    not (native_module.compiler() and platform.machine() == "x86_64"),
+    reason="x86-64 instruction-set levels",
+)
+def test_native_dct_same_bits_on_every_instruction_set_and_without_shuffles(tmp_path):
+    """The clone a CPU picks (baseline SSE2, AVX2, AVX-512) and a compiler without vector
+    shuffles give the library's bits: every lane of the vector steps is the scalar loops'
+    sequence of operations."""
+    lib = native_module.library()
+    variants = [
+        _variant(tmp_path, "baseline", "x86-64", True),
+        _variant(tmp_path, "avx2", "x86-64-v3", True),
+        _variant(tmp_path, "scalar", None, False),
+    ]
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fold in (False, True):
+        c = Dct(fold=fold)
+        for shape in ((3, 5, 37, 29), (2, 3, 16, 8), (1, 2, 8, 40), (2, 4, 64, 64)):
+            x = field(shape, 11) * 3
+            n, ch, h, w = shape
+            tk, down, up = (m.contiguous() for m in c._matrices(torch.float32, x.device))
+            hb, wb = -(-h // 8), -(-w // 8)
+            kept = 10 if fold else 16
+            results = []
+            for variant in [lib, *variants]:
+                q = torch.zeros(n * ch * hb * wb * kept, dtype=torch.int8)
+                scale = torch.zeros(n * ch)
+                out = torch.empty_like(x)
+                args = (n * ch, h, w, 8, 4, int(fold))
+                fn = variant.ud_compress_f32
+                fn.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_int, p, p, p, p, ctypes.c_int]
+                fn(
+                    x.data_ptr(),
+                    *args,
+                    down.data_ptr(),
+                    tk.data_ptr(),
+                    q.data_ptr(),
+                    scale.data_ptr(),
+                    1,
+                )
+                fn = variant.ud_decompress_f32
+                fn.argtypes = [p, p, i64, i64, i64, i64, i64, ctypes.c_int, p, p, p, ctypes.c_int]
+                fn(
+                    q.data_ptr(),
+                    scale.data_ptr(),
+                    *args,
+                    tk.data_ptr(),
+                    up.data_ptr(),
+                    out.data_ptr(),
+                    1,
+                )
+                results.append((q, scale, out))
+            for got in results[1:]:
+                assert all(same_bits(a, b) for a, b in zip(results[0], got)), (fold, shape)
