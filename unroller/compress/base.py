@@ -440,9 +440,21 @@ def native_path(*tensors: Tensor) -> Any:  # unroller-lint: host-only (native pa
             return None
     if torch.jit.is_tracing() or _is_compiling():
         return None
-    from . import native
+    return _native_module().library()
 
-    return native.library()
+
+def _native_module() -> Any:  # unroller-lint: host-only (native path)
+    """``unroller.compress.native``, imported on first use (an import statement per codec
+    call cost a microsecond)."""
+    global _NATIVE_MODULE
+    if _NATIVE_MODULE is None:
+        from . import native
+
+        _NATIVE_MODULE = native
+    return _NATIVE_MODULE
+
+
+_NATIVE_MODULE: Any = None
 
 
 def native_library(*tensors: Tensor) -> Any:  # unroller-lint: host-only (native path)
@@ -451,9 +463,7 @@ def native_library(*tensors: Tensor) -> Any:  # unroller-lint: host-only (native
     builds them on first use); else None: then the PyTorch fast path runs."""
     if not NATIVE or not _HOST_SHORTCUTS or any(t.device.type != "cpu" for t in tensors):
         return None  # host_checks of every tensor, inlined (this runs on every codec call)
-    from . import native
-
-    return native.library()
+    return _native_module().library()
 
 
 THREAD_ELEMENTS = 1 << 21

@@ -491,8 +491,8 @@ class Quant(Compressor):
         computed in float32 and cast, as the fast path does."""
         bits = self.params["bits"]
         n = codes.shape[0]
-        mn = mn.to(wd).contiguous()
-        scale = scale.to(wd).contiguous()
+        mn = (mn if mn.dtype == wd else mn.to(wd)).contiguous()
+        scale = (scale if scale.dtype == wd else scale.to(wd)).contiguous()
         out = torch.empty((n, m), dtype=wd, device=codes.device)
         codes = codes.contiguous()
         decode = lib.uq_decode_f64 if wd == torch.float64 else lib.uq_decode_f32
