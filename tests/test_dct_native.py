@@ -246,9 +246,10 @@ def test_native_dct_same_bits_on_every_instruction_set_and_without_shuffles(tmp_
     lib = native_module.library()
     variants = [
         _variant(tmp_path, "baseline", "x86-64", True),
-        _variant(tmp_path, "avx2", "x86-64-v3", True),
         _variant(tmp_path, "scalar", None, False),
     ]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # else it cannot run
+        variants.append(_variant(tmp_path, "avx2", "x86-64-v3", True))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for fold in (False, True):
         c = Dct(fold=fold)
