@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import platform
-import subprocess
 
 import pytest
 import torch
 
 from tests.codec_agreement import assert_dct_close, same_bits
+from tests.native_variants import variants, x86_only
 from unroller.compress import Dct, base
 from unroller.compress import native as native_module
 from unroller.compress.dct import prescale_exponent
@@ -207,49 +206,15 @@ def test_scale_headroom_documented():
     assert dc == pytest.approx(2.0 * 8 / 2 ** prescale_exponent(8), rel=1e-6)
 
 
-def _variant(tmp_path, label: str, march: str | None, shuffles: bool):
-    """The DCT kernel built alone as another machine's compiler would build it: one copy for
-    ``march`` (no per-ISA clones), and without the vector-shuffle steps when ``shuffles`` is
-    False (a compiler without ``__builtin_shufflevector`` runs the scalar loops)."""
-    folder = tmp_path / label
-    folder.mkdir()
-    here = native_module.SOURCES[0].parent
-    header = (here / "native_common.h").read_text()
-    start = header.index("#define UQ_CLONES \\")
-    end = header.index("#else", start)
-    (folder / "native_common.h").write_text(header[:start] + "#define UQ_CLONES\n" + header[end:])
-    source = (here / "dct_kernels.cpp").read_text()
-    if not shuffles:
-        assert "#define UD_SHUFFLE 1" in source
-        source = source.replace("#define UD_SHUFFLE 1", "")
-    (folder / "dct_kernels.cpp").write_text(source)
-    target = folder / "dct.so"
-    flags = [*native_module.FLAGS] + ([f"-march={march}"] if march else [])
-    subprocess.run(
-        [native_module.compiler(), *flags, str(folder / "dct_kernels.cpp"), "-o", str(target)],
-        check=True,
-        capture_output=True,
-    )
-    lib = ctypes.CDLL(str(target))
-    lib.ud_compress_f32.restype = lib.ud_decompress_f32.restype = ctypes.c_int
-    return lib
-
-
-@pytest.mark.skipif(
-    not (native_module.compiler() and platform.machine() == "x86_64"),
-    reason="x86-64 instruction-set levels",
-)
+@x86_only
 def test_native_dct_same_bits_on_every_instruction_set_and_without_shuffles(tmp_path):
     """The clone a CPU picks (baseline SSE2, AVX2, AVX-512) and a compiler without vector
     shuffles give the library's bits: every lane of the vector steps is the scalar loops'
     sequence of operations."""
     lib = native_module.library()
-    variants = [
-        _variant(tmp_path, "baseline", "x86-64", True),
-        _variant(tmp_path, "scalar", None, False),
-    ]
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # else it cannot run
-        variants.append(_variant(tmp_path, "avx2", "x86-64-v3", True))
+    built = variants(tmp_path, "dct_kernels.cpp", "UD_SHUFFLE")
+    for variant in built:
+        variant.ud_compress_f32.restype = variant.ud_decompress_f32.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for fold in (False, True):
         c = Dct(fold=fold)
@@ -260,7 +225,7 @@ def test_native_dct_same_bits_on_every_instruction_set_and_without_shuffles(tmp_
             hb, wb = -(-h // 8), -(-w // 8)
             kept = 10 if fold else 16
             results = []
-            for variant in [lib, *variants]:
+            for variant in [lib, *built]:
                 q = torch.zeros(n * ch * hb * wb * kept, dtype=torch.int8)
                 scale = torch.zeros(n * ch)
                 out = torch.empty_like(x)

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 from tests.codec_agreement import same_bits
+from tests.native_variants import variants, x86_only
 from unroller.compress import Quant, base, make, native, packed_nbytes
 from unroller.schemes import ROWS, load_config, make_codec
 
@@ -180,6 +182,134 @@ def test_native_is_bit_identical_on_large_inputs_and_threads(native_lib, monkeyp
             assert_native_matches(Quant(bits=2, group_size=7), x.reshape(3, -1))
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.fixture(params=["fastest", "general"])
+def quant_loops(request, native_lib):
+    """Which loops the quant kernel runs: its fastest for this CPU (the short-group paths
+    where it has AVX2), or the general ones only (``uq_set_generic``)."""
+    native_lib.uq_set_generic(1 if request.param == "general" else 0)
+    yield request.param
+    native_lib.uq_set_generic(0)
+
+
+def short_rows(group: int, dtype=torch.float32) -> torch.Tensor:
+    """[3, 8, group] rows of every kind ``hostile`` has (NaN, +-inf, a range past the
+    halving step, constants, zeros, -0.0, subnormals), at a row length the kernel's
+    short-group paths take, plus ordinary rows."""
+    fin = torch.finfo(dtype)
+    x = tokens((3, 8, group), seed=group, dtype=torch.float64)
+    x[0, 0, group // 2] = float("nan")
+    x[0, 1, 0] = float("inf")
+    x[0, 2, group - 1] = -float("inf")
+    x[0, 3] = fin.max * 0.75
+    x[0, 3, 1] = -fin.max * 0.75
+    x[0, 4, 3] = float("nan")
+    x[0, 4, 5] = float("inf")
+    x[1, 0] = 7.25
+    x[1, 1] = 0.0
+    x[1, 2] = -0.0
+    x[1, 3, ::2] = -0.0
+    x[1, 3, 1::2] = 0.0
+    x[1, 4, : group // 2] = -0.0
+    x[1, 4, group // 2 :] = 0.5
+    x[1, 5] = fin.max
+    x[1, 5, 2] = -fin.max
+    x[2, 0] = fin.smallest_normal / 4
+    x[2, 0, 3] = 0.0
+    x[2, 1] = x[2, 1].abs() + 1.0  # no zero in the row
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("group", [8, 16, 32, 64, 128, 24])
+def test_native_short_groups_are_bit_identical(quant_loops, group):
+    """Rows of 8 to 128 float32 elements at 8 bits, one group each (token rows [N, L, E] and
+    per-head rows [N, H, L, D]), the kernel's short-group paths where the CPU has AVX2 and
+    its general loops: the PyTorch path's bytes and values, every hostile row included (24:
+    a length the short paths do not take)."""
+    x = short_rows(group)
+    assert_native_matches(Quant(), x)
+    assert_native_matches(Quant(group_size=group), x.reshape(3, 2, 4, group))
+    assert_native_matches(Quant(), x, dtype=torch.float64)  # decoded to another dtype
+    assert_native_matches(Quant(group_size=group), x.reshape(3, -1))
+
+
+@x86_only
+def test_native_quant_same_bits_on_every_instruction_set_and_without_shuffles(tmp_path):
+    """The quant kernel built for baseline x86-64, for AVX2 and without vector shuffles
+    gives the library's bits on short and long rows, hostile ones included."""
+    lib = native.library()
+    if lib is None:
+        pytest.skip(f"native kernels unavailable: {native.build_error() or 'disabled'}")
+    built = variants(tmp_path, "quant_kernels.cpp", "UQ_SHUFFLE")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for variant in built:
+        variant.uq_encode_f32.argtypes = [p, p, i64, i64, i64, i32, p, p, p, i32]
+        variant.uq_decode_f32.argtypes = [p, p, p, i64, i64, i64, i32, p, i32]
+    for group in (8, 16, 32, 64, 128, 40):
+        x = short_rows(group).reshape(3, -1).contiguous()
+        n, m = x.shape
+        for bits in (8, 4):
+            results = []
+            for variant in [lib, *built]:
+                codes = torch.zeros(n, math.ceil(m * bits / 8), dtype=torch.uint8)
+                mn, scale = torch.zeros(n, m // group), torch.zeros(n, m // group)
+                out = torch.zeros(n, m)
+                variant.uq_encode_f32(
+                    x.data_ptr(),
+                    None,
+                    n,
+                    m,
+                    group,
+                    bits,
+                    *(t.data_ptr() for t in (codes, mn, scale)),
+                    1,
+                )
+                variant.uq_decode_f32(
+                    *(t.data_ptr() for t in (codes, mn, scale)),
+                    n,
+                    m,
+                    group,
+                    bits,
+                    out.data_ptr(),
+                    1,
+                )
+                results.append((codes, mn, scale, out))
+            for got in results[1:]:
+                assert all(same_bits(a, b) for a, b in zip(results[0], got)), (group, bits)
+
+
+def test_repeated_calls_reuse_their_plan_and_still_check_their_inputs(native_lib):
+    """The second call of a shape takes the remembered plan (``_encode_plans``,
+    ``_decode_plans``) and gives the first call's bits; an input that differs in anything
+    the plan assumed (dtype, contiguity, the packed tensors' dtypes or sizes, the output
+    dtype, ``NATIVE`` off) does not take it and still gets the right answer or the error."""
+    c = Quant(group_size=16)
+    x = short_rows(16)
+    first, y_first = trip(c, x)
+    assert (x.shape, x.dtype) in c._encode_plans
+    assert (first[0].shape, tuple(x.shape[1:]), x.dtype) in c._decode_plans
+    again, y_again = trip(c, x)
+    assert all(same_bits(a, b) for a, b in zip(first, again)) and same_bits(y_first, y_again)
+    with native_path(False):
+        expect, y_expect = trip(c, x)
+    assert all(same_bits(a, b) for a, b in zip(first, expect)) and same_bits(y_first, y_expect)
+    # another dtype of the same shape, and a strided view of it: not the float32 plan
+    assert_native_matches(c, x.double())
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    assert_native_matches(c, strided)
+    # packed tensors that differ from what the plan read: the general checks decide
+    codes, mn, scale = first
+    y = c.decompress((codes, mn.double(), scale.double()), tuple(x.shape[1:]), torch.float32)
+    assert same_bits(y, y_first)
+    with pytest.raises((ValueError, RuntimeError)):
+        c.decompress((codes, mn[:, :-1], scale), tuple(x.shape[1:]), torch.float32)
+    with pytest.raises((ValueError, RuntimeError)):
+        c.decompress((codes, mn, scale[:1]), tuple(x.shape[1:]), torch.float32)
+    half = c.decompress(first, tuple(x.shape[1:]), torch.float16)
+    assert half.dtype == torch.float16
+    assert same_bits(half, y_first.to(torch.float16))
 
 
 def test_native_refuses_malformed_packed_forms(native_lib):

@@ -382,8 +382,7 @@ def is_compiling() -> bool:  # unroller-lint: host-only (dispatch)
 
 
 def _is_compiling() -> bool:  # unroller-lint: host-only (dispatch)
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+    return bool(torch.compiler.is_compiling())
 
 
 def use_fast_path(*tensors: Tensor) -> bool:  # unroller-lint: host-only (dispatch)
@@ -436,7 +435,7 @@ def native_path(*tensors: Tensor) -> Any:  # unroller-lint: host-only (native pa
     if sys.byteorder != "little":
         return None
     for t in tensors:
-        if t.device.type != "cpu":
+        if not t.is_cpu:  # not t.device.type: a device object per call costs more
             return None
     if torch.jit.is_tracing() or _is_compiling():
         return None

@@ -84,6 +84,14 @@ class Quant(Compressor):
         ),
     }
 
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        # per (shape, dtype): what a native call needs, so that a repeated call (the same few
+        # shapes every step) checks its inputs and calls the kernel, nothing else: a small
+        # step makes tens of calls, where the general dispatch cost as much as the kernel
+        self._encode_plans: dict[tuple, tuple] = {}
+        self._decode_plans: dict[tuple, tuple] = {}
+
     # layout ------------------------------------------------------------------------------
 
     def layout(self, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
@@ -124,6 +132,12 @@ class Quant(Compressor):
         """The packed form of ``t``. ``generator`` (a ``torch.Generator`` on ``t``'s device)
         draws the noise of stochastic rounding instead of torch's global RNG: the same
         generator state gives the same packed bytes on every path (tests, reproductions)."""
+        if isinstance(t, Tensor):
+            plan = self._encode_plans.get((t.shape, t.dtype))
+            if plan is not None and t.is_contiguous():
+                lib = native_path(t)
+                if lib is not None:
+                    return self._encode_planned(lib, t, plan)
         self._float_input(t)
         n, m, g, groups = self.layout(tuple(t.shape))
         bits = self.params["bits"]
@@ -137,6 +151,8 @@ class Quant(Compressor):
             )
         lib = native_path(t)
         if lib is not None:
+            if t.dtype == wd and not self.params["stochastic"]:
+                self._remember(self._encode_plans, (t.shape, t.dtype), (n, m, g, groups, wd))
             return self._compress_native(lib, t, n, m, g, groups, wd, generator)
         compiled = use_compiled_path(t)
         if not compiled and use_fast_path(t):  # without the native kernels
@@ -182,6 +198,12 @@ class Quant(Compressor):
     def decompress(
         self, packed: tuple[Tensor, ...], shape: tuple[int, ...], dtype: torch.dtype
     ) -> Tensor:
+        if len(packed) == 3 and isinstance(packed[0], Tensor):
+            plan = self._decode_plans.get((packed[0].shape, tuple(shape), dtype))
+            if plan is not None and self._planned_ok(packed, plan):
+                lib = native_path(*packed)
+                if lib is not None:
+                    return self._decode_planned(lib, packed, plan)
         self._float_dtype(dtype)
         if len(packed) != 3:
             raise ValueError(f"{self!r}: expected packed (codes, mn, scale), got {len(packed)}")
@@ -196,6 +218,9 @@ class Quant(Compressor):
             return torch.zeros(full, dtype=dtype, device=codes.device)
         lib = native_path(codes, mn, scale)
         if lib is not None and self._native_packed_ok(codes, mn, scale, n, m, groups):
+            if dtype == wd:
+                key = (codes.shape, tuple(shape), dtype)
+                self._remember(self._decode_plans, key, (full, n, m, g, groups, wd))
             return self._decompress_native(lib, codes, mn, scale, full, m, g, groups, wd, dtype)
         compiled = use_compiled_path(codes, mn, scale)
         if not compiled and use_fast_path(codes, mn, scale):
@@ -454,6 +479,76 @@ class Quant(Compressor):
             native_threads(n * m),
         )
         return out, mn, scale
+
+    @staticmethod
+    def _remember(plans: dict[tuple, tuple], key: tuple, plan: tuple) -> None:
+        if len(plans) >= 256:  # many shapes (variable lengths): start again
+            plans.clear()
+        plans[key] = plan
+
+    def _encode_planned(  # unroller-lint: host-only (native cpu path)
+        self, lib: Any, t: Tensor, plan: tuple
+    ) -> tuple[Tensor, ...]:
+        """``_compress_native`` for a (shape, dtype) seen before: a contiguous float32 /
+        float64 input, nearest rounding (the plan is only made for those); same bytes."""
+        n, m, g, groups, wd = plan
+        bits = self.params["bits"]
+        out = t.new_empty((n, packed_code_bytes(m, bits)), dtype=torch.uint8)
+        mn = t.new_empty((n, groups))
+        scale = t.new_empty((n, groups))
+        encode = lib.uq_encode_f64 if wd is torch.float64 else lib.uq_encode_f32
+        encode(
+            t.data_ptr(),
+            None,
+            n,
+            m,
+            g,
+            bits,
+            out.data_ptr(),
+            mn.data_ptr(),
+            scale.data_ptr(),
+            native_threads(n * m),
+        )
+        return out, mn, scale
+
+    def _planned_ok(self, packed: tuple[Tensor, ...], plan: tuple) -> bool:
+        """Whether a packed form fits a decode plan exactly: the codes' shape is in the key,
+        the rest (dtypes, sizes, contiguity) is checked here, as ``_native_packed_ok`` does."""
+        codes, mn, scale = packed
+        count = plan[1] * plan[4]
+        wd = plan[5]
+        return (
+            codes.dtype is torch.uint8
+            and mn.dtype is wd
+            and scale.dtype is wd
+            and mn.numel() == count
+            and scale.numel() == count
+            and codes.is_contiguous()
+            and mn.is_contiguous()
+            and scale.is_contiguous()
+        )
+
+    def _decode_planned(  # unroller-lint: host-only (native cpu path)
+        self, lib: Any, packed: tuple[Tensor, ...], plan: tuple
+    ) -> Tensor:
+        """``_decompress_native`` for a (codes shape, shape, dtype) seen before, into a new
+        tensor of the work dtype (the plan is only made where it is the output's)."""
+        codes, mn, scale = packed
+        full, n, m, g, groups, wd = plan
+        out = mn.new_empty(full)
+        decode = lib.uq_decode_f64 if wd is torch.float64 else lib.uq_decode_f32
+        decode(
+            codes.data_ptr(),
+            mn.data_ptr(),
+            scale.data_ptr(),
+            n,
+            m,
+            g,
+            self.params["bits"],
+            out.data_ptr(),
+            native_threads(n * m),
+        )
+        return out
 
     def _native_packed_ok(  # unroller-lint: host-only (native cpu path)
         self, codes: Tensor, mn: Tensor, scale: Tensor, n: int, m: int, groups: int

@@ -61,7 +61,7 @@ SOURCES = tuple(
     for name in ("native_common.h", "quant_kernels.cpp", "dct_kernels.cpp", "fewbit_kernels.cpp")
 )
 """Everything the library is built from (the header first: it is included, not compiled)."""
-ABI_VERSION = 4
+ABI_VERSION = 5
 """What ``uq_abi_version()`` must return: a library of another version is not used."""
 FLAGS = (
     "-O3",
@@ -211,6 +211,8 @@ def _declare(lib: ctypes.CDLL) -> None:  # unroller-lint: host-only (native path
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [p, p, i64, i64, i32, i32, p, p, i32]
+    lib.uq_set_generic.restype = None
+    lib.uq_set_generic.argtypes = [i32]
     lib.ufb_set_generic.restype = None
     lib.ufb_set_generic.argtypes = [i32]
 
