@@ -104,6 +104,32 @@ def test_native_fewbit_used_and_malformed_forms_refused(monkeypatch):
     assert calls == []
 
 
+def test_repeated_fewbit_calls_reuse_their_plan_and_still_check_their_inputs():
+    """A second call of a shape takes the remembered plan and gives the first call's bits;
+    another dtype, a strided view, a short plane, another output dtype and ``NATIVE`` off
+    do not take it, and still get the right answer or the error."""
+    c = FewBit(bits=3)
+    x = torch.randn((4, 8, 32), generator=torch.Generator().manual_seed(2)) * 3
+    first = c.compress(x)
+    y_first = c.decompress(first, (8, 32), torch.float32)
+    assert (x.shape, x.dtype) in c._encode_plans
+    assert (first[0].shape, (8, 32), torch.float32) in c._decode_plans
+    again = c.compress(x)
+    assert all(same_bits(a, b) for a, b in zip(first, again))
+    assert same_bits(c.decompress(again, (8, 32), torch.float32), y_first)
+    (p_t, y_t), (p_n, y_n) = both(c, x, torch.float32)  # NATIVE off, then on (the plan)
+    assert all(same_bits(a, b) for a, b in zip(p_t, first)) and same_bits(y_t, y_first)
+    assert all(same_bits(a, b) for a, b in zip(p_n, first)) and same_bits(y_n, y_first)
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)
+    assert all(same_bits(a, b) for a, b in zip(c.compress(strided), first))
+    (p_t, y_t), (p_n, y_n) = both(c, x.double(), torch.float64)
+    assert all(same_bits(a, b) for a, b in zip(p_t, p_n)) and same_bits(y_t, y_n)
+    with pytest.raises((RuntimeError, ValueError)):
+        c.decompress((first[0][:, :-1], first[1]), (8, 32), torch.float32)
+    half = c.decompress(first, (8, 32), torch.float16)
+    assert half.dtype == torch.float16 and same_bits(half, y_first.to(torch.float16))
+
+
 @pytest.mark.parametrize("chunk_kind", ["fastest", "portable"])
 def test_native_fewbit_any_edge_count(chunk_kind):
     """An edge count that is not 2**bits - 1 (5 edges, one 4-bit plane) takes the kernel's

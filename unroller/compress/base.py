@@ -66,6 +66,7 @@ __all__ = [
     "native_library",
     "native_path",
     "native_threads",
+    "remember_plan",
     "skip_checks",
     "pack_codes_fast",
     "unpack_codes_fast",
@@ -478,6 +479,16 @@ def native_threads(elements: int) -> int:  # unroller-lint: host-only (native pa
     if elements < 2 * THREAD_ELEMENTS:  # the common case, without asking torch
         return 1
     return max(1, min(torch.get_num_threads(), elements // THREAD_ELEMENTS))
+
+
+def remember_plan(plans: dict[tuple, tuple], key: tuple, plan: tuple) -> None:
+    """Keep a codec's native-call plan (what a repeated call of one shape needs, so that it
+    checks its inputs and calls the kernel, nothing else: a small step makes tens of codec
+    calls, where the general dispatch cost as much as the kernel). At most 256 per table:
+    many shapes (variable lengths) start it again."""
+    if len(plans) >= 256:
+        plans.clear()
+    plans[key] = plan
 
 
 def skip_checks(t: Tensor) -> bool:  # unroller-lint: host-only (dispatch)

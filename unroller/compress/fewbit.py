@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import cache
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ from .base import (
     pack_codes_fast,
     packed_code_bytes,
     prod,
+    remember_plan,
     unpack_codes,
     unpack_codes_compiled,
     unpack_codes_fast,
@@ -266,7 +267,20 @@ class FewBit(Compressor):
         m = prod(tuple(shape[1:]))
         return shape[0] * sum(packed_code_bytes(m, p) for p in _PLANES[self.params["bits"]])
 
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        # per (shape, dtype): the native call's sizes and table, so that a repeated call
+        # (the same few shapes every step) checks its input and calls the kernel, as Quant's
+        self._encode_plans: dict[tuple, tuple] = {}
+        self._decode_plans: dict[tuple, tuple] = {}
+
     def compress(self, t: Tensor) -> tuple[Tensor, ...]:
+        if isinstance(t, Tensor):
+            plan = self._encode_plans.get((t.shape, t.dtype))
+            if plan is not None:
+                lib = native_path(t)
+                if lib is not None:
+                    return self._encode_planned(lib, t, *plan)
         self._float_input(t)
         n = t.shape[0]
         m = prod(tuple(t.shape[1:]))
@@ -274,6 +288,8 @@ class FewBit(Compressor):
         edges = self._table(0, wd, t.device)
         lib = native_path(t)
         if lib is not None:
+            if t.dtype == wd and n * m > 0:
+                remember_plan(self._encode_plans, (t.shape, t.dtype), (n, m, edges.contiguous()))
             return self._compress_native(lib, t.reshape(n, m).to(wd), edges)
         compiled = use_compiled_path(t)
         fast = not compiled and use_fast_path(t)
@@ -298,6 +314,12 @@ class FewBit(Compressor):
     def decompress(
         self, packed: tuple[Tensor, ...], shape: tuple[int, ...], dtype: torch.dtype
     ) -> Tensor:
+        if packed and isinstance(packed[0], Tensor):
+            plan = self._decode_plans.get((packed[0].shape, tuple(shape), dtype))
+            if plan is not None and self._planned_ok(packed, plan[2]):
+                lib = native_path(*packed)
+                if lib is not None:
+                    return self._decode_planned(lib, packed, *plan)
         self._float_dtype(dtype)
         planes = _PLANES[self.params["bits"]]
         if len(packed) != len(planes):
@@ -308,6 +330,12 @@ class FewBit(Compressor):
         m = prod(tuple(shape))
         lib = native_path(*packed)
         if lib is not None and self._native_packed_ok(packed, n, m, dtype):
+            if n * m > 0:
+                reps = self._table(2, dtype, packed[0].device).contiguous()
+                full = (n, *shape)
+                sizes = tuple(t.shape for t in packed)
+                key = (packed[0].shape, tuple(shape), dtype)
+                remember_plan(self._decode_plans, key, (n, m, sizes, full, reps))
             return self._decompress_native(lib, packed, n, m, shape, dtype)
         compiled = use_compiled_path(*packed)
         fast = not compiled and use_fast_path(*packed)
@@ -349,6 +377,65 @@ class FewBit(Compressor):
             native_threads(n * m),
         )
         return tuple(outs)
+
+    def _encode_planned(  # unroller-lint: host-only (native cpu path)
+        self, lib: Any, t: Tensor, n: int, m: int, edges: Tensor
+    ) -> tuple[Tensor, ...]:
+        """``_compress_native`` for a (shape, dtype) seen before: a float32 / float64 input
+        (the plan is only made for those); the same bytes."""
+        if not t.is_contiguous():
+            t = t.contiguous()
+        planes = _PLANES[self.params["bits"]]
+        outs = [t.new_empty((n, packed_code_bytes(m, p)), dtype=torch.uint8) for p in planes]
+        encode = lib.ufb_encode_f64 if t.dtype is torch.float64 else lib.ufb_encode_f32
+        encode(
+            t.data_ptr(),
+            n,
+            m,
+            edges.data_ptr(),
+            edges.numel(),
+            planes[0],
+            planes[1] if len(planes) > 1 else 0,
+            outs[0].data_ptr(),
+            outs[1].data_ptr() if len(planes) > 1 else None,
+            native_threads(n * m),
+        )
+        return tuple(outs)
+
+    @staticmethod
+    def _planned_ok(packed: tuple[Tensor, ...], sizes: tuple) -> bool:
+        """Whether packed planes are exactly the uint8 tensors a decode plan read."""
+        return len(packed) == len(sizes) and all(
+            t.dtype is torch.uint8 and t.shape == size and t.is_contiguous()
+            for t, size in zip(packed, sizes)
+        )
+
+    def _decode_planned(  # unroller-lint: host-only (native cpu path)
+        self,
+        lib: Any,
+        packed: tuple[Tensor, ...],
+        n: int,
+        m: int,
+        sizes: tuple,
+        full: tuple[int, ...],
+        reps: Tensor,
+    ) -> Tensor:
+        """``_decompress_native`` for a (planes, shape, dtype) seen before."""
+        planes = _PLANES[self.params["bits"]]
+        out = packed[0].new_empty(full, dtype=reps.dtype)
+        decode = lib.ufb_decode_f64 if reps.dtype is torch.float64 else lib.ufb_decode_f32
+        decode(
+            packed[0].data_ptr(),
+            packed[1].data_ptr() if len(planes) > 1 else None,
+            n,
+            m,
+            planes[0],
+            planes[1] if len(planes) > 1 else 0,
+            reps.data_ptr(),
+            out.data_ptr(),
+            native_threads(n * m),
+        )
+        return out
 
     def _native_packed_ok(  # unroller-lint: host-only (native cpu path)
         self, packed: tuple[Tensor, ...], n: int, m: int, dtype: torch.dtype

@@ -20,6 +20,7 @@ from .base import (
     pack_flat,
     packed_code_bytes,
     prod,
+    remember_plan,
     row_blocks,
     skip_checks,
     unpack_codes,
@@ -134,7 +135,7 @@ class Quant(Compressor):
         generator state gives the same packed bytes on every path (tests, reproductions)."""
         if isinstance(t, Tensor):
             plan = self._encode_plans.get((t.shape, t.dtype))
-            if plan is not None and t.is_contiguous():
+            if plan is not None:
                 lib = native_path(t)
                 if lib is not None:
                     return self._encode_planned(lib, t, plan)
@@ -152,7 +153,7 @@ class Quant(Compressor):
         lib = native_path(t)
         if lib is not None:
             if t.dtype == wd and not self.params["stochastic"]:
-                self._remember(self._encode_plans, (t.shape, t.dtype), (n, m, g, groups, wd))
+                remember_plan(self._encode_plans, (t.shape, t.dtype), (n, m, g, groups, wd))
             return self._compress_native(lib, t, n, m, g, groups, wd, generator)
         compiled = use_compiled_path(t)
         if not compiled and use_fast_path(t):  # without the native kernels
@@ -220,7 +221,7 @@ class Quant(Compressor):
         if lib is not None and self._native_packed_ok(codes, mn, scale, n, m, groups):
             if dtype == wd:
                 key = (codes.shape, tuple(shape), dtype)
-                self._remember(self._decode_plans, key, (full, n, m, g, groups, wd))
+                remember_plan(self._decode_plans, key, (full, n, m, g, groups, wd))
             return self._decompress_native(lib, codes, mn, scale, full, m, g, groups, wd, dtype)
         compiled = use_compiled_path(codes, mn, scale)
         if not compiled and use_fast_path(codes, mn, scale):
@@ -480,18 +481,14 @@ class Quant(Compressor):
         )
         return out, mn, scale
 
-    @staticmethod
-    def _remember(plans: dict[tuple, tuple], key: tuple, plan: tuple) -> None:
-        if len(plans) >= 256:  # many shapes (variable lengths): start again
-            plans.clear()
-        plans[key] = plan
-
     def _encode_planned(  # unroller-lint: host-only (native cpu path)
         self, lib: Any, t: Tensor, plan: tuple
     ) -> tuple[Tensor, ...]:
-        """``_compress_native`` for a (shape, dtype) seen before: a contiguous float32 /
-        float64 input, nearest rounding (the plan is only made for those); same bytes."""
+        """``_compress_native`` for a (shape, dtype) seen before: a float32 / float64 input,
+        nearest rounding (the plan is only made for those); same bytes."""
         n, m, g, groups, wd = plan
+        if not t.is_contiguous():  # per-head views of the packed in-projection
+            t = t.contiguous()
         bits = self.params["bits"]
         out = t.new_empty((n, packed_code_bytes(m, bits)), dtype=torch.uint8)
         mn = t.new_empty((n, groups))

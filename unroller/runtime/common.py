@@ -29,6 +29,7 @@ PopTorch through ``collect``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import threading
@@ -746,11 +747,22 @@ def _log_row(log: list, key: str, row: tuple) -> None:
         log.append((key, *row))
 
 
+def _label(codec: Any) -> str:
+    """``repr(codec)``, kept on the codec (its parameters never change after it is made):
+    every kept tensor of every step asks."""
+    found = getattr(codec, "_stash_label", None)
+    if found is None:
+        found = repr(codec)
+        with contextlib.suppress(AttributeError):
+            codec._stash_label = found
+    return found
+
+
 def stash(log: list, key: str, raw: Tensor, *forms: tuple) -> None:
     """Record one tensor kept compressed: its raw bytes and the bytes of each stored form
     (``(compressor, packed tensors)`` pairs)."""
     stored = sum(t.numel() * t.element_size() for _, packed in forms for t in packed)
-    label = " + ".join(repr(codec) for codec, _ in forms)
+    label = " + ".join(_label(codec) for codec, _ in forms)
     _log_row(log, key, (label, tuple(raw.shape), raw.numel() * raw.element_size(), stored))
 
 
