@@ -360,23 +360,7 @@ class FewBit(Compressor):
     ) -> tuple[Tensor, ...]:
         """``compress`` of ``x`` [N, M] (in the work dtype) through the kernel."""
         n, m = x.shape
-        x = x.contiguous()
-        planes = _PLANES[self.params["bits"]]
-        outs = [torch.empty((n, packed_code_bytes(m, p)), dtype=torch.uint8) for p in planes]
-        encode = lib.ufb_encode_f64 if x.dtype == torch.float64 else lib.ufb_encode_f32
-        encode(
-            x.data_ptr(),
-            n,
-            m,
-            edges.contiguous().data_ptr(),
-            edges.numel(),
-            planes[0],
-            planes[1] if len(planes) > 1 else 0,
-            outs[0].data_ptr(),
-            outs[1].data_ptr() if len(planes) > 1 else None,
-            native_threads(n * m),
-        )
-        return tuple(outs)
+        return self._encode_planned(lib, x.contiguous(), n, m, edges.contiguous())
 
     def _encode_planned(  # unroller-lint: host-only (native cpu path)
         self, lib: Any, t: Tensor, n: int, m: int, edges: Tensor
@@ -421,6 +405,18 @@ class FewBit(Compressor):
         reps: Tensor,
     ) -> Tensor:
         """``_decompress_native`` for a (planes, shape, dtype) seen before."""
+        return self._decode(lib, packed, n, m, full, reps)
+
+    def _decode(  # unroller-lint: host-only (native cpu path)
+        self,
+        lib: Any,
+        packed: tuple[Tensor, ...],
+        n: int,
+        m: int,
+        full: tuple[int, ...],
+        reps: Tensor,
+    ) -> Tensor:
+        """The kernel's call on contiguous planes, into a new tensor of ``reps``' dtype."""
         planes = _PLANES[self.params["bits"]]
         out = packed[0].new_empty(full, dtype=reps.dtype)
         decode = lib.ufb_decode_f64 if reps.dtype is torch.float64 else lib.ufb_decode_f32
@@ -460,20 +456,6 @@ class FewBit(Compressor):
     ) -> Tensor:
         """``decompress`` through the kernel: each code's representative, in ``dtype``
         (``m`` elements per sample, of ``shape``)."""
-        planes = _PLANES[self.params["bits"]]
         reps = self._table(2, dtype, packed[0].device).contiguous()
-        ins = [t.contiguous() for t in packed]
-        out = torch.empty((n, *shape), dtype=dtype)
-        decode = lib.ufb_decode_f64 if dtype == torch.float64 else lib.ufb_decode_f32
-        decode(
-            ins[0].data_ptr(),
-            ins[1].data_ptr() if len(planes) > 1 else None,
-            n,
-            m,
-            planes[0],
-            planes[1] if len(planes) > 1 else 0,
-            reps.data_ptr(),
-            out.data_ptr(),
-            native_threads(n * m),
-        )
-        return out
+        ins = tuple(t.contiguous() for t in packed)
+        return self._decode(lib, ins, n, m, (n, *shape), reps)

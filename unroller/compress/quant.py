@@ -459,14 +459,20 @@ class Quant(Compressor):
         if x.dtype != wd:
             x = x.to(wd)
         x = x.contiguous()
-        bits = self.params["bits"]
         noise = None
         if self.params["stochastic"]:
             noise = torch.rand((n * groups, g), dtype=wd, device=t.device, generator=generator)
-        out = torch.empty((n, packed_code_bytes(m, bits)), dtype=torch.uint8, device=t.device)
-        mn = torch.empty((n, groups), dtype=wd, device=t.device)
-        scale = torch.empty((n, groups), dtype=wd, device=t.device)
-        encode = lib.uq_encode_f64 if wd == torch.float64 else lib.uq_encode_f32
+        return self._encode(lib, x, noise, n, m, g, groups)
+
+    def _encode(  # unroller-lint: host-only (native cpu path)
+        self, lib: Any, x: Tensor, noise: Tensor | None, n: int, m: int, g: int, groups: int
+    ) -> tuple[Tensor, ...]:
+        """The kernel's call on a contiguous input of the work dtype, into new tensors."""
+        bits = self.params["bits"]
+        out = x.new_empty((n, packed_code_bytes(m, bits)), dtype=torch.uint8)
+        mn = x.new_empty((n, groups))
+        scale = x.new_empty((n, groups))
+        encode = lib.uq_encode_f64 if x.dtype is torch.float64 else lib.uq_encode_f32
         encode(
             x.data_ptr(),
             None if noise is None else noise.data_ptr(),
@@ -486,27 +492,10 @@ class Quant(Compressor):
     ) -> tuple[Tensor, ...]:
         """``_compress_native`` for a (shape, dtype) seen before: a float32 / float64 input,
         nearest rounding (the plan is only made for those); same bytes."""
-        n, m, g, groups, wd = plan
+        n, m, g, groups, _ = plan
         if not t.is_contiguous():  # per-head views of the packed in-projection
             t = t.contiguous()
-        bits = self.params["bits"]
-        out = t.new_empty((n, packed_code_bytes(m, bits)), dtype=torch.uint8)
-        mn = t.new_empty((n, groups))
-        scale = t.new_empty((n, groups))
-        encode = lib.uq_encode_f64 if wd is torch.float64 else lib.uq_encode_f32
-        encode(
-            t.data_ptr(),
-            None,
-            n,
-            m,
-            g,
-            bits,
-            out.data_ptr(),
-            mn.data_ptr(),
-            scale.data_ptr(),
-            native_threads(n * m),
-        )
-        return out, mn, scale
+        return self._encode(lib, t, None, n, m, g, groups)
 
     def _planned_ok(self, packed: tuple[Tensor, ...], plan: tuple) -> bool:
         """Whether a packed form fits a decode plan exactly: the codes' shape is in the key,
@@ -531,9 +520,22 @@ class Quant(Compressor):
         """``_decompress_native`` for a (codes shape, shape, dtype) seen before, into a new
         tensor of the work dtype (the plan is only made where it is the output's)."""
         codes, mn, scale = packed
-        full, n, m, g, groups, wd = plan
-        out = mn.new_empty(full)
-        decode = lib.uq_decode_f64 if wd is torch.float64 else lib.uq_decode_f32
+        full, n, m, g, _, _ = plan
+        return self._decode(lib, codes, mn, scale, mn.new_empty(full), n, m, g)
+
+    def _decode(  # unroller-lint: host-only (native cpu path)
+        self,
+        lib: Any,
+        codes: Tensor,
+        mn: Tensor,
+        scale: Tensor,
+        out: Tensor,
+        n: int,
+        m: int,
+        g: int,
+    ) -> Tensor:
+        """The kernel's call on contiguous packed tensors (mn, scale of ``out``'s dtype)."""
+        decode = lib.uq_decode_f64 if out.dtype is torch.float64 else lib.uq_decode_f32
         decode(
             codes.data_ptr(),
             mn.data_ptr(),
@@ -581,23 +583,10 @@ class Quant(Compressor):
         max / (2 * levels); dividing by it is multiplying by 1 or 2, exactly) and applies
         them per element in one pass, writing the output. float16 / bfloat16 outputs are
         computed in float32 and cast, as the fast path does."""
-        bits = self.params["bits"]
         n = codes.shape[0]
         mn = (mn if mn.dtype == wd else mn.to(wd)).contiguous()
         scale = (scale if scale.dtype == wd else scale.to(wd)).contiguous()
         out = torch.empty((n, m), dtype=wd, device=codes.device)
-        codes = codes.contiguous()
-        decode = lib.uq_decode_f64 if wd == torch.float64 else lib.uq_decode_f32
-        decode(
-            codes.data_ptr(),
-            mn.data_ptr(),
-            scale.data_ptr(),
-            n,
-            m,
-            g,
-            bits,
-            out.data_ptr(),
-            native_threads(n * m),
-        )
+        out = self._decode(lib, codes.contiguous(), mn, scale, out, n, m, g)
         out = out.view(full)
         return out if dtype == wd else out.to(dtype)
