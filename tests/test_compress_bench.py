@@ -129,3 +129,18 @@ def test_lossy_labels_and_shape_argument():
     assert compress.parse_args(["--shape", "1,2,8,8"]).shape == (1, 2, 8, 8)
     with pytest.raises(SystemExit):
         compress.parse_args(["--shape", "1,2,8"])
+
+
+def test_device_argument():
+    """``--device`` takes cpu and the CUDA devices this machine has; anything else is a
+    usage error that names what was expected."""
+    assert compress.parse_args([]).device == torch.device("cpu")
+    assert compress.parse_args(["--device", "cpu"]).device == torch.device("cpu")
+    for bad in ("tpu", "cuda:x", "meta"):
+        with pytest.raises(SystemExit):
+            compress.parse_args(["--device", bad])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            compress.parse_args(["--device", "cuda"])
+    else:
+        assert compress.parse_args(["--device", "cuda"]).device.type == "cuda"

@@ -54,7 +54,33 @@ def parse_args(
         default=DEFAULT_SHAPE,
         help="N,C,H,W of the compressor benchmark's activation (default: 32,64,64,64)",
     )
+    parser.add_argument(
+        "--device",
+        type=codec_device,
+        default=torch.device("cpu"),
+        help="where the codec benchmark's tensors live: cpu (default), cuda or cuda:N (eager "
+        "and torch.compile'd round trips against a clone there; the scheme part runs on the "
+        "CPU)",
+    )
     return options.finish_report_args(parser, parser.parse_args(argv), OUT_NAME)
+
+
+def codec_device(text: str) -> torch.device:
+    """``--device``: cpu, cuda or cuda:N, and only a CUDA device this machine has."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as exc:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r}") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: this machine has {count} CUDA device(s)"
+                + ("" if count else " (torch was built without CUDA or sees no GPU)")
+            )
+    return device
 
 
 def main(argv: Sequence[str], prog: str = "unroll bench compress") -> int:
@@ -78,6 +104,7 @@ def main(argv: Sequence[str], prog: str = "unroll bench compress") -> int:
         "threads": args.threads,
         "seed": args.seed,
         "shape": list(args.shape),
+        "device": str(args.device),
         "out": machine.shown_path(args.out),
     }
     results: dict[str, Any] = {"meta": meta, "methods": METHODS}
