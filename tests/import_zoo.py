@@ -1413,6 +1413,48 @@ def hf_bert(
     return BertModel(config)
 
 
+def hf_llama(
+    vocab: int = 64,
+    positions: int = 32,
+    width: int = 32,
+    heads: int = 4,
+    kv_heads: int = 2,
+    layers: int = 2,
+    attn_implementation: str = "sdpa",
+    tie_word_embeddings: bool = False,
+    family: str = "llama",
+    use_cache: bool = False,
+) -> nn.Module:
+    """``transformers.LlamaForCausalLM`` (or Mistral / Qwen2 with ``family``) from a 2-layer
+    config with its defaults otherwise: RMSNorm written as pow / mean / rsqrt, rotary
+    position embeddings, a SiLU-gated MLP, grouped-query attention (``kv_heads`` key/value
+    heads for ``heads`` query heads); ``forward(input_ids).logits``."""
+    import transformers
+
+    names = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    }
+    config_name, model_name = names[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
+        use_cache=use_cache,
+        tie_word_embeddings=tie_word_embeddings,
+        attn_implementation=attn_implementation,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+        pad_token_id=None,
+    )
+    return getattr(transformers, model_name)(config)
+
+
 # --------------------------------------------------------------------------------------------
 # The zoo and a quick self-check
 # --------------------------------------------------------------------------------------------
@@ -1437,6 +1479,7 @@ ZOO: dict[str, tuple[Callable[..., nn.Module], dict[str, Any], Callable[[int], T
     "unsupported": (Unsupported, {}, lambda n: torch.randn(n, 8, 8)),
     "hf_gpt2": (hf_gpt2, {}, _tokens()),
     "hf_bert": (hf_bert, {}, _tokens()),
+    "hf_llama": (hf_llama, {}, _tokens()),
     "efficientnet_b0": (efficientnet_b0, {"width_mult": 0.1, "depth_mult": 0.5}, _images()),
     "convnext_tiny": (
         convnext_tiny,

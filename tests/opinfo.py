@@ -642,6 +642,19 @@ def _sdpa_case(lq: int, lk: int, e: int, ev: int, causal: bool, scale: float | N
     return Case(label, make)
 
 
+def _sdpa_gqa_case(heads: int, kv_heads: int, causal: bool) -> Case:
+    """Grouped-query attention: k and v with ``kv_heads`` heads serving ``heads`` query
+    heads (torch's enable_gqa)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        q = randn(2, heads, 4, 3, dtype=dtype)
+        k, v = randn(2, kv_heads, 5, 3, dtype=dtype), randn(2, kv_heads, 5, 2, dtype=dtype)
+        return Sample((q, k, v), kwargs=dict(is_causal=causal, enable_gqa=True))
+
+    return Case(f"gqa-H{heads}-Hkv{kv_heads}-{'causal' if causal else 'full'}", make)
+
+
 def _sdpa_peaked(dtype: torch.dtype) -> Sample:
     """Large scores: softmax rows close to one-hot (probabilities near 0 and 1)."""
     _seeded()
@@ -1550,7 +1563,9 @@ ROWS: tuple[OpInfo, ...] = (
     OpInfo(
         "scaled_dot_product_attention",
         _sdpa_reference,
-        tuple(_sdpa_case(*c) for c in SDPA_CASES) + (Case("peaked", _sdpa_peaked),),
+        tuple(_sdpa_case(*c) for c in SDPA_CASES)
+        + (Case("peaked", _sdpa_peaked),)
+        + (_sdpa_gqa_case(4, 2, True), _sdpa_gqa_case(6, 2, False), _sdpa_gqa_case(3, 3, True)),
         **_ATTENTION,
     ),
     OpInfo(

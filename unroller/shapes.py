@@ -705,9 +705,10 @@ def _attention_operand(op: str, t: TensorType, name: str, index: int) -> tuple[D
 def scaled_dot_product_attention(
     op: str, inputs: list[TensorType], args: dict[str, Any]
 ) -> ShapeResult:
-    """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> [N, H, L, Ev]; one dtype. The
-    row logsumexp [N, H, L] is kept for the backward (``lse_shape``), which remakes the
-    probabilities from it."""
+    """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> [N, H, L, Ev]; one dtype (with
+    ``enable_gqa`` k and v may have Hkv heads, H a multiple of Hkv). The row logsumexp
+    [N, H, L] is kept for the backward (``lse_shape``), which remakes the probabilities
+    from it."""
     q, k, v = inputs
     _, heads, length, embed = _attention_operand(op, q, "q", 0)
     _, k_heads, k_length, k_embed = _attention_operand(op, k, "k", 1)
@@ -715,14 +716,25 @@ def scaled_dot_product_attention(
     for index, t in ((1, k), (2, v)):
         if t.dtype != q.dtype:
             raise ShapeError(f"{op}: q is {q} but {'kv'[index - 1]} is {t}: one dtype", index)
-    if k_heads != heads:
-        raise ShapeError(f"{op}: k has {k_heads} heads (dim 1) but q has {heads}", 1)
+    gqa = bool(args.get("enable_gqa"))
+    if gqa and (k_heads < 1 or heads % k_heads):
+        raise ShapeError(
+            f"{op}: q's {heads} heads (dim 1) are not a multiple of k's {k_heads} "
+            "(enable_gqa: each key/value head serves a group of query heads)",
+            1,
+        )
+    if not gqa and k_heads != heads:
+        raise ShapeError(
+            f"{op}: k has {k_heads} heads (dim 1) but q has {heads} "
+            "(fewer key/value heads need enable_gqa=true)",
+            1,
+        )
     if k_embed != embed:
         raise ShapeError(
             f"{op}: k's last dim is {k_embed} but q's is {embed} (q k^T needs them equal)", 1
         )
-    if v_heads != heads:
-        raise ShapeError(f"{op}: v has {v_heads} heads (dim 1) but q has {heads}", 2)
+    if v_heads != k_heads:
+        raise ShapeError(f"{op}: v has {v_heads} heads (dim 1) but k has {k_heads}", 2)
     if v_length != k_length:
         raise ShapeError(
             f"{op}: v has length {v_length} (dim 2) but k has {k_length}: one value per key", 2

@@ -309,6 +309,12 @@ def hardtanh(view):
     return view.stmt("hardtanh", [view.value("self")], min_val=low, max_val=high)
 
 
+@maps("aten.neg.default")
+def neg(view):
+    """-x is x * -1.0, exactly (rotary embeddings' rotate_half)."""
+    return view.stmt("scale", [view.value("self")], factor=-1.0)
+
+
 @maps("aten.leaky_relu.default", "aten.leaky_relu_.default")
 def leaky_relu(view):
     slope = float(view.a["negative_slope"])
@@ -681,15 +687,15 @@ def sdpa(view):
     a = view.a
     if float(a["dropout_p"]) != 0.0:
         raise Refuse("attention dropout")
-    if a.get("enable_gqa"):
-        raise Refuse("grouped-query attention (enable_gqa)")
     causal = bool(a["is_causal"])
     if a["attn_mask"] is not None:
         causal = view.causal_mask(a["attn_mask"], causal)
     scale = a.get("scale")
+    gqa = {"enable_gqa": True} if a.get("enable_gqa") else {}  # grouped-query attention
     return view.stmt(
         "scaled_dot_product_attention",
         [view.value("query"), view.value("key"), view.value("value")],
         is_causal=causal,
         scale=None if scale is None else float(scale),
+        **gqa,
     )

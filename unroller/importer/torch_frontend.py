@@ -32,6 +32,7 @@ from torch import fx
 from unroller.graph import MAX_FLOAT
 from unroller.importer import aten_ops
 from unroller.importer.aten_ops import Refuse
+from unroller.importer.hf_norms import is_llama_rmsnorm, rmsnorm_kwargs
 from unroller.importer.model import (
     BATCH,
     ImportedModel,
@@ -272,6 +273,16 @@ class _Mapper:
 
     # ---- module paths
 
+    def collapser(self, path: str, cls: str) -> Callable | None:
+        """The builder that maps the module at ``path`` (class ``cls``) as one statement
+        (``COLLAPSED``, or a Hugging Face RMSNorm recognised by its source), else None."""
+        found = COLLAPSED.get(cls)
+        if found is None and cls.startswith("transformers.") and path:
+            with contextlib.suppress(AttributeError):
+                if is_llama_rmsnorm(type(self.module.get_submodule(path))):
+                    found = _hf_rmsnorm
+        return found
+
     def stack(self, node) -> list[tuple[str, str]]:
         """(path, class) from the outermost module call to the innermost, wrapper removed."""
         stack = node.meta.get("nn_module_stack") or {}
@@ -309,7 +320,7 @@ class _Mapper:
             if node.op != "call_function":
                 continue
             for path, cls in self.stack(node):
-                if cls in COLLAPSED:
+                if self.collapser(path, cls) is not None:
                     groups[node] = path
                     break
         return groups
@@ -598,8 +609,12 @@ class _Mapper:
             for n in nodes
             if not _is_size_value(n) and any(u not in members and u in self.live for u in n.users)
         ]
+        # a cast to the dtype a tensor already has is that tensor (Llama's RMSNorm casts its
+        # input to float32, and the residual reads the cast): not an output of the module
+        aliases = [n for n in escaping if _same_dtype_cast(n, external)]
+        escaping = [n for n in escaping if n not in aliases]
         try:
-            stmt = COLLAPSED[cls](
+            stmt = self.collapser(path, cls)(
                 self, path, self.module.get_submodule(path), nodes, external, escaping
             )
         except _Poisoned:
@@ -613,6 +628,8 @@ class _Mapper:
             return
         for node in escaping:
             self.values[node] = stmt
+        for node in aliases:
+            self.values[node] = self.values[node.args[0]]
 
     def _check_state(self) -> None:
         """Every parameter and buffer in the state dict has a statement that owns it."""
@@ -1020,6 +1037,22 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
     )
 
 
+_CASTS = ("aten.to.dtype", "aten._to_copy.default", "aten.alias.default")
+
+
+def _same_dtype_cast(node: fx.Node, external: list[fx.Node]) -> bool:
+    """Whether ``node`` casts a tensor from outside its module to the dtype it has."""
+    if _target_name(node) not in _CASTS or not node.args or node.args[0] not in external:
+        return False
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")
+    return (
+        isinstance(before, torch.Tensor)
+        and isinstance(after, torch.Tensor)
+        and before.dtype == after.dtype
+        and tuple(before.shape) == tuple(after.shape)
+    )
+
+
 def _one_input(mapper, path, external, escaping) -> fx.Node:
     """The single tensor a collapsed module reads, and the single value it returns."""
     data = [n for n in external if not _is_size_value(n) and n not in mapper.constant]
@@ -1075,6 +1108,16 @@ def _gelu_tanh(mapper, path, module, nodes, external, escaping) -> str:
         "gelu",
         [mapper.value_of(x)],
         {"approximate": "tanh"},
+    )
+
+
+def _hf_rmsnorm(mapper, path, module, nodes, external, escaping) -> str:
+    """A Hugging Face RMSNorm (``hf_norms``): pow, mean, rsqrt and mul, in float32 inside,
+    which is ``torch.nn.RMSNorm``: one ``rmsnorm`` statement."""
+    x = _one_input(mapper, path, external, escaping)
+    kwargs = rmsnorm_kwargs(module)
+    return _collapsed_stmt(
+        mapper, path, module, nodes, escaping, "rmsnorm", [mapper.value_of(x)], kwargs, ("weight",)
     )
 
 

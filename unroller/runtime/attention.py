@@ -194,12 +194,41 @@ def _forward_block(
     return out, m.add_(torch.log(total)).squeeze(-1)
 
 
+def gqa_heads(t: Tensor, heads: int) -> Tensor:
+    """k or v of Hkv heads as ``heads`` heads, each repeated for its group of heads // Hkv
+    query heads (head i reads key head i // (heads // Hkv)): torch's ``enable_gqa``, which
+    is ``repeat_interleave`` on dim 1. A transient copy inside the kernel; the step keeps the
+    Hkv heads."""
+    n, kv_heads, length, embed = t.shape
+    if kv_heads == heads:
+        return t
+    return t.unsqueeze(2).expand(n, kv_heads, heads // kv_heads, length, embed).reshape(
+        n, heads, length, embed
+    )
+
+
+def gqa_grad(g: Tensor | None, kv_heads: int) -> Tensor | None:
+    """The gradient of ``gqa_heads``' input: each key/value head's sum over its group."""
+    if g is None or g.shape[1] == kv_heads:
+        return g
+    n, heads, length, embed = g.shape
+    return g.view(n, kv_heads, heads // kv_heads, length, embed).sum(2)
+
+
 def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """F.scaled_dot_product_attention (no mask but the causal one, no dropout) block by
     block. Returns (output [N, H, L, Ev], lse [N, H, L]); the backward reads q, k, v, the
-    output and lse."""
+    output and lse. ``enable_gqa``: k and v may have fewer heads (``gqa_heads``)."""
+    if enable_gqa:
+        k, v = gqa_heads(k, q.shape[1]), gqa_heads(v, q.shape[1])
     n, heads, length, embed = q.shape
     keys = k.shape[-2]
     qa, kb = _attention_factors(embed, scale)
@@ -256,6 +285,7 @@ def scaled_dot_product_attention_backward(
     *,
     is_causal: bool = False,
     scale: float | None = None,
+    enable_gqa: bool = False,
     needs: Needs | None = None,
 ) -> Grads:
     """Gradients of q, k, v (only those ``needs`` asks for), the probabilities remade per
@@ -263,6 +293,13 @@ def scaled_dot_product_attention_backward(
     need_q, need_k, need_v = need = (_need(needs, 0), _need(needs, 1), _need(needs, 2))
     if not any(need):
         return _fit((), needs)
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        kv_heads = k.shape[1]
+        k, v = gqa_heads(k, q.shape[1]), gqa_heads(v, q.shape[1])
+        grads = scaled_dot_product_attention_backward(
+            g, q, k, v, output, lse, is_causal=is_causal, scale=scale, needs=needs
+        )
+        return tuple(gqa_grad(t, kv_heads) if i else t for i, t in enumerate(grads))
     n, heads, length, embed = q.shape
     keys = k.shape[-2]
     scales = _attention_factors(embed, scale)

@@ -1294,10 +1294,19 @@ def _flash_enabled() -> bool:
 
 
 def scaled_dot_product_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = False, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """F.scaled_dot_product_attention (no mask but the causal one, no dropout). Returns
-    (output [N, H, L, Ev], lse [N, H, L]); the backward reads q, k, v, the output and lse."""
+    (output [N, H, L, Ev], lse [N, H, L]); the backward reads q, k, v, the output and lse.
+    ``enable_gqa``: k and v may have fewer heads, each serving a group of query heads."""
+    if enable_gqa:
+        k, v = _blocks.gqa_heads(k, q.shape[1]), _blocks.gqa_heads(v, q.shape[1])
     if _aten_flash(q, k, v):
         return _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, scale=scale
@@ -1315,12 +1324,20 @@ def scaled_dot_product_attention_backward(
     *,
     is_causal: bool = False,
     scale: float | None = None,
+    enable_gqa: bool = False,
     needs: Needs | None = None,
 ) -> Grads:
     """Gradients of q, k, v (only those ``needs`` asks for), the probabilities remade from q,
     k and lse."""
     if not any(_need(needs, i) for i in range(3)):
         return _fit((), needs)
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        kv_heads = k.shape[1]
+        k, v = _blocks.gqa_heads(k, q.shape[1]), _blocks.gqa_heads(v, q.shape[1])
+        grads = scaled_dot_product_attention_backward(
+            g, q, k, v, output, lse, is_causal=is_causal, scale=scale, needs=needs
+        )
+        return tuple(_blocks.gqa_grad(t, kv_heads) if i else t for i, t in enumerate(grads))
     if _aten_flash(q, k, v):
         grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             g, q, k, v, output, lse, 0.0, is_causal, scale=scale

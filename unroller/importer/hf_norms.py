@@ -1,0 +1,89 @@
+"""Hugging Face's RMSNorm, as one ``rmsnorm`` statement, and its float64 twin for ``verify``.
+
+Llama, Mistral, Qwen2 and over a hundred other ``transformers`` models define their own
+RMSNorm class, each a word-for-word copy of ``LlamaRMSNorm`` ("Copied from" in their
+sources): ``x`` cast to float32, ``x * rsqrt(mean(x**2) + eps)``, cast back to ``x``'s dtype,
+times ``weight``. Traced, that is pow, mean, add, rsqrt and mul, which no registry operator
+computes one by one; as a module it is ``torch.nn.RMSNorm`` (torch computes half-precision
+inputs in float32 too). A class is recognised by its source, not by its name: its
+``forward`` and ``__init__`` are Llama's, text for text (with its own class name), so a
+class that only looks alike (Gemma's ``1 + weight``, Olmo's, T5's) is never taken for it.
+
+In float64, the only precision ``verify`` judges at 1e-10, the original's cast to float32
+rounds where the generated code (float64 throughout) does not. ``float64_twin`` gives what
+the module computes without that cast, ``torch.nn.RMSNorm`` holding the same weight
+parameter, and ``verify`` compares the step against the original with its RMSNorms so
+replaced, saying so in its notes; the float32 agreement of the two is tested on its own
+(tests/test_import_llama.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+LLAMA_RMSNORM = "transformers.models.llama.modeling_llama.LlamaRMSNorm"
+
+
+def _source(fn) -> str | None:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
+def is_llama_rmsnorm(cls: type) -> bool:
+    """Whether ``cls`` is a ``transformers`` class whose ``forward`` and ``__init__`` are
+    ``LlamaRMSNorm``'s word for word (its own name in place of Llama's)."""
+    if not cls.__module__.startswith("transformers."):
+        return False
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    except ImportError:
+        return False
+    if cls is LlamaRMSNorm:
+        return True
+    mine = (_source(cls.forward), _source(cls.__init__))
+    theirs = (_source(LlamaRMSNorm.forward), _source(LlamaRMSNorm.__init__))
+    if None in mine or None in theirs:
+        return False
+    return mine[0] == theirs[0] and mine[1].replace(cls.__name__, "LlamaRMSNorm") == theirs[1]
+
+
+def rmsnorm_kwargs(module: torch.nn.Module) -> dict:
+    """The ``rmsnorm`` statement's arguments for a Llama-style RMSNorm module."""
+    shape = tuple(int(d) for d in module.weight.shape)
+    return {
+        "normalized_shape": shape[0] if len(shape) == 1 else shape,
+        "eps": float(module.variance_epsilon),
+        "elementwise_affine": True,
+    }
+
+
+def float64_twin(module: torch.nn.Module) -> torch.nn.Module | None:
+    """``torch.nn.RMSNorm`` computing what a Llama-style RMSNorm computes, in the input's
+    dtype, sharing its weight parameter (the state dict keeps its keys); None for any
+    other module."""
+    if not is_llama_rmsnorm(type(module)):
+        return None
+    twin = torch.nn.RMSNorm(tuple(module.weight.shape), eps=float(module.variance_epsilon))
+    twin.weight = module.weight
+    return twin
+
+
+def swap_float64_twins(root: torch.nn.Module) -> list[str]:
+    """Replace every Llama-style RMSNorm under ``root`` by its ``float64_twin``, in place;
+    the paths replaced."""
+    swapped = []
+    for path, module in list(root.named_modules()):
+        twin = float64_twin(module) if path else None
+        if twin is None:
+            continue
+        parent_path, _, leaf = path.rpartition(".")
+        parent = root.get_submodule(parent_path) if parent_path else root
+        setattr(parent, leaf, twin)
+        swapped.append(path)
+    return swapped
