@@ -655,6 +655,31 @@ def _sdpa_gqa_case(heads: int, kv_heads: int, causal: bool) -> Case:
     return Case(f"gqa-H{heads}-Hkv{kv_heads}-{'causal' if causal else 'full'}", make)
 
 
+def _rotary_case(shape: tuple[int, ...], kwargs: dict[str, Any]) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        return Sample((randn(*shape, dtype=dtype),), kwargs=kwargs)
+
+    label = "x".join(map(str, shape)) + "-" + "-".join(f"{k}{v}" for k, v in kwargs.items())
+    return Case(label, make)
+
+
+def _rotary_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """Hugging Face's default rope as transformers writes it (LlamaRotaryEmbedding's tables
+    in float32 at positions 0..L-1, then apply_rotary_pos_emb), under autograd."""
+    (x,) = s.inputs
+    theta, scaling = s.kwargs.get("theta", 10000.0), s.kwargs.get("scaling", 1.0)
+    length, dim = x.shape[-2:]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    position_ids = torch.arange(length)[None, :]
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * scaling).to(dtype=x.dtype).unsqueeze(1)
+    sin = (emb.sin() * scaling).to(dtype=x.dtype).unsqueeze(1)
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+    return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+
+
 def _sdpa_peaked(dtype: torch.dtype) -> Sample:
     """Large scores: softmax rows close to one-hot (probabilities near 0 and 1)."""
     _seeded()
@@ -1567,6 +1592,18 @@ ROWS: tuple[OpInfo, ...] = (
         + (Case("peaked", _sdpa_peaked),)
         + (_sdpa_gqa_case(4, 2, True), _sdpa_gqa_case(6, 2, False), _sdpa_gqa_case(3, 3, True)),
         **_ATTENTION,
+    ),
+    OpInfo(
+        "rotary",
+        _rotary_reference,
+        (
+            _rotary_case((2, 3, 5, 8), {}),
+            _rotary_case((1, 2, 7, 4), {"theta": 500000.0}),
+            _rotary_case((2, 1, 3, 6), {"theta": 10.0, "scaling": 0.75}),
+            _rotary_case((1, 1, 40, 2), {"theta": 10000.0}),  # many positions, one pair
+        ),
+        exact_forward=("gpu", "ipu"),
+        exact_grads=("gpu", "ipu"),
     ),
     OpInfo(
         "multihead_attention",

@@ -20,7 +20,7 @@ from torch import nn
 
 from unroller import platforms
 from unroller.registry import OpSpec, load_registry
-from unroller.runtime import attention, common, gpu, ipu, norms, shapeops
+from unroller.runtime import attention, common, gpu, ipu, norms, positions, shapeops
 
 OPS = load_registry()
 KERNELS = {"gpu": gpu, "ipu": ipu}
@@ -136,6 +136,7 @@ def test_all_is_every_public_function_and_nothing_else(platform):
             shapeops.__name__,
             attention.__name__,
             norms.__name__,
+            positions.__name__,
         )
     }
     assert K.__all__ == sorted(set(K.__all__))

@@ -745,6 +745,15 @@ def scaled_dot_product_attention(
     )
 
 
+def rotary(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """x [N, H, L, D] -> the same; D even (its two halves turn as pairs)."""
+    (x,) = inputs
+    *_, embed = _attention_operand(op, x, "x", 0)
+    if embed % 2:
+        raise ShapeError(f"{op}: the last dim is {embed}; it must be even (its halves pair up)", 0)
+    return ShapeResult(x)
+
+
 def multihead_attention(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """Self-attention on x [N, L, E] -> [N, L, E]: E divisible by num_heads. Derives
     ``embed_dim`` (the module's size), ``head_shape`` [N, H, L, E/H] (q, k, v kept for the

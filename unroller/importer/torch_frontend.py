@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from unroller.graph import MAX_FLOAT
-from unroller.importer import aten_ops
+from unroller.importer import aten_ops, rotary
 from unroller.importer.aten_ops import Refuse
 from unroller.importer.hf_norms import is_llama_rmsnorm, rmsnorm_kwargs
 from unroller.importer.model import (
@@ -225,6 +225,7 @@ class _Mapper:
         self.groups = self._collapsed_groups()
         self.live = self._live_nodes()
         self.constant = self._constant_nodes()
+        self.rotary, self.absorbed = self._rotary_patterns()
 
     # ---- the graph's signature: which placeholder is what
 
@@ -341,6 +342,33 @@ class _Mapper:
                     constant.add(node)
         return constant
 
+    def _rotary_patterns(self) -> tuple[dict[fx.Node, rotary.Rotary], set[fx.Node]]:
+        """Rotary embeddings (``rotary``): the final add of each -> the match; the nodes
+        the matches replace, which are then not mapped one by one."""
+        found: dict[fx.Node, rotary.Rotary] = {}
+        absorbed: set[fx.Node] = set()
+        tries = None
+        for node in self.nodes:
+            if (
+                node not in self.live
+                or node in self.groups
+                or _target_name(node) != "aten.add.Tensor"
+            ):
+                continue
+            if tries is None:
+                tries = rotary.candidates(self.module)
+            hit = rotary.match(
+                node, _target_name, self.constant, lambda n: _constant_value(self, n), tries
+            )
+            if hit is None:
+                continue
+            inside = hit.nodes | {node}
+            if any(u not in inside for n in hit.nodes for u in n.users if u in self.live):
+                continue  # a part of it is read elsewhere: map the nodes one by one
+            found[node] = hit
+            absorbed |= hit.nodes
+        return found, absorbed
+
     def _live_nodes(self) -> set[fx.Node]:
         output = next(n for n in reversed(self.nodes) if n.op == "output")
         live: set[fx.Node] = set()
@@ -440,6 +468,11 @@ class _Mapper:
                     done_groups.add(path)
                     self._collapse(path)
                 continue
+            if node in self.absorbed:
+                continue
+            if node in self.rotary:
+                self._map_rotary(node, self.rotary[node])
+                continue
             self._map(node, target)
         output = next(n for n in reversed(self.nodes) if n.op == "output")
         results = output.args[0]
@@ -458,6 +491,22 @@ class _Mapper:
                 )
         self._check_state()
         return predictions
+
+    def _map_rotary(self, node: fx.Node, hit: rotary.Rotary) -> None:
+        """One ``rotary`` statement for a matched rotary embedding (``_rotary_patterns``)."""
+        if hit.theta is None:
+            self._fail(node, "rotary position embedding", hit.why)
+            return
+        try:
+            view = NodeView(self, node, _target_name(node))
+            kwargs = {"theta": hit.theta}
+            if hit.scaling != 1.0:
+                kwargs["scaling"] = hit.scaling
+            self.values[node] = view.stmt("rotary", [self.value_of(hit.x)], **kwargs)
+        except _Poisoned:
+            self._poison(node)
+        except Refuse as exc:
+            self._fail(node, "rotary position embedding", str(exc))
 
     def _map(self, node, target: str) -> None:
         if target == "getitem" and isinstance(self.values.get(node.args[0]), aten_ops.Pieces):

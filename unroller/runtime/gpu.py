@@ -104,6 +104,9 @@ from unroller.runtime.common import (  # noqa: F401
 # sum and slice shadow the builtins here, so this module calls neither bare).
 # RMSNorm, the same on both platforms (see norms' doc).
 from unroller.runtime.norms import rmsnorm, rmsnorm_backward  # noqa: F401  (re-exported)
+
+# Rotary position embeddings, the same on both platforms (see positions' doc).
+from unroller.runtime.positions import rotary, rotary_backward  # noqa: F401  (re-exported)
 from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__)
     expand,
     expand_backward,
