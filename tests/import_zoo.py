@@ -1424,6 +1424,7 @@ def hf_llama(
     tie_word_embeddings: bool = False,
     family: str = "llama",
     use_cache: bool = False,
+    rope_parameters: dict | None = None,
 ) -> nn.Module:
     """``transformers.LlamaForCausalLM`` (or Mistral / Qwen2 with ``family``) from a 2-layer
     config with its defaults otherwise: RMSNorm written as pow / mean / rsqrt, rotary
@@ -1451,6 +1452,7 @@ def hf_llama(
         bos_token_id=vocab - 1,
         eos_token_id=vocab - 1,
         pad_token_id=None,
+        **({"rope_parameters": rope_parameters} if rope_parameters is not None else {}),
     )
     return getattr(transformers, model_name)(config)
 

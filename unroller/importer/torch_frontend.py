@@ -406,6 +406,8 @@ class _Mapper:
             return path  # an nn.ReLU at layer1.0.relu is the statement layer1.0.relu
         target = _target_name(node)
         short = target.split(".")[1] if target.startswith("aten.") else "value"
+        if node in self.rotary:
+            short = "rotary"  # the add that ends a rotary embedding (_rotary_patterns)
         if target == "getitem":
             short = "split"
         short = short.rstrip("_") or "value"
