@@ -125,3 +125,14 @@ def test_the_float64_twin_equals_hugging_face_rmsnorm_in_float32():
     assert torch.equal(norm(x), twin(x))
     root = torch.nn.Sequential(norm)
     assert swap_float64_twins(root) == ["0"] and isinstance(root[0], torch.nn.RMSNorm)
+
+
+def test_use_cache_is_named_with_its_fix():
+    """A config with use_cache=True (the default of every decoder): the failure is one line
+    that names the cache and the fix, not the ``detach_`` it shows up as."""
+    with pytest.raises(ImportFailure) as caught:
+        imported(use_cache=True)
+    assert len(caught.value.unmapped) == 1
+    text = str(caught.value)
+    assert "use_cache=True" in text and "use_cache=False" in text
+    assert "key/value cache" in text and "detach_" not in text

@@ -1194,7 +1194,7 @@ def import_torch(
     mapper = _Mapper(program, module, inputs)
     predictions = mapper.run()
     if mapper.unmapped:
-        raise ImportFailure(f"cannot import {source}", mapper.unmapped)
+        raise ImportFailure(f"cannot import {source}", _name_the_cache(module, mapper.unmapped))
     _check_constants(mapper.stmts, source)
     if len(predictions) != 1:
         raise ImportFailure(f"{source}: forward must return one prediction tensor")
@@ -1209,6 +1209,39 @@ def import_torch(
         classes=mapper.classes,
         notes=[f"captured with {how}"],
     )
+
+
+def _caching_config(module: torch.nn.Module) -> object | None:
+    """The Hugging Face config with ``use_cache=True`` in ``module``, else None."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and getattr(config, "use_cache", False) is True:
+            return config
+    return None
+
+
+def _name_the_cache(module: torch.nn.Module, unmapped: list[Unmapped]) -> list[Unmapped]:
+    """Failures that read a key/value cache (``detach_`` of an empty tensor that later steps
+    of generation would fill) become one line that names the cache and the fix: the other
+    messages would name ``detach_``, a consequence, not the cause."""
+    if _caching_config(module) is None:
+        return unmapped
+    cache = [u for u in unmapped if "detach_" in u.reason or "DynamicCache" in u.reason]
+    if not cache:
+        return unmapped
+    paths = sorted({u.module_path for u in cache})
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    line = Unmapped(
+        "use_cache=True",
+        paths[0],
+        cache[0].module_class,
+        reason=(
+            f"the key/value cache for generation (written in {shown}): a training step "
+            "has no use for it; build the model with use_cache=False in its config (or "
+            "pass use_cache=False to forward)"
+        ),
+    )
+    return [line] + [u for u in unmapped if u not in cache]
 
 
 def _check_parameter_names(module: torch.nn.Module, source: str) -> None:
