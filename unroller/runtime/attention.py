@@ -202,8 +202,10 @@ def gqa_heads(t: Tensor, heads: int) -> Tensor:
     n, kv_heads, length, embed = t.shape
     if kv_heads == heads:
         return t
-    return t.unsqueeze(2).expand(n, kv_heads, heads // kv_heads, length, embed).reshape(
-        n, heads, length, embed
+    return (
+        t.unsqueeze(2)
+        .expand(n, kv_heads, heads // kv_heads, length, embed)
+        .reshape(n, heads, length, embed)
     )
 
 
