@@ -319,13 +319,14 @@ ERRORS = [
         "sdpa-heads",
         _sdpa_model(Q, "input k: f32[N, 3, 5, 4]", call="scaled_dot_product_attention(q, k, k)"),
         "k, k)",
-        "a: scaled_dot_product_attention: k has 3 heads (dim 1) but q has 2",
+        "a: scaled_dot_product_attention: k has 3 heads (dim 1) but q has 2 "
+        "(fewer key/value heads need enable_gqa=true)",
     ),
     (
         "sdpa-v-heads",
         _sdpa_model(Q, "input v: f32[N, 1, 5, 4]", call="scaled_dot_product_attention(q, q, v)"),
         "v)",
-        "a: scaled_dot_product_attention: v has 1 heads (dim 1) but q has 2",
+        "a: scaled_dot_product_attention: v has 1 heads (dim 1) but k has 2",
     ),
     (
         "sdpa-head-size",
@@ -484,8 +485,8 @@ def test_sdpa_scale_is_optional_and_left_out_when_absent():
         _sdpa_model(Q, call="scaled_dot_product_attention(q, q, q, is_causal=true)"), "m.txt"
     )
     node = graph.node("a")
-    assert node.args == {"is_causal": True, "scale": None}
-    assert node.kernel_kwargs == {"is_causal": True, "scale": None}
+    assert node.args == {"is_causal": True, "scale": None, "enable_gqa": False}
+    assert node.kernel_kwargs == {"is_causal": True, "scale": None, "enable_gqa": False}
 
 
 def test_registry_optional_argument_and_fixed_module_keywords(tmp_path: Path):

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from unroller.registry import OpSpec, eval_expr, load_registry
-from unroller.runtime import attention, common, gpu, ipu, shapeops
+from unroller.runtime import attention, common, gpu, ipu, norms, positions, shapeops
 
 OPS = load_registry()
 KERNELS = {"gpu": gpu, "ipu": ipu}
@@ -655,7 +655,7 @@ def test_ipu_constants_cached_on_eager_devices_only():
 
 
 # The calls ipu's kernels may make, each on PopTorch's list of supported operations
-# (/work/shared/reference/poptorch-supported-ops.md), or a view / cast / metadata query.
+# (the PopTorch reference of the project's spec), or a view / cast / metadata query.
 TORCH_CALLS = {
     "arange", "ones", "ones_like", "zeros", "full", "rand",  # creation, random
     "cat", "stack", "split", "gather", "where",  # indexing, joining
@@ -681,6 +681,10 @@ F_CALLS |= {"hardtanh", "silu", "elu", "softplus", "embedding"}
 # block-by-block attention (unroller/runtime/attention.py): amax is on the pointwise list,
 # masked_fill on the indexing list; the in-place forms of listed ops write a block's tile
 TENSOR_METHODS |= {"amax", "masked_fill_", "sub_", "exp_", "div_", "is_contiguous"}
+# rmsnorm (unroller/runtime/norms.py) and rotary (positions.py): on the pointwise list;
+# finfo is a dtype's constant (eps), read on the host
+TENSOR_METHODS |= {"pow", "cos", "sin"}
+TORCH_CALLS |= {"finfo"}
 PYTHON_METHODS = {"get", "clear", "append", "items", "values", "insert"}
 HOST_CALLS = {"math": {"sqrt", "floor", "factorial", "prod"}, "struct": {"pack", "unpack"}}
 FORBIDDEN_NAMES = {
@@ -701,6 +705,8 @@ SHARED_KERNEL_MODULES = (
     "unroller.runtime.common",
     "unroller.runtime.shapeops",
     "unroller.runtime.attention",
+    "unroller.runtime.norms",
+    "unroller.runtime.positions",
 )
 
 
@@ -719,7 +725,7 @@ def _ipu_kernel_code() -> list[ast.AST]:
     ]
     defs = {
         n.name: n
-        for module in (common, shapeops, attention)
+        for module in (common, shapeops, attention, norms, positions)
         for n in ast.parse(Path(module.__file__).read_text()).body
         if isinstance(n, ast.FunctionDef)
     }

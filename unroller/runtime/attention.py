@@ -214,7 +214,7 @@ def gqa_grad(g: Tensor | None, kv_heads: int) -> Tensor | None:
     if g is None or g.shape[1] == kv_heads:
         return g
     n, heads, length, embed = g.shape
-    return g.view(n, kv_heads, heads // kv_heads, length, embed).sum(2)
+    return g.reshape(n, kv_heads, heads // kv_heads, length, embed).sum(2)
 
 
 def scaled_dot_product_attention(

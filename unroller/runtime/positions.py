@@ -25,7 +25,7 @@ def rotary_tables(
 ) -> tuple[Tensor, Tensor]:
     """(cos, sin) [L, D] as Hugging Face's default rotary embedding computes them."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
-    positions = torch.arange(length, device=device).float()
+    positions = torch.arange(length, device=device).to(torch.float)
     freqs = positions[:, None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     cos = angles.cos() * scaling
