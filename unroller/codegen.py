@@ -1378,6 +1378,20 @@ def layer_lines(graph: Graph) -> list[tuple[str, str, str]]:
     return layers
 
 
+def tie_lines(graph: Graph) -> list[tuple[str, str, str]]:
+    """(comment, tied parameter's key, the key of the tensor it is) for each tie
+    (``tied_PARAM=``), made after every layer exists."""
+    return [
+        (
+            safe.comment_text(f"{node.name}.{name} is {key}"),
+            safe.literal(f"{node.name}.{name}"),
+            safe.literal(key),
+        )
+        for node in graph.nodes
+        for name, key in node.ties.items()
+    ]
+
+
 def header_comment(
     graph: Graph, source_path: str, options: Options, config: CompressionConfig
 ) -> str:
@@ -1475,6 +1489,7 @@ def render(
             for module, alias in sorted(emitter.kernel_alias.items(), key=lambda kv: kv[1])
         ],
         layers=layer_lines(graph),
+        ties=tie_lines(graph),
         functions=[_function_view(f, {s.name for s in plan.segments}) for f in outliner.functions],
         train_args=[safe.identifier(emitter.var(v).name) for v in graph.inputs],
         train_checks=_input_checks(emitter, graph.inputs),

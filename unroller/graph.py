@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import keyword
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,14 @@ class SavedArg:
         return self.kind in ("value", "extra")
 
 
+TIED_PREFIX = "tied_"
+"""``tied_PARAM="KEY"`` on a statement with parameters: its PARAM is the tensor that the
+state-dict key KEY names (another statement's parameter), as ``lm_head.weight =
+embed.weight`` ties them in torch; gradients of both uses add up in the one ``.grad``."""
+_KEY_PART = r"(?:[A-Za-z_][A-Za-z0-9_]*|0|[1-9][0-9]*)"
+_TIED_KEY = re.compile(rf"{_KEY_PART}(?:\.{_KEY_PART})*")
+
+
 @dataclass(eq=False)
 class Node:
     """One operator call: ``output = op(inputs..., args...)``."""
@@ -155,6 +164,9 @@ class Node:
     index: int = 0
     needs_backward: bool = False
     saved: tuple[SavedArg, ...] = ()  # what the backward kernel reads (needs_backward only)
+    #: parameters that are another statement's tensor (``tied_weight="emb.weight"``):
+    #: parameter name -> the state-dict key of the tensor it is
+    ties: dict[str, str] = field(default_factory=dict)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -320,6 +332,7 @@ class GraphBuilder:
             self.blocks[block.name] = block
         for stmt in model.stmts:
             self._statement(stmt, scope)
+        self._check_ties()
         loss, preds = self._returns(scope)
         graph = Graph(
             name=model.name,
@@ -467,7 +480,10 @@ class GraphBuilder:
             )
         inputs = [self._lookup(scope, ref) for ref in stmt.args]
         given = self._kwargs(stmt, scope)
-        args = self._check_args(op, stmt, given)
+        ties = self._ties(op, stmt, given)
+        args = self._check_args(
+            op, stmt, {k: v for k, v in given.items() if k not in ties.values()}
+        )
         try:
             result = shapes.rule(op.shape)(op.name, [v.type for v in inputs], args)
         except ShapeError as exc:
@@ -565,6 +581,7 @@ class GraphBuilder:
             local_text=_statement_text(stmt),
             blocks=scope.blocks,
             index=len(self.nodes),
+            ties=self._tied_params(op, stmt, given, ties, params),
         )
         value.producer = node
         for position, v in enumerate(inputs):
@@ -576,9 +593,77 @@ class GraphBuilder:
         # The parser refuses a keyword given twice, so each name comes once here.
         return {kw.name: self._expr(scope, kw.value) for kw in stmt.kwargs}
 
+    @staticmethod
+    def _ties(op: OpSpec, stmt: Call, given: dict[str, Any]) -> dict[str, str]:
+        """The ``tied_PARAM`` keywords of a statement: parameter name -> keyword."""
+        return {
+            kw.name[len(TIED_PREFIX) :]: kw.name
+            for kw in stmt.kwargs
+            if kw.name.startswith(TIED_PREFIX) and kw.name not in op.args
+        }
+
+    @staticmethod
+    def _tied_params(
+        op: OpSpec, stmt: Call, given: dict[str, Any], ties: dict[str, str], params: list
+    ) -> dict[str, str]:
+        """Check each ``tied_PARAM="KEY"``: PARAM is a parameter of this statement and KEY a
+        state-dict key (checked against the other statements when the graph is done)."""
+        locs = {kw.name: kw.value.loc for kw in stmt.kwargs}
+        names = [p.name for p in params if p.present]
+        found = {}
+        for name, word in ties.items():
+            if name not in names:
+                have = ", ".join(names) or "none"
+                raise ModelError(
+                    f"{op.name} has no parameter '{name}' to tie (its parameters: {have})",
+                    locs[word],
+                )
+            key = given[word]
+            if not isinstance(key, str) or not _TIED_KEY.fullmatch(key):
+                raise ModelError(
+                    f"{word} takes the state-dict key of another statement's parameter as "
+                    'a string ("emb.weight"), got ' + render_const(key),
+                    locs[word],
+                )
+            found[name] = key
+        return found
+
+    def _check_ties(self) -> None:
+        """Every tie names a parameter of another statement, untied itself, of the same
+        shape and dtype."""
+        params = {p.key: (node, p) for node in self.nodes for p in node.params if p.present}
+        for node in self.nodes:
+            for name, key in node.ties.items():
+                mine = next(p for p in node.params if p.name == name)
+                loc = node.loc
+                if key not in params:
+                    raise ModelError(
+                        f"{node.name}: tied_{name}={key!r} names no parameter of the model"
+                        f"{did_you_mean(key, list(params))}",
+                        loc,
+                    )
+                other, theirs = params[key]
+                if other is node:
+                    raise ModelError(f"{node.name}: tied_{name} names its own parameter", loc)
+                if theirs.name in other.ties:
+                    raise ModelError(
+                        f"{node.name}: tied_{name}={key!r} is tied itself; tie to "
+                        f"{other.ties[theirs.name]!r}",
+                        loc,
+                    )
+                if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
+                    raise ModelError(
+                        f"{node.name}: its {name} is {mine.dtype}[{', '.join(map(str, mine.shape))}]"
+                        f" but {key} is {theirs.dtype}[{', '.join(map(str, theirs.shape))}]: a tied "
+                        "parameter is one tensor",
+                        loc,
+                    )
+
     def _check_args(self, op: OpSpec, stmt: Call, given: dict[str, Any]) -> dict[str, Any]:
         locs = {kw.name: kw.value.loc for kw in stmt.kwargs}
         for kw in stmt.kwargs:
+            if kw.name not in given:
+                continue  # a tie (``_ties``)
             if kw.name not in op.args:
                 expected = ", ".join(op.args) or "no keyword arguments"
                 raise ModelError(

@@ -215,6 +215,18 @@ class _Mapper:
         self.stmts: list[Stmt] = []
         self.names: set[str] = set(t.name for t in self.inputs)
         self.used_params: dict[str, str] = {}  # state-dict key -> statement
+        self.ties: dict[str, dict[str, str]] = {}  # statement -> its param -> the key it is
+        # tensors held under several keys (tied weights): each key -> True, and the first key
+        # of each such tensor in state-dict order (by id), which owns it
+        self.first_keys: dict[int, str] = {}
+        self.shared_keys: dict[str, bool] = {}
+        seen: dict[int, list[str]] = {}
+        for key, param in module.named_parameters(remove_duplicate=False):
+            seen.setdefault(id(param), []).append(key)
+        for ident, keys in seen.items():
+            if len(keys) > 1:
+                self.first_keys[ident] = keys[0]
+                self.shared_keys.update(dict.fromkeys(keys, True))
         self.used_buffers: set[str] = set()
         self.unmapped: list[Unmapped] = []
         self.poisoned: set[fx.Node] = set()
@@ -727,6 +739,8 @@ class _Mapper:
             module_path = path
         self._record_classes(node)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        for param, key in self.ties.get(name, {}).items() if layer is not None else ():
+            kwargs[f"tied_{param}"] = key
         if shape is None:
             try:
                 shape = self.shape(node)
@@ -916,7 +930,13 @@ class NodeView:
             if not isinstance(node, fx.Node) or node.name not in self.m.buffers:
                 raise Refuse(f"its {arg} is not a buffer")
             claims.append((self.m.buffers[node.name], key, False))
-        for full, key, _ in claims:
+        ties = {}
+        for i, (full, key, is_param) in enumerate(claims):
+            if is_param and self.m.shared_keys.get(full):
+                full, tied_to = self._tied_claim(full, key)
+                claims[i] = (full, key, is_param)
+                if tied_to is not None:
+                    ties[key] = tied_to
             path, _, leaf = full.rpartition(".")
             if leaf != key:
                 raise Refuse(f"its {key} is the tensor {full}, not a module's '{key}'")
@@ -928,12 +948,31 @@ class NodeView:
         for full, _, _ in claims:
             if full in self.m.used_params or full in self.m.used_buffers:
                 raise Refuse(f"{full} is used by two operators (shared weights)")
+        if ties:
+            self.m.ties[owner] = ties
         for full, _, is_param in claims:
             if is_param:
                 self.m.used_params[full] = owner
             else:
                 self.m.used_buffers.add(full)
         return owner
+
+    def _tied_claim(self, full: str, key: str) -> tuple[str, str | None]:
+        """(the key this node's layer holds the tensor ``full`` under, the key it is tied to
+        or None). torch.export names a tensor that several modules share (tied weights) by
+        one of its keys; the node's own module holds it as its ``key`` parameter, and the
+        first key of the tensor in state-dict order owns it, the others are tied to it."""
+        path, _ = self.m.where(self.node)
+        try:
+            theirs = self.m.module.get_parameter(full)
+            mine = self.m.module.get_submodule(path)._parameters.get(key) if path else None
+        except AttributeError:
+            return full, None
+        if mine is None or mine is not theirs:
+            return full, None
+        own = f"{path}.{key}"
+        first = self.m.first_keys.get(id(theirs), own)
+        return own, (first if first != own else None)
 
     def expect_buffer(self, key: str) -> None:
         if key not in self.m.buffers.values():

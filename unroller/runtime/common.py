@@ -581,6 +581,17 @@ class _TransposedLinear(torch.nn.Module):
         return f"{sizes}, bias={self.bias is not None}"
 
 
+def tie(root: torch.nn.Module, key: str, source: str) -> None:
+    """Make the parameter at state-dict ``key`` the tensor at ``source`` (``tied_PARAM=``),
+    as ``lm_head.weight = embed.weight`` does in torch: both keys stay in the state dict,
+    one tensor holds them, and each use's gradient adds into its one ``.grad``."""
+    path, _, name = key.rpartition(".")
+    owner = root.get_submodule(path) if path else root
+    if name not in owner._parameters:
+        raise ValueError(f"tie: {key} is not a parameter")
+    owner._parameters[name] = root.get_parameter(source)
+
+
 def add_layer(
     root: torch.nn.Module, path: str, module: torch.nn.Module | torch.nn.Parameter
 ) -> None:

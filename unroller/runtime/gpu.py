@@ -95,6 +95,7 @@ from unroller.runtime.common import (  # noqa: F401
     sub_backward,
     tanh,
     tensors,
+    tie,
     transposed_linear,
     transposed_linear_layer,
     unsupported,

@@ -132,6 +132,7 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     sub_backward,
     tanh,
     tensors,
+    tie,
     transposed_linear,
     transposed_linear_backward,
     transposed_linear_layer,
