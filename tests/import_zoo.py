@@ -1353,12 +1353,14 @@ def hf_gpt2(
     layers: int = 2,
     attn_implementation: str = "eager",
     tie_word_embeddings: bool = True,
+    freeze: list[str] | None = None,
 ) -> nn.Module:
     """``transformers.GPT2LMHeadModel`` from a 2-layer config; ``forward(input_ids).logits``.
 
     ``use_cache`` is off so the output holds no key/value cache. GPT-2 ties ``lm_head.weight``
     to ``transformer.wte.weight`` (one parameter under two state-dict keys); pass
-    ``tie_word_embeddings=False`` for an untied head.
+    ``tie_word_embeddings=False`` for an untied head. ``freeze``: module paths whose
+    parameters do not train.
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -1377,7 +1379,16 @@ def hf_gpt2(
         tie_word_embeddings=tie_word_embeddings,
         attn_implementation=attn_implementation,
     )
-    return GPT2LMHeadModel(config)
+    return frozen(GPT2LMHeadModel(config), freeze)
+
+
+def frozen(model: nn.Module, prefixes: list[str] | None) -> nn.Module:
+    """``model`` with the parameters under each module path of ``prefixes`` frozen
+    (``requires_grad_(False)``: a fine-tune's frozen backbone)."""
+    for prefix in prefixes or ():
+        for p in model.get_submodule(prefix).parameters():
+            p.requires_grad_(False)
+    return model
 
 
 def hf_bert(

@@ -697,7 +697,7 @@ FORBIDDEN_NAMES = {
 # (module bookkeeping, input checks, stash accounting, __all__): not kernels.
 HOST_HELPERS = {
     "add_layer", "layers", "tensors", "check_inputs", "collect", "stash", "stash_raw",
-    "stash_report", "_exports", "free_parameter", "transposed_linear_layer", "tie",
+    "stash_report", "_exports", "free_parameter", "transposed_linear_layer", "tie", "freeze",
 }  # fmt: skip
 
 

@@ -1392,6 +1392,16 @@ def tie_lines(graph: Graph) -> list[tuple[str, str, str]]:
     ]
 
 
+def frozen_lines(graph: Graph) -> list[tuple[str, str]]:
+    """(comment, key) for each frozen parameter (``frozen=true``): requires_grad off."""
+    return [
+        (safe.comment_text(f"{p.key} does not train"), safe.literal(p.key))
+        for node in graph.nodes
+        for p in node.params
+        if p.present and not p.trainable
+    ]
+
+
 def header_comment(
     graph: Graph, source_path: str, options: Options, config: CompressionConfig
 ) -> str:
@@ -1490,6 +1500,7 @@ def render(
         ],
         layers=layer_lines(graph),
         ties=tie_lines(graph),
+        frozen=frozen_lines(graph),
         functions=[_function_view(f, {s.name for s in plan.segments}) for f in outliner.functions],
         train_args=[safe.identifier(emitter.var(v).name) for v in graph.inputs],
         train_checks=_input_checks(emitter, graph.inputs),

@@ -136,6 +136,12 @@ class SavedArg:
         return self.kind in ("value", "extra")
 
 
+FROZEN = "frozen"
+"""``frozen=true`` on a statement with parameters (``frozen_PARAM=true``: one of them): they
+do not train, as ``requires_grad_(False)`` in torch; their gradient is never computed, and a
+layer whose inputs need no gradient either has no backward and keeps nothing for it (a
+frozen backbone under a trained head)."""
+
 TIED_PREFIX = "tied_"
 """``tied_PARAM="KEY"`` on a statement with parameters: its PARAM is the tensor that the
 state-dict key KEY names (another statement's parameter), as ``lm_head.weight =
@@ -193,7 +199,9 @@ class Node:
     @property
     def needs(self) -> tuple[bool, ...]:
         """Per input, then per trainable parameter: is that gradient needed?"""
-        return tuple(v.requires_grad for v in self.inputs) + tuple(p.present for p in self.params)
+        return tuple(v.requires_grad for v in self.inputs) + tuple(
+            p.present and p.trainable for p in self.params
+        )
 
     def __repr__(self) -> str:
         return f"Node({self.name} = {self.op.name})"
@@ -481,9 +489,9 @@ class GraphBuilder:
         inputs = [self._lookup(scope, ref) for ref in stmt.args]
         given = self._kwargs(stmt, scope)
         ties = self._ties(op, stmt, given)
-        args = self._check_args(
-            op, stmt, {k: v for k, v in given.items() if k not in ties.values()}
-        )
+        freezes = self._freezes(op, stmt)
+        plain = {k: v for k, v in given.items() if k not in ties.values() and k not in freezes}
+        args = self._check_args(op, stmt, plain)
         try:
             result = shapes.rule(op.shape)(op.name, [v.type for v in inputs], args)
         except ShapeError as exc:
@@ -536,6 +544,8 @@ class GraphBuilder:
             ]
 
         params, buffers = tensors(op.params, True), tensors(op.buffers, False)
+        for name in self._frozen_params(op, stmt, given, freezes, params):
+            next(p for p in params if p.name == name).trainable = False
         for tensor in params + buffers:
             problem = size_problem(tensor.shape)
             if problem:
@@ -603,6 +613,44 @@ class GraphBuilder:
         }
 
     @staticmethod
+    def _freezes(op: OpSpec, stmt: Call) -> dict[str, str]:
+        """``frozen`` / ``frozen_PARAM`` keywords: keyword -> parameter name ("" for all)."""
+        found = {}
+        for kw in stmt.kwargs:
+            if kw.name in op.args:
+                continue
+            if kw.name == FROZEN:
+                found[kw.name] = ""
+            elif kw.name.startswith(FROZEN + "_"):
+                found[kw.name] = kw.name[len(FROZEN) + 1 :]
+        return found
+
+    @staticmethod
+    def _frozen_params(
+        op: OpSpec, stmt: Call, given: dict[str, Any], freezes: dict[str, str], params: list
+    ) -> list[str]:
+        """The parameters ``frozen=true`` / ``frozen_PARAM=true`` freeze, checked."""
+        locs = {kw.name: kw.value.loc for kw in stmt.kwargs}
+        names = [p.name for p in params if p.present]
+        found: list[str] = []
+        for word, name in freezes.items():
+            if not isinstance(given[word], bool):
+                raise ModelError(
+                    f"{word} takes true or false, got {render_const(given[word])}", locs[word]
+                )
+            if not names:
+                raise ModelError(f"{op.name} has no parameters to freeze", locs[word])
+            if name and name not in names:
+                raise ModelError(
+                    f"{op.name} has no parameter '{name}' to freeze (its parameters: "
+                    f"{', '.join(names)})",
+                    locs[word],
+                )
+            if given[word]:
+                found += [name] if name else names
+        return found
+
+    @staticmethod
     def _tied_params(
         op: OpSpec, stmt: Call, given: dict[str, Any], ties: dict[str, str], params: list
     ) -> dict[str, str]:
@@ -649,6 +697,13 @@ class GraphBuilder:
                     raise ModelError(
                         f"{node.name}: tied_{name}={key!r} is tied itself; tie to "
                         f"{other.ties[theirs.name]!r}",
+                        loc,
+                    )
+                if mine.trainable != theirs.trainable:
+                    raise ModelError(
+                        f"{node.name}: its {name} is tied to {key}, which "
+                        f"{'does not train' if mine.trainable else 'trains'}: freeze both "
+                        "or neither (they are one tensor)",
                         loc,
                     )
                 if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
@@ -781,7 +836,7 @@ class GraphBuilder:
     def _analyse(self, graph: Graph) -> None:
         """Gradient requirements, which nodes reach the loss, and unused-name warnings."""
         for node in graph.nodes:
-            node.output.requires_grad = any(p.present for p in node.params) or any(
+            node.output.requires_grad = any(p.present and p.trainable for p in node.params) or any(
                 v.requires_grad for v in node.inputs
             )
         reaches_loss = {id(graph.loss)}
@@ -815,7 +870,12 @@ def _saved_args(node: Node) -> tuple[SavedArg, ...]:
     layer_entries = {p.name for p in (*node.params, *node.buffers)}
     extras = {e.name: e for e in node.extras}
     found: list[SavedArg] = []
+    wanted = dict(zip((*names, *(p.name for p in node.params)), node.needs))
     for entry in node.op.saved:
+        readers = node.op.saved_for.get(entry)
+        if readers is not None and not any(wanted.get(r, False) for r in readers):
+            found.append(SavedArg(entry, "none"))  # only a gradient not needed reads it
+            continue
         if entry in layer_entries:
             if not any(a.kind == "layer" for a in found):
                 found.append(SavedArg(entry, "layer"))

@@ -158,6 +158,9 @@ class OpSpec:
     #: key is the statement's own name, held by the module at the name's parent path
     free: bool = False
     derivative: dict[str, DerivativeSpec] = field(default_factory=dict)
+    #: a saved entry only some gradients read: entry -> those gradients (input or parameter
+    #: names); when none of them is needed (a frozen weight) it is not kept (passed as None)
+    saved_for: dict[str, tuple[str, ...]] = field(default_factory=dict)
     layout: str | None = None  # "rows": its 4-D tensors are rows, not image maps
     #: the backward may remake the output from the inputs (``--recompute``); None: never
     recompute: RecomputeSpec | None = None
@@ -274,6 +277,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "module",
         "extras",
         "saved",
+        "saved_for",
         "activations",
         "masks",
         "kernel_args",
@@ -340,6 +344,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         module=_module_spec(where, raw.get("module")),
         extras=tuple(_extra_specs(name, raw.get("extras", []))),
         saved=tuple(raw.get("saved", ())),
+        saved_for={k: tuple(v) for k, v in raw.get("saved_for", {}).items()},
         activations=tuple(raw.get("activations", ())),
         masks={
             entry: MaskSpec(entry, m.get("kernel"), m.get("like"), m.get("when"))
@@ -372,6 +377,13 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         if entry not in spec.saved or set(mask) - {"kernel", "like", "when"}:
             raise RegistryError(
                 f"{where}: masks.{entry} must name a saved entry; keys kernel/like/when"
+            )
+    grads = set(spec.inputs) | {p.name for p in spec.params}
+    for entry, readers in spec.saved_for.items():
+        if entry not in spec.saved or not readers or not set(readers) <= grads:
+            raise RegistryError(
+                f"{where}: saved_for.{entry} must name a saved entry and the inputs or "
+                "parameters whose gradients read it"
             )
     for entry in spec.derivative:
         if entry not in spec.activations:

@@ -139,15 +139,6 @@ def _capture(module: torch.nn.Module, inputs: Sequence[Tensor], source: str):
         raise ImportFailure(
             f"cannot make example inputs of the declared shapes: {_one_line(exc)}"
         ) from None
-    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
-    if frozen:
-        shown = ", ".join(frozen[:6]) + (
-            f", ... ({len(frozen) - 6} more)" if len(frozen) > 6 else ""
-        )
-        raise ImportFailure(
-            f"{len(frozen)} parameters do not require gradients ({shown}): the imported model "
-            "would train them; unfreeze them (requires_grad_(True)) to import"
-        )
     batch = torch.export.Dim("N", min=2, max=2**31 - 1)
     dynamic = (tuple({0: batch} for _ in example),)  # forward(*args): one tuple
     try:
@@ -216,6 +207,7 @@ class _Mapper:
         self.names: set[str] = set(t.name for t in self.inputs)
         self.used_params: dict[str, str] = {}  # state-dict key -> statement
         self.ties: dict[str, dict[str, str]] = {}  # statement -> its param -> the key it is
+        self.frozen_marked: set[str] = set()  # parameters written frozen (requires_grad off)
         # tensors held under several keys (tied weights): each key -> True, and the first key
         # of each such tensor in state-dict order (by id), which owns it
         self.first_keys: dict[int, str] = {}
@@ -506,6 +498,18 @@ class _Mapper:
         self._check_state()
         return predictions
 
+    def frozen_kwargs(self, statement: str) -> dict[str, bool]:
+        """``frozen=true`` (every parameter of the statement) or ``frozen_PARAM=true`` for
+        the statement's parameters that do not require gradients; recorded as marked."""
+        keys = [k for k, owner in self.used_params.items() if owner == statement]
+        frozen = [k for k in keys if not self.module.get_parameter(k).requires_grad]
+        self.frozen_marked.update(frozen)
+        if not frozen:
+            return {}
+        if len(frozen) == len(keys):
+            return {"frozen": True}
+        return {f"frozen_{k.rpartition('.')[2]}": True for k in frozen}
+
     def _map_rotary(self, node: fx.Node, hit: rotary.Rotary) -> None:
         """One ``rotary`` statement for a matched rotary embedding (``_rotary_patterns``)."""
         if hit.theta is None:
@@ -741,6 +745,8 @@ class _Mapper:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         for param, key in self.ties.get(name, {}).items() if layer is not None else ():
             kwargs[f"tied_{param}"] = key
+        if layer is not None:
+            kwargs.update(self.frozen_kwargs(layer))
         if shape is None:
             try:
                 shape = self.shape(node)
@@ -1162,6 +1168,7 @@ def _collapsed_stmt(mapper, path, module, nodes, escaping, op, args, kwargs, par
     mapper.names.add(path)
     mapper.classes.setdefault(path, _qualname(type(module)))
     mapper._record_classes(nodes[0])
+    kwargs = {**kwargs, **mapper.frozen_kwargs(path)}
     mapper.stmts.append(Stmt(path, op, args, kwargs, path, mapper.shape(escaping[0])))
     return path
 
@@ -1234,6 +1241,7 @@ def import_torch(
     predictions = mapper.run()
     if mapper.unmapped:
         raise ImportFailure(f"cannot import {source}", _name_the_cache(module, mapper.unmapped))
+    _check_frozen(module, mapper.frozen_marked, source)
     _check_constants(mapper.stmts, source)
     if len(predictions) != 1:
         raise ImportFailure(f"{source}: forward must return one prediction tensor")
@@ -1248,6 +1256,23 @@ def import_torch(
         classes=mapper.classes,
         notes=[f"captured with {how}"],
     )
+
+
+def _check_frozen(module: torch.nn.Module, marked: set[str], source: str) -> None:
+    """Every parameter that does not require gradients is written frozen; one the import
+    could not mark (a free parameter) would train: refused, with the fix."""
+    frozen = [
+        name for name, p in module.named_parameters() if not p.requires_grad and name not in marked
+    ]
+    if frozen:
+        shown = ", ".join(frozen[:6]) + (
+            f", ... ({len(frozen) - 6} more)" if len(frozen) > 6 else ""
+        )
+        raise ImportFailure(
+            f"{source}: {len(frozen)} parameters do not require gradients ({shown}) and are "
+            "not a layer's, which the text can freeze: the imported model would train them; "
+            "unfreeze them (requires_grad_(True)) to import"
+        )
 
 
 def _caching_config(module: torch.nn.Module) -> object | None:

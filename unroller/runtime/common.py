@@ -592,6 +592,12 @@ def tie(root: torch.nn.Module, key: str, source: str) -> None:
     owner._parameters[name] = root.get_parameter(source)
 
 
+def freeze(root: torch.nn.Module, key: str) -> None:
+    """The parameter at state-dict ``key`` does not train (``frozen=true``): the step never
+    computes its gradient, and ``requires_grad`` off tells optimizers and torch the same."""
+    root.get_parameter(key).requires_grad_(False)
+
+
 def add_layer(
     root: torch.nn.Module, path: str, module: torch.nn.Module | torch.nn.Parameter
 ) -> None:

@@ -65,6 +65,7 @@ from unroller.runtime.common import (  # noqa: F401
     flatten,
     flatten_backward,
     free_parameter,
+    freeze,
     hardsigmoid_mask,
     hardtanh,
     hardtanh_mask,

@@ -101,6 +101,7 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     flatten,
     flatten_backward,
     free_parameter,
+    freeze,
     hardsigmoid_mask,
     hardtanh,
     hardtanh_mask,
