@@ -581,7 +581,7 @@ class _TransposedLinear(torch.nn.Module):
         return f"{sizes}, bias={self.bias is not None}"
 
 
-def tie(root: torch.nn.Module, key: str, source: str) -> None:
+def tie(root: torch.nn.Module, key: str, source: str) -> None:  # unroller-lint: host-only (set-up)
     """Make the parameter at state-dict ``key`` the tensor at ``source`` (``tied_PARAM=``),
     as ``lm_head.weight = embed.weight`` does in torch: both keys stay in the state dict,
     one tensor holds them, and each use's gradient adds into its one ``.grad``."""
@@ -592,7 +592,7 @@ def tie(root: torch.nn.Module, key: str, source: str) -> None:
     owner._parameters[name] = root.get_parameter(source)
 
 
-def freeze(root: torch.nn.Module, key: str) -> None:
+def freeze(root: torch.nn.Module, key: str) -> None:  # unroller-lint: host-only (set-up)
     """The parameter at state-dict ``key`` does not train (``frozen=true``): the step never
     computes its gradient, and ``requires_grad`` off tells optimizers and torch the same."""
     root.get_parameter(key).requires_grad_(False)
