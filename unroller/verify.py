@@ -27,6 +27,7 @@ import difflib
 import math
 import sys
 import tempfile
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -871,3 +872,17 @@ def _prediction_row(original, generated, model_inputs, tolerance: float) -> Row:
     if isinstance(got, (tuple, list)):
         got = got[0]
     return compare("predictions (eval)", got, ref, tolerance)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: ``unroller.verify(module, inputs, target)`` is
+    ``unroller.oneshot.verify`` (the package attribute ``verify`` is this module once it is
+    imported, so a function of that name in the package would be shadowed)."""
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        from unroller.oneshot import verify as verify_module
+
+        return verify_module(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

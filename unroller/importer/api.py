@@ -50,8 +50,10 @@ def import_network(
     loss: str = "cross_entropy",
     kwargs: str | dict | None = None,
     name: str | None = None,
+    built=None,
 ) -> Imported:
-    """The model text for the network SPEC names (see ``unroll import --help``)."""
+    """The model text for the network SPEC names (see ``unroll import --help``);
+    ``built``: the torch.nn module itself (``unroller.unroll``), SPEC then only its label."""
     if not inputs:
         raise ImportFailure('give the network\'s inputs: --input "x: f32[N, 3, 224, 224]"')
     if len(inputs) > MAX_INPUTS:
@@ -74,7 +76,7 @@ def import_network(
 
         options = kwargs if isinstance(kwargs, dict) else parse_kwargs(kwargs)
         with user_code(spec, "importing, building or capturing it"):
-            module = build_module(spec, options)
+            module = built if built is not None else build_module(spec, options)
             model = import_torch(module, tensors, label, spec)
             state = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     add_loss(model, loss, target_spec)

@@ -1,0 +1,180 @@
+"""``unroller.unroll``: a torch.nn module in, its unrolled (and compressed) training step out.
+
+For a training loop that already exists: the module is imported (``unroll import``),
+generated with the scheme asked for (``unroll generate``), the generated source cached on
+disk under its content hash, and its ``Model`` built to share the original's parameter and
+buffer tensors. Calling it runs one training step, forward and unrolled backward, and
+returns the loss with every gradient in the original's ``.grad``: an optimizer over the
+original's parameters trains both.
+
+    step = unroller.unroll(net, (x,), y, scheme="quant")
+    opt = torch.optim.AdamW(net.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        loss = step(x, y)
+        opt.step()
+
+``unroller.verify`` checks the same import against the original, one float64 step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unroller.codegen import Options
+
+_DTYPES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+}
+
+
+def _spec(name: str, t: torch.Tensor) -> str:
+    """``name: f32[N, 3, 32, 32]`` for an example batch ``t``."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 1:
+        raise ValueError(f"{name}: expected a tensor with a batch dimension, got {t!r:.60}")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype} is not one a model input can have")
+    dims = ", ".join(["N", *map(str, t.shape[1:])])
+    return f"{name}: {_DTYPES[t.dtype]}[{dims}]"
+
+
+def _label(module: torch.nn.Module, name: str | None) -> str:
+    """``name``, else the module's class in snake case (``LlamaForCausalLM`` ->
+    ``llama_for_causal_lm``)."""
+    from unroller.importer.emit import snake
+
+    if name is not None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"name {name!r}: expected an identifier")
+        return name
+    return snake(type(module).__name__)
+
+
+def cache_dir() -> Path:
+    """Where generated sources are kept: ``$UNROLLER_CACHE_DIR/generated``, else
+    ``$XDG_CACHE_HOME/unroller/generated``, else ``~/.cache/unroller/generated``."""
+    env = os.environ.get("UNROLLER_CACHE_DIR")
+    if env:
+        return Path(env).expanduser() / "generated"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "unroller" / "generated"
+
+
+def import_text(
+    module: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    target: torch.Tensor | None = None,
+    loss: str = "cross_entropy",
+    name: str | None = None,
+) -> str:
+    """The model text of ``module`` on example ``inputs`` (and ``target``), as ``unroll
+    import`` writes it; the inputs are named x0, x1, ... and the target y."""
+    from unroller.importer.api import import_network
+
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    specs = [_spec(f"x{i}", t) for i, t in enumerate(inputs)]
+    label = _label(module, name)
+    target_spec = _spec("y", target) if target is not None else None
+    return import_network(label, specs, target_spec, loss, name=label, built=module).text
+
+
+class Unrolled(torch.nn.Module):
+    """The generated ``Model`` of a module, sharing its tensors: ``step(*inputs, target)``
+    runs one training step and returns the loss; ``predict(*inputs)`` evaluates. ``source``
+    is the generated code and ``source_path`` the cached file; ``text`` the model text."""
+
+    def __init__(self, model: torch.nn.Module, text: str, source: str, path: Path):
+        super().__init__()
+        self.model = model
+        self.text = text
+        self.source = source
+        self.source_path = path
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.model(*args)
+
+    def predict(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.model.predict(*inputs)
+
+    def stash_report(self) -> dict:
+        return self.model.stash_report()
+
+
+def unroll(
+    module: torch.nn.Module,
+    inputs: Sequence[torch.Tensor] | torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    loss: str = "cross_entropy",
+    scheme: str = "nocompress",
+    options: Options | None = None,
+    name: str | None = None,
+    directory: str | Path | None = None,
+) -> Unrolled:
+    """``module``'s training step, generated with ``scheme`` (or ``options``), sharing its
+    parameters and buffers (see the module docstring). ``inputs``/``target``: an example
+    batch (only shapes and dtypes are read). The source is cached in ``directory`` (default
+    ``cache_dir()``) under the hash of its text, so a second call with the same network
+    and options imports the same file."""
+    from unroller.api import generate_from_text, import_generated, write_atomic
+
+    text = import_text(module, inputs, target, loss, name)
+    options = options or Options(scheme=scheme)
+    label = _label(module, name)
+    source = generate_from_text(text, options, label=f"{label}.txt")
+    digest = hashlib.sha256(source.encode("utf-8")).hexdigest()[:20]
+    folder = Path(directory) if directory is not None else cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{label}_{digest}.py"
+    if not path.exists() or path.read_text(encoding="utf-8") != source:
+        write_atomic(path, source)
+    generated = import_generated(path, f"unroller_unrolled_{label}_{digest}")
+    model = generated.Model()
+    _share(model, module)
+    model.train(module.training)
+    return Unrolled(model, text, source, path)
+
+
+def _share(model: torch.nn.Module, original: torch.nn.Module) -> None:
+    """Every parameter and buffer of ``model`` becomes the original's tensor of the same
+    state-dict key (the keys are the same: the import checked them; non-persistent buffers
+    of the original, such as a rotary module's table, are not the model's)."""
+    for key, tensor in original.state_dict(keep_vars=True).items():
+        path, _, leaf = key.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = tensor
+        elif leaf in owner._buffers:
+            owner._buffers[leaf] = tensor
+        else:
+            raise ValueError(f"unroll: the generated module has no tensor {key}")
+
+
+def verify(
+    module: torch.nn.Module,
+    inputs: Sequence[torch.Tensor] | torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    loss: str = "cross_entropy",
+    name: str | None = None,
+    **kwargs: Any,
+):
+    """One float64 step of the imported module against ``module`` (``unroll verify``): the
+    report (``.ok``, ``.table()``). ``module`` itself is left as it is (a copy is stepped)."""
+    from unroller.verify import verify_text
+
+    text = import_text(module, inputs, target, loss, name)
+    return verify_text(text, module, **kwargs)
