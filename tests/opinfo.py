@@ -688,8 +688,39 @@ def _sdpa_peaked(dtype: torch.dtype) -> Sample:
 
 
 def _sdpa_reference(s: Sample, ctx: Ctx) -> Tensor:
+    kwargs = dict(s.kwargs)
+    dropout = kwargs.pop("dropout", 0.0)
+    if dropout:  # the generated kernel's mask, drawn after the same seed (verify's reference)
+        from unroller.verify import reference_dropped_attention
+
+        torch.manual_seed(s.seed)
+        q, k, v = s.inputs
+        return reference_dropped_attention(
+            q,
+            k,
+            v,
+            None,
+            dropout,
+            kwargs.get("is_causal", False),
+            kwargs.get("scale"),
+            kwargs.get("enable_gqa", False),
+        )
     with _math_attention():
-        return F.scaled_dot_product_attention(*s.inputs, **s.kwargs)
+        return F.scaled_dot_product_attention(*s.inputs, **kwargs)
+
+
+def _sdpa_dropout_case(causal: bool, kv_heads: int, p: float) -> Case:
+    """Dropout on the probabilities (gpu; ipu refuses it): the mask from a generator seeded
+    by one draw of torch's stream after ``seed``, drawn again in the backward."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        q = randn(2, 4, 5, 3, dtype=dtype)
+        k, v = randn(2, kv_heads, 6, 3, dtype=dtype), randn(2, kv_heads, 6, 2, dtype=dtype)
+        kwargs = dict(is_causal=causal, dropout=p, enable_gqa=kv_heads != 4)
+        return Sample((q, k, v), kwargs=kwargs, seed=11)
+
+    return Case(f"dropout{p}-Hkv{kv_heads}-{'causal' if causal else 'full'}", make)
 
 
 # embed dim, heads, length, bias, is_causal
@@ -1590,7 +1621,13 @@ ROWS: tuple[OpInfo, ...] = (
         _sdpa_reference,
         tuple(_sdpa_case(*c) for c in SDPA_CASES)
         + (Case("peaked", _sdpa_peaked),)
-        + (_sdpa_gqa_case(4, 2, True), _sdpa_gqa_case(6, 2, False), _sdpa_gqa_case(3, 3, True)),
+        + (_sdpa_gqa_case(4, 2, True), _sdpa_gqa_case(6, 2, False), _sdpa_gqa_case(3, 3, True))
+        + (
+            _sdpa_dropout_case(False, 4, 0.3),
+            _sdpa_dropout_case(True, 2, 0.5),
+            _sdpa_dropout_case(True, 4, 0.1),
+        ),
+        ipu_unsupported="forward",
         **_ATTENTION,
     ),
     OpInfo(

@@ -22,6 +22,7 @@ report says what was done.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import math
@@ -402,10 +403,15 @@ def _feeds_bce_target(value: Value) -> bool:
 def text_dropouts(graph: Graph) -> list[str]:
     """'name (p=0.2)' for every dropout statement of the text that draws a mask."""
     return [
-        f"{node.name} (p={node.args['p']:g})"
+        f"{node.name} (p={node.args[key]:g})"
         for node in graph.nodes
-        if node.op.name == "dropout" and node.args.get("p", 0.0) > 0
+        for key in DROPOUT_ARGS.get(node.op.name, ())
+        if node.args.get(key, 0.0) > 0
     ]
+
+
+#: operator -> its dropout probability argument (attention drops its probabilities)
+DROPOUT_ARGS = {"dropout": ("p",), "scaled_dot_product_attention": ("dropout",)}
 
 
 def module_dropouts(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -428,13 +434,15 @@ def _module_dropout_text(name: str, sub: Any) -> str:
 
 
 def dropout_off(model: ModelAST) -> ModelAST:
-    """The model with ``p=0.0`` in every ``dropout`` statement, blocks included."""
+    """The model with ``p=0.0`` in every ``dropout`` statement and ``dropout=0.0`` in every
+    attention, blocks included."""
 
     def fix(call: Call) -> Call:
-        if call.op != "dropout":
+        if call.op not in DROPOUT_ARGS:
             return call
-        kwargs = [kw for kw in call.kwargs if kw.name != "p"]
-        kwargs.append(KwArg("p", Const(0.0, call.op_loc), call.op_loc))
+        (key,) = DROPOUT_ARGS[call.op]
+        kwargs = [kw for kw in call.kwargs if kw.name != key]
+        kwargs.append(KwArg(key, Const(0.0, call.op_loc), call.op_loc))
         return replace(call, kwargs=tuple(kwargs))
 
     blocks = [replace(b, body=tuple(fix(c) for c in b.body)) for b in model.blocks]
@@ -628,7 +636,7 @@ def _run(report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dr
     _note_setup(report, setup, fresh, dropout, seed)
     _float64_twins(report, fresh)
     inputs = make_inputs(setup.graph, batch_size, seed)
-    _step_and_compare(report, setup, fresh, generated, inputs, seed)
+    _step_and_compare(report, setup, fresh, generated, inputs, seed, dropout)
     require_finite(report, fresh)
 
 
@@ -683,7 +691,9 @@ def _note_setup(report: VerifyReport, setup: _Setup, original, dropout: str, see
         _switch_off(found)
 
 
-def _step_and_compare(report: VerifyReport, setup: _Setup, original, generated, inputs, seed):
+def _step_and_compare(
+    report: VerifyReport, setup: _Setup, original, generated, inputs, seed, dropout="seeded"
+):
     """One training step on both sides, then every comparison, into ``report``."""
     import torch
 
@@ -699,8 +709,9 @@ def _step_and_compare(report: VerifyReport, setup: _Setup, original, generated, 
     twin = copy.deepcopy(original)  # the same step on the batch given twice: rounding noise
     try:
         torch.manual_seed(seed)
-        ref_loss = _original_loss(original, plan, model_inputs, other)
-        ref_loss.backward()
+        with attention_dropout_as_generated(dropout):
+            ref_loss = _original_loss(original, plan, model_inputs, other)
+            ref_loss.backward()
     except Exception as exc:  # noqa: BLE001 - the user's module on the declared inputs
         report.problems.append(
             f"the original's step on inputs of the declared shapes failed: {exc!r}"
@@ -792,6 +803,67 @@ def _noise_checked(rows: list[Row], noise: dict[str, float]) -> list[Row]:
             row = replace(row, ok=True, note=note)
         out.append(row)
     return out
+
+
+@contextlib.contextmanager
+def attention_dropout_as_generated(mode: str):
+    """While the original steps: ``F.scaled_dot_product_attention`` with dropout_p > 0 draws
+    its mask as the generated kernel does (``seeded``: one draw of torch's random stream
+    seeds a generator whose uniform draws >= p are kept; gpu.attention_keep) and computes
+    the attention by the math formula under autograd; ``off``: with dropout_p = 0, as the
+    generated side then runs. torch's own kernels draw their masks otherwise, so without
+    this no attention dropout could be compared."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+
+    def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        if not dropout_p:
+            return real(query, key, value, attn_mask, 0.0, is_causal, **kw)
+        if mode == "off":
+            return real(query, key, value, attn_mask, 0.0, is_causal, **kw)
+        return reference_dropped_attention(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            kw.get("scale"),
+            kw.get("enable_gqa", False),
+        )
+
+    F.scaled_dot_product_attention = patched
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def reference_dropped_attention(q, k, v, attn_mask, p, is_causal, scale, enable_gqa):
+    """softmax(q k^T * scale + mask) with dropout (the generated kernel's mask) @ v, under
+    autograd: the reference the generated attention dropout is compared with."""
+    import torch
+
+    from unroller.runtime.gpu import attention_keep, attention_seed
+
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+    softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-2, -1)) * softmax_scale
+    if is_causal:
+        allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None:
+        s = (
+            s.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else s + attn_mask
+        )
+    probs = torch.softmax(s, dim=-1)
+    keep = attention_keep(attention_seed(), probs.shape, p, probs.device)
+    return torch.matmul(probs * keep / (1 - p), v)
 
 
 def _original_loss(original, plan: LossPlan, model_inputs, other):

@@ -685,13 +685,13 @@ def matmul(view):
 @maps("aten.scaled_dot_product_attention.default")
 def sdpa(view):
     a = view.a
-    if float(a["dropout_p"]) != 0.0:
-        raise Refuse("attention dropout")
     causal = bool(a["is_causal"])
     if a["attn_mask"] is not None:
         causal = view.causal_mask(a["attn_mask"], causal)
     scale = a.get("scale")
     gqa = {"enable_gqa": True} if a.get("enable_gqa") else {}  # grouped-query attention
+    if float(a["dropout_p"]) != 0.0:
+        gqa["dropout"] = float(a["dropout_p"])
     return view.stmt(
         "scaled_dot_product_attention",
         [view.value("query"), view.value("key"), view.value("value")],

@@ -40,6 +40,7 @@ from unroller.runtime.common import (  # noqa: F401
     Layers,
     Needs,
     Pair,
+    _attention_factors,
     _ceil_mode_of,
     _exports,
     _fit,
@@ -1298,6 +1299,17 @@ def _flash_enabled() -> bool:
     return os.environ.get("UNROLLER_ATEN_ATTENTION", "1").strip() != "0"
 
 
+def _attention(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    """(output, lse): ATen's CPU flash kernel where it applies, else the blocks."""
+    if _aten_flash(q, k, v):
+        return _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, scale=scale
+        )
+    return _blocks.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+
+
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
@@ -1306,17 +1318,53 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """F.scaled_dot_product_attention (no mask but the causal one, no dropout). Returns
-    (output [N, H, L, Ev], lse [N, H, L]); the backward reads q, k, v, the output and lse.
-    ``enable_gqa``: k and v may have fewer heads, each serving a group of query heads."""
+    dropout: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """F.scaled_dot_product_attention (no mask but the causal one). Returns (output [N, H, L,
+    Ev], lse [N, H, L], seed); the backward reads q, k, v, the output, lse and the seed.
+    ``enable_gqa``: k and v may have fewer heads, each serving a group of query heads.
+    ``dropout`` > 0: the probabilities are dropped with a keep-mask drawn from a generator
+    seeded by one draw of torch's random stream (``attention_keep``), which the backward
+    draws again from the kept seed (the mask is never kept); the attention then runs whole."""
     if enable_gqa:
         k, v = _blocks.gqa_heads(k, q.shape[1]), _blocks.gqa_heads(v, q.shape[1])
-    if _aten_flash(q, k, v):
-        return _aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, scale=scale
-        )
-    return _blocks.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    if dropout:
+        seed = attention_seed()
+        keep = attention_keep(seed, (*q.shape[:-1], k.shape[-2]), dropout, q.device)
+        out, lse = _dropped_attention(q, k, v, keep, dropout, is_causal, scale)
+        return out, lse, seed
+    out, lse = _attention(q, k, v, is_causal, scale)
+    return out, lse, None
+
+
+def attention_seed() -> Tensor:
+    """One draw of torch's random stream (CPU) seeding an attention's dropout mask."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+
+
+def attention_keep(seed: Tensor, shape: tuple[int, ...], p: float, device) -> Tensor:
+    """The keep-mask of attention dropout: uniform float32 draws of a generator seeded with
+    ``seed``, kept where at least p (so each is kept with probability 1 - p)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed.item()))
+    return torch.rand(shape, generator=generator, device=device) >= p
+
+
+def _scores(q: Tensor, k: Tensor, is_causal: bool, scale: float | None) -> Tensor:
+    qa, kb = _attention_factors(q.shape[-1], scale)
+    s = torch.matmul(q * qa, (k * kb).transpose(-2, -1))
+    if is_causal:
+        rows, cols = s.shape[-2:]
+        allowed = torch.ones(rows, cols, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+def _dropped_attention(q, k, v, keep, p, is_causal, scale) -> tuple[Tensor, Tensor]:
+    s = _scores(q, k, is_causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    probs = torch.exp(s - lse.unsqueeze(-1))
+    return torch.matmul(probs * keep / (1 - p), v), lse
 
 
 def scaled_dot_product_attention_backward(
@@ -1326,23 +1374,39 @@ def scaled_dot_product_attention_backward(
     v: Tensor,
     output: Tensor,
     lse: Tensor,
+    seed: Tensor | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    dropout: float = 0.0,
     needs: Needs | None = None,
 ) -> Grads:
     """Gradients of q, k, v (only those ``needs`` asks for), the probabilities remade from q,
-    k and lse."""
+    k and lse (and the dropout mask from the seed)."""
     if not any(_need(needs, i) for i in range(3)):
         return _fit((), needs)
     if enable_gqa and k.shape[1] != q.shape[1]:
         kv_heads = k.shape[1]
         k, v = _blocks.gqa_heads(k, q.shape[1]), _blocks.gqa_heads(v, q.shape[1])
         grads = scaled_dot_product_attention_backward(
-            g, q, k, v, output, lse, is_causal=is_causal, scale=scale, needs=needs
+            g,
+            q,
+            k,
+            v,
+            output,
+            lse,
+            seed,
+            is_causal=is_causal,
+            scale=scale,
+            dropout=dropout,
+            needs=needs,
         )
         return tuple(_blocks.gqa_grad(t, kv_heads) if i else t for i, t in enumerate(grads))
+    if dropout:
+        return _dropped_attention_backward(
+            g, q, k, v, output, lse, seed, dropout, is_causal, scale, needs
+        )
     if _aten_flash(q, k, v):
         grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             g, q, k, v, output, lse, 0.0, is_causal, scale=scale
@@ -1351,6 +1415,23 @@ def scaled_dot_product_attention_backward(
     return _blocks.scaled_dot_product_attention_backward(
         g, q, k, v, output, lse, is_causal=is_causal, scale=scale, needs=needs
     )
+
+
+def _dropped_attention_backward(g, q, k, v, output, lse, seed, p, is_causal, scale, needs):
+    """dV = (P * Z)^T dO, dP = (dO V^T) * Z, dS = P * (dP - rowsum(dO * O)), with Z the
+    kept mask over 1 - p, remade from the seed; dQ, dK through the two scale factors."""
+    qa, kb = _attention_factors(q.shape[-1], scale)
+    probs = torch.exp(_scores(q, k, is_causal, scale) - lse.unsqueeze(-1))
+    keep = attention_keep(seed, probs.shape, p, q.device)
+    dropped = probs * keep / (1 - p)  # as the forward made it
+    gv = torch.matmul(dropped.transpose(-2, -1), g) if _need(needs, 2) else None
+    gq = gk = None
+    if _need(needs, 0) or _need(needs, 1):
+        d = (g * output).sum(-1, keepdim=True)
+        ds = (torch.matmul(g, v.transpose(-2, -1)) / (1 - p) * keep - d) * probs
+        gq = torch.matmul(ds, k * kb) * qa if _need(needs, 0) else None
+        gk = torch.matmul(ds.transpose(-2, -1), q * qa) * kb if _need(needs, 1) else None
+    return _fit((gq, gk, gv), needs)
 
 
 def _mha_tensors(layer: torch.nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
@@ -1377,7 +1458,7 @@ def multihead_attention(
     heads = proj.view(n, length, 3, num_heads, embed // num_heads).permute(2, 0, 3, 1, 4)
     q, k, v = heads.unbind(0)
     del proj, heads
-    y, lse = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    y, lse = _attention(q, k, v, is_causal, None)
     context = y.transpose(1, 2).reshape(n, length, embed)
     del y
     return torch.nn.functional.linear(context, w_out, b_out), q, k, v, lse, context

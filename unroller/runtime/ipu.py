@@ -70,9 +70,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from unroller.runtime.attention import (  # noqa: F401  (re-exported: see __all__ at the end)
-    scaled_dot_product_attention,
-    scaled_dot_product_attention_backward,
+from unroller.runtime.attention import scaled_dot_product_attention as _sdpa_blocks
+from unroller.runtime.attention import (
+    scaled_dot_product_attention_backward as _sdpa_blocks_backward,
 )
 from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ at the end)
     IGNORE_INDEX,
@@ -217,6 +217,11 @@ def _constant(key: tuple, device: torch.device, build: Callable[[], Tensor]) -> 
 
 def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
     """Why a node with these args cannot run on the IPU platform, or None when it can."""
+    if op_name == "scaled_dot_product_attention" and float(args.get("dropout", 0.0)) > 0:
+        return (
+            "attention dropout is not supported on the ipu platform: its mask is drawn from "
+            "a seeded generator, which PopTorch's random ops do not take (use dropout=0.0)"
+        )
     if op_name in ("conv2d", "conv_transpose2d", "conv1d"):
         dilation = tuple(int(d) for d in _pair(args.get("dilation", 1)))
         if dilation != (1, 1):
@@ -226,6 +231,55 @@ def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
                 f"{needs} needs a transposed convolution with dilation, which PopTorch lacks"
             )
     return None
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dropout: float = 0.0,
+) -> tuple[Tensor, Tensor, None]:
+    """unroller.runtime.attention's, block by block (the seed extra is None: no dropout)."""
+    if dropout:
+        raise NotImplementedError(unsupported("scaled_dot_product_attention", {"dropout": dropout}))
+    out, lse = _sdpa_blocks(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return out, lse, None
+
+
+def scaled_dot_product_attention_backward(
+    g: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    output: Tensor,
+    lse: Tensor,
+    seed: Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dropout: float = 0.0,
+    needs: Needs | None = None,
+) -> Grads:
+    """unroller.runtime.attention's backward (no dropout on this platform)."""
+    if dropout:
+        raise NotImplementedError(unsupported("scaled_dot_product_attention", {"dropout": dropout}))
+    return _sdpa_blocks_backward(
+        g,
+        q,
+        k,
+        v,
+        output,
+        lse,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        needs=needs,
+    )
 
 
 def _no_dilation(op_name: str, dilation: Any) -> None:
@@ -1193,7 +1247,7 @@ def multihead_attention(
     proj = F.linear(x, layer.in_proj_weight, getattr(layer, "in_proj_bias", None))
     heads = proj.reshape(n, length, 3, num_heads, embed // num_heads).permute(2, 0, 3, 1, 4)
     q, k, v = heads[0], heads[1], heads[2]
-    y, lse = scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    y, lse = _sdpa_blocks(q, k, v, is_causal=is_causal)
     context = y.transpose(1, 2).reshape(n, length, embed)
     return linear(context, out_layer), q, k, v, lse, context
 
@@ -1227,7 +1281,7 @@ def multihead_attention_backward(
         heads, head_dim = q.shape[1], q.shape[3]
         g_y = g_context.reshape(n, length, heads, head_dim).transpose(1, 2)
         y = context.reshape(n, length, heads, head_dim).transpose(1, 2)
-        grads = scaled_dot_product_attention_backward(g_y, q, k, v, y, lse, is_causal=is_causal)
+        grads = _sdpa_blocks_backward(g_y, q, k, v, y, lse, is_causal=is_causal)
         g_proj = torch.cat([t.transpose(1, 2).reshape(n, length, embed) for t in grads], -1)
         g_proj2 = g_proj.reshape(n * length, 3 * embed)
         if _need(needs, 0):
