@@ -485,8 +485,13 @@ def test_sdpa_scale_is_optional_and_left_out_when_absent():
         _sdpa_model(Q, call="scaled_dot_product_attention(q, q, q, is_causal=true)"), "m.txt"
     )
     node = graph.node("a")
-    assert node.args == {"is_causal": True, "scale": None, "enable_gqa": False}
-    assert node.kernel_kwargs == {"is_causal": True, "scale": None, "enable_gqa": False}
+    assert node.args == {"is_causal": True, "scale": None, "enable_gqa": False, "dropout": 0.0}
+    assert node.kernel_kwargs == {
+        "is_causal": True,
+        "scale": None,
+        "enable_gqa": False,
+        "dropout": 0.0,
+    }
 
 
 def test_registry_optional_argument_and_fixed_module_keywords(tmp_path: Path):
