@@ -1354,6 +1354,7 @@ def hf_gpt2(
     attn_implementation: str = "eager",
     tie_word_embeddings: bool = True,
     freeze: list[str] | None = None,
+    dropout: float = 0.0,
 ) -> nn.Module:
     """``transformers.GPT2LMHeadModel`` from a 2-layer config; ``forward(input_ids).logits``.
 
@@ -1370,9 +1371,9 @@ def hf_gpt2(
         n_embd=width,
         n_layer=layers,
         n_head=heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         use_cache=False,
         bos_token_id=vocab - 1,
         eos_token_id=vocab - 1,
@@ -1400,6 +1401,7 @@ def hf_bert(
     num_labels: int = 3,
     attn_implementation: str = "eager",
     classify: bool = True,
+    dropout: float = 0.0,
 ) -> nn.Module:
     """``transformers.BertForSequenceClassification`` (or ``BertModel`` when ``classify`` is
     false) from a 2-layer config; ``forward(input_ids)`` with no attention mask."""
@@ -1412,9 +1414,9 @@ def hf_bert(
         num_attention_heads=heads,
         intermediate_size=4 * width,
         max_position_embeddings=positions,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        classifier_dropout=0.0,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        classifier_dropout=dropout,
         num_labels=num_labels,
         use_cache=False,
         attn_implementation=attn_implementation,

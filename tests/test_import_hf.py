@@ -55,3 +55,31 @@ def test_gpt2_with_tied_weights_imports_the_tie():
         'lm_head = linear(transformer.ln_f, out_features=64, bias=false, tied_weight="transformer.wte.weight")'
         in imported.text
     )
+
+
+@pytest.mark.parametrize("spec,target", [("hf_bert", None), ("hf_gpt2", "y: i64[N, 16]")])
+@pytest.mark.parametrize("dropout_mode", ["seeded", "off"])
+def test_default_dropout_imports_and_verifies_exactly(spec, target, dropout_mode):
+    """Dropout 0.1 everywhere (the configs' default), attention probabilities included: the
+    attention keeps dropout=0.1, and verify runs the original with the generated kernel's
+    masks (seeded) or with every dropout off, exactly either way."""
+    kwargs = {"attn_implementation": "sdpa", "dropout": 0.1}
+    if spec == "hf_gpt2":
+        kwargs["tie_word_embeddings"] = True
+    text = import_network(f"{ZOO}:{spec}", ["ids: i64[N, 16]"], target, kwargs=kwargs).text
+    attention = [line for line in text.splitlines() if "scaled_dot_product_attention(" in line]
+    assert attention and all("dropout=0.1" in line for line in attention)
+    report = verify_text(text, f"{ZOO}:{spec}", kwargs, dropout=dropout_mode)
+    assert report.ok, report.problems or report.table()
+    assert any("scaled_dot_product_attention (p=0.1)" in note for note in report.notes)
+
+
+def test_attention_dropout_is_refused_on_the_ipu_platform():
+    from unroller.api import generate_from_text
+    from unroller.codegen import Options
+    from unroller.errors import ModelError
+
+    kwargs = {"attn_implementation": "sdpa", "dropout": 0.1}
+    text = import_network(f"{ZOO}:hf_bert", ["ids: i64[N, 16]"], kwargs=kwargs).text
+    with pytest.raises((ModelError, NotImplementedError), match="attention dropout"):
+        generate_from_text(text, Options(platform="ipu"))

@@ -1337,6 +1337,22 @@ def scaled_dot_product_attention(
     return out, lse, None
 
 
+def scaled_dot_product_attention_eval(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dropout: float = 0.0,
+) -> Tensor:
+    """The attention in evaluation mode: no dropout (as torch modules pass dropout_p=0 then)."""
+    return scaled_dot_product_attention(
+        q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )[0]
+
+
 def attention_seed() -> Tensor:
     """One draw of torch's random stream (CPU) seeding an attention's dropout mask."""
     return torch.randint(0, 2**62, (1,), dtype=torch.int64)
