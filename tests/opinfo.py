@@ -709,6 +709,13 @@ def _sdpa_reference(s: Sample, ctx: Ctx) -> Tensor:
         return F.scaled_dot_product_attention(*s.inputs, **kwargs)
 
 
+def _sdpa_eval_reference(s: Sample) -> Tensor:
+    """Evaluation mode: no dropout (torch modules pass dropout_p=0 when not training)."""
+    kwargs = {k: v for k, v in s.kwargs.items() if k != "dropout"}
+    with _math_attention():
+        return F.scaled_dot_product_attention(*s.inputs, **kwargs)
+
+
 def _sdpa_dropout_case(causal: bool, kv_heads: int, p: float) -> Case:
     """Dropout on the probabilities (gpu; ipu refuses it): the mask from a generator seeded
     by one draw of torch's stream after ``seed``, drawn again in the backward."""
@@ -1628,6 +1635,7 @@ ROWS: tuple[OpInfo, ...] = (
             _sdpa_dropout_case(True, 4, 0.1),
         ),
         ipu_unsupported="forward",
+        eval_reference=_sdpa_eval_reference,
         **_ATTENTION,
     ),
     OpInfo(
