@@ -1426,6 +1426,31 @@ def hf_bert(
     return BertModel(config)
 
 
+def hf_distilbert(
+    vocab: int = 64,
+    positions: int = 16,
+    width: int = 32,
+    heads: int = 2,
+    layers: int = 2,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """``transformers.DistilBertForSequenceClassification`` from a 2-layer config with its
+    defaults otherwise (dropout 0.1, attention dropout 0.1, sequence-classifier dropout
+    0.2); ``forward(input_ids).logits``."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    config = DistilBertConfig(
+        vocab_size=vocab,
+        dim=width,
+        n_layers=layers,
+        n_heads=heads,
+        hidden_dim=2 * width,
+        max_position_embeddings=positions,
+        attn_implementation=attn_implementation,
+    )
+    return DistilBertForSequenceClassification(config)
+
+
 def hf_llama(
     vocab: int = 64,
     positions: int = 32,
@@ -1495,6 +1520,7 @@ ZOO: dict[str, tuple[Callable[..., nn.Module], dict[str, Any], Callable[[int], T
     "hf_gpt2": (hf_gpt2, {}, _tokens()),
     "hf_bert": (hf_bert, {}, _tokens()),
     "hf_llama": (hf_llama, {}, _tokens()),
+    "hf_distilbert": (hf_distilbert, {}, _tokens()),
     "efficientnet_b0": (efficientnet_b0, {"width_mult": 0.1, "depth_mult": 0.5}, _images()),
     "convnext_tiny": (
         convnext_tiny,

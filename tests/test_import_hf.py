@@ -83,3 +83,13 @@ def test_attention_dropout_is_refused_on_the_ipu_platform():
     text = import_network(f"{ZOO}:hf_bert", ["ids: i64[N, 16]"], kwargs=kwargs).text
     with pytest.raises((ModelError, NotImplementedError), match="attention dropout"):
         generate_from_text(text, Options(platform="ipu"))
+
+
+@pytest.mark.parametrize("dropout_mode", ["seeded", "off"])
+def test_distilbert_at_its_defaults_imports_and_verifies_exactly(dropout_mode):
+    """DistilBERT with every default (dropout 0.1 on hidden states and attention, 0.2 before
+    the classifier)."""
+    text = import_network(f"{ZOO}:hf_distilbert", ["ids: i64[N, 16]"]).text
+    assert "dropout=0.1" in text and "p=0.2" in text
+    report = verify_text(text, f"{ZOO}:hf_distilbert", {}, dropout=dropout_mode)
+    assert report.ok, report.problems or report.table()
