@@ -1451,6 +1451,32 @@ def hf_distilbert(
     return DistilBertForSequenceClassification(config)
 
 
+def hf_roberta(
+    vocab: int = 64,
+    positions: int = 20,
+    width: int = 32,
+    heads: int = 2,
+    layers: int = 2,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """``transformers.RobertaForSequenceClassification`` from a 2-layer config with its
+    defaults otherwise (dropout 0.1, attention's included; position ids computed from the
+    token ids, padding at 1); ``forward(input_ids).logits``."""
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    config = RobertaConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * width,
+        max_position_embeddings=positions,
+        pad_token_id=1,
+        attn_implementation=attn_implementation,
+    )
+    return RobertaForSequenceClassification(config)
+
+
 def hf_llama(
     vocab: int = 64,
     positions: int = 32,
@@ -1521,6 +1547,7 @@ ZOO: dict[str, tuple[Callable[..., nn.Module], dict[str, Any], Callable[[int], T
     "hf_bert": (hf_bert, {}, _tokens()),
     "hf_llama": (hf_llama, {}, _tokens()),
     "hf_distilbert": (hf_distilbert, {}, _tokens()),
+    "hf_roberta": (hf_roberta, {}, _tokens()),
     "efficientnet_b0": (efficientnet_b0, {"width_mult": 0.1, "depth_mult": 0.5}, _images()),
     "convnext_tiny": (
         convnext_tiny,

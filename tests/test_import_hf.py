@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from unroller.importer.api import import_network
 from unroller.verify import verify_text
@@ -93,3 +94,28 @@ def test_distilbert_at_its_defaults_imports_and_verifies_exactly(dropout_mode):
     assert "dropout=0.1" in text and "p=0.2" in text
     report = verify_text(text, f"{ZOO}:hf_distilbert", {}, dropout=dropout_mode)
     assert report.ok, report.problems or report.table()
+
+
+@pytest.mark.parametrize("dropout_mode", ["seeded", "off"])
+def test_roberta_at_its_defaults_imports_and_verifies_exactly(dropout_mode):
+    """RoBERTa: position ids computed from the token ids (padding tokens at padding_idx)
+    are one ``padded_positions`` statement, and its zero token types gathered at them are
+    a constant row; dropout 0.1 everywhere."""
+    text = import_network(f"{ZOO}:hf_roberta", ["ids: i64[N, 16]"]).text
+    assert "roberta.embeddings.positions = padded_positions(ids, padding_idx=1)" in text
+    assert "token_type_embeddings = embedding_rows(" in text
+    report = verify_text(text, f"{ZOO}:hf_roberta", {}, dropout=dropout_mode)
+    assert report.ok, report.problems or report.table()
+
+
+def test_padded_positions_is_roberta_s_function():
+    from transformers.models.roberta.modeling_roberta import RobertaEmbeddings
+
+    from unroller.runtime import gpu, ipu
+
+    ids = torch.randint(0, 9, (5, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, ::4] = 1
+    ids[0] = 1
+    want = RobertaEmbeddings.create_position_ids_from_input_ids(ids, 1)
+    for kernels in (gpu, ipu):
+        assert torch.equal(kernels.padded_positions(ids, padding_idx=1), want)

@@ -396,6 +396,14 @@ def embedding(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeR
     return ShapeResult(TensorType(MODEL_FLOAT, (*ids.shape, args["embedding_dim"])))
 
 
+def padded_positions(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """ids i64[N, L] -> positions i64[N, L] (no gradient)."""
+    (ids,) = inputs
+    if ids.dtype != "i64" or ids.rank != 2:
+        raise ShapeError(f"{op} needs token ids i64[N, L], got {ids}", 0)
+    return ShapeResult(ids)
+
+
 def embedding_rows(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """Rows start .. start+length-1 of a table [num_embeddings, embedding_dim]: [length,
     embedding_dim] without the batch dim (a free parameter's form: it meets batched tensors

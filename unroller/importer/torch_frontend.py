@@ -226,10 +226,12 @@ class _Mapper:
         self.leaf_paths = {
             name for name, sub in module.named_modules() if not any(True for _ in sub.children())
         }
+        self.uniform: dict[fx.Node, object] = {}  # uniform gathers (_uniform_gather)
         self.groups = self._collapsed_groups()
         self.live = self._live_nodes()
         self.constant = self._constant_nodes()
         self.rotary, self.absorbed = self._rotary_patterns()
+        self.positions = self._position_patterns()
 
     # ---- the graph's signature: which placeholder is what
 
@@ -344,7 +346,27 @@ class _Mapper:
                 inputs = [a for a in node.all_input_nodes if not _is_size_value(a)]
                 if all(a in constant for a in inputs):
                     constant.add(node)
+                elif self._uniform_gather(node, constant):
+                    constant.add(node)
         return constant
+
+    def _uniform_gather(self, node: fx.Node, constant: set[fx.Node]) -> bool:
+        """A gather from a constant tensor whose elements are all one value (RoBERTa's
+        zero token types gathered at the position ids): that value everywhere, whatever
+        the indices, so a constant of the index's shape (``self.uniform``)."""
+        if _target_name(node) != "aten.gather.default" or node.args[0] not in constant:
+            return False
+        try:
+            source = _constant_value(self, node.args[0])
+        except Refuse:
+            return False
+        if not isinstance(source, torch.Tensor) or source.numel() == 0:
+            return False
+        first = source.reshape(-1)[0]
+        if not bool((source == first).all()):
+            return False
+        self.uniform[node] = first.item()
+        return True
 
     def _rotary_patterns(self) -> tuple[dict[fx.Node, rotary.Rotary], set[fx.Node]]:
         """Rotary embeddings (``rotary``): the final add of each -> the match; the nodes
@@ -372,6 +394,106 @@ class _Mapper:
             found[node] = hit
             absorbed |= hit.nodes
         return found, absorbed
+
+    def _position_patterns(self) -> dict[fx.Node, tuple[fx.Node, int]]:
+        """Position ids computed from the token ids (RoBERTa's
+        ``create_position_ids_from_input_ids``): an integer tensor that an embedding looks
+        up, computed from one integer input only, whose values equal ``padded_positions``
+        of that input for the embedding's padding_idx on sample ids, padding included ->
+        (the input, padding_idx). Its nodes are then not mapped one by one."""
+        found: dict[fx.Node, tuple[fx.Node, int]] = {}
+        for node in self.nodes:
+            if node not in self.live or _target_name(node) != "aten.embedding.default":
+                continue
+            idx = node.args[1] if len(node.args) > 1 else None
+            if not isinstance(idx, fx.Node) or idx.op == "placeholder" or idx in self.constant:
+                continue
+            hit = self._positions_of(node, idx)
+            if hit is not None:
+                found[idx] = hit
+                self.absorbed |= hit[2]
+        return {k: (ids, pad) for k, (ids, pad, _) in found.items()}
+
+    def _positions_of(self, embedding: fx.Node, idx: fx.Node):
+        val = idx.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.int64 or val.dim() != 2:
+            return None
+        inputs, inside = set(), []
+        todo, seen = [idx], set()
+        while todo:
+            current = todo.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            if current.op == "placeholder":
+                if current.name not in self.user_inputs:
+                    return None  # reads a parameter or buffer
+                inputs.add(current)
+                continue
+            if _target_name(current) != "aten.sym_size.int":
+                inside.append(current)
+                todo.extend(current.all_input_nodes)
+        if len(inputs) != 1:
+            return None
+        (ids,) = inputs
+        if ids.meta["val"].dtype != torch.int64 or tuple(ids.meta["val"].shape[1:]) != tuple(
+            val.shape[1:]
+        ):
+            return None
+        inside_set = set(inside)
+        if any(
+            u not in inside_set and u is not embedding
+            for n in inside
+            for u in n.users
+            if u in self.live and n is not idx
+        ):
+            return None  # a part of it is read elsewhere
+        path, _ = self.where(embedding)
+        pads = []
+        with contextlib.suppress(AttributeError):
+            pads.append(self.module.get_submodule(path).padding_idx)
+        pads += [1, 0]
+        for pad in dict.fromkeys(p for p in pads if isinstance(p, int) and p >= 0):
+            if self._computes_positions(idx, ids, inside_set, pad):
+                return ids, pad, inside_set - {idx}
+        return None
+
+    def _computes_positions(self, idx, ids, inside: set, pad: int) -> bool:
+        """Whether the subgraph gives ``padded_positions(sample, pad)`` on sample ids (with
+        padding tokens, rows of only padding and rows without any)."""
+        from unroller.runtime.common import padded_positions
+
+        length = int(ids.meta["val"].shape[1])
+        generator = torch.Generator().manual_seed(0)
+        for trial in range(4):
+            sample = torch.randint(0, pad + 50, (EXAMPLE_BATCH, length), generator=generator)
+            sample[:, ::3] = pad if trial % 2 else sample[:, ::3]
+            if trial == 3:
+                sample[0] = pad
+            try:
+                got = self._run_on(idx, ids, sample, inside)
+            except Exception:  # noqa: BLE001 - not a computation of the ids alone
+                return False
+            if not isinstance(got, torch.Tensor) or not torch.equal(
+                got, padded_positions(sample, padding_idx=pad)
+            ):
+                return False
+        return True
+
+    def _run_on(self, idx: fx.Node, ids: fx.Node, sample: torch.Tensor, inside: set) -> object:
+        """The value of ``idx`` with the input ``ids`` set to ``sample``."""
+        values: dict[fx.Node, object] = {ids: sample}
+        for node in self.nodes:
+            if _target_name(node) == "aten.sym_size.int":
+                if node.args[0] is ids:
+                    values[node] = sample.shape[int(node.args[1])]
+                continue
+            if node not in inside:
+                continue
+            args = fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+            values[node] = node.target(*args, **kwargs)
+        return values.get(idx)
 
     def _live_nodes(self) -> set[fx.Node]:
         output = next(n for n in reversed(self.nodes) if n.op == "output")
@@ -412,6 +534,8 @@ class _Mapper:
         short = target.split(".")[1] if target.startswith("aten.") else "value"
         if node in self.rotary:
             short = "rotary"  # the add that ends a rotary embedding (_rotary_patterns)
+        elif node in self.positions:
+            short = "positions"  # position ids from the token ids (_position_patterns)
         if target == "getitem":
             short = "split"
         short = short.rstrip("_") or "value"
@@ -475,6 +599,13 @@ class _Mapper:
                     self._collapse(path)
                 continue
             if node in self.absorbed:
+                continue
+            if node in self.positions:
+                ids, pad = self.positions[node]
+                view = NodeView(self, node, target)
+                self.values[node] = view.stmt(
+                    "padded_positions", [self.value_of(ids)], padding_idx=pad
+                )
                 continue
             if node in self.rotary:
                 self._map_rotary(node, self.rotary[node])
@@ -1024,7 +1155,7 @@ def _dependencies(mapper: _Mapper, node: fx.Node) -> list[fx.Node]:
             if current.name not in mapper.constants:
                 raise Refuse("an attention mask computed from the inputs or the weights")
             continue
-        if _target_name(current) == "aten.sym_size.int":
+        if _target_name(current) == "aten.sym_size.int" or current in mapper.uniform:
             continue
         todo.extend(current.all_input_nodes)
     return [n for n in mapper.nodes if n in seen]
@@ -1046,6 +1177,13 @@ def _constant_value(mapper: _Mapper, node: fx.Node) -> torch.Tensor:
     for current in _dependencies(mapper, node):
         if current.op == "placeholder":
             values[current] = constants[current.name]
+        elif current in mapper.uniform:
+            shape = [
+                EXAMPLE_BATCH if mapper.dim(d) == BATCH else int(d)
+                for d in current.meta["val"].shape
+            ]
+            dtype = current.meta["val"].dtype
+            values[current] = torch.full(shape, mapper.uniform[current], dtype=dtype)
         elif _target_name(current) == "aten.sym_size.int":
             dim = int(current.args[1])
             size = current.args[0].meta["val"].shape[dim]

@@ -76,6 +76,8 @@ from unroller.runtime.common import (  # noqa: F401
     linear,
     mul,
     mul_backward,
+    padded_positions,
+    padded_positions_backward,
     parameter,
     parameter_backward,
     relu,

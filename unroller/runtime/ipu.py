@@ -112,6 +112,8 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     linear_backward,
     mul,
     mul_backward,
+    padded_positions,
+    padded_positions_backward,
     parameter,
     parameter_backward,
     relu,
