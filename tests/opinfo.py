@@ -680,6 +680,27 @@ def _rotary_reference(s: Sample, ctx: Ctx) -> Tensor:
     return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
 
 
+def _positions_case(label: str, pad: int) -> Case:
+    """Token ids with padding tokens (whole padded rows too): integers in, integers out."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        ids = torch.randint(0, 9, (4, 7))
+        ids[:, ::3] = pad
+        ids[0] = pad
+        return Sample((ids,), kwargs={"padding_idx": pad})
+
+    return Case(label, make, dtypes=(F64,))
+
+
+def _positions_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """Hugging Face RoBERTa's create_position_ids_from_input_ids, as it is written."""
+    (ids,) = s.inputs
+    pad = s.kwargs["padding_idx"]
+    mask = ids.ne(pad).int()
+    return (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + pad
+
+
 def _sdpa_peaked(dtype: torch.dtype) -> Sample:
     """Large scores: softmax rows close to one-hot (probabilities near 0 and 1)."""
     _seeded()
@@ -1637,6 +1658,13 @@ ROWS: tuple[OpInfo, ...] = (
         ipu_unsupported="forward",
         eval_reference=_sdpa_eval_reference,
         **_ATTENTION,
+    ),
+    OpInfo(
+        "padded_positions",
+        _positions_reference,
+        (_positions_case("pad1", 1), _positions_case("pad0", 0)),
+        exact_forward=("gpu", "ipu"),
+        exact_grads=("gpu", "ipu"),
     ),
     OpInfo(
         "rotary",

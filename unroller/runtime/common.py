@@ -286,8 +286,8 @@ def padded_positions(ids: Tensor, *, padding_idx: int) -> Tensor:
     """Position ids from token ids: each non-padding token's count of non-padding tokens up
     to it, plus padding_idx; padding tokens get padding_idx (RoBERTa's positions). Integer
     arithmetic, so exact on every platform; no gradient."""
-    mask = ids.ne(padding_idx).int()
-    return (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + padding_idx
+    mask = (ids != padding_idx).to(torch.int32)
+    return (torch.cumsum(mask, dim=1).to(torch.int32) * mask).to(torch.int64) + padding_idx
 
 
 def padded_positions_backward(g: Tensor, *, padding_idx: int, needs: Needs | None = None) -> Grads:
