@@ -1477,6 +1477,42 @@ def hf_roberta(
     return RobertaForSequenceClassification(config)
 
 
+def hf_gpt_neox(attn_implementation: str = "sdpa") -> nn.Module:
+    """``transformers.GPTNeoXForCausalLM`` from a 2-layer config with its defaults (partial
+    rotary embeddings on a quarter of each head, q/k/v taken apart with ``chunk``)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
+    return GPTNeoXForCausalLM(config)
+
+
+def hf_phi(attn_implementation: str = "sdpa") -> nn.Module:
+    """``transformers.PhiForCausalLM`` from a 2-layer config with its defaults (parallel
+    attention and MLP, LayerNorm, partial rotary embeddings, biases)."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    config = PhiConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
+    return PhiForCausalLM(config)
+
+
 def hf_llama(
     vocab: int = 64,
     positions: int = 32,
@@ -1548,6 +1584,8 @@ ZOO: dict[str, tuple[Callable[..., nn.Module], dict[str, Any], Callable[[int], T
     "hf_llama": (hf_llama, {}, _tokens()),
     "hf_distilbert": (hf_distilbert, {}, _tokens()),
     "hf_roberta": (hf_roberta, {}, _tokens()),
+    "hf_gpt_neox": (hf_gpt_neox, {}, _tokens()),
+    "hf_phi": (hf_phi, {}, _tokens()),
     "efficientnet_b0": (efficientnet_b0, {"width_mult": 0.1, "depth_mult": 0.5}, _images()),
     "convnext_tiny": (
         convnext_tiny,

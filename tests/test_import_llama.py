@@ -136,3 +136,14 @@ def test_use_cache_is_named_with_its_fix():
     text = str(caught.value)
     assert "use_cache=True" in text and "use_cache=False" in text
     assert "key/value cache" in text and "detach_" not in text
+
+
+@pytest.mark.parametrize("factory", ["hf_gpt_neox", "hf_phi"])
+def test_partial_rotary_decoders_import_and_verify_exactly(factory):
+    """GPT-NeoX and Phi turn only part of each head (the rest passes through a ``concat``);
+    GPT-NeoX takes q, k, v apart with ``chunk``."""
+    spec = f"{ZOO}:{factory}"
+    text = import_network(spec, INPUTS, TARGET).text
+    assert text.count("= rotary(") == 2 and "concat(" in text
+    report = verify_text(text, spec, {})
+    assert report.ok, report.problems or report.table()

@@ -615,16 +615,20 @@ def to(view):
     return view.alias("self")
 
 
-@maps("aten.split.Tensor", "aten.split_with_sizes.default")
+@maps("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default")
 def split(view):
-    """A tuple of slices, taken apart by ``getitem`` (see ``torch_frontend``)."""
+    """A tuple of slices, taken apart by ``getitem`` (see ``torch_frontend``); ``chunk``
+    is a split into pieces of ceil(size / chunks), as torch.chunk makes them."""
     shape = view.in_shape("self")
     dim = _dim(view, int(view.a["dim"]), len(shape), "splitting along dim")
     size = shape[dim]
     if "split_sizes" in view.a and view.a.get("split_sizes") is not None:
         sizes = [int(s) for s in view.a["split_sizes"]]
     else:
-        step = int(view.a["split_size"])
+        if "chunks" in view.a:
+            step = max(1, -(-size // int(view.a["chunks"])))
+        else:
+            step = int(view.a["split_size"])
         sizes = [min(step, size - start) for start in range(0, size, step)]
     parts, start = [], 0
     for length in sizes:
