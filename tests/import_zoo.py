@@ -1513,6 +1513,27 @@ def hf_phi(attn_implementation: str = "sdpa") -> nn.Module:
     return PhiForCausalLM(config)
 
 
+def hf_gemma(attn_implementation: str = "sdpa") -> nn.Module:
+    """``transformers.GemmaForCausalLM`` from a 2-layer config with its defaults (RMSNorm
+    times 1 + weight, the embedding scaled by sqrt(hidden), tanh GELU gates, multi-query
+    attention, tied head)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
+    return GemmaForCausalLM(config)
+
+
 def hf_llama(
     vocab: int = 64,
     positions: int = 32,
@@ -1586,6 +1607,7 @@ ZOO: dict[str, tuple[Callable[..., nn.Module], dict[str, Any], Callable[[int], T
     "hf_roberta": (hf_roberta, {}, _tokens()),
     "hf_gpt_neox": (hf_gpt_neox, {}, _tokens()),
     "hf_phi": (hf_phi, {}, _tokens()),
+    "hf_gemma": (hf_gemma, {}, _tokens()),
     "efficientnet_b0": (efficientnet_b0, {"width_mult": 0.1, "depth_mult": 0.5}, _images()),
     "convnext_tiny": (
         convnext_tiny,

@@ -979,7 +979,10 @@ def _layernorm_case(shape, normalized, eps=None, affine=True, bias=True) -> Case
     return Case(f"{label}-affine{affine}-bias{bias}", make)
 
 
-def _rmsnorm_case(shape, normalized, eps=None, affine=True, scale=3.0) -> Case:
+def _rmsnorm_case(shape, normalized, eps=None, affine=True, scale=3.0, offset=0.0) -> Case:
+    """``offset``: the norm times weight + offset, against Gemma's RMSNorm written in the
+    input's dtype (``hf_norms.OffsetRMSNorm``, last dim only)."""
+
     def make(dtype: torch.dtype) -> Sample:
         _seeded()
         kwargs: dict[str, Any] = dict(normalized_shape=normalized)
@@ -987,10 +990,16 @@ def _rmsnorm_case(shape, normalized, eps=None, affine=True, scale=3.0) -> Case:
             kwargs["eps"] = eps
         layer = nn.RMSNorm(normalized, eps=eps, elementwise_affine=affine).to(dtype)
         x = torch.randn(*shape, dtype=dtype) * scale + 1
-        return Sample((leaf(x),), _randomize_affine(layer), kwargs)
+        layer = _randomize_affine(layer)
+        if offset:
+            from unroller.importer.hf_norms import OffsetRMSNorm
+
+            kwargs["weight_offset"] = offset
+            layer = OffsetRMSNorm(layer.weight, eps)
+        return Sample((leaf(x),), layer, kwargs)
 
     label = f"{'x'.join(map(str, shape))}-norm{'x'.join(map(str, normalized))}-eps{eps}"
-    return Case(f"{label}-affine{affine}-scale{scale}", make)
+    return Case(f"{label}-affine{affine}-scale{scale}-offset{offset}", make)
 
 
 def _rms_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
@@ -1233,6 +1242,7 @@ NORMS_ROWS: tuple[OpInfo, ...] = (
             _rmsnorm_case((5, 6), (6,), affine=False),
             _rmsnorm_case((2, 2, 3, 4), (2, 3, 4), eps=0.5),
             _rmsnorm_case((3, 7), (7,), scale=1e-3),  # eps comparable to mean(x**2)
+            _rmsnorm_case((2, 3, 6), (6,), eps=1e-6, offset=1.0),  # Gemma's 1 + weight
         ),
         check_extras=_rms_extras,
     ),

@@ -147,3 +147,28 @@ def test_partial_rotary_decoders_import_and_verify_exactly(factory):
     assert text.count("= rotary(") == 2 and "concat(" in text
     report = verify_text(text, spec, {})
     assert report.ok, report.problems or report.table()
+
+
+def test_gemma_imports_and_verifies_exactly():
+    """Gemma's RMSNorm (times 1 + weight, recognised by its source) is ``rmsnorm`` with
+    ``weight_offset=1.0``, and its embedding's constant scale is ``scale``."""
+    spec = f"{ZOO}:hf_gemma"
+    text = import_network(spec, INPUTS, TARGET).text
+    assert text.count("weight_offset=1.0") == 3 and "= scale(model.embed_tokens, factor=" in text
+    report = verify_text(text, spec, {})
+    assert report.ok, report.problems or report.table()
+
+
+def test_the_gemma_twin_equals_gemma_rmsnorm_in_float32():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from unroller.importer.hf_norms import is_gemma_rmsnorm
+
+    assert is_gemma_rmsnorm(GemmaRMSNorm) and not is_llama_rmsnorm(GemmaRMSNorm)
+    torch.manual_seed(0)
+    norm = GemmaRMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(32))
+    twin = float64_twin(norm)
+    x = torch.randn(3, 5, 32) * 3
+    assert twin.weight is norm.weight and torch.equal(norm(x), twin(x))

@@ -355,6 +355,15 @@ def _binary(op: str):
         if constant is not None and op in ("add", "sub") and not bool(constant.any()):
             if view.in_shape("self") == view.out_shape():
                 return view.alias("self")  # an attention mask that masks nothing
+        if (
+            constant is not None
+            and op == "mul"
+            and isinstance(constant, torch.Tensor)
+            and constant.numel() == 1
+            and constant.is_floating_point()
+            and view.in_shape("self") == view.out_shape()
+        ):  # a constant scalar tensor (Gemma's embedding scale): x * c, exactly
+            return view.stmt("scale", [view.value("self")], factor=float(constant.reshape(())))
         return view.stmt(op, [view.value("self"), view.value("other")])
 
     return mapper

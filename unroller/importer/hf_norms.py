@@ -53,20 +53,65 @@ def is_llama_rmsnorm(cls: type) -> bool:
     return mine[0] == theirs[0] and mine[1].replace(cls.__name__, "LlamaRMSNorm") == theirs[1]
 
 
+@functools.cache
+def is_gemma_rmsnorm(cls: type) -> bool:
+    """Whether ``cls`` is a ``transformers`` class whose ``forward``, ``_norm`` and
+    ``__init__`` are ``GemmaRMSNorm``'s word for word: the norm times ``1 + weight``, in
+    float32 inside (Gemma 1 and its copies)."""
+    if not cls.__module__.startswith("transformers."):
+        return False
+    try:
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    except ImportError:
+        return False
+    if cls is GemmaRMSNorm:
+        return True
+    parts = ("forward", "_norm", "__init__")
+    mine = [_source(getattr(cls, name, None)) for name in parts]
+    theirs = [_source(getattr(GemmaRMSNorm, name)) for name in parts]
+    if None in mine or None in theirs:
+        return False
+    return [m.replace(cls.__name__, "GemmaRMSNorm") for m in mine] == theirs
+
+
+def is_hf_rmsnorm(cls: type) -> bool:
+    """A Hugging Face RMSNorm this module maps: Llama's or Gemma's."""
+    return is_llama_rmsnorm(cls) or is_gemma_rmsnorm(cls)
+
+
 def rmsnorm_kwargs(module: torch.nn.Module) -> dict:
-    """The ``rmsnorm`` statement's arguments for a Llama-style RMSNorm module."""
+    """The ``rmsnorm`` statement's arguments for a Llama- or Gemma-style RMSNorm module."""
     shape = tuple(int(d) for d in module.weight.shape)
-    return {
+    gemma = is_gemma_rmsnorm(type(module))
+    found = {
         "normalized_shape": shape[0] if len(shape) == 1 else shape,
-        "eps": float(module.variance_epsilon),
+        "eps": float(module.eps if gemma else module.variance_epsilon),
         "elementwise_affine": True,
     }
+    if gemma:
+        found["weight_offset"] = 1.0
+    return found
+
+
+class OffsetRMSNorm(torch.nn.Module):
+    """Gemma's RMSNorm in the input's dtype: x * rsqrt(mean(x**2) + eps) * (1 + weight)."""
+
+    def __init__(self, weight: torch.nn.Parameter, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return norm * (1.0 + self.weight)
 
 
 def float64_twin(module: torch.nn.Module) -> torch.nn.Module | None:
     """``torch.nn.RMSNorm`` computing what a Llama-style RMSNorm computes, in the input's
     dtype, sharing its weight parameter (the state dict keeps its keys); None for any
     other module."""
+    if is_gemma_rmsnorm(type(module)):
+        return OffsetRMSNorm(module.weight, float(module.eps))
     if not is_llama_rmsnorm(type(module)):
         return None
     twin = torch.nn.RMSNorm(tuple(module.weight.shape), eps=float(module.variance_epsilon))

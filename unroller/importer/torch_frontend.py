@@ -32,7 +32,7 @@ from torch import fx
 from unroller.graph import MAX_FLOAT
 from unroller.importer import aten_ops, rotary
 from unroller.importer.aten_ops import Refuse
-from unroller.importer.hf_norms import is_llama_rmsnorm, rmsnorm_kwargs
+from unroller.importer.hf_norms import is_hf_rmsnorm, rmsnorm_kwargs
 from unroller.importer.model import (
     BATCH,
     ImportedModel,
@@ -286,7 +286,7 @@ class _Mapper:
         found = COLLAPSED.get(cls)
         if found is None and cls.startswith("transformers.") and path:
             with contextlib.suppress(AttributeError):
-                if is_llama_rmsnorm(type(self.module.get_submodule(path))):
+                if is_hf_rmsnorm(type(self.module.get_submodule(path))):
                     found = _hf_rmsnorm
         return found
 

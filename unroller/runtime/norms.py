@@ -36,6 +36,7 @@ def rmsnorm(
     *,
     normalized_shape: tuple[int, ...],
     eps: float | None = None,
+    weight_offset: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """As F.rms_norm: rstd = rsqrt(mean(x**2) + eps) over the trailing dims (kept as 1s),
     y = x * rstd (* weight); returns (y, rstd)."""
@@ -44,8 +45,13 @@ def rmsnorm(
     rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + _eps(x, eps))
     y = x * rstd
     if weight is not None:
-        y = y * weight
+        y = y * _scale(weight, weight_offset)
     return y, rstd
+
+
+def _scale(weight: Tensor, offset: float) -> Tensor:
+    """What the norm is multiplied by: the weight, or weight + offset (Gemma's 1 + w)."""
+    return weight if not offset else offset + weight
 
 
 def rmsnorm_backward(
@@ -55,16 +61,17 @@ def rmsnorm_backward(
     rstd: Tensor,
     *,
     normalized_shape: tuple[int, ...],
+    weight_offset: float = 0.0,
     needs: Needs | None = None,
 ) -> Grads:
-    """(gx, gW), autograd's steps (module doc)."""
+    """(gx, gW), autograd's steps (module doc); the offset's gradient passes straight on."""
     weight = getattr(layer, "weight", None)
     dims, _ = _dims(x, len(normalized_shape))
     gx = gw = None
     if _need(needs, 1) and weight is not None:
         gw = _sum_to(g * (x * rstd), tuple(weight.shape))  # y = (x * rstd) * weight
     if _need(needs, 0):
-        gt = g if weight is None else g * weight
+        gt = g if weight is None else g * _scale(weight, weight_offset)
         g_rstd = _sum_to(gt * x, tuple(rstd.shape))  # x * rstd, rstd broadcast over dims
         g_mean = (-0.5 * g_rstd) * rstd.pow(3)  # rsqrt; the + eps passes it on
         count = 1
