@@ -156,3 +156,12 @@ def test_a_frozen_backbone_imports_and_verifies_exactly():
     assert not graph.node("transformer.wte").needs_backward
     report = verify_text(text, f"{ZOO}:hf_gpt2", kwargs)
     assert report.ok, report.problems or report.table()
+
+
+def test_the_memory_model_keeps_no_gradient_for_frozen_parameters():
+    """Frozen parameters get no ``.grad``: the predicted parameter-gradient bytes are those
+    of the trained ones only (mid.weight and head's weight and bias, float32)."""
+    from unroller.memory import simulate
+
+    trained = (16 * 16) + (4 * 16 + 4)
+    assert simulate(TEXT, Options(), 4).param_grad_bytes == trained * 4

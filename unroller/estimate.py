@@ -196,7 +196,9 @@ def estimate_ipu(
     for row in report["ipus"]:
         i = row["ipu"]
         nodes = [n for n in graph.nodes if pipeline.stage(n.name) == i]
-        params = sum(p.nbytes() for n in nodes for p in n.params if p.present)
+        params = sum(
+            p.nbytes() for n in nodes for p in n.params if p.present and p.name not in n.ties
+        )
         buffers = sum(p.nbytes() for n in nodes for p in n.buffers if p.present)
         working = max((working_bytes(n, micro_batch) for n in nodes), default=0)
         tile_ok = tile_ok and working <= tile_share
@@ -351,9 +353,18 @@ def estimate_gpu(
     up to ``limit`` (default ``SEARCH_CEILING``); reaching it sets ``max_batch_at_least``."""
     limit = SEARCH_CEILING if limit is None else limit
     config = options.compression(graph)
-    params = sum(p.nbytes() for n in graph.nodes for p in n.params if p.present)
+    # a tied parameter is one tensor (counted once); a frozen one has no optimizer state
+    params = sum(
+        p.nbytes() for n in graph.nodes for p in n.params if p.present and p.name not in n.ties
+    )
+    trained = sum(
+        p.nbytes()
+        for n in graph.nodes
+        for p in n.params
+        if p.present and p.trainable and p.name not in n.ties
+    )
     buffers = sum(p.nbytes() for n in graph.nodes for p in n.buffers if p.present)
-    state = params + buffers + optimizer_states * params
+    state = params + buffers + optimizer_states * trained
     lo = _largest(lambda b: _gpu_total(graph, config, b, state)[0] <= device_bytes, limit)
     total, peak = _gpu_total(graph, config, lo, state) if lo else (state, 0)
     return GpuEstimate(options.scheme, device_bytes, state, lo, total, peak, lo >= limit)

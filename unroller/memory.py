@@ -531,8 +531,9 @@ def _statement(
         added = 0
         for attr, value in statement.value.kwargs:
             param = next((p for p in node.params if p.name == attr), None)
-            if param is not None and param.key not in first_grad:
-                first_grad.add(param.key)
+            key = node.ties.get(attr, param.key) if param is not None else None
+            if param is not None and param.trainable and key not in first_grad:
+                first_grad.add(key)  # a tied parameter has one .grad
                 grad = heap.storage_of.get(value.name) if isinstance(value, Var) else None
                 if func == "K.accumulate_fresh" and grad is not None:
                     heap.bind(f".grad:{param.key}", grad)  # the gradient itself: lives on
@@ -575,8 +576,9 @@ def _grads_in_kernel(
         return 0
     added = 0
     for param in node.params:
-        if param.present and param.key not in first_grad:
-            first_grad.add(param.key)
+        key = node.ties.get(param.name, param.key)  # a tied parameter has one .grad
+        if param.present and param.trainable and key not in first_grad:
+            first_grad.add(key)
             heap.new(param.nbytes())
             added += param.nbytes()
     return added
