@@ -315,3 +315,27 @@ def test_cli_import_verify_writes_only_an_exact_text(tmp_path, monkeypatch):
     assert result.exit_code == 1, result.output
     assert "FAIL" in result.output and "nothing written" in result.output
     assert not other.exists()
+
+
+def test_a_0d_parameter_is_refused_with_the_fix_not_an_internal_error():
+    """A learned scalar (``nn.Parameter(torch.tensor(0.5))``): one clear line that says what
+    to change, never "internal error"."""
+    import torch
+
+    from unroller.importer.api import import_network
+    from unroller.importer.model import ImportFailure
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4)
+            self.alpha = torch.nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x):
+            return self.fc(x) * self.alpha
+
+    with pytest.raises(ImportFailure) as caught:
+        import_network("scaled", ["x: f32[N, 8]"], "y: i64[N]", built=Scaled())
+    text = str(caught.value)
+    assert "alpha is a 0-d scalar" in text and "shape (1,)" in text
+    assert "internal error" not in text

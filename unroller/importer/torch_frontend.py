@@ -572,6 +572,11 @@ class _Mapper:
         if not valid_path(key):
             raise Refuse(unusable_name(key))
         shape = tuple(int(d) for d in node.meta["val"].shape)
+        if not shape:
+            raise Refuse(
+                f"the parameter {key} is a 0-d scalar, which a parameter statement cannot "
+                "hold yet (it needs at least one dim): make it shape (1,) in the module"
+            )
         self.names.add(key)
         owner = key.rpartition(".")[0]
         stmt = Stmt(key, "parameter", [], {"shape": shape, "init": "zeros"}, owner, shape)
