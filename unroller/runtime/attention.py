@@ -217,6 +217,16 @@ def gqa_grad(g: Tensor | None, kv_heads: int) -> Tensor | None:
     return g.reshape(n, kv_heads, heads // kv_heads, length, embed).sum(2)
 
 
+def gqa_backward(kernel, g: Tensor, q: Tensor, k: Tensor, v: Tensor, *rest, **kwargs) -> Grads:
+    """``kernel(g, q, k, v, *rest, **kwargs)``, an attention backward, for k, v of fewer
+    heads than q: run on k, v repeated per group (``gqa_heads``), their gradients summed back
+    per group."""
+    kv_heads = k.shape[1]
+    k, v = gqa_heads(k, q.shape[1]), gqa_heads(v, q.shape[1])
+    grads = kernel(g, q, k, v, *rest, **kwargs)
+    return tuple(gqa_grad(t, kv_heads) if i else t for i, t in enumerate(grads))
+
+
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
@@ -296,12 +306,13 @@ def scaled_dot_product_attention_backward(
     if not any(need):
         return _fit((), needs)
     if enable_gqa and k.shape[1] != q.shape[1]:
-        kv_heads = k.shape[1]
-        k, v = gqa_heads(k, q.shape[1]), gqa_heads(v, q.shape[1])
-        grads = scaled_dot_product_attention_backward(
-            g, q, k, v, output, lse, is_causal=is_causal, scale=scale, needs=needs
+        return gqa_backward(
+            scaled_dot_product_attention_backward,
+            *(g, q, k, v, output, lse),
+            is_causal=is_causal,
+            scale=scale,
+            needs=needs,
         )
-        return tuple(gqa_grad(t, kv_heads) if i else t for i, t in enumerate(grads))
     n, heads, length, embed = q.shape
     keys = k.shape[-2]
     scales = _attention_factors(embed, scale)

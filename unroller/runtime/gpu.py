@@ -1405,22 +1405,14 @@ def scaled_dot_product_attention_backward(
     if not any(_need(needs, i) for i in range(3)):
         return _fit((), needs)
     if enable_gqa and k.shape[1] != q.shape[1]:
-        kv_heads = k.shape[1]
-        k, v = _blocks.gqa_heads(k, q.shape[1]), _blocks.gqa_heads(v, q.shape[1])
-        grads = scaled_dot_product_attention_backward(
-            g,
-            q,
-            k,
-            v,
-            output,
-            lse,
-            seed,
+        return _blocks.gqa_backward(
+            scaled_dot_product_attention_backward,
+            *(g, q, k, v, output, lse, seed),
             is_causal=is_causal,
             scale=scale,
             dropout=dropout,
             needs=needs,
         )
-        return tuple(_blocks.gqa_grad(t, kv_heads) if i else t for i, t in enumerate(grads))
     if dropout:
         return _dropped_attention_backward(
             g, q, k, v, output, lse, seed, dropout, is_causal, scale, needs
