@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -122,6 +122,9 @@ CONV_CASES = [
     (2, 3, (2, 2), (2, 2), (0, 0), (1, 1), 1, False),
     (4, 6, (3, 2), (2, 3), (1, 0), (1, 1), 2, True),  # strides leaving input rows unused
     (6, 3, (2, 3), (3, 1), (1, 1), (1, 1), 3, True),
+    (4, 6, (3, 3), (2, 2), (1, 1), (2, 2), 2, True),  # stride 2, dilation 2, a column unread
+    (2, 4, (2, 3), (3, 2), (0, 2), (2, 3), 2, False),  # asymmetric dilation, rows unread
+    (3, 2, (2, 2), (1, 2), (3, 1), (1, 2), 1, True),  # padding wider than the dilated kernel
 ]
 
 
@@ -152,6 +155,7 @@ CONVT_CASES = [
     (2, 4, (2, 3), (2, 2), (0, 1), (1, 0), (2, 1), 2, True),
     (4, 4, (3, 3), (2, 1), (1, 1), (0, 0), (1, 1), 4, False),  # depthwise
     (2, 3, (2, 2), (1, 1), (0, 0), (0, 0), (2, 2), 1, True),
+    (4, 2, (3, 2), (2, 3), (1, 2), (1, 2), (2, 3), 2, False),  # stride and dilation both > 1
 ]
 
 
@@ -160,7 +164,9 @@ def _convt_case(cin, cout, k, s, p, op, d, groups, bias) -> Case:
         _seeded()
         layer = nn.ConvTranspose2d(cin, cout, k, s, p, op, groups, bias, d).to(dtype)
         kwargs = dict(stride=s, padding=p, output_padding=op, dilation=d, groups=groups)
-        return Sample((randn(2, cin, 5, 4, dtype=dtype),), layer, kwargs)
+        # dilated, ipu's forward is a plain conv2d (no dilated ConvTranspose): not torch's sums
+        exact = ("gpu",) if d != (1, 1) else None
+        return Sample((randn(2, cin, 5, 4, dtype=dtype),), layer, kwargs, exact_forward=exact)
 
     return Case(
         f"{cin}x{cout}-k{k[0]}{k[1]}-s{s[0]}{s[1]}-p{p[0]}{p[1]}-op{op[0]}{op[1]}"
@@ -711,21 +717,28 @@ def _sdpa_peaked(dtype: torch.dtype) -> Sample:
 def _sdpa_reference(s: Sample, ctx: Ctx) -> Tensor:
     kwargs = dict(s.kwargs)
     dropout = kwargs.pop("dropout", 0.0)
+    q, k, v, *bias = s.inputs
     if dropout:  # the generated kernel's mask, drawn after the same seed (verify's reference)
         from unroller.verify import reference_dropped_attention
 
         torch.manual_seed(s.seed)
-        q, k, v = s.inputs
         return reference_dropped_attention(
             q,
             k,
             v,
-            None,
+            bias[0] if bias else None,
             dropout,
             kwargs.get("is_causal", False),
             kwargs.get("scale"),
             kwargs.get("enable_gqa", False),
         )
+    if bias:  # torch takes a float attn_mask or is_causal, not both: the causal part as -inf
+        mask = bias[0]
+        if kwargs.pop("is_causal", False):
+            masked = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril().logical_not()
+            mask = mask.masked_fill(masked, float("-inf"))
+        with _math_attention():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
     with _math_attention():
         return F.scaled_dot_product_attention(*s.inputs, **kwargs)
 
@@ -733,8 +746,33 @@ def _sdpa_reference(s: Sample, ctx: Ctx) -> Tensor:
 def _sdpa_eval_reference(s: Sample) -> Tensor:
     """Evaluation mode: no dropout (torch modules pass dropout_p=0 when not training)."""
     kwargs = {k: v for k, v in s.kwargs.items() if k != "dropout"}
-    with _math_attention():
-        return F.scaled_dot_product_attention(*s.inputs, **kwargs)
+    return _sdpa_reference(replace(s, kwargs=kwargs), None)
+
+
+def _sdpa_bias_case(
+    samples: int, heads: int, causal: bool, kv_heads: int = 3, dropout: float = 0.0
+) -> Case:
+    """An additive score bias [samples, heads, L, S] (1 broadcasts), with a learned bias's
+    gradient summed over the broadcast dims; a few entries at float32's lowest, as the
+    padding masks Hugging Face builds (never a whole row)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        q = randn(2, 3, 5, 4, dtype=dtype)
+        k, v = randn(2, kv_heads, 6, 4, dtype=dtype), randn(2, kv_heads, 6, 3, dtype=dtype)
+        with torch.no_grad():
+            bias = torch.randn(samples, heads, 5, 6, dtype=dtype)
+            bias[..., 1, 4:] = torch.finfo(torch.float32).min
+        kwargs: dict[str, Any] = dict(is_causal=causal)
+        if kv_heads != 3:
+            kwargs["enable_gqa"] = True
+        if dropout:
+            kwargs["dropout"] = dropout
+        return Sample((q, k, v, leaf(bias)), kwargs=kwargs, seed=5 if dropout else 0)
+
+    tail = f"-Hkv{kv_heads}" if kv_heads != 3 else ""
+    tail += f"-dropout{dropout}" if dropout else ""
+    return Case(f"bias{samples}x{heads}-{'causal' if causal else 'full'}{tail}", make)
 
 
 def _sdpa_dropout_case(causal: bool, kv_heads: int, p: float) -> Case:
@@ -1096,6 +1134,8 @@ CONV1D_CASES = [
     (3, 5, 1, 2, 0, 1, 1, True),
     (2, 3, 2, 3, 1, 1, 1, False),  # stride leaving input positions unused
     (6, 3, 4, 1, 2, 1, 3, True),
+    (2, 4, 2, 2, 0, 3, 2, False),  # dilated, the last position unread
+    (3, 2, 2, 1, 3, 2, 1, True),  # padding wider than the dilated kernel
 ]
 
 
@@ -1273,7 +1313,6 @@ NORMS_ROWS: tuple[OpInfo, ...] = (
         "conv1d",
         _layer_reference,
         tuple(_conv1d_case(*c) for c in CONV1D_CASES) + (Case("defaults", _conv1d_defaults),),
-        ipu_unsupported="input_grad",
         exact_forward=PLATFORMS,
     ),
     OpInfo(
@@ -1514,14 +1553,12 @@ ROWS: tuple[OpInfo, ...] = (
         "conv2d",
         _layer_reference,
         tuple(_conv_case(*c) for c in CONV_CASES) + (Case("defaults", _conv_defaults),),
-        ipu_unsupported="input_grad",
         **_SAME_FORWARD,
     ),
     OpInfo(
         "conv_transpose2d",
         _layer_reference,
         tuple(_convt_case(*c) for c in CONVT_CASES) + (Case("defaults", _convt_defaults),),
-        ipu_unsupported="forward",
         **_SAME_FORWARD,
     ),
     OpInfo(
@@ -1660,6 +1697,13 @@ ROWS: tuple[OpInfo, ...] = (
         tuple(_sdpa_case(*c) for c in SDPA_CASES)
         + (Case("peaked", _sdpa_peaked),)
         + (_sdpa_gqa_case(4, 2, True), _sdpa_gqa_case(6, 2, False), _sdpa_gqa_case(3, 3, True))
+        + (
+            _sdpa_bias_case(1, 3, False),
+            _sdpa_bias_case(2, 1, True),
+            _sdpa_bias_case(2, 3, True),
+            _sdpa_bias_case(1, 1, False, kv_heads=1),
+            _sdpa_bias_case(1, 3, True, dropout=0.2),
+        )
         + (
             _sdpa_dropout_case(False, 4, 0.3),
             _sdpa_dropout_case(True, 2, 0.5),

@@ -209,6 +209,41 @@ def _math_sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
 
 
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("broadcast", [(1, 1), (0, 1), (1, 0), (0, 0)])
+def test_blocks_with_a_bias_match_the_math_path(monkeypatch, case, broadcast):
+    """An additive score bias ([N or 1, H or 1, L, S]) under every way the blocks split the
+    work: the output and the q, k, v and bias gradients are the math path's (float mask plus
+    the causal -inf), to 1e-10 in float64; the bias gradient summed over broadcast dims."""
+    n, h, lq, lk, e, ev, causal, scale, tile = case
+    monkeypatch.setattr(attention, "TILE_BYTES", tile)
+    torch.manual_seed(12)
+    q, k = torch.randn(n, h, lq, e, dtype=F64), torch.randn(n, h, lk, e, dtype=F64)
+    v = torch.randn(n, h, lk, ev, dtype=F64)
+    bias = torch.randn(1 if broadcast[0] else n, 1 if broadcast[1] else h, lq, lk, dtype=F64)
+    q, k, v, bias = (t.requires_grad_() for t in (q, k, v, bias))
+    mask = bias
+    if causal:
+        mask = bias.masked_fill(torch.ones(lq, lk, dtype=torch.bool).tril().logical_not(), -math.inf)
+    ref = _math_sdpa(q, k, v, attn_mask=mask, scale=scale)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v, bias), g)
+    kwargs = {"is_causal": causal, "scale": scale}
+    with torch.no_grad():
+        y, lse = attention.scaled_dot_product_attention(q, k, v, bias, **kwargs)
+        assert rel_err(y, ref) <= TOL
+        for needs in [(True,) * 4, (False, False, False, True), (True, False, True)]:
+            got = attention.scaled_dot_product_attention_backward(
+                g, q, k, v, y, lse, bias, needs=needs, **kwargs
+            )
+            assert len(got) == len(needs)
+            for i, grad in enumerate(got):
+                assert (grad is None) == (not needs[i])
+                if grad is not None:
+                    assert grad.shape == want[i].shape
+                    assert rel_err(grad, want[i]) <= TOL, (needs, i)
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("dtype", [F64, F32])
 def test_blocks_match_the_math_path(monkeypatch, case, dtype):
     """Every way the blocks split the work gives torch's math attention and its autograd

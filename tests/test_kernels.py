@@ -159,8 +159,10 @@ class Run:
                 out.append((entry, y))
             elif entry in extra_names:
                 out.append((entry, extras[extra_names.index(entry)]))
-            else:
+            elif entry in names:
                 out.append((entry, self.s.inputs[names.index(entry)]))
+            else:  # an optional input the call leaves out
+                out.append((entry, None))
         return out
 
     def backward(self, g: Tensor, saved: list[tuple[str, Any]], needs: tuple) -> tuple:
@@ -326,8 +328,8 @@ def _assert_fresh_param_grads(run: Run, g: Tensor, saved: list, grads: tuple) ->
 
 
 def _forward_or_reference(run: Run) -> tuple[Tensor, tuple, Tensor, bool]:
-    """The kernel's forward and the reference; where ipu refuses the forward (a dilated
-    conv_transpose2d), the refusal is checked and the reference stands in for the output."""
+    """The kernel's forward and the reference; where ipu refuses the forward (attention with
+    dropout), the refusal is checked and the reference stands in for the output."""
     if run.unsupported() is not None and run.row.ipu_unsupported == "forward":
         with pytest.raises(NotImplementedError) as refused:
             run.forward()
@@ -540,15 +542,14 @@ def test_layer_handle_is_any_object_with_the_registry_names(platform):
 
 
 def test_ipu_unsupported():
-    assert ipu.unsupported("conv2d", {"dilation": (1, 2)}) is not None
-    assert "dilation" in ipu.unsupported("conv_transpose2d", {"dilation": 2})
-    assert ipu.unsupported("conv2d", {"dilation": (1, 1)}) is None
-    assert ipu.unsupported("conv2d", {"dilation": 1, "stride": 2}) is None
-    assert ipu.unsupported("conv_transpose2d", {"dilation": [1, 1]}) is None
-    assert ipu.unsupported("conv2d", {}) is None  # the default dilation
+    """Dilated convolutions run on the ipu platform (their transposed convolutions are plain
+    conv2d there); attention dropout is refused."""
+    for name in ("conv2d", "conv_transpose2d", "conv1d"):
+        for dilation in ((1, 2), 2, [1, 1], (3, 3)):
+            assert ipu.unsupported(name, {"dilation": dilation, "stride": 2}) is None
+    assert "dropout" in ipu.unsupported("scaled_dot_product_attention", {"dropout": 0.1})
     for name in OPS:
-        if name not in ("conv2d", "conv_transpose2d"):
-            assert ipu.unsupported(name, {}) is None
+        assert ipu.unsupported(name, {}) is None
         assert gpu.unsupported(name, {"dilation": (2, 2)}) is None
 
 
@@ -681,6 +682,7 @@ TENSOR_METHODS = {
     "new_zeros", "dim", "numel",
     "narrow",  # a constant-bound slice (a view)
     "contiguous",  # layout only (a ceil-mode pool's cropped gradient)
+    "index_select",  # on the indexing list: a dilated convolution's flipped kernel
 }  # fmt: skip
 # v2 activations, losses and embedding (all on PopTorch's list)
 TORCH_CALLS |= {"reciprocal", "scatter_add"}

@@ -474,9 +474,12 @@ class GraphBuilder:
         if op.variadic:
             if not stmt.args:
                 raise ModelError(f"{op.name} needs at least one tensor argument", stmt.op_loc)
-        elif len(stmt.args) != len(op.inputs):
+        elif not op.required_inputs <= len(stmt.args) <= len(op.inputs):
+            count = len(op.inputs)
+            if op.optional_inputs:
+                count = f"{op.required_inputs} to {count}"
             raise ModelError(
-                f"{op.name} takes {len(op.inputs)} tensor argument(s) "
+                f"{op.name} takes {count} tensor argument(s) "
                 f"({', '.join(op.inputs)}), got {len(stmt.args)}",
                 stmt.args[len(op.inputs)].loc if len(stmt.args) > len(op.inputs) else stmt.op_loc,
             )
@@ -880,7 +883,9 @@ def _saved_args(node: Node) -> tuple[SavedArg, ...]:
             if not any(a.kind == "layer" for a in found):
                 found.append(SavedArg(entry, "layer"))
             continue
-        if entry in names:
+        if entry in node.op.inputs and entry not in names:
+            found.append(SavedArg(entry, "none"))  # an optional input left out
+        elif entry in names:
             value = node.inputs[names.index(entry)]
             # A model input is the caller's tensor: compressing it would free nothing; nor
             # would compressing a value without the batch dim (a free parameter, or made

@@ -189,6 +189,9 @@ class OpSpec:
     #: go into ``.grad``: it then adds them into each ``.grad`` itself (a matmul in place)
     #: and returns None for them; passed inside segments run in pieces of the batch
     backward_accumulates: bool = False
+    #: how many of the last ``inputs`` a call may leave out (an attention's additive bias):
+    #: the kernels then receive None for them, and no gradient is made for them
+    optional_inputs: int = 0
 
     @property
     def is_loss(self) -> bool:
@@ -198,7 +201,12 @@ class OpSpec:
         """Names of the tensor inputs for a call with ``count`` positional values."""
         if self.variadic:
             return tuple(f"input{i}" for i in range(count))
-        return self.inputs
+        return self.inputs[: max(count, len(self.inputs) - self.optional_inputs)]
+
+    @property
+    def required_inputs(self) -> int:
+        """How many tensor inputs a call must give (all but the optional trailing ones)."""
+        return len(self.inputs) - self.optional_inputs
 
 
 def eval_expr(expr: str, env: dict[str, Any]) -> Any:
@@ -297,6 +305,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "backward_consumes",
         "fresh_param_grads",
         "backward_accumulates",
+        "optional_inputs",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -367,7 +376,12 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         backward_consumes=tuple(raw.get("backward_consumes", ())),
         fresh_param_grads=bool(raw.get("fresh_param_grads", False)),
         backward_accumulates=bool(raw.get("backward_accumulates", False)),
+        optional_inputs=int(raw.get("optional_inputs", 0)),
     )
+    if not 0 <= spec.optional_inputs <= len(spec.inputs) or (
+        spec.optional_inputs and spec.variadic
+    ):
+        raise RegistryError(f"{where}: optional_inputs must count some of the last inputs")
     readable = set(spec.inputs) | {"output"} | {e.name for e in spec.extras}
     readable |= {p.name for p in spec.params} | {b.name for b in spec.buffers}
     for saved in spec.saved:

@@ -716,8 +716,9 @@ def scaled_dot_product_attention(
     """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> [N, H, L, Ev]; one dtype (with
     ``enable_gqa`` k and v may have Hkv heads, H a multiple of Hkv). The row logsumexp
     [N, H, L] is kept for the backward (``lse_shape``), which remakes the probabilities
-    from it."""
-    q, k, v = inputs
+    from it. An optional fourth input ``bias`` is added to the scores (before the causal
+    mask): [N or 1, H or 1, L, S], q's dtype (relative position bias, a padding mask)."""
+    q, k, v, *bias = inputs
     _, heads, length, embed = _attention_operand(op, q, "q", 0)
     _, k_heads, k_length, k_embed = _attention_operand(op, k, "k", 1)
     _, v_heads, v_length, v_embed = _attention_operand(op, v, "v", 2)
@@ -747,10 +748,26 @@ def scaled_dot_product_attention(
         raise ShapeError(
             f"{op}: v has length {v_length} (dim 2) but k has {k_length}: one value per key", 2
         )
+    if bias:
+        _attention_bias(op, bias[0], q.dtype, heads, length, k_length)
     return ShapeResult(
         TensorType(q.dtype, (BATCH, heads, length, v_embed)),
         {"lse_shape": (BATCH, heads, length)},
     )
+
+
+def _attention_bias(
+    op: str, bias: TensorType, dtype: str, heads: Dim, length: Dim, keys: Dim
+) -> None:
+    """An additive score bias broadcasts over samples and heads only: [N or 1, H or 1, L, S]."""
+    want = f"[N or 1, {heads} or 1, {length}, {keys}]"
+    if bias.rank != 4:
+        raise ShapeError(f"{op} needs bias as a 4-D tensor {want}, got {bias}", 3)
+    if bias.dtype != dtype:
+        raise ShapeError(f"{op}: bias is {bias} but q is {dtype}: one dtype", 3)
+    samples, bias_heads, rows, cols = bias.shape
+    if samples not in (BATCH, 1) or bias_heads not in (heads, 1) or (rows, cols) != (length, keys):
+        raise ShapeError(f"{op}: bias is {bias}; expected {want}", 3)
 
 
 def rotary(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:

@@ -155,10 +155,30 @@ def _causal_mask(b: Block, like: Tensor, masks: Masks) -> Tensor | None:
     return mask
 
 
-def _scores(qs: Tensor, ks: Tensor, mask: Tensor | None) -> Tensor:
-    """(q * a) @ (k * b)^T for one block, plus its causal mask if any."""
+def _bias(t: Tensor, b: Block) -> Tensor:
+    """The block's part of an additive score bias [N or 1, H or 1, L, S] (a dim of size 1
+    broadcasts, so only a full batch dim is narrowed to the block's samples)."""
+    if t.shape[0] != 1:
+        t = t.narrow(0, b.start, b.samples)
+    return t.narrow(2, b.first, b.rows).narrow(3, 0, b.keys)
+
+
+def _scores(
+    qs: Tensor, ks: Tensor, mask: Tensor | None, bias: Tensor | None = None
+) -> Tensor:
+    """(q * a) @ (k * b)^T for one block, plus its bias (already the block's part) and its
+    causal mask if any: the bias is added first, as F.scaled_dot_product_attention adds an
+    attn_mask to the scaled scores."""
     s = torch.matmul(qs, ks.transpose(-2, -1))
+    if bias is not None:
+        s = s.add_(bias)
     return s if mask is None else s.add_(mask)
+
+
+def bias_grad(ds: Tensor, like: Tensor) -> Tensor:
+    """dS summed over the dims the bias ``like`` broadcasts (samples, heads)."""
+    dims = [d for d in (0, 1) if like.shape[d] == 1 and ds.shape[d] != 1]
+    return ds.sum(dims, keepdim=True) if dims else ds
 
 
 def _add_block(
@@ -181,12 +201,20 @@ def _whole(plan: list[Block], keys: int) -> bool:
 
 
 def _forward_block(
-    q: Tensor, k: Tensor, v: Tensor, b: Block, qa: float, kb: float, mask: Tensor | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    b: Block,
+    qa: float,
+    kb: float,
+    mask: Tensor | None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One block's output and row logsumexp; the score tile is made once and then reused in
     place for exp(s - m), and the output is divided by the row sums rather than the tile
     (Ev numbers a row instead of S)."""
-    s = _scores(_scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb), mask)
+    part = None if bias is None else _bias(bias, b)
+    s = _scores(_scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb), mask, part)
     m = s.amax(-1, keepdim=True)
     p = s.sub_(m).exp_()
     total = p.sum(-1, keepdim=True)
@@ -224,21 +252,23 @@ def gqa_backward(kernel, g: Tensor, q: Tensor, k: Tensor, v: Tensor, *rest, **kw
     kv_heads = k.shape[1]
     k, v = gqa_heads(k, q.shape[1]), gqa_heads(v, q.shape[1])
     grads = kernel(g, q, k, v, *rest, **kwargs)
-    return tuple(gqa_grad(t, kv_heads) if i else t for i, t in enumerate(grads))
+    return tuple(gqa_grad(t, kv_heads) if i in (1, 2) else t for i, t in enumerate(grads))
 
 
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """F.scaled_dot_product_attention (no mask but the causal one, no dropout) block by
-    block. Returns (output [N, H, L, Ev], lse [N, H, L]); the backward reads q, k, v, the
-    output and lse. ``enable_gqa``: k and v may have fewer heads (``gqa_heads``)."""
+    """F.scaled_dot_product_attention (an additive ``bias`` [N or 1, H or 1, L, S] as its
+    float attn_mask, and/or the causal mask; no dropout) block by block. Returns (output
+    [N, H, L, Ev], lse [N, H, L]); the backward reads q, k, v, the output, lse and the bias.
+    ``enable_gqa``: k and v may have fewer heads (``gqa_heads``)."""
     if enable_gqa:
         k, v = gqa_heads(k, q.shape[1]), gqa_heads(v, q.shape[1])
     n, heads, length, embed = q.shape
@@ -248,12 +278,13 @@ def scaled_dot_product_attention(
     masks: Masks = {}
     if _whole(plan, keys):
         mask = _causal_mask(plan[0], q, masks) if is_causal else None
-        return _forward_block(q, k, v, plan[0], qa, kb, mask)
+        return _forward_block(q, k, v, plan[0], qa, kb, mask, bias)
     out = q.new_zeros(n, heads, length, v.shape[-1])
     lse = q.new_zeros(n, heads, length)
     for b in plan:
         mask = _causal_mask(b, q, masks) if is_causal else None
-        _add_block((out, lse), _forward_block(q, k, v, b, qa, kb, mask), b, (_rows, _rows))
+        part = _forward_block(q, k, v, b, qa, kb, mask, bias)
+        _add_block((out, lse), part, b, (_rows, _rows))
     return out, lse
 
 
@@ -267,24 +298,27 @@ def _backward_block(
     b: Block,
     scales: tuple[float, float],
     mask: Tensor | None,
-    need: tuple[bool, bool, bool],
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    need: tuple[bool, bool, bool, bool],
+    bias: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """One block's parts of the q, k and v gradients (None where not needed). A function of
     its own so that its two tiles (p and dS) are freed when it returns, before the next
     block makes its own: a loop body's locals would live on into the next iteration."""
     qa, kb = scales
-    need_q, need_k, need_v = need
+    need_q, need_k, need_v, need_bias = need
     qs, ks = _scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb)
     g_rows, v_keys = _packed(_rows(g, b)), _packed(_keys(v, b))
-    p = _scores(qs, ks, mask).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
+    bias_part = None if bias is None else _bias(bias, b)
+    p = _scores(qs, ks, mask, bias_part).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
     part_v = torch.matmul(p.transpose(-2, -1), g_rows) if need_v else None
-    if not (need_q or need_k):
-        return None, None, part_v
+    if not (need_q or need_k or need_bias):
+        return None, None, part_v, None
     d = (g_rows * _rows(output, b)).sum(-1, keepdim=True)
     ds = torch.matmul(g_rows, v_keys.transpose(-2, -1)).sub_(d).mul_(p)
     part_q = torch.matmul(ds, ks).mul_(qa) if need_q else None
     part_k = torch.matmul(ds.transpose(-2, -1), qs).mul_(kb) if need_k else None
-    return part_q, part_k, part_v
+    part_bias = bias_grad(ds, bias) if need_bias else None
+    return part_q, part_k, part_v, part_bias
 
 
 def scaled_dot_product_attention_backward(
@@ -294,21 +328,23 @@ def scaled_dot_product_attention_backward(
     v: Tensor,
     output: Tensor,
     lse: Tensor,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
     needs: Needs | None = None,
 ) -> Grads:
-    """Gradients of q, k, v (only those ``needs`` asks for), the probabilities remade per
-    block from q, k and lse (see the module docstring)."""
-    need_q, need_k, need_v = need = (_need(needs, 0), _need(needs, 1), _need(needs, 2))
+    """Gradients of q, k, v and the bias (only those ``needs`` asks for), the probabilities
+    remade per block from q, k, the bias and lse (see the module docstring)."""
+    need = (_need(needs, 0), _need(needs, 1), _need(needs, 2), _need(needs, 3))
+    need_q, need_k, need_v, need_bias = need = (*need[:3], need[3] and bias is not None)
     if not any(need):
         return _fit((), needs)
     if enable_gqa and k.shape[1] != q.shape[1]:
         return gqa_backward(
             scaled_dot_product_attention_backward,
-            *(g, q, k, v, output, lse),
+            *(g, q, k, v, output, lse, bias),
             is_causal=is_causal,
             scale=scale,
             needs=needs,
@@ -320,13 +356,15 @@ def scaled_dot_product_attention_backward(
     masks: Masks = {}
     if _whole(plan, keys):
         mask = _causal_mask(plan[0], q, masks) if is_causal else None
-        return _fit(_backward_block(g, q, k, v, output, lse, plan[0], scales, mask, need), needs)
+        parts = _backward_block(g, q, k, v, output, lse, plan[0], scales, mask, need, bias)
+        return _fit(parts if need_bias else parts[:3], needs)
     gq = q.new_zeros(q.shape) if need_q else None
     gk = k.new_zeros(k.shape) if need_k else None
     gv = v.new_zeros(v.shape) if need_v else None
+    gbias = bias.new_zeros(bias.shape) if need_bias else None
     for b in plan:
         mask = _causal_mask(b, q, masks) if is_causal else None
-        parts = _backward_block(g, q, k, v, output, lse, b, scales, mask, need)
-        _add_block((gq, gk, gv), parts, b, (_rows, _keys, _keys))
+        parts = _backward_block(g, q, k, v, output, lse, b, scales, mask, need, bias)
+        _add_block((gq, gk, gv, gbias), parts, b, (_rows, _keys, _keys, _bias))
         del parts  # a loop variable would outlive the iteration: free it before the next tiles
-    return _fit((gq, gk, gv), needs)
+    return _fit((gq, gk, gv, gbias) if need_bias else (gq, gk, gv), needs)

@@ -1302,27 +1302,34 @@ def _flash_enabled() -> bool:
 
 
 def _attention(
-    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    is_causal: bool,
+    scale: float | None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(output, lse): ATen's CPU flash kernel where it applies, else the blocks."""
-    if _aten_flash(q, k, v):
+    """(output, lse): ATen's CPU flash kernel where it applies (no bias), else the blocks."""
+    if bias is None and _aten_flash(q, k, v):
         return _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, scale=scale
         )
-    return _blocks.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    return _blocks.scaled_dot_product_attention(q, k, v, bias, is_causal=is_causal, scale=scale)
 
 
 def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
     dropout: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """F.scaled_dot_product_attention (no mask but the causal one). Returns (output [N, H, L,
+    """F.scaled_dot_product_attention (a float attn_mask ``bias`` [N or 1, H or 1, L, S]
+    added to the scores, and/or the causal mask). Returns (output [N, H, L,
     Ev], lse [N, H, L], seed); the backward reads q, k, v, the output, lse and the seed.
     ``enable_gqa``: k and v may have fewer heads, each serving a group of query heads.
     ``dropout`` > 0: the probabilities are dropped with a keep-mask drawn from a generator
@@ -1333,9 +1340,9 @@ def scaled_dot_product_attention(
     if dropout:
         seed = attention_seed()
         keep = attention_keep(seed, (*q.shape[:-1], k.shape[-2]), dropout, q.device)
-        out, lse = _dropped_attention(q, k, v, keep, dropout, is_causal, scale)
+        out, lse = _dropped_attention(q, k, v, keep, dropout, is_causal, scale, bias)
         return out, lse, seed
-    out, lse = _attention(q, k, v, is_causal, scale)
+    out, lse = _attention(q, k, v, is_causal, scale, bias)
     return out, lse, None
 
 
@@ -1343,6 +1350,7 @@ def scaled_dot_product_attention_eval(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
@@ -1351,7 +1359,7 @@ def scaled_dot_product_attention_eval(
 ) -> Tensor:
     """The attention in evaluation mode: no dropout (as torch modules pass dropout_p=0 then)."""
     return scaled_dot_product_attention(
-        q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        q, k, v, bias, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )[0]
 
 
@@ -1368,9 +1376,13 @@ def attention_keep(seed: Tensor, shape: tuple[int, ...], p: float, device) -> Te
     return torch.rand(shape, generator=generator, device=device) >= p
 
 
-def _scores(q: Tensor, k: Tensor, is_causal: bool, scale: float | None) -> Tensor:
+def _scores(
+    q: Tensor, k: Tensor, is_causal: bool, scale: float | None, bias: Tensor | None
+) -> Tensor:
     qa, kb = _attention_factors(q.shape[-1], scale)
     s = torch.matmul(q * qa, (k * kb).transpose(-2, -1))
+    if bias is not None:
+        s = s + bias
     if is_causal:
         rows, cols = s.shape[-2:]
         allowed = torch.ones(rows, cols, dtype=torch.bool, device=s.device).tril()
@@ -1378,8 +1390,8 @@ def _scores(q: Tensor, k: Tensor, is_causal: bool, scale: float | None) -> Tenso
     return s
 
 
-def _dropped_attention(q, k, v, keep, p, is_causal, scale) -> tuple[Tensor, Tensor]:
-    s = _scores(q, k, is_causal, scale)
+def _dropped_attention(q, k, v, keep, p, is_causal, scale, bias) -> tuple[Tensor, Tensor]:
+    s = _scores(q, k, is_causal, scale, bias)
     lse = torch.logsumexp(s, dim=-1)
     probs = torch.exp(s - lse.unsqueeze(-1))
     return torch.matmul(probs * keep / (1 - p), v), lse
@@ -1393,6 +1405,7 @@ def scaled_dot_product_attention_backward(
     output: Tensor,
     lse: Tensor,
     seed: Tensor | None = None,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
@@ -1400,14 +1413,14 @@ def scaled_dot_product_attention_backward(
     dropout: float = 0.0,
     needs: Needs | None = None,
 ) -> Grads:
-    """Gradients of q, k, v (only those ``needs`` asks for), the probabilities remade from q,
-    k and lse (and the dropout mask from the seed)."""
-    if not any(_need(needs, i) for i in range(3)):
+    """Gradients of q, k, v and the bias (only those ``needs`` asks for), the probabilities
+    remade from q, k, the bias and lse (and the dropout mask from the seed)."""
+    if not any(_need(needs, i) for i in range(4 if bias is not None else 3)):
         return _fit((), needs)
     if enable_gqa and k.shape[1] != q.shape[1]:
         return _blocks.gqa_backward(
             scaled_dot_product_attention_backward,
-            *(g, q, k, v, output, lse, seed),
+            *(g, q, k, v, output, lse, seed, bias),
             is_causal=is_causal,
             scale=scale,
             dropout=dropout,
@@ -1415,7 +1428,11 @@ def scaled_dot_product_attention_backward(
         )
     if dropout:
         return _dropped_attention_backward(
-            g, q, k, v, output, lse, seed, dropout, is_causal, scale, needs
+            g, q, k, v, output, lse, seed, dropout, is_causal, scale, needs, bias
+        )
+    if bias is not None:
+        return _blocks.scaled_dot_product_attention_backward(
+            g, q, k, v, output, lse, bias, is_causal=is_causal, scale=scale, needs=needs
         )
     if _aten_flash(q, k, v):
         grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -1427,21 +1444,23 @@ def scaled_dot_product_attention_backward(
     )
 
 
-def _dropped_attention_backward(g, q, k, v, output, lse, seed, p, is_causal, scale, needs):
+def _dropped_attention_backward(g, q, k, v, output, lse, seed, p, is_causal, scale, needs, bias):
     """dV = (P * Z)^T dO, dP = (dO V^T) * Z, dS = P * (dP - rowsum(dO * O)), with Z the
     kept mask over 1 - p, remade from the seed; dQ, dK through the two scale factors."""
     qa, kb = _attention_factors(q.shape[-1], scale)
-    probs = torch.exp(_scores(q, k, is_causal, scale) - lse.unsqueeze(-1))
+    probs = torch.exp(_scores(q, k, is_causal, scale, bias) - lse.unsqueeze(-1))
     keep = attention_keep(seed, probs.shape, p, q.device)
     dropped = probs * keep / (1 - p)  # as the forward made it
     gv = torch.matmul(dropped.transpose(-2, -1), g) if _need(needs, 2) else None
-    gq = gk = None
-    if _need(needs, 0) or _need(needs, 1):
+    gq = gk = gbias = None
+    need_bias = bias is not None and _need(needs, 3)
+    if _need(needs, 0) or _need(needs, 1) or need_bias:
         d = (g * output).sum(-1, keepdim=True)
         ds = (torch.matmul(g, v.transpose(-2, -1)) / (1 - p) * keep - d) * probs
         gq = torch.matmul(ds, k * kb) * qa if _need(needs, 0) else None
         gk = torch.matmul(ds.transpose(-2, -1), q * qa) * kb if _need(needs, 1) else None
-    return _fit((gq, gk, gv), needs)
+        gbias = _blocks.bias_grad(ds, bias) if need_bias else None
+    return _fit((gq, gk, gv) if bias is None else (gq, gk, gv, gbias), needs)
 
 
 def _mha_tensors(layer: torch.nn.Module) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:

@@ -17,9 +17,13 @@ gradient is written out:
 * conv2d: input gradient = conv_transpose2d of g with the same weight and the output_padding
   that restores the input size; weight gradient = a grouped conv2d of the input (batch and
   channels swapped) with g as the kernel, stride and dilation swapped, cropped to the kernel.
-  Dilation > 1 would need a dilated conv_transpose2d: ``unsupported`` reports it and the input
-  gradient raises NotImplementedError (the weight gradient still works).
-* conv_transpose2d: forward conv_transpose2d (dilation 1 only); input gradient = conv2d of g;
+  With dilation > 1 (PopTorch's ConvTranspose has none) the input gradient is a plain dilated
+  conv2d instead: g with stride - 1 zeros inserted between its elements (stacked with zeros
+  and reshaped), its edges padded by (k - 1) * dilation - padding (cropped where negative)
+  and fitted to the input size (zeros for rows the forward never read), against the kernel
+  flipped (index_select) with its in / out channels swapped per group.
+* conv_transpose2d: forward conv_transpose2d, or with dilation > 1 the same plain conv2d as
+  conv2d's dilated input gradient (plus the bias); input gradient = conv2d of g;
   weight gradient by the same convolution as conv2d's, with g and x in swapped roles.
 * batchnorm2d: written out (mean, biased var, rsqrt; running stats updated in place with the
   unbiased var, as nn.BatchNorm2d.train()); backward by the closed-form batch-norm gradient.
@@ -224,14 +228,6 @@ def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
             "attention dropout is not supported on the ipu platform: its mask is drawn from "
             "a seeded generator, which PopTorch's random ops do not take (use dropout=0.0)"
         )
-    if op_name in ("conv2d", "conv_transpose2d", "conv1d"):
-        dilation = tuple(int(d) for d in _pair(args.get("dilation", 1)))
-        if dilation != (1, 1):
-            needs = "its input gradient" if op_name == "conv2d" else "its forward"
-            return (
-                f"{op_name} with dilation={dilation} is not supported on the ipu platform: "
-                f"{needs} needs a transposed convolution with dilation, which PopTorch lacks"
-            )
     return None
 
 
@@ -239,6 +235,7 @@ def scaled_dot_product_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
@@ -248,7 +245,9 @@ def scaled_dot_product_attention(
     """unroller.runtime.attention's, block by block (the seed extra is None: no dropout)."""
     if dropout:
         raise NotImplementedError(unsupported("scaled_dot_product_attention", {"dropout": dropout}))
-    out, lse = _sdpa_blocks(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    out, lse = _sdpa_blocks(
+        q, k, v, bias, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
     return out, lse, None
 
 
@@ -256,6 +255,7 @@ def scaled_dot_product_attention_eval(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
@@ -264,7 +264,7 @@ def scaled_dot_product_attention_eval(
 ) -> Tensor:
     """The attention in evaluation mode: no dropout (as torch modules pass dropout_p=0 then)."""
     return scaled_dot_product_attention(
-        q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        q, k, v, bias, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )[0]
 
 
@@ -276,6 +276,7 @@ def scaled_dot_product_attention_backward(
     output: Tensor,
     lse: Tensor,
     seed: Tensor | None = None,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
@@ -293,17 +294,12 @@ def scaled_dot_product_attention_backward(
         v,
         output,
         lse,
+        bias,
         is_causal=is_causal,
         scale=scale,
         enable_gqa=enable_gqa,
         needs=needs,
     )
-
-
-def _no_dilation(op_name: str, dilation: Any) -> None:
-    reason = unsupported(op_name, {"dilation": dilation})
-    if reason is not None:
-        raise NotImplementedError(reason)
 
 
 # ---------------------------------------------------------------- convolutions
@@ -335,6 +331,55 @@ def _weight_grad(
     return out.transpose(0, 1)[:, :, : kernel_hw[0], : kernel_hw[1]]
 
 
+def _insert_zeros(t: Tensor, dim: int, s: int) -> Tensor:
+    """t with s - 1 zeros after each element along ``dim`` (2 or 3): stacked with zeros and
+    reshaped, as PopTorch has no strided write or dilated transposed convolution."""
+    if s == 1:
+        return t
+    shape = list(t.shape)
+    zeros_shape = shape[: dim + 1] + [s - 1] + shape[dim + 1 :]
+    stacked = torch.cat([t.unsqueeze(dim + 1), t.new_zeros(zeros_shape)], dim + 1)
+    return stacked.reshape(*shape[:dim], shape[dim] * s, *shape[dim + 1 :])
+
+
+def _fit_edges(t: Tensor, dim: int, before: int, after: int) -> Tensor:
+    """t padded with zeros (a positive amount) or cropped (a negative one) at both ends."""
+    if before < 0:
+        t = t.narrow(dim, -before, t.shape[dim] + before)
+    if after < 0:
+        t = t.narrow(dim, 0, t.shape[dim] + after)
+    pads = [0, 0, 0, 0]
+    pads[2 * (3 - dim)] = max(before, 0)
+    pads[2 * (3 - dim) + 1] = max(after, 0)
+    return F.pad(t, pads) if any(pads) else t
+
+
+def _transposed_conv(
+    g: Tensor, weight: Tensor, out_hw: tuple[int, int], s: Pair, p: Pair, d: Pair, groups: int
+) -> Tensor:
+    """The transpose of conv2d(., weight, stride s, padding p, dilation d, groups) applied to
+    g, of spatial size ``out_hw``, from a plain conv2d (PopTorch's ConvTranspose has no
+    dilation): g with s - 1 zeros between its elements, its edges padded by (k - 1) * d - p
+    (cropped where negative) and fitted to out + (k - 1) * d, convolved (dilation d) with the
+    kernel flipped and its in / out channels swapped per group."""
+    k = weight.shape[2:]
+    fill = [(k[i] - 1) * d[i] for i in (0, 1)]
+    z = _insert_zeros(_insert_zeros(g, 2, s[0]), 3, s[1])
+    before = [fill[i] - p[i] for i in (0, 1)]
+    after = [out_hw[i] + fill[i] - before[i] - z.shape[2 + i] for i in (0, 1)]
+    both = [max(0, min(before[i], after[i])) for i in (0, 1)]  # conv2d's own padding
+    for i in (0, 1):
+        z = _fit_edges(z, 2 + i, before[i] - both[i], after[i] - both[i])
+    cout, cin_g = weight.shape[:2]
+    w = weight.reshape(groups, cout // groups, cin_g, *k).transpose(1, 2)
+    w = w.reshape(groups * cin_g, cout // groups, *k)
+    for i in (0, 1):
+        if k[i] > 1:
+            rev = torch.arange(k[i] - 1, -1, -1, device=w.device)
+            w = w.index_select(2 + i, rev)
+    return F.conv2d(z, w, None, 1, tuple(both), d, groups)
+
+
 def conv2d(
     x: Tensor,
     layer: torch.nn.Module,
@@ -360,18 +405,21 @@ def conv2d_backward(
     groups: int = 1,
     needs: Needs | None = None,
 ) -> Grads:
-    """gx = conv_transpose2d(g, weight) (dilation 1 only), gW = conv of x with g, gb = sum."""
+    """gx = conv_transpose2d(g, weight) (dilated: _transposed_conv), gW = conv of x with g,
+    gb = sum."""
     weight = layer.weight
     s, p, d = _pair(stride), _pair(padding), _pair(dilation)
     kh, kw = weight.shape[2:]
     gx = gw = gb = None
     if _need(needs, 0):
-        _no_dilation("conv2d", d)
-        op = tuple(
-            _restore_padding(x.shape[2 + i], g.shape[2 + i], weight.shape[2 + i], s[i], p[i])
-            for i in (0, 1)
-        )
-        gx = F.conv_transpose2d(g, weight, None, s, p, op, groups)
+        if d == (1, 1):
+            op = tuple(
+                _restore_padding(x.shape[2 + i], g.shape[2 + i], weight.shape[2 + i], s[i], p[i])
+                for i in (0, 1)
+            )
+            gx = F.conv_transpose2d(g, weight, None, s, p, op, groups)
+        else:
+            gx = _transposed_conv(g, weight, tuple(x.shape[2:]), s, p, d, groups)
     if _need(needs, 1):
         gw = _weight_grad(x, g, (kh, kw), d, s, p, groups)
     if _need(needs, 2):
@@ -389,10 +437,19 @@ def conv_transpose2d(
     dilation: Pair = (1, 1),
     groups: int = 1,
 ) -> Tensor:
-    """F.conv_transpose2d; dilation 1 only (PopTorch has no dilated ConvTranspose)."""
+    """F.conv_transpose2d; with dilation > 1, which PopTorch's ConvTranspose lacks,
+    _transposed_conv plus the bias."""
     weight, bias = _weight_bias(layer)
-    _no_dilation("conv_transpose2d", dilation)
-    return F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups)
+    d = _pair(dilation)
+    if d == (1, 1):
+        return F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups)
+    s, p, op = _pair(stride), _pair(padding), _pair(output_padding)
+    k = weight.shape[2:]
+    out_hw = tuple(
+        (x.shape[2 + i] - 1) * s[i] - 2 * p[i] + d[i] * (k[i] - 1) + op[i] + 1 for i in (0, 1)
+    )
+    y = _transposed_conv(x, weight, out_hw, s, p, d, groups)
+    return y if bias is None else y + bias.reshape(1, -1, 1, 1)
 
 
 def conv_transpose2d_backward(
@@ -1498,16 +1555,33 @@ def conv1d_backward(
     needs: Needs | None = None,
 ) -> Grads:
     """conv2d's gradients on the [N, C, 1, L] views: gx = conv_transpose2d(g, weight)
-    (dilation 1 only), gW = the convolution of x with g, gb = sum."""
+    (dilated: _transposed_conv), gW = the convolution of x with g, gb = sum."""
     weight = layer.weight
     k = weight.shape[2]
     gx = gw = gb = None
     if _need(needs, 0):
-        _no_dilation("conv1d", dilation)
-        op = _restore_padding(x.shape[2], g.shape[2], k, stride, padding)
-        gx = F.conv_transpose2d(
-            g.unsqueeze(2), weight.unsqueeze(2), None, (1, stride), (0, padding), (0, op), groups
-        ).squeeze(2)
+        if dilation == 1:
+            op = _restore_padding(x.shape[2], g.shape[2], k, stride, padding)
+            gx = F.conv_transpose2d(
+                g.unsqueeze(2),
+                weight.unsqueeze(2),
+                None,
+                (1, stride),
+                (0, padding),
+                (0, op),
+                groups,
+            )
+        else:
+            gx = _transposed_conv(
+                g.unsqueeze(2),
+                weight.unsqueeze(2),
+                (1, x.shape[2]),
+                (1, stride),
+                (0, padding),
+                (1, dilation),
+                groups,
+            )
+        gx = gx.squeeze(2)
     if _need(needs, 1):
         gw = _weight_grad(
             x.unsqueeze(2), g.unsqueeze(2), (1, k), (1, dilation), (1, stride), (0, padding), groups
