@@ -7,6 +7,7 @@ same weights and batch, in float64, to 1e-9 relative.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -184,20 +185,169 @@ def test_the_runner_sets_the_options(emulation, monkeypatch, tmp_path):
     )
 
 
-def test_dilated_conv_is_refused_for_the_ipu():
-    from unroller.api import generate_from_text
-    from unroller.errors import ModelError
+# Dilated convolutions: PopTorch's ConvTranspose has no dilation, so the ipu kernels build
+# the transposed convolution (conv2d's input gradient, conv_transpose2d's forward) as a plain
+# dilated conv2d. A grid of kernel, stride, padding, dilation and groups, with inputs whose
+# last rows the forward never reads and paddings wider than the dilated kernel.
+GRID_K = [(1, 1), (3, 2), (2, 3)]
+GRID_S = [(1, 1), (2, 2), (3, 1)]
+GRID_P = [(0, 0), (1, 2), (3, 0)]
+GRID_D = [(2, 2), (1, 3), (3, 2)]
 
-    text = """model m {
-        input x: f32[N, 2, 9, 9]
-        target y: f32[N, 3, 5, 5]
-        c = conv2d(x, out_channels=3, kernel_size=3, dilation=2)
+
+def _dilated_conv2d_grid():
+    for k, s, p, d, groups, h in itertools.product(GRID_K, GRID_S, GRID_P, GRID_D, (1, 2), (7, 8)):
+        if all(size + 2 * p[i] > (k[i] - 1) * d[i] for i, size in enumerate((h, h - 1))):
+            yield k, s, p, d, groups, h
+
+
+def test_dilated_conv2d_gradients_equal_autograd():
+    from unroller.runtime import ipu
+
+    worst, count, unread = 0.0, 0, 0
+    for k, s, p, d, groups, h in _dilated_conv2d_grid():
+        torch.manual_seed(count)
+        m = torch.nn.Conv2d(2 * groups, 3 * groups, k, s, p, d, groups).double()
+        x = torch.randn(2, 2 * groups, h, h - 1, dtype=torch.float64, requires_grad=True)
+        y = m(x)
+        g = torch.randn_like(y)
+        want = torch.autograd.grad(y, (x, m.weight, m.bias), g)
+        kw = dict(stride=s, padding=p, dilation=d, groups=groups)
+        got = ipu.conv2d_backward(g, x.detach(), m, **kw)
+        for ours, ref in zip(got, want):
+            assert ours.shape == ref.shape
+            worst = max(worst, rel_err(ours, ref))
+        count += 1
+        last_read = (y.shape[2] - 1) * s[0] + (k[0] - 1) * d[0]
+        unread += last_read < h + p[0] - 1  # the last input row: never read
+    assert count > 200 and unread >= 40
+    assert worst <= 1e-10, worst
+
+
+def test_dilated_conv1d_gradients_equal_autograd():
+    from unroller.runtime import ipu
+
+    worst, count = 0.0, 0
+    for k, s, p, d, groups in itertools.product((1, 2, 3), (1, 2, 3), (0, 1, 4), (2, 3), (1, 2)):
+        torch.manual_seed(count)
+        m = torch.nn.Conv1d(2 * groups, 3 * groups, k, s, p, d, groups).double()
+        x = torch.randn(2, 2 * groups, 13, dtype=torch.float64, requires_grad=True)
+        y = m(x)
+        g = torch.randn_like(y)
+        want = torch.autograd.grad(y, (x, m.weight, m.bias), g)
+        got = ipu.conv1d_backward(g, x.detach(), m, stride=s, padding=p, dilation=d, groups=groups)
+        worst = max([worst] + [rel_err(ours, ref) for ours, ref in zip(got, want)])
+        count += 1
+    assert worst <= 1e-10, worst
+
+
+def test_dilated_conv_transpose2d_forward_equals_torch():
+    """conv_transpose2d's forward with dilation is the same construction (plus the bias)."""
+    from unroller.runtime import ipu
+
+    worst, count = 0.0, 0
+    ops = [(0, 0), (1, 0), (0, 2)]
+    for k, s, p, op, d, groups in itertools.product(
+        GRID_K, GRID_S, GRID_P[:2], ops, GRID_D, (1, 2)
+    ):
+        if any(op[i] >= max(s[i], d[i]) for i in (0, 1)):
+            continue
+        torch.manual_seed(count)
+        m = torch.nn.ConvTranspose2d(2 * groups, 3 * groups, k, s, p, op, groups, True, d)
+        m = m.double()
+        x = torch.randn(2, 2 * groups, 5, 4, dtype=torch.float64)
+        try:
+            want = m(x)
+        except RuntimeError:  # an output size below 1
+            continue
+        kw = dict(stride=s, padding=p, output_padding=op, dilation=d, groups=groups)
+        got = ipu.conv_transpose2d(x, m, **kw)
+        assert got.shape == want.shape
+        worst = max(worst, rel_err(got, want))
+        count += 1
+    assert count > 100
+    assert worst <= 1e-10, worst
+
+
+def test_the_transposed_conv_helper_without_dilation_equals_conv_transpose2d():
+    """The helper is also right where the kernels call F.conv_transpose2d (dilation 1)."""
+    from unroller.runtime import ipu
+
+    for k, s, p, groups in itertools.product(GRID_K, GRID_S, GRID_P[:2], (1, 2)):
+        torch.manual_seed(0)
+        w = torch.randn(2 * groups, 3, *k, dtype=torch.float64)
+        g = torch.randn(2, 2 * groups, 4, 5, dtype=torch.float64)
+        want = torch.nn.functional.conv_transpose2d(g, w, None, s, p, 0, groups)
+        got = ipu._transposed_conv(g, w, tuple(want.shape[2:]), s, p, (1, 1), groups)
+        assert rel_err(got, want) <= 1e-12
+
+
+DILATED = {
+    "image": (
+        """model m {
+        input x: f32[N, 2, 13, 12]
+        target y: f32[N, 3, 5, 7]
+        a = conv2d(x, out_channels=4, kernel_size=3, stride=2, padding=1, dilation=2)
+        r = relu(a)
+        b = conv2d(r, out_channels=4, kernel_size=(2, 3), stride=(3, 2), padding=1,
+                   dilation=(2, 1), groups=2)
+        c = conv_transpose2d(b, out_channels=3, kernel_size=3, stride=2, padding=1, dilation=2)
         loss = mse_loss(c, y)
         return loss
-    }"""
-    generate_from_text(text, Options(platform="gpu"))
-    with pytest.raises(ModelError, match="dilation"):
-        generate_from_text(text, Options(platform="ipu"))
+    }""",
+        dict(
+            a=lambda: torch.nn.Conv2d(2, 4, 3, 2, 1, 2),
+            b=lambda: torch.nn.Conv2d(4, 4, (2, 3), (3, 2), 1, (2, 1), 2),
+            c=lambda: torch.nn.ConvTranspose2d(4, 3, 3, 2, 1, dilation=2),
+        ),
+        (2, 13, 12),
+        (3, 5, 7),
+    ),
+    "sequence": (
+        """model m {
+        input x: f32[N, 3, 16]
+        target y: f32[N, 2, 2]
+        a = conv1d(x, out_channels=4, kernel_size=3, stride=2, padding=1, dilation=3)
+        r = relu(a)
+        b = conv1d(r, out_channels=2, kernel_size=2, stride=2, dilation=2, groups=2)
+        loss = mse_loss(b, y)
+        return loss
+    }""",
+        dict(
+            a=lambda: torch.nn.Conv1d(3, 4, 3, 2, 1, 3),
+            b=lambda: torch.nn.Conv1d(4, 2, 2, 2, 0, 2, 2),
+        ),
+        (3, 16),
+        (2, 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DILATED))
+def test_dilated_conv_model_for_the_ipu_equals_torch_nn(build, emulation, name):
+    """A model of dilated convolutions (strides leaving input rows unread, groups, a dilated
+    conv_transpose2d) generated for the ipu platform: loss and every parameter gradient equal
+    torch.nn's in float64."""
+    text, layers, x_shape, y_shape = DILATED[name]
+    torch.manual_seed(0)
+    ref = torch.nn.ModuleDict({k: make() for k, make in layers.items()}).double()
+    ipu = build(text, Options(platform="ipu")).Model()
+    ipu.load_state_dict(ref.state_dict())
+    ipu.double()
+    x = torch.randn(2, *x_shape, dtype=torch.float64)
+    y = torch.randn(2, *y_shape, dtype=torch.float64)
+    surrogate, loss = ipu(x, y)
+    surrogate.backward()
+    h = ref["a"](x).relu()
+    h = ref["b"](h)
+    if "c" in ref:
+        h = ref["c"](h)
+    want = torch.nn.functional.mse_loss(h, y)
+    want.backward()
+    assert rel_err(loss, want) <= 1e-12
+    grads = dict(ipu.named_parameters())
+    for key, p in ref.named_parameters():
+        assert rel_err(grads[key].grad, p.grad) <= 1e-10, key
 
 
 def test_per_ipu_report_in_unroll_graph(monkeypatch):
