@@ -480,6 +480,75 @@ def node_where(node) -> _Where:
     return _Where([""], [], _short(node.name or node.op_type), location, rules)
 
 
+class FxCall:
+    """The ATen call the dynamo exporter records on a node (``pkg.torch.onnx.fx_node``):
+    its output name, target and arguments as written (``%name`` for a value; ``%p_...`` a
+    parameter, ``%b_...`` a buffer). Read as text only, in linear time."""
+
+    def __init__(self, name: str, target: str, args: list[str], kwargs: dict[str, str]):
+        self.name = name
+        self.target = target
+        self.args = args
+        self.kwargs = kwargs
+
+    def parameters(self) -> set[str]:
+        return {a[1:] for a in self.args if a.startswith("%p_")}
+
+
+def _split_top(text: str) -> list[str]:
+    """``a, [b, c], d`` -> ['a', '[b, c]', 'd']: commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for k, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:k].strip())
+            start = k + 1
+    last = text[start:].strip()
+    return [*parts, last] if last else parts
+
+
+def fx_call(node) -> FxCall | None:
+    """The node's recorded ATen call, or None (another exporter, or text not of that form).
+    Parsed with ``str.find``: hostile metadata costs linear time."""
+    text = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "")
+    if not text or len(text) > MAX_METADATA_CHARS or not text.startswith("%"):
+        return None
+    text = text.strip()
+    head, tail = "call_function[target=torch.ops.", "](args = ("
+    middle, end = "), kwargs = {", "})"
+    at = text.find(head)
+    close = text.find(tail, at)
+    split = text.rfind(middle)
+    if at < 0 or close < 0 or split < close or not text.endswith(end):
+        return None
+    name = text[1 : text.find(" ")]
+    target = text[at + len(head) : close]
+    args = _split_top(text[close + len(tail) : split])
+    pairs = (item.partition(":") for item in _split_top(text[split + len(middle) : -len(end)]))
+    return FxCall(name, target, args, {k.strip(): v.strip() for k, _, v in pairs})
+
+
+def fx_name(key: str) -> str:
+    """The name torch.export gives the parameter ``key`` (``vit.embeddings.cls_token`` ->
+    ``p_vit_embeddings_cls_token``)."""
+    return "p_" + re.sub(r"[^0-9a-z_]", "_", key.lower())
+
+
+#: ONNX op -> the ATen op it computes when the exporter wrote it for that op: a node that
+#: reads a parameter as a tensor operand (a class token, a position table, a layer scale).
+PARAMETER_OPERAND = {
+    "Add": "aten.add.",
+    "Sub": "aten.sub.",
+    "Mul": "aten.mul.",
+    "Div": "aten.div.",
+    "Concat": "aten.cat.",
+    "Expand": "aten.expand.",
+}
+
+
 # ---------------------------------------------------------------- the mapper
 
 
@@ -558,6 +627,11 @@ class _Mapper:
         self.classes: dict[str, str] = {}
         self.notes: list[str] = []
         self.groups: dict[int, str] = {}
+        self.decomposed: dict[str, str] = {}  # group key -> the ATen op its nodes compute
+        self.fx = [fx_call(n) for n in self.nodes]
+        self.unbatched: dict[str, tuple[int, ...]] = {}  # values without the batch dim
+        self.first_run: dict[str, tuple] = {}  # shapes at the first batch size
+        self.parameters: set[str] = set()  # initializers read as tensor operands
         init_bytes = sum(len(t.raw_data) or 8 * _numel(t) for t in self.graph.initializer)
         self.const_budget = CONST_BUDGET_BYTES + 2 * init_bytes
 
@@ -612,7 +686,8 @@ class _Mapper:
                 self._poison(i)  # reported once, where it failed
                 continue
             try:
-                results = self._fold_node(i, runs)
+                reads = self._reads_parameter(i, runs)
+                results = None if reads else self._fold_node(i, runs)
             except Refuse as exc:
                 self._fail(i, str(exc))
                 continue
@@ -627,10 +702,39 @@ class _Mapper:
                 if out:
                     self.pairs[out] = result
             self._track_weight_views(node)
+        self.first_run = runs[0]
         for name, dims in runs[0].items():
             other = runs[-1].get(name)
             if other is not None and len(other) == len(dims):
                 self.shapes[name] = tuple(_merge_dim(a, b) for a, b in zip(dims, other))
+
+    def _reads_parameter(self, i: int, runs: list[dict]) -> bool:
+        """Whether node ``i`` reads a module's parameter as data, which makes it a data node
+        (not a constant to fold): an embedding looked up at constant ids (position ids),
+        or an elementwise op, concatenation or expand of a parameter (a class token, a
+        position table). The dynamo exporter's record of the ATen call says which
+        initializers are parameters (``%p_...``) rather than buffers; without it such an
+        initializer stays a constant (and is refused where it is an operand)."""
+        node, call = self.nodes[i], self.fx[i]
+        if call is None or node.domain not in _DEFAULT_DOMAINS:
+            return False
+        params = call.parameters()
+        if node.op_type == "Gather" and call.target == "aten.embedding.default":
+            table = node.input[0] if node.input else ""
+            return table in self.inits and fx_name(table) in params
+        prefix = PARAMETER_OPERAND.get(node.op_type)
+        if prefix is None or not call.target.startswith(prefix):
+            return False
+        found = False
+        for name in node.input:
+            if name in self.inits and name not in self.data and fx_name(name) in params:
+                self.data.add(name)
+                self.parameters.add(name)
+                self.dtypes[name] = self.inits[name].data_type
+                for run in runs:
+                    run[name] = tuple(int(d) for d in self.inits[name].dims)
+                found = True
+        return found
 
     def _check_known_inputs(self, i: int) -> None:
         """Every input is computed before it is read (``onnx.checker`` enforces this; kept
@@ -690,6 +794,11 @@ class _Mapper:
 
     def shape(self, name: str) -> tuple:
         """A data value's shape, ``N`` first; Refuse if unknown or the batch is not first."""
+        if name in self.unbatched:
+            raise Refuse(
+                f"{name} {list(self.unbatched[name])} is a parameter's value without the batch "
+                "dim: only an elementwise op with a batched value or an expand reads it"
+            )
         raw = self.shapes.get(name)
         if raw is None:
             raise Refuse(f"ONNX shape inference gives no shape for {name}")
@@ -868,12 +977,37 @@ class _Mapper:
     def value_of(self, name: str) -> str:
         if name in self.values:
             return self.values[name]
+        if name in self.parameters:
+            return self._parameter(name)
         if name in self.poisoned:
             raise _Poisoned(name)
         if name in self.data:
             raise Refuse(f"reads {name}, which could not be mapped")
         what = f"the initializer {name!r}" if name in self.inits else f"the constant {name}"
         raise Refuse(f"reads {what} as a tensor operand: no registry operator takes a constant")
+
+    def _parameter(self, key: str) -> str:
+        """A parameter read as data: a ``parameter`` statement named by its state-dict key
+        (trainable, loaded from the file's initializer), emitted at its first read."""
+        shape = tuple(self.init_shape(key))
+        if not valid_path(key):
+            raise Refuse(_unnamed(key, "parameter"))
+        if not shape:
+            raise Refuse(
+                f"the parameter {key} is a 0-d scalar, which a parameter statement cannot hold"
+            )
+        if key in self.used or key in self.names:
+            raise Refuse(f"the initializer {key} is used by two operators (shared weights)")
+        self.names.add(key)
+        self.used[key] = key
+        self.state[key] = (key, shape)
+        owner = key.rpartition(".")[0]
+        self.stmts.append(
+            Stmt(key, "parameter", [], {"shape": shape, "init": "zeros"}, owner, shape)
+        )
+        self.values[key] = key
+        self.unbatched[key] = shape
+        return key
 
     # ---- the walk
 
@@ -883,6 +1017,7 @@ class _Mapper:
             self.record_classes(i)
         self.prepare()
         self.groups = self._collapsed_groups()
+        last = {key: i for i, key in self.groups.items()}
         done: set[str] = set()
         for i in self.order():
             node = self.nodes[i]
@@ -894,9 +1029,12 @@ class _Mapper:
                 self.values[node.output[0]] = self.absorbed[i]
                 continue
             if i in self.groups:
-                if self.groups[i] not in done:
-                    done.add(self.groups[i])
-                    self._collapse(self.groups[i])
+                key = self.groups[i]
+                # a decomposed call at its last node: its inputs are all mapped by then
+                ready = key not in self.decomposed or i == last[key]
+                if key not in done and ready:
+                    done.add(key)
+                    self._collapse(key)
                 continue
             self._map(i)
         return self._prediction()
@@ -970,8 +1108,9 @@ class _Mapper:
         else:
             name = self.unique(self.functional_name(i))
             module_path = self.where[i].path
+        out = self.nodes[i].output[0]
         try:
-            shape = self.shape(self.nodes[i].output[0])
+            shape = self.unbatched[out] if out in self.unbatched else self.shape(out)
         except Refuse:
             shape = None
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -1033,6 +1172,16 @@ class _Mapper:
         for path, nodes in members.items():
             if self._group_ends(nodes) is not None:
                 groups.update({i: path for i in nodes})
+        calls: dict[str, list[int]] = {}
+        for i in self.order():
+            call = self.fx[i]
+            op = call.target if call is not None else ""
+            if op in DECOMPOSED and self.is_data_node(i) and i not in groups:
+                key = f"{self.where[i].path}#{call.name}"
+                self.decomposed[key] = op
+                calls.setdefault(key, []).append(i)
+        for key, nodes in calls.items():
+            groups.update({i: key for i in nodes})
         return groups
 
     def _group_ends(self, nodes: list[int]) -> tuple[str, str] | None:
@@ -1054,6 +1203,9 @@ class _Mapper:
 
     def _collapse(self, path: str) -> None:
         nodes = [i for i in self.order() if self.groups.get(i) == path]
+        if path in self.decomposed:
+            self._recompose(path, nodes)
+            return
         x, out = self._group_ends(nodes)
         cls = self.where[nodes[0]].cls
         try:
@@ -1069,26 +1221,73 @@ class _Mapper:
             return
         self.values[out] = name
 
+    def _recompose(self, key: str, nodes: list[int]) -> None:
+        """The nodes the exporter decomposed one ATen call into, as one statement (see
+        ``DECOMPOSED``), or one unmapped entry saying why not."""
+        op = self.decomposed[key]
+        inside = {out for i in nodes for out in self.nodes[i].output if out}
+        escaping = [
+            out
+            for out in inside
+            if out == self.output
+            or any(j not in nodes and self.is_data_node(j) for j in self.live_users(out))
+        ]
+        try:
+            if len(escaping) != 1:
+                raise Refuse(f"its nodes have {len(escaping)} outputs read elsewhere, not one")
+            external = []
+            for i in nodes:
+                for name in self.nodes[i].input:
+                    if name in self.data and name not in inside and name not in external:
+                        external.append(name)
+            for name in external:
+                self.value_of(name)  # a failed input: reported once, at its root
+            name = DECOMPOSED[op](self, nodes, external, escaping[0])
+        except _Poisoned:
+            for i in nodes:
+                self._poison(i)
+            return
+        except Refuse as exc:
+            self._fail(nodes[-1], f"{op} as exported: {exc}")
+            for i in nodes:
+                self._poison(i)
+            return
+        self.values[escaping[0]] = name
+
     def check_linear(self, nodes: list[int], x: str, out: str, reference: Callable) -> None:
         """The nodes compute ``reference`` (a linear map, run in float64) on random input,
         up to the rounding of the file's element type: a different linear map (other
         windows, other weights) differs by the size of the values, not by a rounding."""
+        self.check_nodes(nodes, [x], out, reference, "torch's module")
+
+    def check_nodes(
+        self,
+        nodes: list[int],
+        xs: list[str],
+        out: str,
+        reference: Callable,
+        what: str,
+        products: bool = False,
+    ) -> None:
+        """The nodes, run by ``onnx.reference`` on random inputs ``xs``, compute what
+        ``reference`` (torch, in float64) computes on them, up to the file's rounding;
+        ``products``: the nodes may multiply matrices (attention), each bounded in cost."""
         import torch
 
         helper = self.onnx.helper
-        elem = self.dtypes.get(x, 1)
+        elem = self.dtypes.get(xs[0], 1)
         batch = self.batch or B1
-        shape = [batch if d is BATCH else d for d in self.shape(x)]
+        shapes = [[batch if d is BATCH else d for d in self.shape(x)] for x in xs]
         inside = {o for i in nodes for o in self.nodes[i].output}
-        self._bound_check(nodes, [x, *inside], batch)
+        self._bound_check(nodes, [*xs, *inside], products)
         consts = {}
         for i in nodes:
             for name in self.nodes[i].input:
-                if name and name != x and name not in inside:
+                if name and name not in xs and name not in inside:
                     if name not in self.pairs and name not in self.inits:
                         raise Refuse(f"reads {name}, which is not a constant")
                     consts[name] = self.pair(name)[0]
-        ins = [helper.make_tensor_value_info(x, elem, shape)]
+        ins = [helper.make_tensor_value_info(x, elem, shape) for x, shape in zip(xs, shapes)]
         ins += [
             helper.make_tensor_value_info(n, _elem(self.onnx, v), v.shape)
             for n, v in consts.items()
@@ -1096,31 +1295,47 @@ class _Mapper:
         outs = [helper.make_tensor_value_info(out, elem, None)]
         graph = helper.make_graph([self.nodes[i] for i in nodes], "check", ins, outs)
         model = helper.make_model(graph, opset_imports=list(self.model.opset_import))
-        sample = np.random.default_rng(0).standard_normal(shape).astype(_np_dtype(self.onnx, elem))
+        rng = np.random.default_rng(0)
+        samples = [rng.standard_normal(s).astype(_np_dtype(self.onnx, elem)) for s in shapes]
         try:
             evaluator = self.onnx.reference.ReferenceEvaluator(model)
-            got = np.asarray(evaluator.run(None, {x: sample, **consts})[0], np.float64)
+            got = evaluator.run(None, {**dict(zip(xs, samples)), **consts})[0]
+            got = np.asarray(got, np.float64)
         except Exception as exc:  # noqa: BLE001
             raise Refuse(f"cannot evaluate the nodes to check them: {_one_line(exc)}") from None
-        want = reference(torch.from_numpy(sample.astype(np.float64))).numpy()
+        want = reference(*(torch.from_numpy(a.astype(np.float64)) for a in samples)).numpy()
         tolerance = 1e-12 if elem == 11 else 1e-5
         scale = float(np.abs(want).max()) or 1.0
         if got.shape != want.shape or not np.allclose(
             got, want, rtol=tolerance, atol=tolerance * scale
         ):
-            raise Refuse("its nodes do not compute what torch's module computes")
+            raise Refuse(f"its nodes do not compute what {what} computes")
 
-    def _bound_check(self, nodes: list[int], values: list[str], batch: int) -> None:
+    def _check_dims(self, name: str) -> tuple | None:
+        if name in self.first_run:
+            return self.first_run[name]
+        return self.pair(name)[0].shape if self.is_constant(name) else None
+
+    def _bound_check(self, nodes: list[int], values: list[str], products: bool = False) -> None:
         """The check runs only cheap ops on values of known, bounded size (the file's
-        metadata chose these nodes: it must not make the check a memory or time bomb)."""
+        metadata chose these nodes: it must not make the check a memory or time bomb);
+        with ``products`` also MatMul, at most ``MAX_CHECK_ELEMENTS`` multiplications of
+        a row by a column each."""
         for i in nodes:
-            if self.nodes[i].op_type not in FOLDED:
-                raise Refuse(f"it computes {self.nodes[i].op_type}, which the check does not run")
+            op = self.nodes[i].op_type
+            if op == "MatMul" and products:
+                a, b = (self._check_dims(n) for n in self.nodes[i].input[:2])
+                if not a or not b or None in a or None in b:
+                    raise Refuse(f"the shapes of {self.nodes[i].input[0]} are not known")
+                if math.prod(a) * b[-1] > MAX_CHECK_ELEMENTS:
+                    raise Refuse("a matrix product in the check would cost too much")
+            elif op not in FOLDED:
+                raise Refuse(f"it computes {op}, which the check does not run")
         for name in values:
-            dims = self.shapes.get(name)
+            dims = self.first_run.get(name)
             if dims is None or any(d is None for d in dims):
                 raise Refuse(f"the shape of {name} is not known")
-            count = math.prod(batch if d is BATCH else int(d) for d in dims)
+            count = math.prod(int(d) for d in dims)
             if count > MAX_CHECK_ELEMENTS:
                 raise Refuse(f"{name} would hold {count} elements in the check")
 
@@ -1221,6 +1436,22 @@ class NodeView:
     def in_shape(self, i: int) -> tuple:
         return self.m.shape(self.node.input[i])
 
+    def unbatched(self, i: int) -> tuple[int, ...] | None:
+        """The shape of input ``i`` when it is a parameter's value without the batch dim (a
+        class token, a position table), else None. Maps it first (its statement)."""
+        name = self.node.input[i]
+        if name in self.m.parameters:
+            self.m.value_of(name)
+        return self.m.unbatched.get(name)
+
+    def set_unbatched(self, shape: tuple[int, ...]) -> None:
+        """This node's output is a value without the batch dim (rows of a table)."""
+        self.m.unbatched[self.node.output[0]] = tuple(shape)
+
+    def fx_call(self):
+        """The ATen call the dynamo exporter recorded for this node, or None."""
+        return self.m.fx[self.index]
+
     def out_shape(self, k: int = 0) -> tuple:
         return self.m.shape(self.node.output[k])
 
@@ -1238,6 +1469,12 @@ class NodeView:
         if a is not b and not np.array_equal(a, b):
             raise Refuse(f"its {what} depends on the batch size")
         return a
+
+    def const_pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """A constant input's values at both batch sizes (the same array at a fixed batch)."""
+        if self.is_data(i):
+            raise Refuse(f"its input {i} is computed from the input data, not a constant")
+        return self.m.pair(self.node.input[i])
 
     def sizes(self, i: int, what: str) -> tuple:
         """A 1-D integer shape argument, with ``N`` where it is the batch size."""
@@ -1347,6 +1584,87 @@ def _adaptive_avg_pool(mapper: _Mapper, path: str, nodes: list[int], x: str, out
 COLLAPSED: dict[str, Callable] = {
     "torch.nn.modules.pooling.AdaptiveAvgPool2d": _adaptive_avg_pool,
     "torch.nn.modules.pooling.AdaptiveAvgPool1d": _adaptive_avg_pool,
+}
+
+
+def _fx_bool(text: str | None) -> bool:
+    if text in (None, "False"):
+        return False
+    if text == "True":
+        return True
+    raise Refuse(f"a flag written {text!r}, not True or False")
+
+
+def _attention(mapper: _Mapper, nodes: list[int], external: list[str], out: str) -> str:
+    """``F.scaled_dot_product_attention(q, k, v, mask, scale=s)`` as the dynamo exporter
+    decomposes it (q and k scaled by sqrt(s), MatMul, the mask added, Softmax, rows of NaN
+    zeroed, MatMul by v). The recorded call names q, k, v and the scale; the nodes must
+    compute torch's attention with no mask or with the causal one (a mask built from
+    sizes that masks nothing, as Hugging Face models pass without an attention mask), on
+    random q, k, v with the file's constants: any other mask, scale or wiring differs by
+    far more than a rounding and is refused."""
+    import torch.nn.functional as F
+
+    call = mapper.fx[nodes[-1]]
+    args = call.args
+    if len(args) < 3 or not all(a.startswith("%") for a in args[:3]):
+        raise Refuse("its recorded call does not name q, k and v")
+    q, k, v = (a[1:] for a in args[:3])
+    if sorted(external) != sorted({q, k, v}):
+        raise Refuse(f"its nodes read {external}, not the recorded q, k, v ({q}, {k}, {v})")
+    extra = dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:]))
+    extra.update(call.kwargs)
+    if float(extra.get("dropout_p", "0.0")) != 0.0:
+        raise Refuse("attention dropout in the file (export in eval mode)")
+    if _fx_bool(extra.get("enable_gqa")):
+        raise Refuse("grouped-query attention (enable_gqa) is not read from ONNX files yet")
+    causal = _fx_bool(extra.get("is_causal"))
+    scale = float(extra["scale"]) if "scale" in extra else None
+    shapes = [mapper.shape(name) for name in (q, k, v)]
+    if any(len(s) != 4 for s in shapes) or shapes[0][1] != shapes[1][1]:
+        raise Refuse(f"attention of q, k, v {[list(s) for s in shapes]}: expected [N, H, L, E]")
+    tries = [True] if causal else ([False, True] if "attn_mask" in extra else [False])
+    reason = None
+    for mask in tries:
+        try:
+            mapper.check_nodes(
+                nodes,
+                [q, k, v],
+                out,
+                lambda a, b, c, m=mask: F.scaled_dot_product_attention(
+                    a, b, c, is_causal=m, scale=scale
+                ),
+                "torch's attention without a mask" if not mask else "causal attention",
+                products=True,
+            )
+        except Refuse as exc:
+            reason = exc
+            continue
+        where = mapper.where[nodes[-1]]
+        name = mapper.unique(mapper.functional_name(nodes[-1]))
+        kwargs: dict[str, Any] = {"is_causal": True} if mask else {}
+        if scale is not None:
+            kwargs["scale"] = scale
+        mapper.names.add(name)
+        values = [mapper.value_of(n) for n in (q, k, v)]
+        mapper.stmts.append(
+            Stmt(
+                name, "scaled_dot_product_attention", values, kwargs, where.path, mapper.shape(out)
+            )
+        )
+        return name
+    if "attn_mask" in extra and len(tries) > 1:
+        raise Refuse(
+            f"its attention mask masks more than the causal mask ({reason}): only a mask "
+            "that masks nothing or the causal one is imported"
+        )
+    raise Refuse(str(reason))
+
+
+#: ATen calls the dynamo exporter decomposes into many ONNX nodes, read back as one
+#: statement: recorded target -> builder (it checks the nodes compute the call).
+DECOMPOSED: dict[str, Callable] = {
+    "aten.scaled_dot_product_attention.default": _attention,
 }
 
 

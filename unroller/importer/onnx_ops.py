@@ -221,6 +221,46 @@ def batch_norm(view):
     )
 
 
+@maps("LayerNormalization")
+def layer_norm(view):
+    """torch's ``layer_norm`` as the exporters write it: statistics over the dims from
+    ``axis`` on, in float32 (``stash_type`` 1, what torch computes for float32 and half
+    inputs); the scale and bias are the module's weight and bias initializers, or the
+    constants 1 and 0 (or none) of a LayerNorm without them."""
+    x = view.in_shape(0)
+    axis = _axis(int(view.attr("axis", -1)), len(x), "normalizing from dim")
+    normalized = tuple(int(d) for d in x[axis:])
+    if int(view.attr("stash_type", 1)) != 1:
+        raise Refuse(f"stash_type={view.attr('stash_type')}: statistics not in float32")
+    affine = view.is_initializer(1)
+    if not affine:
+        if view.is_data(1):
+            raise Refuse("its scale is computed from the input, not an initializer")
+        if not np.all(view.const(1, "scale") == 1):
+            raise Refuse("its scale is a computed constant other than 1, not an initializer")
+    bias = _bias(view, 2)
+    if bias and not affine:
+        raise Refuse("a bias without a weight (torch.nn.LayerNorm has both or neither)")
+    if affine:
+        roles = {"weight": 1, "bias": 2} if bias else {"weight": 1}
+        for i, leaf in ((1, "weight"), (2, "bias")):
+            if leaf in roles and view.param_shape(i, leaf) != normalized:
+                shape = list(view.param_shape(i, leaf))
+                raise Refuse(f"a {leaf} of shape {shape} normalizing {list(normalized)}")
+        layer = view.layer(**roles)
+    else:
+        layer = None
+    return view.stmt(
+        "layernorm",
+        [view.value(0)],
+        layer=layer,
+        normalized_shape=normalized[0] if len(normalized) == 1 else normalized,
+        eps=decimal32(view.attr("epsilon", 1e-5)),
+        elementwise_affine=affine,
+        bias=bias or not affine,
+    )
+
+
 @maps("Gemm")
 def gemm(view):
     if int(view.attr("transA", 0)):
@@ -359,6 +399,7 @@ def clip(view):
 
 def _with_constant(view, op: str, k: int) -> str:
     """``op`` of data input ``k`` and a constant: a scalar factor, or an exact no-op."""
+    x = view.value(k)  # a failed input: reported at its root, not here
     value = np.asarray(view.const(1 - k, "operand"))
     name = view.input_name(1 - k)
     if value.size != 1 or value.ndim > len(view.in_shape(k)):
@@ -367,7 +408,6 @@ def _with_constant(view, op: str, k: int) -> str:
             "takes a constant operand (an initializer that is not a module's parameter?)"
         )
     number = _scalar(view, 1 - k, "operand")
-    x = view.value(k)
     if op in ("add", "sub") and number == 0.0 and (op == "add" or k == 0):
         return x
     if op == "mul":
@@ -378,17 +418,37 @@ def _with_constant(view, op: str, k: int) -> str:
     raise Refuse(f"{side} with the constant {number}: no registry operator computes it")
 
 
+def _with_parameter(view, op: str, flat: list) -> str:
+    """``op`` of a batched value and a parameter without the batch dim (a position table
+    [1, L, E], rows [L, E]): torch's broadcasting, which must leave the batched operand's
+    shape as it is (the parameter stretches, never the data)."""
+    args = [view.value(0), view.value(1)]
+    if flat[0] is not None and flat[1] is not None:
+        raise Refuse(f"{op} of two parameters: no batch dim")
+    k = 0 if flat[0] is None else 1
+    x, p = view.in_shape(k), flat[1 - k]
+    fits = len(p) < len(x) or (len(p) == len(x) and p[0] == 1)
+    fits = fits and all(d in (1, e) for d, e in zip(p[::-1], x[::-1]))
+    if not fits or tuple(view.out_shape()) != tuple(x):
+        raise Refuse(f"{op} of {list(x)} and the parameter {list(p)} does not keep {list(x)}")
+    return view.stmt(op, args)
+
+
 def _binary(op: str):
     def mapper(view):
         data = [view.is_data(0), view.is_data(1)]
         if all(data):
+            flat = [view.unbatched(0), view.unbatched(1)]
+            if flat != [None, None]:
+                return _with_parameter(view, op, flat)
+            args = [view.value(0), view.value(1)]  # a failed input: reported at its root
             a, b = view.in_shape(0), view.in_shape(1)
             if len(a) != len(b):
                 raise Refuse(
                     f"{op} of {list(a)} and {list(b)}: broadcasting tensors of different "
                     "ranks would not line up their batch dims"
                 )
-            return view.stmt(op, [view.value(0), view.value(1)])
+            return view.stmt(op, args)
         if not any(data):
             raise Refuse(f"{op} of two constants")
         return _with_constant(view, op, 0 if data[0] else 1)
@@ -759,8 +819,105 @@ def slice_(view):
     return view.stmt("slice", [view.value(0)], dim=axis, start=start, end=stop, step=step)
 
 
+def _embedding_padding(view) -> int | None:
+    """``padding_idx`` from the dynamo exporter's record of ``aten.embedding`` (its row gets
+    no gradient); ONNX itself does not carry it, so a file without the record trains
+    every row (said in a note)."""
+    call = view.fx_call()
+    if call is None or call.target != "aten.embedding.default":
+        view.note(
+            "padding_idx is not in ONNX files and this file does not record the embedding "
+            "call: every row of its embeddings trains"
+        )
+        return None
+    args = call.args
+    if any(a == "True" for a in args[3:]) or any(
+        call.kwargs.get(k) == "True" for k in ("scale_grad_by_freq", "sparse")
+    ):
+        raise Refuse("scale_grad_by_freq / sparse embeddings")
+    padding = int(args[2]) if len(args) > 2 else int(call.kwargs.get("padding_idx", "-1"))
+    return None if padding == -1 else padding
+
+
+def _rows(ids: np.ndarray, padding: int | None) -> tuple[int, int]:
+    """(start, length) of constant embedding ids that look up the same contiguous rows in
+    every sample (position ids), or one row everywhere (token-type ids of zeros)."""
+    if ids.ndim == 0 or ids.size == 0:
+        raise Refuse("an embedding of a single constant index")
+    rows = ids.reshape(-1, ids.shape[-1]).astype(np.int64)
+    first = rows[0]
+    if not (rows == first).all():
+        raise Refuse("constant embedding ids that differ between samples")
+    start, length = int(first[0]), int(first.size)
+    if (first == start).all() and length > 1:
+        length = 1  # one row for every position: broadcast over the sequence
+    elif not (first == np.arange(start, start + length)).all():
+        raise Refuse("constant embedding ids that are not a contiguous range")
+    if padding is not None and start <= padding < start + length:
+        raise Refuse("constant embedding ids that include padding_idx")
+    return start, length
+
+
+def _embedding(view):
+    """``Gather`` of a module's ``weight`` table along dim 0: ``embedding`` of the ids, or,
+    at constant ids, ``embedding_rows`` (a value without the batch dim that broadcasts
+    where it is added, as the torch importer writes it)."""
+    table = view.param_shape(0, "weight")
+    if len(table) != 2:
+        raise Refuse(f"a lookup in a table of shape {list(table)} (an embedding is 2-D)")
+    padding = _embedding_padding(view)
+    if padding is not None and not 0 <= padding < table[0]:
+        raise Refuse(f"padding_idx {padding} outside the table's {table[0]} rows")
+    layer = view.layer(weight=0)
+    if view.is_data(1):
+        return view.stmt(
+            "embedding",
+            [view.value(1)],
+            layer=layer,
+            num_embeddings=table[0],
+            embedding_dim=table[1],
+            padding_idx=padding,
+        )
+    spans = {_rows(np.asarray(ids), padding) for ids in view.const_pair(1)}
+    if len(spans) != 1:
+        raise Refuse("constant embedding ids whose rows depend on the batch size")
+    start, length = spans.pop()
+    if start + length > table[0]:
+        raise Refuse(f"rows {start}..{start + length - 1} of a table of {table[0]}")
+    view.set_unbatched((length, table[1]))
+    return view.stmt(
+        "embedding_rows",
+        [],
+        layer=layer,
+        num_embeddings=table[0],
+        embedding_dim=table[1],
+        length=length,
+        start=start,
+    )
+
+
+@maps("Expand")
+def expand(view):
+    """A parameter (a class token [1, 1, E]) or a batched value broadcast to the shape ONNX
+    infers, which must keep the batch first: ``expand`` with -1 where a dim stays."""
+    flat = view.unbatched(0)
+    x = flat if flat is not None else view.in_shape(0)
+    out = view.out_shape()
+    lead = len(out) - len(x)
+    if lead < 0 or any(d not in (1, e) for d, e in zip(x[::-1], out[::-1])):
+        raise Refuse(f"expanding {list(x)} to {list(out)}")
+    if flat is None and tuple(out) == tuple(x):
+        return view.alias(0)
+    size = [BATCH]
+    for j in range(1, len(out)):
+        size.append(-1 if j >= lead and x[j - lead] == out[j] else int(out[j]))
+    return view.stmt("expand", [view.value(0)], size=tuple(size))
+
+
 @maps("Gather")
 def gather(view):
+    if view.is_weight(0, "weight") and int(view.attr("axis", 0)) == 0:
+        return _embedding(view)
     x = view.in_shape(0)
     if view.is_data(1):
         raise Refuse("gathering at indices computed from the input")
