@@ -929,6 +929,58 @@ def adaptive_pool1d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> 
     )
 
 
+# ---------------------------------------------------------------- recurrent layers
+
+
+def recurrent(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """lstm / gru: x [N, L, E] -> [N, L, D * H]; after x the initial states given (h0, and
+    the LSTM's c0), each [N, num_layers * D, H], batch first as every tensor here. Derives
+    the module's ``input_size``, ``directions`` (D), ``initial_states`` (how many were
+    given) and the kept tensors' shapes: ``gates_shape`` [N, S, L, 4H] and
+    ``states_shape`` [N, S, L + 1, H] (S = num_layers * D)."""
+    x, states = inputs[0], inputs[1:]
+    most = 2 if op == "lstm" else 1
+    names = ("h0", "c0")[:most]
+    if len(states) > most:
+        raise ShapeError(
+            f"{op} takes x and at most {most} initial state(s) ({', '.join(names)}), got "
+            f"{len(inputs)} tensors",
+            most + 1,
+        )
+    if not args["batch_first"]:
+        raise ShapeError(
+            f"{op}: batch_first=false is not supported: every tensor of the language has the "
+            "batch dim N first, so x is [N, L, E] (a torch module built with batch_first=False "
+            "has the same weights: build it with batch_first=True)",
+            arg="batch_first",
+        )
+    if x.rank != 3 or x.shape[0] != BATCH:
+        raise ShapeError(f"{op} needs x as a 3-D tensor [N, L, E], got {x}", 0)
+    _float(op, x)
+    _, length, embed = x.shape
+    hidden, directions = args["hidden_size"], 2 if args["bidirectional"] else 1
+    stacks = args["num_layers"] * directions
+    want = TensorType(x.dtype, (BATCH, stacks, hidden))
+    for index, state in enumerate(states, 1):
+        if state != want:
+            raise ShapeError(
+                f"{op}: {names[index - 1]} must be {want} ([N, num_layers * directions, "
+                f"hidden_size], batch first), got {state}",
+                index,
+            )
+    out = TensorType(x.dtype, (BATCH, length, directions * hidden))  # type: ignore[operator]
+    return ShapeResult(
+        out,
+        {
+            "input_size": embed,
+            "directions": directions,
+            "initial_states": len(states),
+            "gates_shape": (BATCH, stacks, length, 4 * hidden),
+            "states_shape": (BATCH, stacks, length + 1, hidden),  # type: ignore[operator]
+        },
+    )
+
+
 def rule(name: str) -> Rule:
     """The rule a registry entry names: a function here, or ``module:function``."""
     if ":" in name:
