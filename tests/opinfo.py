@@ -1817,7 +1817,62 @@ V2_ROWS: tuple[OpInfo, ...] = (
 )
 
 
+
+# ---------------------------------------------------------------- recurrent layers
+
+
+def _recurrent_case(
+    cls: type, layers: int, bidirectional: bool, states: int, bias: bool = True
+) -> Case:
+    """torch.nn.LSTM / GRU (batch first) on x [2, 5, 3]; ``states`` initial states given,
+    batch first [N, S, H] as the language has them (the reference transposes them)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        layer = cls(3, 4, layers, bias=bias, batch_first=True, bidirectional=bidirectional)
+        stacks = layers * (2 if bidirectional else 1)
+        given = [randn(2, stacks, 4, dtype=dtype) for _ in range(states)]
+        kwargs = dict(num_layers=layers, bidirectional=bidirectional)
+        return Sample(
+            (randn(2, 5, 3, dtype=dtype), *given),
+            layer.to(dtype),
+            kwargs,
+            {"initial_states": states},
+            exact_forward=(),
+        )
+
+    label = f"l{layers}-{'bi' if bidirectional else 'uni'}-states{states}"
+    return Case(f"{label}-{'bias' if bias else 'nobias'}", make)
+
+
+def _recurrent_reference(s: Sample, ctx: Ctx) -> Tensor:
+    x, *states = s.inputs
+    hx = [t.transpose(0, 1) for t in states]
+    if isinstance(s.layer, nn.LSTM):
+        if len(hx) == 1:  # the kernel's c0 is zeros when only h0 is given
+            hx.append(torch.zeros_like(hx[0]))
+        return s.layer(x, tuple(hx) if hx else None)[0]
+    return s.layer(x, hx[0] if hx else None)[0]
+
+
+RECURRENT_ROWS: tuple[OpInfo, ...] = tuple(
+    OpInfo(
+        name,
+        _recurrent_reference,
+        (
+            _recurrent_case(cls, 1, False, 0),
+            _recurrent_case(cls, 2, True, most),
+            _recurrent_case(cls, 2, False, 1, bias=False),
+            _recurrent_case(cls, 1, True, most, bias=False),
+        ),
+        exact_forward=(),
+        exact_grads=(),
+    )
+    for name, cls, most in (("lstm", nn.LSTM, 2), ("gru", nn.GRU, 1))
+)
+
 ROWS += V2_ROWS
+ROWS += RECURRENT_ROWS
 
 BY_NAME: dict[str, OpInfo] = {row.name: row for row in ROWS}
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from unroller.registry import OpSpec, eval_expr, load_registry
-from unroller.runtime import attention, common, gpu, ipu, norms, positions, shapeops
+from unroller.runtime import attention, common, gpu, ipu, norms, positions, recurrent, shapeops
 
 OPS = load_registry()
 KERNELS = {"gpu": gpu, "ipu": ipu}
@@ -718,6 +718,7 @@ SHARED_KERNEL_MODULES = (
     "unroller.runtime.attention",
     "unroller.runtime.norms",
     "unroller.runtime.positions",
+    "unroller.runtime.recurrent",
 )
 
 
@@ -736,7 +737,7 @@ def _ipu_kernel_code() -> list[ast.AST]:
     ]
     defs = {
         n.name: n
-        for module in (common, shapeops, attention, norms, positions)
+        for module in (common, shapeops, attention, norms, positions, recurrent)
         for n in ast.parse(Path(module.__file__).read_text()).body
         if isinstance(n, ast.FunctionDef)
     }
