@@ -716,12 +716,18 @@ class _Mapper:
         initializers are parameters (``%p_...``) rather than buffers; without it such an
         initializer stays a constant (and is refused where it is an operand)."""
         node, call = self.nodes[i], self.fx[i]
-        if call is None or node.domain not in _DEFAULT_DOMAINS:
+        if node.domain not in _DEFAULT_DOMAINS:
+            return False
+        if node.op_type == "Gather" and node.input:
+            table = self.aliases.get(node.input[0], node.input[0])
+            if call is None:  # no record: a module's 2-D ``weight`` looked up along dim 0
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                named = table.endswith(".weight") and table in self.inits
+                return named and len(self.inits[table].dims) == 2 and axis == 0
+            return call.target == "aten.embedding.default" and fx_name(table) in call.parameters()
+        if call is None:
             return False
         params = call.parameters()
-        if node.op_type == "Gather" and call.target == "aten.embedding.default":
-            table = node.input[0] if node.input else ""
-            return table in self.inits and fx_name(table) in params
         prefix = PARAMETER_OPERAND.get(node.op_type)
         if prefix is None or not call.target.startswith(prefix):
             return False

@@ -400,6 +400,12 @@ def clip(view):
 def _with_constant(view, op: str, k: int) -> str:
     """``op`` of data input ``k`` and a constant: a scalar factor, or an exact no-op."""
     x = view.value(k)  # a failed input: reported at its root, not here
+    if op == "add" or (op == "sub" and k == 0):
+        # a zero tensor built from sizes (an attention mask that masks nothing, at any
+        # batch size) that does not broadcast the data: x + 0 is x, value and gradient
+        zero = not any(np.any(a) for a in view.const_pair(1 - k))
+        if zero and tuple(view.out_shape()) == tuple(view.in_shape(k)):
+            return x
     value = np.asarray(view.const(1 - k, "operand"))
     name = view.input_name(1 - k)
     if value.size != 1 or value.ndim > len(view.in_shape(k)):
