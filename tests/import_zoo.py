@@ -717,6 +717,53 @@ def rms_decoder(**kwargs: Any) -> RmsDecoder:
 
 
 # --------------------------------------------------------------------------------------------
+# Recurrent classifiers: nn.LSTM and a bidirectional nn.GRU (batch first)
+# --------------------------------------------------------------------------------------------
+
+
+class LstmClassifier(nn.Module):
+    """Token embeddings, a 2-layer ``nn.LSTM`` (batch first, zero initial states) and a
+    linear head on the last step; logits ``[N, classes]``."""
+
+    def __init__(
+        self, vocab: int = 32, width: int = 16, hidden: int = 12, layers: int = 2, classes: int = 5
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.rnn = nn.LSTM(width, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        out, _ = self.rnn(self.embed(ids))
+        return self.head(out[:, -1])
+
+
+def lstm_classifier(**kwargs: Any) -> LstmClassifier:
+    """The LSTM classifier at test size."""
+    return LstmClassifier(**kwargs)
+
+
+class BiGruClassifier(nn.Module):
+    """Features through a linear map, a bidirectional bias-free ``nn.GRU`` (batch first), the
+    mean over time and a linear head; logits ``[N, classes]``."""
+
+    def __init__(self, features: int = 6, hidden: int = 8, classes: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(features, features)
+        self.rnn = nn.GRU(features, hidden, batch_first=True, bidirectional=True, bias=False)
+        self.head = nn.Linear(2 * hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.rnn(torch.tanh(self.proj(x)))
+        return self.head(out.mean(dim=1))
+
+
+def bigru_classifier(**kwargs: Any) -> BiGruClassifier:
+    """The bidirectional GRU classifier at test size."""
+    return BiGruClassifier(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
 # EfficientNet-B0 (torchvision.models.efficientnet, torchvision.ops.misc)
 # --------------------------------------------------------------------------------------------
 
@@ -1321,13 +1368,14 @@ class SpectralMix(nn.Module):
 
 
 class Unsupported(nn.Module):
-    """Unmappable ops at several module paths: ``rnn`` (an LSTM), ``mix`` (rfft, where), and
+    """Unmappable ops at several module paths: ``rnn`` (an LSTM with dropout between its
+    layers in training), ``mix`` (rfft, where), and
     ``x.unfold`` in the top-level forward. Input ``[N, 8, width]``; returns ``[N, classes]``."""
 
     def __init__(self, width: int = 8, hidden: int = 8, classes: int = 3) -> None:
         super().__init__()
         self.embed = nn.Linear(width, width)
-        self.rnn = nn.LSTM(width, hidden, batch_first=True)
+        self.rnn = nn.LSTM(width, hidden, num_layers=2, dropout=0.5, batch_first=True)
         self.mix = SpectralMix(hidden)
         self.fc = nn.Linear(hidden * 2, classes)
 

@@ -39,6 +39,8 @@ CASES = {
     "vit": ({}, "x: f32[N, 3, 32, 32]", None, ["encoder_block"]),
     "gpt": ({}, "ids: i64[N, 16]", "y: i64[N, 16]", ["transformer_encoder_layer"]),
     "rms_decoder": ({}, "ids: i64[N, 16]", "y: i64[N, 16]", ["rms_block"]),
+    "lstm_classifier": ({}, "ids: i64[N, 12]", None, []),
+    "bigru_classifier": ({}, "x: f32[N, 10, 6]", None, []),
     # MBConv (squeeze-excitation, SiLU); mb_conv_2 is the variant with the residual
     "efficientnet_b0": (
         {"width_mult": 0.1, "depth_mult": 0.5},

@@ -712,3 +712,88 @@ def sdpa(view):
         scale=None if scale is None else float(scale),
         **gqa,
     )
+
+
+# ---------------------------------------------------------------- recurrent layers
+
+
+class Recurrent:
+    """The value of ``aten.lstm`` / ``aten.gru``: (output, h_n[, c_n]), taken apart by
+    ``getitem`` (see ``torch_frontend``). The language's ``lstm`` / ``gru`` give the output
+    sequence only, so reading h_n or c_n is refused with the way to get them."""
+
+    def __init__(self, output: str, op: str, hidden: int) -> None:
+        self.output, self.op, self.hidden = output, op, hidden
+
+    def part(self, index: int) -> str:
+        if index == 0:
+            return self.output
+        what = "h_n" if index == 1 else "c_n"
+        raise Refuse(
+            f"reads the final state {what} of nn.{self.op.upper()}: the language's {self.op} "
+            "gives the output sequence only; the last layer's h_n is its last step (out[:, -1] "
+            f"batch first; a reverse direction's is out[:, 0, {self.hidden}:]), and a lower "
+            "layer's that of a module of its own: use those instead"
+        )
+
+
+@maps("aten.lstm.input", "aten.gru.input")
+def recurrent(view):
+    """nn.LSTM / nn.GRU as one ``lstm`` / ``gru`` statement: batch first, initial states
+    left out (nn.LSTM's zeros), no dropout between layers in training, no proj_size."""
+    a = view.a
+    op = "lstm" if "lstm" in view.target else "gru"
+    name = f"nn.{op.upper()}"
+    if not a["batch_first"]:
+        raise Refuse(
+            f"{name} with batch_first=False reads [L, N, E], and the language keeps the batch "
+            "first: build it with batch_first=True (the same weights) and feed [N, L, E]"
+        )
+    layers = int(a["num_layers"])
+    if float(a["dropout"]) > 0.0 and a["train"] and layers > 1:
+        raise Refuse(
+            f"{name} with dropout={a['dropout']} between its layers in training: the "
+            f"language's {op} has none; use dropout=0, or one {name} per layer with "
+            "nn.Dropout between them"
+        )
+    if layers > 4:
+        raise Refuse(
+            f"{name} with num_layers={layers}: a statement holds at most 4 layers; stack "
+            "modules of at most 4 layers each"
+        )
+    states = a["hx"] if isinstance(a["hx"], (list, tuple)) else [a["hx"]]
+    for index, state in enumerate(states):
+        a[f"_state{index}"] = state
+        value = view.constant(f"_state{index}")
+        if value is None or bool(value.any()):
+            raise Refuse(
+                f"initial states passed to {name}: only its default (zeros, hx=None) "
+                f"imports; the language's {op} takes h0 batch first ([N, S, H]): write it there"
+            )
+    keys = []
+    for node in a["params"]:
+        a_key = view.m.params.get(node.name, "") if hasattr(node, "name") else ""
+        leaf = a_key.rpartition(".")[2]
+        if leaf.startswith("weight_hr"):
+            raise Refuse(f"{name} with proj_size > 0: the language's {op} has no projection")
+        a[leaf] = node
+        keys.append(leaf)
+    hidden = int(view.param_shape("weight_hh_l0")[1])
+    out = view.stmt(
+        op,
+        [view.value("input")],
+        layer=view.layer(*keys),
+        hidden_size=hidden,
+        num_layers=layers,
+        bias=bool(a["has_biases"]),
+        bidirectional=bool(a["bidirectional"]),
+    )
+    return Recurrent(out, op, hidden)
+
+
+@maps("aten.lstm.data", "aten.gru.data")
+def recurrent_packed(view):
+    raise Refuse(
+        "a packed sequence (pack_padded_sequence) through nn.LSTM / nn.GRU: pass the padded "
+        "[N, L, E] tensor instead (batch_first=True)"
+    )

@@ -666,6 +666,12 @@ class _Mapper:
         if target == "getitem" and isinstance(self.values.get(node.args[0]), aten_ops.Pieces):
             self.values[node] = self._piece(node)
             return
+        if target == "getitem" and isinstance(self.values.get(node.args[0]), aten_ops.Recurrent):
+            try:  # the output sequence; a final state is refused with the way to it
+                self.values[node] = self.values[node.args[0]].part(int(node.args[1]))
+            except Refuse as exc:
+                self._fail(node, target, str(exc))
+            return
         mapper = aten_ops.mapper_for(target)
         after_failure = any(arg in self.poisoned for arg in node.all_input_nodes)
         if mapper is None and not (after_failure and target == "getitem"):
