@@ -436,7 +436,8 @@ def _with_parameter(view, op: str, flat: list) -> str:
     fits = len(p) < len(x) or (len(p) == len(x) and p[0] == 1)
     fits = fits and all(d in (1, e) for d, e in zip(p[::-1], x[::-1]))
     if not fits or tuple(view.out_shape()) != tuple(x):
-        raise Refuse(f"{op} of {list(x)} and the parameter {list(p)} does not keep {list(x)}")
+        shown = "[" + ", ".join("N" if d is BATCH else str(d) for d in x) + "]"
+        raise Refuse(f"{op} of {shown} and the parameter {list(p)} does not keep {shown}")
     return view.stmt(op, args)
 
 
