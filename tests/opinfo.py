@@ -959,6 +959,62 @@ EMBEDDING_ROWS_CASES = (
 )
 
 
+def _relative_bias_case(buckets: int, length: int, keys: int, distance: int, both: bool) -> Case:
+    """T5's relative position bias: a [buckets, 3] table read at each (query, key) pair's
+    bucket (offsets past max_distance share the last one)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs = dict(
+            query_length=length, key_length=keys, max_distance=distance, bidirectional=both
+        )
+        layer = nn.Embedding(buckets, 3).to(dtype)
+        return Sample((), layer, kwargs, derived={"num_buckets": buckets})
+
+    way = "both" if both else "one"
+    return Case(f"{buckets}buckets-L{length}-S{keys}-max{distance}-{way}", make)
+
+
+def _t5_bucket(offset: int, buckets: int, distance: int, both: bool) -> int:
+    """The bucket of one key-minus-query offset, written out per pair (the log step in
+    float32, as T5 computes it)."""
+    bucket = 0
+    if both:
+        buckets //= 2
+        bucket += buckets if offset > 0 else 0
+        offset = abs(offset)
+    else:
+        offset = max(-offset, 0)
+    exact = buckets // 2
+    if offset < exact:
+        return bucket + offset
+    ratio = torch.tensor(offset / exact, dtype=torch.float32)
+    scaled = torch.log(ratio) / math.log(distance / exact) * (buckets - exact)
+    return bucket + min(exact + int(scaled.item()), buckets - 1)
+
+
+def _relative_bias_reference(s: Sample, ctx: Ctx) -> Tensor:
+    k = s.kwargs
+    ids = torch.tensor(
+        [
+            [
+                _t5_bucket(j - i, s.layer.num_embeddings, k["max_distance"], k["bidirectional"])
+                for j in range(k["key_length"])
+            ]
+            for i in range(k["query_length"])
+        ]
+    )
+    return s.layer(ids).permute(2, 0, 1).unsqueeze(0)
+
+
+RELATIVE_BIAS_CASES = (
+    _relative_bias_case(8, 5, 5, 16, True),
+    _relative_bias_case(8, 9, 12, 20, False),  # decoder-style: one way, more keys
+    _relative_bias_case(32, 40, 40, 128, True),  # offsets on the log scale and past max
+    _relative_bias_case(6, 30, 7, 9, False),
+)
+
+
 def _transposed_linear_case(shape: tuple[int, ...], bias: bool) -> Case:
     """x [..., 4] through a Conv1D-shaped layer (weight [4, 3]) with random weights: the
     factory's own (normal 0.02, zero bias) would hide a missing bias."""
@@ -1808,6 +1864,7 @@ V2_ROWS: tuple[OpInfo, ...] = (
     ),
     OpInfo("embedding", _layer_reference, EMBEDDING_CASES, **_SAME_FORWARD),
     OpInfo("embedding_rows", _embedding_rows_reference, EMBEDDING_ROWS_CASES, **_SAME_OP),
+    OpInfo("relative_position_bias", _relative_bias_reference, RELATIVE_BIAS_CASES),
     OpInfo(
         "transposed_linear",
         _transposed_linear_reference,
@@ -1815,7 +1872,6 @@ V2_ROWS: tuple[OpInfo, ...] = (
         **_SAME_OP,
     ),
 )
-
 
 
 # ---------------------------------------------------------------- recurrent layers

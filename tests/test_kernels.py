@@ -697,7 +697,8 @@ TENSOR_METHODS |= {"pow", "cos", "sin"}
 TORCH_CALLS |= {"finfo"}
 TORCH_CALLS |= {"cumsum"}  # padded_positions (RoBERTa's position ids); on the "Other" list
 PYTHON_METHODS = {"get", "clear", "append", "items", "values", "insert"}
-HOST_CALLS = {"math": {"sqrt", "floor", "factorial", "prod"}, "struct": {"pack", "unpack"}}
+# relative_position_bias (positions.py): log of a size ratio, a constant made on the host
+HOST_CALLS = {"math": {"sqrt", "floor", "factorial", "prod", "log"}, "struct": {"pack", "unpack"}}
 FORBIDDEN_NAMES = {
     "ops", "aten", "autograd", "erf", "erfc", "erfinv", "special", "max_pool2d_with_indices",
     "return_indices", "interpolate", "upsample", "upsample_bilinear2d", "upsample_nearest2d",

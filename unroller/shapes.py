@@ -770,6 +770,29 @@ def _attention_bias(
         raise ShapeError(f"{op}: bias is {bias}; expected {want}", 3)
 
 
+def relative_position_bias(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """A bias [1, heads, query_length, key_length] without the batch dim (it broadcasts over
+    the samples where an attention adds it). The exact buckets (half of num_buckets, half
+    again each way when bidirectional) must be at least one and fewer than max_distance,
+    whose log scale covers the rest."""
+    buckets = args["num_buckets"] // (2 if args["bidirectional"] else 1)
+    exact = buckets // 2
+    if exact < 1:
+        raise ShapeError(
+            f"{op}: num_buckets={args['num_buckets']} leaves no exact bucket "
+            "(bidirectional needs at least 4, one way at least 2)",
+            arg="num_buckets",
+        )
+    if args["max_distance"] <= exact:
+        raise ShapeError(
+            f"{op}: max_distance={args['max_distance']} must exceed the {exact} offsets with "
+            "buckets of their own",
+            arg="max_distance",
+        )
+    shape = (1, args["heads"], args["query_length"], args["key_length"])
+    return ShapeResult(TensorType(MODEL_FLOAT, shape))
+
+
 def rotary(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """x [N, H, L, D] -> the same; D even (its two halves turn as pairs)."""
     (x,) = inputs

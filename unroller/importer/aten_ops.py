@@ -699,15 +699,17 @@ def matmul(view):
 def sdpa(view):
     a = view.a
     causal = bool(a["is_causal"])
+    bias = None
     if a["attn_mask"] is not None:
-        causal = view.causal_mask(a["attn_mask"], causal)
+        causal, bias = view.attention_bias(a["attn_mask"], causal)
     scale = a.get("scale")
     gqa = {"enable_gqa": True} if a.get("enable_gqa") else {}  # grouped-query attention
     if float(a["dropout_p"]) != 0.0:
         gqa["dropout"] = float(a["dropout_p"])
     return view.stmt(
         "scaled_dot_product_attention",
-        [view.value("query"), view.value("key"), view.value("value")],
+        [view.value("query"), view.value("key"), view.value("value")]
+        + ([bias] if bias is not None else []),
         is_causal=causal,
         scale=None if scale is None else float(scale),
         **gqa,

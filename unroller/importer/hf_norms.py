@@ -7,7 +7,9 @@ times ``weight``. Traced, that is pow, mean, add, rsqrt and mul, which no regist
 computes one by one; as a module it is ``torch.nn.RMSNorm`` (torch computes half-precision
 inputs in float32 too). A class is recognised by its source, not by its name: its
 ``forward`` and ``__init__`` are Llama's, text for text (with its own class name), so a
-class that only looks alike (Gemma's ``1 + weight``, Olmo's, T5's) is never taken for it.
+class that only looks alike (Gemma's ``1 + weight``, Olmo's) is never taken for it. Gemma's
+(``1 + weight``) and T5's ``T5LayerNorm`` (the same arithmetic as Llama's, written in its own
+words) are recognised the same way, each against its own source.
 
 In float64, the only precision ``verify`` judges at 1e-10, the original's cast to float32
 rounds where the generated code (float64 throughout) does not. ``float64_twin`` gives what
@@ -74,9 +76,34 @@ def is_gemma_rmsnorm(cls: type) -> bool:
     return [m.replace(cls.__name__, "GemmaRMSNorm") for m in mine] == theirs
 
 
+@functools.cache
+def is_t5_layernorm(cls: type) -> bool:
+    """Whether ``cls`` is a ``transformers`` class whose ``forward`` and ``__init__`` are
+    ``T5LayerNorm``'s word for word: x * rsqrt(mean(x**2) + eps) with the mean in float32,
+    times ``weight`` (T5, mT5, LongT5, Pix2Struct and their copies)."""
+    if not cls.__module__.startswith("transformers."):
+        return False
+    try:
+        from transformers.models.t5.modeling_t5 import T5LayerNorm
+    except ImportError:
+        return False
+    if cls is T5LayerNorm:
+        return True
+    mine = (_source(cls.forward), _source(cls.__init__))
+    theirs = (_source(T5LayerNorm.forward), _source(T5LayerNorm.__init__))
+    if None in mine or None in theirs:
+        return False
+    return mine[0] == theirs[0] and mine[1].replace(cls.__name__, "T5LayerNorm") == theirs[1]
+
+
+def _plain_rmsnorm(cls: type) -> bool:
+    """Llama's or T5's: the norm times ``weight``, ``variance_epsilon`` its eps."""
+    return is_llama_rmsnorm(cls) or is_t5_layernorm(cls)
+
+
 def is_hf_rmsnorm(cls: type) -> bool:
-    """A Hugging Face RMSNorm this module maps: Llama's or Gemma's."""
-    return is_llama_rmsnorm(cls) or is_gemma_rmsnorm(cls)
+    """A Hugging Face RMSNorm this module maps: Llama's, Gemma's or T5's."""
+    return _plain_rmsnorm(cls) or is_gemma_rmsnorm(cls)
 
 
 def rmsnorm_kwargs(module: torch.nn.Module) -> dict:
@@ -112,7 +139,7 @@ def float64_twin(module: torch.nn.Module) -> torch.nn.Module | None:
     other module."""
     if is_gemma_rmsnorm(type(module)):
         return OffsetRMSNorm(module.weight, float(module.eps))
-    if not is_llama_rmsnorm(type(module)):
+    if not _plain_rmsnorm(type(module)):
         return None
     twin = torch.nn.RMSNorm(tuple(module.weight.shape), eps=float(module.variance_epsilon))
     twin.weight = module.weight

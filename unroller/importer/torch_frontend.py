@@ -43,6 +43,7 @@ from unroller.importer.model import (
     valid_path,
 )
 from unroller.importer.source import FILE_MODULES, WRAPPER_PREFIX, Predictions, class_name
+from unroller.runtime.positions import relative_buckets
 
 _DTYPES = {
     "f32": torch.float32,
@@ -232,6 +233,8 @@ class _Mapper:
         self.constant = self._constant_nodes()
         self.rotary, self.absorbed = self._rotary_patterns()
         self.positions = self._position_patterns()
+        self.relative_bias = self._relative_bias_patterns()
+        self._absorb_masked_biases()
 
     # ---- the graph's signature: which placeholder is what
 
@@ -413,6 +416,92 @@ class _Mapper:
                 found[idx] = hit
                 self.absorbed |= hit[2]
         return {k: (ids, pad) for k, (ids, pad, _) in found.items()}
+
+    def _relative_bias_patterns(self) -> dict[fx.Node, tuple[fx.Node, dict]]:
+        """T5's relative position bias: a table (an embedding's weight) looked up at a
+        constant [L, S] index table without the batch dim, permuted to [H, L, S] and
+        unsqueezed to [1, H, L, S] -> the unsqueeze: (the embedding node, the
+        ``relative_position_bias`` arguments). Taken only when the constant indices equal the
+        op's buckets bit for bit, for a max_distance the module holds (T5Attention's
+        ``relative_attention_max_distance``) and one direction or both; the nodes are then
+        not mapped one by one."""
+        found: dict[fx.Node, tuple[fx.Node, dict]] = {}
+        for node in self.nodes:
+            if node not in self.live or _target_name(node) != "aten.embedding.default":
+                continue
+            ids = node.args[1] if len(node.args) > 1 else None
+            if ids not in self.constant or len(node.users) != 1:
+                continue
+            (permute,) = node.users
+            if _target_name(permute) != "aten.permute.default" or len(permute.users) != 1:
+                continue
+            (unsqueeze,) = permute.users
+            if (
+                [int(d) for d in permute.args[1]] != [2, 0, 1]
+                or _target_name(unsqueeze) != "aten.unsqueeze.default"
+                or int(unsqueeze.args[1]) != 0
+            ):
+                continue
+            kwargs = self._bucket_kwargs(node, ids)
+            if kwargs is not None:
+                found[unsqueeze] = (node, kwargs)
+                self.absorbed |= {node, permute}
+        return found
+
+    def _absorb_masked_biases(self) -> None:
+        """An attention's attn_mask written ``where(constant mask, bias, lowest)`` (and
+        copies of it) is read whole by the attention statement (``attention_bias``): its
+        nodes are not mapped one by one when nothing else reads them."""
+        for node in self.nodes:
+            if node not in self.live or node in self.groups:
+                continue
+            if _target_name(node) != "aten.scaled_dot_product_attention.default":
+                continue
+            mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+            if not isinstance(mask, fx.Node) or mask in self.constant:
+                continue
+            chain, current = [], mask
+            while _target_name(current) in _COPIES:
+                chain.append(current)
+                current = current.args[0]
+            if (
+                _target_name(current) == "aten.where.ScalarOther"
+                and current.args[0] in self.constant
+            ):
+                chain.append(current)
+                inside = set(chain) | {node}
+                if all(u in inside for n in chain for u in n.users if u in self.live):
+                    self.absorbed |= set(chain)
+
+    def _bucket_kwargs(self, embedding: fx.Node, ids: fx.Node) -> dict | None:
+        try:
+            table = _constant_value(self, ids)
+        except Refuse:
+            return None
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.dtype != torch.long:
+            return None
+        buckets = int(embedding.args[0].meta["val"].shape[0])
+        distances = []
+        for path, _ in reversed(self.stack(embedding)):
+            with contextlib.suppress(AttributeError):
+                found = getattr(self.module.get_submodule(path), "relative_attention_max_distance")
+                if isinstance(found, int):
+                    distances.append(found)
+        length, keys = (int(d) for d in table.shape)
+        for distance in dict.fromkeys([*distances, 128]):
+            for both in (True, False):
+                kwargs = dict(
+                    num_buckets=buckets,
+                    query_length=length,
+                    key_length=keys,
+                    max_distance=distance,
+                    bidirectional=both,
+                )
+                with contextlib.suppress(ValueError, ZeroDivisionError, RuntimeError):
+                    ours = relative_buckets(length, keys, buckets, distance, both)
+                    if distance > buckets // (2 if both else 1) // 2 and torch.equal(ours, table):
+                        return kwargs
+        return None
 
     def _positions_of(self, embedding: fx.Node, idx: fx.Node):
         val = idx.meta.get("val")
@@ -615,6 +704,9 @@ class _Mapper:
             if node in self.rotary:
                 self._map_rotary(node, self.rotary[node])
                 continue
+            if node in self.relative_bias:
+                self._map_relative_bias(node, *self.relative_bias[node])
+                continue
             self._map(node, target)
         output = next(n for n in reversed(self.nodes) if n.op == "output")
         results = output.args[0]
@@ -631,8 +723,33 @@ class _Mapper:
                     _target_name(result) if isinstance(result, fx.Node) else "output",
                     str(exc),
                 )
+        self._hold_unused_owners()
         self._check_state()
         return predictions
+
+    def _hold_unused_owners(self) -> None:
+        """A tied tensor whose first key (its owner, which the others are tied to) belongs
+        to a module the forward never calls (T5's ``shared`` embedding, read only through
+        the encoder's and decoder's ``embed_tokens``): a ``parameter`` statement holds it
+        under that key, so the state dict keeps every key torch's has."""
+        keys: dict[str, torch.nn.Parameter] = dict(
+            self.module.named_parameters(remove_duplicate=False)
+        )
+        tied_to = {key for ties in self.ties.values() for key in ties.values()}
+        held = []
+        for ident, first in self.first_keys.items():
+            if first in self.used_params or first not in tied_to:
+                continue
+            if not valid_path(first):
+                continue  # reported by _check_state
+            shape = tuple(int(d) for d in keys[first].shape)
+            owner = first.rpartition(".")[0]
+            held.append(
+                Stmt(first, "parameter", [], {"shape": shape, "init": "zeros"}, owner, shape)
+            )
+            self.names.add(first)
+            self.used_params[first] = first
+        self.stmts[:0] = held
 
     def frozen_kwargs(self, statement: str) -> dict[str, bool]:
         """``frozen=true`` (every parameter of the statement) or ``frozen_PARAM=true`` for
@@ -661,6 +778,26 @@ class _Mapper:
             self._poison(node)
         except Refuse as exc:
             self._fail(node, "rotary position embedding", str(exc))
+
+    def _map_relative_bias(self, node: fx.Node, embedding: fx.Node, kwargs: dict) -> None:
+        """One ``relative_position_bias`` statement for a matched T5 bias, named by its
+        table's module (``_relative_bias_patterns``)."""
+        try:
+            view = NodeView(self, embedding, _target_name(embedding))
+            layer = view.layer("weight")
+            heads = int(embedding.args[0].meta["val"].shape[1])
+            self.values[node] = view.stmt(
+                "relative_position_bias",
+                [],
+                layer=layer,
+                value_shape=self.shape(node),
+                heads=heads,
+                **kwargs,
+            )
+        except _Poisoned:
+            self._poison(node)
+        except Refuse as exc:
+            self._fail(node, "relative position bias", str(exc))
 
     def _map(self, node, target: str) -> None:
         if target == "getitem" and isinstance(self.values.get(node.args[0]), aten_ops.Pieces):
@@ -1148,8 +1285,38 @@ class NodeView:
     def causal_mask(self, mask, causal: bool) -> bool:
         return is_causal_mask(self.m, mask, causal)
 
+    def attention_bias(self, mask, causal: bool) -> tuple[bool, str | None]:
+        """(causal, the value of an additive score bias or None) for an attention's
+        attn_mask: a constant mask is the causal one or nothing (``is_causal_mask``); one
+        computed from the weights or inputs is a bias, where Hugging Face writes it as
+        ``where(constant mask, bias, lowest float)``, the constant part read as the causal
+        mask or nothing and the bias kept; a float mask as it is."""
+        if not _reads_data(self.m, mask):
+            return is_causal_mask(self.m, mask, causal), None
+        node = _through_copies(mask)
+        if _target_name(node) == "aten.where.ScalarOther" and node.args[0] in self.m.constant:
+            lowest = node.args[2]
+            if not isinstance(lowest, (int, float)) or lowest > -1e30:
+                raise Refuse(f"an attention mask filled with {lowest!r}: expected a lowest float")
+            causal = is_causal_mask(self.m, node.args[0], causal)
+            return causal, self.m.value_of(node.args[1])
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            raise Refuse("a boolean attention mask computed from the inputs or the weights")
+        return causal, self.m.value_of(node)
+
 
 # ---------------------------------------------------------------- masks
+
+
+_COPIES = ("aten.contiguous.default", "aten.clone.default", "aten.alias.default")
+
+
+def _through_copies(node: fx.Node) -> fx.Node:
+    """The node a chain of contiguous / clone / alias copies reads."""
+    while _target_name(node) in _COPIES:
+        node = node.args[0]
+    return node
 
 
 def _dependencies(mapper: _Mapper, node: fx.Node) -> list[fx.Node]:

@@ -1,4 +1,5 @@
-"""Position-embedding kernels that are the same on both platforms: ``rotary``.
+"""Position kernels that are the same on both platforms: ``rotary`` and
+``relative_position_bias``.
 
 Rotary position embeddings (RoPE, the Llama family's): each head's vector at position p is
 turned by angles p * f_i, written as Hugging Face's ``apply_rotary_pos_emb`` writes it,
@@ -14,10 +15,12 @@ rotate_half^T(g * sin), rotate_half^T(v) = cat(v2, -v1). Written with ops PopTor
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from unroller.runtime.common import Grads, Needs, _fit, _need
+from unroller.runtime.common import Grads, Needs, _fit, _need, _weight_bias
 
 
 def rotary_tables(
@@ -58,3 +61,77 @@ def rotary_backward(
         return _fit((), needs)
     cos, sin = rotary_tables(g.shape[-2], g.shape[-1], theta, scaling, g.dtype, g.device)
     return _fit((g * cos + _rotate_half_t(g * sin),), needs)
+
+
+# ---------------------------------------------------------------- relative position bias
+
+
+def relative_buckets(
+    query_length: int,
+    key_length: int,
+    num_buckets: int,
+    max_distance: int,
+    bidirectional: bool,
+    device=None,
+) -> Tensor:
+    """T5's bucket of each (query i, key j) pair [L, S], int64, from the offset j - i: half
+    the buckets (a quarter each way when bidirectional) are exact offsets, the rest cover
+    offsets up to ``max_distance`` on a log scale, and farther ones share the last bucket.
+    The log-scale part is computed in float32 with the operations the original uses, so
+    that the buckets are the same integers."""
+    queries = torch.arange(query_length, dtype=torch.long, device=device).unsqueeze(1)
+    keys = torch.arange(key_length, dtype=torch.long, device=device).unsqueeze(0)
+    offset = keys - queries
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        bucket = (offset > 0).to(torch.long) * num_buckets
+        distance = offset.abs()
+    else:
+        distance = torch.clamp(-offset, min=0)  # -min(offset, 0)
+    exact = num_buckets // 2
+    scaled = torch.log(distance.to(torch.float32) / exact) / math.log(max_distance / exact)
+    far = exact + (scaled * (num_buckets - exact)).to(torch.long)
+    far = torch.clamp(far, max=num_buckets - 1)
+    return bucket + torch.where(distance < exact, distance, far)
+
+
+def relative_position_bias(
+    layer,
+    *,
+    query_length: int,
+    key_length: int,
+    max_distance: int = 128,
+    bidirectional: bool = True,
+) -> Tensor:
+    """The layer's [num_buckets, H] table read at each pair's bucket: [1, H, L, S], the bias
+    an attention adds to its scores. Nothing is kept: the buckets are remade."""
+    weight = _weight_bias(layer)[0]
+    buckets = relative_buckets(
+        query_length, key_length, weight.shape[0], max_distance, bidirectional, weight.device
+    )
+    return torch.nn.functional.embedding(buckets, weight).permute(2, 0, 1).unsqueeze(0)
+
+
+def relative_position_bias_backward(
+    g: Tensor,
+    *,
+    num_buckets: int,
+    query_length: int,
+    key_length: int,
+    max_distance: int = 128,
+    bidirectional: bool = True,
+    needs: Needs | None = None,
+) -> Grads:
+    """The table's gradient: g [1, H, L, S] as [L * S, H] rows, each added into its pair's
+    bucket row in pair order (scatter_add: the sums autograd's embedding backward makes)."""
+    if not _need(needs, 0):
+        return _fit((None,), needs)
+    buckets = relative_buckets(
+        query_length, key_length, num_buckets, max_distance, bidirectional, g.device
+    )
+    heads = g.shape[1]
+    per_pair = g.sum(0).permute(1, 2, 0).reshape(-1, heads)
+    index = buckets.reshape(-1, 1).expand(-1, heads)
+    table = torch.scatter_add(g.new_zeros((num_buckets, heads)), 0, index, per_pair)
+    return _fit((table,), needs)
