@@ -484,7 +484,7 @@ class _Mapper:
         distances = []
         for path, _ in reversed(self.stack(embedding)):
             with contextlib.suppress(AttributeError):
-                found = getattr(self.module.get_submodule(path), "relative_attention_max_distance")
+                found = self.module.get_submodule(path).relative_attention_max_distance
                 if isinstance(found, int):
                     distances.append(found)
         length, keys = (int(d) for d in table.shape)
@@ -737,7 +737,7 @@ class _Mapper:
         )
         tied_to = {key for ties in self.ties.values() for key in ties.values()}
         held = []
-        for ident, first in self.first_keys.items():
+        for first in self.first_keys.values():
             if first in self.used_params or first not in tied_to:
                 continue
             if not valid_path(first):
