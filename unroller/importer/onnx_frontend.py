@@ -26,7 +26,12 @@ scales). Only ops whose cost is linear in their size (``FOLDED``) are evaluated,
 result's size is known from shape inference before it is computed: at most
 ``MAX_CONST_ELEMENTS`` (or its largest input's size) and the file's memory budget. ``Shape`` of a data value is known from shape inference. A constant that reaches
 an operator as a tensor operand is refused (no registry operator adds a constant tensor),
-except a scalar factor (``scale``) and exact no-ops (``+ 0``, ``* 1``).
+except a scalar factor (``scale``) and exact no-ops (``+ 0``, ``* 1``, a zero tensor built
+from sizes that broadcasts nothing: a mask that masks nothing). An initializer the dynamo
+exporter's record of the call (``pkg.torch.onnx.fx_node``) names a parameter (``%p_...``)
+is data where an elementwise op, ``Concat`` or ``Expand`` reads it (a ``parameter``
+statement: a class token, a position table), and so is a module's ``weight`` gathered at
+constant ids (``embedding_rows``: position ids).
 
 Weights. An initializer read in a weight slot (``Conv`` W/B, ``BatchNormalization``
 scale/B/mean/var, ``Gemm`` B/C, the transposed weight of ``MatMul`` + ``Add``) is module
