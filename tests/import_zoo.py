@@ -1582,6 +1582,38 @@ def hf_gemma(attn_implementation: str = "sdpa") -> nn.Module:
     return GemmaForCausalLM(config)
 
 
+def hf_t5(
+    dropout: float = 0.0,
+    attn_implementation: str = "sdpa",
+    feed_forward_proj: str = "relu",
+) -> nn.Module:
+    """``transformers.T5ForConditionalGeneration`` from a 2 + 2 layer config with its defaults
+    otherwise: T5LayerNorm, relative position biases (8 buckets up to distance 16) in the
+    first layer of each stack, cross-attention from the decoder to the encoder, the shared
+    embedding tied to the head (scaled by d_model**-0.5). ``forward(input_ids,
+    decoder_input_ids=...).logits``; ``dropout`` is every dropout (T5's default is 0.1)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=dropout,
+        feed_forward_proj=feed_forward_proj,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        attn_implementation=attn_implementation,
+    )
+    return T5ForConditionalGeneration(config)
+
+
 def hf_llama(
     vocab: int = 64,
     positions: int = 32,

@@ -698,7 +698,8 @@ def _step_and_compare(
     import torch
 
     graph, plan = setup.graph, setup.plan
-    model_inputs = [t for t, v in zip(inputs, graph.inputs) if v.kind == "input"]
+    model_inputs = _NamedInputs(t for t, v in zip(inputs, graph.inputs) if v.kind == "input")
+    model_inputs.names = [v.name for v in graph.inputs if v.kind == "input"]
     other = inputs[graph.inputs.index(plan.other)]
     try:
         torch.manual_seed(seed)
@@ -751,7 +752,9 @@ def _rounding_noise(original, twin, plan, model_inputs, other, seed) -> dict[str
 
     try:
         torch.manual_seed(seed)
-        loss = _original_loss(twin, plan, [twice(t) for t in model_inputs], twice(other))
+        doubled = _NamedInputs(twice(t) for t in model_inputs)
+        doubled.names = model_inputs.names
+        loss = _original_loss(twin, plan, doubled, twice(other))
         loss.backward()
     except Exception:  # noqa: BLE001 - no estimate: the strict comparison stands
         return {}
@@ -866,10 +869,18 @@ def reference_dropped_attention(q, k, v, attn_mask, p, is_causal, scale, enable_
     return torch.matmul(probs * keep / (1 - p), v)
 
 
-def _original_loss(original, plan: LossPlan, model_inputs, other):
-    from unroller.importer.source import predictions
+class _NamedInputs(list):
+    """The model inputs of a step, in the text's order, with their declared ``names``: the
+    original takes each by keyword or position as the import passed it
+    (``importer.source.call_with_inputs``)."""
 
-    prediction = predictions(original(*model_inputs))
+    names: list[str] | None = None
+
+
+def _original_loss(original, plan: LossPlan, model_inputs, other):
+    from unroller.importer.source import call_with_inputs, predictions
+
+    prediction = predictions(call_with_inputs(original, model_inputs.names, model_inputs))
     want = tuple(plan.prediction.type.shape[1:])
     if tuple(prediction.shape[1:]) != want:
         raise ValueError(
@@ -912,13 +923,13 @@ def _state_rows(original, generated, tolerance: float) -> list[Row]:
 def _prediction_row(original, generated, model_inputs, tolerance: float) -> Row:
     import torch
 
-    from unroller.importer.source import predictions
+    from unroller.importer.source import call_with_inputs, predictions
 
     original.eval()
     nan = float("nan")
     try:
         with torch.no_grad():
-            ref = predictions(original(*model_inputs))
+            ref = predictions(call_with_inputs(original, model_inputs.names, model_inputs))
     except Exception as exc:  # noqa: BLE001 - the user's module in eval mode
         return Row(
             "predictions (eval)",

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from unroller.importer.model import ImportFailure
@@ -280,11 +281,50 @@ def predictions(output):
     raise ImportFailure(f"forward returned {type(output).__name__}: expected a tensor")
 
 
+def input_keywords(module, names: Sequence[str]) -> list[str | None]:
+    """How each declared input reaches ``module.forward``: by keyword where its name is one
+    of forward's parameters (``decoder_input_ids``, ``attention_mask``), else positionally
+    (None), in order. A positional input may not land on a parameter another input names."""
+    import inspect
+
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return [None] * len(names)
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = [p for p in signature.parameters.values() if p.kind in kinds]
+    known = {p.name for p in params}
+    keywords = [name if name in known else None for name in names]
+    slots = [p.name for p in params if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    filled = slots[: keywords.count(None)]
+    clash = [name for name in filled if name in keywords]
+    if clash:
+        raise ImportFailure(
+            f"--input {clash[0]!r} names a parameter of forward that an input declared before "
+            "it already fills by position: name every input after forward's parameters, or "
+            "none of them"
+        )
+    return keywords
+
+
+def call_with_inputs(module, names: Sequence[str] | None, values: Sequence):
+    """``module(...)`` with the declared inputs, each by keyword or position
+    (``input_keywords``); all positional when ``names`` is None."""
+    if names is None:
+        return module(*values)
+    keywords = input_keywords(module, names)
+    args = [v for k, v in zip(keywords, values) if k is None]
+    kwargs = {k: v for k, v in zip(keywords, values) if k is not None}
+    return module(*args, **kwargs)
+
+
 class Predictions:
     """Wraps a module so that ``forward`` returns the prediction tensor only (what export
-    captures); built lazily so this module imports without torch."""
+    captures), taking the declared inputs positionally and passing each to the module by
+    keyword or position (``call_with_inputs``); built lazily so this module imports without
+    torch."""
 
-    def __new__(cls, inner):
+    def __new__(cls, inner, names: Sequence[str] | None = None):
         import torch
 
         class _Predictions(torch.nn.Module):
@@ -293,7 +333,7 @@ class Predictions:
                 self.inner = inner
 
             def forward(self, *args):
-                return predictions(self.inner(*args))
+                return predictions(call_with_inputs(self.inner, names, args))
 
         return _Predictions(inner)
 
