@@ -124,7 +124,7 @@ def diagnose(module: torch.nn.Module, inputs: Sequence[Tensor], source: str) -> 
     declared = ", ".join(f"{t.name}: {t.text()}" for t in inputs)
     try:
         with quiet(), torch.no_grad(), torch.random.fork_rng(devices=[]):
-            Predictions(module).train()(*example_inputs(inputs))
+            Predictions(module, [t.name for t in inputs]).train()(*example_inputs(inputs))
     except Exception as exc:  # noqa: BLE001 - the user's forward on the declared inputs
         raise ImportFailure(
             f"{source}: the network fails on inputs of the declared shapes and dtypes "
@@ -133,7 +133,8 @@ def diagnose(module: torch.nn.Module, inputs: Sequence[Tensor], source: str) -> 
 
 
 def _capture(module: torch.nn.Module, inputs: Sequence[Tensor], source: str):
-    wrapper = Predictions(module).train()
+    names = [t.name for t in inputs]
+    wrapper = Predictions(module, names).train()
     try:
         example = tuple(example_inputs(inputs))
     except (RuntimeError, MemoryError) as exc:
@@ -149,7 +150,7 @@ def _capture(module: torch.nn.Module, inputs: Sequence[Tensor], source: str):
         export_error = _one_line(first)
     diagnose(module, inputs, source)  # a forward that fails eagerly fails under fx too
     try:
-        traced = Predictions(fx.symbolic_trace(module)).train()
+        traced = Predictions(fx.symbolic_trace(module), names).train()
         program = torch.export.export(traced, example, dynamic_shapes=dynamic, strict=False)
         return program, f"torch.fx symbolic trace, then torch.export (torch {torch.__version__})"
     except Exception as second:  # noqa: BLE001

@@ -158,7 +158,12 @@ from unroller.runtime.recurrent import (  # noqa: F401  (re-exported)
 )
 
 # Rotary position embeddings, the same on both platforms (see positions' doc).
-from unroller.runtime.positions import rotary, rotary_backward  # noqa: F401  (re-exported)
+from unroller.runtime.positions import (  # noqa: F401  (re-exported)
+    relative_position_bias,
+    relative_position_bias_backward,
+    rotary,
+    rotary_backward,
+)
 from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__)
     expand,
     expand_backward,
