@@ -236,6 +236,8 @@ class _Mapper:
         self.positions = self._position_patterns()
         self.relative_bias = self._relative_bias_patterns()
         self._absorb_masked_biases()
+        self.stochastic = self._stochastic_depth_sites()
+        self.stochastic_told: set[int] = set()
 
     # ---- the graph's signature: which placeholder is what
 
@@ -708,6 +710,9 @@ class _Mapper:
             if node in self.relative_bias:
                 self._map_relative_bias(node, *self.relative_bias[node])
                 continue
+            if node in self.stochastic:
+                self._refuse_stochastic_depth(node)
+                continue
             self._map(node, target)
         output = next(n for n in reversed(self.nodes) if n.op == "output")
         results = output.args[0]
@@ -811,12 +816,11 @@ class _Mapper:
                 self._fail(node, target, str(exc))
             return
         mapper = aten_ops.mapper_for(target)
-        after_failure = any(arg in self.poisoned for arg in node.all_input_nodes)
-        if mapper is None and not (after_failure and target == "getitem"):
-            self._fail(node, target, "no registry operator computes it")  # a root cause too
+        if any(arg in self.poisoned for arg in node.all_input_nodes):
+            self._poison(node)  # what it reads is reported at its root, not again here
             return
-        if after_failure:
-            self._poison(node)  # what it reads is reported at its root
+        if mapper is None:
+            self._fail(node, target, "no registry operator computes it")
             return
         try:
             self._check_inplace(node)
@@ -832,6 +836,64 @@ class _Mapper:
             self._fail(node, target, f"its arguments could not be read ({_one_line(exc)})")
             return
         self.values[node] = result
+
+    def _stochastic_depth_sites(self) -> dict[fx.Node, int]:
+        """Stochastic depth (torchvision's StochasticDepth, timm's DropPath): a random draw
+        of one value per sample (``[N, 1, ...]``) or per batch (all ones), which scales a
+        residual branch. Each draw and the tensor it fills -> the draw's index: reported
+        once, by name, rather than as its ``bernoulli_`` / ``new_empty`` parts."""
+        sites: dict[fx.Node, int] = {}
+        for node in self.nodes:
+            if node.op != "call_function" or not _random(node) or "dropout" in _short_name(node):
+                continue
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dim() == 0:
+                continue
+            dims = [self.dim(d) for d in val.shape]
+            if dims[0] not in (BATCH, 1) or any(d != 1 for d in dims[1:]):
+                continue
+            ident = self.order[node]
+            sites[node] = ident
+            for arg in node.all_input_nodes:  # the empty tensor the draw fills in place
+                if _short_name(arg) in _FILLED and len(arg.users) == 1:
+                    sites[arg] = ident
+        return sites
+
+    def _refuse_stochastic_depth(self, node) -> None:
+        """One line per stochastic depth, naming it, its module and the fix."""
+        ident = self.stochastic[node]
+        if ident in self.stochastic_told:
+            self._poison(node)
+            return
+        self.stochastic_told.add(ident)
+        draw = self.nodes[ident]
+        path, _ = self.where(draw)
+        prob = None
+        with contextlib.suppress(AttributeError):
+            sub = self.module.get_submodule(path) if path else self.module
+            prob = next(
+                (
+                    getattr(sub, a)
+                    for a in ("p", "drop_prob")
+                    if isinstance(getattr(sub, a, None), float)
+                ),
+                None,
+            )
+        if prob is None and _short_name(draw) == "bernoulli" and len(draw.args) > 1:
+            with contextlib.suppress(TypeError, ValueError):
+                prob = 1.0 - float(draw.args[1])
+        said = f" (drop probability {prob:g})" if prob is not None else ""
+        self._fail(
+            draw,
+            "stochastic depth",
+            f"a random per-sample drop of a residual branch{said}, which "
+            "the import captures in training mode and no registry operator draws; build the "
+            "network with its probability 0 (StochasticDepth(p=0.0), drop_path_rate=0.0), "
+            "where it is the identity, as at inference",
+        )
+        for other, i in self.stochastic.items():
+            if i == ident:
+                self._poison(other)
 
     def _piece(self, node) -> str:
         """Part ``index`` of a split: a ``slice`` along the split dim."""
@@ -1411,7 +1473,10 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
     if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
         raise Refuse("kdim/vdim, add_bias_kv or add_zero_attn")
     if module.dropout != 0.0:
-        raise Refuse(f"attention dropout {module.dropout}")
+        raise Refuse(
+            f"attention dropout {module.dropout}, whose random draws the import does not "
+            "carry over: build nn.MultiheadAttention with dropout=0.0 to import it"
+        )
     data = []
     causal = False
     for node in external:
