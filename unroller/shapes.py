@@ -404,6 +404,15 @@ def padded_positions(op: str, inputs: list[TensorType], args: dict[str, Any]) ->
     return ShapeResult(ids)
 
 
+def padding_mask(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """A padding mask i64[N, S] (or bool) -> an additive score bias [N, 1, 1, S] in the
+    model's float dtype, which broadcasts over heads and queries (no gradient)."""
+    (mask,) = inputs
+    if mask.dtype in FLOAT_DTYPES or mask.rank != 2:
+        raise ShapeError(f"{op} needs a padding mask i64[N, S] (1 attends, 0 pads), got {mask}", 0)
+    return ShapeResult(TensorType(MODEL_FLOAT, (mask.shape[0], 1, 1, mask.shape[1])))
+
+
 def embedding_rows(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """Rows start .. start+length-1 of a table [num_embeddings, embedding_dim]: [length,
     embedding_dim] without the batch dim (a free parameter's form: it meets batched tensors

@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from unroller.graph import MAX_FLOAT
-from unroller.importer import aten_ops, rotary
+from unroller.importer import aten_ops, masks, rotary
 from unroller.importer.aten_ops import Refuse
 from unroller.importer.hf_norms import is_hf_rmsnorm, rmsnorm_kwargs
 from unroller.importer.model import (
@@ -235,6 +235,10 @@ class _Mapper:
         self.rotary, self.absorbed = self._rotary_patterns()
         self.positions = self._position_patterns()
         self.relative_bias = self._relative_bias_patterns()
+        self.padding = masks.find(self, _target_name, _is_size_value)
+        self.absorbed |= self.padding.absorbed
+        # mask input (and a size it is expanded to) -> its padding_mask statement
+        self.padding_values: dict[object, str] = {}
         self._absorb_masked_biases()
         self.stochastic = self._stochastic_depth_sites()
         self.stochastic_told: set[int] = set()
@@ -467,9 +471,10 @@ class _Mapper:
             while _target_name(current) in _COPIES:
                 chain.append(current)
                 current = current.args[0]
-            if (
-                _target_name(current) == "aten.where.ScalarOther"
-                and current.args[0] in self.constant
+            if _target_name(current) == "aten.where.ScalarOther" and (
+                current.args[0] in self.constant
+                or current.args[0] in self.padding.found
+                or current.args[0] in self.padding.refused
             ):
                 chain.append(current)
                 inside = set(chain) | {node}
@@ -587,6 +592,17 @@ class _Mapper:
             values[node] = node.target(*args, **kwargs)
         return values.get(idx)
 
+    def padding_value(self, mask: fx.Node) -> str:
+        """The ``padding_mask`` statement of the input a matched mask is computed from
+        (``masks.find``): one per input, named by the first mask read."""
+        ids, _ = self.padding.found[mask]
+        if ids not in self.padding_values:
+            length = self.dim(ids.meta["val"].shape[1])
+            self.padding_values[ids] = self.add_stmt(
+                mask, "padding_mask", [self.value_of(ids)], None, {}, (BATCH, 1, 1, length)
+            )
+        return self.padding_values[ids]
+
     def _live_nodes(self) -> set[fx.Node]:
         output = next(n for n in reversed(self.nodes) if n.op == "output")
         live: set[fx.Node] = set()
@@ -628,6 +644,8 @@ class _Mapper:
             short = "rotary"  # the add that ends a rotary embedding (_rotary_patterns)
         elif node in self.positions:
             short = "positions"  # position ids from the token ids (_position_patterns)
+        elif node in self.padding.found:
+            short = "padding_mask"  # a mask input's padding mask (masks.find)
         if target == "getitem":
             short = "split"
         short = short.rstrip("_") or "value"
@@ -695,7 +713,16 @@ class _Mapper:
                     done_groups.add(path)
                     self._collapse(path)
                 continue
+            if node in self.padding.refused and node not in self.absorbed:
+                self._fail(node, "attention mask", self.padding.refused[node])
+                continue
             if node in self.absorbed:
+                continue
+            if node in self.padding.found:  # a float padding mask that scores are added to
+                try:
+                    self.values[node] = self.padding_value(node)
+                except Refuse as exc:
+                    self._fail(node, "attention mask", str(exc))
                 continue
             if node in self.positions:
                 ids, pad = self.positions[node]
@@ -1357,6 +1384,28 @@ class NodeView:
         if not _reads_data(self.m, mask):
             return is_causal_mask(self.m, mask, causal), None
         node = _through_copies(mask)
+        padding = self.m.padding
+        if _target_name(node) == "aten.where.ScalarOther" and node.args[0] in padding.refused:
+            raise Refuse(padding.refused[node.args[0]])
+        if node in padding.refused:
+            raise Refuse(padding.refused[node])
+        if node in padding.found:  # a padding mask given as an input (masks.find)
+            # [N, 1, 1, S] broadcast to the attention's [N, 1, L, S] (a view)
+            size = (BATCH, 1, *self.m.shape(node)[2:])
+            key = (padding.found[node][0], size)
+            if key not in self.m.padding_values:
+                pad = self.m.padding_value(node)
+                stmt = self.m.add_stmt(node, "expand", [pad], None, {"size": size}, size)
+                self.m.padding_values[key] = stmt
+            return causal or padding.found[node][1], self.m.padding_values[key]
+        if _target_name(node) == "aten.where.ScalarOther" and node.args[0] in padding.found:
+            lowest = node.args[2]
+            if not isinstance(lowest, (int, float)) or lowest > -1e30:
+                raise Refuse(f"an attention mask filled with {lowest!r}: expected a lowest float")
+            # the bias where attended, and (near) lowest where padded: probabilities 0 there
+            pad = self.m.padding_value(node.args[0])
+            summed = self.m.add_stmt(node, "add", [self.m.value_of(node.args[1]), pad], None, {})
+            return causal or padding.found[node.args[0]][1], summed
         if _target_name(node) == "aten.where.ScalarOther" and node.args[0] in self.m.constant:
             lowest = node.args[2]
             if not isinstance(lowest, (int, float)) or lowest > -1e30:

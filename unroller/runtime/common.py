@@ -295,6 +295,22 @@ def padded_positions_backward(g: Tensor, *, padding_idx: int, needs: Needs | Non
     return _fit((None,), needs)
 
 
+def padding_mask(mask: Tensor) -> Tensor:
+    """An additive score bias [N, 1, 1, S] from a padding mask [N, S] (nonzero attends, 0 is
+    padding, as Hugging Face's attention_mask): 0 where attended, float32's lowest where
+    padded. Finite so that a row of padding only stays a number; added to scores of any
+    float dtype it makes those probabilities exactly 0 (exp underflows), as Hugging Face's
+    lowest-filled or boolean masks do. No gradient (integer input)."""
+    bias = mask.new_zeros(mask.shape, dtype=torch.float32)
+    bias = bias.masked_fill_(mask == 0, torch.finfo(torch.float32).min)
+    return bias.unsqueeze(1).unsqueeze(1)
+
+
+def padding_mask_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
+    """Never called: an integer padding mask carries no gradient."""
+    return _fit((None,), needs)
+
+
 def scale(x: Tensor, *, factor: float) -> Tensor:
     """x * factor (a constant); saves nothing."""
     return x * factor
