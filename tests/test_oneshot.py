@@ -97,3 +97,35 @@ def test_readme_example_runs(monkeypatch, tmp_path):
     exec(compile(example, "README.md", "exec"), namespace)  # noqa: S102 - our README
     assert torch.isfinite(namespace["loss"]) and len(list(tmp_path.glob("*.py"))) == 1
     assert all(p.grad is not None for p in namespace["net"].parameters())
+
+
+def test_named_inputs_reach_an_encoder_decoder_by_keyword(tmp_path):
+    """A dict of inputs names them: ``decoder_input_ids`` reaches T5's forward by keyword;
+    the step then takes them positionally in the dict's order, and one step's loss and
+    gradients equal autograd's on the original (float64)."""
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from import_zoo import hf_t5
+
+    torch.manual_seed(0)
+    t5 = hf_t5().double()
+    twin = copy.deepcopy(t5)
+    # T5LayerNorm takes the mean in float32 even in float64: compare with what it computes
+    # without that cast, as verify does (unroller.importer.hf_norms)
+    from unroller.importer.hf_norms import swap_float64_twins
+
+    assert swap_float64_twins(twin)
+    ids, dec, y = (torch.randint(0, 64, (2, n)) for n in (12, 8, 8))
+    step = unroller.unroll(t5, {"input_ids": ids, "decoder_input_ids": dec}, y, directory=tmp_path)
+    loss = step(ids, dec, y)
+    logits = twin(input_ids=ids, decoder_input_ids=dec).logits
+    want = F.cross_entropy(logits.transpose(1, 2), y)
+    want.backward()
+    assert rel_err(loss, want) <= 1e-10
+    theirs = dict(twin.named_parameters())
+    for name, p in t5.named_parameters():
+        assert rel_err(p.grad, theirs[name].grad) <= 1e-10, name
+    with pytest.raises(ValueError, match="expected an identifier"):
+        unroller.unroll(t5, {"input ids": ids}, y, directory=tmp_path)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,18 +74,26 @@ def cache_dir() -> Path:
 
 def import_text(
     module: torch.nn.Module,
-    inputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     target: torch.Tensor | None = None,
     loss: str = "cross_entropy",
     name: str | None = None,
 ) -> str:
     """The model text of ``module`` on example ``inputs`` (and ``target``), as ``unroll
-    import`` writes it; the inputs are named x0, x1, ... and the target y."""
+    import`` writes it; the inputs are named x0, x1, ... (or by the keys of a dict, each
+    reaching ``forward`` by keyword where it names a parameter: ``{"input_ids": ...,
+    "decoder_input_ids": ...}``) and the target y."""
     from unroller.importer.api import import_network
 
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    specs = [_spec(f"x{i}", t) for i, t in enumerate(inputs)]
+    if isinstance(inputs, Mapping):
+        for key in inputs:
+            if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"input name {key!r}: expected an identifier")
+        specs = [_spec(key, t) for key, t in inputs.items()]
+    else:
+        specs = [_spec(f"x{i}", t) for i, t in enumerate(inputs)]
     label = _label(module, name)
     target_spec = _spec("y", target) if target is not None else None
     return import_network(label, specs, target_spec, loss, name=label, built=module).text
@@ -115,7 +123,7 @@ class Unrolled(torch.nn.Module):
 
 def unroll(
     module: torch.nn.Module,
-    inputs: Sequence[torch.Tensor] | torch.Tensor,
+    inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
     target: torch.Tensor | None = None,
     *,
     loss: str = "cross_entropy",
@@ -165,7 +173,7 @@ def _share(model: torch.nn.Module, original: torch.nn.Module) -> None:
 
 def verify(
     module: torch.nn.Module,
-    inputs: Sequence[torch.Tensor] | torch.Tensor,
+    inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
     target: torch.Tensor | None = None,
     *,
     loss: str = "cross_entropy",
