@@ -707,6 +707,28 @@ def _positions_reference(s: Sample, ctx: Ctx) -> Tensor:
     return (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + pad
 
 
+def _padding_mask_case(label: str, dtype: torch.dtype) -> Case:
+    """Padding masks of 0 and 1 (left and right padding, a row without any), integers in."""
+
+    def make(_: torch.dtype) -> Sample:
+        _seeded()
+        mask = torch.randint(0, 2, (4, 7)).to(dtype)
+        mask[0] = 1
+        mask[1, 5:] = 0
+        mask[2, :3] = 0
+        return Sample((mask,))
+
+    return Case(label, make, dtypes=(F64,))
+
+
+def _padding_mask_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """Hugging Face's eager mask from an attention_mask: 0 where attended, lowest where not."""
+    (mask,) = s.inputs
+    lowest = torch.finfo(torch.float32).min
+    attend = mask.bool()[:, None, None, :]
+    return torch.where(attend, torch.tensor(0.0), torch.tensor(lowest))
+
+
 def _sdpa_peaked(dtype: torch.dtype) -> Sample:
     """Large scores: softmax rows close to one-hot (probabilities near 0 and 1)."""
     _seeded()
@@ -1773,6 +1795,13 @@ ROWS: tuple[OpInfo, ...] = (
         "padded_positions",
         _positions_reference,
         (_positions_case("pad1", 1), _positions_case("pad0", 0)),
+        exact_forward=("gpu", "ipu"),
+        exact_grads=("gpu", "ipu"),
+    ),
+    OpInfo(
+        "padding_mask",
+        _padding_mask_reference,
+        (_padding_mask_case("i64", torch.int64), _padding_mask_case("bool", torch.bool)),
         exact_forward=("gpu", "ipu"),
         exact_grads=("gpu", "ipu"),
     ),

@@ -347,8 +347,8 @@ def _forward_backward(platform: str, row: OpInfo, case: Case, dtype, device: str
         _check_forward(run, y, extras, ref)
     elif run.op.extras:  # its backward reads what the refused forward would have made
         return
-    if not ref.is_floating_point():  # an integer output carries no gradient
-        return
+    if not ref.is_floating_point() or not ref.requires_grad:
+        return  # an integer output, or one made from integers only (padding_mask): no gradient
     g = _output_grad(ref)
     refs = _reference_grads(run, ref, g)
     _check_backward(run, g, run.saved(y, extras), refs)

@@ -331,7 +331,8 @@ def make_inputs(graph: Graph, batch_size: int, seed: int) -> list[torch.Tensor]:
 
     Float: standard normal in float64, except targets of binary cross-entropy, uniform in
     [0, 1). Integer: uniform in [0, bound) with the bound what consumes them allows
-    (``num_embeddings``, the class count of a cross-entropy or nll_loss), else [0, 2)."""
+    (``num_embeddings``, the class count of a cross-entropy or nll_loss), else [0, 2); a
+    padding mask (read by ``padding_mask``) attends to every row's first token."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -347,6 +348,10 @@ def make_inputs(graph: Graph, batch_size: int, seed: int) -> list[torch.Tensor]:
             high = integer_bound(value) or 2
             dtype = torch_dtype(value.type.dtype)
             tensor = torch.randint(0, high, shape, generator=generator, dtype=dtype)
+            if _feeds_padding_mask(value) and len(shape) == 2:
+                # a padding mask: 0 and 1, the first token of every row attended, so that no
+                # query row is all padding, causal or not (the original may give it NaN)
+                tensor[:, 0] = 1
         tensors.append(tensor)
     return tensors
 
@@ -379,6 +384,8 @@ def integer_bound(value: Value) -> int | None:
         op = node.op.name
         if op == "embedding":
             bounds.append(int(node.args["num_embeddings"]))
+        elif op == "padding_mask":  # 1 attends, 0 pads
+            bounds.append(2)
         elif op in ("cross_entropy", "nll_loss") and index == 1:
             bounds.append(int(node.inputs[0].type.shape[1]))
         elif op in PASS_THROUGH:
@@ -386,6 +393,15 @@ def integer_bound(value: Value) -> int | None:
             if found:
                 bounds.append(found)
     return min(bounds) if bounds else None
+
+
+def _feeds_padding_mask(value: Value) -> bool:
+    for node, _ in value.consumers:
+        if node.op.name == "padding_mask":
+            return True
+        if node.op.name in PASS_THROUGH and _feeds_padding_mask(node.output):
+            return True
+    return False
 
 
 def _feeds_bce_target(value: Value) -> bool:

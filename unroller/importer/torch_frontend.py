@@ -1391,7 +1391,7 @@ class NodeView:
             raise Refuse(padding.refused[node])
         if node in padding.found:  # a padding mask given as an input (masks.find)
             # [N, 1, 1, S] broadcast to the attention's [N, 1, L, S] (a view)
-            size = (BATCH, 1, *self.m.shape(node)[2:])
+            size = (BATCH, 1, self.out_shape()[2], self.m.shape(node)[-1])
             key = (padding.found[node][0], size)
             if key not in self.m.padding_values:
                 pad = self.m.padding_value(node)
