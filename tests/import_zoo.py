@@ -1728,3 +1728,37 @@ def _self_check() -> None:
 
 if __name__ == "__main__":
     _self_check()
+
+
+# --------------------------------------------------------------------------------------------
+# Learned scalars: a 0-d parameter, and elements of a parameter vector
+# --------------------------------------------------------------------------------------------
+
+
+class ScaledHead(nn.Module):
+    """A linear head times a learned 0-d temperature (``nn.Parameter(torch.tensor(1.5))``)
+    plus a learned 0-d offset: the scalars broadcast over ``[N, C]``."""
+
+    def __init__(self, features: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, classes)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.offset = nn.Parameter(torch.tensor(-0.25))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) * self.scale + self.offset
+
+
+class GatedMix(nn.Module):
+    """Two branches mixed by the elements of one parameter vector (``gammas[i]``), as a
+    learned per-branch gain: each element a 0-d view of the vector."""
+
+    def __init__(self, features: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, features)
+        self.gammas = nn.Parameter(torch.tensor([0.5, 2.0, -1.0]))
+        self.head = nn.Linear(features, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.tanh(self.fc(x)) * self.gammas[0] + x * self.gammas[2]
+        return self.head(y)

@@ -460,7 +460,7 @@ class _Holder(nn.Module):
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
         super().__init__()
-        self.pos_embedding = nn.Parameter(torch.randn(*shape, dtype=dtype))
+        self.pos_embedding = nn.Parameter(torch.randn(shape, dtype=dtype))
 
 
 def _parameter_case(shape: tuple[int, ...]) -> Case:
@@ -468,7 +468,7 @@ def _parameter_case(shape: tuple[int, ...]) -> Case:
         _seeded()
         return Sample((), _Holder(shape, dtype), kwargs={"name": "pos_embedding"})
 
-    return Case("x".join(map(str, shape)), make)
+    return Case("x".join(map(str, shape)) or "scalar", make)  # shape=(): a learned scalar
 
 
 def _concat_case(dim: int | None, counts: tuple[int, ...]) -> Case:
@@ -1531,7 +1531,12 @@ SHAPEOP_ROWS: tuple[OpInfo, ...] = (
             )
             for d, i in [(2, 0), (2, 3), (2, 1), (1, 2)]
         )
-        + (_shape_case("size1", (2, 1, 4), dict(dim=1, index=0), dict(input_shape=(1, 4))),),
+        + (_shape_case("size1", (2, 1, 4), dict(dim=1, index=0), dict(input_shape=(1, 4))),)
+        # a free parameter's element (gammas[i]): no batch dim, input_shape is all of it
+        + (
+            _shape_case("free-vector", (3,), dict(dim=0, index=2), dict(input_shape=(3,))),
+            _shape_case("free-rows", (3, 4), dict(dim=0, index=1), dict(input_shape=(3, 4))),
+        ),
         **_SAME_OP,
     ),
     OpInfo(
@@ -1720,7 +1725,7 @@ ROWS: tuple[OpInfo, ...] = (
     OpInfo(
         "parameter",
         lambda s, ctx: s.layer.pos_embedding,
-        (_parameter_case((1, 5, 4)), _parameter_case((7,))),
+        (_parameter_case((1, 5, 4)), _parameter_case((7,)), _parameter_case(())),
         **_SAME_OP,
     ),
     OpInfo(

@@ -9,14 +9,20 @@ verify exactly in float64.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import import_zoo  # tests/ is on sys.path (conftest.py)
 import pytest
 import torch
 from torch import nn
 
+from unroller.api import graph_from_text, load_model_class
+from unroller.errors import ModelError
 from unroller.importer.api import import_network
 from unroller.importer.model import ImportFailure
+from unroller.verify import verify_text
 
-import import_zoo  # noqa: E402  (tests/ is on sys.path under pytest)
+ZOO = str(Path(__file__).parent / "import_zoo.py")
 
 
 def _fail(module: nn.Module, spec: str = "x: f32[N, 8]") -> ImportFailure:
@@ -98,22 +104,24 @@ def test_stochastic_depth_at_zero_imports():
 
 
 class _Unmapped(nn.Module):
-    """An op with no registry operator feeding another, then a residual add."""
+    """An op with no registry operator feeding a residual add and a linear, which read a
+    failed value (consequences); and an unmapped op of its own (a second cause)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
         self.head = nn.Linear(8, 3)
+        self.side = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.special.erfcx(self.fc(x))
-        y = torch.special.i0(y)
-        return self.head(x + y)
+        y = x + torch.special.erfcx(self.fc(x))
+        return self.head(y) + torch.special.i0(self.side(x))
 
 
-def test_consequences_of_a_failure_are_not_listed():
+def test_consequences_of_a_failure_are_not_listed_but_other_causes_are():
     failure = _fail(_Unmapped())
-    assert [u.op for u in failure.unmapped] == ["aten.special_erfcx.default"], failure
+    ops = [u.op for u in failure.unmapped]
+    assert ops == ["aten.special_erfcx.default", "aten.special_i0.default"], failure
 
 
 def test_attention_dropout_names_the_fix():
@@ -129,3 +137,92 @@ def test_attention_dropout_names_the_fix():
     assert len(failure.unmapped) == 1, failure
     assert "attention dropout 0.1" in failure.unmapped[0].reason
     assert "dropout=0.0" in failure.unmapped[0].reason
+
+
+# ---------------------------------------------------------------- learned scalars
+
+
+@pytest.mark.parametrize("name", ["ScaledHead", "GatedMix"])
+def test_learned_scalars_import_and_verify_exactly(name):
+    spec = f"{ZOO}:{name}"
+    imported = import_network(spec, ["x: f32[N, 8]"])
+    if name == "ScaledHead":
+        assert "scale = parameter(shape=())" in imported.text, imported.text
+    else:
+        assert "gammas = parameter(shape=(3,))" in imported.text
+        assert "select(gammas, dim=0, index=2)" in imported.text, imported.text
+    report = verify_text(imported.text, spec, None)
+    assert report.ok, report.problems or report.table()
+    grads = {row.name: row for row in report.rows}
+    held = "grad scale" if name == "ScaledHead" else "grad gammas"
+    assert held in grads and grads[held].ref_max > 0, report.table()
+
+
+def test_a_zero_d_parameter_is_a_statement_of_the_language(tmp_path):
+    text = """model s {
+    input x: f32[N, 4]
+    target y: i64[N]
+    fc = linear(x, out_features=3)
+    t = parameter(shape=(), init="ones")
+    out = mul(fc, t)
+    loss = cross_entropy(out, y)
+    return loss, out
+}
+"""
+    assert graph_from_text(text).node("t").output.type.shape == ()
+    path = tmp_path / "s.model"
+    path.write_text(text)
+    module = load_model_class(path)()
+    assert module.state_dict()["t"].shape == torch.Size([])
+    with pytest.raises(ModelError, match="dims"):
+        graph_from_text(text.replace("mul(fc, t)", "permute(fc, dims=())"))
+
+
+def test_select_of_the_batch_dim_is_still_refused():
+    class Rows(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[0] + x
+
+    failure = _fail(Rows())
+    assert "batch dim" in failure.unmapped[0].reason
+
+
+# ---------------------------------------------------------------- shapes say N
+
+
+class _MergesBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).reshape(-1, 4)
+
+
+class _WrongWidth(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(5, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).flatten(1)
+
+
+def test_a_refused_reshape_shows_the_batch_as_n():
+    failure = _fail(_MergesBatch())
+    (item,) = failure.unmapped
+    assert "reshaping [N, 8] to [2*N, 4]" in item.reason, failure
+    assert "'N'" not in str(failure) and "6" not in item.reason
+
+
+@pytest.mark.parametrize(
+    "module, spec, shown",
+    [
+        (lambda: nn.Sequential(nn.Linear(8, 8)), "x: f32[N, 5]", "(Nx5 and 8x8)"),
+        (_WrongWidth, "x: f32[N, 3, 16, 16]", "input[N, 3, 16, 16]"),
+    ],
+)
+def test_a_network_failing_eagerly_shows_the_batch_as_n(module, spec, shown):
+    text = str(_fail(module(), spec))
+    assert "the network fails on inputs of the declared shapes" in text, text
+    assert shown in text, text

@@ -319,13 +319,12 @@ def test_cli_import_verify_writes_only_an_exact_text(tmp_path, monkeypatch):
     assert not other.exists()
 
 
-def test_a_0d_parameter_is_refused_with_the_fix_not_an_internal_error():
-    """A learned scalar (``nn.Parameter(torch.tensor(0.5))``): one clear line that says what
-    to change, never "internal error"."""
+def test_a_0d_parameter_imports_as_a_0d_parameter_statement():
+    """A learned scalar (``nn.Parameter(torch.tensor(0.5))``) is a ``parameter(shape=())``,
+    so the state dict keeps its 0-d shape (verified in tests/test_import_messages.py)."""
     import torch
 
     from unroller.importer.api import import_network
-    from unroller.importer.model import ImportFailure
 
     class Scaled(torch.nn.Module):
         def __init__(self):
@@ -336,8 +335,6 @@ def test_a_0d_parameter_is_refused_with_the_fix_not_an_internal_error():
         def forward(self, x):
             return self.fc(x) * self.alpha
 
-    with pytest.raises(ImportFailure) as caught:
-        import_network("scaled", ["x: f32[N, 8]"], "y: i64[N]", built=Scaled())
-    text = str(caught.value)
-    assert "alpha is a 0-d scalar" in text and "shape (1,)" in text
-    assert "internal error" not in text
+    imported = import_network("scaled", ["x: f32[N, 8]"], "y: i64[N]", built=Scaled())
+    assert "alpha = parameter(shape=())" in imported.text
+    assert "mul(fc, alpha)" in imported.text

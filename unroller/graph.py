@@ -1048,7 +1048,9 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
         return tuple(items) if spec.type == "pair" else tuple(float(v) for v in items)
     if spec.type == "dims":
         items = (value,) if is_int(value) else value
-        if not isinstance(items, tuple) or not items or not all(is_int(v) for v in items):
+        if not isinstance(items, tuple) or not all(is_int(v) for v in items):
+            raise bad()
+        if not items and not spec.empty:
             raise bad()
         for v in items:
             bounded(v)

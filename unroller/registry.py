@@ -44,6 +44,8 @@ class ArgSpec:
     choices: tuple[str, ...] | None = None
     #: may be left out with no value at all: the kernel gets None (slice's end=None)
     optional: bool = False
+    #: a ``dims`` that may be the empty tuple (parameter's shape=(): a learned scalar)
+    empty: bool = False
 
     @property
     def required(self) -> bool:
@@ -335,6 +337,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
             max=arg.get("max"),
             choices=tuple(arg["choices"]) if "choices" in arg else None,
             optional=bool(arg.get("optional", False)),
+            empty=bool(arg.get("empty", False)),
         )
         if args[arg_name].optional and "default" in arg:
             raise RegistryError(f"{where}: arg {arg_name}: optional means the default is None")

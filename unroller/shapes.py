@@ -443,9 +443,9 @@ def pair_loss(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeR
 def free_parameter(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """A free parameter: the given shape, no batch dim (the graph sets the model's float
     dtype); ``init="uniform"`` needs a positive ``bound``."""
-    shape = args["shape"]
-    if not shape or any(d < 1 for d in shape):
-        raise ShapeError(f"{op}: shape {shape} needs one or more positive dims", arg="shape")
+    shape = args["shape"]  # () is a learned scalar
+    if any(d < 1 for d in shape):
+        raise ShapeError(f"{op}: shape {shape} needs positive dims", arg="shape")
     if args["init"] == "uniform" and args["bound"] <= 0:
         raise ShapeError(
             f'{op}: init="uniform" needs bound > 0 (the range is [-bound, bound])', arg="init"
@@ -456,7 +456,8 @@ def free_parameter(op: str, inputs: list[TensorType], args: dict[str, Any]) -> S
 # ---------------------------------------------------------------- shape and tensor ops (v2)
 #
 # A value without the batch dim (a free parameter, [1, 1, E] or [E, F]) may enter expand
-# and matmul, whose outputs put N first; the other ops here need N first in their input,
+# and matmul, whose outputs put N first, and select (one element of it, gammas[i]); the
+# other ops here need N first in their input,
 # because a dim argument of theirs would otherwise mean a different dim than it says.
 
 
@@ -571,8 +572,13 @@ def permute(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeRes
 
 def select(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     (x,) = inputs
-    _batched(op, x)
-    dim = _dim(op, x, args["dim"])
+    if x.rank and x.shape[0] != BATCH:  # a free parameter's element (gammas[i]): any dim
+        if not -x.rank <= args["dim"] < x.rank:
+            raise ShapeError(f"{op}: dim {args['dim']} is out of range for {x}", arg="dim")
+        dim = args["dim"] % x.rank
+    else:
+        _batched(op, x)
+        dim = _dim(op, x, args["dim"])
     n = x.shape[dim]
     index = args["index"]
     if not -n <= index < n:  # type: ignore[operator]
@@ -581,8 +587,9 @@ def select(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResu
         )
     index %= n  # type: ignore[operator]
     shape = x.shape[:dim] + x.shape[dim + 1 :]
+    kept = x.shape[1:] if x.shape[0] == BATCH else x.shape  # select_backward tells them apart
     return ShapeResult(
-        TensorType(x.dtype, shape), {"dim": dim, "index": index, "input_shape": x.shape[1:]}
+        TensorType(x.dtype, shape), {"dim": dim, "index": index, "input_shape": kept}
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from unroller.importer.model import BATCH
+from unroller.importer.model import BATCH, shape_text
 
 
 class Refuse(Exception):
@@ -522,12 +522,14 @@ def reshape(view):
     source = view.in_shape(0)
     out = view.out_shape()
     if not out or out[0] != BATCH or not source or source[0] != BATCH:
-        raise Refuse(f"reshaping {list(source)} to {list(out)} moves or merges the batch dim")
+        raise Refuse(
+            f"reshaping {shape_text(source)} to {shape_text(out)} moves or merges the batch dim"
+        )
     if tuple(source) == tuple(out):
         return view.alias(0)
     if len(out) == 1:  # [N, 1, ...] -> [N]: reshape keeps a dim after N, select drops one
         if any(d != 1 for d in source[1:]):
-            raise Refuse(f"reshaping {list(source)} to [N] merges the batch dim")
+            raise Refuse(f"reshaping {shape_text(source)} to [N] merges the batch dim")
         value = view.value(0)
         for _ in source[1:]:
             value = view.stmt("select", [value], dim=1, index=0)
@@ -562,8 +564,11 @@ def permute(view):
 
 @maps("aten.select.int")
 def select(view):
-    rank = len(view.in_shape("self"))
-    dim = _dim(view, int(view.a["dim"]), rank, "selecting along dim")
+    shape = view.in_shape("self")
+    if shape and shape[0] != BATCH:  # an element of a free parameter (gammas[i]): no batch
+        dim = int(view.a["dim"]) % len(shape)
+    else:
+        dim = _dim(view, int(view.a["dim"]), len(shape), "selecting along dim")
     return view.stmt("select", [view.value("self")], dim=dim, index=int(view.a["index"]))
 
 
@@ -607,7 +612,7 @@ def expand(view):
     if size == tuple(view.in_shape("self")):
         return view.alias("self")
     if size[0] not in (BATCH, -1):
-        raise Refuse(f"expanding to {list(size)}: the first dim must be the batch")
+        raise Refuse(f"expanding to {shape_text(size)}: the first dim must be the batch")
     return view.stmt("expand", [view.value("self")], size=size)
 
 

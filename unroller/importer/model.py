@@ -30,6 +30,12 @@ Literal = int | float | bool | str | tuple | None
 _PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+")
 
 
+def shape_text(shape) -> str:
+    """A shape as messages write it, ``[N, 8]``: the batch as N (a size derived from it
+    as ``?2*N``), never the example batch the capture ran with."""
+    return "[" + ", ".join(str(d).lstrip("?") for d in shape) + "]"
+
+
 @dataclass
 class Stmt:
     """``name = op(args..., kwargs...)``: one registry operator call."""

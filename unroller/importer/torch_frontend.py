@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from unroller.graph import MAX_FLOAT
 from unroller.importer import aten_ops, masks, rotary
@@ -40,6 +41,7 @@ from unroller.importer.model import (
     Stmt,
     Tensor,
     Unmapped,
+    shape_text,
     valid_path,
 )
 from unroller.importer.source import FILE_MODULES, WRAPPER_PREFIX, Predictions, class_name
@@ -55,6 +57,9 @@ _DTYPES = {
 }
 #: The example batch size used for capture: > 1 so export keeps the dim symbolic.
 EXAMPLE_BATCH = 3
+#: The batch ``diagnose`` runs the original at: rarer than 3 (RGB channels) as a leading
+#: size, so that torch's shapes in its error can be rewritten with N (``_batch_as_n``).
+DIAGNOSE_BATCH = 7
 #: Node targets that compute sizes, not tensors, or only check things.
 _SIZE_OPS = {
     "aten.sym_size.int",
@@ -124,12 +129,19 @@ def diagnose(module: torch.nn.Module, inputs: Sequence[Tensor], source: str) -> 
     declared = ", ".join(f"{t.name}: {t.text()}" for t in inputs)
     try:
         with quiet(), torch.no_grad(), torch.random.fork_rng(devices=[]):
-            Predictions(module, [t.name for t in inputs]).train()(*example_inputs(inputs))
+            example = example_inputs(inputs, DIAGNOSE_BATCH)
+            Predictions(module, [t.name for t in inputs]).train()(*example)
     except Exception as exc:  # noqa: BLE001 - the user's forward on the declared inputs
         raise ImportFailure(
             f"{source}: the network fails on inputs of the declared shapes and dtypes "
-            f"({declared}): {_one_line(exc)}"
+            f"({declared}): {_batch_as_n(_one_line(exc), DIAGNOSE_BATCH)}"
         ) from None
+
+
+def _batch_as_n(text: str, batch: int) -> str:
+    """torch's shapes in ``text`` with the example ``batch`` leading them written N
+    (``(7x8 and 5x8)``, ``[7, 3, 32, 32]``), as the declared inputs are."""
+    return re.sub(rf"(?<=[\[(]){batch}(?=x\d|, ?\d|\])", BATCH, text)
 
 
 def _capture(module: torch.nn.Module, inputs: Sequence[Tensor], source: str):
@@ -276,6 +288,8 @@ class _Mapper:
         if isinstance(value, torch.SymInt):
             if str(value) == str(self.batch):
                 return BATCH
+            if not is_concrete_int(value):  # 2*N: int() would give the example batch's 6
+                return "?" + re.sub(rf"\b{re.escape(str(self.batch))}\b", BATCH, str(value))
             try:
                 return int(value)
             except (TypeError, ValueError, RuntimeError):
@@ -681,12 +695,7 @@ class _Mapper:
             raise Refuse(f"the parameter {key} is used by two operators (tied weights)")
         if not valid_path(key):
             raise Refuse(unusable_name(key))
-        shape = tuple(int(d) for d in node.meta["val"].shape)
-        if not shape:
-            raise Refuse(
-                f"the parameter {key} is a 0-d scalar, which a parameter statement cannot "
-                "hold yet (it needs at least one dim): make it shape (1,) in the module"
-            )
+        shape = tuple(int(d) for d in node.meta["val"].shape)  # () for a learned scalar
         self.names.add(key)
         owner = key.rpartition(".")[0]
         stmt = Stmt(key, "parameter", [], {"shape": shape, "init": "zeros"}, owner, shape)
@@ -843,11 +852,13 @@ class _Mapper:
                 self._fail(node, target, str(exc))
             return
         mapper = aten_ops.mapper_for(target)
-        if any(arg in self.poisoned for arg in node.all_input_nodes):
-            self._poison(node)  # what it reads is reported at its root, not again here
-            return
-        if mapper is None:
+        after_failure = any(arg in self.poisoned for arg in node.all_input_nodes)
+        if mapper is None and not (after_failure and target == "getitem"):
+            # a root cause too: an op no operator computes is a gap whatever it reads
             self._fail(node, target, "no registry operator computes it")
+            return
+        if after_failure:
+            self._poison(node)  # what it reads is reported at its root
             return
         try:
             self._check_inplace(node)
@@ -869,21 +880,31 @@ class _Mapper:
         of one value per sample (``[N, 1, ...]``) or per batch (all ones), which scales a
         residual branch. Each draw and the tensor it fills -> the draw's index: reported
         once, by name, rather than as its ``bernoulli_`` / ``new_empty`` parts."""
+
+        def per_sample(node) -> bool:
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dim() == 0:
+                return False
+            dims = [self.dim(d) for d in val.shape]
+            return dims[0] in (BATCH, 1) and all(d == 1 for d in dims[1:])
+
         sites: dict[fx.Node, int] = {}
         for node in self.nodes:
             if node.op != "call_function" or not _random(node) or "dropout" in _short_name(node):
                 continue
-            val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor) or val.dim() == 0:
-                continue
-            dims = [self.dim(d) for d in val.shape]
-            if dims[0] not in (BATCH, 1) or any(d != 1 for d in dims[1:]):
+            if not per_sample(node) or node in sites:
                 continue
             ident = self.order[node]
             sites[node] = ident
             for arg in node.all_input_nodes:  # the empty tensor the draw fills in place
                 if _short_name(arg) in _FILLED and len(arg.users) == 1:
                     sites[arg] = ident
+            todo = list(node.users)  # the mask's own arithmetic (floor_, div_ by keep)
+            while todo:
+                user = todo.pop()
+                if user not in sites and user.op == "call_function" and per_sample(user):
+                    sites[user] = ident
+                    todo.extend(user.users)
         return sites
 
     def _refuse_stochastic_depth(self, node) -> None:
@@ -1149,6 +1170,9 @@ def _target_name(node) -> str:
 
 #: ATen ops whose output shares its input's storage (an in-place write to it changes the
 #: input too).
+#: tensors made only to be filled by a random draw in place (``empty(...).bernoulli_(q)``)
+_FILLED = frozenset({"empty", "new_empty", "empty_like", "zeros", "new_zeros", "zeros_like"})
+
 _VIEW_OPS = frozenset(
     {
         "view",
@@ -1549,7 +1573,7 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
             causal = causal or bool(view.a["is_causal"])
     shape = mapper.shape(data[0])
     if len(shape) != 3 or shape[0] != BATCH:
-        raise Refuse(f"self-attention on {list(shape)}: expected [N, L, E]")
+        raise Refuse(f"self-attention on {shape_text(shape)}: expected [N, L, E]")
     names = ("in_proj_weight", "out_proj.weight")
     if module.in_proj_bias is not None:  # bias= governs both projections
         names += ("in_proj_bias", "out_proj.bias")

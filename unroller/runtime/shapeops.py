@@ -12,9 +12,10 @@ accounting calls. In gpu.py and ipu.py they shadow them too, so neither calls a 
 ``sum(...)`` or ``slice(...)`` (tests/test_shapeops.py checks this).
 
 The batch dim is dim 0 of every batched tensor and the shape rules hand these kernels
-normalised dims (never 0). An input without the batch dim (a free parameter) reaches only
+normalised dims (never 0 of a batched tensor). An input without the batch dim (a free parameter) reaches only
 expand and matmul, whose backwards sum the gradient down to that input's own shape, as
-autograd's ``sum_to`` does.
+autograd's ``sum_to`` does; and select (``gammas[i]``), whose backward tells the two
+apart by rank.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def select_backward(
     values of aten's select_backward (a copy into zeros) bit for bit."""
     if not _need(needs, 0):
         return (None,)
-    size = input_shape[dim - 1]
+    # input_shape leaves N out of a batched input (g has its rank), not a free parameter's
+    size = input_shape[dim - 1] if g.dim() == len(input_shape) else input_shape[dim]
     parts = [g.unsqueeze(dim)]
     if index:
         parts.insert(0, _zeros_like_along(g, dim, index))
