@@ -87,8 +87,24 @@ def test_stochastic_depth_is_one_line_per_module_naming_it_and_the_fix():
     assert "drop probability 0.08" in failure.unmapped[0].reason
 
 
+class _Noise(nn.Module):
+    """One random draw for the whole batch, in no stochastic depth module: not named so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + torch.rand((1, 1), dtype=x.dtype)
+
+
 @pytest.mark.parametrize(
-    "module, path", [(_Residual(_DropPath(0.1)), "drop_path"), (_RandFloor(), "")]
+    "module, path",
+    [
+        (_Residual(_DropPath(0.1)), "drop_path"),
+        (_Residual(import_zoo.StochasticDepth(0.2, "batch")), "drop_path"),
+        (_RandFloor(), ""),
+    ],
 )
 def test_drop_path_idioms_are_named_stochastic_depth_once(module, path):
     failure = _fail(module)
@@ -96,6 +112,11 @@ def test_drop_path_idioms_are_named_stochastic_depth_once(module, path):
     (item,) = failure.unmapped
     assert item.op == "stochastic depth" and item.module_path == path
     assert "drop_path_rate=0.0" in item.reason
+
+
+def test_other_random_draws_are_not_called_stochastic_depth():
+    failure = _fail(_Noise())
+    assert [u.op for u in failure.unmapped] == ["aten.rand.default"], failure
 
 
 def test_stochastic_depth_at_zero_imports():

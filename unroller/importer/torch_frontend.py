@@ -877,8 +877,8 @@ class _Mapper:
 
     def _stochastic_depth_sites(self) -> dict[fx.Node, int]:
         """Stochastic depth (torchvision's StochasticDepth, timm's DropPath): a random draw
-        of one value per sample (``[N, 1, ...]``) or per batch (all ones), which scales a
-        residual branch. Each draw and the tensor it fills -> the draw's index: reported
+        of one value per sample (``[N, 1, ...]``), or per batch (all ones) in a module named
+        so, which scales a residual branch. Each draw and the tensor it fills -> the draw's index: reported
         once, by name, rather than as its ``bernoulli_`` / ``new_empty`` parts."""
 
         def per_sample(node) -> bool:
@@ -894,6 +894,9 @@ class _Mapper:
                 continue
             if not per_sample(node) or node in sites:
                 continue
+            named = re.search(r"StochasticDepth|DropPath", self.where(node)[1])
+            if self.dim(node.meta["val"].shape[0]) != BATCH and not named:
+                continue  # one draw for the whole batch: stochastic depth only by name
             ident = self.order[node]
             sites[node] = ident
             for arg in node.all_input_nodes:  # the empty tensor the draw fills in place
@@ -934,7 +937,7 @@ class _Mapper:
         self._fail(
             draw,
             "stochastic depth",
-            f"a random per-sample drop of a residual branch{said}, which "
+            f"a random drop of a residual branch, per sample{said}, which "
             "the import captures in training mode and no registry operator draws; build the "
             "network with its probability 0 (StochasticDepth(p=0.0), drop_path_rate=0.0), "
             "where it is the identity, as at inference",
