@@ -53,10 +53,20 @@ def test_bert_with_an_attention_mask_verifies_exactly(attention):
 def test_t5_with_an_attention_mask_verifies_exactly(t5_text):
     assert "encoder.padding_mask = padding_mask(attention_mask)" in t5_text
     # the encoder's relative position bias plus the padding mask, in both layers
-    assert t5_text.count("SelfAttention.relative_attention_bias, encoder.padding_mask)") == 2
+    assert t5_text.count("masked_bias = add(encoder.block.0.layer.0.SelfAttention.rel") == 2
     # cross-attention reads the encoder's padding mask for the decoder's 8 queries
     assert "expand(encoder.padding_mask, size=(N, 1, 8, 12))" in t5_text
     report = verify_text(t5_text, f"{ZOO}:hf_t5", {}, batch_size=3)
+    assert report.ok, report.problems or report.table()
+
+
+def test_t5_with_a_decoder_attention_mask_verifies_exactly():
+    """The decoder's mask is its padding mask AND the causal one: is_causal plus a bias."""
+    inputs = [*T5_INPUTS, "decoder_attention_mask: i64[N, 8]"]
+    text = import_network(f"{ZOO}:hf_t5", inputs, "y: i64[N, 8]").text
+    assert "decoder.padding_mask = padding_mask(decoder_attention_mask)" in text
+    assert "decoder.padding_mask)" in text and "is_causal=true" in text
+    report = verify_text(text, f"{ZOO}:hf_t5", {}, batch_size=3)
     assert report.ok, report.problems or report.table()
 
 

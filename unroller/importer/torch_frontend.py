@@ -660,6 +660,8 @@ class _Mapper:
             short = "positions"  # position ids from the token ids (_position_patterns)
         elif node in self.padding.found:
             short = "padding_mask"  # a mask input's padding mask (masks.find)
+        elif target == "aten.where.ScalarOther" and node.args[0] in self.padding.found:
+            short = "masked_bias"  # an attention's bias plus a padding mask (attention_bias)
         if target == "getitem":
             short = "split"
         short = short.rstrip("_") or "value"
