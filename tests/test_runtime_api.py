@@ -20,7 +20,7 @@ from torch import nn
 
 from unroller import platforms
 from unroller.registry import OpSpec, load_registry
-from unroller.runtime import attention, common, gpu, ipu, norms, positions, shapeops
+from unroller.runtime import attention, common, gpu, ipu, norms, positions, recurrent, shapeops
 
 OPS = load_registry()
 KERNELS = {"gpu": gpu, "ipu": ipu}
@@ -137,6 +137,7 @@ def test_all_is_every_public_function_and_nothing_else(platform):
             attention.__name__,
             norms.__name__,
             positions.__name__,
+            recurrent.__name__,
         )
     }
     assert K.__all__ == sorted(set(K.__all__))

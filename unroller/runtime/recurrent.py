@@ -37,9 +37,9 @@ MAX_LAYERS = 4
 PER_DIRECTION = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
 
-def _split(tensors: tuple) -> tuple[Tensor, list[Tensor], torch.nn.Module]:
+def _split(operands: tuple) -> tuple[Tensor, list[Tensor], torch.nn.Module]:
     """(x, the initial states given, the layer): the kernel's positional arguments."""
-    return tensors[0], list(tensors[1:-1]), tensors[-1]
+    return operands[0], list(operands[1:-1]), operands[-1]
 
 
 def _weights(layer: torch.nn.Module, index: int, reverse: int) -> list[Tensor | None]:
@@ -240,11 +240,11 @@ def _lstm_step_back(
 
 
 def lstm(
-    *tensors: Tensor | torch.nn.Module, num_layers: int = 1, bidirectional: bool = False
+    *operands: Tensor | torch.nn.Module, num_layers: int = 1, bidirectional: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """torch.nn.LSTM (batch first) on (x[, h0[, c0]], layer): (output [N, L, D H], gates
     [N, S, L, 4H], hidden states and cell states [N, S, L + 1, H]; module doc)."""
-    x, states, layer = _split(tensors)
+    x, states, layer = _split(operands)
     out, gates, hiddens, cells = _forward(x, states, layer, num_layers, bidirectional, _lstm_cell)
     return out, gates, torch.stack(hiddens, 1), torch.stack(cells, 1)
 
@@ -312,11 +312,11 @@ def _gru_step_back(
 
 
 def gru(
-    *tensors: Tensor | torch.nn.Module, num_layers: int = 1, bidirectional: bool = False
+    *operands: Tensor | torch.nn.Module, num_layers: int = 1, bidirectional: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """torch.nn.GRU (batch first) on (x[, h0], layer): (output [N, L, D H], gates [N, S, L,
     4H] (r, z, n, W_hn h + b_hn), hidden states [N, S, L + 1, H]; module doc)."""
-    x, states, layer = _split(tensors)
+    x, states, layer = _split(operands)
     out, gates, hiddens, _ = _forward(x, states, layer, num_layers, bidirectional, _gru_cell)
     return out, gates, torch.stack(hiddens, 1)
 
