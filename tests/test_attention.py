@@ -223,7 +223,9 @@ def test_blocks_with_a_bias_match_the_math_path(monkeypatch, case, broadcast):
     q, k, v, bias = (t.requires_grad_() for t in (q, k, v, bias))
     mask = bias
     if causal:
-        mask = bias.masked_fill(torch.ones(lq, lk, dtype=torch.bool).tril().logical_not(), -math.inf)
+        mask = bias.masked_fill(
+            torch.ones(lq, lk, dtype=torch.bool).tril().logical_not(), -math.inf
+        )
     ref = _math_sdpa(q, k, v, attn_mask=mask, scale=scale)
     g = torch.randn_like(ref)
     want = torch.autograd.grad(ref, (q, k, v, bias), g)

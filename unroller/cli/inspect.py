@@ -186,8 +186,13 @@ def ops() -> None:
             )
             for a in spec.args.values()
         )
-        inputs = "*inputs" if spec.variadic else ", ".join(
-            name if i < spec.required_inputs else f"[{name}]" for i, name in enumerate(spec.inputs)
+        inputs = (
+            "*inputs"
+            if spec.variadic
+            else ", ".join(
+                name if i < spec.required_inputs else f"[{name}]"
+                for i, name in enumerate(spec.inputs)
+            )
         )
         signature = ", ".join(part for part in (inputs, args) if part)
         out.append(f"{name}({signature})  -- {spec.doc}\n")

@@ -163,9 +163,7 @@ def _bias(t: Tensor, b: Block) -> Tensor:
     return t.narrow(2, b.first, b.rows).narrow(3, 0, b.keys)
 
 
-def _scores(
-    qs: Tensor, ks: Tensor, mask: Tensor | None, bias: Tensor | None = None
-) -> Tensor:
+def _scores(qs: Tensor, ks: Tensor, mask: Tensor | None, bias: Tensor | None = None) -> Tensor:
     """(q * a) @ (k * b)^T for one block, plus its bias (already the block's part) and its
     causal mask if any: the bias is added first, as F.scaled_dot_product_attention adds an
     attn_mask to the scaled scores."""

@@ -111,13 +111,6 @@ from unroller.runtime.common import (  # noqa: F401
 # sum and slice shadow the builtins here, so this module calls neither bare).
 # RMSNorm, the same on both platforms (see norms' doc).
 from unroller.runtime.norms import rmsnorm, rmsnorm_backward  # noqa: F401  (re-exported)
-# LSTM and GRU, unrolled through time, the same on both platforms (see recurrent's doc).
-from unroller.runtime.recurrent import (  # noqa: F401  (re-exported)
-    gru,
-    gru_backward,
-    lstm,
-    lstm_backward,
-)
 
 # Rotary position embeddings, the same on both platforms (see positions' doc).
 from unroller.runtime.positions import (  # noqa: F401  (re-exported)
@@ -125,6 +118,14 @@ from unroller.runtime.positions import (  # noqa: F401  (re-exported)
     relative_position_bias_backward,
     rotary,
     rotary_backward,
+)
+
+# LSTM and GRU, unrolled through time, the same on both platforms (see recurrent's doc).
+from unroller.runtime.recurrent import (  # noqa: F401  (re-exported)
+    gru,
+    gru_backward,
+    lstm,
+    lstm_backward,
 )
 from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__)
     expand,
