@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from unroller.graph import MAX_FLOAT
 from unroller.importer import aten_ops, masks, rotary
@@ -288,6 +287,9 @@ class _Mapper:
         if isinstance(value, torch.SymInt):
             if str(value) == str(self.batch):
                 return BATCH
+            # imported here: sympy (and what it imports) loads only once a capture needs it
+            from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
             if not is_concrete_int(value):  # 2*N: int() would give the example batch's 6
                 return "?" + re.sub(rf"\b{re.escape(str(self.batch))}\b", BATCH, str(value))
             try:
