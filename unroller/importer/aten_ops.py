@@ -727,21 +727,70 @@ def sdpa(view):
 class Recurrent:
     """The value of ``aten.lstm`` / ``aten.gru``: (output, h_n[, c_n]), taken apart by
     ``getitem`` (see ``torch_frontend``). The language's ``lstm`` / ``gru`` give the output
-    sequence only, so reading h_n or c_n is refused with the way to get them."""
+    sequence only: h_n becomes a ``FinalState`` whose last layer's entries are read from
+    it; c_n, which no output holds, is refused."""
 
-    def __init__(self, output: str, op: str, hidden: int) -> None:
+    def __init__(
+        self, output: str, op: str, hidden: int, layers: int, directions: int, length: int
+    ):
         self.output, self.op, self.hidden = output, op, hidden
+        self.layers, self.directions, self.length = layers, directions, length
 
-    def part(self, index: int) -> str:
+    def part(self, index: int):
         if index == 0:
             return self.output
-        what = "h_n" if index == 1 else "c_n"
+        if index == 1:
+            return FinalState(self)
         raise Refuse(
-            f"reads the final state {what} of nn.{self.op.upper()}: the language's {self.op} "
-            "gives the output sequence only; the last layer's h_n is its last step (out[:, -1] "
-            f"batch first; a reverse direction's is out[:, 0, {self.hidden}:]), and a lower "
-            "layer's that of a module of its own: use those instead"
+            f"reads the final cell state c_n of nn.{self.op.upper()}: the language's "
+            f"{self.op} gives the output sequence only, and c_n is in none of it; the last "
+            "layer's h_n imports (h_n[-1], read from the output)"
         )
+
+
+class FinalState:
+    """h_n of an nn.LSTM / nn.GRU, ``[layers * directions, N, H]`` (the batch second, which
+    the language cannot hold): an entry of the last layer is read from the output, the
+    forward direction's as its last step, the reverse one's as its first step's second
+    half; other reads (a lower layer's entry, h_n whole) are refused with the way out."""
+
+    def __init__(self, recurrent: Recurrent) -> None:
+        self.r = recurrent
+
+    def read(self, view) -> str:
+        r = self.r
+        a = view.a
+        count = r.layers * r.directions
+        if view.target == "aten.select.int" and int(a["dim"]) == 0:
+            index = int(a["index"]) % count
+        elif view.target in ("aten.squeeze.dim", "aten.squeeze.dims") and count == 1:
+            index = 0
+        else:
+            raise Refuse(
+                f"reads h_n of nn.{r.op.upper()} ([layers * directions, N, H], the batch "
+                "second) as a whole: the language keeps the batch first; read one entry, "
+                "h_n[-1] (the last layer's final state), which imports"
+            )
+        layer, direction = divmod(index, r.directions)
+        if layer != r.layers - 1:
+            raise Refuse(
+                f"reads h_n[{index}] of nn.{r.op.upper()}, the final state of layer {layer} "
+                f"of {r.layers}: the language's {r.op} gives the last layer's outputs only; "
+                "make that layer a module of its own and read its h_n[-1] (or its output)"
+            )
+        whole = (BATCH, r.directions * r.hidden)
+        step = view.m.add_stmt(
+            view.node,
+            "select",
+            [r.output],
+            None,
+            {"dim": 1, "index": r.length - 1 if direction == 0 else 0},
+            whole,
+        )
+        if r.directions == 1:
+            return step
+        half = {"start": 0, "end": r.hidden} if direction == 0 else {"start": r.hidden}
+        return view.stmt("slice", [step], dim=1, **half)
 
 
 @maps("aten.lstm.input", "aten.gru.input")
@@ -795,7 +844,9 @@ def recurrent(view):
         bias=bool(a["has_biases"]),
         bidirectional=bool(a["bidirectional"]),
     )
-    return Recurrent(out, op, hidden)
+    directions = 2 if a["bidirectional"] else 1
+    length = int(view.in_shape("input")[1])
+    return Recurrent(out, op, hidden, layers, directions, length)
 
 
 @maps("aten.lstm.data", "aten.gru.data")

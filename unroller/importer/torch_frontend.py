@@ -850,8 +850,17 @@ class _Mapper:
             self.values[node] = self._piece(node)
             return
         if target == "getitem" and isinstance(self.values.get(node.args[0]), aten_ops.Recurrent):
-            try:  # the output sequence; a final state is refused with the way to it
+            try:  # the output sequence, or h_n (read from it); c_n is refused
                 self.values[node] = self.values[node.args[0]].part(int(node.args[1]))
+            except Refuse as exc:
+                self._fail(node, target, str(exc))
+            return
+        states = [
+            n for n in node.all_input_nodes if isinstance(self.values.get(n), aten_ops.FinalState)
+        ]
+        if states:  # a read of h_n: its last layer's entries come from the output
+            try:
+                self.values[node] = self.values[states[0]].read(NodeView(self, node, target))
             except Refuse as exc:
                 self._fail(node, target, str(exc))
             return
