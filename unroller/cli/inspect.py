@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from unroller.api import load_graph, read_model_text
+from unroller.api import compression_config, load_graph, read_model_text
 from unroller.cli.errors import fail, model_error
 from unroller.cli.options import (
     DEFAULT_PLATFORM,
@@ -88,7 +88,7 @@ def graph(
         typer.echo(warning.format(str(model), g.source), err=True)
     try:
         plan = plan_stash(
-            g, options.compression(g), options.segment_pieces, options.segment_piece_size
+            g, compression_config(options, g), options.segment_pieces, options.segment_piece_size
         )
     except ModelError as exc:  # a segment the model does not have, or cannot recompute
         raise model_error(exc, model) from None
@@ -169,13 +169,39 @@ def lint(
     raise typer.Exit(0 if report.ok else 1)
 
 
-def ops() -> None:
+def ops(
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="The operator table of docs/language.md.")
+    ] = False,
+    update: Annotated[
+        Path | None,
+        typer.Option(
+            "--update",
+            help="Rewrite the operator section of this markdown file (docs/language.md).",
+        ),
+    ] = None,
+) -> None:
     """List the operators of the registry with their arguments.
 
     Example: unroll ops
     """
     from unroller.registry import load_registry
 
+    if markdown or update is not None:
+        from unroller.reference import operator_table, with_table
+
+        if update is None:
+            write_stdout(operator_table())
+            return
+        from unroller.api import write_atomic
+
+        try:
+            page = with_table(update.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise fail(f"{update}: {exc}") from None
+        write_atomic(update, page)
+        write_stdout(f"updated the operator section of {update}\n")
+        return
     out = []
     for name, spec in load_registry().items():
         args = ", ".join(

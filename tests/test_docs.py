@@ -1,0 +1,76 @@
+"""The documentation the repository owns stays true to the code.
+
+docs/language.md is the language's contract; its operator table is written from the
+registry (``unroll ops --update docs/language.md``), so a new operator, argument or default
+that is not in the page fails here with the command that fixes it.
+"""
+
+from __future__ import annotations
+
+from conftest import ROOT
+from typer.testing import CliRunner
+
+from unroller.cli import app
+from unroller.reference import BEGIN, END, operator_table, with_table
+from unroller.registry import load_registry
+
+LANGUAGE = ROOT / "docs" / "language.md"
+
+
+def test_the_operator_table_is_the_registrys():
+    page = LANGUAGE.read_text(encoding="utf-8")
+    assert with_table(page) == page, "run: unroll ops --update docs/language.md"
+
+
+def test_every_operator_and_argument_is_in_the_table():
+    table = operator_table()
+    for name, spec in load_registry().items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` |"))
+        for arg in spec.args:
+            assert f"`{arg}" in row, (name, arg)
+        for tensor in (*spec.params, *spec.buffers):
+            assert f"`{tensor.name}`" in row, (name, tensor.name)
+
+
+def test_optional_inputs_are_bracketed():
+    row = next(
+        line
+        for line in operator_table().splitlines()
+        if line.startswith("| `scaled_dot_product_attention` |")
+    )
+    assert "`q, k, v, [bias]`" in row
+
+
+def test_update_rewrites_only_the_marked_section(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(f"# Title\n\nbefore\n\n{BEGIN}\nstale\n{END}\n\nafter\n", encoding="utf-8")
+    result = CliRunner().invoke(app, ["ops", "--update", str(page)])
+    assert result.exit_code == 0, result.output
+    text = page.read_text(encoding="utf-8")
+    assert text.startswith("# Title\n\nbefore\n\n") and text.endswith(f"{END}\n\nafter\n")
+    assert "stale" not in text and "| `conv2d` |" in text
+    page.write_text("no markers here\n", encoding="utf-8")
+    result = CliRunner().invoke(app, ["ops", "--update", str(page)])
+    assert result.exit_code == 2 and "no operator section" in result.output
+    assert page.read_text(encoding="utf-8") == "no markers here\n"  # nothing lost
+
+
+def test_no_repository_text_links_outside_it():
+    """A clone has no ../shared: no tracked text file may point there or to an absolute
+    machine path."""
+    import subprocess
+
+    files = subprocess.run(
+        ["git", "ls-files", "*.md", "*.py", "*.txt", "*.toml", "*.j2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    bad = []
+    for name in files:
+        text = (ROOT / name).read_text(encoding="utf-8", errors="replace")
+        for needle in ("../shared", "/work/"):
+            if needle in text and name != "tests/test_docs.py":
+                bad.append(f"{name}: {needle}")
+    assert not bad, bad
