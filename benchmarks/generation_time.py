@@ -21,8 +21,8 @@ from pathlib import Path
 import black
 
 from unroller import codegen
-from unroller.api import graph_from_text
-from unroller.codegen import Options, render
+from unroller.api import graph_from_text, render_graph
+from unroller.codegen import Options
 
 OPS = (
     "relu({prev})",
@@ -69,7 +69,7 @@ def measure(statements: int, scheme: str) -> dict:
         graph = graph_from_text(text, "chain.txt")
         front = time.perf_counter() - start
         start = time.perf_counter()
-        source = render(graph, "chain.txt", Options(scheme=scheme))
+        source = render_graph(graph, "chain.txt", Options(scheme=scheme))
         emit_total = time.perf_counter() - start
     finally:
         codegen.black.format_str = original

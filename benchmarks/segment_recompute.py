@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from unroller.api import graph_from_text, write_atomic
+from unroller.api import compression_config, graph_from_text, write_atomic
 from unroller.bench.profiling import profile_step
 from unroller.bench.reference import BENCHMARKS
 from unroller.codegen import Options
@@ -91,7 +91,7 @@ def measure(name: str, batches: tuple[int, int], iterations: int, pieces: int = 
         seconds = statistics.median(times[label])
         predicted = None
         if options is not None:
-            config = options.compression(graph)
+            config = compression_config(options, graph)
             sims = [
                 simulate_graph(graph, config, b, segment_pieces=options.segment_pieces).peak_bytes
                 for b in batches

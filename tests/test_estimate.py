@@ -17,9 +17,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from unroller.api import graph_from_text, import_generated, write_atomic
+from unroller.api import graph_from_text, import_generated, render_graph, write_atomic
 from unroller.cli import app
-from unroller.codegen import Options, render
+from unroller.codegen import Options
 from unroller.estimate import (
     IpuSpec,
     estimate_gpu,
@@ -120,7 +120,7 @@ def _measured_total(graph, options: Options, batch: int) -> int:
     from unroller.bench.profiling import profile_step
     from unroller.verify import make_inputs
 
-    source = render(graph, "net.txt", options)
+    source = render_graph(graph, "net.txt", options)
     with tempfile.TemporaryDirectory() as folder:
         module = import_generated(write_atomic(Path(folder) / "m.py", source), "estimate_m")
     torch.manual_seed(0)

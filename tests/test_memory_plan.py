@@ -12,7 +12,7 @@ import tomllib
 import torch
 from typer.testing import CliRunner
 
-from unroller.api import graph_from_text, import_generated, write_atomic
+from unroller.api import graph_from_text, import_generated, render_graph, write_atomic
 from unroller.bench.profiling import profile_step
 from unroller.bench.reference import BENCHMARKS
 from unroller.cli import app
@@ -249,11 +249,11 @@ def test_tensor_rules_in_a_config_file(tmp_path):
 
 
 def test_auto_scheme_generates_a_planned_module():
-    first = render(_tiny(), "tiny.txt", Options(scheme="auto"))
+    first = render_graph(_tiny(), "tiny.txt", Options(scheme="auto"))
     assert '"scheme": "auto"' in first.splitlines()[0]
     assert "tensors by name" in first  # the docstring sums the plan up
     if SLOW:  # the same text gives the same file
-        assert render(_tiny(), "tiny.txt", Options(scheme="auto")) == first
+        assert render_graph(_tiny(), "tiny.txt", Options(scheme="auto")) == first
 
 
 runner = CliRunner()

@@ -30,6 +30,7 @@ from unroller.codegen import Options, render
 from unroller.errors import ModelError
 from unroller.graph import Graph, build_graph
 from unroller.parser import parse
+from unroller.schemes import CompressionConfig
 
 
 def source_label(path: str | Path) -> str:
@@ -250,18 +251,39 @@ def load_graph(path: str | Path, resolution: int | None = None) -> Graph:
     return graph_from_text(read_model_text(path), str(path), resolution)
 
 
+def compression_config(options: Options, graph: Graph | None = None) -> CompressionConfig:
+    """The resolved compression config of ``options`` for ``graph``: a built-in scheme or a
+    config file (``Options.compression``), or the ``auto`` scheme planned for the graph
+    (``plan.auto_config``: one probe step of the uncompressed module). Resolving happens
+    here, in the library layer, so that ``codegen.render`` stays a pure function and the
+    code generator never imports the planner (which imports verify, which generates)."""
+    if not options.planned:
+        return options.compression(graph)
+    if graph is None:
+        raise ValueError("the auto scheme is planned per model: pass the graph")
+    from unroller.plan import auto_config
+
+    return options.with_flags(auto_config(graph, segments=options.recompute_segments))
+
+
+def render_graph(graph: Graph, label: str, options: Options | None = None) -> str:
+    """``codegen.render`` of ``graph`` with the config ``options`` resolve to for it."""
+    options = options or Options()
+    return render(graph, label, options, compression_config(options, graph))
+
+
 def generate_source(
     path: str | Path, options: Options | None = None, label: str | None = None
 ) -> str:
     """The generated module for the model file at ``path``."""
     options = options or Options()
     graph = load_graph(path, options.resolution)
-    return render(graph, label or source_label(path), options)
+    return render_graph(graph, label or source_label(path), options)
 
 
 def generate_from_text(source: str, options: Options | None = None, label: str = "<string>") -> str:
     options = options or Options()
-    return render(graph_from_text(source, label, options.resolution), label, options)
+    return render_graph(graph_from_text(source, label, options.resolution), label, options)
 
 
 def write_atomic(

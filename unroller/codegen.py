@@ -174,27 +174,37 @@ class Options:
             extra={k: v for k, v in header.items() if k not in known},
         )
 
+    @property
+    def planned(self) -> bool:
+        """Does the ``auto`` scheme plan the config per model (``plan.auto_config``)?"""
+        return self.scheme == AUTO and self.compress_config is None and self.opt_level == 1
+
     def compression(self, graph: Graph | None = None) -> CompressionConfig:
-        """The compression config; the ``auto`` scheme plans it for ``graph``."""
-        planned = self.scheme == AUTO and self.compress_config is None and self.opt_level == 1
-        if SEGMENT_AUTO in self.recompute_segments and not planned:
+        """The compression config of a built-in scheme or config file, with ``recompute``
+        and the named segments folded in. The ``auto`` scheme is planned per model by the
+        library layer (``unroller.api.compression_config``), never here: generation stays a
+        pure function of the graph and a resolved config, and codegen never imports the
+        planner. ``graph`` is accepted (and unused) so callers can resolve any scheme alike.
+        """
+        if self.planned:
+            raise ConfigError(
+                "the auto scheme is planned per model: "
+                "unroller.api.compression_config(options, graph)"
+            )
+        if SEGMENT_AUTO in self.recompute_segments:
             raise ConfigError(
                 "--recompute-segments auto is the planner's choice: it needs --scheme auto "
                 "(or unroll plan); otherwise name the block instances, or give 'blocks'"
             )
-        if planned:
-            if graph is None:
-                raise ValueError("the auto scheme is planned per model: pass the graph")
-            from unroller.plan import auto_config
-
-            config = auto_config(graph, segments=self.recompute_segments)
-        else:
-            config = resolve(self.scheme, self.compress_config, self.opt_level)
-        if self.recompute and not config.recompute:
-            config = dataclasses.replace(config, recompute=True)
+        config = self.with_flags(resolve(self.scheme, self.compress_config, self.opt_level))
         extra = tuple(s for s in self.recompute_segments if s not in config.segments)
-        if extra and not planned:
-            config = dataclasses.replace(config, segments=config.segments + extra)
+        return dataclasses.replace(config, segments=config.segments + extra) if extra else config
+
+    def with_flags(self, config: CompressionConfig) -> CompressionConfig:
+        """``config`` with ``--recompute`` applied: a planned config gets it too (its
+        segments are the planner's, so named segments are folded in by ``compression``)."""
+        if self.recompute and not config.recompute:
+            return dataclasses.replace(config, recompute=True)
         return config
 
 
@@ -1416,19 +1426,18 @@ def header_comment(
     return HEADER_TAG + json.dumps(meta, sort_keys=False)
 
 
-def render(
-    graph: Graph, source_path: str, options: Options, config: CompressionConfig | None = None
-) -> str:
+def render(graph: Graph, source_path: str, options: Options, config: CompressionConfig) -> str:
     """The complete generated module, formatted, with header and checksum.
 
-    ``config`` overrides the compression config the options name (tests use it to feed
-    configs that no loader would accept, to check the emitter on its own).
+    A pure function of its arguments: ``config`` is already resolved (a config file read,
+    the ``auto`` scheme planned: ``unroller.api.compression_config``), so rendering never
+    runs a model, reads a file or imports the planner. ``options`` says the platform,
+    pipeline and what the header records (tests pass configs no loader would accept, to
+    check the emitter on its own).
     """
     target = get_platform(options.platform)
     if options.scheme not in SCHEMES:
         raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
-    if config is None:
-        config = options.compression(graph)
     if options.segment_pieces < 1 or options.segment_piece_size < 0:
         raise ValueError("--segment-pieces must be at least 1, --segment-piece-size at least 0")
     if options.segment_pieces != 1 and options.segment_piece_size:

@@ -32,6 +32,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from unroller.api import compression_config
 from unroller.codegen import Options
 from unroller.dtypes import DTYPE_BYTES
 from unroller.graph import Graph, Node
@@ -186,7 +187,7 @@ def estimate_ipu(
     """Memory per IPU and time of one step of ``micro_batch`` samples per micro-batch; with
     ``ipus`` > 1, ``micro_batches`` (at least ``ipus``) go through the pipeline per step."""
     spec = spec or IpuSpec()
-    config = options.compression(graph)
+    config = compression_config(options, graph)
     plan = plan_stash(graph, config)
     pipeline = split(graph, plan, ipus, list(options.stage_starts) or None)
     report = ipu_report(graph, plan, pipeline, micro_batch)
@@ -352,7 +353,7 @@ def estimate_gpu(
     and the memory model's step peak (activations, stash, gradients, ``.grad``). Searched
     up to ``limit`` (default ``SEARCH_CEILING``); reaching it sets ``max_batch_at_least``."""
     limit = SEARCH_CEILING if limit is None else limit
-    config = options.compression(graph)
+    config = compression_config(options, graph)
     # a tied parameter is one tensor (counted once); a frozen one has no optimizer state
     params = sum(
         p.nbytes() for n in graph.nodes for p in n.params if p.present and p.name not in n.ties

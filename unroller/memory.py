@@ -374,12 +374,12 @@ def simulate_graph(
 
 def simulate(text: str, options: Options, batch_size: int, label: str = "<model>") -> Simulation:
     """``simulate_graph`` of a model text under ``options`` (its scheme, resolution)."""
-    from unroller.api import graph_from_text
+    from unroller.api import compression_config, graph_from_text
 
     graph = graph_from_text(text, label, options.resolution)
     return simulate_graph(
         graph,
-        options.compression(graph),
+        compression_config(options, graph),
         batch_size,
         options.platform,
         segment_pieces=options.segment_pieces,

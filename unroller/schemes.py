@@ -243,8 +243,8 @@ def builtin(scheme: str) -> CompressionConfig:
         return CompressionConfig(default=make_codec("quant", {"bits": 8}), derivatives=True)
     if scheme == AUTO:
         raise ConfigError(
-            "the auto scheme is planned per model: Options.compression(graph) or "
-            "unroller.plan.auto_config(graph)"
+            "the auto scheme is planned per model: "
+            "unroller.api.compression_config(options, graph) or unroller.plan.auto_config(graph)"
         )
     raise ConfigError(f"unknown scheme '{scheme}' (known: {', '.join(SCHEMES)})")
 

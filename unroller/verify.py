@@ -501,7 +501,8 @@ def generated_class(graph: Graph, label: str, config: CompressionConfig | None =
     """The gpu ``Model`` for ``graph`` (nocompress, or under ``config``), written to a
     temporary folder and imported (the module leaves sys.modules again: the class keeps
     what it needs)."""
-    source = render(graph, label, Options(platform="gpu", scheme="nocompress"), config=config)
+    options = Options(platform="gpu", scheme="nocompress")
+    source = render(graph, label, options, config if config is not None else options.compression())
     with tempfile.TemporaryDirectory(prefix="unroller-verify-") as folder:
         path = write_atomic(Path(folder) / "verified_model.py", source)
         name = f"unroller_verify_{abs(hash(str(path)))}"

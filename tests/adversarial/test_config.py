@@ -27,9 +27,9 @@ import tomllib
 from conftest import time_limit as shared_time_limit
 from typer.testing import CliRunner
 
-from unroller.api import load_graph
+from unroller.api import load_graph, render_graph
 from unroller.cli import app
-from unroller.codegen import Options, render
+from unroller.codegen import Options
 from unroller.compress.dct import Dct
 from unroller.errors import ConfigError
 from unroller.schemes import _Locator, load_config
@@ -580,7 +580,9 @@ def module_shape(source: str) -> list[str]:
 def test_fuzzed_configs_are_refused_cleanly_or_generate_valid_code(tmp_path):
     graph = load_graph(MODEL)
     clean_path = write(tmp_path, CLEAN, "clean.toml")
-    clean = module_shape(render(graph, "tiny_resnet.txt", Options(compress_config=str(clean_path))))
+    clean = module_shape(
+        render_graph(graph, "tiny_resnet.txt", Options(compress_config=str(clean_path)))
+    )
     rng = random.Random(20240531)
     generated: dict[tuple, list[str]] = {}  # configs that differ only in text share a module
     outcomes = {"refused": 0, "accepted": 0}
@@ -619,7 +621,7 @@ def test_fuzzed_configs_are_refused_cleanly_or_generate_valid_code(tmp_path):
             config.masks,
         )
         if key not in generated:
-            source = render(graph, "tiny_resnet.txt", Options(compress_config=str(path)))
+            source = render_graph(graph, "tiny_resnet.txt", Options(compress_config=str(path)))
             generated[key] = module_shape(source)
         assert generated[key] == clean, (data, generated[key])
     # the generator explores both sides: neither outcome may be (nearly) absent

@@ -37,8 +37,8 @@ import torch
 from conftest import time_limit
 
 from unroller import codegen
-from unroller.api import at_resolution, import_generated, write_atomic
-from unroller.codegen import Options, render
+from unroller.api import at_resolution, import_generated, render_graph, write_atomic
+from unroller.codegen import Options
 from unroller.errors import ModelError
 from unroller.graph import build_graph
 from unroller.parser import parse, read_source
@@ -507,7 +507,7 @@ def check_mutant(
             except ModelError:
                 resolution = None
         options = Options(resolution=resolution)
-        source = render(graph, FILE, options)
+        source = render_graph(graph, FILE, options)
     except ModelError as exc:
         formatted = exc.format(FILE, mutant.text or "")
         if exc.loc is None or not ERROR_LINE.match(formatted):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from unroller import codegen, safe
-from unroller.api import generate_source, graph_from_text
+from unroller.api import generate_source, graph_from_text, render_graph
 from unroller.codegen import Options, read_header, render
 from unroller.schemes import CompressionConfig, Rule, make_codec
 
@@ -115,8 +115,8 @@ def test_model_comments_and_layout_never_reach_code(graph):
     )
     # a statement over several lines, with a comment inside the call
     hostile = hostile.replace("r = relu(bn1)", 'r = relu(\n    # """ import os\n    bn1  # \\\n)')
-    text = render(graph_from_text(hostile, "tiny.txt"), "tiny.txt", Options())
-    assert _shape(text) == _shape(render(graph, "tiny.txt", Options()))
+    text = render_graph(graph_from_text(hostile, "tiny.txt"), "tiny.txt", Options())
+    assert _shape(text) == _shape(render_graph(graph, "tiny.txt", Options()))
     assert "import os" not in text
 
 
@@ -126,7 +126,7 @@ def test_the_template_refuses_unvetted_text(graph, monkeypatch):
 
     monkeypatch.setattr(codegen, "layer_lines", raw_layers)
     with pytest.raises(safe.UnsafeText, match="unvetted text"):
-        render(graph, "tiny.txt", Options())
+        render_graph(graph, "tiny.txt", Options())
 
 
 @pytest.mark.parametrize(

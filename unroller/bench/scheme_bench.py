@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from unroller.api import load_graph, load_model_class
+from unroller.api import compression_config, load_graph, load_model_class
 from unroller.bench.profiling import SEED_OP, backward_marker, profile_step
 from unroller.bench.reference import Benchmark
 from unroller.bench.stashed import same_activations
@@ -43,7 +43,7 @@ def plan_figures(path: Path, scheme: str, batch: int) -> dict[str, Any]:
     """The stash plan the code was generated from: totals, the 1-bit mask bytes per key, and
     every stored form that is not raw (key, kind, compressor, full shape, dtype)."""
     graph = load_graph(path)
-    plan = plan_stash(graph, Options(scheme=scheme).compression(graph))
+    plan = plan_stash(graph, compression_config(Options(scheme=scheme), graph))
     report = plan.report(batch)
     masks: dict[str, int] = {}
     codec_keys = []
