@@ -229,6 +229,12 @@ def _split_batch(value: Var, segment: Segment) -> CallExpr:
     return CallExpr(Attr(value, "tensor_split"), (Const(segment.pieces),))
 
 
+StepObserver = Callable[[Step, Node], None]
+"""Told of each step the emitter makes for a node, with that node: the memory model reads
+which statement belongs to which op (its kernel's working memory) without the emitter
+knowing about it, and without replacing the emitter's methods."""
+
+
 class Emitter:
     """Builds the step program (``ir.Step``) of one graph for one platform and pipeline."""
 
@@ -240,8 +246,10 @@ class Emitter:
         pipeline: Pipeline | None = None,
         data_parallel: bool = False,
         bucket_bytes: int | None = None,
+        observer: StepObserver | None = None,
     ):
         self.graph = graph
+        self.observer = observer
         self.data_parallel = data_parallel
         self.bucket_bytes = bucket_bytes or BUCKET_BYTES
         self.node_named = {node.name: node for node in graph.nodes}
@@ -366,7 +374,7 @@ class Emitter:
         if op.extras and not evaluating:
             kept = {a.entry for a in node.saved if a.kind == "extra"} if not eval_mode else set()
             targets += [self.extra(node, e.name) if e.name in kept else None for e in node.extras]
-        return Step(
+        step = Step(
             "forward",
             [Assign(tuple(targets), call)],
             comment=node.text,
@@ -374,6 +382,7 @@ class Emitter:
             local_comment=node.local_text,
             stage=self.stage(node),
         )
+        return self.observed(node, step)
 
     # -- backward ------------------------------------------------------------------------
 
@@ -465,7 +474,7 @@ class Emitter:
         statements += sums
         for owner, grads in param_grads.items():
             statements.append(Do(self.param_grads(owner, tuple(grads), op.fresh_param_grads)))
-        return Step(
+        step = Step(
             "backward",
             statements,
             comment=node.text,
@@ -473,6 +482,7 @@ class Emitter:
             local_comment=node.local_text,
             stage=self.stage(node),
         )
+        return self.observed(node, step)
 
     def consumable(self, node: Node) -> bool:
         """May the backward overwrite its saved extras named in ``backward_consumes``? Each
@@ -684,7 +694,15 @@ class Emitter:
         return str(self.private_count)
 
     def recompute_step(self, producer: Node, step: Step) -> Step:
-        """Hook for the memory model (which step remakes which node's output)."""
+        """``step``, which remakes ``producer``'s output in the backward, told to the
+        observer."""
+        return self.observed(producer, step)
+
+    def observed(self, node: Node, step: Step) -> Step:
+        """``step``, made for ``node`` (its forward, its backward, or a recompute of its
+        output), told to the observer (``StepObserver``) if there is one."""
+        if self.observer is not None:
+            self.observer(step, node)
         return step
 
     def _input(self, name: str) -> Value:

@@ -347,27 +347,12 @@ def simulate_graph(
     may pick another algorithm with other scratch buffers); 0 and 2 bracket what another
     machine can measure. Codec transients are measured on the running machine already."""
     plan = plan_stash(graph, config, segment_pieces, segment_piece_size)
-    emitter = Emitter(graph, plan, get_platform(platform))
-    made: dict[int, Node] = {}
-    forward_step, backward_step = emitter.forward_step, emitter.backward_step
-    recompute_step = emitter.recompute_step
+    made: dict[int, Node] = {}  # id(step) -> the node it runs, remakes or differentiates
 
-    def on_forward(node: Node, eval_mode: bool = False) -> Step:
-        step = forward_step(node, eval_mode)
+    def observe(step: Step, node: Node) -> None:
         made[id(step)] = node
-        return step
 
-    def on_backward(node: Node, owned: dict[int, bool], pieces: bool = False) -> Step:
-        step = backward_step(node, owned, pieces)
-        made[id(step)] = node
-        return step
-
-    def on_recompute(producer: Node, step: Step) -> Step:
-        made[id(step)] = producer
-        return recompute_step(producer, step)
-
-    emitter.forward_step, emitter.backward_step = on_forward, on_backward  # type: ignore
-    emitter.recompute_step = on_recompute  # type: ignore
+    emitter = Emitter(graph, plan, get_platform(platform), observer=observe)
     steps = emitter.training_steps()
     return _run(steps, made, emitter, plan, batch_size, kernel_scale)
 
