@@ -74,3 +74,28 @@ def test_no_repository_text_links_outside_it():
             if needle in text and name != "tests/test_docs.py":
                 bad.append(f"{name}: {needle}")
     assert not bad, bad
+
+
+def test_result_tables_in_the_docs_are_the_results_files():
+    """Measured tables are included from benchmarks/results (python -m benchmarks.doc_tables),
+    never pasted: every page's includes equal the files now."""
+    from benchmarks.doc_tables import fill, pages
+
+    stale = [p.name for p in pages() if fill(p.read_text(encoding="utf-8")) != p.read_text()]
+    assert not stale, f"run: python -m benchmarks.doc_tables ({stale})"
+
+
+def test_an_include_copies_its_file_and_refuses_other_paths():
+    import pytest
+
+    from benchmarks.doc_tables import END, fill
+
+    page = (
+        '<!-- include: benchmarks/results/compress_bench.md start="|" -->\nSTALE TEXT\n'
+        + END
+        + "\n"
+    )
+    filled = fill(page)
+    assert "STALE TEXT" not in filled and filled.count("|") > 4
+    with pytest.raises(ValueError, match="only files under benchmarks/results"):
+        fill("<!-- include: pyproject.toml -->\nx\n" + END)
