@@ -99,3 +99,39 @@ def test_an_include_copies_its_file_and_refuses_other_paths():
     assert "STALE TEXT" not in filled and filled.count("|") > 4
     with pytest.raises(ValueError, match="only files under benchmarks/results"):
         fill("<!-- include: pyproject.toml -->\nx\n" + END)
+
+
+def test_headline_reads_the_slopes_of_a_run(tmp_path):
+    """benchmarks.headline: per network, autograd's MiB per sample and how many times less
+    the best of ours keeps within the time limit, checkpointing and hooks at any time."""
+    import json
+
+    from benchmarks.headline import headline
+
+    def run(kind, method, slope, time):
+        return {
+            "type": "run",
+            "benchmark": "net",
+            "kind": kind,
+            "method": method,
+            "time_ratio": {"median": time},
+            "per_sample": {"batches": [4, 8], "bytes_per_sample": slope * 2**20},
+        }
+
+    rows = [
+        {"type": "meta", "command": "python -m benchmarks.run X", "cpu_count": 2},
+        run("autograd", "autograd", 8.0, 1.0),
+        run("ours", "ours:quant", 2.0, 1.2),
+        run("ours", "ours:tiny-but-slow", 0.5, 2.0),  # past the time limit: not the best
+        run("checkpoint", "checkpoint", 4.0, 1.5),
+        run("hooks", "hooks:quant", 3.2, 1.1),
+    ]
+    path = tmp_path / "bench.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    table = headline(path)
+    row = next(line for line in table.splitlines() if line.startswith("| net |"))
+    assert "| 8.000 |" in row
+    assert "4.0x less at 1.20x time (`ours:quant`)" in row
+    assert "2.0x less at 1.50x time (`checkpoint`)" in row
+    assert "2.5x less at 1.10x time (`hooks:quant`)" in row
+    assert "python -m benchmarks.run X" in table
