@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +47,7 @@ import torch
 from unroller.estimate import forward_flops
 from unroller.graph import Graph, Node
 from unroller.memory import Simulation, packed_bytes, simulate_graph
+from unroller.runtime.common import observe_stash
 from unroller.schemes import Codec, CompressionConfig, Rule, make_codec
 from unroller.stash import (
     SEGMENT_AUTO,
@@ -165,31 +165,14 @@ class Probe:
     source: str  # where the batch came from, for the report
 
 
-@contextmanager
-def _capturing(found: dict[str, torch.Tensor]):
-    """Record every tensor the generated step logs as kept for backward, by full name."""
-    import unroller.runtime.gpu as kernels
+def _capture(found: dict[str, torch.Tensor]):
+    """A stash observer (``runtime.common.observe_stash``) recording a copy of every tensor
+    the generated step keeps for backward, by full name, as the forward made it."""
 
-    stash, stash_raw = kernels.stash, kernels.stash_raw
+    def on_stash(key: str, tensor: torch.Tensor) -> None:
+        found[key] = tensor.detach().clone()
 
-    def full(log: Any, key: str) -> str:
-        prefix = getattr(log, "prefix", "")
-        return f"{prefix}.{key}" if prefix else key
-
-    def on_stash(log, key, raw, *forms):
-        found[full(log, key)] = raw.detach().clone()
-        return stash(log, key, raw, *forms)
-
-    def on_stash_raw(log, tensors):
-        for key, t in tensors.items():
-            found[full(log, key)] = t.detach().clone()
-        return stash_raw(log, tensors)
-
-    kernels.stash, kernels.stash_raw = on_stash, on_stash_raw
-    try:
-        yield
-    finally:
-        kernels.stash, kernels.stash_raw = stash, stash_raw
+    return on_stash
 
 
 def run_probe(
@@ -216,7 +199,7 @@ def run_probe(
         model.load_state_dict(state, strict=True)
     model.train()
     tensors: dict[str, torch.Tensor] = {}
-    with _capturing(tensors):
+    with observe_stash(_capture(tensors)):
         model(*batch)
     grads = {
         name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None

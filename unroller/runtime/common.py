@@ -33,7 +33,7 @@ import contextlib
 import inspect
 import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -762,9 +762,14 @@ def _check_input(name: str, value: object, dtype: str, dims: tuple[int, ...]) ->
 
 class StashLog(list):
     """The rows ``stash``/``stash_raw`` record in one step; ``within(prefix)`` is the view a
-    block function writes through, so its rows carry the instance's full names."""
+    block function writes through, so its rows carry the instance's full names.
+
+    ``observer``, when set, is told of each kept tensor as the forward made it (its full
+    name and the raw tensor, before compression): the planner's probe reads the saved
+    tensors this way (``observe_stash``) instead of replacing ``stash``."""
 
     prefix = ""
+    observer: StashObserver | None = None
 
     def within(self, prefix: str) -> StashLog:
         view = _ScopedLog()
@@ -772,23 +777,47 @@ class StashLog(list):
         view.prefix = f"{self.prefix}.{prefix}" if self.prefix else prefix
         return view
 
-    def add(self, key: str, row: tuple) -> None:
+    def add(self, key: str, row: tuple, tensor: Tensor | None = None) -> None:
         full = f"{self.prefix}.{key}" if self.prefix else key
-        getattr(self, "root", self).append((full, *row))
+        root = getattr(self, "root", self)
+        root.append((full, *row))
+        if root.observer is not None and tensor is not None:
+            root.observer(full, tensor)
 
 
 class _ScopedLog(StashLog):
     root: StashLog
 
 
-def stash_log() -> StashLog:
-    """An empty log for one step (``model.stash_log``; ``stash_report`` reads it)."""
-    return StashLog()
+StashObserver = Callable[[str, Tensor], None]
+"""Told of one kept tensor: its full name and the raw tensor the forward made."""
+
+_OBSERVING = threading.local()  # .observer: what the logs made meanwhile tell (observe_stash)
 
 
-def _log_row(log: list, key: str, row: tuple) -> None:
+def stash_log(observer: StashObserver | None = None) -> StashLog:
+    """An empty log for one step (``model.stash_log``; ``stash_report`` reads it), telling
+    ``observer`` of each kept tensor: by default the one ``observe_stash`` set, if any."""
+    log = StashLog()
+    log.observer = observer or getattr(_OBSERVING, "observer", None)
+    return log
+
+
+@contextlib.contextmanager
+def observe_stash(observer: StashObserver):
+    """Within the block, every step's log (``stash_log``, which generated steps call at
+    their start) tells ``observer`` of each tensor kept for backward, in this thread."""
+    previous = getattr(_OBSERVING, "observer", None)
+    _OBSERVING.observer = observer
+    try:
+        yield
+    finally:
+        _OBSERVING.observer = previous
+
+
+def _log_row(log: list, key: str, row: tuple, tensor: Tensor | None = None) -> None:
     if isinstance(log, StashLog):
-        log.add(key, row)
+        log.add(key, row, tensor)
     else:  # a plain list (older callers)
         log.append((key, *row))
 
@@ -809,14 +838,14 @@ def stash(log: list, key: str, raw: Tensor, *forms: tuple) -> None:
     (``(compressor, packed tensors)`` pairs)."""
     stored = sum(t.numel() * t.element_size() for _, packed in forms for t in packed)
     label = " + ".join(_label(codec) for codec, _ in forms)
-    _log_row(log, key, (label, tuple(raw.shape), raw.numel() * raw.element_size(), stored))
+    _log_row(log, key, (label, tuple(raw.shape), raw.numel() * raw.element_size(), stored), raw)
 
 
 def stash_raw(log: list, tensors: dict[str, Tensor]) -> None:
     """Record the tensors kept as they are."""
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        _log_row(log, key, ("raw", tuple(t.shape), nbytes, nbytes))
+        _log_row(log, key, ("raw", tuple(t.shape), nbytes, nbytes), t)
 
 
 def stash_report(log: list) -> dict:
