@@ -264,7 +264,7 @@ def _transient(call) -> int:
     """The most bytes a call holds beyond what it still holds when it returns."""
     from torch.profiler import ProfilerActivity, profile
 
-    from unroller.bench.profiling import allocation_trace
+    from unroller.allocations import allocation_trace
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         kept = call()

@@ -4,7 +4,8 @@ The CPU allocator keeps no peak counter like CUDA's ``max_memory_allocated``, so
 step runs under ``torch.profiler`` with ``profile_memory=True`` and its allocation and
 free events are summed in time order. A marker (the first event of a named op) says
 when the backward pass begins, which gives the bytes alive at that moment: what a step
-really keeps for backward, next to what it says it keeps.
+really keeps for backward, next to what it says it keeps. The events are read by
+``unroller.allocations.allocation_trace`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -15,33 +16,22 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
 
+from unroller.allocations import allocation_trace
+
 BACKWARD_MARK = "unroller.bench::autograd_backward"  # record_function around loss.backward()
 SEED_OP = "aten::ones_like"  # the generated step's seed gradient: torch.ones_like(loss)
 STEP_MARK = "unroller.bench::step"  # record_function around a whole step (timeline)
 
-
-def allocation_trace(prof: profile) -> tuple[list[tuple[int, int]], dict[str, int]]:
-    """(time_ns, signed bytes) of every CPU allocation event in time order, and the first
-    start time of each op name."""
-    from torch._C._profiler import _EventType
-
-    allocs: list[tuple[int, int]] = []
-    first_start: dict[str, int] = {}
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.tag == _EventType.Allocation:
-            fields = event.extra_fields
-            if fields.device.type == "cpu":
-                allocs.append((event.start_time_ns, int(fields.alloc_size)))
-        else:
-            name = event.name
-            t = event.start_time_ns
-            if name not in first_start or t < first_start[name]:
-                first_start[name] = t
-        stack.extend(event.children)
-    allocs.sort(key=lambda a: a[0])
-    return allocs, first_start
+__all__ = [
+    "BACKWARD_MARK",
+    "SEED_OP",
+    "STEP_MARK",
+    "allocation_trace",
+    "backward_marker",
+    "first_backward_op",
+    "profile_step",
+    "span_of",
+]
 
 
 def span_of(prof: profile, name: str) -> tuple[int, int] | None:
