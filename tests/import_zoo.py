@@ -1561,6 +1561,26 @@ def hf_phi(attn_implementation: str = "sdpa") -> nn.Module:
     return PhiForCausalLM(config)
 
 
+def hf_opt(attn_implementation: str = "sdpa") -> nn.Module:
+    """``transformers.OPTForCausalLM`` from a 2-layer config with its defaults (dropout 0.1,
+    learned positions offset by 2, a tied head, the MLP run on the tokens flattened to rows
+    ``[N*L, E]`` and viewed back)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=64,
+        max_position_embeddings=32,
+        word_embed_proj_dim=32,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
+    return OPTForCausalLM(config)
+
+
 def hf_gemma(attn_implementation: str = "sdpa") -> nn.Module:
     """``transformers.GemmaForCausalLM`` from a 2-layer config with its defaults (RMSNorm
     times 1 + weight, the embedding scaled by sqrt(hidden), tanh GELU gates, multi-query
@@ -1688,6 +1708,7 @@ ZOO: dict[str, tuple[Callable[..., nn.Module], dict[str, Any], Callable[[int], T
     "hf_gpt_neox": (hf_gpt_neox, {}, _tokens()),
     "hf_phi": (hf_phi, {}, _tokens()),
     "hf_gemma": (hf_gemma, {}, _tokens()),
+    "hf_opt": (hf_opt, {}, _tokens()),
     "efficientnet_b0": (efficientnet_b0, {"width_mult": 0.1, "depth_mult": 0.5}, _images()),
     "convnext_tiny": (
         convnext_tiny,

@@ -501,6 +501,10 @@ def cat(view):
 @maps("aten.flatten.using_ints")
 def flatten(view):
     a = view.a
+    if tuple(view.in_shape("input")) == tuple(view.out_shape()):  # a merge imported unmerged
+        return view.alias("input")
+    if view.node in view.m.merged.refused:  # batch_merge says why
+        raise Refuse(view.m.merged.refused[view.node])
     rank = len(view.in_shape("input"))
     start = _dim(view, int(a["start_dim"]), rank, "flattening from dim")
     end = int(a["end_dim"]) % rank
@@ -522,9 +526,9 @@ def reshape(view):
     source = view.in_shape(0)
     out = view.out_shape()
     if not out or out[0] != BATCH or not source or source[0] != BATCH:
-        raise Refuse(
-            f"reshaping {shape_text(source)} to {shape_text(out)} moves or merges the batch dim"
-        )
+        said = f"reshaping {shape_text(source)} to {shape_text(out)} moves or merges the batch dim"
+        # batch_merge says why the rows it merges are refused
+        raise Refuse(view.m.merged.refused.get(view.node, said))
     if tuple(source) == tuple(out):
         return view.alias(0)
     if len(out) == 1:  # [N, 1, ...] -> [N]: reshape keeps a dim after N, select drops one

@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from unroller.graph import MAX_FLOAT
-from unroller.importer import aten_ops, masks, rotary
+from unroller.importer import aten_ops, batch_merge, masks, rotary
 from unroller.importer.aten_ops import Refuse
 from unroller.importer.hf_norms import is_hf_rmsnorm, rmsnorm_kwargs
 from unroller.importer.model import (
@@ -215,6 +215,7 @@ class _Mapper:
         self.user_inputs: dict[str, str] = {}  # placeholder -> model input name
         self._read_signature()
         self.batch = self._batch_symbol()
+        self.merged = batch_merge.Merged()  # rows merged with the batch (batch_merge.find)
         self.values: dict[fx.Node, str] = {}  # node -> value name in the model text
         self.stmts: list[Stmt] = []
         self.names: set[str] = set(t.name for t in self.inputs)
@@ -253,6 +254,7 @@ class _Mapper:
         self._absorb_masked_biases()
         self.stochastic = self._stochastic_depth_sites()
         self.stochastic_told: set[int] = set()
+        self.merged = batch_merge.find(self, _target_name)
 
     # ---- the graph's signature: which placeholder is what
 
@@ -302,6 +304,8 @@ class _Mapper:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if not isinstance(val, torch.Tensor):
             raise Refuse(f"{getattr(node, 'name', node)} is not a tensor")
+        if node in self.merged.shapes:  # rows merged with the batch, imported unmerged
+            return self.merged.shapes[node]
         return tuple(self.dim(d) for d in val.shape)
 
     # ---- module paths
@@ -1279,6 +1283,8 @@ class NodeView:
         self.node = node
         self.target = target
         self.a = schema_arguments(node)
+        if node in mapper.merged.lead:  # dims counted on the unmerged shape
+            self.a = batch_merge.unmerge_dims(self.a, mapper.merged.lead[node])
         self.keys = list(self.a)
         for one, other in (("self", "input"), ("input", "self")):
             if one in self.a and other not in self.a:  # mappers may say either
