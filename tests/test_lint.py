@@ -7,8 +7,8 @@ Fixtures are small modules written to tmp dirs; a temporary directory stands in 
 
 from __future__ import annotations
 
+import ast
 import functools
-import json
 import textwrap
 from pathlib import Path
 
@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unroller import lint
+import unroller
 from unroller.lint import LintReport, lint_module, lint_paths, supported_ops
+from unroller.lint import supported as lint_supported
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPRESS = ROOT / "unroller" / "compress"
@@ -77,7 +78,7 @@ def test_every_listed_name_exists_in_torch():
 
 def test_nn_modules_map_to_listed_functionals_and_restrictions_name_listed_calls():
     ops = supported_ops("ipu")
-    table = lint.tomllib.loads((ROOT / "unroller" / "ipu_supported.toml").read_text())
+    table = lint_supported.tomllib.loads((ROOT / "unroller" / "ipu_supported.toml").read_text())
     for module, fn in table["nn"].items():
         assert module in ops.listed["module"]
         assert fn == "" or fn in ops.listed["functional"], (module, fn)
@@ -235,7 +236,6 @@ def test_each_forbidden_form_is_reported_at_its_place(tmp_path):
     ) in lines
     assert "gen/model.py:5:19: error: torch.ops.aten is not supported on the IPU" in text
     assert lines[-1] == f"{len(report.torch_calls)} torch calls in 1 files, 11 not supported"
-    json.dumps(report.to_dict())  # JSON-ready
 
 
 ALIASES = """\
@@ -487,7 +487,7 @@ def test_default_roots_follow_the_installed_unroller_package(tmp_path):
     report = lint_source(
         tmp_path, "import unroller.runtime.gpu as K\nfrom unroller import compress as C\n"
     )
-    pkg = Path(lint.__file__).resolve().parent
+    pkg = Path(unroller.__file__).resolve().parent
     assert pkg / "runtime" / "gpu.py" in report.files
     assert pkg / "compress" / "dct.py" in report.files
     assert any(c.kind == "aten" and c.file.name == "gpu.py" for c in report.errors)
@@ -647,3 +647,33 @@ def test_real_compress_modules_report_no_new_kind_of_error():
 def test_real_compress_modules_lint_clean():
     report = lint_paths([COMPRESS])
     assert report.ok, report.format()
+
+
+def test_no_function_of_the_lint_package_is_over_80_lines():
+    """Each module of unroller/lint/ has one job and each function one step of it: a function
+    that grows past 80 lines (decorators included) is to be split, not extended."""
+    pkg = ROOT / "unroller" / "lint"
+    long = []
+    for path in sorted(pkg.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = (node.end_lineno or node.lineno) - first + 1
+                if length > 80:
+                    long.append(f"{path.name}:{node.lineno} {node.name}: {length} lines")
+    assert len(list(pkg.glob("*.py"))) > 1
+    assert long == []
+
+
+def test_the_lint_package_keeps_its_public_names_and_default_root():
+    """``from unroller.lint import ...`` is the interface (cli, tests); the default package
+    root is the unroller package, not the lint subpackage."""
+    from unroller import lint
+    from unroller.lint import resolve
+
+    for name in lint.__all__:
+        assert hasattr(lint, name), name
+    assert lint.HOST_ONLY_TAG == "unroller-lint: host-only"
+    assert lint.MAX_SOURCE_BYTES == 16 * 1024 * 1024
+    assert resolve._DEFAULT_ROOTS == {"unroller": Path(unroller.__file__).resolve().parent}
+    assert lint.supported_ops_path("ipu") == ROOT / "unroller" / "ipu_supported.toml"

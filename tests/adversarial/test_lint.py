@@ -28,6 +28,9 @@ from unroller.api import generate_from_text, write_atomic
 from unroller.cli import app
 from unroller.codegen import Options
 from unroller.lint import LintReport, lint_module, lint_paths
+from unroller.lint import linter as lint_linter
+from unroller.lint import resolve as lint_resolve
+from unroller.lint import source as lint_source
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -369,7 +372,7 @@ def test_an_unreadable_kernel_module_is_an_error(user_op, monkeypatch, damage):
         op.kernels.write_bytes(b"def clip(x):\n    return '\xff'\n")
         expected = "it is not utf-8 text (byte 25: invalid start byte)"
     elif damage == "too large":  # the cap is per module: only the padded kernel is refused
-        monkeypatch.setattr(lint, "MAX_SOURCE_BYTES", 2**20)
+        monkeypatch.setattr(lint_source, "MAX_SOURCE_BYTES", 2**20)
         with op.kernels.open("a", encoding="utf-8") as handle:
             handle.write("#" * 2**20 + "\n")
         expected = "it is larger than 1 MiB, the most lint reads of one module"
@@ -496,8 +499,8 @@ def test_installed_modules_are_followed_only_when_the_registry_names_them(user_o
         "import torch\n\n\ndef clamp(x):\n    return torch.ops.aten.hardtanh(x)\n",
     )
     assert not lint_module(op.generated, "ipu").ok  # both in a user folder: followed
-    libraries = (*lint._library_dirs(), op.ops.resolve())
-    monkeypatch.setattr(lint, "_library_dirs", lambda: libraries)
+    libraries = (*lint_resolve._library_dirs(), op.ops.resolve())
+    monkeypatch.setattr(lint_resolve, "_library_dirs", lambda: libraries)
     report = lint_module(op.generated, "ipu")
     assert report.ok, report.format()
     assert op.kernels.resolve() in report.files
@@ -543,13 +546,13 @@ def test_a_kernel_module_shared_by_many_generated_modules_is_read_once(
     copy = op.generated.with_name("adv_ipu_copy.py")
     copy.write_text(op.generated.read_text(encoding="utf-8"), encoding="utf-8")
     reads: list[Path] = []
-    real = lint._read_source
+    real = lint_linter._read_source
 
     def counting(path, limit=None):
         reads.append(path)
         return real(path, limit)
 
-    monkeypatch.setattr(lint, "_read_source", counting)
+    monkeypatch.setattr(lint_linter, "_read_source", counting)
     report = lint_paths([tmp_path / "gen"], "ipu")
     assert len(reads) == len(set(reads))
     assert reads.count(op.kernels.resolve()) == 1
