@@ -1,0 +1,186 @@
+"""Generation is a pure function of a graph and a resolved compression config: the code
+generator imports neither the planner (which runs a probe step of a generated module),
+nor verify, nor the memory model, nor the benchmark harness, nor the library layer that
+resolves configs (``unroller.api.compression_config``). Were one of them back in the code
+generator's imports, the cycle api -> codegen -> plan -> verify -> api would return, and
+rendering a built-in scheme would again load (and could again run) the planner."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "unroller"
+
+CORE = (
+    "parser",
+    "graph",
+    "shapes",
+    "registry",
+    "codegen",
+    "schedule",
+    "outline",
+    "ir",
+    "stash",
+    "schemes",
+    "platforms",
+    "safe",
+    "errors",
+)
+"""The modules that turn model text into a generated module."""
+
+OUTSIDE = ("unroller.plan", "unroller.verify", "unroller.memory", "unroller.bench", "unroller.api")
+"""What generation must never import: they observe or drive it, from above."""
+
+RENDER = """
+import json, sys
+from unroller.codegen import Options, render
+from unroller.graph import build_graph
+from unroller.parser import parse
+
+text = open(sys.argv[1], encoding="utf-8").read()
+graph = build_graph(parse(text, "quick.txt"))
+sizes = {}
+for platform in ("gpu", "ipu"):
+    options = Options(platform=platform, scheme="quant")
+    sizes[platform] = len(render(graph, "quick.txt", options, options.compression()))
+print(json.dumps({"sizes": sizes, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_rendering_a_builtin_scheme_imports_nothing_that_drives_generation():
+    """A fresh interpreter renders a benchmark model for both platforms; afterwards none of
+    the planner, verify, the memory model, the benchmark harness or the library layer (nor
+    a submodule of one) has been imported."""
+    model = ROOT / "benchmarks" / "models" / "quick.txt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", RENDER, str(model)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert found["sizes"]["gpu"] > 0 and found["sizes"]["ipu"] > 0
+    loaded = [m for m in found["modules"] if any(m == o or m.startswith(o + ".") for o in OUTSIDE)]
+    assert loaded == [], f"rendering imported {loaded}"
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__``)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports, at module level or inside functions (a lazy
+    import is still a dependency), with the packages they sit in; the root package is left
+    out: its ``__init__`` imports nothing at module level (its conveniences import lazily,
+    when called), and every submodule would otherwise depend on everything."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    named: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            named.add(module)
+            named.update(f"{module}.{alias.name}" for alias in node.names)
+    found = set()
+    for dotted in named:
+        parts = dotted.split(".")
+        for end in range(2, len(parts) + 1):
+            prefix = ".".join(parts[:end])
+            if prefix in modules and prefix != name and not name.startswith(prefix + "."):
+                found.add(prefix)
+    return found
+
+
+@pytest.fixture(scope="module")
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _closure(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module ``start`` reaches, each with the module that imports it on the way."""
+    via, todo = {start: ""}, [start]
+    while todo:
+        module = todo.pop()
+        for found in graph[module]:
+            if found not in via:
+                via[found] = module
+                todo.append(found)
+    return via
+
+
+def _chain(via: dict[str, str], module: str) -> str:
+    chain = [module]
+    while via[chain[-1]]:
+        chain.append(via[chain[-1]])
+    return " <- ".join(chain)
+
+
+def test_the_code_generator_never_reaches_what_drives_it(import_graph):
+    via = _closure(import_graph, "unroller.codegen")
+    reached = [m for m in via if any(m == o or m.startswith(o + ".") for o in OUTSIDE)]
+    assert reached == [], [_chain(via, m) for m in reached]
+
+
+def _cycle(graph: dict[str, set[str]], nodes: set[str]) -> list[str] | None:
+    """One import cycle among ``nodes`` (edges through any module count), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for found in sorted(graph[module]):
+            if state.get(found) == 1 and found in nodes:
+                return path[path.index(found) :] + [found]
+            if found not in state:
+                cycle = visit(found)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(nodes):
+        if module not in state:
+            cycle = visit(module)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_core_modules_import_no_cycle(import_graph):
+    core = {f"unroller.{m}" for m in CORE}
+    assert core <= set(import_graph)
+    within = {m: import_graph[m] & core for m in core}
+    assert _cycle(within, core) is None
+
+
+def test_the_cycle_check_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle(graph, set(graph)) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}, {"a", "b"}) is None
