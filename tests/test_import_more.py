@@ -91,3 +91,113 @@ def test_other_final_states_are_refused_by_name(kwargs, reason):
         import_network("rnn", RNN_INPUT, built=final_state(**kwargs))
     assert reason in str(failed.value)
     assert str(failed.value).count("\n") == 1
+
+
+# ---------------------------------------------------------------- key_padding_mask
+
+
+class PaddedAttention(nn.Module):
+    """nn.MultiheadAttention with a key_padding_mask input (True pads), causal or not."""
+
+    def __init__(self, causal: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Linear(6, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.causal = causal
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(5) if self.causal else None
+        y = self.attn(
+            h,
+            h,
+            h,
+            key_padding_mask=key_padding_mask,
+            attn_mask=mask,
+            need_weights=False,
+            is_causal=self.causal,
+        )[0]
+        return self.head(y.mean(1))
+
+
+class PaddedEncoder(nn.Module):
+    """nn.TransformerEncoder with src_key_padding_mask (made float once, read by each layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(6, 8)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x), src_key_padding_mask=key_padding_mask).mean(1))
+
+
+def padded(kind: str = "attention", causal: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return PaddedEncoder() if kind == "encoder" else PaddedAttention(causal)
+
+
+PADDED_INPUTS = ["x: f32[N, 5, 6]", "key_padding_mask: bool[N, 5]"]
+
+
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"causal": True}, {"kind": "encoder"}], ids=["mha", "causal", "encoder"]
+)
+def test_a_key_padding_mask_input_verifies_exactly(kwargs):
+    """True pads: padding_mask(invert=true), expanded, is the attention's bias input."""
+    text = import_network("padded", PADDED_INPUTS, built=padded(**kwargs)).text
+    assert "input key_padding_mask: bool[N, 5]" in text
+    assert text.count("= padding_mask(key_padding_mask, invert=true)") == 1
+    assert "key_padding_bias, num_heads=2" in text
+    report = verify_text(text, padded, kwargs, batch_size=4)
+    assert report.ok, report.problems or report.table()
+
+
+def test_a_float_key_padding_mask_is_refused():
+    with pytest.raises(ImportFailure) as failed:
+        import_network("padded", ["x: f32[N, 5, 6]", "key_padding_mask: f32[N, 5]"], built=padded())
+    assert "a key_padding_mask must be a boolean model input [N, S]" in str(failed.value)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "ipu"])
+@pytest.mark.parametrize("learned", [False, True], ids=["mask", "learned"])
+def test_multihead_attention_kernels_add_the_bias(platform, learned):
+    """Forward and backward with a padding bias (no gradient) or a learned one (its
+    gradient summed over the heads) against nn.MultiheadAttention's autograd."""
+    import importlib
+
+    from unroller.runtime.common import padding_mask
+
+    kernels = importlib.import_module(f"unroller.runtime.{platform}")
+    torch.manual_seed(0)
+    layer = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    if learned:
+        bias = torch.randn(3, 1, 5, 5, dtype=torch.float64, requires_grad=True)
+        scores = bias.expand(3, 2, 5, 5).reshape(6, 5, 5)
+        want = layer(x, x, x, attn_mask=scores, need_weights=False)[0]
+    else:
+        pads = torch.zeros(3, 5, dtype=torch.bool)
+        pads[1, 3:] = True
+        pads[2, 1] = True
+        bias = padding_mask(pads, invert=True).to(torch.float64).expand(3, 1, 5, 5)
+        want = layer(x, x, x, key_padding_mask=pads, need_weights=False)[0]
+    g = torch.randn_like(want)
+    want.backward(g)
+    y, *saved = kernels.multihead_attention(x.detach(), bias.detach(), layer, num_heads=2)
+    torch.testing.assert_close(y, want.detach(), rtol=1e-10, atol=1e-12)
+    needs = (True, learned, True, True, True, True)
+    grads = kernels.multihead_attention_backward(
+        g, x.detach(), layer, *saved, bias.detach(), needs=needs
+    )
+    if learned:
+        torch.testing.assert_close(grads[1], bias.grad, rtol=1e-10, atol=1e-12)
+    else:
+        assert grads[1] is None  # not asked: the mask's bias has no gradient
+    torch.testing.assert_close(grads[0], x.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[2], layer.in_proj_weight.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[5], layer.out_proj.bias.grad, rtol=1e-10, atol=1e-12)

@@ -629,7 +629,7 @@ SYNTAX_ERRORS = [
         1,
         21,
         1,
-        ["unexpected '['", "expected a dtype (f32, f16, bf16, f64, i64 or i32)"],
+        ["unexpected '['", "expected a dtype (f32, f16, bf16, f64, i64, i32 or bool)"],
         id="decl-missing-dtype",
     ),
     pytest.param(
@@ -805,7 +805,7 @@ SEMANTIC_ERRORS = [
         2,
         12,
         2,
-        ["unknown dtype 'f8' (expected one of f32, f16, bf16, f64, i64, i32)"],
+        ["unknown dtype 'f8' (expected one of f32, f16, bf16, f64, i64, i32, bool)"],
         id="unknown-dtype",
     ),
     pytest.param(

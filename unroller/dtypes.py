@@ -11,8 +11,10 @@ from typing import Any
 
 FLOAT_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "f64")
 INT_DTYPES: tuple[str, ...] = ("i64", "i32")
+#: A boolean input: a mask (nn.MultiheadAttention's key_padding_mask), read as integers.
+MASK_DTYPES: tuple[str, ...] = ("bool",)
 #: What a declaration may use, in the order error messages list them.
-DTYPES: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES
+DTYPES: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES + MASK_DTYPES
 #: Bytes per element, including the bool of 1-bit masks before packing.
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4}
 DTYPE_BYTES["bool"] = 1

@@ -37,6 +37,7 @@ _DTYPES = {
     torch.bfloat16: "bf16",
     torch.int64: "i64",
     torch.int32: "i32",
+    torch.bool: "bool",
 }
 
 

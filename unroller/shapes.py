@@ -773,17 +773,19 @@ def scaled_dot_product_attention(
 
 
 def _attention_bias(
-    op: str, bias: TensorType, dtype: str, heads: Dim, length: Dim, keys: Dim
+    op: str, bias: TensorType, dtype: str, heads: Dim, length: Dim, keys: Dim, index: int = 3
 ) -> None:
     """An additive score bias broadcasts over samples and heads only: [N or 1, H or 1, L, S]."""
     want = f"[N or 1, {heads} or 1, {length}, {keys}]"
     if bias.rank != 4:
-        raise ShapeError(f"{op} needs bias as a 4-D tensor {want}, got {bias}", 3)
+        raise ShapeError(f"{op} needs bias as a 4-D tensor {want}, got {bias}", index)
     if bias.dtype != dtype:
-        raise ShapeError(f"{op}: bias is {bias} but q is {dtype}: one dtype", 3)
+        raise ShapeError(
+            f"{op}: bias is {bias} but {'q' if index == 3 else 'x'} is {dtype}: one dtype", index
+        )
     samples, bias_heads, rows, cols = bias.shape
     if samples not in (BATCH, 1) or bias_heads not in (heads, 1) or (rows, cols) != (length, keys):
-        raise ShapeError(f"{op}: bias is {bias}; expected {want}", 3)
+        raise ShapeError(f"{op}: bias is {bias}; expected {want}", index)
 
 
 def relative_position_bias(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
@@ -821,10 +823,11 @@ def rotary(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResu
 def multihead_attention(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """Self-attention on x [N, L, E] -> [N, L, E]: E divisible by num_heads. Derives
     ``embed_dim`` (the module's size), ``head_shape`` [N, H, L, E/H] (q, k, v kept for the
-    backward) and ``lse_shape`` [N, H, L] (the row logsumexp it keeps beside them).
+    backward) and ``lse_shape`` [N, H, L] (the row logsumexp it keeps beside them). An
+    optional ``bias`` [N or 1, H or 1, L, L] is added to the scores (a key padding mask).
     Attention dropout is refused: it draws inside torch's SDPA from a random stream no kernel
     here can reproduce."""
-    (x,) = inputs
+    x, *bias = inputs
     if x.rank != 3:
         raise ShapeError(f"{op} needs a 3-D input [N, L, E], got {x}", 0)
     _float(op, x)
@@ -842,6 +845,8 @@ def multihead_attention(op: str, inputs: list[TensorType], args: dict[str, Any])
             f"cannot replay); use dropout=0.0",
             arg="dropout",
         )
+    if bias:
+        _attention_bias(op, bias[0], x.dtype, heads, length, length, index=1)
     return ShapeResult(
         x,
         {

@@ -350,8 +350,9 @@ def make_inputs(graph: Graph, batch_size: int, seed: int) -> list[torch.Tensor]:
             tensor = torch.randint(0, high, shape, generator=generator, dtype=dtype)
             if _feeds_padding_mask(value) and len(shape) == 2:
                 # a padding mask: 0 and 1, the first token of every row attended, so that no
-                # query row is all padding, causal or not (the original may give it NaN)
-                tensor[:, 0] = 1
+                # query row is all padding, causal or not (the original may give it NaN);
+                # True / nonzero pads where the mask is inverted (key_padding_mask)
+                tensor[:, 0] = 0 if _feeds_padding_mask(value, inverted=True) else 1
         tensors.append(tensor)
     return tensors
 
@@ -395,11 +396,13 @@ def integer_bound(value: Value) -> int | None:
     return min(bounds) if bounds else None
 
 
-def _feeds_padding_mask(value: Value) -> bool:
+def _feeds_padding_mask(value: Value, inverted: bool | None = None) -> bool:
+    """Whether ``value`` reaches a ``padding_mask`` (one with ``invert`` as asked, if asked)."""
     for node, _ in value.consumers:
         if node.op.name == "padding_mask":
-            return True
-        if node.op.name in PASS_THROUGH and _feeds_padding_mask(node.output):
+            if inverted is None or bool(node.args.get("invert")) == inverted:
+                return True
+        elif node.op.name in PASS_THROUGH and _feeds_padding_mask(node.output, inverted):
             return True
     return False
 

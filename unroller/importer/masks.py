@@ -265,3 +265,41 @@ def _run(mapper, node: fx.Node, ids: fx.Node, sample: torch.Tensor, target_name)
             kwargs = fx.node.map_arg(current.kwargs, values.__getitem__)
             values[current] = current.target(*args, **kwargs)
     return values[node]
+
+
+# ---------------------------------------------------------------- nn.MultiheadAttention's key_padding_mask
+
+
+def key_padding_source(mapper, node: fx.Node, target_name) -> fx.Node | None:
+    """The boolean input [N, S] (True pads) that ``node`` is, or torch's float form of it
+    (``F._canonical_mask``: ``masked_fill(zeros_like(m, float), m, -inf)``, which
+    nn.TransformerEncoder and nn.MultiheadAttention make); else None."""
+    if node.op == "placeholder":
+        val = node.meta.get("val")
+        ok = isinstance(val, torch.Tensor) and val.dtype == torch.bool and val.dim() == 2
+        return node if ok and node.name in mapper.user_inputs else None
+    if target_name(node) not in ("aten.masked_fill.Scalar", "aten.masked_fill_.Scalar"):
+        return None
+    zeros, mask, value = node.args[:3]
+    if not isinstance(zeros, fx.Node) or not isinstance(mask, fx.Node):
+        return None
+    if target_name(zeros) != "aten.zeros_like.default" or zeros.args[0] is not mask:
+        return None
+    if not (isinstance(value, float) and value <= HUGE_NEGATIVE):
+        return None
+    return key_padding_source(mapper, mask, target_name) if mask.op == "placeholder" else None
+
+
+def absorb_key_padding(mapper, target_name) -> set[fx.Node]:
+    """The float forms of a key padding mask made outside the attentions that read them
+    (nn.TransformerEncoder's), with their ``zeros_like``: no statements of their own, as
+    each attention reads the boolean input (``key_padding_source``)."""
+    out: set[fx.Node] = set()
+    for node in mapper.nodes:
+        if node.op != "call_function" or node not in mapper.live or node in mapper.groups:
+            continue
+        if key_padding_source(mapper, node, target_name) is None:
+            continue
+        if all(u in mapper.groups for u in node.users if u in mapper.live):
+            out |= {node, node.args[0]}
+    return out

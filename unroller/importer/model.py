@@ -139,7 +139,7 @@ def valid_path(name: str) -> bool:
 _INPUT = re.compile(
     r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([a-z0-9]+)\s*\[\s*N\s*((?:,\s*\d+\s*)*)\]\s*"
 )
-DTYPES = ("f32", "f64", "f16", "bf16", "i64", "i32")
+DTYPES = ("f32", "f64", "f16", "bf16", "i64", "i32", "bool")
 #: Bounds on a declared input, checked before anything is allocated or traced: the spec's
 #: length, its dims after N (2,000 dims once kept torch.export busy for minutes), and its
 #: elements per sample (the capture makes example inputs of a few samples).

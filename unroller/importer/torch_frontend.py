@@ -53,6 +53,7 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "i64": torch.int64,
     "i32": torch.int32,
+    "bool": torch.bool,
 }
 #: The example batch size used for capture: > 1 so export keeps the dim symbolic.
 EXAMPLE_BATCH = 3
@@ -249,6 +250,7 @@ class _Mapper:
         self.relative_bias = self._relative_bias_patterns()
         self.padding = masks.find(self, _target_name, _is_size_value)
         self.absorbed |= self.padding.absorbed
+        self.absorbed |= masks.absorb_key_padding(self, _target_name)
         # mask input (and a size it is expanded to) -> its padding_mask statement
         self.padding_values: dict[object, str] = {}
         self._absorb_masked_biases()
@@ -1573,19 +1575,25 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
             "carry over: build nn.MultiheadAttention with dropout=0.0 to import it"
         )
     data = []
+    padding = []  # key_padding_mask: a boolean input [N, S], True where padded
     causal = False
     for node in external:
         try:
             mapper.shape(node)
         except Refuse:
             continue
-        if _reads_data(mapper, node):
+        source = masks.key_padding_source(mapper, node, _target_name)
+        if source is not None:
+            padding.append(source)
+        elif _reads_data(mapper, node):
             data.append(node)
         else:
             causal = is_causal_mask(mapper, node, causal, true_masks=True)
     if len(data) != 1:
         raise Refuse(
-            "query, key and value must be one tensor (self-attention), with no " "key_padding_mask"
+            "query, key and value must be one tensor (self-attention); a key_padding_mask must "
+            "be a boolean model input [N, S] (True pads), and an attn_mask the causal mask or "
+            "one that masks nothing"
         )
     if len(escaping) != 1:
         raise Refuse("the attention weights are used (need_weights=True)")
@@ -1605,9 +1613,34 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
         "is_causal": causal,
     }
     args = [mapper.value_of(data[0])]
+    if padding:
+        args.append(_key_padding_bias(mapper, path, padding[0], shape[1]))
     return _collapsed_stmt(
         mapper, path, module, nodes, escaping, "multihead_attention", args, kwargs, names
     )
+
+
+def _key_padding_bias(mapper, path: str, mask: fx.Node, length: int) -> str:
+    """``padding_mask(mask, invert=true)`` expanded to the scores' [N, 1, L, S]: the bias
+    the attention adds, 0 where attended and float32's lowest where padded (torch's -inf
+    gives the same probabilities wherever a row attends somewhere). One per input and L."""
+    keys = int(mask.meta["val"].shape[1])
+    if keys != length:
+        raise Refuse(f"a key_padding_mask of {keys} keys for self-attention on {length}")
+    key = ("key_padding", mask)
+    if key not in mapper.padding_values:
+        name = mapper.unique(f"{path}.padding_mask")
+        stmt = Stmt(name, "padding_mask", [mapper.value_of(mask)], {"invert": True}, path,
+                    (BATCH, 1, 1, keys))
+        mapper.stmts.append(stmt)
+        mapper.padding_values[key] = name
+    size = (BATCH, 1, length, keys)
+    if (key, size) not in mapper.padding_values:
+        name = mapper.unique(f"{path}.key_padding_bias")
+        pad = mapper.padding_values[key]
+        mapper.stmts.append(Stmt(name, "expand", [pad], {"size": size}, path, size))
+        mapper.padding_values[(key, size)] = name
+    return mapper.padding_values[(key, size)]
 
 
 _CASTS = ("aten.to.dtype", "aten._to_copy.default", "aten.alias.default")

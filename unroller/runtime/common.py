@@ -295,18 +295,19 @@ def padded_positions_backward(g: Tensor, *, padding_idx: int, needs: Needs | Non
     return _fit((None,), needs)
 
 
-def padding_mask(mask: Tensor) -> Tensor:
+def padding_mask(mask: Tensor, *, invert: bool = False) -> Tensor:
     """An additive score bias [N, 1, 1, S] from a padding mask [N, S] (nonzero attends, 0 is
-    padding, as Hugging Face's attention_mask): 0 where attended, float32's lowest where
+    padding, as Hugging Face's attention_mask; ``invert``: nonzero is padding, as
+    nn.MultiheadAttention's key_padding_mask): 0 where attended, float32's lowest where
     padded. Finite so that a row of padding only stays a number; added to scores of any
     float dtype it makes those probabilities exactly 0 (exp underflows), as Hugging Face's
-    lowest-filled or boolean masks do. No gradient (integer input)."""
+    lowest-filled or boolean masks (and torch's -inf) do. No gradient (integer input)."""
     bias = mask.new_zeros(mask.shape, dtype=torch.float32)
-    bias = bias.masked_fill_(mask == 0, torch.finfo(torch.float32).min)
+    bias = bias.masked_fill_((mask != 0) if invert else (mask == 0), torch.finfo(torch.float32).min)
     return bias.unsqueeze(1).unsqueeze(1)
 
 
-def padding_mask_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
+def padding_mask_backward(g: Tensor, *, invert: bool = False, needs: Needs | None = None) -> Grads:
     """Never called: an integer padding mask carries no gradient."""
     return _fit((None,), needs)
 

@@ -1485,7 +1485,12 @@ def _mha_tensors(layer: torch.nn.Module) -> tuple[Tensor, Tensor | None, Tensor,
 
 
 def multihead_attention(
-    x: Tensor, layer: torch.nn.Module, *, num_heads: int, is_causal: bool = False
+    x: Tensor,
+    bias: Tensor | torch.nn.Module | None,
+    layer: torch.nn.Module | None = None,
+    *,
+    num_heads: int,
+    is_causal: bool = False,
 ) -> tuple[Tensor, ...]:
     """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False): the packed
     in-projection [N, L, 3E], whose thirds seen as [N, H, L, E/H] are q, k and v (views: ATen's
@@ -1493,16 +1498,19 @@ def multihead_attention(
     the same [N, L, H, E/H] order, so the context [N, L, E] is a view too), the attention,
     the out-projection. Rows stay in the input's [N, L] order throughout, so no step copies
     x or the output gradient to reorder them (F.multi_head_attention_forward works in
-    [L, N]: the values agree to rounding, float64 to 1e-10). Returns (y, q, k, v, lse,
-    context): lse [N, H, L] the row logsumexp the attention backward reads beside q, k, v
-    and the context (its output)."""
+    [L, N]: the values agree to rounding, float64 to 1e-10). ``bias``: [N or 1, H or 1,
+    L, L] added to the scores (a key padding mask); a call without it is (x, layer), as
+    generated code makes it. Returns (y, q, k, v, lse, context): lse [N, H, L] the row
+    logsumexp the attention backward reads beside q, k, v and the context (its output)."""
+    if layer is None:  # (x, layer): the optional bias left out
+        bias, layer = None, bias
     n, length, embed = x.shape
     w_in, b_in, w_out, b_out = _mha_tensors(layer)
     proj = torch.nn.functional.linear(x, w_in, b_in)
     heads = proj.view(n, length, 3, num_heads, embed // num_heads).permute(2, 0, 3, 1, 4)
     q, k, v = heads.unbind(0)
     del proj, heads
-    y, lse = _attention(q, k, v, is_causal, None)
+    y, lse = _attention(q, k, v, is_causal, None, bias)
     context = y.transpose(1, 2).reshape(n, length, embed)
     del y
     return torch.nn.functional.linear(context, w_out, b_out), q, k, v, lse, context
@@ -1516,23 +1524,30 @@ def _packed_grad(
     lse: Tensor,
     context: Tensor,
     is_causal: bool,
-) -> Tensor:
+    bias: Tensor | None = None,
+    need_bias: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """The packed in-projection's output gradient [N * L, 3E] from the context's
     [N * L, E]: the attention backward on the heads, then each head gradient copied into
     its third of the packed layout and released (the values torch.cat of the three gives,
-    with fewer bytes live at once). A function of its own so that the heads' gradients are
-    freed when it returns."""
+    with fewer bytes live at once); and the bias's gradient where asked. A function of its
+    own so that the heads' gradients are freed when it returns."""
     n, heads, length, head_dim = q.shape
     g_y = g_context.view(n, length, heads, head_dim).transpose(1, 2)
     del g_context
     y = context.view(n, length, heads, head_dim).transpose(1, 2)
-    grads = list(scaled_dot_product_attention_backward(g_y, q, k, v, y, lse, is_causal=is_causal))
+    needs = (True, True, True, need_bias)
+    grads = list(
+        scaled_dot_product_attention_backward(
+            g_y, q, k, v, y, lse, None, bias, is_causal=is_causal, needs=needs
+        )
+    )
     del g_y
     g_proj = q.new_empty(n, length, 3, heads, head_dim)
     for i in range(3):
         g_proj[:, :, i].copy_(grads[i].transpose(1, 2))
         grads[i] = None
-    return g_proj.view(n * length, 3 * heads * head_dim)
+    return g_proj.view(n * length, 3 * heads * head_dim), grads[3] if need_bias else None
 
 
 def multihead_attention_backward(
@@ -1544,6 +1559,7 @@ def multihead_attention_backward(
     v: Tensor,
     lse: Tensor,
     context: Tensor,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     needs: Needs | None = None,
@@ -1552,10 +1568,24 @@ def multihead_attention_backward(
     """The backward of the forward above: the out-projection's (rows in [N, L] order), the
     attention's (block by block, from q, k, v, the context as its output and lse), the
     heads joined back into the packed layout, then the in-projection's. Gradients: x,
-    in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias; ``accumulate``: the four
-    parameter gradients are added into their ``.grad`` and returned as None."""
-    if not any(_need(needs, i) for i in range(5)):
-        return _fit((), needs)
+    the bias (where given; summed over the dims it broadcasts), in_proj_weight,
+    in_proj_bias, out_proj.weight, out_proj.bias; ``accumulate``: the four parameter
+    gradients are added into their ``.grad`` and returned as None."""
+    args = (g, x, layer, q, k, v, lse, context)
+    if bias is None:
+        return _mha_backward(*args, None, False, is_causal, needs, accumulate)[0]
+    rest = None if needs is None else (*needs[:1], *needs[2:])  # without the bias's slot
+    grads, g_bias = _mha_backward(*args, bias, _need(needs, 1), is_causal, rest, accumulate)
+    return _fit((grads[0] if grads else None, g_bias, *grads[1:]), needs)
+
+
+def _mha_backward(
+    g, x, layer, q, k, v, lse, context, bias, need_bias, is_causal, needs, accumulate
+):
+    """multihead_attention_backward's gradients of x and the four parameters, and the
+    bias's (None unless ``need_bias``)."""
+    if not (need_bias or any(_need(needs, i) for i in range(5))):
+        return _fit((), needs), None
     n, length, embed = x.shape
     w_in, b_in, w_out, b_out = _mha_tensors(layer)
     g2 = g.reshape(n * length, embed)
@@ -1565,8 +1595,11 @@ def multihead_attention_backward(
         g_w_out = _product_grad(w_out, g2.t(), context2, accumulate)
     if _need(needs, 4):
         g_b_out = _rows_grad(b_out, g2, accumulate)
-    if any(_need(needs, i) for i in range(3)):
-        g_proj = _packed_grad(g2.mm(w_out), q, k, v, lse, context, is_causal)
+    g_bias = None
+    if need_bias or any(_need(needs, i) for i in range(3)):
+        g_proj, g_bias = _packed_grad(
+            g2.mm(w_out), q, k, v, lse, context, is_causal, bias, need_bias
+        )
         del g2  # only the out-projection's gradients read it
         if _need(needs, 2):
             g_b_in = _rows_grad(b_in, g_proj, accumulate)
@@ -1574,7 +1607,7 @@ def multihead_attention_backward(
             g_w_in = _product_grad(w_in, g_proj.t(), x.reshape(n * length, embed), accumulate)
         if _need(needs, 0):
             gx = g_proj.mm(w_in).view(n, length, embed)
-    return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs)
+    return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs), g_bias
 
 
 # ---------------------------------------------------------------- normalisation and 1-D ops (v2)

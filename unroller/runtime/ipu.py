@@ -1323,19 +1323,27 @@ def log_softmax_backward(
 
 
 def multihead_attention(
-    x: Tensor, layer: torch.nn.Module, *, num_heads: int, is_causal: bool = False
+    x: Tensor,
+    bias: Tensor | torch.nn.Module | None,
+    layer: torch.nn.Module | None = None,
+    *,
+    num_heads: int,
+    is_causal: bool = False,
 ) -> tuple[Tensor, ...]:
     """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False): one packed
     projection [N, L, 3E] split into q, k, v [N, H, L, E/H], the attention (block by block:
     ``attention``), the heads joined into the context [N, L, E], the out-projection.
-    Returns (y, q, k, v, lse, context): lse [N, H, L] the row logsumexp the attention
-    backward reads beside q, k, v and the context (its output)."""
+    ``bias``: [N or 1, H or 1, L, L] added to the scores; a call without it is (x, layer),
+    as generated code makes it. Returns (y, q, k, v, lse, context): lse [N, H, L] the row
+    logsumexp the attention backward reads beside q, k, v and the context (its output)."""
+    if layer is None:  # (x, layer): the optional bias left out
+        bias, layer = None, bias
     n, length, embed = x.shape
     out_layer = layer.out_proj
     proj = F.linear(x, layer.in_proj_weight, getattr(layer, "in_proj_bias", None))
     heads = proj.reshape(n, length, 3, num_heads, embed // num_heads).permute(2, 0, 3, 1, 4)
     q, k, v = heads[0], heads[1], heads[2]
-    y, lse = _sdpa_blocks(q, k, v, is_causal=is_causal)
+    y, lse = _sdpa_blocks(q, k, v, bias, is_causal=is_causal)
     context = y.transpose(1, 2).reshape(n, length, embed)
     return linear(context, out_layer), q, k, v, lse, context
 
@@ -1349,6 +1357,7 @@ def multihead_attention_backward(
     v: Tensor,
     lse: Tensor,
     context: Tensor,
+    bias: Tensor | None = None,
     *,
     is_causal: bool = False,
     needs: Needs | None = None,
@@ -1356,21 +1365,36 @@ def multihead_attention_backward(
     """The out-projection's linear backward, the attention's (from q, k, v, lse and the
     context as its output), the heads' gradients joined
     into [N, L, 3E] (q, k, v blocks), the in-projection's linear backward. Gradients: x,
-    in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias."""
-    if not any(_need(needs, i) for i in range(5)):
-        return _fit((), needs)
+    the bias (where given; summed over the dims it broadcasts), in_proj_weight,
+    in_proj_bias, out_proj.weight, out_proj.bias."""
+    args = (g, x, layer, q, k, v, lse, context)
+    if bias is None:
+        return _mha_backward(*args, None, False, is_causal, needs)[0]
+    rest = None if needs is None else (*needs[:1], *needs[2:])  # without the bias's slot
+    grads, g_bias = _mha_backward(*args, bias, _need(needs, 1), is_causal, rest)
+    return _fit((grads[0] if grads else None, g_bias, *grads[1:]), needs)
+
+
+def _mha_backward(g, x, layer, q, k, v, lse, context, bias, need_bias, is_causal, needs):
+    """multihead_attention_backward's gradients of x and the four parameters, and the
+    bias's (None unless ``need_bias``)."""
+    if not (need_bias or any(_need(needs, i) for i in range(5))):
+        return _fit((), needs), None
     n, length, embed = x.shape
-    into = any(_need(needs, i) for i in range(3))  # anything before the attention
+    into = need_bias or any(_need(needs, i) for i in range(3))  # before the attention
     g_context, g_w_out, g_b_out = linear_backward(
         g, context, layer.out_proj, needs=(into, _need(needs, 3), _need(needs, 4))
     )
-    gx = g_w_in = g_b_in = None
+    gx = g_w_in = g_b_in = g_bias = None
     if g_context is not None:
         heads, head_dim = q.shape[1], q.shape[3]
         g_y = g_context.reshape(n, length, heads, head_dim).transpose(1, 2)
         y = context.reshape(n, length, heads, head_dim).transpose(1, 2)
-        grads = _sdpa_blocks_backward(g_y, q, k, v, y, lse, is_causal=is_causal)
-        g_proj = torch.cat([t.transpose(1, 2).reshape(n, length, embed) for t in grads], -1)
+        grads = _sdpa_blocks_backward(
+            g_y, q, k, v, y, lse, bias, is_causal=is_causal, needs=(True, True, True, need_bias)
+        )
+        g_bias = grads[3] if need_bias else None
+        g_proj = torch.cat([t.transpose(1, 2).reshape(n, length, embed) for t in grads[:3]], -1)
         g_proj2 = g_proj.reshape(n * length, 3 * embed)
         if _need(needs, 0):
             gx = g_proj.matmul(layer.in_proj_weight)
@@ -1378,7 +1402,7 @@ def multihead_attention_backward(
             g_w_in = g_proj2.t().matmul(x.reshape(n * length, embed))
         if _need(needs, 2):
             g_b_in = g_proj2.sum(0)
-    return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs)
+    return _fit((gx, g_w_in, g_b_in, g_w_out, g_b_out), needs), g_bias
 
 
 # ---------------------------------------------------------------- normalisation and 1-D ops (v2)
