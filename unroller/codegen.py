@@ -1495,18 +1495,22 @@ def render(graph: Graph, source_path: str, options: Options, config: Compression
     for step in training_steps:  # a segment's recompute is part of the backward
         if step.section == RECOMPUTE_SECTION:
             step.section = "backward"
+    stage_steps: list[list[Step]] = []
+    if options.pipeline != 1 and pipeline is not None:
+        crossing = boundaries(graph, pipeline)
+        split_up = frozenset(split_instances(graph, pipeline))
+        for k in range(pipeline.num_ipus):
+            program = emitter.stage_program(k, crossing)
+            stage_steps.append(outliner.outline(program, {"stash", "L"}, split=split_up))
+    outliner.finish()  # every call known: literals that differ become parameters
     training = render_training(
         training_steps, emitter.piece_loops, target.stage_block if staged else None
     )
     predict = render_steps(predict_steps)
     process_stages: list[dict[str, Any]] = []
     pipeline_meta: dict[str, safe.Code] = {}
-    if options.pipeline != 1 and pipeline is not None:
-        crossing = boundaries(graph, pipeline)
-        split_up = frozenset(split_instances(graph, pipeline))
-        for k in range(pipeline.num_ipus):
-            program = emitter.stage_program(k, crossing)
-            steps = outliner.outline(program, {"stash", "L"}, split=split_up)
+    if stage_steps and pipeline is not None:
+        for k, steps in enumerate(stage_steps):
             process_stages.append(_stage_view(emitter, graph, pipeline, crossing, k, steps))
         pipeline_meta = _pipeline_meta(graph, plan.config, pipeline, crossing)
     text = _template(target).render(

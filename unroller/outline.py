@@ -8,7 +8,11 @@ are the variables the run reads before writing and whose results are the variabl
 read after it, named as the block names them (``layer1.0.conv1`` -> ``conv1``, the value
 bound to block parameter ``x`` -> ``x``). Instances whose functions come out as the same
 text share one function: a ResNet's thirteen ``basic`` blocks call one ``basic_forward``
-and one ``basic_backward``.
+and one ``basic_backward``. Instances whose functions differ only in literal numbers
+(a depthwise conv's ``groups``, the shape a saved tensor is restored to) share one function
+too: each number in which they differ becomes a parameter named after its role (the
+keyword it is passed as, ``shape`` for a positional tuple), passed by keyword at each call
+(``finish``, once every program is outlined). Booleans, strings and None stay literals.
 
 A recomputed segment (segment recompute) has a third run in the training program, its
 forward again at the start of its backward (section ``recompute``): it becomes a call of the
@@ -23,8 +27,10 @@ entry, and what the caller would delete right after a call is handed over in tha
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from unroller import safe
 from unroller.graph import BlockCall
@@ -33,6 +39,7 @@ from unroller.ir import (
     Assign,
     Attr,
     CallExpr,
+    Const,
     DictExpr,
     Do,
     Expr,
@@ -72,6 +79,7 @@ class Function:
     steps: list[Step] = field(default_factory=list)
     instances: list[str] = field(default_factory=list)
     body: list[safe.Code] = field(default_factory=list)  # lines(), kept once rendered
+    names: Namer | None = None  # the names its locals took (lifted parameters avoid them)
 
     def signature(self) -> list[str]:
         return ["L", *self.context, *([self.owner] if self.saved_in else []), *self.params]
@@ -133,6 +141,8 @@ class Outliner:
         self._saved: dict[str, tuple[str, list[str]]] = {}  # instance -> (list var, names)
         self._function_names: dict[tuple[str, str, int], str] = {}
         self._local_reserved = reserved  # and the function names, once reserved
+        # each call of a function: its step and the literals of its instance
+        self._sites: list[tuple[Step, Function, list[tuple[str, Any]]]] = []
 
     def reserve(
         self, blocks: list[str], counts: dict[str, int], extra: tuple[str, ...] = ()
@@ -233,7 +243,7 @@ class Outliner:
             else:
                 hand = Do(CallExpr(Attr(Var(saved_var), "extend"), (ListExpr(items),)))
             before.append(Step(body[0].section, [hand], stage=body[0].stage))
-        function = self._function(
+        function, literals = self._function(
             run.instance,
             section,
             body,
@@ -260,6 +270,7 @@ class Outliner:
         call = CallExpr(GlobalName(function.name), tuple(args))
         statement: Statement = Assign(tuple(targets), call) if targets else Do(call)
         steps_out = [*before, Step(body[0].section, [statement], stage=body[0].stage)]
+        self._sites.append((steps_out[-1], function, literals))
         label = "[recompute]" if section == "recompute" else "[block]"
         steps_out[0].comment = f"{label} {run.instance.text}"
         return steps_out
@@ -275,7 +286,9 @@ class Outliner:
         saved_out: list[str],
         saved_in: list[str],
         owner: str,
-    ) -> Function:
+    ) -> tuple[Function, list[tuple[str, Any]]]:
+        """The shared function of this run (new, or one whose text differs at most in
+        liftable literals), and the run's literals in reading order."""
         rename = _Renamer(instance, self.key_of, self.base_name, self._local_reserved)
         for name in [*saved_in, *free_in]:  # parameters first: they get the plain names
             rename(name)
@@ -295,10 +308,15 @@ class Outliner:
             owner=owner,
             steps=local,
         )
-        candidate.body = candidate.lines()
-        text = "\n".join([section, instance.block, *candidate.signature(), *candidate.body])
+        literals: list[tuple[str, Any]] = []
+        hole = _collect(literals)
+        holed = [_map_literals(step, hole) for step in local]
+        shape = replace(candidate, steps=holed)  # the text with every liftable literal a hole
+        text = "\n".join([section, instance.block, *shape.signature(), *shape.lines()])
         found = self._by_text.get(text)
         if found is None:
+            candidate.body = candidate.lines()
+            candidate.names = rename.names
             variant = 1 + sum(
                 1 for f in self.functions if f.block == instance.block and f.section == section
             )
@@ -307,7 +325,120 @@ class Outliner:
             self.functions.append(candidate)
             found = candidate
         found.instances.append(instance.name)
-        return found
+        return found, literals
+
+    # -- literals that differ between instances ----------------------------------------
+
+    def finish(self) -> None:
+        """Turn the literals in which the calls of one function differ into parameters.
+
+        Call once every program is outlined, before any is rendered. Positions whose values
+        agree at every call share one parameter (``shape`` for the six restores of a
+        ResNet block), named after their role; each call passes its values by keyword."""
+        sites: dict[int, list[tuple[Step, list[tuple[str, Any]]]]] = {}
+        for step, function, literals in self._sites:
+            sites.setdefault(id(function), []).append((step, literals))
+        self._sites = []
+        for function in self.functions:
+            calls = sites.get(id(function), [])
+            lifted = _lifted_positions([literals for _, literals in calls])
+            if not lifted:
+                continue
+            names: dict[tuple, str] = {}
+            param_of: dict[int, str] = {}
+            for position, group in lifted.items():
+                if group not in names:
+                    role = calls[0][1][position][0]
+                    assert function.names is not None
+                    names[group] = function.names("\0literal\0" + repr(group), role)
+                param_of[position] = names[group]
+            lift = _parameter(param_of)  # one count over the whole body
+            function.steps = [_map_literals(s, lift) for s in function.steps]
+            function.params += list(names.values())
+            function.body = function.lines()
+            first = {name: position for position, name in reversed(param_of.items())}
+            for step, literals in calls:
+                extra = tuple((n, Const(literals[first[n]][1])) for n in names.values())
+                step.statements = [_with_kwargs(s, extra) for s in step.statements]
+
+
+def _liftable(value: Any) -> bool:
+    """A number, or a non-empty tuple or list of numbers (bools, strings, None stay)."""
+    if type(value) in (int, float):
+        return True
+    items = value if type(value) in (tuple, list) else ()
+    return bool(items) and all(type(v) in (int, float) for v in items)
+
+
+_HOLE = Const("\0literal")  # stands for a liftable literal when texts are compared
+
+
+def _collect(found: list[tuple[str, Any]]) -> Callable[[Const, str], Expr]:
+    """Records each liftable literal with its role and leaves a hole in its place."""
+
+    def hole(const: Const, role: str) -> Expr:
+        found.append((role, const.value))
+        return _HOLE
+
+    return hole
+
+
+def _parameter(param_of: dict[int, str]) -> Callable[[Const, str], Expr]:
+    """The n-th liftable literal becomes its parameter where it has one."""
+    count = itertools.count()
+
+    def lift(const: Const, role: str) -> Expr:
+        name = param_of.get(next(count))
+        return Var(name) if name is not None else const
+
+    return lift
+
+
+def _lifted_positions(calls: list[list[tuple[str, Any]]]) -> dict[int, tuple]:
+    """Position -> (role, its values at each call) for the literals that differ between
+    calls (compared as written: ``1`` and ``1.0`` differ)."""
+    lifted: dict[int, tuple] = {}
+    for position, (role, _) in enumerate(calls[0] if calls else []):
+        values = tuple(safe.literal(literals[position][1]) for literals in calls)
+        if len(set(values)) > 1:
+            lifted[position] = (role, values)
+    return lifted
+
+
+def _map_literals(step: Step, fn: Callable[[Const, str], Expr]) -> Step:
+    """``step`` with each liftable literal replaced by ``fn(literal, role)``, in reading
+    order; the role is the keyword it is passed as, else ``shape`` for a tuple or list
+    and ``size`` for a number."""
+
+    def expr(e: Expr, role: str | None) -> Expr:
+        if isinstance(e, Const) and _liftable(e.value):
+            default = "size" if type(e.value) in (int, float) else "shape"
+            return fn(e, role or default)
+        if isinstance(e, CallExpr):
+            args = tuple(expr(a, None) for a in e.args)
+            return CallExpr(e.func, args, tuple((k, expr(v, k)) for k, v in e.kwargs))
+        if isinstance(e, TupleExpr):
+            return TupleExpr(tuple(expr(i, role) for i in e.items))
+        if isinstance(e, ListExpr):
+            return ListExpr(tuple(expr(i, role) for i in e.items))
+        if isinstance(e, DictExpr):
+            return DictExpr(tuple((k, expr(v, role)) for k, v in e.items))
+        return e
+
+    def statement(s: Statement) -> Statement:
+        if isinstance(s, (Assign, Do)):
+            return replace(s, value=expr(s.value, None))
+        return s
+
+    return replace(step, statements=[statement(s) for s in step.statements])
+
+
+def _with_kwargs(statement: Statement, extra: tuple[tuple[str, Expr], ...]) -> Statement:
+    """A call statement with keyword arguments added to its call."""
+    if isinstance(statement, (Assign, Do)) and isinstance(statement.value, CallExpr):
+        call = statement.value
+        return replace(statement, value=replace(call, kwargs=(*call.kwargs, *extra)))
+    return statement
 
 
 def relative(name: str, call: BlockCall) -> str:
