@@ -24,7 +24,8 @@ INPUT = ["x: f32[N, 6, 8]"]
 
 
 class RowMlp(nn.Module):
-    """A residual MLP run on the tokens flattened to rows and viewed back; ``mix`` makes
+    """A residual MLP run on the tokens flattened to rows and viewed back (the residual
+    flattened apart, one region with two merges); ``mix`` makes
     one op of the region mix rows, ``leak`` returns the rows unsplit."""
 
     def __init__(self, mix: str = "", leak: bool = False) -> None:
@@ -44,7 +45,7 @@ class RowMlp(nn.Module):
         if self.mix == "softmax":
             h = torch.softmax(h, dim=0)
         h = self.fc2(nn.functional.gelu(h)) * self.gain
-        out = rows + h
+        out = torch.flatten(x, 0, 1) + h  # a second merge of the same rows
         if self.leak:
             return out
         return out.view(shape)

@@ -33,6 +33,9 @@ RESHAPES = {
     "aten.flatten.using_ints",
 }
 
+#: reads of a tensor's sizes: no value flows through them
+SIZES = {"aten.sym_size.int", "aten.sym_numel.default", "aten._assert_tensor_metadata.default"}
+
 #: ops that compute each element from the same element of their inputs
 ELEMENTWISE = {
     *(f"aten.{op}.default" for op in ("relu", "sigmoid", "tanh", "silu", "hardswish")),
@@ -166,6 +169,8 @@ def _grow(mapper, entry, prefix, target_name) -> tuple[set, str | None]:
         for user in node.users:
             if user in region or (_is_reshape(user, target_name) and _splits(mapper, user)):
                 continue  # an exit: the batch whole again in front
+            if target_name(user) in SIZES:
+                continue  # a size read, not a value
             region.add(user)
             todo.append(user)
             for arg in user.all_input_nodes:  # another merge of the same rows it reads
@@ -235,10 +240,19 @@ def _row_wise(mapper, node, region, rows, target_name) -> str | None:
         why = _matmul_rows(node, region)
         if why is not None:
             return why
+    read = [arg for arg in node.all_input_nodes if arg in region]
+    if (
+        len(read) > 1
+        and target in ELEMENTWISE
+        and any(arg.meta["val"].dim() != rank for arg in read)
+    ):
+        return "broadcasts rows of fewer dims, which would not meet row for row"
     for arg in node.all_input_nodes:
         if arg in region:
             continue
         if target == "aten.matmul.default" or arg in _weights(node, target):
+            if any(isinstance(mapper.dim(d), str) for d in arg.meta["val"].shape):
+                return f"reads {arg.name} {shape_text(mapper.shape(arg))}, a batched value"
             continue  # checked above
         why = _broadcasts(mapper, arg, rank)
         if why is not None:
@@ -266,7 +280,7 @@ def _matmul_rows(node, region) -> str | None:
     left, right = node.args[0], node.args[1]
     lrank, rrank = left.meta["val"].dim(), right.meta["val"].dim()
     if left in region and right in region:
-        return None if lrank >= 3 and rrank >= 3 else "multiplies rows with rows"
+        return None if lrank == rrank >= 3 else "multiplies rows with rows"
     if left in region:
         return None if lrank >= 2 and rrank == 2 else "multiplies the rows by a batched tensor"
     if rrank >= 3 and lrank <= 2:
