@@ -201,3 +201,51 @@ def test_multihead_attention_kernels_add_the_bias(platform, learned):
     torch.testing.assert_close(grads[0], x.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grads[2], layer.in_proj_weight.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grads[5], layer.out_proj.bias.grad, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- eager attention, causal mask
+
+
+@pytest.mark.parametrize(
+    "factory,inputs,target",
+    [
+        ("hf_gpt2", ["input_ids: i64[N, 12]"], None),
+        ("hf_t5", ["input_ids: i64[N, 12]", "decoder_input_ids: i64[N, 8]"], "y: i64[N, 8]"),
+    ],
+)
+def test_eager_attention_with_the_causal_mask_verifies_exactly(factory, inputs, target):
+    """The constant causal mask added to the scores is one causal_mask statement."""
+    pytest.importorskip("transformers")
+    kwargs = {"attn_implementation": "eager"}
+    text = import_network(f"{ZOO}:{factory}", inputs, target, kwargs=kwargs).text
+    assert "= causal_mask(" in text
+    assert "scaled_dot_product_attention" not in text
+    report = verify_text(text, f"{ZOO}:{factory}", kwargs, batch_size=3)
+    assert report.ok, report.problems or report.table()
+
+
+def test_eager_llama_stays_refused_for_its_float32_softmax():
+    """Its softmax rounds to float32 inside, which a float64 step cannot match."""
+    pytest.importorskip("transformers")
+    with pytest.raises(ImportFailure) as failed:
+        import_network(
+            f"{ZOO}:hf_llama", ["input_ids: i64[N, 12]"], kwargs={"attn_implementation": "eager"}
+        )
+    assert "softmax with a dtype" in str(failed.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [5, 3])
+def test_causal_mask_kernel_is_the_add_of_hugging_face_s_mask(dtype, rows):
+    from unroller.runtime.common import causal_mask, causal_mask_backward
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, rows, 5, dtype=dtype) * 10
+    keep = torch.ones(rows, 5, dtype=torch.bool).tril(5 - rows)
+    lowest = torch.full_like(x[0, 0], torch.finfo(dtype).min)
+    added = x + torch.where(keep, torch.zeros_like(lowest), lowest)
+    assert torch.equal(causal_mask(x), added)
+    g = torch.randn_like(x)
+    (grad,) = causal_mask_backward(g)
+    assert torch.equal(grad[..., ~keep], torch.zeros_like(grad[..., ~keep]))
+    assert torch.equal(grad[..., keep], g[..., keep])

@@ -355,6 +355,12 @@ def _binary(op: str):
         if constant is not None and op in ("add", "sub") and not bool(constant.any()):
             if view.in_shape("self") == view.out_shape():
                 return view.alias("self")  # an attention mask that masks nothing
+        if op == "add":  # eager attention's scores plus the causal mask, either way round
+            for key, mask in (("self", "other"), ("other", "self")):
+                if view.is_tensor(a[key]) and _additive_causal(view, mask, key):
+                    return view.stmt(
+                        "causal_mask", [view.value(key)], value_shape=view.in_shape(key)
+                    )
         if (
             constant is not None
             and op == "mul"
@@ -367,6 +373,29 @@ def _binary(op: str):
         return view.stmt(op, [view.value("self"), view.value("other")])
 
     return mapper
+
+
+def _additive_causal(view, mask: str, other: str) -> bool:
+    """Whether argument ``mask`` is a constant additive causal mask for the scores
+    ``other`` ([..., L, S]: 0 where key <= query + S - L, at most -1e30 elsewhere, something
+    masked) that broadcasts over the scores' leading dims only, as Hugging Face builds it
+    for eager attention."""
+    value = view.constant(mask)
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 2:
+        return False
+    if view.constant(other) is not None:
+        return False
+    shape, out = view.in_shape(other), view.out_shape()
+    if len(shape) != len(out) or tuple(shape[-2:]) != tuple(out[-2:]):
+        return False
+    if tuple(value.shape[-2:]) != tuple(int(d) for d in shape[-2:]):
+        return False
+    rows, cols = value.shape[-2:]
+    keep = torch.ones(rows, cols, dtype=torch.bool).tril(cols - rows)
+    if bool(keep.all()):
+        return False
+    flat = value.reshape(-1, rows, cols)
+    return bool((flat[:, keep] == 0).all()) and bool((flat[:, ~keep] <= -1e30).all())
 
 
 for _op in ("add", "sub", "mul", "div"):

@@ -307,6 +307,24 @@ def padding_mask(mask: Tensor, *, invert: bool = False) -> Tensor:
     return bias.unsqueeze(1).unsqueeze(1)
 
 
+def _causal_keep(x: Tensor) -> Tensor:
+    """[L, S]: True where a query (row) may see a key (column), as a causal mask of L
+    queries ending at the last of S keys."""
+    rows, cols = x.shape[-2:]
+    return torch.ones(rows, cols, dtype=torch.bool, device=x.device).tril(cols - rows)
+
+
+def causal_mask(x: Tensor) -> Tensor:
+    """The scores with the causal mask added as Hugging Face's eager attention adds it (0,
+    or the dtype's lowest, which the add leaves exactly so): masked entries set to lowest."""
+    return x.masked_fill(~_causal_keep(x), torch.finfo(x.dtype).min)
+
+
+def causal_mask_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
+    """The gradient where a key is seen, 0 where it is masked."""
+    return _fit((g.masked_fill(~_causal_keep(g), 0) if _need(needs, 0) else None,), needs)
+
+
 def padding_mask_backward(g: Tensor, *, invert: bool = False, needs: Needs | None = None) -> Grads:
     """Never called: an integer padding mask carries no gradient."""
     return _fit((None,), needs)

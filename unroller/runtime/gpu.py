@@ -78,6 +78,8 @@ from unroller.runtime.common import (  # noqa: F401
     mul_backward,
     padded_positions,
     padded_positions_backward,
+    causal_mask,
+    causal_mask_backward,
     padding_mask,
     padding_mask_backward,
     parameter,
