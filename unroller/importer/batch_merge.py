@@ -103,9 +103,12 @@ def find(mapper, target_name) -> Merged:
             merged.refused[node] = reason
             continue
         region, why = _grow(mapper, node, prefix, target_name)
-        done |= {n for n in region if _is_reshape(n, target_name)}
+        entries = {n for n in region if _is_reshape(n, target_name)}
+        done |= entries
         if why is not None:
-            merged.refused[node] = why
+            for other in entries:
+                if (_entry(mapper, other) or ((), ""))[0] == prefix:
+                    merged.refused[other] = why  # each merge of these rows, one reason
             continue
         k = len(prefix) - 1
         for member in region:
