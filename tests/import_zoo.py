@@ -1634,6 +1634,33 @@ def hf_t5(
     return T5ForConditionalGeneration(config)
 
 
+def hf_bart(dropout: float = 0.1, attn_implementation: str = "sdpa") -> nn.Module:
+    """``transformers.BartForConditionalGeneration`` from a 2 + 2 layer config with its
+    defaults otherwise (dropout 0.1, learned positions offset by 2, the shared embedding
+    tied to both stacks and the head, the ``final_logits_bias`` buffer). ``forward(
+    input_ids, decoder_input_ids=...).logits``: with the decoder's ids given,
+    shift_tokens_right does not run."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=32,
+        dropout=dropout,
+        attention_dropout=dropout,
+        activation_dropout=dropout,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
+    return BartForConditionalGeneration(config)
+
+
 def hf_llama(
     vocab: int = 64,
     positions: int = 32,

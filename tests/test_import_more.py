@@ -249,3 +249,47 @@ def test_causal_mask_kernel_is_the_add_of_hugging_face_s_mask(dtype, rows):
     (grad,) = causal_mask_backward(g)
     assert torch.equal(grad[..., ~keep], torch.zeros_like(grad[..., ~keep]))
     assert torch.equal(grad[..., keep], g[..., keep])
+
+
+# ---------------------------------------------------------------- BART
+
+
+BART_INPUTS = ["input_ids: i64[N, 12]", "decoder_input_ids: i64[N, 8]"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"dropout": 0.0}, {"attn_implementation": "eager"}],
+    ids=["default", "off", "eager"],
+)
+def test_bart_verifies_exactly(kwargs):
+    """Scaled, tied, offset-positioned embeddings; final_logits_bias, a buffer read as data,
+    a frozen parameter under its key (compared as the buffer it is)."""
+    pytest.importorskip("transformers")
+    text = import_network(f"{ZOO}:hf_bart", BART_INPUTS, "y: i64[N, 8]", kwargs=kwargs).text
+    assert "final_logits_bias = parameter(shape=(1, 64), frozen=true)" in text
+    assert "embedding_rows(num_embeddings=34, embedding_dim=32, length=8, start=2)" in text
+    assert 'tied_weight="model.shared.weight"' in text
+    report = verify_text(text, f"{ZOO}:hf_bart", kwargs, batch_size=3)
+    assert report.ok, report.problems or report.table()
+    assert any(row.name == "buffer final_logits_bias" for row in report.rows)
+
+
+class WrittenBuffer(nn.Module):
+    """A buffer read as data and then updated: not a constant of the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) + self.avg
+        self.avg.mul_(0.5)
+        return y
+
+
+def test_a_buffer_read_as_data_and_written_is_refused():
+    with pytest.raises(ImportFailure) as failed:
+        import_network("written", ["x: f32[N, 4]"], built=WrittenBuffer())
+    assert "writes avg in place" in str(failed.value)

@@ -920,7 +920,10 @@ def _state_rows(original, generated, tolerance: float) -> list[Row]:
     gen_state = generated.state_dict()
     rows = []
     for key, value in original.state_dict().items():
-        if key in params or key in gen_params:
+        if key not in params and key in gen_params and not gen_params[key].requires_grad:
+            # a buffer read as data is a frozen parameter there: compared as a buffer
+            rows.append(compare(f"buffer {key}", gen_state[key], value, tolerance))
+        elif key in params or key in gen_params:
             if key not in params or key not in gen_params:
                 where = "the original" if key in params else "the generated module"
                 nan = float("nan")

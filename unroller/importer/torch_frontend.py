@@ -695,9 +695,26 @@ class _Mapper:
             if node.name in self.params:
                 return self._free_parameter(node)
             if node.name in self.buffers:
-                raise Refuse(f"reads the buffer {self.buffers[node.name]} as data")
+                return self._read_only_buffer(node)
             raise Refuse(f"reads a tensor constant ({node.name}) captured from the code")
         raise Refuse(f"reads {node.name}, which could not be mapped")
+
+    def _read_only_buffer(self, node) -> str:
+        """A persistent buffer read as data and never written (BART's final_logits_bias): a
+        frozen ``parameter`` statement under its key, loaded from the same state-dict
+        entry, with no gradient, as the buffer has none."""
+        key = self.buffers[node.name]
+        written = self.program.graph_signature.buffers_to_mutate.values()
+        if not valid_path(key) or key in self.names or key in written:
+            raise Refuse(f"reads the buffer {key} as data")
+        shape = tuple(int(d) for d in node.meta["val"].shape)
+        self.names.add(key)
+        self.used_buffers.add(key)
+        owner = key.rpartition(".")[0]
+        kwargs = {"shape": shape, "init": "zeros", "frozen": True}
+        self.stmts.append(Stmt(key, "parameter", [], kwargs, owner, shape))
+        self.values[node] = key
+        return key
 
     def _free_parameter(self, node) -> str:
         key = self.params[node.name]
@@ -1630,8 +1647,14 @@ def _key_padding_bias(mapper, path: str, mask: fx.Node, length: int) -> str:
     key = ("key_padding", mask)
     if key not in mapper.padding_values:
         name = mapper.unique(f"{path}.padding_mask")
-        stmt = Stmt(name, "padding_mask", [mapper.value_of(mask)], {"invert": True}, path,
-                    (BATCH, 1, 1, keys))
+        stmt = Stmt(
+            name,
+            "padding_mask",
+            [mapper.value_of(mask)],
+            {"invert": True},
+            path,
+            (BATCH, 1, 1, keys),
+        )
         mapper.stmts.append(stmt)
         mapper.padding_values[key] = name
     size = (BATCH, 1, length, keys)
