@@ -364,8 +364,8 @@ class _Refused(nn.Module):
         self.rnn = nn.LSTM(4, 3, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.form == "h_n":
-            return self.rnn(x)[1][0][-1]
+        if self.form == "c_n":  # h_n[-1] imports (tests/test_import_more.py); c_n does not
+            return self.rnn(x)[1][1][-1]
         if self.form == "hx":
             h = torch.ones(1, x.shape[0], 3)
             return self.rnn(x, (h, h))[0].flatten(1)
@@ -377,7 +377,7 @@ class _Refused(nn.Module):
     [
         ("proj", "proj_size > 0"),
         ("dropout", "use dropout=0, or one nn.LSTM per layer with nn.Dropout between them"),
-        ("h_n", "the last layer's h_n is its last step (out[:, -1]"),
+        ("c_n", "reads the final cell state c_n of nn.LSTM"),
         ("hx", "only its default (zeros, hx=None) imports"),
     ],
 )
