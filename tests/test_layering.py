@@ -184,3 +184,37 @@ def test_the_cycle_check_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycle(graph, set(graph)) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}, {"a", "b"}) is None
+
+
+def test_the_stash_observer_sees_every_kept_tensor_by_full_name():
+    """The probe step reads saved tensors through ``observe_stash``, not by replacing
+    ``stash``: each log made inside the block reports raw tensors by full (block) name."""
+    import torch
+
+    from unroller.runtime.common import observe_stash, stash, stash_log, stash_raw
+
+    seen: dict[str, torch.Tensor] = {}
+    x, y = torch.ones(2, 3), torch.zeros(2)
+    with observe_stash(lambda key, t: seen.setdefault(key, t)):
+        log = stash_log()
+        stash_raw(log.within("blk"), {"x": x})
+        stash(log, "y", y)
+    assert set(seen) == {"blk.x", "y"} and seen["blk.x"] is x
+    assert [row[0] for row in log] == ["blk.x", "y"]
+    stash_raw(stash_log(), {"z": x})  # outside the block: nobody is told
+    assert set(seen) == {"blk.x", "y"}
+
+
+def test_the_step_observer_sees_each_training_step_with_its_node():
+    from unroller.codegen import Emitter
+    from unroller.graph import build_graph
+    from unroller.parser import parse
+
+    text = (ROOT / "benchmarks" / "models" / "quick.txt").read_text(encoding="utf-8")
+    graph = build_graph(parse(text, "quick.txt"))
+    made: list[tuple[str, str]] = []
+    steps = Emitter(graph, observer=lambda s, n: made.append((s.section, n.name))).training_steps()
+    trained = {n.name for n in graph.nodes}
+    assert {name for _, name in made} == trained
+    assert {section for section, _ in made} >= {"forward", "backward"}
+    assert len(made) <= len(steps)
