@@ -311,7 +311,8 @@ def _causal_keep(x: Tensor) -> Tensor:
     """[L, S]: True where a query (row) may see a key (column), as a causal mask of L
     queries ending at the last of S keys."""
     rows, cols = x.shape[-2:]
-    return torch.ones(rows, cols, dtype=torch.bool, device=x.device).tril(cols - rows)
+    query = torch.arange(cols - rows, cols, device=x.device).unsqueeze(1)
+    return torch.arange(cols, device=x.device).unsqueeze(0) <= query
 
 
 def causal_mask(x: Tensor) -> Tensor:
