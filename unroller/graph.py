@@ -19,6 +19,7 @@ import hashlib
 import keyword
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -471,18 +472,7 @@ class GraphBuilder:
     def _op_call(self, stmt: Call, scope: _Scope) -> Value:
         op = self.ops[stmt.op]
         full_name = scope.prefix + stmt.target
-        if op.variadic:
-            if not stmt.args:
-                raise ModelError(f"{op.name} needs at least one tensor argument", stmt.op_loc)
-        elif not op.required_inputs <= len(stmt.args) <= len(op.inputs):
-            count = len(op.inputs)
-            if op.optional_inputs:
-                count = f"{op.required_inputs} to {count}"
-            raise ModelError(
-                f"{op.name} takes {count} tensor argument(s) "
-                f"({', '.join(op.inputs)}), got {len(stmt.args)}",
-                stmt.args[len(op.inputs)].loc if len(stmt.args) > len(op.inputs) else stmt.op_loc,
-            )
+        self._check_arity(op, stmt)
         if len(self.nodes) >= MAX_NODES:
             raise ModelError(
                 f"the model has more than {MAX_NODES:,} operator calls once blocks are "
@@ -495,21 +485,70 @@ class GraphBuilder:
         freezes = self._freezes(op, stmt)
         plain = {k: v for k, v in given.items() if k not in ties.values() and k not in freezes}
         args = self._check_args(op, stmt, plain)
+        result = self._output_of(op, stmt, full_name, inputs, args)
+        env = {**args, **result.derived}
+        float_dtype = next(
+            (v.type.dtype for v in inputs if v.type.dtype in FLOAT_DTYPES), result.type.dtype
+        )
+        params = self._param_tensors(op, op.params, True, full_name, result, args, float_dtype)
+        buffers = self._param_tensors(op, op.buffers, False, full_name, result, args, float_dtype)
+        for name in self._frozen_params(op, stmt, given, freezes, params):
+            next(p for p in params if p.name == name).trainable = False
+        self._count_parameters(op, stmt, full_name, params + buffers)
+        value = Value(full_name, result.type, stmt.loc)
+        args_text = [v.name for v in inputs]
+        kw_text = [f"{k}={render_const(v)}" for k, v in given.items()]
+        node = Node(
+            name=full_name,
+            op=op,
+            inputs=inputs,
+            args=args,
+            derived=result.derived,
+            output=value,
+            params=params,
+            buffers=buffers,
+            extras=self._extras(op, inputs, result.type, env, float_dtype),
+            loc=stmt.loc,
+            text=f"{full_name} = {op.name}({', '.join(args_text + kw_text)})",
+            local_text=_statement_text(stmt),
+            blocks=scope.blocks,
+            index=len(self.nodes),
+            ties=self._tied_params(op, stmt, given, ties, params),
+        )
+        value.producer = node
+        for position, v in enumerate(inputs):
+            v.consumers.append((node, position))
+        self.nodes.append(node)
+        return value
+
+    @staticmethod
+    def _check_arity(op: OpSpec, stmt: Call) -> None:
+        """Refuse a call with fewer or more tensor arguments than the operator takes."""
+        if op.variadic:
+            if not stmt.args:
+                raise ModelError(f"{op.name} needs at least one tensor argument", stmt.op_loc)
+        elif not op.required_inputs <= len(stmt.args) <= len(op.inputs):
+            count = len(op.inputs)
+            if op.optional_inputs:
+                count = f"{op.required_inputs} to {count}"
+            raise ModelError(
+                f"{op.name} takes {count} tensor argument(s) "
+                f"({', '.join(op.inputs)}), got {len(stmt.args)}",
+                stmt.args[len(op.inputs)].loc if len(stmt.args) > len(op.inputs) else stmt.op_loc,
+            )
+
+    def _output_of(
+        self, op: OpSpec, stmt: Call, full_name: str, inputs: list[Value], args: dict[str, Any]
+    ) -> shapes.ShapeResult:
+        """The operator's output type and derived values, in the model's float dtype.
+
+        A shape rule's failure is reported at the argument it blames, and a free tensor
+        (``parameter``) is named after its attribute, which must not be a Python keyword.
+        """
         try:
             result = shapes.rule(op.shape)(op.name, [v.type for v in inputs], args)
         except ShapeError as exc:
-            loc, hint = stmt.op_loc, None
-            if exc.input_index is not None and exc.input_index < len(stmt.args):
-                loc = stmt.args[exc.input_index].loc
-                culprit = inputs[exc.input_index]
-                if culprit.kind in ("input", "target"):
-                    hint = (
-                        f"{culprit.kind} '{culprit.name}' is declared {culprit.type} at line "
-                        f"{culprit.loc.line}"
-                    )
-            elif exc.arg is not None:
-                loc = next((kw.loc for kw in stmt.kwargs if kw.name == exc.arg), loc)
-            raise ModelError(f"{full_name}: {exc.message}", loc, hint) from None
+            raise self._shape_failure(exc, stmt, full_name, inputs) from None
         if op.free:  # the model's float dtype; the parameter's attribute name
             attribute = full_name.rpartition(".")[2]
             if keyword.iskeyword(attribute):  # `lambda = parameter(...)`: no such attribute
@@ -528,28 +567,58 @@ class GraphBuilder:
                 f"{full_name}: the output of {op.name} would be {result.type}: {problem}",
                 stmt.op_loc,
             )
-        env = {**args, **result.derived}
-        float_dtype = next(
-            (v.type.dtype for v in inputs if v.type.dtype in FLOAT_DTYPES), result.type.dtype
-        )
+        return result
 
-        def tensors(specs: tuple, trainable: bool) -> list[ParamTensor]:
-            return [
-                ParamTensor(
-                    name=result.derived["name"] if op.free else spec.name,
-                    key=full_name if op.free else f"{full_name}.{spec.name}",
-                    shape=tuple(eval_expr(spec.shape, env)),
-                    dtype=spec.dtype or float_dtype,
-                    trainable=trainable,
-                    present=spec.present(args),
+    @staticmethod
+    def _shape_failure(
+        exc: ShapeError, stmt: Call, full_name: str, inputs: list[Value]
+    ) -> ModelError:
+        """A shape rule's error placed at the argument or keyword it names, with a hint
+        pointing at the declaration when the culprit is a model input or target."""
+        loc, hint = stmt.op_loc, None
+        if exc.input_index is not None and exc.input_index < len(stmt.args):
+            loc = stmt.args[exc.input_index].loc
+            culprit = inputs[exc.input_index]
+            if culprit.kind in ("input", "target"):
+                hint = (
+                    f"{culprit.kind} '{culprit.name}' is declared {culprit.type} at line "
+                    f"{culprit.loc.line}"
                 )
-                for spec in specs
-            ]
+        elif exc.arg is not None:
+            loc = next((kw.loc for kw in stmt.kwargs if kw.name == exc.arg), loc)
+        return ModelError(f"{full_name}: {exc.message}", loc, hint)
 
-        params, buffers = tensors(op.params, True), tensors(op.buffers, False)
-        for name in self._frozen_params(op, stmt, given, freezes, params):
-            next(p for p in params if p.name == name).trainable = False
-        for tensor in params + buffers:
+    @staticmethod
+    def _param_tensors(
+        op: OpSpec,
+        specs: tuple,
+        trainable: bool,
+        full_name: str,
+        result: shapes.ShapeResult,
+        args: dict[str, Any],
+        float_dtype: str,
+    ) -> list[ParamTensor]:
+        """The parameters (or buffers) ``specs`` of one call, shapes evaluated from its
+        arguments and derived values; a free tensor is keyed by the statement's name."""
+        env = {**args, **result.derived}
+        return [
+            ParamTensor(
+                name=result.derived["name"] if op.free else spec.name,
+                key=full_name if op.free else f"{full_name}.{spec.name}",
+                shape=tuple(eval_expr(spec.shape, env)),
+                dtype=spec.dtype or float_dtype,
+                trainable=trainable,
+                present=spec.present(args),
+            )
+            for spec in specs
+        ]
+
+    def _count_parameters(
+        self, op: OpSpec, stmt: Call, full_name: str, tensors: list[ParamTensor]
+    ) -> None:
+        """Add the call's tensors to the model's element count, refusing any tensor, or a
+        model total, beyond the limits."""
+        for tensor in tensors:
             problem = size_problem(tensor.shape)
             if problem:
                 raise ModelError(
@@ -565,42 +634,29 @@ class GraphBuilder:
                 f"{MAX_PARAMETERS:,} (2**34)",
                 stmt.op_loc,
             )
+
+    @staticmethod
+    def _extras(
+        op: OpSpec,
+        inputs: list[Value],
+        output: TensorType,
+        env: dict[str, Any],
+        float_dtype: str,
+    ) -> list[Extra]:
+        """The call's extra tensors (saved statistics, masks), each shaped like the output,
+        like an input, or by its own expression."""
         extras = []
         input_types = dict(zip(op.input_names(len(inputs)), (v.type for v in inputs)))
         for extra in op.extras:
             if extra.like is not None:
-                like = result.type if extra.like == "output" else input_types[extra.like]
+                like = output if extra.like == "output" else input_types[extra.like]
                 etype = TensorType(extra.dtype or like.dtype, like.shape)
             else:
                 shape = tuple(eval_expr(extra.shape or "()", env))
                 etype = TensorType(extra.dtype or float_dtype, shape)
             present = extra.when is None or bool(eval_expr(extra.when, env))
             extras.append(Extra(extra.name, etype, present))
-        value = Value(full_name, result.type, stmt.loc)
-        args_text = [v.name for v in inputs]
-        kw_text = [f"{k}={render_const(v)}" for k, v in given.items()]
-        node = Node(
-            name=full_name,
-            op=op,
-            inputs=inputs,
-            args=args,
-            derived=result.derived,
-            output=value,
-            params=params,
-            buffers=buffers,
-            extras=extras,
-            loc=stmt.loc,
-            text=f"{full_name} = {op.name}({', '.join(args_text + kw_text)})",
-            local_text=_statement_text(stmt),
-            blocks=scope.blocks,
-            index=len(self.nodes),
-            ties=self._tied_params(op, stmt, given, ties, params),
-        )
-        value.producer = node
-        for position, v in enumerate(inputs):
-            v.consumers.append((node, position))
-        self.nodes.append(node)
-        return value
+        return extras
 
     def _kwargs(self, stmt: Call, scope: _Scope) -> dict[str, Any]:
         # The parser refuses a keyword given twice, so each name comes once here.
@@ -988,26 +1044,6 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
             f"{op}: argument '{spec.name}' must be {describe_type(spec)}{why}, got {got}", loc
         )
 
-    def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    def is_num(v: Any) -> bool:
-        return is_int(v) or isinstance(v, float)
-
-    def bounded(v: float) -> None:
-        if isinstance(v, float) and not math.isfinite(v):
-            raise bad(" (finite)")
-        if spec.min is not None and v < spec.min:
-            raise bad(f" >= {spec.min}")
-        if spec.max is not None and v > spec.max:
-            raise bad(f" <= {spec.max}")
-        # Whatever the registry says, no kernel takes an integer beyond int32 or a float
-        # beyond float32 (torch refuses to convert it at run time).
-        if is_int(v) and abs(v) > MAX_DIM:
-            raise bad(f" (at most {MAX_DIM:,} in magnitude)")
-        if isinstance(v, float) and abs(v) > MAX_FLOAT:
-            raise bad(f" (at most {MAX_FLOAT:g} in magnitude)")
-
     if value is None and spec.optional:
         return None
     if _has_batch_symbol(value) and spec.type != "size":
@@ -1016,54 +1052,88 @@ def normalize_arg(op: str, spec: ArgSpec, value: Any, loc: Loc) -> Any:
             "size N may appear only in a size tuple (as expand's size=(N, -1, -1))",
             loc,
         )
+    if spec.type in ("int", "float", "bool", "str"):
+        return _normalize_scalar(spec, value, bad)
+    return _normalize_tuple(spec, value, bad)
+
+
+def _is_int(v: Any) -> bool:
+    """An integer that is not a bool (``True`` is an ``int`` to Python, not to a model)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return _is_int(v) or isinstance(v, float)
+
+
+def _check_bounds(spec: ArgSpec, v: float, bad: Callable[[str], ModelError]) -> None:
+    """Refuse a number outside the spec's range, or beyond what any kernel can take."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise bad(" (finite)")
+    if spec.min is not None and v < spec.min:
+        raise bad(f" >= {spec.min}")
+    if spec.max is not None and v > spec.max:
+        raise bad(f" <= {spec.max}")
+    # Whatever the registry says, no kernel takes an integer beyond int32 or a float
+    # beyond float32 (torch refuses to convert it at run time).
+    if _is_int(v) and abs(v) > MAX_DIM:
+        raise bad(f" (at most {MAX_DIM:,} in magnitude)")
+    if isinstance(v, float) and abs(v) > MAX_FLOAT:
+        raise bad(f" (at most {MAX_FLOAT:g} in magnitude)")
+
+
+def _normalize_scalar(spec: ArgSpec, value: Any, bad: Callable[[str], ModelError]) -> Any:
+    """An ``int``, ``float``, ``bool`` or ``str`` keyword value, checked."""
     if spec.type == "int":
-        if not is_int(value):
-            raise bad()
-        bounded(value)
+        if not _is_int(value):
+            raise bad("")
+        _check_bounds(spec, value, bad)
         return value
     if spec.type == "float":
-        if not is_num(value):
-            raise bad()
-        bounded(float(value))
+        if not _is_num(value):
+            raise bad("")
+        _check_bounds(spec, float(value), bad)
         return float(value)
     if spec.type == "bool":
         if not isinstance(value, bool):
-            raise bad()
+            raise bad("")
         return value
-    if spec.type == "str":
-        if not isinstance(value, str):
-            raise bad()
-        if spec.choices and value not in spec.choices:
-            raise bad()
-        return value
+    if not isinstance(value, str) or (spec.choices and value not in spec.choices):
+        raise bad("")
+    return value
+
+
+def _normalize_tuple(spec: ArgSpec, value: Any, bad: Callable[[str], ModelError]) -> Any:
+    """A ``pair``, ``scale``, ``dims`` or ``size`` keyword value, checked, as a tuple
+    (a single number stands for the pair of it, or the one-element tuple)."""
     if spec.type in ("pair", "scale"):
-        check = is_int if spec.type == "pair" else is_num
+        check = _is_int if spec.type == "pair" else _is_num
         items = (value, value) if check(value) else value
         if not isinstance(items, tuple) or len(items) != 2 or not all(check(v) for v in items):
-            raise bad()
+            raise bad("")
         for v in items:
             if spec.type == "scale" and v <= 0:
                 raise bad(" > 0")
-            bounded(v)
+            _check_bounds(spec, v, bad)
         return tuple(items) if spec.type == "pair" else tuple(float(v) for v in items)
     if spec.type == "dims":
-        items = (value,) if is_int(value) else value
-        if not isinstance(items, tuple) or not all(is_int(v) for v in items):
-            raise bad()
+        items = (value,) if _is_int(value) else value
+        if not isinstance(items, tuple) or not all(_is_int(v) for v in items):
+            raise bad("")
         if not items and not spec.empty:
-            raise bad()
+            raise bad("")
         for v in items:
-            bounded(v)
+            _check_bounds(spec, v, bad)
         return tuple(items)
     if spec.type == "size":
         items = value if isinstance(value, tuple) else (value,)
-        if not items or not all(isinstance(v, BatchSymbol) or is_int(v) for v in items):
-            raise bad()
+        if not items or not all(isinstance(v, BatchSymbol) or _is_int(v) for v in items):
+            raise bad("")
         for v in items:
-            if is_int(v) and (v == 0 or v < -1):
-                raise bad()
-            if is_int(v):
-                bounded(v)
+            if _is_int(v) and (v == 0 or v < -1):
+                raise bad("")
+            if _is_int(v):
+                _check_bounds(spec, v, bad)
         return tuple(shapes.BATCH if isinstance(v, BatchSymbol) else v for v in items)
     raise AssertionError(spec.type)
 
