@@ -950,7 +950,7 @@ EMBEDDING_CASES = (
     _embedding_case("pad0-3d", (2, 3, 4), 0),
 )
 
-# ---------------------------------------------------------------- Hugging Face layers (issue 13)
+# ---------------------------------------------------------------- Hugging Face layers
 
 
 def _embedding_rows_case(num: int, length: int, start: int | None) -> Case:

@@ -1,4 +1,4 @@
-"""The benchmark suite's issue-14 figures: the quarter budget, samples/s at the max batch,
+"""The benchmark suite's budget figures: the quarter budget, samples/s at the max batch,
 the predicted floor, the goals, and the optional pieces (compiled peers, Model(compile=True),
 the memory model, the timeline plot) wired in behind flags.
 
@@ -467,7 +467,7 @@ def test_segment_rows_only_for_models_with_blocks(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_tiny_run_has_the_issue14_figures(tmp_path: Path):
+def test_tiny_run_has_the_budget_figures(tmp_path: Path):
     argv = [*TINY, "--scheme", "dct-dense", "--out-dir", str(tmp_path), "--no-plots"]
     assert main(argv) == 0
     lines = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""The torch.compile'd peers and the per-step memory timeline (issue 14, item 5).
+"""The torch.compile'd peers and the per-step memory timeline.
 
 Fast: the compiled peers' plumbing on a tiny conv net with a cheap backend
 (aot_eager_decomp_partition: AOTAutograd and its min-cut partitioner, which reads the

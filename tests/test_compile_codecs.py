@@ -1,5 +1,5 @@
 """``Model(compile=True)``: the generated step under torch.compile, and the codecs' compiled
-formulation (issue 14, fused codecs).
+formulation (fused codecs).
 
 Fast suite: the compiled formulation of every codec, run eagerly, gives the same bits as the
 other formulations; a tiny model's step captured by torch.compile (the "eager" backend: the

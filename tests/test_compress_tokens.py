@@ -1,5 +1,5 @@
 """Compression of what transformers save: token tensors [N, L, E], attention maps
-[N, H, L, L] and GELU/SiLU inputs (issue 12, item 3).
+[N, H, L, L] and GELU/SiLU inputs.
 
 - quant groups per last-dim row (per token, per attention row), never one scale for a
   whole sample or head; image maps [N, C, H, W] keep their per-channel groups. The error

@@ -135,3 +135,46 @@ def test_headline_reads_the_slopes_of_a_run(tmp_path):
     assert "2.0x less at 1.50x time (`checkpoint`)" in row
     assert "2.5x less at 1.10x time (`hooks:quant`)" in row
     assert "python -m benchmarks.run X" in table
+
+
+def _tracked(*patterns: str) -> list[str]:
+    import subprocess
+
+    return subprocess.run(
+        ["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+
+
+def test_no_repository_text_names_issues_or_sessions():
+    """The repository explains itself: no text refers to the tracker's issues or to work
+    sessions, which a reader of a clone cannot see."""
+    import re
+
+    pattern = re.compile(r"\bissue[ _-]?\d+|\bsessions?\b", re.I)
+    bad = []
+    for name in _tracked("*.md", "*.py", "*.txt", "*.toml", "*.j2", "Makefile"):
+        if name == "tests/test_docs.py":
+            continue
+        text = (ROOT / name).read_text(encoding="utf-8", errors="replace")
+        bad += [f"{name}: {m.group(0)}" for m in pattern.finditer(text)]
+    assert not bad, bad
+
+
+def test_links_in_the_docs_resolve():
+    """Every relative link of README.md and docs/*.md names a file of the repository."""
+    import re
+
+    bad = []
+    for name in _tracked("README.md", "docs/*.md"):
+        page = ROOT / name
+        for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", page.read_text()):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            if not (page.parent / target).exists():
+                bad.append(f"{name}: {target}")
+    assert not bad, bad
+
+
+def test_the_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, len(lines)

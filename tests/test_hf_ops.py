@@ -1,4 +1,4 @@
-"""The two registry operators Hugging Face models need (issue 13), end to end.
+"""The two registry operators Hugging Face models need, end to end.
 
 * ``embedding_rows``: rows start .. start+length-1 of an nn.Embedding table, without the
   batch dim (positions and token types read at constant ids), a layer without inputs;

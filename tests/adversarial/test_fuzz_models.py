@@ -700,7 +700,7 @@ def test_mutants_error_cleanly_or_run(base: str, monkeypatch: pytest.MonkeyPatch
 def test_fuzz_summary():
     """Runs last: the totals over all seed files (printed with -s)."""
     if not STATS:
-        pytest.skip("no fuzz results in this session")
+        pytest.skip("no fuzz results in this run")
     total = {k: sum(c[k] for c in STATS.values()) for k in ("error", "generated", "ran", "crash")}
     print(f"\nfuzz totals over {len(STATS)} seeds ({sum(total.values())} mutants): {total}")
     assert total["ran"] > 0 and total["error"] > 0

@@ -8,7 +8,7 @@ ReLU mask, since white noise would be the worst case for DCT+Chop.
 
 Each round trip is timed twice: eagerly, and under torch.compile (compress and decompress
 compiled apart, as a compiled step keeps the packed form between them), where the codec
-chains fuse; issue 14's goal is a compiled round trip at half a copy's bandwidth or better.
+chains fuse; the goal is a compiled round trip at half a copy's bandwidth or better.
 The tensors live on ``--device`` (the CPU by default; the same code on CUDA).
 
 The ``quant`` configurations also run on a token tensor [N, L, E] of the same byte count
@@ -35,7 +35,7 @@ from unroller.bench.timing import synchronize, time_interleaved
 from unroller.compress import base, make, native, packed_nbytes
 
 BLUR_SIGMA = 3.0  # pixels
-COMPILED_GOAL = 0.5  # issue 14: a compiled round trip at half a copy's bandwidth or better
+COMPILED_GOAL = 0.5  # a compiled round trip at half a copy's bandwidth or better
 
 # (label, compressor name, parameters, input): input "activation" (float32 [N, C, H, W]),
 # "tokens" (float32 [N, L, E], the same bytes) or "mask" (bool)

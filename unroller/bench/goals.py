@@ -5,7 +5,7 @@ Nothing here asserts: each goal gives its headline figure (``value``), the detai
 peer not run, memory not measured, or a goal stated for other models). "Well below"
 every peer's peak is taken as at most ``DENSE_PEAK`` times it.
 
-Issue 14's goals under the memory budget (the "quarter" budget by default) are stated for
+The goals under the memory budget (the "quarter" budget by default) are stated for
 ``auto`` and dct-dense (``BUDGET_SCHEMES``), one entry per scheme run: max batch >= 6x
 autograd's on ResNet-34, within 1.25x of the floor-limited ideal on the U-Nets and
 OpticalDamage, ahead of every hook-based peer and of checkpointing; for every ours:*
@@ -76,7 +76,7 @@ TEXTS = {
     f"{PER_SAMPLE_TIME:g}x autograd's keeps >= {PER_SAMPLE_LESS:g}x less than autograd "
     "(ResNet-34)",
 }
-# the key each budget goal had before issue 14 (dct-dense's 6x goal), kept for readers
+# the key each budget goal had before the quarter budget (dct-dense's 6x goal), kept for readers
 GOAL_KEYS = {("max_batch", "dct-dense"): "dense_max_batch"}
 
 

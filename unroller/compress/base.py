@@ -665,7 +665,7 @@ def host_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
     tuples) on the host, so that torch.compile calls it while tracing and takes its result
     as a constant instead of tracing its Python code (a numeric solver does not trace): what
     ``torch.compiler.assume_constant_result`` does, its attribute set here without importing
-    torch._dynamo, which takes seconds (tests/test_compile14.py checks the two agree)."""
+    torch._dynamo, which takes seconds (tests/test_compile_codecs.py checks the two agree)."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 
