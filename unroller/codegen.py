@@ -356,6 +356,13 @@ class Emitter:
     def kwargs(op_kwargs: dict[str, Any]) -> tuple[tuple[str, Expr], ...]:
         return tuple((k, Const(v)) for k, v in op_kwargs.items())
 
+    @staticmethod
+    def defaults(op: Any, values: dict[str, Any]) -> tuple[tuple[str, Expr], ...]:
+        """The arguments of ``values`` a call leaves out as equal to the registry default
+        (``CallExpr.defaults``: outlining passes one where block instances differ in it)."""
+        explicit = explicit_kwargs(op, values)
+        return tuple((k, Const(v)) for k, v in values.items() if k in op.args and k not in explicit)
+
     # -- forward -------------------------------------------------------------------------
 
     def forward_step(self, node: Node, eval_mode: bool = False) -> Step:
@@ -369,6 +376,7 @@ class Emitter:
             self.kernel(node, f"{op.name}_eval" if evaluating else op.name),
             tuple(args),
             self.kwargs(explicit_kwargs(op, node.kernel_kwargs)),
+            self.defaults(op, node.kernel_kwargs),
         )
         targets: list[Var | None] = [self.var(node.output)]
         if op.extras and not evaluating:
@@ -469,6 +477,7 @@ class Emitter:
             self.kernel(node, f"{op.name}_backward"),
             (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),
             (*kwargs, *(() if self.needs_implied(node) else (("needs", Const(node.needs)),))),
+            self.defaults(op, node.backward_kwargs),
         )
         statements: list[Statement] = [Assign(tuple(targets), call, unpack=len(targets) == 1)]
         statements += sums
@@ -665,7 +674,8 @@ class Emitter:
         if producer.params or producer.buffers:
             args.append(Layer(producer.layer))
         kwargs = self.kwargs(explicit_kwargs(op, producer.kernel_kwargs))
-        call = CallExpr(self.kernel(producer, op.recompute.kernel), tuple(args), kwargs)
+        defaults = self.defaults(op, producer.kernel_kwargs)
+        call = CallExpr(self.kernel(producer, op.recompute.kernel), tuple(args), kwargs, defaults)
         if shared:
             target = self.name("recomputed", name)
             self.recomputed[name] = target
@@ -1006,7 +1016,8 @@ class Emitter:
         args: list[Expr] = [self.var(v) for v in node.inputs]
         args.append(Layer(node.layer))
         kwargs = self.kwargs(explicit_kwargs(op, node.kernel_kwargs))
-        call = CallExpr(self.kernel(node, op.recompute.kernel), tuple(args), kwargs)
+        defaults = self.defaults(op, node.kernel_kwargs)
+        call = CallExpr(self.kernel(node, op.recompute.kernel), tuple(args), kwargs, defaults)
         step = Step(
             "forward",
             [Assign((self.var(node.output),), call)],
@@ -1454,36 +1465,14 @@ def render(graph: Graph, source_path: str, options: Options, config: Compression
     check the emitter on its own).
     """
     target = get_platform(options.platform)
-    if options.scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
-    if options.segment_pieces < 1 or options.segment_piece_size < 0:
-        raise ValueError("--segment-pieces must be at least 1, --segment-piece-size at least 0")
-    if options.segment_pieces != 1 and options.segment_piece_size:
-        raise ValueError("--segment-pieces and --segment-piece-size: give one of them")
+    _check_segment_options(options)
     plan = plan_stash(graph, config, options.segment_pieces, options.segment_piece_size)
     if any(s.in_pieces for s in plan.segments):
         if target.grads != "accumulate" or target.pipelined:  # pieces add into .grad
             raise ValueError(f"--segment-pieces is not for platform {target.name}")
         if options.data_parallel:
             raise ValueError("--segment-pieces and --data-parallel do not combine yet")
-    pipeline = None
-    starts = list(options.stage_starts) or None
-    if target.pipelined:
-        pipeline = split(graph, plan, options.num_ipus, starts)
-    elif options.num_ipus != 1:
-        raise ValueError(f"--num-ipus is not for platform {target.name}")
-    if options.pipeline != 1:
-        if not target.process_stages or target.pipelined:
-            raise ValueError(f"--pipeline is not for platform {target.name}")
-        if options.data_parallel:
-            raise ValueError("--pipeline and --data-parallel do not combine yet")
-        pipeline = split(
-            graph, plan, options.pipeline, starts, PROCESS_STAGES, "--pipeline", loss_last=True
-        )
-    elif options.stage_starts and not target.pipelined:
-        raise ValueError(f"stage starts need --num-ipus or --pipeline (platform {target.name})")
-    if options.data_parallel and target.pipelined:
-        raise ValueError("data parallel is for the gpu platform (the ipu one replicates itself)")
+    pipeline = _split_stages(graph, plan, target, options)
     emitter = Emitter(graph, plan, target, pipeline, options.data_parallel, options.bucket_bytes)
     staged = pipeline is not None and pipeline.num_ipus > 1
     if plan.segments and staged:
@@ -1514,40 +1503,10 @@ def render(graph: Graph, source_path: str, options: Options, config: Compression
             process_stages.append(_stage_view(emitter, graph, pipeline, crossing, k, steps))
         pipeline_meta = _pipeline_meta(graph, plan.config, pipeline, crossing)
     text = _template(target).render(
-        header=safe.comment_text(header_comment(graph, source_path, options, config)),
-        codecs=[
-            (safe.identifier(name), safe.literal(codec.name), safe.kwargs(codec.kwargs))
-            for codec, name in emitter.codec_names.items()
-        ],
-        compression=safe.doc_text(_describe(config) + _segments_note(plan)),
-        version=safe.doc_text(__version__),
-        source_path=safe.doc_text(source_path),
-        model_name=safe.doc_text(graph.name),
-        platform=safe.doc_text(target.name),
-        scheme=safe.doc_text(options.scheme),
-        kernel_imports=[
-            (safe.dotted(module), safe.identifier(alias))
-            for module, alias in sorted(emitter.kernel_alias.items(), key=lambda kv: kv[1])
-        ],
-        layers=layer_lines(graph),
-        ties=tie_lines(graph),
-        frozen=frozen_lines(graph),
+        **_module_view(graph, emitter, source_path, options, config, plan),
         functions=[_function_view(f, {s.name for s in plan.segments}) for f in outliner.functions],
-        train_args=[safe.identifier(emitter.var(v).name) for v in graph.inputs],
-        train_checks=_input_checks(emitter, graph.inputs),
-        predict_checks=_input_checks(emitter, graph.model_inputs),
-        predict_args=[safe.identifier(emitter.var(v).name) for v in graph.model_inputs],
         training=training,
         predict=predict or [safe.Code("pass")],
-        loss=safe.identifier(emitter.var(graph.loss).name),
-        preds=[safe.identifier(emitter.var(v).name) for v in graph.preds],
-        signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
-        input_specs=safe.literal(
-            [
-                (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), _value_range(v))
-                for v in graph.inputs
-            ]
-        ),
         surrogate_groups=[
             (stage, safe.literal(keys)) for stage, keys in _surrogate_groups(graph, pipeline)
         ],
@@ -1561,6 +1520,88 @@ def render(graph: Graph, source_path: str, options: Options, config: Compression
         ),
     )
     return add_checksum(formatted(text, black.format_str))
+
+
+def _check_segment_options(options: Options) -> None:
+    """Refuse a scheme the header cannot name and segment piece options that contradict."""
+    if options.scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
+    if options.segment_pieces < 1 or options.segment_piece_size < 0:
+        raise ValueError("--segment-pieces must be at least 1, --segment-piece-size at least 0")
+    if options.segment_pieces != 1 and options.segment_piece_size:
+        raise ValueError("--segment-pieces and --segment-piece-size: give one of them")
+
+
+def _split_stages(
+    graph: Graph, plan: StashPlan, target: Platform, options: Options
+) -> Pipeline | None:
+    """The model's pipeline stages: over IPUs for a pipelined platform (``--num-ipus``), over
+    processes for ``--pipeline``; None when neither applies. Refuses the options a platform
+    does not take and the combinations not supported yet."""
+    pipeline = None
+    starts = list(options.stage_starts) or None
+    if target.pipelined:
+        pipeline = split(graph, plan, options.num_ipus, starts)
+    elif options.num_ipus != 1:
+        raise ValueError(f"--num-ipus is not for platform {target.name}")
+    if options.pipeline != 1:
+        if not target.process_stages or target.pipelined:
+            raise ValueError(f"--pipeline is not for platform {target.name}")
+        if options.data_parallel:
+            raise ValueError("--pipeline and --data-parallel do not combine yet")
+        pipeline = split(
+            graph, plan, options.pipeline, starts, PROCESS_STAGES, "--pipeline", loss_last=True
+        )
+    elif options.stage_starts and not target.pipelined:
+        raise ValueError(f"stage starts need --num-ipus or --pipeline (platform {target.name})")
+    if options.data_parallel and target.pipelined:
+        raise ValueError("data parallel is for the gpu platform (the ipu one replicates itself)")
+    return pipeline
+
+
+def _module_view(
+    graph: Graph,
+    emitter: Emitter,
+    source_path: str,
+    options: Options,
+    config: CompressionConfig,
+    plan: StashPlan,
+) -> dict[str, Any]:
+    """The template's fields that describe the module as a whole: header, imports,
+    layers, the inputs' names and checks, the loss and predictions."""
+    return dict(
+        header=safe.comment_text(header_comment(graph, source_path, options, config)),
+        codecs=[
+            (safe.identifier(name), safe.literal(codec.name), safe.kwargs(codec.kwargs))
+            for codec, name in emitter.codec_names.items()
+        ],
+        compression=safe.doc_text(_describe(config) + _segments_note(plan)),
+        version=safe.doc_text(__version__),
+        source_path=safe.doc_text(source_path),
+        model_name=safe.doc_text(graph.name),
+        platform=safe.doc_text(emitter.platform.name),
+        scheme=safe.doc_text(options.scheme),
+        kernel_imports=[
+            (safe.dotted(module), safe.identifier(alias))
+            for module, alias in sorted(emitter.kernel_alias.items(), key=lambda kv: kv[1])
+        ],
+        layers=layer_lines(graph),
+        ties=tie_lines(graph),
+        frozen=frozen_lines(graph),
+        train_args=[safe.identifier(emitter.var(v).name) for v in graph.inputs],
+        train_checks=_input_checks(emitter, graph.inputs),
+        predict_checks=_input_checks(emitter, graph.model_inputs),
+        predict_args=[safe.identifier(emitter.var(v).name) for v in graph.model_inputs],
+        loss=safe.identifier(emitter.var(graph.loss).name),
+        preds=[safe.identifier(emitter.var(v).name) for v in graph.preds],
+        signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
+        input_specs=safe.literal(
+            [
+                (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), _value_range(v))
+                for v in graph.inputs
+            ]
+        ),
+    )
 
 
 @functools.lru_cache(maxsize=128)
