@@ -357,6 +357,12 @@ class Emitter:
         return tuple((k, Const(v)) for k, v in op_kwargs.items())
 
     @staticmethod
+    def off(kwargs: tuple[tuple[str, Expr], ...]) -> tuple[tuple[str, Expr], ...]:
+        """The backward kernels' flags a call leaves off (False, their default)."""
+        given = {k for k, _ in kwargs}
+        return tuple((k, Const(False)) for k in ("in_place", "consume") if k not in given)
+
+    @staticmethod
     def defaults(op: Any, values: dict[str, Any]) -> tuple[tuple[str, Expr], ...]:
         """The arguments of ``values`` a call leaves out as equal to the registry default
         (``CallExpr.defaults``: outlining passes one where block instances differ in it)."""
@@ -430,6 +436,48 @@ class Emitter:
             and node.inputs[0].requires_grad
             and node.inputs[0].type == node.output.type
         )
+        targets, sums, add_into = self.input_grad_targets(node, owned, lean)
+        param_targets, param_grads = self.param_grad_targets(node, into_grad)
+        targets += param_targets
+        kwargs = self.kwargs(explicit_kwargs(op, node.backward_kwargs))
+        if op.backward_pieces and lean:
+            kwargs += (("piece_bytes", Const(self.platform.piece_bytes)),)
+        if add_into is not None:
+            kwargs += (("add_into", add_into),)
+        elif in_place:
+            kwargs += (("in_place", Const(True)),)
+        if lean and node.inputs and node.inputs[0].requires_grad and self.consumable(node):
+            kwargs += (("consume", Const(True)),)
+        if into_grad and any(p.present for p in node.params):
+            kwargs += (("accumulate", Const(True)),)
+        call = CallExpr(
+            self.kernel(node, f"{op.name}_backward"),
+            (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),
+            (*kwargs, *(() if self.needs_implied(node) else (("needs", Const(node.needs)),))),
+            (*self.defaults(op, node.backward_kwargs), *self.off(kwargs)),
+        )
+        statements: list[Statement] = [Assign(tuple(targets), call, unpack=len(targets) == 1)]
+        statements += sums
+        for owner, grads in param_grads.items():
+            statements.append(Do(self.param_grads(owner, tuple(grads), op.fresh_param_grads)))
+        step = Step(
+            "backward",
+            statements,
+            comment=node.text,
+            calls=node.blocks,
+            local_comment=node.local_text,
+            stage=self.stage(node),
+        )
+        return self.observed(node, step)
+
+    def input_grad_targets(
+        self, node: Node, owned: dict[int, bool], lean: bool
+    ) -> tuple[list[Var | None], list[Statement], Var | None]:
+        """Where a backward call puts each input's gradient: the gradient itself when it is
+        the first, else a partial summed into it afterwards (or, for a kernel that can, the
+        total it adds into). Returns the targets (None: no gradient), the sums and the
+        add-into variable; ``owned`` is updated as in ``backward_step``."""
+        op = node.op
         targets: list[Var | None] = []
         sums: list[Statement] = []
         add_into: Var | None = None  # the kernel adds the input's gradient into the total
@@ -449,8 +497,16 @@ class Emitter:
                 into = lean and not mine and not op.grad_aliases
                 sums.append(AddTo(self.grad(value), partial, in_place=mine, into_part=into))
                 owned[id(value)] = True
-        # parameter gradients by the module holding them (a parameter "out_proj.weight" is
-        # held by the node's submodule out_proj; a free parameter by its parent)
+        return targets, sums, add_into
+
+    def param_grad_targets(
+        self, node: Node, into_grad: bool
+    ) -> tuple[list[Var | None], dict[str, list[tuple[str, Expr]]]]:
+        """Where a backward call puts each parameter's gradient (None: absent, or added into
+        ``.grad`` by the kernel), and those gradients by the module holding them (a
+        parameter "out_proj.weight" is held by the node's submodule out_proj; a free
+        parameter by its parent)."""
+        targets: list[Var | None] = []
         param_grads: dict[str, list[tuple[str, Expr]]] = {}
         for p in node.params:
             if not p.present or into_grad:  # none, or the kernel adds it into .grad itself
@@ -462,36 +518,7 @@ class Emitter:
             targets.append(grad)
             owner, _, attr = p.key.rpartition(".")
             param_grads.setdefault(owner, []).append((attr, grad))
-        kwargs = self.kwargs(explicit_kwargs(op, node.backward_kwargs))
-        if op.backward_pieces and lean:
-            kwargs += (("piece_bytes", Const(self.platform.piece_bytes)),)
-        if add_into is not None:
-            kwargs += (("add_into", add_into),)
-        elif in_place:
-            kwargs += (("in_place", Const(True)),)
-        if lean and node.inputs and node.inputs[0].requires_grad and self.consumable(node):
-            kwargs += (("consume", Const(True)),)
-        if into_grad and any(p.present for p in node.params):
-            kwargs += (("accumulate", Const(True)),)
-        call = CallExpr(
-            self.kernel(node, f"{op.name}_backward"),
-            (self.grad(node.output), *(self.saved_arg(node, a) for a in node.saved)),
-            (*kwargs, *(() if self.needs_implied(node) else (("needs", Const(node.needs)),))),
-            self.defaults(op, node.backward_kwargs),
-        )
-        statements: list[Statement] = [Assign(tuple(targets), call, unpack=len(targets) == 1)]
-        statements += sums
-        for owner, grads in param_grads.items():
-            statements.append(Do(self.param_grads(owner, tuple(grads), op.fresh_param_grads)))
-        step = Step(
-            "backward",
-            statements,
-            comment=node.text,
-            calls=node.blocks,
-            local_comment=node.local_text,
-            stage=self.stage(node),
-        )
-        return self.observed(node, step)
+        return targets, param_grads
 
     def consumable(self, node: Node) -> bool:
         """May the backward overwrite its saved extras named in ``backward_consumes``? Each
@@ -784,27 +811,8 @@ class Emitter:
         what the input had from elsewhere when it had some. The header step (the loop) and
         the last step of a piece are recorded in ``piece_loops`` for rendering."""
         nodes = [n for n in reversed(segment.nodes) if n.needs_backward]
-        made = {n.output.name for n in segment.nodes}
-        outside: list[Value] = []
-        for node in segment.nodes:
-            for value in node.inputs:
-                if value.name not in made and all(value is not o for o in outside):
-                    outside.append(value)
-        steps: list[Step] = []
-        rerun = rerun_nodes(segment, [self.stashed[key].producer for key in segment.internal])
-        read = {v.name for n in rerun for v in n.inputs}
-        read |= {stashed.key for n in nodes for stashed, _, _ in self.plan.reads_of(n)}
-        for name in segment.inputs:
-            stashed = self.stashed[name]
-            form = value_form(stashed)
-            if name in read and form is not None and form.kind != "raw":
-                step = self.restore_input(stashed, form, reader, segment)
-                step.section, step.calls = "backward", ()
-                step.comment = (
-                    f"restore {name}: {form.label()} (input of {segment.name}, whole batch)"
-                )
-                steps.append(step)
-                self.restored[(name, form)] = self.raw_var(name)
+        outside = _outside_values(segment)
+        steps = self.restore_segment_inputs(segment, nodes, reader)
         before = {id(v): owned.pop(id(v)) for v in outside if id(v) in owned}
         body = self.segment_steps(segment, reader, restore_inputs=False)
         for node in nodes:
@@ -812,18 +820,7 @@ class Emitter:
             body.append(self.backward_step(node, owned, pieces=True))
         graded = [v for v in outside if id(v) in owned]
         free = _free_reads(body)
-        mapping: dict[str, str] = {}
-        for name in free:
-            found = self.key_type(name)
-            if found is None or not found.shape or found.shape[0] != "N":
-                raise ModelError(
-                    f"segment {segment.name} cannot run in pieces: it reads {name}, which has "
-                    "no batch dimension first"
-                )
-            mapping[name] = self.name("piece", *self.key_of[name]).name
-        for value in graded:
-            grad = self.grad(value).name
-            mapping[grad] = self.name("piece", *self.key_of[grad]).name
+        mapping = self.piece_names(segment, free, graded)
         for step in body:  # in place: the memory model knows the steps by identity
             step.statements = rename_vars(step, mapping).statements
         anchor = Var(next(n for n in free if self.key_of[n][0] == "grad"))
@@ -835,31 +832,7 @@ class Emitter:
                 full[value.name] = self.grad(value)
         reused = self.reusable_output_grads(segment, graded, before, free, owned)
         if graded:
-            size = CallExpr(Attr(anchor, "size"), (Const(0),))
-            allocations: list[Statement] = [
-                Assign(
-                    (full[v.name],),
-                    (
-                        Var(reused[v.name])
-                        if v.name in reused
-                        else CallExpr(
-                            Attr(anchor, "new_empty"),
-                            (TupleExpr((size, *(Const(d) for d in v.type.shape[1:]))),),
-                        )
-                    ),
-                )
-                for v in graded
-            ]
-            what = ", ".join(
-                f"grad {v.name}"
-                + (
-                    f" (in grad {self.key_of[reused[v.name]][1]}'s memory)"
-                    if v.name in reused
-                    else ""
-                )
-                for v in graded
-            )
-            steps.append(Step("backward", allocations, comment=f"{what}: filled piece by piece"))
+            steps.append(self.whole_batch_grads(graded, full, reused, anchor))
         slots = {v.name: self.name("slot", *self.key_of[self.grad(v).name]) for v in graded}
         targets = tuple(Var(mapping[n]) for n in free) + tuple(slots[v.name] for v in graded)
         splits = [Var(n) for n in free] + [full[v.name] for v in graded]
@@ -890,6 +863,74 @@ class Emitter:
         for key, flag in before.items():
             owned.setdefault(key, flag)
         return steps
+
+    def restore_segment_inputs(
+        self, segment: Segment, nodes: list[Node], reader: Node
+    ) -> list[Step]:
+        """Steps restoring, once for the whole batch, the segment's inputs that are kept
+        compressed and read by its recompute or its backward (``pieced_steps``)."""
+        rerun = rerun_nodes(segment, [self.stashed[key].producer for key in segment.internal])
+        read = {v.name for n in rerun for v in n.inputs}
+        read |= {stashed.key for n in nodes for stashed, _, _ in self.plan.reads_of(n)}
+        steps: list[Step] = []
+        for name in segment.inputs:
+            stashed = self.stashed[name]
+            form = value_form(stashed)
+            if name in read and form is not None and form.kind != "raw":
+                step = self.restore_input(stashed, form, reader, segment)
+                step.section, step.calls = "backward", ()
+                step.comment = (
+                    f"restore {name}: {form.label()} (input of {segment.name}, whole batch)"
+                )
+                steps.append(step)
+                self.restored[(name, form)] = self.raw_var(name)
+        return steps
+
+    def piece_names(self, segment: Segment, free: list[str], graded: list[Value]) -> dict[str, str]:
+        """Whole-batch variable -> the name of its piece, for the values a pieced segment
+        reads from outside (each must have the batch dim first) and the gradients of its
+        inputs."""
+        mapping: dict[str, str] = {}
+        for name in free:
+            found = self.key_type(name)
+            if found is None or not found.shape or found.shape[0] != "N":
+                raise ModelError(
+                    f"segment {segment.name} cannot run in pieces: it reads {name}, which has "
+                    "no batch dimension first"
+                )
+            mapping[name] = self.name("piece", *self.key_of[name]).name
+        for value in graded:
+            grad = self.grad(value).name
+            mapping[grad] = self.name("piece", *self.key_of[grad]).name
+        return mapping
+
+    def whole_batch_grads(
+        self, graded: list[Value], full: dict[str, Var], reused: dict[str, str], anchor: Var
+    ) -> Step:
+        """The step allocating the whole-batch input gradients a pieced segment fills piece
+        by piece: new tensors sized from ``anchor``'s batch, or an output gradient's memory
+        when ``reusable_output_grads`` found one free."""
+        size = CallExpr(Attr(anchor, "size"), (Const(0),))
+        allocations: list[Statement] = [
+            Assign(
+                (full[v.name],),
+                (
+                    Var(reused[v.name])
+                    if v.name in reused
+                    else CallExpr(
+                        Attr(anchor, "new_empty"),
+                        (TupleExpr((size, *(Const(d) for d in v.type.shape[1:]))),),
+                    )
+                ),
+            )
+            for v in graded
+        ]
+        what = ", ".join(
+            f"grad {v.name}"
+            + (f" (in grad {self.key_of[reused[v.name]][1]}'s memory)" if v.name in reused else "")
+            for v in graded
+        )
+        return Step("backward", allocations, comment=f"{what}: filled piece by piece")
 
     def reusable_output_grads(
         self,
@@ -1291,6 +1332,17 @@ def _keeps(step: Step) -> bool:
         isinstance(s, RecordRaw) or (isinstance(s, Do) and called_name(s.value) == "K.stash")
         for s in step.statements
     )
+
+
+def _outside_values(segment: Segment) -> list[Value]:
+    """The values a segment's nodes read that it does not make, each once, in order."""
+    made = {n.output.name for n in segment.nodes}
+    outside: list[Value] = []
+    for node in segment.nodes:
+        for value in node.inputs:
+            if value.name not in made and all(value is not o for o in outside):
+                outside.append(value)
+    return outside
 
 
 def _free_reads(steps: list[Step]) -> list[str]:
@@ -1753,11 +1805,12 @@ def _template(platform: Platform) -> jinja2.Template:
 
 
 def _value_range(value: Value) -> int:
-    """For synthetic data: the class count of a cross-entropy target, 1 for a probability."""
+    """For synthetic data: the class count of a loss's class-index target, 1 for a
+    probability (registry ``target``, which verify's inputs read too)."""
     for node, position in value.consumers:
-        if node.op.name == "cross_entropy" and position == 1:
+        if node.op.target == "classes" and position == 1:
             return int(node.inputs[0].type.shape[1])
-        if node.op.name in ("bce_loss", "bce_with_logits") and position == 1:
+        if node.op.target == "probabilities" and position == 1:
             return 1
     return 0 if value.type.dtype.startswith("f") else 2
 
