@@ -178,3 +178,107 @@ def test_links_in_the_docs_resolve():
 def test_the_readme_is_a_front_door():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 300, len(lines)
+
+
+def _bench_run(name, kind, method, slope, time, max_batch=None):
+    row = {
+        "type": "run",
+        "benchmark": name,
+        "kind": kind,
+        "method": method,
+        "batch": 4,
+        "time_ratio": {"median": time},
+        "per_sample": {"batches": [4, 8], "bytes_per_sample": slope * 2**20},
+    }
+    if max_batch is not None:
+        batch, basis, ratio = max_batch
+        row["max_batch"] = {
+            "budget_bytes": 64 * 2**20,
+            "max_batch": batch,
+            "basis": basis,
+            "confirmed": basis == "measured",
+        }
+        row["max_batch_ratio_vs_autograd"] = ratio
+        row["max_batch_speed"] = {"ratio_vs_autograd": {"median": 0.9}}
+        if kind == "ours":
+            row["predicted"] = {"ideal_max_batch": batch + 1, "measured_over_floor": 1.02}
+    return row
+
+
+def _write_run(tmp_path, runs):
+    import json
+
+    meta = {"type": "meta", "command": "python -m benchmarks.run X --out-dir /elsewhere/run"}
+    path = tmp_path / "bench.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [meta, *runs]) + "\n")
+    return path
+
+
+def test_summary_tables_per_sample_matrix(tmp_path):
+    """benchmarks.summary_tables: per method and network, x less than autograd per sample
+    and the step time, with the run's command (an absolute --out-dir named where it lies)."""
+    from benchmarks.summary_tables import per_sample_matrix
+
+    path = _write_run(
+        tmp_path,
+        [
+            _bench_run("a", "autograd", "autograd", 8.0, 1.0),
+            _bench_run("a", "ours", "ours:quant", 2.0, 1.2),
+            _bench_run("b", "autograd", "autograd", 1.0, 1.0),
+            _bench_run("b", "checkpoint", "checkpoint", 0.05, 1.5),
+        ],
+    )
+    table = per_sample_matrix(path)
+    lines = table.splitlines()
+    assert lines[0] == "| method | a | b |"
+    assert "| autograd, MiB per sample | 8 | 1 |" in lines
+    assert "| ours:quant | 4.00x / 1.20x | n/a |" in lines
+    assert "| checkpoint | n/a | 20.0x / 1.50x |" in lines
+    assert "batch 4 and 8" in table and "/elsewhere" not in table
+    assert f"python -m benchmarks.run X --out-dir {tmp_path.as_posix()}" in table
+
+
+def test_summary_tables_max_batch(tmp_path):
+    from benchmarks.summary_tables import max_batch_tables
+
+    path = _write_run(
+        tmp_path,
+        [
+            _bench_run("a", "autograd", "autograd", 8.0, 1.0, (10, "measured", 1.0)),
+            _bench_run("a", "ours", "ours:quant", 2.0, 1.2, (30, "predicted", 3.0)),
+            _bench_run("a", "hooks", "hooks:quant", 4.0, 1.1, (15, "search", 1.5)),
+        ],
+    )
+    table = max_batch_tables(path)
+    assert "| a (64 MiB) | 10 | 3.00x p | 1.50x u |" in table
+    assert "| ours:quant | 30 p (3.00x) | 31 | 0.90x | 1.200x | 1.02x |" in table
+    assert "| autograd | 10 (1.00x) | - | 0.90x | 1.000x | - |" in table
+    assert "### a" in table and "Marks:" in table
+
+
+def test_summary_tables_core(tmp_path):
+    import json
+
+    from benchmarks.summary_tables import core_table
+
+    model = {
+        "model": "tiny",
+        "parameters": 12000,
+        "time": {
+            "ours": {"median": 10.0},
+            "autograd": {"median": 8.0},
+            "ratio": {"median": 1.25},
+        },
+        "memory": {"ours": {"peak_bytes": 2**20}, "autograd": {"peak_bytes": 2 * 2**20}},
+        "saved": {
+            "ours_predicted_bytes": 2**19,
+            "autograd_counted": {"without_params_bytes": 2**20},
+        },
+    }
+    path = tmp_path / "core.json"
+    path.write_text(
+        json.dumps({"meta": {"command": "python -m benchmarks.core_bench"}, "models": [model]})
+    )
+    table = core_table(path)
+    assert "| tiny (12k params) | 10.0 | 8.0 | 1.250 | 1.00 / 2.00 | 0.50 / 1.00 |" in table
+    assert "python -m benchmarks.core_bench" in table
