@@ -34,6 +34,7 @@ from typing import Any
 
 from unroller.api import compression_config
 from unroller.codegen import Options
+from unroller.compress import get as compressor
 from unroller.dtypes import DTYPE_BYTES
 from unroller.graph import Graph, Node
 from unroller.memory import simulate_graph
@@ -41,12 +42,6 @@ from unroller.pipeline import ipu_report, split
 from unroller.stash import plan_stash
 
 MIB = 2**20
-
-#: Ops whose FLOPs dominate: multiply-adds per output element from the weight's shape.
-WEIGHTED = ("conv2d", "conv1d", "conv_transpose2d", "linear", "transposed_linear")
-#: FLOPs per element a codec spends compressing and decompressing (the DCT is two 8x8
-#: matrix products per block each way: 4 x 2 x 8; quantisation a scale, round and clamp).
-CODEC_FLOPS = {"dct": 64.0, "quant": 8.0, "bits": 2.0, "fewbit": 8.0}
 
 
 @dataclass(frozen=True)
@@ -137,12 +132,13 @@ def forward_flops(node: Node, batch: int) -> float:
     out = node.output.type.numel(batch)
     name = node.op.name
     weight = next((p for p in node.params if p.name == "weight" and p.present), None)
-    if name in WEIGHTED and weight is not None:
-        per_output = math.prod(weight.shape[1:])
-        if name == "conv_transpose2d":  # each input element meets the whole kernel
-            per_input = math.prod(weight.shape[1:])
-            return 2.0 * node.inputs[0].type.numel(batch) * per_input
-        return 2.0 * out * per_output
+    if node.op.weighted is not None and weight is not None:
+        # registry ``weighted``: each output element (a transposed convolution's: each input
+        # element) meets the weight's per-output elements
+        per_element = math.prod(weight.shape[1:])
+        if node.op.weighted == "input":
+            return 2.0 * node.inputs[0].type.numel(batch) * per_element
+        return 2.0 * out * per_element
     if name == "matmul" and len(node.inputs) == 2:
         inner = node.inputs[0].type.shape[-1]
         return 2.0 * out * (inner if isinstance(inner, int) else 1)
@@ -216,7 +212,7 @@ def estimate_ipu(
             for form in stashed.forms:
                 if form.codec is not None:
                     t = form.type or stashed.type
-                    codec_flops += CODEC_FLOPS.get(form.codec.name, 8.0) * t.numel(micro_batch)
+                    codec_flops += compressor(form.codec.name).flops * t.numel(micro_batch)
         stages.append(
             IpuStage(
                 ipu=i,

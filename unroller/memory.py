@@ -14,7 +14,7 @@ Figures are the step's own allocations, as the benchmark's CPU measure counts th
 batch are resident before the step and not counted.
 
 - **peak**: the most bytes live at once, where a statement's outputs are counted while
-  its inputs are still alive, plus a kernel's working memory (``WORKSPACE``).
+  its inputs are still alive, plus a kernel's working memory (registry ``workspace``).
 - **floor**: what no schedule of the same statements and stored forms can go under: the
   most, over the statements, of the stash still held then (the stored forms kept for
   backward), plus that statement's working set (the tensors it reads and makes, restored
@@ -48,97 +48,20 @@ from unroller.dtypes import DTYPE_BYTES, torch_dtype
 from unroller.graph import Graph, Node
 from unroller.ir import AddTo, Assign, Attr, CallExpr, Const, Do, Step, Var
 from unroller.platforms import platform as get_platform
+from unroller.registry import Workspace
 from unroller.runtime.attention import largest_tile
 from unroller.runtime.gpu import piece_samples
 from unroller.schemes import Codec, CompressionConfig
 from unroller.stash import Form, Stashed, StashPlan, plan_stash, value_form
 
-__all__ = ["Simulation", "Event", "simulate", "simulate_graph", "WORKSPACE", "Workspace"]
+__all__ = ["Simulation", "Event", "simulate", "simulate_graph", "Workspace"]
 
 
-@dataclass(frozen=True)
-class Workspace:
-    """Working memory a backward kernel allocates beyond its outputs: multiples of its first
-    input's bytes, of its output gradient's bytes and of its weight's bytes. Called with
-    ``piece_bytes`` (registry ``backward_pieces``), the kernel runs on pieces of the batch
-    (``unroller.runtime.gpu.piece_samples``), so the batch-sized parts are those of one
-    piece; an input restored a piece at a time (``K.restore_in_pieces``) adds its piece,
-    ``restored`` times the input's bytes, and the codec's decompression transient."""
-
-    input: float
-    output: float
-    weight: float = 0.0
-    fixed: int = 0  # bytes whatever the sizes
-    extra: tuple[str, float] | None = None  # (an extra output's name, multiple of its bytes)
-    #: multiple of the largest score tile of an attention kernel (``_score_tile``)
-    tiles: float = 0.0
-    restored: float = 1.0  # a piece decompressed from a RestoredInPieces, beyond ``input``
-
-
-#: Measured on this project's CPU build (PyTorch profiler allocation events, one call):
-#: mkldnn convolution backward allocates a buffer the size of its input and a contiguous copy
-#: of the output gradient; in pieces also each piece's input gradient before it is copied
-#: into place (least squares over 11 shapes, [5..64, 3..128, 8..32, 8..32] 1x1 and 3x3,
-#: strides 1 and 2: 2.07 x input + 0.92 x output per piece + 2.1 x the weight + 39 KiB;
-#: within 8% on maps of 1 MiB and more, up to 3x off on tiny ones where the constant
-#: rules); batch-norm backward one input-sized buffer besides its result. A tuple: the most
-#: over the kernel's phases.
-WORKSPACE: dict[str, Workspace | tuple[Workspace, ...]] = {
-    "batchnorm2d": Workspace(1.0, 0.0),
-    # attention block by block (unroller/runtime/attention.py), 10 shapes [N, H, L, E/H]
-    # from [4, 8, 128, 4] to [64, 4, 64, 16], one to 8 blocks: while a block runs, the output
-    # gradient's copies, q, k scaled, v made contiguous and the gradients of q, k, v (3.7-6 x
-    # the input, the most in one block) beside two score tiles (p and dS); then the heads'
-    # gradients copied into the packed layout one by one and the in-projection's (6.5 x)
-    "multihead_attention": (Workspace(6.5, 0.0), Workspace(6.0, 0.0, tiles=2.0)),
-    # q, k scaled, the gradients' partial sums and the rows' D beside the two tiles
-    "scaled_dot_product_attention": Workspace(2.0, 0.0, tiles=2.0),
-    "conv2d": Workspace(1.0, 1.0),
-    "conv1d": Workspace(1.0, 1.0),
-    "conv_transpose2d": Workspace(1.0, 1.0),
-    # the nll gradient [N, C, ...] beside log_softmax's input gradient: 1.0 x the logits
-    # (measured); the step's peak once the layers run in pieces (gpt_tiny, nocompress).
-    # Called with ``consume`` it works in log_probs' storage: nothing beyond it
-    "cross_entropy": Workspace(1.0, 0.0),
-}
-#: Kernels that copy a reordered operand (a permute's or transpose's view) into a contiguous
-#: tensor first, a copy of its bytes beside everything else, whatever the machine:
-#: aten::_log_softmax its input (a transformer head's logits [N, C, L] permuted from
-#: [N, L, C]: the forward's peak beside the head's output and log_probs), aten::matmul in
-#: linear's backward its output gradient (the same head's gradient, handed back permuted).
-REORDERING = frozenset({"permute", "transpose"})
-CONTIGUOUS_INPUT = frozenset({"cross_entropy"})
-CONTIGUOUS_GRAD = frozenset({"linear"})
-PIECEWISE: dict[str, Workspace] = {
-    "conv2d": Workspace(2.0, 1.0, 2.0, 40 * 1024),
-    "conv1d": Workspace(2.0, 1.0, 2.0, 40 * 1024),
-    "conv_transpose2d": Workspace(2.0, 1.0, 2.0, 40 * 1024),
-    # a piece's x - mean (a restored piece is centred in place: nothing beyond it)
-    "batchnorm2d": Workspace(1.0, 0.0, restored=0.0),
-    "batchnorm1d": Workspace(1.0, 0.0, restored=0.0),
-}
-"""The same kernels run in pieces of the batch (``piece_bytes``): per piece."""
-
-#: Working memory of forward kernels, the most over their phases: multi-head attention holds
-#: the packed in-projection beside its copy (1 x the input more than it keeps), then one
-#: block's score tile and up to 0.5 x the input (q, k and v scaled or made contiguous are
-#: freed before the output and the context it keeps are made); scaled-dot-product attention
-#: the tile beside q, k and v scaled or made contiguous. Measured as WORKSPACE's entries.
-FORWARD_WORKSPACE: dict[str, tuple[Workspace, ...]] = {
-    "multihead_attention": (Workspace(1.0, 0.0), Workspace(0.5, 0.0, tiles=1.0)),
-    "scaled_dot_product_attention": (Workspace(1.0, 0.0, tiles=1.0),),
-}
-#: mkldnn convolutions make their output in a blocked layout and reorder the weight: 1 x the
-#: output + 1 x the weight (ResNet-34's stages, within 5%; channels padded to 16 make it up
-#: to 2 x on maps of fewer channels), 2 x the output transposed. Once the backward runs in
-#: pieces, a CNN's first convolutions can set the step's peak.
-FORWARD_WORKSPACE.update(
-    {
-        "conv2d": (Workspace(0.0, 1.0, 1.0),),
-        "conv1d": (Workspace(0.0, 1.0, 1.0),),
-        "conv_transpose2d": (Workspace(0.0, 2.0, 1.0),),
-    }
-)
+#: Kernels that copy a reordered operand (a view with its dims reordered: registry
+#: ``reorders``) into a contiguous tensor first, a copy of its bytes beside everything else,
+#: whatever the machine, are marked in the registry (``workspace.contiguous_input``,
+#: ``workspace.contiguous_grad``), as are the kernels' measured working memory
+#: (``workspace``: backward, pieces, forward; ``unroller.registry.Workspace``).
 
 
 @dataclass(frozen=True)
@@ -188,7 +111,7 @@ class _Sizes:
 
     def __init__(self, emitter: Emitter, plan: StashPlan, batch: int, kernel_scale: float = 1.0):
         self.emitter, self.batch = emitter, batch
-        self.kernel_scale = kernel_scale  # multiplies the WORKSPACE tables' kernel entries
+        self.kernel_scale = kernel_scale  # multiplies the registry's workspace entries
         graph = emitter.graph
         self.values = {v.name: v for v in graph.inputs}
         self.values.update({n.output.name: n.output for n in graph.nodes})
@@ -342,10 +265,10 @@ def simulate_graph(
     (``segment_pieces``: the recomputed segments in that many pieces of the batch;
     ``segment_piece_size``: in pieces of at most that many samples instead).
 
-    ``kernel_scale`` multiplies the kernels' working memory (``WORKSPACE``,
-    ``PIECEWISE``, ``FORWARD_WORKSPACE``: measured on one CPU, where another CPU's oneDNN
-    may pick another algorithm with other scratch buffers); 0 and 2 bracket what another
-    machine can measure. Codec transients are measured on the running machine already."""
+    ``kernel_scale`` multiplies the kernels' working memory (the registry's ``workspace``:
+    measured on one CPU, where another CPU's oneDNN may pick another algorithm with other
+    scratch buffers); 0 and 2 bracket what another machine can measure. Codec transients are measured on the running machine already.
+    """
     plan = plan_stash(graph, config, segment_pieces, segment_piece_size)
     made: dict[int, Node] = {}  # id(step) -> the node it runs, remakes or differentiates
 
@@ -572,7 +495,7 @@ def _grads_in_kernel(
 def _transient_of(
     statement: Assign, step: Step, node: Node | None, sizes: _Sizes, func: str, targets: list
 ) -> int:
-    """Working memory of a codec call or a backward kernel (``WORKSPACE``)."""
+    """Working memory of a codec call or a kernel (registry ``workspace``)."""
     if func.endswith((".compress", ".decompress")) and targets:
         key = sizes.emitter.key_of.get(targets[0], ("",))
         if key[0] == "value" and key[1] in sizes.stashed:  # a segment's input, restored
@@ -604,25 +527,24 @@ def _transient_of(
         if _consumed_arg(statement.value, node, kwargs) is not None:
             phases: tuple[Workspace, ...] = ()  # worked out in the consumed extra's storage
             piece = 1.0
-        elif piece < 1.0 and node.op.name in PIECEWISE:
-            phases = (PIECEWISE[node.op.name],)
+        elif piece < 1.0 and node.op.workspace.pieces is not None:
+            phases = (node.op.workspace.pieces,)
         else:
-            work = WORKSPACE.get(node.op.name, ())
-            phases, piece = work if isinstance(work, tuple) else (work,), 1.0
+            phases, piece = node.op.workspace.backward, 1.0
         found = max((_workspace(w, node, sizes, piece) for w in phases), default=0)
         if "add_into" in kwargs and piece >= 1.0:  # whole: the gradient, then added
             found += sizes.tensor(node.inputs[0].type)
-        if node.op.name in CONTIGUOUS_GRAD and _gradient_reordered(node):
+        if node.op.workspace.contiguous_grad and _gradient_reordered(node):
             found += sizes.tensor(node.output.type)
         if packed:
             restored = min((w.restored for w in phases), default=1.0)
             found += _restore_transient(args[1], sizes, piece, restored)
         return found
     if step.section in ("forward", RECOMPUTE_SECTION) and func.endswith(f".{node.op.name}"):
-        phases = FORWARD_WORKSPACE.get(node.op.name, ())
+        phases = node.op.workspace.forward
         found = max((_workspace(w, node, sizes) for w in phases), default=0)
         inner = _classes_innermost(node.inputs[0])
-        if node.op.name in CONTIGUOUS_INPUT and _reordered(node.inputs[0]) and not inner:
+        if node.op.workspace.contiguous_input and _reordered(node.inputs[0]) and not inner:
             found += sizes.tensor(node.inputs[0].type)
         return found
     return 0
@@ -630,7 +552,7 @@ def _transient_of(
 
 def _reordered(value: Any) -> bool:
     """Is the tensor a view with its dims reordered (a permute's or transpose's output)?"""
-    return value.producer is not None and value.producer.op.name in REORDERING
+    return value.producer is not None and value.producer.op.reorders
 
 
 def _classes_innermost(value: Any) -> bool:
@@ -658,7 +580,7 @@ def _gradient_reordered(node: Node) -> bool:
     it comes back contiguous: from a cross entropy over the classes-innermost permute,
     which makes the logits' gradient in that layout."""
     readers = node.output.consumers
-    if len(readers) != 1 or readers[0][0].op.name not in REORDERING:
+    if len(readers) != 1 or not readers[0][0].op.reorders:
         return False
     view = readers[0][0].output
     losses = [n for n, _ in view.consumers]

@@ -219,23 +219,19 @@ def round_trip_error(codec: Codec, x: torch.Tensor) -> float:
     return diff / norm if math.isfinite(diff) else math.inf
 
 
-#: Readers whose input gradient does not depend on the saved input ``x``: an error in x
-#: reaches only their own weight gradient (grad_x = g @ W, or its convolution analogue).
-WEIGHT_ONLY = frozenset({"conv2d", "conv1d", "conv_transpose2d", "linear", "transposed_linear"})
-
-
 def _sensitivity(
     graph: Graph, stashed: Stashed, norms: dict[str, float], upstream: dict[str, float]
 ) -> float:
     """Norm of the parameter gradients an error in ``stashed`` reaches: each reader's own,
-    and, unless the reader's input gradient ignores it (``WEIGHT_ONLY``), every parameter
-    gradient upstream of the reader, through that input gradient."""
+    and, unless the reader's input gradient ignores it (a registry ``weighted`` layer's saved
+    input ``x``: grad_x = g @ W, or its convolution analogue), every parameter gradient
+    upstream of the reader, through that input gradient."""
     total = 0.0
     for reader, saved, form in stashed.readers:
         if form.kind == "mask":  # lossless: a compressed form never reaches this reader
             continue
         total += _node_norm2(reader, norms)
-        if not (reader.op.name in WEIGHT_ONLY and saved.entry == "x"):
+        if not (reader.op.weighted is not None and saved.entry == "x"):
             total += upstream.get(reader.name, 0.0)
     return math.sqrt(total)
 

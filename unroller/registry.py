@@ -103,6 +103,49 @@ class DerivativeSpec:
 LAYOUTS = ("rows",)
 """Values of an op's ``layout`` field."""
 
+WEIGHTED = ("output", "input")
+"""Values of an op's ``weighted`` field: whose elements each meet the weight's per-output
+elements in a multiply-add (a transposed convolution spreads each input over the kernel)."""
+
+TARGETS = ("classes", "probabilities")
+"""Values of a loss's ``target`` field: what its second input holds."""
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Working memory a kernel allocates beyond its outputs: multiples of its first
+    input's bytes, of its output gradient's bytes and of its weight's bytes. Called with
+    ``piece_bytes`` (registry ``backward_pieces``), the kernel runs on pieces of the batch
+    (``unroller.runtime.gpu.piece_samples``), so the batch-sized parts are those of one
+    piece; an input restored a piece at a time (``K.restore_in_pieces``) adds its piece,
+    ``restored`` times the input's bytes, and the codec's decompression transient. The
+    memory model (``unroller.memory``) reads it; the numbers are measurements, so they
+    belong with the operator rather than with the model of memory."""
+
+    input: float
+    output: float
+    weight: float = 0.0
+    fixed: int = 0  # bytes whatever the sizes
+    extra: tuple[str, float] | None = None  # (an extra output's name, multiple of its bytes)
+    #: multiple of the largest score tile of an attention kernel (``_score_tile``)
+    tiles: float = 0.0
+    restored: float = 1.0  # a piece decompressed from a RestoredInPieces, beyond ``input``
+
+
+@dataclass(frozen=True)
+class WorkspaceSpec:
+    """An op's kernels' working memory (``workspace``): the backward kernel's phases (the
+    most over them counts), the backward run in pieces of the batch (per piece), and the
+    forward kernel's phases; ``contiguous_input``: the forward copies an input with
+    reordered dims into a contiguous tensor first; ``contiguous_grad``: the backward does
+    so with such an output gradient."""
+
+    backward: tuple[Workspace, ...] = ()
+    pieces: Workspace | None = None
+    forward: tuple[Workspace, ...] = ()
+    contiguous_input: bool = False
+    contiguous_grad: bool = False
+
 
 @dataclass(frozen=True)
 class RecomputeSpec:
@@ -194,6 +237,17 @@ class OpSpec:
     #: how many of the last ``inputs`` a call may leave out (an attention's additive bias):
     #: the kernels then receive None for them, and no gradient is made for them
     optional_inputs: int = 0
+    #: a weighted layer (``weighted``): "output" or "input", whose elements each take the
+    #: weight's per-output elements in multiply-adds (the FLOPs estimate), and whose input
+    #: gradient reads the weight alone, never the saved input x; None: not weighted
+    weighted: str | None = None
+    #: a loss's target (``target``): "classes" (indices in [0, C), C the first input's dim
+    #: 1) or "probabilities" (values in [0, 1]); None: any value of its dtype
+    target: str | None = None
+    #: the kernels' working memory beyond their outputs (``workspace``)
+    workspace: WorkspaceSpec = field(default_factory=WorkspaceSpec)
+    #: the output is a view of the input with its dims reordered (``reorders``)
+    reorders: bool = False
 
     @property
     def is_loss(self) -> bool:
@@ -308,6 +362,10 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "fresh_param_grads",
         "backward_accumulates",
         "optional_inputs",
+        "weighted",
+        "target",
+        "workspace",
+        "reorders",
     }
     where = f"{source}: [{name}]"
     if unknown := set(raw) - known:
@@ -380,7 +438,17 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         fresh_param_grads=bool(raw.get("fresh_param_grads", False)),
         backward_accumulates=bool(raw.get("backward_accumulates", False)),
         optional_inputs=int(raw.get("optional_inputs", 0)),
+        weighted=_choice(where, raw, "weighted", WEIGHTED),
+        target=_choice(where, raw, "target", TARGETS),
+        workspace=_workspace_spec(where, raw.get("workspace", {})),
+        reorders=raw.get("reorders", False) is True,
     )
+    if spec.target is not None and (spec.kind != "loss" or len(spec.inputs) < 2):
+        raise RegistryError(f"{where}: target is for a loss with a target input")
+    if spec.weighted is not None and "weight" not in {p.name for p in spec.params}:
+        raise RegistryError(f"{where}: a weighted op needs a parameter named weight")
+    if not isinstance(raw.get("reorders", False), bool) or (spec.reorders and not spec.view):
+        raise RegistryError(f"{where}: reorders is true only for a view")
     if not 0 <= spec.optional_inputs <= len(spec.inputs) or (
         spec.optional_inputs and spec.variadic
     ):
@@ -415,6 +483,61 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
     if (spec.params or spec.buffers) and not spec.module:
         raise RegistryError(f"{where}: an op with parameters needs 'module'")
     return spec
+
+
+def _choice(where: str, raw: dict[str, Any], key: str, values: tuple[str, ...]) -> str | None:
+    """A field holding one of ``values`` or left out (None)."""
+    value = raw.get(key)
+    if value is not None and value not in values:
+        raise RegistryError(f"{where}: {key} must be one of {values}")
+    return value
+
+
+WORKSPACE_KEYS = ("input", "output", "weight", "fixed", "extra", "tiles", "restored")
+
+
+def _phase(where: str, raw: Any) -> Workspace:
+    """One ``{ input = 1.0, output = 0.0, ... }`` working-memory entry, checked for form:
+    multiples are non-negative numbers, ``fixed`` bytes an integer, ``extra`` a pair."""
+    ok = isinstance(raw, dict) and {"input", "output"} <= set(raw) <= set(WORKSPACE_KEYS)
+    numbers = [raw.get(k, 0) for k in WORKSPACE_KEYS if k != "extra"] if ok else []
+    ok = ok and all(
+        isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0 for n in numbers
+    )
+    ok = ok and isinstance(raw.get("fixed", 0), int)
+    extra = raw.get("extra") if ok else None
+    if extra is not None and not (
+        isinstance(extra, list)
+        and len(extra) == 2
+        and isinstance(extra[0], str)
+        and isinstance(extra[1], (int, float))
+    ):
+        ok = False
+    if not ok:
+        raise RegistryError(
+            f"{where}: a workspace entry is {{ input = X, output = Y }} with optional "
+            f"{', '.join(WORKSPACE_KEYS[2:])}: non-negative numbers (fixed: bytes, an "
+            'integer; extra: ["EXTRA", X])'
+        )
+    values = {k: raw[k] for k in WORKSPACE_KEYS if k in raw and k != "extra"}
+    return Workspace(**values, extra=tuple(extra) if extra is not None else None)
+
+
+def _workspace_spec(where: str, raw: Any) -> WorkspaceSpec:
+    """``workspace = { backward = [...], pieces = {...}, forward = [...], contiguous_* }``."""
+    keys = {"backward", "pieces", "forward", "contiguous_input", "contiguous_grad"}
+    if not isinstance(raw, dict) or set(raw) - keys:
+        raise RegistryError(f"{where}: workspace keys are {sorted(keys)}")
+    phases = {}
+    for key in ("backward", "forward"):
+        if not isinstance(raw.get(key, []), list):
+            raise RegistryError(f"{where}: workspace.{key} is a list of entries")
+        phases[key] = tuple(_phase(where, item) for item in raw.get(key, []))
+    flags = {k: raw.get(k, False) for k in ("contiguous_input", "contiguous_grad")}
+    if not all(isinstance(v, bool) for v in flags.values()):
+        raise RegistryError(f"{where}: workspace's contiguous_input and contiguous_grad are bools")
+    pieces = _phase(where, raw["pieces"]) if "pieces" in raw else None
+    return WorkspaceSpec(phases["backward"], pieces, phases["forward"], **flags)
 
 
 def _recompute_spec(where: str, name: str, raw: Any) -> RecomputeSpec | None:

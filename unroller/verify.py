@@ -387,7 +387,7 @@ def integer_bound(value: Value) -> int | None:
             bounds.append(int(node.args["num_embeddings"]))
         elif op == "padding_mask":  # 1 attends, 0 pads
             bounds.append(2)
-        elif op in ("cross_entropy", "nll_loss") and index == 1:
+        elif node.op.target == "classes" and index == 1:  # registry ``target``
             bounds.append(int(node.inputs[0].type.shape[1]))
         elif op in PASS_THROUGH:
             found = integer_bound(node.output)
@@ -409,7 +409,7 @@ def _feeds_padding_mask(value: Value, inverted: bool | None = None) -> bool:
 
 def _feeds_bce_target(value: Value) -> bool:
     for node, index in value.consumers:
-        if node.op.name in ("bce_loss", "bce_with_logits") and index == 1:
+        if node.op.target == "probabilities" and index == 1:
             return True
         if node.op.name in PASS_THROUGH and _feeds_bce_target(node.output):
             return True

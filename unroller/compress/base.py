@@ -185,6 +185,9 @@ class Compressor(abc.ABC):
     name: ClassVar[str]
     PARAMS: ClassVar[dict[str, ParamSpec]] = {}
     lossless: ClassVar[bool] = False
+    #: FLOPs per element one compress and one decompress spend together, for the IPU step
+    #: estimate (``unroller.estimate``): a scale, round and clamp unless a codec says more
+    flops: ClassVar[float] = 8.0
 
     def __init__(self, **params: Any) -> None:
         self.params: dict[str, Any] = type(self).validate_params(params)

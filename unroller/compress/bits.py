@@ -34,6 +34,7 @@ class Bits(Compressor):
     """
 
     name: ClassVar[str] = "bits"
+    flops: ClassVar[float] = 2.0  # a bit per element each way: a compare, a shift
     lossless: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, ParamSpec]] = {}
 

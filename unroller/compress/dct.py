@@ -203,6 +203,7 @@ class Dct(Compressor):
     """
 
     name: ClassVar[str] = "dct"
+    flops: ClassVar[float] = 64.0  # two 8x8 matrix products per block each way: 4 x 2 x 8
     lossless: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, ParamSpec]] = {
         "block": ParamSpec(int, 8, "side of the square DCT tiles", min=1, max=MAX_BLOCK),

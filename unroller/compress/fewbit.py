@@ -244,6 +244,7 @@ class FewBit(Compressor):
     """
 
     name: ClassVar[str] = "fewbit"
+    flops: ClassVar[float] = 8.0  # a bucket search and a table lookup per element
     lossless: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, ParamSpec]] = {
         "bits": ParamSpec(int, 3, "bits per element (2**bits intervals)", choices=(1, 2, 3, 4)),

@@ -69,6 +69,7 @@ class Quant(Compressor):
     """
 
     name: ClassVar[str] = "quant"
+    flops: ClassVar[float] = 8.0  # a scale, round and clamp each way
     lossless: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, ParamSpec]] = {
         "bits": ParamSpec(int, 8, "bits per code", choices=(8, 4, 2)),
