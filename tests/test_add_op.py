@@ -36,8 +36,8 @@ def ext_softplus(x, *, beta):
     return torch.nn.functional.softplus(x, beta=beta)
 
 
-def ext_softplus_backward(g, x, *, beta, needs):
-    return (g * torch.sigmoid(beta * x) if needs[0] else None,)
+def ext_softplus_backward(g, x, *, beta, needs=None):
+    return (g * torch.sigmoid(beta * x) if needs is None or needs[0] else None,)
 """
 
 MODEL = """

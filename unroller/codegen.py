@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import hashlib
 import importlib
-import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -278,7 +277,6 @@ class Emitter:
         }
         #: segments run in pieces: (the loop's header step, its last step, the segment)
         self.piece_loops: list[tuple[Step, Step, Segment]] = []
-        self.needs_default: dict[str, bool] = {}  # op -> its backward defaults needs=None
         for node in graph.nodes:
             self.check_supported(node)
 
@@ -298,18 +296,15 @@ class Emitter:
                 f"({name} lacks {', '.join(missing)})",
                 node.loc,
             )
-        if op not in self.needs_default:
-            needs = inspect.signature(getattr(module, f"{op}_backward")).parameters.get("needs")
-            self.needs_default[op] = needs is not None and needs.default is None
         why = getattr(module, "unsupported", lambda op, args: None)(op, node.args)
         if why:
             raise ModelError(f"{node.name}: {why} (platform {self.platform.name})", node.loc)
 
-    def needs_implied(self, node: Node) -> bool:
-        """Can the backward call leave ``needs`` out? When every gradient is wanted and the
-        kernel says so by default (``needs=None``); an out-of-tree kernel written before
-        that default existed still gets it spelled out."""
-        return all(node.needs) and self.needs_default[node.op.name]
+    @staticmethod
+    def needs_implied(node: Node) -> bool:
+        """Can the backward call leave ``needs`` out? When every gradient is wanted: every
+        backward kernel takes ``needs=None`` to mean all of them."""
+        return all(node.needs)
 
     def stage(self, node: Node | None) -> int:
         return self.pipeline.stage(node.name) if node is not None else 0
@@ -1450,8 +1445,12 @@ def layer_lines(graph: Graph) -> list[tuple[str, str, str]]:
 
     The constructor leaves out keywords equal to the registry default, which the registry
     keeps equal to the torch.nn class's own (``torch.nn.Conv2d(3, 64, (3, 3), bias=False)``).
+    The layers of a block instance take one comment, the block call, above the first: each
+    line names its layer (``"layer1.0.conv1"``) and the block's statements are shown once,
+    in its functions; the comment is "" for the others.
     """
     layers = []
+    instance = None
     for node in graph.nodes:
         if not (node.params or node.buffers):
             continue
@@ -1463,8 +1462,12 @@ def layer_lines(graph: Graph) -> list[tuple[str, str, str]]:
             tuple(Const(env[a]) for a in spec.args),
             Emitter.kwargs({**kwargs, **dict(spec.fixed)}),
         )
+        comment = node.text
+        if node.blocks:
+            comment = "" if node.blocks[0] is instance else f"[block] {node.blocks[0].text}"
+        instance = node.blocks[0] if node.blocks else None
         layers.append(
-            (safe.comment_text(node.text), safe.literal(node.name), safe.code(render_expr(ctor)))
+            (safe.comment_text(comment), safe.literal(node.name), safe.code(render_expr(ctor)))
         )
     return layers
 
