@@ -198,7 +198,7 @@ def test_generate_failed_write_leaves_file_and_no_temp(work: Path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("unroller.api.os.replace", broken_replace)
+    monkeypatch.setattr("unroller.files.os.replace", broken_replace)
     result = invoke("generate", "small.txt", "-o", "out.py")
     assert result.exit_code == 2, result.output
     assert "cannot write out.py" in result.stderr

@@ -1,94 +1,45 @@
 """The library entry points the CLI, the tests and the benchmarks share.
 
 ``load_graph`` reads and checks a model file; ``generate_source`` returns the text of
-the generated module; ``write_atomic`` replaces an output file only once the new text
-is complete, so a failed run never leaves a half-written file behind.
+the generated module; ``compression_config`` resolves a scheme, a config file or the
+planned ``auto`` scheme for a graph (which is why this layer sits above the planner).
 
-Output and existing-file paths: ``output_target`` says where a write to a path lands (the
-path itself, or the regular file a symbolic link points to) and refuses folders, FIFOs,
-devices, sockets and dangling links; ``read_bounded`` reads a regular file only, at most
-``MAX_READ_BYTES``, and never blocks on a FIFO; ``stale_temps`` finds the temporary files
-(``.NAME.unroller-tmp-PID-RANDOM``) an interrupted write left behind.
+The file helpers (``read_bounded``, ``write_atomic``, ``output_target``, ``stale_temps``,
+``import_generated``, ...) live in ``unroller.files``, below everything that verify, the
+planner, the estimate and the memory model import, and are re-exported here for callers.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
-import secrets
-import stat
-import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
 from unroller.ast import ModelAST
 from unroller.codegen import Options, render
 from unroller.errors import ModelError
+from unroller.files import (  # noqa: F401  (re-exported: the library's file helpers)
+    MAX_READ_BYTES,
+    STALE_TEMP_SECONDS,
+    TEMP_MARK,
+    FileTooLarge,
+    NotRegularFile,
+    PathError,
+    file_kind,
+    import_generated,
+    output_target,
+    read_bounded,
+    read_limited,
+    size_text,
+    source_label,
+    stale_temps,
+    temp_path,
+    unlinked_target,
+    write_atomic,
+)
 from unroller.graph import Graph, build_graph
 from unroller.parser import parse
 from unroller.schemes import CompressionConfig
-
-
-def source_label(path: str | Path) -> str:
-    """How a generated file names its source: relative to the working directory if inside it."""
-    resolved, cwd = Path(path).resolve(), Path.cwd().resolve()
-    if resolved.is_relative_to(cwd):
-        return resolved.relative_to(cwd).as_posix()
-    return resolved.as_posix()
-
-
-MAX_READ_BYTES = 64 * 1024 * 1024  # the most read from a model, config or existing output file
-TEMP_MARK = ".unroller-tmp-"  # write_atomic's temporary files: .NAME.unroller-tmp-PID-RANDOM
-STALE_TEMP_SECONDS = 600  # a temporary file this old (or its writer gone) is stale
-
-
-class PathError(OSError):
-    """A path that is not what it must be (a folder, FIFO, device, dangling link, too big)."""
-
-
-def file_kind(mode: int) -> str:
-    """What a stat mode is, for messages: 'a folder', 'a named pipe (FIFO)', ..."""
-    for test, name in (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a named pipe (FIFO)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISLNK, "a symbolic link"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-READ_CHUNK = 1 << 20
-
-
-def size_text(nbytes: int) -> str:
-    """A byte limit for a message: MiB when it is at least one, bytes otherwise."""
-    return f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
-
-
-def read_limited(handle, limit: int, what: str, size_hint: int | None = None) -> bytes:
-    """At most ``limit`` bytes from a binary stream; PathError beyond that. Never asks the
-    stream for more than it is expected to hold (``size_hint``, the file's size) plus a
-    chunk at a time: ``read(n)`` reserves n bytes before reading, so ``read(limit + 1)``
-    with a 16 GiB limit fails on a small machine whatever the file's size."""
-    first = READ_CHUNK if size_hint is None else size_hint + 1
-    chunks = [handle.read(min(limit + 1, first))]
-    total = len(chunks[0])
-    while total <= limit and chunks[-1]:
-        chunks.append(handle.read(min(limit + 1 - total, READ_CHUNK)))
-        total += len(chunks[-1])
-    if total > limit:
-        raise PathError(f"{what} is larger than {size_text(limit)}")
-    data = [chunk for chunk in chunks if chunk]
-    return data[0] if len(data) == 1 else b"".join(data)  # one file-sized copy at most
 
 
 def read_model_text(path: str | Path) -> str:
@@ -97,129 +48,6 @@ def read_model_text(path: str | Path) -> str:
     from unroller.parser import read_source
 
     return read_source(path)
-
-
-def read_bounded(path: str | Path, limit: int = MAX_READ_BYTES) -> bytes:
-    """The bytes of the regular file at ``path`` (a symbolic link is followed), at most
-    ``limit`` of them. Anything else (folder, FIFO, device, socket, a bigger file) raises
-    PathError without being read: a FIFO never blocks, /dev/zero is never read."""
-    path = Path(path)
-    _check_readable(path, os.stat(path), limit)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as handle:
-        # the file opened, should it have changed meanwhile
-        info = os.fstat(fd)
-        _check_readable(path, info, limit)
-        return read_limited(handle, limit, str(path), info.st_size)
-
-
-def _check_readable(path: Path, info: os.stat_result, limit: int) -> None:
-    """Refuse a non-regular file, or one whose size already says it is too big (so a
-    sparse many-gigabyte file is refused without reading ``limit`` bytes of it)."""
-    if not stat.S_ISREG(info.st_mode):
-        raise PathError(f"{path} is {file_kind(info.st_mode)}, not a regular file")
-    if info.st_size > limit:
-        raise PathError(f"{path} is larger than {size_text(limit)}")
-
-
-def output_target(path: str | Path) -> Path:
-    """Where a write to ``path`` lands: ``path`` itself (existing or not), or, for a
-    symbolic link, the regular file it finally points to (so the link survives the write).
-    PathError for a folder, FIFO, device, socket, a dangling link or a link loop."""
-    path = Path(path)
-    try:
-        mode = os.lstat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):  # new (or its folder is not a folder)
-        return path
-    if stat.S_ISLNK(mode):
-        real = Path(os.path.realpath(path))
-        try:
-            mode = os.stat(path).st_mode
-        except FileNotFoundError:
-            raise PathError(
-                f"{path} is a symbolic link to {real}, which does not exist "
-                "(a link is followed only to an existing regular file)"
-            ) from None
-        except OSError as exc:
-            raise PathError(
-                f"{path} is a symbolic link that cannot be followed ({exc.strerror})"
-            ) from None
-        if stat.S_ISDIR(mode):
-            raise PathError(f"{path} is a symbolic link to the folder {real}")
-        if not stat.S_ISREG(mode):
-            raise PathError(
-                f"{path} is a symbolic link to {real}, which is {file_kind(mode)}, "
-                "not a regular file"
-            )
-        return real
-    if stat.S_ISDIR(mode):
-        raise PathError(f"{path} is a folder")
-    if not stat.S_ISREG(mode):
-        raise PathError(f"{path} is {file_kind(mode)}, not a regular file")
-    return path
-
-
-def unlinked_target(path: str | Path) -> Path:
-    """``output_target`` for a place where links are never followed: a symbolic link at
-    ``path`` raises PathError; anything else is checked as ``output_target`` checks it."""
-    path = Path(path)
-    try:
-        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return path
-    if is_link:
-        raise PathError(f"{path} is a symbolic link, which is not followed here")
-    return output_target(path)
-
-
-def temp_path(target: Path) -> Path:
-    """A fresh, recognisable temporary name beside ``target``."""
-    return target.with_name(f".{target.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-
-
-_TEMP_RE = re.compile(r"^\.(?P<name>.+?)(?:" + re.escape(TEMP_MARK) + r"(?P<pid>\d+)-[0-9a-f]+)$")
-_OLD_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")  # older: mkstemp's names
-
-
-def _running_here(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError, ValueError):  # someone else's process, or unknowable
-        return True
-    return True
-
-
-def stale_temps(
-    directory: str | Path, name: str | None = None, max_age: float = STALE_TEMP_SECONDS
-) -> list[Path]:
-    """write_atomic's temporary files in ``directory`` (for the target ``name``, or any)
-    left behind by an interrupted write: older than ``max_age`` seconds, or written by a
-    process no longer running on this machine more than a minute ago."""
-    found = []
-    now = time.time()
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return []
-    for entry in entries:
-        match = _TEMP_RE.match(entry.name) or _OLD_TEMP_RE.match(entry.name)
-        if not match or (name is not None and match["name"] != name):
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            continue
-        age = now - info.st_mtime
-        pid = match.groupdict().get("pid")
-        gone = pid is not None and int(pid) != os.getpid() and not _running_here(int(pid))
-        gone = gone and age > 60
-        if age > max_age or gone:
-            found.append(Path(directory) / entry.name)
-    return sorted(found)
 
 
 def at_resolution(model: ModelAST, resolution: int) -> ModelAST:
@@ -284,78 +112,6 @@ def generate_source(
 def generate_from_text(source: str, options: Options | None = None, label: str = "<string>") -> str:
     options = options or Options()
     return render_graph(graph_from_text(source, label, options.resolution), label, options)
-
-
-def write_atomic(
-    path: str | Path, text: str | bytes, *, parents: bool = True, follow_links: bool = True
-) -> Path:
-    """Write ``text`` (UTF-8, ``\\n`` line ends) or bytes to ``path`` through a temporary
-    file and a rename, so a reader or a crash never sees half a file; returns the file
-    written.
-
-    A symbolic link is followed to the existing regular file it points to, which is
-    replaced (the link stays a link); a folder, FIFO, device, socket or dangling link
-    raises PathError and nothing is written. ``parents=False``: a missing folder is an
-    error (FileNotFoundError) instead of being created. The temporary file,
-    ``.NAME.unroller-tmp-PID-RANDOM`` beside the target, is removed on any failure,
-    KeyboardInterrupt included; the new file keeps the mode of the one it replaces.
-    ``follow_links=False``: a symbolic link at ``path`` is refused (PathError) instead of
-    followed (inside a run folder a link could point anywhere)."""
-    target = output_target(path) if follow_links else unlinked_target(path)
-    if parents:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    data = text.encode("utf-8") if isinstance(text, str) else text
-    tmp = temp_path(target)
-    done = False
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-        with os.fdopen(fd, "wb") as handle:
-            try:
-                os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
-            except FileNotFoundError:
-                pass
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        try:
-            mode = os.lstat(target).st_mode
-        except FileNotFoundError:
-            mode = stat.S_IFREG
-        if not stat.S_ISREG(mode):  # swapped for a FIFO, link or folder meanwhile
-            raise PathError(f"{target} is no longer a regular file")
-        os.replace(tmp, target)
-        done = True
-    finally:
-        if not done:
-            tmp.unlink(missing_ok=True)
-    _sync_folder(target.parent)
-    return target
-
-
-def _sync_folder(folder: Path) -> None:
-    """Make the rename durable (best effort: not every file system allows it)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def import_generated(path: str | Path, name: str | None = None) -> ModuleType:
-    """Import a generated module from a file path (tests and benchmarks use this)."""
-    path = Path(path)
-    name = name or f"unroller_generated_{abs(hash(path.resolve()))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_model_class(

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
-import stat
 import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
@@ -45,6 +43,7 @@ from unroller.ast import (
 )
 from unroller.dtypes import DTYPES
 from unroller.errors import ModelError, closest
+from unroller.files import FileTooLarge, NotRegularFile, file_kind, read_bounded
 from unroller.resources import resource_dir
 from unroller.shapes import MAX_DIM
 
@@ -116,34 +115,19 @@ def read_source(path: str | Path) -> str:
     """The text of a model file: a regular file of at most ``MAX_SOURCE_BYTES`` bytes of
     UTF-8 (a leading byte-order mark is dropped). A file that is missing, not a regular
     file (a directory, a FIFO, a device: reading one could block or never end), too large
-    or not UTF-8 is a ``ModelError``; a bad byte is reported at its line and column."""
-    path = Path(path)
+    or not UTF-8 is a ``ModelError``; a bad byte is reported at its line and column. The
+    bounded reading is ``unroller.files.read_bounded``'s; the words are the model file's."""
     try:
-        info = os.stat(path)
+        data = read_bounded(path, MAX_SOURCE_BYTES, "the model file")
+    except NotRegularFile as exc:
+        kind = file_kind(exc.mode, model_words=True)
+        raise ModelError(f"the model file is {kind}, not a regular file") from None
+    except FileTooLarge as exc:
+        raise ModelError(_too_large(exc.limit + 1 if exc.size is None else exc.size)) from None
     except FileNotFoundError:
         raise ModelError("no such model file") from None
     except OSError as exc:
         raise ModelError(f"cannot read the model file: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ModelError(f"the model file is {_file_kind(info.st_mode)}, not a regular file")
-    if info.st_size > MAX_SOURCE_BYTES:
-        raise ModelError(_too_large(info.st_size))
-    try:
-        # O_NONBLOCK: should the path be swapped for a FIFO after the check, open() and
-        # read() return at once instead of waiting for a writer.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise ModelError(f"the model file is {_file_kind(mode)}, not a regular file")
-            with os.fdopen(fd, "rb", closefd=False) as handle:
-                data = handle.read(MAX_SOURCE_BYTES + 1)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise ModelError(f"cannot read the model file: {exc.strerror or exc}") from None
-    if len(data) > MAX_SOURCE_BYTES:
-        raise ModelError(_too_large(len(data)))
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -153,18 +137,6 @@ def read_source(path: str | Path) -> str:
 def parse_file(path: str | Path) -> ModelAST:
     """Read a UTF-8 model file (a leading byte-order mark is ignored) and parse it."""
     return parse(read_source(path), filename=str(path))
-
-
-def _file_kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a file"  # pragma: no cover
 
 
 def _too_large(size: int) -> str:

@@ -40,7 +40,6 @@ import bisect
 import fnmatch
 import hashlib
 import math
-import os
 import re
 import stat
 import sys
@@ -50,6 +49,7 @@ from typing import Any
 
 from unroller.ast import Loc
 from unroller.errors import ConfigError, ConfigFileError, did_you_mean
+from unroller.files import FileTooLarge, NotRegularFile, read_bounded
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -516,39 +516,31 @@ class _Locator:
 
 def _read(path: Path) -> bytes:
     """The bytes of a config file, refusing what is not a small regular file (never blocking
-    on a FIFO or a device)."""
+    on a FIFO or a device: ``unroller.files.read_bounded``), in the config's own words."""
     label = str(path)
 
     def fail(message: str) -> ConfigFileError:
         return ConfigFileError(message, None, label, "")
 
     try:
-        info = os.stat(path)
+        return read_bounded(path, MAX_CONFIG_BYTES, label)
+    except NotRegularFile as exc:
+        if exc.opened:  # swapped for something else after the check
+            raise fail("not a regular file; expected a TOML file") from None
+        if stat.S_ISDIR(exc.mode):
+            raise fail("this is a directory, not a compression config file") from None
+        raise fail("not a regular file (a FIFO, socket or device?); expected a TOML file") from None
+    except FileTooLarge as exc:
+        if exc.size is None:  # grew past the limit while read
+            raise fail(f"the compression config is over {MAX_CONFIG_BYTES} bytes") from None
+        raise fail(
+            f"the compression config is {exc.size} bytes; at most {MAX_CONFIG_BYTES} are read"
+        ) from None
     except FileNotFoundError:
         raise fail("no such compression config file") from None
     except (OSError, ValueError) as exc:
         why = getattr(exc, "strerror", None) or str(exc)
         raise fail(f"cannot read the compression config: {why}") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise fail("this is a directory, not a compression config file")
-    if not stat.S_ISREG(info.st_mode):
-        raise fail("not a regular file (a FIFO, socket or device?); expected a TOML file")
-    if info.st_size > MAX_CONFIG_BYTES:
-        raise fail(
-            f"the compression config is {info.st_size} bytes; at most {MAX_CONFIG_BYTES} "
-            "are read"
-        )
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise fail("not a regular file; expected a TOML file")
-            data = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise fail(f"cannot read the compression config: {exc.strerror}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise fail(f"the compression config is over {MAX_CONFIG_BYTES} bytes")
-    return data
 
 
 def _decode(data: bytes, label: str) -> str:

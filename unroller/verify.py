@@ -34,13 +34,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unroller.api import import_generated, read_model_text, source_label, write_atomic
 from unroller.ast import Call, Const, KwArg, ModelAST
 from unroller.codegen import Options, render
 from unroller.dtypes import is_float, torch_dtype
 from unroller.errors import ModelError
+from unroller.files import import_generated, source_label, write_atomic
 from unroller.graph import Graph, Node, Value, build_graph
-from unroller.parser import parse
+from unroller.parser import parse, read_source
 
 if TYPE_CHECKING:
     import torch
@@ -608,7 +608,7 @@ def verify(
     ``path/file.py:Name``, or a callable returning the module). ModelError (VerifyError)
     for a model text that cannot be verified, ImportFailure for a SPEC that does not load;
     a mismatch is in the report (``ok`` False), never an exception."""
-    text = read_model_text(model_path)
+    text = read_source(model_path)
     return verify_text(
         text, spec, kwargs, batch_size, seed, tolerance, dropout, label=source_label(model_path)
     )

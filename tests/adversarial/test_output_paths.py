@@ -27,7 +27,7 @@ import pytest
 from conftest import time_limit
 
 from tests.adversarial.cli_cases import invoke, refused
-from unroller import api
+from unroller import files
 from unroller.api import PathError, generate_source, read_bounded, stale_temps, write_atomic
 from unroller.cli import app
 from unroller.codegen import Options
@@ -252,9 +252,9 @@ def test_write_atomic_without_parents_does_not_create_folders(tmp_path: Path):
 def test_huge_existing_file_is_not_read(work: Path):
     big = work / "out.py"
     with open(big, "wb") as handle:  # sparse: 64 MiB + 1 byte on no disk
-        handle.truncate(api.MAX_READ_BYTES + 1)
+        handle.truncate(files.MAX_READ_BYTES + 1)
     refused(invoke("generate", "m.txt", "-o", "out.py"), "larger than 64 MiB", "--force")
-    assert big.stat().st_size == api.MAX_READ_BYTES + 1
+    assert big.stat().st_size == files.MAX_READ_BYTES + 1
     assert invoke("generate", "m.txt", "-o", "out.py", "--force").exit_code == 0
     assert big.read_text() == fresh()
 
@@ -278,7 +278,7 @@ def test_temporary_file_is_recognisable_and_removed_on_interrupt(work: Path, mon
         seen.extend(n for n in names(work) if n.startswith(".out.py.unroller-tmp-"))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api.os, "fsync", interrupted)
+    monkeypatch.setattr(files.os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
         write_atomic(work / "out.py", "half")
     assert len(seen) == 1 and seen[0].startswith(f".out.py.unroller-tmp-{os.getpid()}-")
@@ -297,7 +297,7 @@ def test_full_disk_while_writing_leaves_the_old_file(work: Path, monkeypatch):
     def full(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(api.os, "fsync", full)
+    monkeypatch.setattr(files.os, "fsync", full)
     refused(invoke("generate", "m.txt", "-o", "out.py"), "cannot write out.py", "No space left")
     assert (work / "out.py").read_bytes() == before
     assert names(work) == ["m.txt", "out.py"]

@@ -505,7 +505,7 @@ def test_resume_of_a_huge_file_reads_none_of_it(tmp_path, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("the huge file was read")
 
-    monkeypatch.setattr("unroller.api.read_limited", never)
+    monkeypatch.setattr("unroller.files.read_limited", never)
     with pytest.raises(CheckpointError, match="is larger than"):
         load_checkpoint(path)
 

@@ -202,7 +202,7 @@ def _check_model(onnx, model, path: Path) -> None:
 def _read(path: Path, limit: int) -> bytes:
     """``read_bounded``'s bytes (a regular file, at most ``limit``); ImportFailure naming
     the file otherwise: a FIFO never blocks, /dev/zero is never read."""
-    from unroller.api import PathError, read_bounded
+    from unroller.files import PathError, read_bounded
 
     try:
         return read_bounded(path, limit)

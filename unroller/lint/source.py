@@ -5,10 +5,10 @@ What cannot be read is an ``_Unreadable`` with the reason, reported as a lint er
 from __future__ import annotations
 
 import io
-import os
-import stat
 import tokenize
 from pathlib import Path
+
+from unroller.files import FileTooLarge, NotRegularFile, read_bounded
 
 MAX_SOURCE_BYTES = 16 * 1024 * 1024  # the most lint reads of one module
 
@@ -17,40 +17,20 @@ class _Unreadable(Exception):
     """A file lint does not read, and why."""
 
 
-def _file_kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a named pipe (FIFO)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _read_source(path: Path, limit: int | None = None) -> str:
     """The text of the regular file at ``path`` (a link is followed), at most ``limit``
     bytes (default MAX_SOURCE_BYTES), decoded as Python decodes source (a BOM or coding
     declaration, else UTF-8). A FIFO or device is never opened for reading."""
     limit = MAX_SOURCE_BYTES if limit is None else limit
     try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise _Unreadable(f"it is {_file_kind(mode)}, not a regular file")
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags)
-        with os.fdopen(fd, "rb") as handle:
-            mode = os.fstat(fd).st_mode  # the file opened, should it have changed meanwhile
-            if not stat.S_ISREG(mode):
-                raise _Unreadable(f"it is {_file_kind(mode)}, not a regular file")
-            data = handle.read(limit + 1)
+        data = read_bounded(path, limit, "it")
+    except NotRegularFile as exc:
+        raise _Unreadable(str(exc)) from None  # "it is a folder, not a regular file"
+    except FileTooLarge:
+        size = f"{limit // 2**20} MiB" if limit % 2**20 == 0 else f"{limit} bytes"
+        raise _Unreadable(f"it is larger than {size}, the most lint reads of one module") from None
     except OSError as exc:
         raise _Unreadable(f"it cannot be read ({exc.strerror or exc})") from None
-    if len(data) > limit:
-        size = f"{limit // 2**20} MiB" if limit % 2**20 == 0 else f"{limit} bytes"
-        raise _Unreadable(f"it is larger than {size}, the most lint reads of one module")
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
         return data.decode(encoding)
