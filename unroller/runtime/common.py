@@ -835,13 +835,6 @@ def observe_stash(observer: StashObserver):
         _OBSERVING.observer = previous
 
 
-def _log_row(log: list, key: str, row: tuple, tensor: Tensor | None = None) -> None:
-    if isinstance(log, StashLog):
-        log.add(key, row, tensor)
-    else:  # a plain list (older callers)
-        log.append((key, *row))
-
-
 def _label(codec: Any) -> str:
     """``repr(codec)``, kept on the codec (its parameters never change after it is made):
     every kept tensor of every step asks."""
@@ -853,19 +846,19 @@ def _label(codec: Any) -> str:
     return found
 
 
-def stash(log: list, key: str, raw: Tensor, *forms: tuple) -> None:
+def stash(log: StashLog, key: str, raw: Tensor, *forms: tuple) -> None:
     """Record one tensor kept compressed: its raw bytes and the bytes of each stored form
     (``(compressor, packed tensors)`` pairs)."""
     stored = sum(t.numel() * t.element_size() for _, packed in forms for t in packed)
     label = " + ".join(_label(codec) for codec, _ in forms)
-    _log_row(log, key, (label, tuple(raw.shape), raw.numel() * raw.element_size(), stored), raw)
+    log.add(key, (label, tuple(raw.shape), raw.numel() * raw.element_size(), stored), raw)
 
 
-def stash_raw(log: list, tensors: dict[str, Tensor]) -> None:
+def stash_raw(log: StashLog, tensors: dict[str, Tensor]) -> None:
     """Record the tensors kept as they are."""
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        _log_row(log, key, ("raw", tuple(t.shape), nbytes, nbytes), t)
+        log.add(key, ("raw", tuple(t.shape), nbytes, nbytes), t)
 
 
 def stash_report(log: list) -> dict:
