@@ -41,6 +41,9 @@ class Platform:
     #: ``--pipeline K``: the module also gets one generator per stage, for K processes
     #: (``unroller.pipeline_parallel``) that send boundary tensors over torch.distributed.
     process_stages: bool = False
+    #: Memory on each device that the stage report weighs params and stash against (an
+    #: IPU's In-Processor-Memory, ``unroller.report``); 0: none (a GPU's is a run option)
+    device_sram_bytes: int = 0
 
     @property
     def pipelined(self) -> bool:
@@ -66,6 +69,7 @@ IPU = Platform(
     max_stages=16,
     stage_counts=(1, 2, 4, 8, 16),
     stage_block='with poptorch.Block(user_id="{section}{stage}", ipu_id={stage}):  # IPU {stage}',
+    device_sram_bytes=900 * 1000**2,  # one GC200's In-Processor-Memory (about 900 MB)
 )
 
 PLATFORMS: dict[str, Platform] = {p.name: p for p in (GPU, IPU)}

@@ -13,6 +13,7 @@ from typing import Any
 
 from unroller.dtypes import DTYPE_BYTES
 from unroller.graph import Graph, Node
+from unroller.platforms import IPU
 from unroller.shapes import TensorType
 
 
@@ -137,12 +138,12 @@ def format_stash(stash: dict[str, Any], scheme: str) -> str:
     return "\n".join(lines)
 
 
-IPU_SRAM_BYTES = 900 * 1000**2  # In-Processor-Memory of one GC200 IPU (about 900 MB)
+IPU_SRAM_BYTES = IPU.device_sram_bytes  # the ipu Platform's: one GC200 (about 900 MB)
 
 
 def format_ipus(report: dict[str, Any]) -> str:
     """Per IPU: parameters, stashed activations raw and stored; bytes crossing boundaries."""
-    header = ("ipu", "first node", "nodes", "params", "stash raw", "stash stored", "of 900 MB")
+    header = ("ipu", "first node", "nodes", "params", "stash raw", "stash stored", f"of {IPU_SRAM_BYTES // 1000**2} MB")
     rows = []
     for r in report["ipus"]:
         used = r["param_bytes"] + r["stash_stored_bytes"]
@@ -167,8 +168,8 @@ def format_ipus(report: dict[str, Any]) -> str:
             f"activations forward, {human_bytes(b['gradient_bytes'])} of gradients back per step"
         )
     lines.append(
-        f"(batch {report['batch_size']}; params + stored stash against one GC200's 900 MB of "
-        f"SRAM, before code, exchange buffers and temporaries)"
+        f"(batch {report['batch_size']}; params + stored stash against one GC200's "
+        f"{IPU_SRAM_BYTES // 1000**2} MB of SRAM, before code, exchange buffers and temporaries)"
     )
     return "\n".join(lines)
 
