@@ -231,14 +231,6 @@ def upsample(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeRe
     return ShapeResult(TensorType(x.dtype, (*x.shape[:2], *size)), {"input_hw": (h, w)})
 
 
-def same_pair(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
-    a, b = inputs
-    _float(op, a, 0)
-    if a != b:
-        raise ShapeError(f"{op} needs two tensors of the same shape and dtype, got {a} and {b}", 1)
-    return ShapeResult(a)
-
-
 def broadcast(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """Elementwise a (op) b, broadcasting as torch (dims aligned from the right; a dim of
     size 1 or a missing leading dim stretches). The batch dim stays first: an operand
