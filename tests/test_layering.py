@@ -25,7 +25,7 @@ CORE = (
     "shapes",
     "registry",
     "codegen",
-    "schedule",
+    "names",
     "outline",
     "ir",
     "stash",

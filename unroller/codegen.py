@@ -47,6 +47,7 @@ from unroller.ir import (
     render_expr,
     render_steps,
 )
+from unroller.names import RESERVED, Namer
 from unroller.outline import Function, Outliner, relative, rename_vars
 from unroller.pipeline import (
     Boundary,
@@ -59,7 +60,6 @@ from unroller.pipeline import (
 from unroller.platforms import GPU, Platform
 from unroller.platforms import platform as get_platform
 from unroller.resources import resource_dir
-from unroller.schedule import RESERVED, Namer
 from unroller.schemes import AUTO, SCHEMES, Codec, CompressionConfig, builtin, resolve
 from unroller.shapes import TensorType
 from unroller.stash import (

@@ -55,7 +55,7 @@ from unroller.ir import (
     render_steps,
 )
 from unroller.ir import Global as GlobalName
-from unroller.schedule import Namer
+from unroller.names import Namer
 
 #: Variables the templates define in each method; functions take them scoped.
 SCOPED = ("stash",)

@@ -1,7 +1,7 @@
 """Model value names never collide with the names the templates use themselves.
 
 A loss named ``total`` once silently returned the multi-IPU surrogate loss instead of
-the real one. Every name a template emits is reserved (``schedule.RESERVED`` and the
+the real one. Every name a template emits is reserved (``names.RESERVED`` and the
 numbered families K2, CODEC_...), checked here two ways: the names each platform's
 module uses that do not come from the model are all reserved, and a model whose values
 take each reserved name trains exactly like the same model with plain names.
@@ -17,9 +17,9 @@ from conftest import rel_err
 
 from unroller.api import generate_from_text
 from unroller.codegen import Options
+from unroller.names import _RESERVED_PATTERN, RESERVED, TEMPLATE_NAMES
 from unroller.registry import load_registry
 from unroller.runtime import ipu_device, poptorch_emulation
-from unroller.schedule import _RESERVED_PATTERN, RESERVED, TEMPLATE_NAMES
 
 # Every template name, the numbered families, builtins a template could call, Python
 # keywords and soft keywords: each becomes a value name below (the loss is `total`,

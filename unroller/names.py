@@ -13,7 +13,7 @@ import re
 
 # Names the generated modules (every platform's template) use themselves, and every
 # builtin (a template may call any of them, e.g. ``sum``): model names never take them.
-# tests/test_reserved_names.py checks this against every name each template emits.
+# tests/adversarial/test_reserved_names.py checks this against every name each template emits.
 TEMPLATE_NAMES = frozenset(
     {
         "self", "torch", "sys", "K", "P", "L", "C", "Model", "stash", "grads", "poptorch",
