@@ -729,6 +729,33 @@ def _padding_mask_reference(s: Sample, ctx: Ctx) -> Tensor:
     return torch.where(attend, torch.tensor(0.0), torch.tensor(lowest))
 
 
+def _causal_mask_case(shape: tuple[int, ...]) -> Case:
+    """Scores [..., L, S] (S >= L: the keys after each query's own, S - L + i), as an eager
+    attention adds Hugging Face's causal mask to them."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        return Sample((randn(*shape, dtype=dtype),))
+
+    return Case("x".join(map(str, shape)), make)
+
+
+def _causal_mask_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """The scores with the keys after each query's set to the dtype's lowest: what Hugging
+    Face's additive mask gives (x + lowest rounds to lowest for any score below 2**100 in
+    float32), with masked_fill's gradient (0 where masked, where the softmax after it sends
+    exactly 0 anyway)."""
+    (x,) = s.inputs
+    length, keys = x.shape[-2:]
+    masked = torch.ones(length, keys, dtype=torch.bool).tril(keys - length).logical_not()
+    added = x.detach() + torch.zeros(length, keys, dtype=x.dtype).masked_fill(
+        masked, torch.finfo(x.dtype).min
+    )
+    filled = x.masked_fill(masked, torch.finfo(x.dtype).min)
+    assert torch.equal(added, filled.detach())  # the add and the fill agree bit for bit
+    return filled
+
+
 def _sdpa_peaked(dtype: torch.dtype) -> Sample:
     """Large scores: softmax rows close to one-hot (probabilities near 0 and 1)."""
     _seeded()
@@ -1800,6 +1827,17 @@ ROWS: tuple[OpInfo, ...] = (
         "padded_positions",
         _positions_reference,
         (_positions_case("pad1", 1), _positions_case("pad0", 0)),
+        exact_forward=("gpu", "ipu"),
+        exact_grads=("gpu", "ipu"),
+    ),
+    OpInfo(
+        "causal_mask",
+        _causal_mask_reference,
+        (
+            _causal_mask_case((2, 3, 5, 5)),
+            _causal_mask_case((2, 4, 6)),
+            _causal_mask_case((1, 2, 3, 7)),
+        ),
         exact_forward=("gpu", "ipu"),
         exact_grads=("gpu", "ipu"),
     ),
