@@ -691,6 +691,7 @@ F_CALLS |= {"hardtanh", "silu", "elu", "softplus", "embedding"}
 # block-by-block attention (unroller/runtime/attention.py): amax is on the pointwise list,
 # masked_fill on the indexing list; the in-place forms of listed ops write a block's tile
 TENSOR_METHODS |= {"amax", "masked_fill_", "sub_", "exp_", "div_", "is_contiguous"}
+TENSOR_METHODS |= {"masked_fill"}  # causal_mask (eager attention's mask): the indexing list
 # rmsnorm (unroller/runtime/norms.py) and rotary (positions.py): on the pointwise list;
 # finfo is a dtype's constant (eps), read on the host
 TENSOR_METHODS |= {"pow", "cos", "sin"}
