@@ -181,7 +181,6 @@ def temp_path(target: Path) -> Path:
 
 
 _TEMP_RE = re.compile(r"^\.(?P<name>.+?)(?:" + re.escape(TEMP_MARK) + r"(?P<pid>\d+)-[0-9a-f]+)$")
-_OLD_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")  # older: mkstemp's names
 
 
 def _running_here(pid: int) -> bool:
@@ -207,7 +206,7 @@ def stale_temps(
     except OSError:
         return []
     for entry in entries:
-        match = _TEMP_RE.match(entry.name) or _OLD_TEMP_RE.match(entry.name)
+        match = _TEMP_RE.match(entry.name)
         if not match or (name is not None and match["name"] != name):
             continue
         try:
@@ -217,9 +216,8 @@ def stale_temps(
         if not stat.S_ISREG(info.st_mode):
             continue
         age = now - info.st_mtime
-        pid = match.groupdict().get("pid")
-        gone = pid is not None and int(pid) != os.getpid() and not _running_here(int(pid))
-        gone = gone and age > 60
+        pid = int(match["pid"])
+        gone = pid != os.getpid() and not _running_here(pid) and age > 60
         if age > max_age or gone:
             found.append(Path(directory) / entry.name)
     return sorted(found)
