@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast as pyast
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -328,8 +328,8 @@ def _extra_specs(op: str, raw: list[dict[str, Any]]) -> list[ExtraSpec]:
     return specs
 
 
-def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
-    known = {
+OP_FIELDS = frozenset(
+    {
         "doc",
         "kind",
         "inputs",
@@ -367,40 +367,15 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         "workspace",
         "reorders",
     }
+)
+"""The fields an ops.toml entry may have (anything else is a typo, refused)."""
+
+
+def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
+    """One ops.toml entry as an OpSpec, every field checked against the others."""
     where = f"{source}: [{name}]"
-    if unknown := set(raw) - known:
-        raise RegistryError(f"{where}: unknown field(s) {sorted(unknown)}")
-    for required in ("doc", "kind", "shape"):
-        if required not in raw:
-            raise RegistryError(f"{where}: missing field '{required}'")
-    if raw["kind"] not in KINDS:
-        raise RegistryError(f"{where}: kind must be one of {KINDS}")
-    if raw.get("free"):
-        if raw.get("inputs") or raw.get("variadic") or len(raw.get("params", [])) != 1:
-            raise RegistryError(f"{where}: a free op has no inputs and exactly one parameter")
-    elif not raw.get("variadic") and not raw.get("inputs") and not raw.get("params"):
-        # no inputs is allowed only for a layer made from its parameters (embedding_rows)
-        raise RegistryError(f"{where}: needs 'inputs', 'variadic = true' or 'params'")
-    args: dict[str, ArgSpec] = {}
-    for arg_name, arg in raw.get("args", {}).items():
-        if arg.get("type") not in ARG_TYPES:
-            raise RegistryError(f"{where}: arg {arg_name}: type must be one of {ARG_TYPES}")
-        args[arg_name] = ArgSpec(
-            name=arg_name,
-            type=arg["type"],
-            # optional = true: the default is None (TOML has no null), as padding_idx=None
-            default=None if arg.get("optional") else arg.get("default", _MISSING),
-            default_from=arg.get("default_from"),
-            min=arg.get("min"),
-            max=arg.get("max"),
-            choices=tuple(arg["choices"]) if "choices" in arg else None,
-            optional=bool(arg.get("optional", False)),
-            empty=bool(arg.get("empty", False)),
-        )
-        if args[arg_name].optional and "default" in arg:
-            raise RegistryError(f"{where}: arg {arg_name}: optional means the default is None")
-        if args[arg_name].optional:
-            args[arg_name] = replace(args[arg_name], default=None)
+    _check_op_fields(where, raw)
+    args = _arg_specs(where, raw.get("args", {}))
     spec = OpSpec(
         name=name,
         doc=raw["doc"],
@@ -443,6 +418,53 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         workspace=_workspace_spec(where, raw.get("workspace", {})),
         reorders=raw.get("reorders", False) is True,
     )
+    _check_op_consistency(where, spec, raw)
+    return spec
+
+
+def _check_op_fields(where: str, raw: dict[str, Any]) -> None:
+    """Refuse an entry with unknown or missing fields, an unknown kind, or no inputs."""
+    if unknown := set(raw) - OP_FIELDS:
+        raise RegistryError(f"{where}: unknown field(s) {sorted(unknown)}")
+    for required in ("doc", "kind", "shape"):
+        if required not in raw:
+            raise RegistryError(f"{where}: missing field '{required}'")
+    if raw["kind"] not in KINDS:
+        raise RegistryError(f"{where}: kind must be one of {KINDS}")
+    if raw.get("free"):
+        if raw.get("inputs") or raw.get("variadic") or len(raw.get("params", [])) != 1:
+            raise RegistryError(f"{where}: a free op has no inputs and exactly one parameter")
+    elif not raw.get("variadic") and not raw.get("inputs") and not raw.get("params"):
+        # no inputs is allowed only for a layer made from its parameters (embedding_rows)
+        raise RegistryError(f"{where}: needs 'inputs', 'variadic = true' or 'params'")
+
+
+def _arg_specs(where: str, raw_args: dict[str, Any]) -> dict[str, ArgSpec]:
+    """An entry's keyword arguments (``args``), each with its type, default and bounds."""
+    args: dict[str, ArgSpec] = {}
+    for arg_name, arg in raw_args.items():
+        if arg.get("type") not in ARG_TYPES:
+            raise RegistryError(f"{where}: arg {arg_name}: type must be one of {ARG_TYPES}")
+        args[arg_name] = ArgSpec(
+            name=arg_name,
+            type=arg["type"],
+            # optional = true: the default is None (TOML has no null), as padding_idx=None
+            default=None if arg.get("optional") else arg.get("default", _MISSING),
+            default_from=arg.get("default_from"),
+            min=arg.get("min"),
+            max=arg.get("max"),
+            choices=tuple(arg["choices"]) if "choices" in arg else None,
+            optional=bool(arg.get("optional", False)),
+            empty=bool(arg.get("empty", False)),
+        )
+        if args[arg_name].optional and "default" in arg:
+            raise RegistryError(f"{where}: arg {arg_name}: optional means the default is None")
+    return args
+
+
+def _check_op_consistency(where: str, spec: OpSpec, raw: dict[str, Any]) -> None:
+    """Refuse an entry whose fields contradict each other: saved entries that name
+    nothing, masks or derivatives of what is not saved, a weighted op without a weight."""
     if spec.target is not None and (spec.kind != "loss" or len(spec.inputs) < 2):
         raise RegistryError(f"{where}: target is for a loss with a target input")
     if spec.weighted is not None and "weight" not in {p.name for p in spec.params}:
@@ -482,7 +504,6 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         raise RegistryError(f"{where}: every activation must also be saved")
     if (spec.params or spec.buffers) and not spec.module:
         raise RegistryError(f"{where}: an op with parameters needs 'module'")
-    return spec
 
 
 def _choice(where: str, raw: dict[str, Any], key: str, values: tuple[str, ...]) -> str | None:
