@@ -383,15 +383,7 @@ class Emitter:
         if op.extras and not evaluating:
             kept = {a.entry for a in node.saved if a.kind == "extra"} if not eval_mode else set()
             targets += [self.extra(node, e.name) if e.name in kept else None for e in node.extras]
-        step = Step(
-            "forward",
-            [Assign(tuple(targets), call)],
-            comment=node.text,
-            calls=node.blocks,
-            local_comment=node.local_text,
-            stage=self.stage(node),
-        )
-        return self.observed(node, step)
+        return self.observed(node, self.node_step("forward", [Assign(tuple(targets), call)], node))
 
     # -- backward ------------------------------------------------------------------------
 
@@ -455,15 +447,7 @@ class Emitter:
         statements += sums
         for owner, grads in param_grads.items():
             statements.append(Do(self.param_grads(owner, tuple(grads), op.fresh_param_grads)))
-        step = Step(
-            "backward",
-            statements,
-            comment=node.text,
-            calls=node.blocks,
-            local_comment=node.local_text,
-            stage=self.stage(node),
-        )
-        return self.observed(node, step)
+        return self.observed(node, self.node_step("backward", statements, node))
 
     def input_grad_targets(
         self, node: Node, owned: dict[int, bool], lean: bool
@@ -729,6 +713,18 @@ class Emitter:
         """``step``, which remakes ``producer``'s output in the backward, told to the
         observer."""
         return self.observed(producer, step)
+
+    def node_step(self, section: str, statements: list[Statement], node: Node) -> Step:
+        """A step carrying out ``node`` itself: commented with its statement (whole and
+        within its block), placed in its block instances and its pipeline stage."""
+        return Step(
+            section,
+            statements,
+            comment=node.text,
+            calls=node.blocks,
+            local_comment=node.local_text,
+            stage=self.stage(node),
+        )
 
     def observed(self, node: Node, step: Step) -> Step:
         """``step``, made for ``node`` (its forward, its backward, or a recompute of its
@@ -1054,14 +1050,7 @@ class Emitter:
         kwargs = self.kwargs(explicit_kwargs(op, node.kernel_kwargs))
         defaults = self.defaults(op, node.kernel_kwargs)
         call = CallExpr(self.kernel(node, op.recompute.kernel), tuple(args), kwargs, defaults)
-        step = Step(
-            "forward",
-            [Assign((self.var(node.output),), call)],
-            comment=node.text,
-            calls=node.blocks,
-            local_comment=node.local_text,
-            stage=self.stage(node),
-        )
+        step = self.node_step("forward", [Assign((self.var(node.output),), call)], node)
         return self.recompute_step(node, step)
 
     def forward_with_stash(

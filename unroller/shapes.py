@@ -110,16 +110,21 @@ def _positive(
         )
 
 
+def _check_groups(op: str, in_channels: int, args: dict[str, Any]) -> None:
+    """A grouped convolution splits both channel counts into ``groups`` equal parts."""
+    groups = args["groups"]
+    if in_channels % groups or args["out_channels"] % groups:
+        raise ShapeError(
+            f"{op}: in_channels ({in_channels}) and out_channels ({args['out_channels']}) "
+            f"must both be divisible by groups ({groups})",
+            arg="groups",
+        )
+
+
 def conv2d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     (x,) = inputs
     c, h, w = _image(op, x)
-    groups = args["groups"]
-    if c % groups or args["out_channels"] % groups:
-        raise ShapeError(
-            f"{op}: in_channels ({c}) and out_channels ({args['out_channels']}) must both be "
-            f"divisible by groups ({groups})",
-            arg="groups",
-        )
+    _check_groups(op, c, args)
     size = tuple(
         (n + 2 * p - d * (k - 1) - 1) // s + 1
         for n, k, s, p, d in zip(
@@ -136,13 +141,7 @@ def conv2d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResu
 def conv_transpose2d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     (x,) = inputs
     c, h, w = _image(op, x)
-    groups = args["groups"]
-    if c % groups or args["out_channels"] % groups:
-        raise ShapeError(
-            f"{op}: in_channels ({c}) and out_channels ({args['out_channels']}) must both be "
-            f"divisible by groups ({groups})",
-            arg="groups",
-        )
+    _check_groups(op, c, args)
     for op_, s, d in zip(args["output_padding"], args["stride"], args["dilation"]):
         if op_ >= max(s, d):
             raise ShapeError(
@@ -928,13 +927,7 @@ def batchnorm1d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> Shap
 def conv1d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     (x,) = inputs
     c, length = _sequence(op, x)
-    groups = args["groups"]
-    if c % groups or args["out_channels"] % groups:
-        raise ShapeError(
-            f"{op}: in_channels ({c}) and out_channels ({args['out_channels']}) must both be "
-            f"divisible by groups ({groups})",
-            arg="groups",
-        )
+    _check_groups(op, c, args)
     k, s, p, d = (args[a] for a in ("kernel_size", "stride", "padding", "dilation"))
     out = (length + 2 * p - d * (k - 1) - 1) // s + 1
     _length_positive(op, out, length)
