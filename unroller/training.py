@@ -876,18 +876,7 @@ def train(
         checkpoint, config = _resumable(resume, config)
     rank, world = _world()
     out = Path(out)
-    if rank == 0:
-        check_run_folder(out, force=force, ours=resumes_in_place(resume, out))
-    if resume is None and (out / CHECKPOINT).exists():
-        raise TrainError(
-            f"{out} already holds a run; continue it with --resume {out / CHECKPOINT} "
-            "or choose another --out"
-        )
-    if world != config.nproc_per_node:
-        raise TrainError(
-            f"--nproc-per-node {config.nproc_per_node}, but {world} process(es) run: "
-            "start data-parallel runs with unroll train --nproc-per-node (it launches torchrun)"
-        )
+    _check_out_folder(config, out, resume, rank, world, force)
     if rank != 0:  # one process writes and reports
         progress, log = False, lambda line: None
     device = resolve_device(config.device)
@@ -898,94 +887,22 @@ def train(
         torch.backends.cudnn.deterministic = True
     source, sig, data = prepare(config)
     source_sha = hashlib.sha256(source.encode("utf-8")).hexdigest()
-    if checkpoint is not None and checkpoint["generated_sha256"] != source_sha:
-        raise TrainError(
-            f"--resume: {resume}: the generated model differs from the checkpoint's (the "
-            "model file, the scheme's config or the generator changed)"
-        )
     if checkpoint is not None:
-        for record in checkpoint["history"]:
-            if not record.get("diverged") and PRIMARY[data.task] not in record["test"]:
-                raise CheckpointError(
-                    f"{resume}: not a usable checkpoint: its 'history' record of epoch "
-                    f"{record['epoch']} has no {PRIMARY[data.task]}"
-                )
-
-    if rank == 0:
-        claim_run_folder(out)
-        if read_run_file(out / GENERATED) != source.encode("utf-8"):
-            write_run_file(out / GENERATED, source)
-    _barrier(world)
-    module_name = f"unroller_train_{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"
-    Model = import_generated(out / GENERATED, module_name).Model
-
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
-    model = Model()
-    if config.init is not None and checkpoint is None:  # a resumed run has its weights
-        try:
-            model.load_state_dict(torch.load(config.init, map_location="cpu", weights_only=True))
-        except (OSError, RuntimeError, ValueError, TypeError, pickle.UnpicklingError) as exc:
-            raise TrainError(f"cannot start from {config.init}: {_one_line(exc)}") from None
-    model.to(device)
-    reducer = None
-    if world > 1:
-        from unroller import distributed
-
-        reducer = distributed.attach(model, sync_bn=config.sync_bn)
-        torch.manual_seed(config.seed + 1_000_003 * rank)  # each its own dropout masks
-        random.seed(config.seed + 1_000_003 * rank)
+        _check_checkpoint_fits(checkpoint, resume, source_sha, data.task)
+    model, reducer = _start_model(config, out, source, rank, world, device, checkpoint is None)
     optimizer = make_optimizer(config, model.parameters())
     history: list[dict[str, Any]] = []
     start = 1
     if checkpoint is not None:
-        # everything is checked before anything is loaded or written
-        check_model_state(resume, checkpoint["model"], model)
-        check_optimizer_state(resume, checkpoint["optimizer"], optimizer)
-        cuda_state = checkpoint["rng"].get("cuda")
-        if device.type == "cuda" and cuda_state is not None:
-            size = torch.cuda.get_rng_state(device).numel()
-            if cuda_state.numel() != size:
-                raise CheckpointError(
-                    f"{resume}: not a usable checkpoint: its CUDA RNG state has "
-                    f"{cuda_state.numel()} bytes, this device's has {size}"
-                )
-        try:
-            model.load_state_dict(checkpoint["model"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(
-                f"{resume}: the checkpoint does not fit the model ({_one_line(exc)})"
-            ) from None
-        history = list(checkpoint["history"])
-        start = checkpoint["epoch"] + 1
-        ranks = checkpoint.get("rng_ranks")
-        set_rng_state(ranks[rank] if isinstance(ranks, list) else checkpoint["rng"], device)
-
+        history, start = _restore(checkpoint, resume, model, optimizer, device, rank)
     run = Run(config, out, data.task, data.description, data.synthetic, history)
-    info = {
-        "config": config.to_dict(),
-        "task": data.task,
-        "primary_metric": run.primary,
-        "dataset": data.description,
-        "synthetic": data.synthetic,
-        "generated_sha256": source_sha,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
     if rank == 0:
+        info = _run_info(config, data, run, source_sha)
         write_run_file(out / RUN_INFO, json.dumps(info, indent=2) + "\n")
         write_run_file(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
     if history and history[-1].get("diverged"):
         return run
-
-    bounds = batches(len(data.train), config.batch_size)
-    if world > 1 and min(b - a for a, b in bounds) < world:
-        raise TrainError(
-            f"a batch of {min(b - a for a, b in bounds)} sample(s) cannot be shared by {world} "
-            "processes: choose --batch-size and --train-size so that every batch has at "
-            "least one sample per process"
-        )
+    bounds = _epoch_batches(len(data.train), config.batch_size, world)
     with Progress(progress, log) as bar:
         for epoch in range(start, config.epochs + 1):
             label = f"epoch {epoch}/{config.epochs}"
@@ -1004,34 +921,9 @@ def train(
             if reducer is not None and not config.sync_bn:
                 _share_buffers(model)  # rank 0's running statistics, as DDP broadcasts them
             if not record.get("diverged"):
-                began = time.perf_counter()
-                record["test"] = evaluate(
-                    model,
-                    data.test,
-                    data.task,
-                    sig.logits,
-                    config.batch_size,
-                    device,
-                    sig.pred_class_dim or 1,
-                )
-                record["eval_time_s"] = time.perf_counter() - began
+                record["test"] = _timed_evaluation(model, data, sig, config, device, record)
             history.append(record)
-            payload = {
-                "format": FORMAT,
-                "epoch": epoch,
-                "config": config.to_dict(),
-                "generated_sha256": source_sha,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "rng": rng_state(device),
-                "history": history,
-            }
-            if world > 1:  # every process's generators, so a resume draws what it would have
-                payload["rng_ranks"] = _gathered(rng_state(device), world)
-            if rank == 0:  # the checkpoint first: no metrics line without its checkpoint
-                save_checkpoint(out / CHECKPOINT, payload)
-                write_run_file(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
-            _barrier(world)
+            _save_epoch(config, out, epoch, source_sha, model, optimizer, device, history)
             if record.get("diverged"):
                 bar.done(task_id, f"{label}: loss is not finite; stopped")
                 break
@@ -1042,3 +934,192 @@ def train(
                 f"({record['train_time_s']:.1f} s)",
             )
     return run
+
+
+def _epoch_batches(samples: int, batch_size: int, world: int) -> list[tuple[int, int]]:
+    """An epoch's batch bounds, refused when one is too small to give every process a
+    sample."""
+    bounds = batches(samples, batch_size)
+    if world > 1 and min(b - a for a, b in bounds) < world:
+        raise TrainError(
+            f"a batch of {min(b - a for a, b in bounds)} sample(s) cannot be shared by {world} "
+            "processes: choose --batch-size and --train-size so that every batch has at "
+            "least one sample per process"
+        )
+    return bounds
+
+
+def _check_out_folder(
+    config: TrainConfig, out: Path, resume: Path | None, rank: int, world: int, force: bool
+) -> None:
+    """Refuse a folder that is not ours to write (unless ``force``), a run started again
+    over its own checkpoint, and a process count other than the config's."""
+    if rank == 0:
+        check_run_folder(out, force=force, ours=resumes_in_place(resume, out))
+    if resume is None and (out / CHECKPOINT).exists():
+        raise TrainError(
+            f"{out} already holds a run; continue it with --resume {out / CHECKPOINT} "
+            "or choose another --out"
+        )
+    if world != config.nproc_per_node:
+        raise TrainError(
+            f"--nproc-per-node {config.nproc_per_node}, but {world} process(es) run: "
+            "start data-parallel runs with unroll train --nproc-per-node (it launches torchrun)"
+        )
+
+
+def _check_checkpoint_fits(
+    checkpoint: dict[str, Any], resume: Path, source_sha: str, task: str
+) -> None:
+    """Refuse to resume a checkpoint made from other generated code, or whose history
+    lacks the task's primary metric for an epoch that did not diverge."""
+    if checkpoint["generated_sha256"] != source_sha:
+        raise TrainError(
+            f"--resume: {resume}: the generated model differs from the checkpoint's (the "
+            "model file, the scheme's config or the generator changed)"
+        )
+    for record in checkpoint["history"]:
+        if not record.get("diverged") and PRIMARY[task] not in record["test"]:
+            raise CheckpointError(
+                f"{resume}: not a usable checkpoint: its 'history' record of epoch "
+                f"{record['epoch']} has no {PRIMARY[task]}"
+            )
+
+
+def _start_model(
+    config: TrainConfig,
+    out: Path,
+    source: str,
+    rank: int,
+    world: int,
+    device: torch.device,
+    fresh: bool,
+) -> tuple[Any, Any]:
+    """The generated model, written into the run folder and imported from there, seeded,
+    on ``device``, from ``config.init``'s weights on a ``fresh`` run; with more than one
+    process, its gradient reducer too (else None)."""
+    if rank == 0:
+        claim_run_folder(out)
+        if read_run_file(out / GENERATED) != source.encode("utf-8"):
+            write_run_file(out / GENERATED, source)
+    _barrier(world)
+    module_name = f"unroller_train_{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"
+    Model = import_generated(out / GENERATED, module_name).Model
+
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    model = Model()
+    if config.init is not None and fresh:  # a resumed run has its weights
+        try:
+            model.load_state_dict(torch.load(config.init, map_location="cpu", weights_only=True))
+        except (OSError, RuntimeError, ValueError, TypeError, pickle.UnpicklingError) as exc:
+            raise TrainError(f"cannot start from {config.init}: {_one_line(exc)}") from None
+    model.to(device)
+    reducer = None
+    if world > 1:
+        from unroller import distributed
+
+        reducer = distributed.attach(model, sync_bn=config.sync_bn)
+        torch.manual_seed(config.seed + 1_000_003 * rank)  # each its own dropout masks
+        random.seed(config.seed + 1_000_003 * rank)
+    return model, reducer
+
+
+def _restore(
+    checkpoint: dict[str, Any],
+    resume: Path,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    rank: int,
+) -> tuple[list[dict[str, Any]], int]:
+    """Load the checkpoint's weights, optimizer state and random generators, everything
+    checked before anything is loaded; returns its history and the epoch to start at."""
+    check_model_state(resume, checkpoint["model"], model)
+    check_optimizer_state(resume, checkpoint["optimizer"], optimizer)
+    cuda_state = checkpoint["rng"].get("cuda")
+    if device.type == "cuda" and cuda_state is not None:
+        size = torch.cuda.get_rng_state(device).numel()
+        if cuda_state.numel() != size:
+            raise CheckpointError(
+                f"{resume}: not a usable checkpoint: its CUDA RNG state has "
+                f"{cuda_state.numel()} bytes, this device's has {size}"
+            )
+    try:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{resume}: the checkpoint does not fit the model ({_one_line(exc)})"
+        ) from None
+    ranks = checkpoint.get("rng_ranks")
+    set_rng_state(ranks[rank] if isinstance(ranks, list) else checkpoint["rng"], device)
+    return list(checkpoint["history"]), checkpoint["epoch"] + 1
+
+
+def _run_info(config: TrainConfig, data: Any, run: Run, source_sha: str) -> dict[str, Any]:
+    """What ``run.json`` records: the config, the task and data, the code and torch."""
+    return {
+        "config": config.to_dict(),
+        "task": data.task,
+        "primary_metric": run.primary,
+        "dataset": data.description,
+        "synthetic": data.synthetic,
+        "generated_sha256": source_sha,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _timed_evaluation(
+    model: Any,
+    data: Any,
+    sig: Any,
+    config: TrainConfig,
+    device: torch.device,
+    record: dict[str, Any],
+) -> dict[str, float]:
+    """The test metrics after an epoch; the time they took goes into ``record``."""
+    began = time.perf_counter()
+    metrics = evaluate(
+        model,
+        data.test,
+        data.task,
+        sig.logits,
+        config.batch_size,
+        device,
+        sig.pred_class_dim or 1,
+    )
+    record["eval_time_s"] = time.perf_counter() - began
+    return metrics
+
+
+def _save_epoch(
+    config: TrainConfig,
+    out: Path,
+    epoch: int,
+    source_sha: str,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    history: list[dict[str, Any]],
+) -> None:
+    """Write the epoch's checkpoint, then its metrics line (rank 0), every process's
+    random generators included so that a resume draws what it would have."""
+    rank, world = _world()
+    payload = {
+        "format": FORMAT,
+        "epoch": epoch,
+        "config": config.to_dict(),
+        "generated_sha256": source_sha,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": rng_state(device),
+        "history": history,
+    }
+    if world > 1:  # every process's generators, so a resume draws what it would have
+        payload["rng_ranks"] = _gathered(rng_state(device), world)
+    if rank == 0:  # the checkpoint first: no metrics line without its checkpoint
+        save_checkpoint(out / CHECKPOINT, payload)
+        write_run_file(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
+    _barrier(world)
