@@ -711,6 +711,7 @@ FORBIDDEN_NAMES = {
 HOST_HELPERS = {
     "add_layer", "layers", "tensors", "check_inputs", "collect", "stash", "stash_raw",
     "stash_report", "_exports", "free_parameter", "transposed_linear_layer", "tie", "freeze",
+    "take", "within",
 }  # fmt: skip
 
 

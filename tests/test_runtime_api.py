@@ -35,6 +35,8 @@ SHARED_HELPERS = [
     "stash_report",
     "stash_log",
     "unsupported",
+    "take",
+    "within",
 ]
 HELPERS = {"gpu": [*SHARED_HELPERS, "accumulate", "accumulate_fresh"], "ipu": SHARED_HELPERS}
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY

@@ -62,11 +62,15 @@ class Attr:
 
 @dataclass(frozen=True)
 class CallExpr:
-    """``func(*args, **kwargs)``; ``func`` is a module-level name (``K.conv2d``)."""
+    """``func(*args, **kwargs)``; ``func`` is a module-level name (``K.conv2d``).
+    ``defaults``: keyword arguments left out because they equal the registry default (not
+    rendered): instances of a block that differ in one share a function that takes it as a
+    parameter (``unroller.outline``)."""
 
     func: Global | Attr
     args: tuple[Expr, ...] = ()
     kwargs: tuple[tuple[str, Expr], ...] = ()
+    defaults: tuple[tuple[str, Expr], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,16 @@ class DictExpr:
     items: tuple[tuple[str, Expr], ...]  # str keys, rendered as literals
 
 
-Expr = Var | Layer | Const | ModelName | Global | Attr | CallExpr | TupleExpr | ListExpr | DictExpr
+@dataclass(frozen=True)
+class Starred:
+    """``*value`` as an argument: a call's results passed as several arguments."""
+
+    value: CallExpr
+
+
+Expr = (
+    Var | Layer | Const | ModelName | Global | Attr | CallExpr | TupleExpr | ListExpr | DictExpr
+) | Starred
 
 
 @dataclass(frozen=True)
@@ -199,6 +212,8 @@ def _vars(expr: Expr) -> list[str]:
         return [name for item in expr.items for name in _vars(item)]
     if isinstance(expr, DictExpr):
         return [name for _, item in expr.items for name in _vars(item)]
+    if isinstance(expr, Starred):
+        return _vars(expr.value)
     return []
 
 
@@ -256,10 +271,13 @@ def render_expr(expr: Expr) -> str:
         return "[" + ", ".join(render_expr(i) for i in expr.items) + "]"
     if isinstance(expr, DictExpr):
         return "{" + ", ".join(f"{safe.literal(k)}: {render_expr(v)}" for k, v in expr.items) + "}"
+    if isinstance(expr, Starred):
+        return f"*{render_expr(expr.value)}"
     raise TypeError(f"not an IR expression: {expr!r}")
 
 
 RECORD_WIDTH = 100  # what one K.stash_raw line may take, indent not counted
+RELEASE_WIDTH = 96  # what the names of one `del` line in a method may take
 
 
 def render_statement(statement: Statement) -> str:
@@ -341,7 +359,13 @@ def render_steps(
         if comment:
             lines.append(f"# {'  ' * len(calls)}{safe.comment_text(comment)}")
         lines.extend(line for s in step.statements for line in render_statement(s).split("\n"))
-        if step.release:
-            lines.append(f"del {', '.join(safe.identifier(name) for name in step.release)}")
+        names = [safe.identifier(name) for name in step.release]
+        width = RELEASE_WIDTH + (12 if depth else 0)  # a function body is indented less
+        while names:  # lines of a few names each rather than black's one name per line
+            count = 1
+            while count < len(names) and len(", ".join(names[: count + 1])) <= width:
+                count += 1
+            lines.append(f"del {', '.join(names[:count])}")
+            names = names[count:]
         lines[start:] = [indent + line if line else line for line in lines[start:]]
     return [safe.Code(line) for line in lines]

@@ -12,7 +12,9 @@ and one ``basic_backward``. Instances whose functions differ only in literal num
 (a depthwise conv's ``groups``, the shape a saved tensor is restored to) share one function
 too: each number in which they differ becomes a parameter named after its role (the
 keyword it is passed as, ``shape`` for a positional tuple), passed by keyword at each call
-(``finish``, once every program is outlined). Booleans, strings and None stay literals.
+(``finish``, once every program is outlined). A keyword one instance passes and another
+leaves at its registry default (a conv's ``stride``) counts as such a number, as does a
+flag passed by keyword (``in_place``); other booleans, strings and None stay literals.
 
 A recomputed segment (segment recompute) has a third run in the training program, its
 forward again at the start of its backward (section ``recompute``): it becomes a call of the
@@ -21,8 +23,8 @@ forward run, which then keeps nothing for the backward, returns what the rest re
 
 Memory stays what the flat program holds: what a forward run makes only for its own
 backward run travels in one list (``saved``) that the backward function empties on
-entry, and what the caller would delete right after a call is handed over in that list
-(or in ``handed``) first, so each tensor is still freed right after its last use.
+entry (``K.take``), and what the caller would delete right after a call is handed over in
+that list (or in ``handed``) first, so each tensor is still freed right after its last use.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from unroller.ir import (
     ListExpr,
     ModelName,
     RecordRaw,
+    Starred,
     Statement,
     Step,
     TupleExpr,
@@ -88,21 +91,60 @@ class Function:
         """The body: unpack what the forward function saved, the steps, the return."""
         out: list[str] = []
         if self.saved_in:
-            names = [safe.identifier(n) for n in self.saved_in]
-            targets = f"({names[0]},)" if len(names) == 1 else ", ".join(names)
-            out.append(f"{targets} = {self.owner}")
-            out.append(
-                f"{self.owner}.clear()  # the caller let go: each is freed after its last use"
-            )
+            out += _unpack([safe.identifier(n) for n in self.saved_in], self.owner)
         out += render_steps(self.steps, block_text=_local_text, depth=1)
         results = [safe.identifier(n) for n in self.returns]
         if self.saved_out:
-            results.append("[" + ", ".join(safe.identifier(n) for n in self.saved_out) + "]")
+            saved = [safe.identifier(n) for n in self.saved_out]
+            listed = "[" + ", ".join(saved) + "]"
+            if len(f"return {', '.join([*results, listed])}") <= WIDTH:
+                results.append(listed)
+            else:  # a line per few names, not black's one per line
+                chunks = _chunks(saved, WIDTH - len("saved += []"))
+                out += [f"saved {'=' if i == 0 else '+='} [{c}]" for i, c in enumerate(chunks)]
+                results.append("saved")
         if results:
             out.append(f"return {', '.join(results)}")
         while out and not out[0].strip():
             out.pop(0)
         return [safe.Code(line) for line in out or ["pass"]]
+
+
+#: What one line of a function body may take (indent not counted) before it is split into
+#: lines of a few names each.
+WIDTH = 100
+
+
+def _chunks(names: list[str], width: int) -> list[str]:
+    """``names`` joined by ", " into pieces of at most ``width`` characters (one name may be
+    longer)."""
+    pieces: list[list[str]] = [[]]
+    for name in names:
+        if pieces[-1] and len(", ".join([*pieces[-1], name])) > width:
+            pieces.append([])
+        pieces[-1].append(name)
+    return [", ".join(piece) for piece in pieces]
+
+
+def _unpack(names: list[str], owner: str) -> list[str]:
+    """``a, b, c = K.take(saved)`` (the list emptied: the caller let go, so each is freed
+    after its last use), or for a long list one slice per line: ``a, b = saved[0:2]``, ...,
+    ``y, z = K.take(saved)[7:]``."""
+    targets = f"({names[0]},)" if len(names) == 1 else ", ".join(names)
+    if len(f"{targets} = K.take({owner})") <= WIDTH:
+        return [f"{targets} = K.take({owner})"]
+    lines = []
+    start = 0
+    chunks = _chunks(names, WIDTH - len(f" = {owner}[00:00]"))
+    for i, chunk in enumerate(chunks):
+        count = chunk.count(", ") + 1
+        target = chunk if count > 1 else f"({chunk},)"
+        if i == len(chunks) - 1:
+            lines.append(f"{target} = K.take({owner})[{start}:]")
+        else:
+            lines.append(f"{target} = {owner}[{start}:{start + count}]")
+        start += count
+    return lines
 
 
 def _local_text(call: BlockCall) -> str:
@@ -139,6 +181,7 @@ class Outliner:
         self.functions: list[Function] = []
         self._by_text: dict[str, Function] = {}
         self._saved: dict[str, tuple[str, list[str]]] = {}  # instance -> (list var, names)
+        self._lists: set[str] = set()  # the handed and saved lists of the calls
         self._function_names: dict[tuple[str, str, int], str] = {}
         self._local_reserved = reserved  # and the function names, once reserved
         # each call of a function: its step and the literals of its instance
@@ -200,7 +243,8 @@ class Outliner:
                 later = backward.get(run.instance.name)
             out += self._call(steps, run, events, keep, section, later)
         out += steps[previous:]
-        release_dead(out, keep)
+        # a handed or saved list is empty once its function returns: no `del` for it
+        release_dead(out, keep | self._lists)
         return out
 
     def _call(
@@ -239,6 +283,7 @@ class Outliner:
             items = tuple(Var(n) for n in handed)
             if saved_var is None:
                 saved_var = self.global_name(("handed",), "handed")
+                self._lists.add(saved_var)
                 hand = Assign((Var(saved_var),), ListExpr(items))
             else:
                 hand = Do(CallExpr(Attr(Var(saved_var), "extend"), (ListExpr(items),)))
@@ -255,16 +300,20 @@ class Outliner:
             owner,
         )
         where = ModelName(run.instance.name)
+        # L and the stash log as the instance names them: L.within("layer1.0"), or both at
+        # once, *K.within("layer1.0", L, stash), so a call takes a line
+        scoped = [Var(n) for n in ("L", *SCOPED) if n == "L" or n in context]
         args: list[Expr] = [CallExpr(Attr(Var("L"), "within"), (where,))]
-        for name in context:
-            scoped = CallExpr(Attr(Var(name), "within"), (where,))
-            args.append(scoped if name in SCOPED else Var(name))
+        if len(scoped) > 1:
+            args = [Starred(CallExpr(GlobalName("K.within"), (where, *scoped)))]
+        args += [Var(name) for name in context if name not in SCOPED]
         if saved_var is not None:
             args.append(Var(saved_var))
         args += [Var(n) for n in free_in]
         targets: list[Var | None] = [Var(n) for n in returns]
         if saved_out:
             saved_var = self.global_name(("saved", run.instance.name), "")
+            self._lists.add(saved_var)
             self._saved[run.instance.name] = (saved_var, saved_out)
             targets.append(Var(saved_var))
         call = CallExpr(GlobalName(function.name), tuple(args))
@@ -310,7 +359,7 @@ class Outliner:
         )
         literals: list[tuple[str, Any]] = []
         hole = _collect(literals)
-        holed = [_map_literals(step, hole) for step in local]
+        holed = [_map_literals(step, hole, canonical=True) for step in local]
         shape = replace(candidate, steps=holed)  # the text with every liftable literal a hole
         text = "\n".join([section, instance.block, *shape.signature(), *shape.lines()])
         found = self._by_text.get(text)
@@ -405,18 +454,32 @@ def _lifted_positions(calls: list[list[tuple[str, Any]]]) -> dict[int, tuple]:
     return lifted
 
 
-def _map_literals(step: Step, fn: Callable[[Const, str], Expr]) -> Step:
+def _map_literals(step: Step, fn: Callable[[Const, str], Expr], canonical: bool = False) -> Step:
     """``step`` with each liftable literal replaced by ``fn(literal, role)``, in reading
     order; the role is the keyword it is passed as, else ``shape`` for a tuple or list
-    and ``size`` for a number."""
+    and ``size`` for a number. Keyword arguments are read by name, those a call leaves
+    out as defaults (``CallExpr.defaults``) among them, so instances that pass ``stride``
+    and those that leave it out read the same; one that ``fn`` replaces is passed. With
+    ``canonical`` (texts to compare) every keyword is passed, sorted by name. A bool passed
+    by keyword (``in_place``) is liftable too; other bools, strings and None are not."""
 
-    def expr(e: Expr, role: str | None) -> Expr:
-        if isinstance(e, Const) and _liftable(e.value):
+    def call(e: CallExpr) -> CallExpr:
+        args = tuple(expr(a, None) for a in e.args)
+        every = sorted((*e.kwargs, *e.defaults), key=lambda item: item[0])
+        new = {k: expr(v, k, flag=True) for k, v in every}  # a keyword's bool: a flag
+        if canonical:
+            return CallExpr(e.func, args, tuple(new.items()))
+        kwargs = [(k, new[k]) for k, _ in e.kwargs]
+        kwargs += [(k, new[k]) for k, v in e.defaults if new[k] is not v]
+        defaults = tuple((k, v) for k, v in e.defaults if new[k] is v)
+        return CallExpr(e.func, args, tuple(kwargs), defaults)
+
+    def expr(e: Expr, role: str | None, flag: bool = False) -> Expr:
+        if isinstance(e, Const) and (_liftable(e.value) or (flag and type(e.value) is bool)):
             default = "size" if type(e.value) in (int, float) else "shape"
             return fn(e, role or default)
         if isinstance(e, CallExpr):
-            args = tuple(expr(a, None) for a in e.args)
-            return CallExpr(e.func, args, tuple((k, expr(v, k)) for k, v in e.kwargs))
+            return call(e)
         if isinstance(e, TupleExpr):
             return TupleExpr(tuple(expr(i, role) for i in e.items))
         if isinstance(e, ListExpr):
@@ -486,7 +549,8 @@ def _rename_step(step: Step, rename: _Renamer) -> Step:
             return Attr(expr(e.var), e.name)
         if isinstance(e, CallExpr):
             kwargs = tuple((k, expr(v)) for k, v in e.kwargs)
-            return CallExpr(e.func, tuple(expr(a) for a in e.args), kwargs)
+            defaults = tuple((k, expr(v)) for k, v in e.defaults)
+            return CallExpr(e.func, tuple(expr(a) for a in e.args), kwargs, defaults)
         if isinstance(e, TupleExpr):
             return TupleExpr(tuple(expr(i) for i in e.items))
         if isinstance(e, DictExpr):

@@ -861,6 +861,20 @@ def stash_raw(log: StashLog, tensors: dict[str, Tensor]) -> None:
         log.add(key, ("raw", tuple(t.shape), nbytes, nbytes), t)
 
 
+def within(prefix: str, *scoped: Any) -> tuple:
+    """Each of ``scoped`` (the layers ``L``, the stash log) as block instance ``prefix``
+    names it: what a block function is called with."""
+    return tuple(s.within(prefix) for s in scoped)
+
+
+def take(items: list) -> list:
+    """The items of a list a block function was handed, the list emptied: the caller let
+    go of them, so each is freed after its last use in the function."""
+    taken = list(items)
+    items.clear()
+    return taken
+
+
 def stash_report(log: list) -> dict:
     """The rows ``stash`` recorded, with totals (what ``model.stash_report()`` returns)."""
     rows = [

@@ -101,12 +101,14 @@ from unroller.runtime.common import (  # noqa: F401
     stash_report,
     sub,
     sub_backward,
+    take,
     tanh,
     tensors,
     tie,
     transposed_linear,
     transposed_linear_layer,
     unsupported,
+    within,
 )
 
 # The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:

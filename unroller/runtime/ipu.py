@@ -141,12 +141,14 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     stash_report,
     sub,
     sub_backward,
+    take,
     tanh,
     tensors,
     tie,
     transposed_linear,
     transposed_linear_backward,
     transposed_linear_layer,
+    within,
 )
 
 # The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
