@@ -501,13 +501,13 @@ def bench_one(
         + searching * (1 + args.max_batch_rounds)
     )
     batch = run.make_batch(batch_size)
-    batch_per_sample = models.tensor_bytes(batch) / batch_size
+    found = _Measured(names, batch_per_sample=models.tensor_bytes(batch) / batch_size)
     phases.done("generate")
-    compile_s = _compile(methods, batch, lambda m: bar.note(f"{label}: compiling {m}"))
-    if compile_s:
+    found.compile_s = _compile(methods, batch, lambda m: bar.note(f"{label}: compiling {m}"))
+    if found.compile_s:
         phases.done("compile")
 
-    timing = time_interleaved(
+    found.timing = time_interleaved(
         {m.name: partial(m.step, batch) for m in methods},
         args.warmup,
         args.iterations,
@@ -515,100 +515,25 @@ def bench_one(
         device,
         on_round=lambda r: bar.advance(f"{label}: timing round {r}"),
     )
-    ms_per_sample = {k: v["time_ms"]["median"] / batch_size for k, v in timing.items()}
+    ms_per_sample = {k: v["time_ms"]["median"] / batch_size for k, v in found.timing.items()}
     phases.done("time")
-    stash = {}
     for m in methods:  # before the memory phase: ours' first stash finds its backward mark
-        stash[m.name] = m.stash(batch)
+        found.stash[m.name] = m.stash(batch)
         bar.advance(f"{label}: stash {m.name}")
     phases.done("stash")
-    memory: dict[str, dict | None] = dict.fromkeys(names)
-    totals: dict[str, dict[int, int]] = {name: {} for name in names}
-    slopes: dict[str, dict | None] = dict.fromkeys(names)
     if args.get_memory:
-        for m in methods:
-            memory[m.name] = measure.peak_step(m, batch, device)
-            totals[m.name][batch_size] = budget.own_total(memory[m.name], m.module, batch)
-            bar.advance(f"{label}: peak memory {m.name}")
-        phases.done("memory")
-        found_slopes, more = _per_sample(
-            run, methods, memory, lambda what: bar.advance(f"{label}: {what}")
-        )
-        slopes.update(found_slopes)
-        for name, by_batch in more.items():
-            totals[name].update(by_batch)
-        phases.done("per_sample")
-    predicted = _predicted(run, methods, notes)
+        _measure_memory(run, methods, batch, device, found, bar, phases)
+    found.predicted = _predicted(run, methods, notes)
     phases.done("predict")
     timelines = _timelines(run, methods, batch, notes) if args.get_memory else {}
     if timelines:
         phases.done("timeline")
     del batch
 
-    searched: dict[str, dict | None] = dict.fromkeys(names)
-    speed: dict[str, dict] = {}
     if searching:
-        found = _max_batches(
-            run, methods, ref, totals, ms_per_sample, lambda what: bar.note(f"{label}: {what}")
-        )
-        searched.update(found)
-        bar.advance(f"{label}: max batch", len(methods))
-        phases.done("max_batch")
-        speed = _speed_at_max_batch(
-            run,
-            methods,
-            searched,
-            ms_per_sample,
-            lambda r: bar.advance(f"{label}: samples/s at the max batch, round {r}"),
-        )
-        phases.done("max_batch_speed")
-
-    base_peak = (memory["autograd"] or {}).get("step_peak_bytes")
-    base_slope = slopes["autograd"]
-    base_batch = (searched["autograd"] or {}).get("max_batch")
+        _search_max_batches(run, methods, ref, found, ms_per_sample, bar, phases)
     fixed = models.state_bytes(ref)
-    records = []
-    for m in methods:
-        t, mem, mb, sp = timing[m.name], memory[m.name], searched[m.name], speed.get(m.name)
-        records.append(
-            {
-                "benchmark": bench.name,
-                "method": m.name,
-                "kind": m.kind,
-                "scheme": m.scheme,
-                "compiled": getattr(m, "compiles", False),
-                "first_step_s": compile_s.get(m.name),
-                "platform": args.platform,
-                "device": (
-                    "ipu"
-                    if m.kind == "ours" and args.platform == "ipu" and not args.emulate
-                    else device.type
-                ),
-                "emulated": bool(args.platform == "ipu" and args.emulate),
-                "batch": batch_size,
-                "resolution": run.resolution,
-                "time_ms": t["time_ms"],
-                "time_ratio": t["ratio"],
-                "samples_per_s": batch_size / (t["time_ms"]["median"] / 1e3),
-                "loss": t["loss"],
-                "stash": stash[m.name],
-                "memory": mem,
-                "peak_ratio_vs_autograd": (
-                    mem["step_peak_bytes"] / base_peak if mem and base_peak else None
-                ),
-                "predicted": _with_measured(
-                    predicted.get(m.name), mem, mb, fixed, batch_per_sample, run.granularity
-                ),
-                "max_batch": mb,
-                "max_batch_ratio_vs_autograd": (
-                    mb["max_batch"] / base_batch if mb and base_batch else None
-                ),
-                "max_batch_speed": sp,
-                "per_sample": slopes[m.name],
-                "per_sample_ratio_vs_autograd": per_sample.ratio(slopes[m.name], base_slope),
-                "notes": m.notes,
-            }
-        )
+    records = [_method_record(bench, args, device, run, m, found, fixed) for m in methods]
     info = {
         "benchmark": bench.name,
         "batch": batch_size,
@@ -620,6 +545,149 @@ def bench_one(
         "timeline": timelines,
     }
     return records, info
+
+
+@dataclasses.dataclass
+class _Measured:
+    """What the phases of one benchmark found, by method name (None: not measured)."""
+
+    names: dataclasses.InitVar[list[str]]
+    batch_per_sample: float
+    compile_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    timing: dict[str, dict] = dataclasses.field(default_factory=dict)
+    stash: dict[str, Any] = dataclasses.field(default_factory=dict)
+    memory: dict[str, dict | None] = dataclasses.field(default_factory=dict)
+    totals: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
+    slopes: dict[str, dict | None] = dataclasses.field(default_factory=dict)
+    predicted: dict[str, Any] = dataclasses.field(default_factory=dict)
+    searched: dict[str, dict | None] = dataclasses.field(default_factory=dict)
+    speed: dict[str, dict] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self, names: list[str]) -> None:
+        self.memory = dict.fromkeys(names)
+        self.totals = {name: {} for name in names}
+        self.slopes = dict.fromkeys(names)
+        self.searched = dict.fromkeys(names)
+
+
+def _search_max_batches(
+    run: _Run,
+    methods: list[Method],
+    ref: torch.nn.Module,
+    found: _Measured,
+    ms_per_sample: dict[str, float],
+    bar: output.Bar,
+    phases: _Phases,
+) -> None:
+    """Each method's largest batch within the memory budget (``found.searched``), and its
+    samples per second there (``found.speed``)."""
+    found.searched.update(
+        _max_batches(
+            run,
+            methods,
+            ref,
+            found.totals,
+            ms_per_sample,
+            lambda what: bar.note(f"{run.label}: {what}"),
+        )
+    )
+    bar.advance(f"{run.label}: max batch", len(methods))
+    phases.done("max_batch")
+    found.speed = _speed_at_max_batch(
+        run,
+        methods,
+        found.searched,
+        ms_per_sample,
+        lambda r: bar.advance(f"{run.label}: samples/s at the max batch, round {r}"),
+    )
+    phases.done("max_batch_speed")
+
+
+def _measure_memory(
+    run: _Run,
+    methods: list[Method],
+    batch: Any,
+    device: torch.device,
+    found: _Measured,
+    bar: output.Bar,
+    phases: _Phases,
+) -> None:
+    """Each method's peak step memory at the run's batch, then its bytes per sample from
+    steps at other batch sizes (``found.memory``, ``totals`` and ``slopes``)."""
+    for m in methods:
+        found.memory[m.name] = measure.peak_step(m, batch, device)
+        found.totals[m.name][run.batch_size] = budget.own_total(
+            found.memory[m.name], m.module, batch
+        )
+        bar.advance(f"{run.label}: peak memory {m.name}")
+    phases.done("memory")
+    found_slopes, more = _per_sample(
+        run, methods, found.memory, lambda what: bar.advance(f"{run.label}: {what}")
+    )
+    found.slopes.update(found_slopes)
+    for name, by_batch in more.items():
+        found.totals[name].update(by_batch)
+    phases.done("per_sample")
+
+
+def _method_record(
+    bench: Any,
+    args: argparse.Namespace,
+    device: torch.device,
+    run: _Run,
+    m: Method,
+    found: _Measured,
+    fixed: int,
+) -> dict[str, Any]:
+    """One method's record: its timing, memory, predictions and searches, and each
+    against autograd's."""
+    base_peak = (found.memory["autograd"] or {}).get("step_peak_bytes")
+    base_batch = (found.searched["autograd"] or {}).get("max_batch")
+    t, mem, mb = found.timing[m.name], found.memory[m.name], found.searched[m.name]
+    return {
+        "benchmark": bench.name,
+        "method": m.name,
+        "kind": m.kind,
+        "scheme": m.scheme,
+        "compiled": getattr(m, "compiles", False),
+        "first_step_s": found.compile_s.get(m.name),
+        "platform": args.platform,
+        "device": (
+            "ipu"
+            if m.kind == "ours" and args.platform == "ipu" and not args.emulate
+            else device.type
+        ),
+        "emulated": bool(args.platform == "ipu" and args.emulate),
+        "batch": run.batch_size,
+        "resolution": run.resolution,
+        "time_ms": t["time_ms"],
+        "time_ratio": t["ratio"],
+        "samples_per_s": run.batch_size / (t["time_ms"]["median"] / 1e3),
+        "loss": t["loss"],
+        "stash": found.stash[m.name],
+        "memory": mem,
+        "peak_ratio_vs_autograd": (
+            mem["step_peak_bytes"] / base_peak if mem and base_peak else None
+        ),
+        "predicted": _with_measured(
+            found.predicted.get(m.name),
+            mem,
+            mb,
+            fixed,
+            found.batch_per_sample,
+            run.granularity,
+        ),
+        "max_batch": mb,
+        "max_batch_ratio_vs_autograd": (
+            mb["max_batch"] / base_batch if mb and base_batch else None
+        ),
+        "max_batch_speed": found.speed.get(m.name),
+        "per_sample": found.slopes[m.name],
+        "per_sample_ratio_vs_autograd": per_sample.ratio(
+            found.slopes[m.name], found.slopes["autograd"]
+        ),
+        "notes": m.notes,
+    }
 
 
 def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str, Any]:
