@@ -20,11 +20,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from unroller.api import write_atomic
+from unroller.api import simulate, write_atomic
 from unroller.bench.config import PUBLISHED
 from unroller.bench.reference import BENCHMARKS
 from unroller.codegen import Options
-from unroller.memory import simulate
 
 MIB = 2**20
 SCHEMES = ("nocompress", "quant", "dct-dense")

@@ -161,7 +161,7 @@ def test_a_frozen_backbone_imports_and_verifies_exactly():
 def test_the_memory_model_keeps_no_gradient_for_frozen_parameters():
     """Frozen parameters get no ``.grad``: the predicted parameter-gradient bytes are those
     of the trained ones only (mid.weight and head's weight and bias, float32)."""
-    from unroller.memory import simulate
+    from unroller.api import simulate
 
     trained = (16 * 16) + (4 * 16 + 4)
     assert simulate(TEXT, Options(), 4).param_grad_bytes == trained * 4

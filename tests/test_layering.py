@@ -180,6 +180,48 @@ def test_the_core_modules_import_no_cycle(import_graph):
     assert _cycle(within, core) is None
 
 
+LIBRARY = (
+    "unroller.api",
+    "unroller.plan",
+    "unroller.verify",
+    "unroller.estimate",
+    "unroller.memory",
+    "unroller.oneshot",
+    "unroller.importer.api",
+)
+"""The library layer's modules, each a layer of its own: the entry points (api: it
+resolves the ``auto`` scheme through the planner), the planner (a probe step through verify
+and the memory model), the estimate, one-shot ``unroller.unroll`` and the importer's entry.
+What they share from below (model text -> graph: ``unroller.load``; FLOPs of an op:
+``unroller.flops``; a module's model text: ``importer.api.module_text``) lives below them."""
+
+
+def _cycle_through(graph: dict[str, set[str]], module: str) -> list[str] | None:
+    """One import cycle through ``module`` (any modules on the way), or None: a path from
+    each module it imports back to it."""
+    for found in sorted(graph[module]):
+        via = _closure(graph, found)
+        if module in via:
+            return [module, *reversed(_chain(via, module).split(" <- "))]
+    return None
+
+
+@pytest.mark.parametrize("module", LIBRARY)
+def test_no_import_cycle_passes_through_the_library_layer(import_graph, module):
+    """Counting imports inside functions: were one of these modules on a cycle (estimate
+    and memory importing the api that plans through them, verify calling oneshot that
+    generates through the api above the planner that imports verify), which loads first
+    would depend on call order, and no module of the cycle could be read or tested alone."""
+    assert module in import_graph
+    assert _cycle_through(import_graph, module) is None
+
+
+def test_the_cycle_check_through_a_module_finds_one():
+    graph = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": set()}
+    assert _cycle_through(graph, "a") == ["a", "b", "c", "a"]
+    assert _cycle_through(graph, "d") is None
+
+
 def test_the_cycle_check_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycle(graph, set(graph)) == ["a", "b", "c", "a"]

@@ -12,12 +12,12 @@ import tomllib
 import torch
 from typer.testing import CliRunner
 
-from unroller.api import graph_from_text, import_generated, render_graph, write_atomic
+from unroller.api import graph_from_text, import_generated, render_graph, simulate, write_atomic
 from unroller.bench.profiling import profile_step
 from unroller.bench.reference import BENCHMARKS
 from unroller.cli import app
 from unroller.codegen import Options, render
-from unroller.memory import simulate, simulate_graph
+from unroller.memory import simulate_graph
 from unroller.plan import (
     config_of,
     make_plan,

@@ -22,9 +22,9 @@ from test_memory_plan import assert_model_brackets_the_measured_peak
 import unroller.runtime.gpu as K
 from unroller import compress as C
 from unroller import platforms
-from unroller.api import generate_from_text, graph_from_text
+from unroller.api import generate_from_text, graph_from_text, simulate
 from unroller.codegen import Options
-from unroller.memory import simulate, simulate_graph
+from unroller.memory import simulate_graph
 
 TOL = 1e-10
 ROOT = Path(__file__).resolve().parents[1]

@@ -167,7 +167,7 @@ def test_hugging_face_tied_heads_import_and_verify_exactly(spec, kwargs):
 def test_the_memory_model_counts_a_tied_gradient_once():
     """One tensor has one ``.grad``: the predicted parameter-gradient bytes of the tied model
     are the untied model's less the head's weight (10 x 4 float32)."""
-    from unroller.memory import simulate
+    from unroller.api import simulate
 
     untied = TIED.replace(', tied_weight="emb.weight"', "")
     tied_bytes = simulate(TIED, Options(), 4).param_grad_bytes

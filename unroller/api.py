@@ -4,6 +4,12 @@
 the generated module; ``compression_config`` resolves a scheme, a config file or the
 planned ``auto`` scheme for a graph (which is why this layer sits above the planner).
 
+Reading a model text into a checked graph (``graph_from_text``, ``load_graph``) lives in
+``unroller.load``, below verify, the importer and the planner, which need it; this module
+re-exports it and stays the top: nothing it imports (the planner, verify, the memory
+model) imports it back. ``simulate`` is here, not in the memory model, for the same
+reason: a model text under the ``auto`` scheme is planned before it is simulated.
+
 The file helpers (``read_bounded``, ``write_atomic``, ``output_target``, ``stale_temps``,
 ``import_generated``, ...) live in ``unroller.files``, below everything that verify, the
 planner, the estimate and the memory model import, and are re-exported here for callers.
@@ -12,12 +18,10 @@ planner, the estimate and the memory model import, and are re-exported here for 
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from unroller.ast import ModelAST
 from unroller.codegen import Options, render
-from unroller.errors import ModelError
 from unroller.files import (  # noqa: F401  (re-exported: the library's file helpers)
     MAX_READ_BYTES,
     STALE_TEMP_SECONDS,
@@ -37,46 +41,17 @@ from unroller.files import (  # noqa: F401  (re-exported: the library's file hel
     unlinked_target,
     write_atomic,
 )
-from unroller.graph import Graph, build_graph
-from unroller.parser import parse
+from unroller.graph import Graph
+from unroller.load import (  # noqa: F401  (re-exported: model text -> graph)
+    at_resolution,
+    graph_from_text,
+    load_graph,
+    read_model_text,
+)
 from unroller.schemes import CompressionConfig
 
-
-def read_model_text(path: str | Path) -> str:
-    """The model file's text (``parser.read_source``: a bounded regular file, UTF-8, a bad
-    byte reported at its line and column)."""
-    from unroller.parser import read_source
-
-    return read_source(path)
-
-
-def at_resolution(model: ModelAST, resolution: int) -> ModelAST:
-    """The model with every image-shaped input and target ([N, C, H, W]) resized to
-    ``resolution`` rows (columns scaled to keep the aspect ratio), for running the big
-    benchmark inputs smaller on a CPU. Shape checks then apply at the new size."""
-    if resolution < 1:
-        raise ModelError(f"the resolution must be positive, got {resolution}")
-    decls = []
-    for decl in model.decls:
-        if len(decl.dims) == 4:
-            h, w = decl.dims[2], decl.dims[3]
-            new_w = max(1, round(w * resolution / h))
-            decl = replace(decl, dims=(*decl.dims[:2], resolution, new_w))
-        decls.append(decl)
-    return replace(model, decls=decls)
-
-
-def graph_from_text(
-    source: str, filename: str = "<string>", resolution: int | None = None
-) -> Graph:
-    model = parse(source, filename)
-    if resolution is not None:
-        model = at_resolution(model, resolution)
-    return build_graph(model)
-
-
-def load_graph(path: str | Path, resolution: int | None = None) -> Graph:
-    return graph_from_text(read_model_text(path), str(path), resolution)
+if TYPE_CHECKING:
+    from unroller.memory import Simulation
 
 
 def compression_config(options: Options, graph: Graph | None = None) -> CompressionConfig:
@@ -92,6 +67,23 @@ def compression_config(options: Options, graph: Graph | None = None) -> Compress
     from unroller.plan import auto_config
 
     return options.with_flags(auto_config(graph, segments=options.recompute_segments))
+
+
+def simulate(text: str, options: Options, batch_size: int, label: str = "<model>") -> Simulation:
+    """``memory.simulate_graph`` of a model text under ``options`` (its scheme, resolution;
+    the ``auto`` scheme planned for the graph, which is why this is not in the memory
+    model: the planner imports the memory model)."""
+    from unroller.memory import simulate_graph
+
+    graph = graph_from_text(text, label, options.resolution)
+    return simulate_graph(
+        graph,
+        compression_config(options, graph),
+        batch_size,
+        options.platform,
+        segment_pieces=options.segment_pieces,
+        segment_piece_size=options.segment_piece_size,
+    )
 
 
 def render_graph(graph: Graph, label: str, options: Options | None = None) -> str:

@@ -28,17 +28,17 @@ them with the published trend and says where they cannot reproduce it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from unroller.api import compression_config
 from unroller.codegen import Options
 from unroller.compress import get as compressor
 from unroller.dtypes import DTYPE_BYTES
+from unroller.flops import forward_flops
 from unroller.graph import Graph, Node
 from unroller.memory import simulate_graph
 from unroller.pipeline import ipu_report, split
+from unroller.schemes import CompressionConfig
 from unroller.stash import plan_stash
 
 MIB = 2**20
@@ -119,36 +119,20 @@ class IpuEstimate:
         return found
 
 
+def resolved(options: Options, graph: Graph, config: CompressionConfig | None) -> CompressionConfig:
+    """``config`` when given (resolved by the caller: ``unroller.api.compression_config``,
+    which plans the ``auto`` scheme), else the built-in scheme or config file of
+    ``options``. Resolving ``auto`` stays in the library layer, the top of the import
+    graph: an estimate importing it would sit both below and above it (a cycle). ``auto``
+    without ``config`` is a ConfigError naming the resolver."""
+    return options.compression(graph) if config is None else config
+
+
 # -- per op -------------------------------------------------------------------------------
 
 
 def _bytes(t: Any, batch: int) -> int:
     return t.numel(batch) * DTYPE_BYTES[t.dtype]
-
-
-def forward_flops(node: Node, batch: int) -> float:
-    """FLOPs of one forward op: 2 x multiply-adds for convolutions, linear layers, matrix
-    products and attention; one per output element for the rest."""
-    out = node.output.type.numel(batch)
-    name = node.op.name
-    weight = next((p for p in node.params if p.name == "weight" and p.present), None)
-    if node.op.weighted is not None and weight is not None:
-        # registry ``weighted``: each output element (a transposed convolution's: each input
-        # element) meets the weight's per-output elements
-        per_element = math.prod(weight.shape[1:])
-        if node.op.weighted == "input":
-            return 2.0 * node.inputs[0].type.numel(batch) * per_element
-        return 2.0 * out * per_element
-    if name == "matmul" and len(node.inputs) == 2:
-        inner = node.inputs[0].type.shape[-1]
-        return 2.0 * out * (inner if isinstance(inner, int) else 1)
-    if name in ("multihead_attention", "scaled_dot_product_attention"):
-        x = node.inputs[0].type
-        length, embed = x.shape[-2], x.shape[-1]
-        n = x.numel(batch) // (length * embed)
-        projections = 8.0 * n * length * embed * embed if name == "multihead_attention" else 0
-        return projections + 4.0 * n * length * length * embed
-    return float(out)
 
 
 def op_bytes(node: Node, batch: int) -> int:
@@ -179,11 +163,13 @@ def estimate_ipu(
     ipus: int,
     spec: IpuSpec | None = None,
     micro_batches: int = MICRO_BATCHES,
+    config: CompressionConfig | None = None,
 ) -> IpuEstimate:
     """Memory per IPU and time of one step of ``micro_batch`` samples per micro-batch; with
-    ``ipus`` > 1, ``micro_batches`` (at least ``ipus``) go through the pipeline per step."""
+    ``ipus`` > 1, ``micro_batches`` (at least ``ipus``) go through the pipeline per step.
+    ``config``: see ``resolved``."""
     spec = spec or IpuSpec()
-    config = compression_config(options, graph)
+    config = resolved(options, graph, config)
     plan = plan_stash(graph, config)
     pipeline = split(graph, plan, ipus, list(options.stage_starts) or None)
     report = ipu_report(graph, plan, pipeline, micro_batch)
@@ -287,11 +273,14 @@ def largest_on_chip(
     ipus: int,
     spec: IpuSpec | None = None,
     limit: int | None = None,
+    config: CompressionConfig | None = None,
 ) -> int:
     """The largest micro-batch whose every IPU fits on chip (0: not even 1); searched up
-    to ``limit`` (default ``SEARCH_CEILING``: see ``at_ceiling``)."""
+    to ``limit`` (default ``SEARCH_CEILING``: see ``at_ceiling``). ``config``: see
+    ``resolved``."""
+    config = resolved(options, graph, config)
     return _largest(
-        lambda b: estimate_ipu(graph, options, b, ipus, spec).fits_on_chip,
+        lambda b: estimate_ipu(graph, options, b, ipus, spec, config=config).fits_on_chip,
         SEARCH_CEILING if limit is None else limit,
     )
 
@@ -343,13 +332,15 @@ def estimate_gpu(
     device_bytes: int,
     optimizer_states: int = 1,
     limit: int | None = None,
+    config: CompressionConfig | None = None,
 ) -> GpuEstimate:
     """The largest batch whose predicted total fits ``device_bytes``: the weights and
     buffers, ``optimizer_states`` buffers per parameter (SGD momentum 1, Adam 2), the batch,
     and the memory model's step peak (activations, stash, gradients, ``.grad``). Searched
-    up to ``limit`` (default ``SEARCH_CEILING``); reaching it sets ``max_batch_at_least``."""
+    up to ``limit`` (default ``SEARCH_CEILING``); reaching it sets ``max_batch_at_least``.
+    ``config``: see ``resolved``."""
     limit = SEARCH_CEILING if limit is None else limit
-    config = compression_config(options, graph)
+    config = resolved(options, graph, config)
     # a tied parameter is one tensor (counted once); a frozen one has no optimizer state
     params = sum(
         p.nbytes() for n in graph.nodes for p in n.params if p.present and p.name not in n.ties

@@ -33,6 +33,10 @@ and its recompute and backward: each body, one piece's steps, is walked once wit
 batch-sized tensor (and kernel working memory) at the largest piece's batch, ceil(N / K);
 the pieces of the whole-batch tensors it reads are views, and those tensors stay live until
 the loop ends.
+
+This module starts from a graph and a resolved config (``simulate_graph``); a model text
+under ``Options`` is ``unroller.api.simulate``, above the planner that imports this module
+(the ``auto`` scheme is planned before it is simulated).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 
 import torch
 
-from unroller.codegen import ACCUMULATORS, RECOMPUTE_SECTION, Emitter, Options, called_name
+from unroller.codegen import ACCUMULATORS, RECOMPUTE_SECTION, Emitter, called_name
 from unroller.dtypes import DTYPE_BYTES, torch_dtype
 from unroller.graph import Graph, Node
 from unroller.ir import AddTo, Assign, Attr, CallExpr, Const, Do, Step, Var
@@ -54,7 +58,7 @@ from unroller.runtime.gpu import piece_samples
 from unroller.schemes import Codec, CompressionConfig
 from unroller.stash import Form, Stashed, StashPlan, plan_stash, value_form
 
-__all__ = ["Simulation", "Event", "simulate", "simulate_graph", "Workspace"]
+__all__ = ["Simulation", "Event", "simulate_graph", "Workspace"]
 
 
 #: Kernels that copy a reordered operand (a view with its dims reordered: registry
@@ -278,21 +282,6 @@ def simulate_graph(
     emitter = Emitter(graph, plan, get_platform(platform), observer=observe)
     steps = emitter.training_steps()
     return _run(steps, made, emitter, plan, batch_size, kernel_scale)
-
-
-def simulate(text: str, options: Options, batch_size: int, label: str = "<model>") -> Simulation:
-    """``simulate_graph`` of a model text under ``options`` (its scheme, resolution)."""
-    from unroller.api import compression_config, graph_from_text
-
-    graph = graph_from_text(text, label, options.resolution)
-    return simulate_graph(
-        graph,
-        compression_config(options, graph),
-        batch_size,
-        options.platform,
-        segment_pieces=options.segment_pieces,
-        segment_piece_size=options.segment_piece_size,
-    )
 
 
 def _run(

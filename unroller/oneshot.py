@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,38 +28,7 @@ from typing import Any
 import torch
 
 from unroller.codegen import Options
-
-_DTYPES = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.bool: "bool",
-}
-
-
-def _spec(name: str, t: torch.Tensor) -> str:
-    """``name: f32[N, 3, 32, 32]`` for an example batch ``t``."""
-    if not isinstance(t, torch.Tensor) or t.dim() < 1:
-        raise ValueError(f"{name}: expected a tensor with a batch dimension, got {t!r:.60}")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{name}: dtype {t.dtype} is not one a model input can have")
-    dims = ", ".join(["N", *map(str, t.shape[1:])])
-    return f"{name}: {_DTYPES[t.dtype]}[{dims}]"
-
-
-def _label(module: torch.nn.Module, name: str | None) -> str:
-    """``name``, else the module's class in snake case (``LlamaForCausalLM`` ->
-    ``llama_for_causal_lm``)."""
-    from unroller.importer.emit import snake
-
-    if name is not None:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise ValueError(f"name {name!r}: expected an identifier")
-        return name
-    return snake(type(module).__name__)
+from unroller.importer.api import module_label, module_text
 
 
 def cache_dir() -> Path:
@@ -73,31 +41,9 @@ def cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "unroller" / "generated"
 
 
-def import_text(
-    module: torch.nn.Module,
-    inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
-    target: torch.Tensor | None = None,
-    loss: str = "cross_entropy",
-    name: str | None = None,
-) -> str:
-    """The model text of ``module`` on example ``inputs`` (and ``target``), as ``unroll
-    import`` writes it; the inputs are named x0, x1, ... (or by the keys of a dict, each
-    reaching ``forward`` by keyword where it names a parameter: ``{"input_ids": ...,
-    "decoder_input_ids": ...}``) and the target y."""
-    from unroller.importer.api import import_network
-
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if isinstance(inputs, Mapping):
-        for key in inputs:
-            if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise ValueError(f"input name {key!r}: expected an identifier")
-        specs = [_spec(key, t) for key, t in inputs.items()]
-    else:
-        specs = [_spec(f"x{i}", t) for i, t in enumerate(inputs)]
-    label = _label(module, name)
-    target_spec = _spec("y", target) if target is not None else None
-    return import_network(label, specs, target_spec, loss, name=label, built=module).text
+#: The model text of a module on example inputs, as ``unroll import`` writes it (it lives
+#: in the importer, which verify calls too: verify never imports this module).
+import_text = module_text
 
 
 class Unrolled(torch.nn.Module):
@@ -142,7 +88,7 @@ def unroll(
 
     text = import_text(module, inputs, target, loss, name)
     options = options or Options(scheme=scheme)
-    label = _label(module, name)
+    label = module_label(module, name)
     source = generate_from_text(text, options, label=f"{label}.txt")
     digest = hashlib.sha256(source.encode("utf-8")).hexdigest()[:20]
     folder = Path(directory) if directory is not None else cache_dir()
@@ -182,8 +128,8 @@ def verify(
     **kwargs: Any,
 ):
     """One float64 step of the imported module against ``module`` (``unroll verify``): the
-    report (``.ok``, ``.table()``). ``module`` itself is left as it is (a copy is stepped)."""
-    from unroller.verify import verify_text
+    report (``.ok``, ``.table()``). ``module`` itself is left as it is (a copy is stepped).
+    ``unroller.verify.verify_module``, where ``unroller.verify(...)`` calls it."""
+    from unroller.verify import verify_module
 
-    text = import_text(module, inputs, target, loss, name)
-    return verify_text(text, module, **kwargs)
+    return verify_module(module, inputs, target, loss=loss, name=name, **kwargs)

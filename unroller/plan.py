@@ -23,7 +23,7 @@ folded; keep 4 in bf16). Masks stay on (lossless) whatever the plan says.
 - **Segment recompute** (``segments=("auto",)``): the top-level block instances that can
   be recomputed (``unroller.stash.segment_problem``) are moves too. A move recomputes one
   segment: the bytes it saves are its own stash (what only its recompute would make) held
-  at the peak, its cost the FLOPs of its forward statements (``estimate.forward_flops``),
+  at the peak, its cost the FLOPs of its forward statements (``flops.forward_flops``),
   and the moves are taken most bytes saved per recompute FLOP first. Moves come in three
   tiers, each used up before the next: light compression (forms whose round-trip error on
   the probe is at most ``LIGHT_ERROR``, 8-bit quant in practice: almost no error, little
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from unroller.estimate import forward_flops
+from unroller.flops import forward_flops
 from unroller.graph import Graph, Node
 from unroller.memory import Simulation, packed_bytes, simulate_graph
 from unroller.runtime.common import observe_stash

@@ -44,6 +44,18 @@ class Platform:
     #: Memory on each device that the stage report weighs params and stash against (an
     #: IPU's In-Processor-Memory, ``unroller.report``); 0: none (a GPU's is a run option)
     device_sram_bytes: int = 0
+    #: What ``unroll estimate`` models for it: "on_chip" (memory per device against
+    #: ``device_sram_bytes``, a roofline step time, the largest micro-batch on chip) or
+    #: "largest_batch" (the largest batch whose predicted peak fits --device-memory).
+    estimate: str = "largest_batch"
+    #: Its compiler accepts only a listed set of torch calls (``unroller/<name>_supported.toml``,
+    #: PopTorch's list for the IPU): ``unroll lint`` checks code against that list, by default
+    #: that of the first platform with one (``LINTED``); False: every torch call runs.
+    call_list: bool = False
+    #: The step is handed to a graph compiler and runs as one compiled program (PopTorch):
+    #: the host sees none of its allocations, and the benchmark feeds it micro-batches and
+    #: sets its backend up first. False: the host runs the step op by op (PyTorch eager).
+    graph_compiled: bool = False
 
     @property
     def pipelined(self) -> bool:
@@ -70,9 +82,16 @@ IPU = Platform(
     stage_counts=(1, 2, 4, 8, 16),
     stage_block='with poptorch.Block(user_id="{section}{stage}", ipu_id={stage}):  # IPU {stage}',
     device_sram_bytes=900 * 1000**2,  # one GC200's In-Processor-Memory (about 900 MB)
+    estimate="on_chip",
+    call_list=True,
+    graph_compiled=True,
 )
 
 PLATFORMS: dict[str, Platform] = {p.name: p for p in (GPU, IPU)}
+
+#: What ``unroll lint`` (and ``unroller.lint``) checks against unless told: the first
+#: platform whose compiler accepts a listed set of calls; on the others every call runs.
+LINTED: Platform = next(p for p in PLATFORMS.values() if p.call_list)
 
 #: The platform names as an Enum, for typer options.
 PlatformName = Enum("PlatformName", {name.upper(): name for name in PLATFORMS}, type=str)

@@ -980,14 +980,33 @@ def _prediction_row(original, generated, model_inputs, tolerance: float) -> Row:
     return compare("predictions (eval)", got, ref, tolerance)
 
 
+def verify_module(
+    module: Any,
+    inputs: Any,
+    target: Any = None,
+    *,
+    loss: str = "cross_entropy",
+    name: str | None = None,
+    **kwargs: Any,
+) -> VerifyReport:
+    """One float64 step of a built torch ``module``, imported on example ``inputs`` (and
+    ``target``: ``importer.api.module_text``), against the module itself: the report
+    (``.ok``, ``.table()``); ``module`` is left as it is (a copy is stepped). Here rather
+    than in ``unroller.oneshot`` (which generates through the library layer, above the
+    planner that imports this module), so that this module imports nothing above it."""
+    from unroller.importer.api import module_text
+
+    text = module_text(module, inputs, target, loss, name)
+    return verify_text(text, module, **kwargs)
+
+
 class _CallableModule(types.ModuleType):
     """This module, callable: ``unroller.verify(module, inputs, target)`` is
-    ``unroller.oneshot.verify`` (the package attribute ``verify`` is this module once it is
-    imported, so a function of that name in the package would be shadowed)."""
+    ``verify_module`` (as is ``unroller.oneshot.verify``; the package attribute ``verify``
+    is this module once it is imported, so a function of that name in the package would be
+    shadowed)."""
 
     def __call__(self, *args: Any, **kwargs: Any):
-        from unroller.oneshot import verify as verify_module
-
         return verify_module(*args, **kwargs)
 
 

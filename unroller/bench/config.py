@@ -20,6 +20,7 @@ from pathlib import Path
 from unroller.bench.options import add_common, choose, non_negative, pair, parse_bytes, positive
 from unroller.bench.paths import default_results_dir
 from unroller.bench.reference import BENCHMARKS
+from unroller.platforms import platform as get_platform
 from unroller.schemes import SCHEMES
 
 PUBLISHED = ("resnet34", "emdenoise", "slstrcloud", "opticaldamage")
@@ -276,7 +277,7 @@ def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argpar
     elif args.memory_budget == NONE:
         args.memory_budget = None
     ipu_only = ("device_batch_size", "profile")
-    if args.platform != "ipu":
+    if not get_platform(args.platform).graph_compiled:  # the options of a PopTorch run
         given = [f"--{n.replace('_', '-')}" for n in ipu_only if getattr(args, n) is not None]
         given += ["--emulate"] if args.emulate else []
         given += ["--num-ipus"] if args.num_ipus != 1 else []

@@ -7,7 +7,7 @@ peer), synthetic batches (``make_batch``), its sizes (``native_resolution``,
 (``model_class``: from ``model_text`` at ``Options.resolution``). The generated module of
 every scheme gets the reference's weights and buffers, strictly, both ways.
 
-``predict_memory`` is what the memory model (``unroller.memory.simulate``) predicts for a
+``predict_memory`` is what the memory model (``unroller.api.simulate``) predicts for a
 generated step: its peak and its floor, and the floor's line in the batch size (fixed
 bytes + bytes per sample) from two batch sizes, which gives the floor-limited ideal max
 batch under a budget (``ideal_max_batch``).
@@ -89,11 +89,15 @@ def state_bytes(module: nn.Module) -> int:
 
 
 def memory_model() -> Any:
-    """``unroller.memory.simulate``, or None in a tree without the memory model."""
+    """The memory model of a model text (``unroller.api.simulate``; an older tree's
+    ``unroller.memory.simulate``), or None in a tree without the memory model."""
     try:
-        from unroller.memory import simulate
+        from unroller.api import simulate
     except ImportError:
-        return None
+        try:
+            from unroller.memory import simulate
+        except ImportError:
+            return None
     return simulate
 
 

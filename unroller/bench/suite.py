@@ -54,6 +54,7 @@ from unroller.bench.peers import STASH_METHODS, Method  # noqa: E402
 from unroller.bench.stats import summary  # noqa: E402
 from unroller.bench.timing import time_interleaved  # noqa: E402
 from unroller.codegen import Options  # noqa: E402
+from unroller.platforms import platform as get_platform  # noqa: E402
 from unroller.runtime import ipu_device  # noqa: E402
 
 EMULATION_NOTE = (
@@ -189,15 +190,15 @@ def _methods(
     for scheme in args.schemes:
         options = _options(args, scheme, resolution)
         model = models.build_ours(bench, options, ref, device, directory)
-        if args.platform == "ipu":
+        if _compiled(args):
             found.append(peers.ours_ipu(scheme, model, ipu_device.poptorch, args))
         else:
             found.append(peers.ours_gpu(scheme, model))
     if args.compile:
         found += _compiled_ours(bench, args, resolution, ref, device, directory, notes)
-    if getattr(args, "recompute", False) and args.platform == "gpu":
+    if getattr(args, "recompute", False) and not _compiled(args):
         found += _variant_ours(bench, args, resolution, ref, device, directory, RECOMPUTE_VARIANT)
-    if getattr(args, "segments", False) and args.platform == "gpu":
+    if getattr(args, "segments", False) and not _compiled(args):
         found += _segmented_ours(bench, args, resolution, ref, device, directory)
     found.append(peers.autograd(ref))
     if "checkpoint" in args.peers and hasattr(ref, "forward_checkpointed"):
@@ -208,6 +209,14 @@ def _methods(
     if compiled:
         found += _compiled_peers(ref, compiled, notes)
     return found
+
+
+def _compiled(args: argparse.Namespace) -> bool:
+    """Does --platform hand the step to a graph compiler (``Platform.graph_compiled``:
+    PopTorch on the IPU)? Then the batch goes in as micro-batches, the host measures no
+    device memory (no memory-model prediction, no timeline, no host-side variants), and
+    the compiler's backend is set up (or emulated) before the run."""
+    return get_platform(args.platform).graph_compiled
 
 
 class _Phases:
@@ -231,7 +240,7 @@ class _Run:
         self.resolution = models.resolution_of(bench, args)
         self.batch_size = models.batch_of(bench, args)
         self.granularity, self.device_batch = 1, None
-        if args.platform == "ipu":
+        if _compiled(args):
             self.device_batch, self.batch_size = config.ipu_batch(args, self.batch_size)
             self.granularity = args.replication_factor * config.ipu_accumulation(args.num_ipus)
         self.label = f"{bench.name} b{self.batch_size}@{self.resolution}"
@@ -384,8 +393,8 @@ def _predicted(run: _Run, methods: list[Method], notes: list[str]) -> dict[str, 
     """The memory model's figures (models.predict_memory) per ours method at the run's
     batch; none, with a note, without a memory model or where it fails."""
     found: dict[str, dict | None] = {}
-    if run.args.platform == "ipu" or models.memory_model() is None:
-        if run.args.platform != "ipu":
+    if _compiled(run.args) or models.memory_model() is None:
+        if not _compiled(run.args):
             notes.append("predicted peak and floor: unroller.memory.simulate is missing")
         return found
     cache: dict[str, dict | None] = {}
@@ -447,7 +456,7 @@ def _timelines(
     timeline plot; none, with a note, where this tree has no timeline or on CUDA (the
     profiler's allocation events it reads are the CPU's)."""
     args = run.args
-    if not (args.timeline and args.plots and args.platform == "gpu"):
+    if not (args.timeline and args.plots and not _compiled(args)):
         return {}
     if run.device.type != "cpu":
         notes.append("timeline plot: CPU only (profiler allocation events)")
@@ -653,11 +662,11 @@ def _method_record(
         "first_step_s": found.compile_s.get(m.name),
         "platform": args.platform,
         "device": (
-            "ipu"
-            if m.kind == "ours" and args.platform == "ipu" and not args.emulate
+            args.platform
+            if m.kind == "ours" and _compiled(args) and not args.emulate
             else device.type
         ),
-        "emulated": bool(args.platform == "ipu" and args.emulate),
+        "emulated": bool(_compiled(args) and args.emulate),
         "batch": run.batch_size,
         "resolution": run.resolution,
         "time_ms": t["time_ms"],
@@ -697,7 +706,7 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str,
     }
     meta["args"]["preset"] = "full" if args.full else "quick"
     how = "cuda" if args.device == "cuda" else "cpu"
-    if args.platform == "ipu":
+    if _compiled(args):
         where = "CPU EMULATION of PopTorch" if args.emulate else "PopTorch"
         where += f", {args.num_ipus} IPU(s) x {args.replication_factor} replica(s)"
     else:
@@ -709,18 +718,18 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str,
     ]
     if args.memory_budget is not None:
         meta["about"].append(_budget_about(args))
-    if args.platform == "ipu" and args.emulate:
+    if _compiled(args) and args.emulate:
         meta["about"].insert(0, EMULATION_NOTE)
         if args.profile:
             meta["about"].append("--profile: the emulation writes no PopVision report")
     parts = args.replication_factor * config.ipu_accumulation(args.num_ipus)
-    if args.platform == "ipu" and parts > 1:
+    if _compiled(args) and parts > 1:
         meta["about"].append(
             f"ours splits each batch into {parts} micro-batches (replicas x gradient "
             "accumulation) run one after another, so its peak follows the micro-batch; the "
             "peers take the whole batch at once"
         )
-    elif args.platform == "ipu":
+    elif _compiled(args):
         meta["about"].append(
             "on the IPU the host measures no device memory: no peak or max batch here; "
             "--profile DIR writes PopVision's memory report"
@@ -835,7 +844,7 @@ def _setup_platform(args: argparse.Namespace, prog: str) -> str | None:
     """The one-line reason the run cannot start, or None."""
     if args.device == "cuda" and not torch.cuda.is_available():
         return f"{prog}: --device cuda, but torch.cuda.is_available() is False"
-    if args.platform != "ipu":
+    if not _compiled(args):
         return None
     if args.emulate:
         ipu_device.use_emulation()
@@ -879,13 +888,13 @@ def main(argv: Sequence[str], prog: str = "unroll bench") -> int:
                 records += found
                 ran.append(info)
     finally:
-        if args.platform == "ipu" and args.emulate:
+        if _compiled(args) and args.emulate:
             ipu_device.use_emulation(False)
     meta = _meta(args, argv, prog)
     found = goals.evaluate(records, device=device.type, command=meta["command"])
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    prefix = "bench" if args.platform == "gpu" else "bench_ipu"
+    prefix = "bench" if not _compiled(args) else f"bench_{args.platform}"
     files = [out / f"{prefix}.jsonl", out / f"{prefix}.csv", out / f"{prefix}.md"]
     notes = list(dict.fromkeys(n for info in ran for n in info.pop("notes")))
     if args.plots:

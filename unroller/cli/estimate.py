@@ -19,6 +19,7 @@ from unroller.cli.options import (
     ResolutionOpt,
 )
 from unroller.errors import ConfigError, ModelError
+from unroller.platforms import platform as get_platform
 from unroller.schemes import SCHEMES
 
 MIB = 2**20
@@ -115,8 +116,10 @@ def estimate(
     --batch-size 8 --scheme dct-dense;
     unroll estimate benchmarks/models/resnet34.txt --platform gpu --device-memory 16GiB
     """
-    if platform not in ESTIMATES:
-        raise fail(f"unknown platform '{platform}' (known: {', '.join(sorted(ESTIMATES))})")
+    try:
+        kind = get_platform(platform).estimate
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     if fmt not in ("table", "json"):
         raise fail(f"unknown format '{fmt}' (table or json)")
     if optimizer not in ("sgd", "adam"):
@@ -157,7 +160,7 @@ def estimate(
         "optimizer": optimizer,
     }
     try:
-        found = ESTIMATES[platform](graph, options, names, settings)
+        found = ESTIMATES[kind](graph, options, names, settings)
     except ConfigError as exc:
         raise config_error(exc) from None
     except ModelError as exc:
@@ -181,6 +184,7 @@ def _ceiling_note(scheme: str, batch: int, what: str) -> str:
 
 
 def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
+    from unroller.api import compression_config
     from unroller.estimate import (
         IpuSpec,
         at_ceiling,
@@ -200,9 +204,10 @@ def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for name in dict.fromkeys(["nocompress", *names]):
         opts = options(name, ipus)
-        est = estimate_ipu(graph, opts, batch, ipus, spec, micro_batches)
+        config = compression_config(opts, graph)  # the auto scheme planned here, once
+        est = estimate_ipu(graph, opts, batch, ipus, spec, micro_batches, config=config)
         rate = samples_per_second(est)
-        largest = largest_on_chip(graph, opts, ipus, spec)
+        largest = largest_on_chip(graph, opts, ipus, spec, config=config)
         rows.append(
             {
                 "scheme": name,
@@ -253,13 +258,15 @@ def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gpu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
+    from unroller.api import compression_config
     from unroller.estimate import estimate_gpu
 
     device, optimizer = settings["device"], settings["optimizer"]
     states = 2 if optimizer == "adam" else 1
     rows = []
     for name in dict.fromkeys(["nocompress", *names]):
-        est = estimate_gpu(graph, options(name), device, states)
+        opts = options(name)
+        est = estimate_gpu(graph, opts, device, states, config=compression_config(opts, graph))
         rows.append({**est.as_dict(), "scheme": name})
     base = rows[0]["max_batch"] or 1
     lines = [
@@ -284,8 +291,9 @@ def _gpu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
     return {"platform": "gpu", "rows": rows, "table": "\n".join(lines)}
 
 
-#: What --platform names: the estimate of that kind of device.
-ESTIMATES = {"ipu": _ipu, "gpu": _gpu}
+#: The estimate of each kind a platform names (``Platform.estimate``): memory per device
+#: against its on-chip memory and a step time, or the largest batch in --device-memory.
+ESTIMATES = {"on_chip": _ipu, "largest_batch": _gpu}
 
 
 def register(app: typer.Typer) -> None:

@@ -32,14 +32,15 @@ from unroller.cli.stdout import write_stdout
 from unroller.cli.target import make_options
 from unroller.errors import ModelError
 from unroller.pipeline import ipu_report, split
-from unroller.platforms import PlatformName
+from unroller.platforms import LINTED, PlatformName
 from unroller.platforms import platform as platform_named
 from unroller.report import format_dot, format_ipus, format_stash, format_table, graph_report
 from unroller.stash import plan_stash
 
 FORMATS = ("table", "json", "dot")
-#: lint checks against a platform's list of supported calls; the IPU is the one with a short list.
-LINT_PLATFORM = PlatformName("ipu")
+#: lint checks against a platform's list of supported calls (``platforms.LINTED``: the
+#: first whose compiler accepts only a listed set).
+LINT_PLATFORM = PlatformName(LINTED.name)
 
 
 def graph(

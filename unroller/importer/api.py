@@ -9,8 +9,10 @@ file: the initializers that carry a module path), so ``load_state_dict`` works w
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from unroller.importer.emit import emit_text, snake
 from unroller.importer.loss import add_loss
@@ -21,6 +23,9 @@ from unroller.importer.model import (
     parse_tensor_spec,
 )
 from unroller.importer.source import build_module, is_onnx, parse_kwargs, user_code
+
+if TYPE_CHECKING:
+    import torch
 
 #: The most --input declarations a network may have.
 MAX_INPUTS = 64
@@ -118,8 +123,8 @@ def emit_checked(model: ImportedModel, spec: str) -> str:
 
 def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> None:
     """The emitted text builds, and its tensors are the original's state dict."""
-    from unroller.api import graph_from_text
     from unroller.errors import ModelError
+    from unroller.load import graph_from_text
 
     try:
         graph = graph_from_text(text, "<imported>")
@@ -152,3 +157,68 @@ def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> None:
         raise ImportFailure(
             f"internal error: the imported state dict differs from {spec}'s: " + "; ".join(parts)
         )
+
+
+#: The model-text dtype of an example tensor's dtype (by ``torch.dtype`` name).
+_DTYPES = {
+    "float32": "f32",
+    "float64": "f64",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "int64": "i64",
+    "int32": "i32",
+    "bool": "bool",
+}
+
+
+def _spec(name: str, t: Any) -> str:
+    """``name: f32[N, 3, 32, 32]`` for an example batch ``t``."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.dim() < 1:
+        raise ValueError(f"{name}: expected a tensor with a batch dimension, got {t!r:.60}")
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype} is not one a model input can have")
+    dims = ", ".join(["N", *map(str, t.shape[1:])])
+    return f"{name}: {_DTYPES[dtype]}[{dims}]"
+
+
+def module_label(module: torch.nn.Module, name: str | None) -> str:
+    """``name``, else the module's class in snake case (``LlamaForCausalLM`` ->
+    ``llama_for_causal_lm``)."""
+    if name is not None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"name {name!r}: expected an identifier")
+        return name
+    return snake(type(module).__name__)
+
+
+def module_text(
+    module: torch.nn.Module,
+    inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
+    target: torch.Tensor | None = None,
+    loss: str = "cross_entropy",
+    name: str | None = None,
+) -> str:
+    """The model text of a built ``module`` on example ``inputs`` (and ``target``), as
+    ``unroll import`` writes it, for ``unroller.unroll`` and ``unroller.verify``. It is
+    here, not in ``unroller.oneshot``, so that verify (which the planner imports) reaches
+    it without importing the library layer that oneshot generates through. The inputs are
+    named x0, x1, ... (or by the keys of a dict, each reaching ``forward`` by keyword where
+    it names a parameter: ``{"input_ids": ..., "decoder_input_ids": ...}``) and the target
+    y."""
+    import torch
+
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if isinstance(inputs, Mapping):
+        for key in inputs:
+            if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"input name {key!r}: expected an identifier")
+        specs = [_spec(key, t) for key, t in inputs.items()]
+    else:
+        specs = [_spec(f"x{i}", t) for i, t in enumerate(inputs)]
+    label = module_label(module, name)
+    target_spec = _spec("y", target) if target is not None else None
+    return import_network(label, specs, target_spec, loss, name=label, built=module).text

@@ -11,6 +11,8 @@ from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
+from unroller.platforms import LINTED
+
 from .kinds import IMPORT, READ
 from .report import Hop, LintCall, LintReport
 from .resolve import (
@@ -188,7 +190,7 @@ def _expand(paths: Iterable[Path | str]) -> list[Path]:
 
 
 def lint_module(
-    path: Path | str, platform: str = "ipu", package_roots: dict[str, Path] | None = None
+    path: Path | str, platform: str = LINTED.name, package_roots: dict[str, Path] | None = None
 ) -> LintReport:
     """Every torch call reachable from the module at ``path``: its own code and, recursively,
     what it imports from the packages in ``package_roots`` (top-level package name -> its
@@ -200,7 +202,7 @@ def lint_module(
 
 def lint_paths(
     paths: Iterable[Path | str],
-    platform: str = "ipu",
+    platform: str = LINTED.name,
     package_roots: dict[str, Path] | None = None,
 ) -> LintReport:
     """``lint_module`` for many files and directories (``*.py`` below them, recursively);

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unroller.platforms import LINTED
+
 from .kinds import FUNCTIONAL, MODULE, TENSOR, TORCH
 
 try:
@@ -137,7 +139,7 @@ def supported_ops_path(platform: str) -> Path:
 
 
 @functools.cache
-def supported_ops(platform: str = "ipu") -> SupportedOps:
+def supported_ops(platform: str = LINTED.name) -> SupportedOps:
     """The supported list of ``platform`` (ValueError if the platform has none)."""
     path = supported_ops_path(platform)
     if not path.is_file():

@@ -1,0 +1,57 @@
+"""Model text -> checked graph: the bottom of the library layer.
+
+Everything that starts from a model text (verify, the importer's self-check, the memory
+model's callers, the planner's callers) needs these, and the library entry points in
+``unroller.api`` sit above the planner, which sits above verify and the memory model. Were
+the text -> graph step in ``api``, each of those lower modules would import the top and
+close an import cycle; here it imports only the parser and the graph builder, and ``api``
+re-exports it for existing callers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from unroller.ast import ModelAST
+from unroller.errors import ModelError
+from unroller.graph import Graph, build_graph
+from unroller.parser import parse, read_source
+
+
+def read_model_text(path: str | Path) -> str:
+    """The model file's text (``parser.read_source``: a bounded regular file, UTF-8, a bad
+    byte reported at its line and column)."""
+    return read_source(path)
+
+
+def at_resolution(model: ModelAST, resolution: int) -> ModelAST:
+    """The model with every image-shaped input and target ([N, C, H, W]) resized to
+    ``resolution`` rows (columns scaled to keep the aspect ratio), for running the big
+    benchmark inputs smaller on a CPU. Shape checks then apply at the new size."""
+    if resolution < 1:
+        raise ModelError(f"the resolution must be positive, got {resolution}")
+    decls = []
+    for decl in model.decls:
+        if len(decl.dims) == 4:
+            h, w = decl.dims[2], decl.dims[3]
+            new_w = max(1, round(w * resolution / h))
+            decl = replace(decl, dims=(*decl.dims[:2], resolution, new_w))
+        decls.append(decl)
+    return replace(model, decls=decls)
+
+
+def graph_from_text(
+    source: str, filename: str = "<string>", resolution: int | None = None
+) -> Graph:
+    """The checked graph of a model text (``filename`` labels its errors), with image
+    inputs resized to ``resolution`` rows when given (``at_resolution``)."""
+    model = parse(source, filename)
+    if resolution is not None:
+        model = at_resolution(model, resolution)
+    return build_graph(model)
+
+
+def load_graph(path: str | Path, resolution: int | None = None) -> Graph:
+    """``graph_from_text`` of the model file at ``path``."""
+    return graph_from_text(read_model_text(path), str(path), resolution)
