@@ -129,6 +129,56 @@ def test_no_command_tests_a_platform_name():
                 assert not set(named) & set(PLATFORMS), f"{path.name}:{node.lineno}"
 
 
+def _platform_name_tests(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+    """Where ``path`` decides by a platform's name: a comparison with one (``platform ==
+    "ipu"``, ``in ("gpu",)``) or a dict keyed by every platform's name (a dispatch table)."""
+    names = set(PLATFORMS)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        sides: list[ast.AST] = []
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            sides += [
+                e for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set)) for e in s.elts
+            ]
+        keys = node.keys if isinstance(node, ast.Dict) else []
+        constants = {s.value for s in [*sides, *keys] if isinstance(s, ast.Constant)}
+        if (sides and constants & names) or (keys and names <= constants):
+            found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_no_module_decides_by_a_platform_name():
+    """What differs between platforms is a ``Platform`` attribute (``estimate``,
+    ``call_list``, ``graph_compiled``, ``device_sram_bytes``, ...): the estimate's dispatch,
+    lint's default platform and the benchmark's PopTorch paths ask it, so adding a platform
+    never means finding every ``== "ipu"``. Only ``platforms.py`` names them."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "platforms.py":
+            found += _platform_name_tests(path)
+    assert found == []
+
+
+def test_the_name_check_sees_a_comparison_and_a_dispatch(tmp_path: Path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('x = a == "ipu"\ny = b in ("gpu",)\nT = {"gpu": 1, "ipu": 2}\nok = {"ipu": 0}\n')
+    assert _platform_name_tests(bad, tmp_path) == ["bad.py:1", "bad.py:2", "bad.py:3"]
+
+
+def test_every_platform_fact_has_its_implementation():
+    """Each ``Platform.estimate`` kind has an estimate, and lint's default platform
+    (``LINTED``) has its list of supported calls."""
+    from unroller.cli.estimate import ESTIMATES
+    from unroller.lint.supported import supported_ops_path
+    from unroller.platforms import LINTED
+
+    assert {p.estimate for p in PLATFORMS.values()} <= set(ESTIMATES)
+    assert LINTED.call_list and supported_ops_path(LINTED.name).is_file()
+    for p in PLATFORMS.values():
+        assert supported_ops_path(p.name).is_file() == p.call_list, p.name
+
+
 # ---- options ---------------------------------------------------------------------------
 
 
