@@ -143,7 +143,15 @@ IPU_SRAM_BYTES = IPU.device_sram_bytes  # the ipu Platform's: one GC200 (about 9
 
 def format_ipus(report: dict[str, Any]) -> str:
     """Per IPU: parameters, stashed activations raw and stored; bytes crossing boundaries."""
-    header = ("ipu", "first node", "nodes", "params", "stash raw", "stash stored", f"of {IPU_SRAM_BYTES // 1000**2} MB")
+    header = (
+        "ipu",
+        "first node",
+        "nodes",
+        "params",
+        "stash raw",
+        "stash stored",
+        f"of {IPU_SRAM_BYTES // 1000**2} MB",
+    )
     rows = []
     for r in report["ipus"]:
         used = r["param_bytes"] + r["stash_stored_bytes"]
