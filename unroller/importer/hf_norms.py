@@ -22,6 +22,7 @@ replaced, saying so in its notes; the float32 agreement of the two is tested on 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 
 import torch
@@ -36,64 +37,44 @@ def _source(fn) -> str | None:
         return None
 
 
-@functools.cache
-def is_llama_rmsnorm(cls: type) -> bool:
-    """Whether ``cls`` is a ``transformers`` class whose ``forward`` and ``__init__`` are
-    ``LlamaRMSNorm``'s word for word (its own name in place of Llama's)."""
+def _copy_of(cls: type, module: str, name: str, parts: tuple[str, ...]) -> bool:
+    """Whether ``cls`` is a ``transformers`` class whose methods ``parts`` are those of the
+    class ``name`` in ``transformers.models.MODULE`` word for word (its own name in place
+    of that class's): how "Copied from" classes are recognised, never by their names."""
     if not cls.__module__.startswith("transformers."):
         return False
     try:
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    except ImportError:
+        reference = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    except (ImportError, AttributeError):
         return False
-    if cls is LlamaRMSNorm:
+    if cls is reference:
         return True
-    mine = (_source(cls.forward), _source(cls.__init__))
-    theirs = (_source(LlamaRMSNorm.forward), _source(LlamaRMSNorm.__init__))
+    mine = [_source(getattr(cls, part, None)) for part in parts]
+    theirs = [_source(getattr(reference, part, None)) for part in parts]
     if None in mine or None in theirs:
         return False
-    return mine[0] == theirs[0] and mine[1].replace(cls.__name__, "LlamaRMSNorm") == theirs[1]
+    return [m.replace(cls.__name__, name) for m in mine] == theirs
+
+
+@functools.cache
+def is_llama_rmsnorm(cls: type) -> bool:
+    """``LlamaRMSNorm``'s ``forward`` and ``__init__`` word for word."""
+    return _copy_of(cls, "llama.modeling_llama", "LlamaRMSNorm", ("forward", "__init__"))
 
 
 @functools.cache
 def is_gemma_rmsnorm(cls: type) -> bool:
-    """Whether ``cls`` is a ``transformers`` class whose ``forward``, ``_norm`` and
-    ``__init__`` are ``GemmaRMSNorm``'s word for word: the norm times ``1 + weight``, in
-    float32 inside (Gemma 1 and its copies)."""
-    if not cls.__module__.startswith("transformers."):
-        return False
-    try:
-        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-    except ImportError:
-        return False
-    if cls is GemmaRMSNorm:
-        return True
+    """``GemmaRMSNorm``'s ``forward``, ``_norm`` and ``__init__`` word for word: the norm
+    times ``1 + weight``, in float32 inside (Gemma 1 and its copies)."""
     parts = ("forward", "_norm", "__init__")
-    mine = [_source(getattr(cls, name, None)) for name in parts]
-    theirs = [_source(getattr(GemmaRMSNorm, name)) for name in parts]
-    if None in mine or None in theirs:
-        return False
-    return [m.replace(cls.__name__, "GemmaRMSNorm") for m in mine] == theirs
+    return _copy_of(cls, "gemma.modeling_gemma", "GemmaRMSNorm", parts)
 
 
 @functools.cache
 def is_t5_layernorm(cls: type) -> bool:
-    """Whether ``cls`` is a ``transformers`` class whose ``forward`` and ``__init__`` are
-    ``T5LayerNorm``'s word for word: x * rsqrt(mean(x**2) + eps) with the mean in float32,
-    times ``weight`` (T5, mT5, LongT5, Pix2Struct and their copies)."""
-    if not cls.__module__.startswith("transformers."):
-        return False
-    try:
-        from transformers.models.t5.modeling_t5 import T5LayerNorm
-    except ImportError:
-        return False
-    if cls is T5LayerNorm:
-        return True
-    mine = (_source(cls.forward), _source(cls.__init__))
-    theirs = (_source(T5LayerNorm.forward), _source(T5LayerNorm.__init__))
-    if None in mine or None in theirs:
-        return False
-    return mine[0] == theirs[0] and mine[1].replace(cls.__name__, "T5LayerNorm") == theirs[1]
+    """``T5LayerNorm``'s ``forward`` and ``__init__`` word for word: x * rsqrt(mean(x**2) +
+    eps) with the mean in float32, times ``weight`` (T5, mT5, LongT5, Pix2Struct, ...)."""
+    return _copy_of(cls, "t5.modeling_t5", "T5LayerNorm", ("forward", "__init__"))
 
 
 def _plain_rmsnorm(cls: type) -> bool:
