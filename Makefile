@@ -1,6 +1,6 @@
 # Every target bootstraps .venv from requirements.lock: exact versions of torch (the CPU
 # build), the project's dependencies, the dev tools and the build backend, so every machine
-# tests against the same packages. `make lock` refreshes the lock file (README "Quick start").
+# tests against the same packages. `make lock` refreshes the lock file (docs/development.md).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -62,7 +62,7 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(if $(FULL),--full,)
 
-# Accuracy by scheme (README "Training and accuracy analysis"): about 40 minutes on an idle
+# Accuracy by scheme (docs/accuracy.md): about 40 minutes on an idle
 # 2-core CPU (25 for the first three). Finished runs under each --out are reused, so an
 # interrupted `make accuracy` resumes.
 ACCURACY := $(UNROLL) accuracy --schemes all --seeds 3 --quiet
