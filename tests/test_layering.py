@@ -188,6 +188,9 @@ LIBRARY = (
     "unroller.memory",
     "unroller.oneshot",
     "unroller.importer.api",
+    "unroller.importer.torch_frontend",
+    "unroller.importer.masks",
+    "unroller.importer.batch_merge",
 )
 """The library layer's modules, each a layer of its own: the entry points (api: it
 resolves the ``auto`` scheme through the planner), the planner (a probe step through verify

@@ -22,6 +22,25 @@ class Refuse(Exception):
     """This node has no exact registry equivalent; the message says why."""
 
 
+def schema_arguments(node) -> dict:
+    """The node's arguments by their ATen schema names, defaults filled in."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        raise Refuse("not an ATen operator")
+    out = {}
+    positional = list(node.args)
+    for i, arg in enumerate(schema.arguments):
+        if i < len(positional):
+            out[arg.name] = positional[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+        else:
+            out[arg.name] = None
+    return out
+
+
 #: ATen overload or packet name ("aten.conv2d.default" / "aten.conv2d") -> mapper.
 MAPPERS: dict[str, Callable] = {}
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from unroller.importer.aten_ops import schema_arguments
 from unroller.importer.model import BATCH, shape_text
 
 #: reshapes that may merge the batch in (entries) or split it back out (exits)
@@ -264,8 +265,6 @@ def _row_wise(mapper, node, region, rows, target_name) -> str | None:
 
 
 def _arguments(node) -> dict:
-    from unroller.importer.torch_frontend import schema_arguments
-
     return schema_arguments(node)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from unroller.importer.model import BATCH
+from unroller.importer.model import BATCH, EXAMPLE_BATCH
 
 #: a float mask's padded entries are at most this (lowest float, or -inf)
 HUGE_NEGATIVE = -1e30
@@ -173,7 +173,6 @@ def samples(batch: int, length: int) -> list[torch.Tensor]:
 def _evaluate(mapper, node: fx.Node, ids: fx.Node, target_name) -> tuple[bool, str | None]:
     """(causal, None) when ``node`` is the padding mask of ``ids`` (ANDed with the causal
     mask when causal) on every sample, else (False, why not)."""
-    from unroller.importer.torch_frontend import EXAMPLE_BATCH
 
     length = int(ids.meta["val"].shape[1])
     name = mapper.user_inputs.get(ids.name, ids.name)

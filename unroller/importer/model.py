@@ -23,6 +23,8 @@ class BatchDim(str):
 
 #: The batch dim: equal to "N", and written as N (not "N") in keyword values.
 BATCH = BatchDim("N")
+#: The example batch size used for capture: > 1 so export keeps the dim symbolic.
+EXAMPLE_BATCH = 3
 
 #: A keyword value as the model language writes it (None: left out).
 Literal = int | float | bool | str | tuple | None

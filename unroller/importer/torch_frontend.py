@@ -31,10 +31,11 @@ from torch import fx
 
 from unroller.graph import MAX_FLOAT
 from unroller.importer import aten_ops, batch_merge, masks, rotary
-from unroller.importer.aten_ops import Refuse
+from unroller.importer.aten_ops import Refuse, schema_arguments
 from unroller.importer.hf_norms import is_hf_rmsnorm, rmsnorm_kwargs
 from unroller.importer.model import (
     BATCH,
+    EXAMPLE_BATCH,
     ImportedModel,
     ImportFailure,
     Stmt,
@@ -55,8 +56,6 @@ _DTYPES = {
     "i32": torch.int32,
     "bool": torch.bool,
 }
-#: The example batch size used for capture: > 1 so export keeps the dim symbolic.
-EXAMPLE_BATCH = 3
 #: The batch ``diagnose`` runs the original at: rarer than 3 (RGB channels) as a leading
 #: size, so that torch's shapes in its error can be rewritten with N (``_batch_as_n``).
 DIAGNOSE_BATCH = 7
@@ -1273,25 +1272,6 @@ def _written(node) -> fx.Node | None:
 def _is_size_value(node) -> bool:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return isinstance(val, (torch.SymInt, int, float, bool)) and not isinstance(val, torch.Tensor)
-
-
-def schema_arguments(node: fx.Node) -> dict:
-    """The node's arguments by their ATen schema names, defaults filled in."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        raise Refuse("not an ATen operator")
-    out = {}
-    positional = list(node.args)
-    for i, arg in enumerate(schema.arguments):
-        if i < len(positional):
-            out[arg.name] = positional[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-        else:
-            out[arg.name] = None
-    return out
 
 
 class NodeView:
