@@ -1536,9 +1536,11 @@ def render(graph: Graph, source_path: str, options: Options, config: Compression
             program = emitter.stage_program(k, crossing)
             stage_steps.append(outliner.outline(program, {"stash", "L"}, split=split_up))
     outliner.finish()  # every call known: literals that differ become parameters
-    training = render_training(
-        training_steps, emitter.piece_loops, target.stage_block if staged else None
-    )
+    loops = [  # a loop's last step may be a block's, now run by the block's call
+        (outliner.stand_in(header), outliner.stand_in(last), segment)
+        for header, last, segment in emitter.piece_loops
+    ]
+    training = render_training(training_steps, loops, target.stage_block if staged else None)
     predict = render_steps(predict_steps)
     process_stages: list[dict[str, Any]] = []
     pipeline_meta: dict[str, safe.Code] = {}

@@ -186,6 +186,15 @@ class Outliner:
         self._local_reserved = reserved  # and the function names, once reserved
         # each call of a function: its step and the literals of its instance
         self._sites: list[tuple[Step, Function, list[tuple[str, Any]]]] = []
+        # id of each step an outlined run held -> the call step that now runs it
+        self._replaced: dict[int, Step] = {}
+
+    def stand_in(self, step: Step) -> Step:
+        """The step of an outlined program that runs ``step``: the call of its block's
+        function when ``step`` was in an outlined run, else ``step`` itself. Callers that
+        marked steps of the flat program (a pieces loop's first and last step) find them
+        here."""
+        return self._replaced.get(id(step), step)
 
     def reserve(
         self, blocks: list[str], counts: dict[str, int], extra: tuple[str, ...] = ()
@@ -320,6 +329,7 @@ class Outliner:
         statement: Statement = Assign(tuple(targets), call) if targets else Do(call)
         steps_out = [*before, Step(body[0].section, [statement], stage=body[0].stage)]
         self._sites.append((steps_out[-1], function, literals))
+        self._replaced.update((id(step), steps_out[-1]) for step in body)
         label = "[recompute]" if section == "recompute" else "[block]"
         steps_out[0].comment = f"{label} {run.instance.text}"
         return steps_out
