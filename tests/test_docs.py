@@ -7,6 +7,8 @@ that is not in the page fails here with the command that fixes it.
 
 from __future__ import annotations
 
+import re
+
 from conftest import ROOT
 from typer.testing import CliRunner
 
@@ -282,3 +284,124 @@ def test_summary_tables_core(tmp_path):
     table = core_table(path)
     assert "| tiny (12k params) | 10.0 | 8.0 | 1.250 | 1.00 / 2.00 | 0.50 / 1.00 |" in table
     assert "python -m benchmarks.core_bench" in table
+
+
+# What a measurement looks like in prose: a ratio against something (8.6x less, 1.14-1.22x,
+# 0.53x), a time (29 ms, 2,122 s), a measured size (1.45 MiB, 725 KiB per sample), a share
+# of something measured (17%), a date or commit a figure was taken at, a tally of runs.
+_MEASURED = re.compile(
+    r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x (?:less|more|smaller|larger|faster|slower|fewer"
+    r"|below|above|the|its|autograd)\b"
+    r"|(?<![\w.])\d+\.\d+(?:-\d+\.\d+)?x\b"
+    r"|\b\d+-\d+x\b"
+    r"|\b\d[\d,]*(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?(?:ms|us)\b"
+    r"|\(\d[\d,]* s[),;]"
+    r"|\b\d[\d,]*(?:\.\d+)? ?(?:s|seconds) (?:each|per (?:step|run|model))\b"
+    r"|\b\d[\d,]*\.\d+ ?(?:KiB|MiB|GiB|KB|MB|GB)\b"
+    r"|\b\d[\d,]*(?:\.\d+)? ?(?:B|KiB|MiB|GiB|KB|MB) (?:per (?:sample|token)|/ sample)\b"
+    r"|\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?%"
+    r"|\b\d+(?:-\d+)? (?:min|minutes)\b"
+    r"|\b20\d\d-\d\d-\d\d\b"
+    r"|\bcommits? `?[0-9a-f]{7,40}\b|`[0-9a-f]{7,40}`|--old [0-9a-f]{7}"
+    r"|\bmeasured (?:at|on) (?:commit|a snapshot|\d|this \d|another|the \w+ VM)"
+    r"|\bby a hair\b|\bbefore/after\b|\bwent from \S+ to\b"
+    r"|\bin (?:two|three|four|five|six|\d+) runs(?: of (?:two|three|six|\d+))?\b"
+    r"|\bload(?: average)? \d",
+    re.I,
+)
+
+# Figures that are not measurements: a limit, a default, a threshold a goal states, or a
+# fact of the format. Each entry is the exact text around the figure, reviewed by hand.
+_NOT_MEASURED = {
+    "<= 1.3x",  # the harness's time limit for "the best of ours" (a goal, not a result)
+    "<= 1.3x autograd",
+    "within 1.3x autograd",  # the same limit, as the README's headline states it
+    ">= 0.5x",  # a codec goal: round trip at half of clone's bandwidth or better
+    "within 10% of",  # auto's budget: the least reachable peak + 10% (a definition)
+    "plus 10%",
+    "at most 2%",  # the planner's first tier of forms (a definition)
+    "+ 10%",
+    "(10 minutes old",  # when a stale lock is taken over (docs/cli.md)
+    "about 10 % of files",  # pysource's validation split (a definition)
+    "the IPU case study: 1.1-3.5x faster",  # published figures, cited as such (docs/scaling.md)
+    "streaming; 17-20x",
+    "29 gradients, 0.30 MiB",  # the shape of a printed line, in an example of output
+    "1,024 B per token per layer",  # arithmetic: 4 heads x 64 x 4 B
+    "| 9,304 | 1.00x | 3,297 (56,056) | 1.00x |",  # nocompress against itself
+}
+
+
+def _prose(page: str) -> str:
+    """``page`` with its include blocks blanked (their text is a results file's), lines
+    kept where they were."""
+    from benchmarks.doc_tables import END
+
+    def blank(match: re.Match) -> str:
+        return "\n" * match.group(0).count("\n")
+
+    return re.sub(r"<!-- include: .*?" + re.escape(END), blank, page, flags=re.S)
+
+
+def _measured_figures(page: str) -> list[str]:
+    found = []
+    for number, line in enumerate(_prose(page).splitlines(), 1):
+        allowed = [
+            (m.start(), m.end()) for ok in _NOT_MEASURED for m in re.finditer(re.escape(ok), line)
+        ]
+        for match in _MEASURED.finditer(line):
+            if not any(a <= match.start() and match.end() <= b for a, b in allowed):
+                found.append(f"{number}: {match.group(0)!r} in {line.strip()[:100]!r}")
+    return found
+
+
+def test_guides_quote_measurements_only_through_includes():
+    """Every figure a guide gives of a measurement comes from a results file through an
+    include (benchmarks/results, with the command and machine that measured it); prose
+    describes the present and quotes no number a later run could contradict."""
+    bad = []
+    for name in _tracked("README.md", "docs/*.md"):
+        bad += [f"{name}:{hit}" for hit in _measured_figures((ROOT / name).read_text())]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_measurement_pattern_catches_pasted_figures():
+    pasted = [
+        "| ours dct-dense | 1441 | 725 | **8.63x less** |",
+        "dct-dense 8.47x less at 1.14-1.22x time in six runs of six",
+        "the step's codec time at batch 4 from 79 to 29 ms",
+        "1.45 MiB on ResNet-34",
+        "Measured 2026-12-01 at commit 2fbd843",
+        "met by a hair, not with margin",
+        "the DCT codec about 17%",
+        "Block recompute matches checkpointing (0.53x against 0.55x)",
+    ]
+    for text in pasted:
+        assert _measured_figures(text), text
+    fine = [
+        "keeps 16 of 64 coefficients in 4 bits, int8",
+        "`--memory-budget 2GiB`, a file of at most 64 MiB",
+        "the best of ours at <= 1.3x autograd's time",
+        "<!-- include: benchmarks/results/x.md -->\n| a | 8.63x less |\n<!-- end include -->",
+    ]
+    for text in fine:
+        assert not _measured_figures(text), text
+
+
+def test_every_include_names_a_results_file():
+    """An include names an existing file under benchmarks/results (and its start/end
+    phrases are in it), so a renamed or deleted results file fails here, not in a reader."""
+    from benchmarks.doc_tables import _INCLUDE, _excerpt
+
+    bad = []
+    for name in _tracked("README.md", "docs/*.md"):
+        page = (ROOT / name).read_text(encoding="utf-8")
+        opened = page.count("<!-- include: ")
+        matches = list(_INCLUDE.finditer(page))
+        if len(matches) != opened:
+            bad.append(f"{name}: {opened} includes opened, {len(matches)} closed")
+        for match in matches:
+            try:
+                _excerpt(match["path"], match["options"])
+            except (OSError, ValueError) as error:
+                bad.append(f"{name}: {error}")
+    assert not bad, bad
