@@ -1,8 +1,8 @@
 """References of the test suite's model files (``tests/models/*.txt``) and their inputs.
 
 Small networks that cover the model language (every operator, non-square shapes,
-fan-out, two inputs, no target), checked against the generated modules to 1e-10 in
-float64. They share the ResNet and U-Net definitions with the benchmark networks; the
+fan-out, two inputs, no target, division by tensors that have gradients), checked
+against the generated modules to 1e-10 in float64. They share the ResNet and U-Net definitions with the benchmark networks; the
 rest are one class each. The names ``resnet_like`` and ``unet_like`` exist in both
 folders with different sizes, so this registry is ``SUITE_REFERENCES`` next to the
 benchmarks' ``BENCHMARKS``.
@@ -86,6 +86,10 @@ DECLS: dict[str, list[Decl]] = {
     "tiny_resnet": [
         Decl("input", "x", "f32", (3, 32, 32)),
         Decl("target", "y", "i64", (), "classes:10"),
+    ],
+    "divide": [
+        Decl("input", "x", "f32", (3, 8, 8)),
+        Decl("target", "y", "f32", (5,)),
     ],
 }
 
@@ -318,6 +322,32 @@ class AllOps(Reference):
         return F.binary_cross_entropy(preds[0], targets[0])
 
 
+# --------------------------------------------------------------------------- division
+
+
+class Divide(Reference):
+    """tests/models/divide.txt: divisions by tensors that have gradients (a positive
+    softplus plus a learned offset; a broadcast mean square plus a learned scalar)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.ones(3, 1, 1))
+        self.q = nn.Parameter(torch.ones(1))
+        self.a = nn.Conv2d(3, 3, 3, padding=1)
+        self.h = nn.Conv2d(3, 4, 3, padding=1)
+        self.logits = nn.Linear(256, 5)
+
+    def preds(self, inputs: Sequence[Tensor], run: StageRunner) -> tuple[Tensor, ...]:
+        x = inputs[0]
+        xs = x / (F.softplus(self.a(x)) + self.p)
+        h = self.h(xs)
+        n = h / ((h * h).mean(dim=(2, 3), keepdim=True) + self.q)
+        return (self.logits(torch.flatten(n, 1)),)
+
+    def criterion(self, preds, inputs, targets):
+        return F.mse_loss(preds[0], targets[0])
+
+
 # --------------------------------------------------------------------------- registry
 
 SUITE_REFERENCES: dict[str, Callable[[], nn.Module]] = {
@@ -328,6 +358,7 @@ SUITE_REFERENCES: dict[str, Callable[[], nn.Module]] = {
     "fanout": FanOut,
     "all_ops": AllOps,
     "tiny_resnet": TinyResNet,
+    "divide": Divide,
 }
 
 _DECL_RE = re.compile(
