@@ -444,7 +444,8 @@ def test_masks(platform, row, case, dtype):
         like = run.s.inputs[names.index(spec.like)] if spec.like else saved[i][1]
         assert mask.dtype == torch.bool and mask.shape == like.shape
         got = run.backward(g, [*saved[:i], (entry, mask), *saved[i + 1 :]], needs)
-        assert all(torch.equal(a, b) for a, b in zip(got, want) if a is not None)
+        assert [a is None for a in got] == [b is None for b in want], entry
+        assert all(torch.equal(a, b) for a, b in zip(got, want) if b is not None), entry
         if spec.kernel and row.check_mask is not None:
             row.check_mask(run.s, mask, y)
         if spec.kernel and platform == "ipu":
