@@ -23,7 +23,7 @@ import black
 import jinja2
 
 from unroller import __version__, safe
-from unroller.errors import ConfigError, ModelError
+from unroller.errors import ConfigError, ModelError, OptionError
 from unroller.graph import BlockCall, Graph, Node, SavedArg, Value, explicit_kwargs
 from unroller.ir import (
     AddTo,
@@ -1511,16 +1511,11 @@ def render(graph: Graph, source_path: str, options: Options, config: Compression
     target = get_platform(options.platform)
     _check_segment_options(options)
     plan = plan_stash(graph, config, options.segment_pieces, options.segment_piece_size)
-    if any(s.in_pieces for s in plan.segments):
-        if target.grads != "accumulate" or target.pipelined:  # pieces add into .grad
-            raise ValueError(f"--segment-pieces is not for platform {target.name}")
-        if options.data_parallel:
-            raise ValueError("--segment-pieces and --data-parallel do not combine yet")
+    _check_pieces(plan, target, options)
     pipeline = _split_stages(graph, plan, target, options)
-    emitter = Emitter(graph, plan, target, pipeline, options.data_parallel, options.bucket_bytes)
     staged = pipeline is not None and pipeline.num_ipus > 1
-    if plan.segments and staged:
-        raise ModelError("segment recompute is not available with more than one pipeline stage")
+    _check_staged(plan, target, options, staged)
+    emitter = Emitter(graph, plan, target, pipeline, options.data_parallel, options.bucket_bytes)
     training_steps, predict_steps = emitter.training_steps(), emitter.predict_steps()
     outliner = emitter.outliner(2 if options.pipeline != 1 else 1)
     training_steps = outliner.outline(training_steps, emitter.training_keep())
@@ -1571,11 +1566,81 @@ def render(graph: Graph, source_path: str, options: Options, config: Compression
 def _check_segment_options(options: Options) -> None:
     """Refuse a scheme the header cannot name and segment piece options that contradict."""
     if options.scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme '{options.scheme}' (known: {', '.join(SCHEMES)})")
+        raise OptionError(
+            f"--scheme: unknown scheme '{safe.comment_text(options.scheme)}' "
+            f"(known: {', '.join(SCHEMES)})"
+        )
     if options.segment_pieces < 1 or options.segment_piece_size < 0:
-        raise ValueError("--segment-pieces must be at least 1, --segment-piece-size at least 0")
+        raise OptionError("--segment-pieces must be at least 1, --segment-piece-size at least 0")
     if options.segment_pieces != 1 and options.segment_piece_size:
-        raise ValueError("--segment-pieces and --segment-piece-size: give one of them")
+        raise OptionError("--segment-pieces and --segment-piece-size: give one of them")
+
+
+def _config_name(options: Options) -> str:
+    """The compression config as a message names it: its file, or the scheme."""
+    if options.compress_config:
+        return f"--compress-config {safe.comment_text(options.compress_config)}"
+    return f"--scheme {options.scheme}"
+
+
+def _pieces_source(options: Options) -> str:
+    """What asked for segments in pieces, as the user wrote it."""
+    if options.segment_pieces != 1:
+        return f"--segment-pieces {options.segment_pieces}"
+    if options.segment_piece_size:
+        return f"--segment-piece-size {options.segment_piece_size}"
+    return f"segment_piece_size of {_config_name(options)}"
+
+
+def _segments_source(options: Options) -> str:
+    """What asked for segment recompute, as the user wrote it."""
+    if options.recompute_segments:
+        return f"--recompute-segments {safe.comment_text(','.join(options.recompute_segments))}"
+    return f"recompute_segments of {_config_name(options)}"
+
+
+def _check_pieces(plan: StashPlan, target: Platform, options: Options) -> None:
+    """Refuse a segment in pieces where pieces cannot run: a platform whose gradients do
+    not accumulate into ``.grad`` (pieces add into it), or ``--data-parallel`` (whose
+    buckets are all-reduced as the backward makes them). The error points at the
+    segment's block call and names the option that asked for pieces."""
+    pieced = next((s for s in plan.segments if s.in_pieces), None)
+    if pieced is None:
+        return
+    asked = f"segment '{pieced.name}' in {pieced.pieces_text()} ({_pieces_source(options)})"
+    if target.grads != "accumulate" or target.pipelined:
+        raise ModelError(
+            f"{asked}: not for --platform {target.name} (pieces add into .grad)", pieced.call.loc
+        )
+    if options.data_parallel:
+        raise ModelError(f"{asked}: does not combine with --data-parallel yet", pieced.call.loc)
+
+
+def _check_staged(plan: StashPlan, target: Platform, options: Options, staged: bool) -> None:
+    """Refuse segment recompute, and ``--recompute`` under ``--pipeline``, where the step
+    is split into stages; the error points at the first statement concerned and names
+    both options."""
+    stages = (
+        f"--num-ipus {options.num_ipus}" if target.pipelined else f"--pipeline {options.pipeline}"
+    )
+    if plan.segments and staged:
+        first = plan.segments[0]
+        raise ModelError(
+            f"segment '{first.name}' ({_segments_source(options)}): segment recompute is not "
+            f"available with more than one pipeline stage ({stages})",
+            first.call.loc,
+        )
+    if options.pipeline == 1 or not staged:
+        return
+    remade = [(s, n) for s in plan.entries for n, _, f in s.readers if f.kind == "recompute"]
+    if remade:
+        stashed, node = remade[0]
+        source = "--recompute" if options.recompute else f"recompute of {_config_name(options)}"
+        raise ModelError(
+            f"the backward of '{node.name}' reads '{stashed.key}' remade ({source}): not "
+            f"available with {stages}",
+            node.loc,
+        )
 
 
 def _split_stages(
@@ -1589,19 +1654,23 @@ def _split_stages(
     if target.pipelined:
         pipeline = split(graph, plan, options.num_ipus, starts)
     elif options.num_ipus != 1:
-        raise ValueError(f"--num-ipus is not for platform {target.name}")
+        raise OptionError(f"--num-ipus is not for --platform {target.name}")
     if options.pipeline != 1:
         if not target.process_stages or target.pipelined:
-            raise ValueError(f"--pipeline is not for platform {target.name}")
+            raise OptionError(f"--pipeline is not for --platform {target.name}")
         if options.data_parallel:
-            raise ValueError("--pipeline and --data-parallel do not combine yet")
+            raise OptionError("--pipeline and --data-parallel do not combine yet")
         pipeline = split(
             graph, plan, options.pipeline, starts, PROCESS_STAGES, "--pipeline", loss_last=True
         )
     elif options.stage_starts and not target.pipelined:
-        raise ValueError(f"stage starts need --num-ipus or --pipeline (platform {target.name})")
+        raise OptionError(
+            f"--stage-starts needs --num-ipus or --pipeline (--platform {target.name})"
+        )
     if options.data_parallel and target.pipelined:
-        raise ValueError("data parallel is for the gpu platform (the ipu one replicates itself)")
+        raise OptionError(
+            f"--data-parallel is for --platform gpu (--platform {target.name} replicates itself)"
+        )
     return pipeline
 
 

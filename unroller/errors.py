@@ -31,6 +31,13 @@ class ConfigError(Exception):
     """A user error outside model files (CLI options, config files); printed as is."""
 
 
+class OptionError(ConfigError, ValueError):
+    """Generator options that cannot be combined (``--pipeline`` on a platform without
+    process stages), refused by the code generator itself for callers that skip the
+    CLI's checks; the message names the options as they are typed (``--num-ipus``). A
+    ``ValueError`` too, for callers that catch the library's ``ValueError``s."""
+
+
 class ConfigFileError(ConfigError):
     """A ``ConfigError`` at a position in a config file, already formatted like a model-file
     error (``FILE:LINE:COL: error: ...``, the source line and a caret); printed as is.

@@ -103,6 +103,8 @@ class BlockCall:
     #: (parameter name, full name of the value bound to it) for each tensor parameter
     inputs: tuple[tuple[str, str], ...] = ()
     local_text: str = ""  # the call as written (inside a block: that block's names)
+    #: where the call statement is in the model file (what an error about it points at)
+    loc: Loc | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -859,7 +861,9 @@ class GraphBuilder:
         call_kw = [f"{k}={render_const(inner.consts[k])}" for k in (kw.name for kw in stmt.kwargs)]
         text = f"{scope.prefix}{stmt.target} = {block.name}({', '.join(call_args + call_kw)})"
         bound = tuple((p.name, inner.values[p.name].name) for p in params if p.name in inner.values)
-        call = BlockCall(scope.prefix + stmt.target, block.name, text, bound, _statement_text(stmt))
+        call = BlockCall(
+            scope.prefix + stmt.target, block.name, text, bound, _statement_text(stmt), stmt.loc
+        )
         inner.blocks = (*scope.blocks, call)
         for body_stmt in block.body:
             self._statement(body_stmt, inner)

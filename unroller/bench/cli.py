@@ -5,6 +5,11 @@ here, so each preset has one parser and one set of defaults whichever way it is 
 A first argument naming a preset picks it; a command line with ``--pipeline`` or
 ``--data-parallel`` goes to ``scaling`` (``unroll bench --pipeline 2``); anything else goes
 to the suite (the report ``make bench`` writes).
+
+An exception that escapes a preset (a bug, not a bad argument: those exit 2) is one
+``internal error`` line on standard error naming a log file with its traceback, exit
+status 70 (``unroller.crash``); ``UNROLL_DEBUG=1`` (or ``unroll --debug bench``) lets it
+through. Ctrl-C stays a ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -52,8 +57,23 @@ PRESETS: dict[str, Callable[[Sequence[str], str], int]] = {
 
 def run(argv: Sequence[str], prog: str = "unroll bench") -> int:
     """Dispatch ``argv`` to its preset; ``prog`` is how the command was called (it goes
-    into usage lines, error messages and the results' ``command``)."""
+    into usage lines, error messages and the results' ``command``). An internal error is
+    one line and a log file, status ``crash.INTERNAL_ERROR``."""
+    from unroller import crash
+
     argv = list(argv)
+    try:
+        return _dispatch(argv, prog)
+    except Exception as exc:
+        if crash.debugging():
+            raise
+        unroll = prog.split()[0] == "unroll"
+        rerun = "--debug (unroll --debug bench ...)" if unroll else f"{crash.DEBUG_ENV}=1"
+        return crash.report(exc, " ".join([prog, *argv]), "unroll" if unroll else prog, rerun)
+
+
+def _dispatch(argv: list[str], prog: str) -> int:
+    """The preset ``argv`` names, run."""
     if argv and argv[0] in PRESETS:
         return PRESETS[argv[0]](argv[1:], f"{prog} {argv[0]}")
     if _wants_scaling(argv):

@@ -8,13 +8,14 @@ cycle: ``app`` and ``main`` exist only here.
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
-from unroller import __version__
+from unroller import __version__, crash
 from unroller.cli import bench, check, estimate, generate, imports, inspect, plan, train, verify
-from unroller.cli.errors import path_errors
+from unroller.cli.errors import internal_errors, path_errors
 
 app = typer.Typer(
     add_completion=False,
@@ -23,6 +24,7 @@ app = typer.Typer(
     "Example: unroll generate models/quick.txt --platform gpu -o generated/gpu/quick/nocompress.py"
     " --mkdir",
     rich_markup_mode=None,
+    pretty_exceptions_enable=False,  # an internal error is one line (errors.internal_errors)
 )
 
 # The order of --help's command list: generate, diff, check, graph, lint, ops, bench, train,
@@ -30,9 +32,10 @@ app = typer.Typer(
 for group in (generate, check, inspect, bench, train, imports, verify, plan, estimate):
     group.register(app)
 # An OSError naming a user path that escapes a command (a name too long, a link loop) is
-# one `unroll: error:` line, whichever command and whichever path it was.
+# one `unroll: error:` line, whichever command and whichever path it was; any other
+# exception (a bug) is one `unroll: internal error:` line and a log file, unless --debug.
 for command_info in app.registered_commands:
-    command_info.callback = path_errors(command_info.callback)
+    command_info.callback = internal_errors(path_errors(command_info.callback))
 
 
 def _version(value: bool) -> None:
@@ -47,13 +50,28 @@ def root(
         bool,
         typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
     ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help="An internal error (a bug) shows its full traceback instead of one line "
+            f"and a log file (also: {crash.DEBUG_ENV}=1).",
+        ),
+    ] = False,
 ) -> None:
     """unroll: PyTorch code with an unrolled backward pass, for activation compression."""
+    crash.set_debug(debug)
 
 
 def main() -> None:
-    """The ``unroll`` console script (pyproject.toml: ``unroller.cli:main``)."""
-    app()
+    """The ``unroll`` console script (pyproject.toml: ``unroller.cli:main``). An exception
+    that escapes outside any command (while parsing the command line) is one line too."""
+    try:
+        app()
+    except Exception as exc:
+        if crash.debugging():
+            raise
+        sys.exit(crash.report(exc, " ".join(["unroll", *sys.argv[1:]])))
 
 
 __all__ = ["app", "main"]

@@ -3,7 +3,10 @@
 A user error is never a traceback: commands raise what these helpers return (a
 ``typer.Exit``, status 2 unless said otherwise) after the message is on standard error.
 Model-file and config-file errors keep the compiler-like ``FILE:LINE:COL: error: ...``
-form, with the source line and a caret, so editors can jump to them.
+form, with the source line and a caret, so editors can jump to them. Nor is an internal
+error (an exception no command expects, a bug): ``internal_errors`` makes it one
+``unroll: internal error:`` line naming a log file with the traceback (``unroller.crash``),
+status 70, unless ``--debug``.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import click
 import typer
 
+from unroller import crash
 from unroller.errors import ConfigError, ConfigFileError, ModelError
 
 USER_ERROR = 2  # exit status of every refused command line or input file
@@ -65,6 +70,45 @@ def path_errors(command: Command) -> Command:
             if exc.filename is None:
                 raise
             raise path_error(exc) from None
+
+    return guarded  # type: ignore[return-value]
+
+
+#: What a command raises on purpose, through to typer (and click, whichever one parses).
+PASSED: tuple[type[BaseException], ...] = (
+    typer.Exit,
+    typer.Abort,
+    typer.exceptions.TyperException,
+    click.exceptions.Exit,
+    click.exceptions.Abort,
+    click.ClickException,
+)
+
+
+def _command_line(name: str, params: dict[str, Any]) -> str:
+    """What the crash log records of the command: its name and parameter values."""
+    shown = " ".join(f"{key}={value!r}" for key, value in params.items())
+    return f"unroll {name.replace('_', '-')} {shown}".rstrip()
+
+
+def internal_errors(command: Command) -> Command:
+    """Wrap a command so that an exception it does not expect (a bug: a ``KeyError``
+    deep in the generator) ends in one ``unroll: internal error: ...`` line naming the
+    exception, ``--debug`` and a log file with the traceback, status
+    ``crash.INTERNAL_ERROR``; with ``--debug`` or ``UNROLL_DEBUG=1`` it goes through.
+    click's own exits and aborts, ``KeyboardInterrupt`` and ``SystemExit`` pass."""
+
+    @functools.wraps(command)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except PASSED:
+            raise
+        except Exception as exc:
+            if crash.debugging():
+                raise
+            name = getattr(command, "__name__", "command")
+            raise typer.Exit(crash.report(exc, _command_line(name, kwargs))) from None
 
     return guarded  # type: ignore[return-value]
 

@@ -83,16 +83,18 @@ def make_options(
         pipeline=pipeline,
     )
     if options.recompute_segments and (num_ipus != 1 or pipeline != 1):
-        raise fail("--recompute-segments does not combine with pipeline stages yet")
+        stages = f"--num-ipus {num_ipus}" if num_ipus != 1 else f"--pipeline {pipeline}"
+        raise fail(f"--recompute-segments does not combine with pipeline stages ({stages}) yet")
     if segment_pieces != 1 and segment_piece_size:
         raise fail("--segment-pieces and --segment-piece-size: give one of them")
     if segment_pieces != 1 or segment_piece_size:
+        flag = "--segment-piece-size" if segment_piece_size else "--segment-pieces"
         if not options.recompute_segments:
-            raise fail("--segment-pieces splits recomputed segments: give --recompute-segments")
+            raise fail(f"{flag} splits recomputed segments: give --recompute-segments")
         if target.grads != "accumulate" or target.pipelined:
-            raise fail(f"--segment-pieces is not for --platform {target.name}")
+            raise fail(f"{flag} is not for --platform {target.name}")
         if data_parallel:
-            raise fail("--segment-pieces and --data-parallel do not combine yet")
+            raise fail(f"{flag} and --data-parallel do not combine yet")
     if data_parallel and target.pipelined:
         raise fail("--data-parallel is for --platform gpu")
     try:
