@@ -120,8 +120,24 @@ def test_other_random_draws_are_not_called_stochastic_depth():
 
 
 def test_stochastic_depth_at_zero_imports():
+    """At drop probability 0 the same residual blocks import (no failure): the drop path is
+    the identity, so each block's output is the plain residual add, with no random draw
+    left in the text, and every tensor of the original is the imported model's."""
     net = import_zoo.efficientnet_b0(width_mult=0.1, depth_mult=0.5, stochastic_depth_prob=0.0)
-    import_network("net", ["x: f32[N, 3, 32, 32]"], built=net)
+    imported = import_network("net", ["x: f32[N, 3, 32, 32]"], built=net)
+    text = imported.text
+    assert "3 instances (features.4.1, features.5.1, features.6.1)" in text
+    assert "        add = add(block.3.1, x)\n        return add\n" in text
+    for word in ("stochastic", "bernoulli", "rand", "drop_path"):
+        assert word not in text, word
+    assert set(imported.state) == set(net.state_dict())
+    graph = graph_from_text(text, "net.txt")
+    for stage in (4, 5, 6):  # the block's last batch norm plus the block's input
+        add = graph.node(f"features.{stage}.1.add")
+        assert [v.name for v in add.inputs] == [
+            f"features.{stage}.1.block.3.1",
+            f"features.{stage}.0.block.3.1",
+        ]
 
 
 class _Unmapped(nn.Module):

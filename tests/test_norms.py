@@ -180,11 +180,22 @@ def test_bad_input_is_reported_at_the_culprit(statement: str, token: str, messag
     assert first == _expected(statement, token, message)
 
 
-def test_the_scaffolding_is_valid():
-    """Each case differs from a valid model only in its mistake."""
-    graph_from_text(_source("o = layernorm(s, normalized_shape=(4, 10))"), FILE)
-    graph_from_text(_source("o = groupnorm(x, num_groups=2)"), FILE)
-    graph_from_text(_source("o = rmsnorm(s, normalized_shape=(4, 10))"), FILE)
+@pytest.mark.parametrize(
+    "statement, op, dims",
+    [
+        ("o = layernorm(s, normalized_shape=(4, 10))", "layernorm", (4, 10)),
+        ("o = groupnorm(x, num_groups=2)", "groupnorm", (4, 6, 6)),
+        ("o = rmsnorm(s, normalized_shape=(4, 10))", "rmsnorm", (4, 10)),
+    ],
+)
+def test_the_scaffolding_is_valid(statement, op, dims):
+    """Each case differs from a valid model only in its mistake: the same head and tail
+    around a valid statement build a graph, ``o`` of the operator and shape expected."""
+    graph = graph_from_text(_source(statement), FILE)
+    node = graph.node("o")
+    assert node.op.name == op
+    assert tuple(node.output.type.shape[1:]) == dims
+    assert graph.loss.name == "loss" and [n.name for n in graph.nodes] == ["o", "f", "l", "loss"]
 
 
 def test_cli_reports_a_bad_norm_and_exits_2(tmp_path: Path):
