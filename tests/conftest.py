@@ -92,6 +92,55 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-300))
 
 
+def gradients_of(source) -> dict[str, torch.Tensor | None]:
+    """``{name: gradient or None}`` of a module's parameters, or of a mapping whose values
+    are parameters (their ``.grad``), gradients or None."""
+    if isinstance(source, torch.nn.Module):
+        return {name: p.grad for name, p in source.named_parameters()}
+    return {
+        name: value.grad if isinstance(value, torch.nn.Parameter) else value
+        for name, value in source.items()
+    }
+
+
+def grad_errors(got, want, floor: float = 1e-9) -> dict[str, float]:
+    """Each parameter's ||got - want|| / ||want||, by name, of the parameters whose ``want``
+    gradient is not None (``got``, ``want``: as ``gradients_of`` takes). The same
+    parameters, with a gradient in both or in neither, and the same shapes, are asserted
+    first. ``floor``: a parameter whose exact gradient is below ``floor`` times the
+    largest one's norm (a zero in exact arithmetic, left as rounding noise) is measured
+    against that instead of its own norm."""
+    g, w = gradients_of(got), gradients_of(want)
+    assert set(g) == set(w), ("parameters differ", sorted(set(g) ^ set(w)))
+    unlike = sorted(n for n in w if (g[n] is None) != (w[n] is None))
+    assert not unlike, f"a gradient where the reference has none, or none where it has: {unlike}"
+    present = {n: t.detach().double() for n, t in w.items() if t is not None}
+    assert present, "no parameter has a gradient to compare"
+    largest = max(float(t.norm()) for t in present.values())
+    errors = {}
+    for name, b in present.items():
+        a = g[name].detach().double()
+        assert a.shape == b.shape, (name, tuple(a.shape), tuple(b.shape))
+        scale = max(float(b.norm()), floor * largest, 1e-300)
+        errors[name] = float((a - b).norm()) / scale
+    return errors
+
+
+def assert_grads_close(got, want, bound: float, floor: float = 1e-9) -> dict[str, float]:
+    """Every parameter's gradient within ``bound`` relative of ``want``'s (``grad_errors``),
+    the worst parameter named when one is not. ``bound`` is below 1: a zero gradient is
+    1 off, a sign-flipped one 2, so neither passes, however small the parameter. Returns
+    the errors by name."""
+    assert 0 <= bound < 1, f"a bound of {bound} passes a zero gradient"
+    errors = grad_errors(got, want, floor)
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] <= bound, (
+        f"{worst}: gradient error {errors[worst]:.3g} > {bound:g} "
+        f"({sum(e > bound for e in errors.values())} of {len(errors)} parameters over)"
+    )
+    return errors
+
+
 @pytest.fixture
 def build(tmp_path):
     """build(path_or_text, scheme=...) -> generated module, imported from a temp file."""

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, rel_err
+from conftest import ROOT, assert_grads_close, rel_err
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -683,9 +683,9 @@ def test_generated_model_gradients_match_autograd(build, emulation, stem, platfo
             assert rel_err(grad, want[name]) <= TOL, (name, rel_err(grad, want[name]))
         return
     assert attention <= _compressed_rows(model)
-    ours = torch.cat([grads[n].flatten() for n in want])
-    exact = torch.cat([want[n].flatten() for n in want])
-    assert torch.isfinite(ours).all() and 0 < rel_err(ours, exact) <= 0.05
+    assert all(torch.isfinite(grads[n]).all() for n in want)
+    errors = assert_grads_close(grads, want, 0.05)  # each parameter; measured <= 0.0081
+    assert max(errors.values()) > 0  # compressed: not the exact gradient
     if platform == "ipu":
         _, _, on_gpu = _unrolled_grads(build, stem, "gpu", scheme, ref, inputs)
         for name, grad in grads.items():

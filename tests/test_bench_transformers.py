@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fast_subset, rel_err
+from conftest import assert_grads_close, fast_subset, rel_err
 from typer.testing import CliRunner
 
 from unroller.api import graph_from_text
@@ -169,10 +169,10 @@ def test_full_size_step_matches_autograd(tmp_path, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_quant_scheme_trains_on_the_same_loss(tmp_path, name):
     """quant compresses only what the backward reads: the loss is the reference's exactly,
-    and the whole gradient points the same way (cosine >= 0.99; about 0.998 here: 8-bit
-    rows and the few-bit GELU derivative codes move each parameter's gradient by up to ~10%,
-    the whole by 3-7%; the codecs are deterministic, so only float64 rounding, orders of
-    magnitude smaller, differs between machines) without being the exact gradient."""
+    and each parameter's gradient is within 0.3 relative of the exact one without being
+    it (8-bit rows and the few-bit GELU derivative codes move each parameter's gradient by
+    up to 0.087 in gpt_small, 0.112 in bert_encoder; the codecs are deterministic, so only
+    float64 rounding, orders of magnitude smaller, differs between machines)."""
     bench = BENCHMARKS[name]
     batch = _batch64(name, 32)
     ref, initial, want = _reference_step(name, 32, batch)
@@ -180,8 +180,5 @@ def test_quant_scheme_trains_on_the_same_loss(tmp_path, name):
     gen.load_state_dict(initial, strict=True)
     loss = gen(*batch)
     assert rel_err(loss, want) <= TOL
-    grads = dict(ref.named_parameters())
-    got = torch.cat([p.grad.flatten() for _, p in gen.named_parameters()])
-    exact = torch.cat([grads[k].grad.flatten() for k, _ in gen.named_parameters()])
-    assert float(torch.nn.functional.cosine_similarity(got, exact, dim=0)) >= 0.99
-    assert rel_err(got, exact) > TOL  # compressed: not the exact gradient
+    errors = assert_grads_close(gen, ref, 0.3)  # each parameter
+    assert max(errors.values()) > TOL  # compressed: not the exact gradient

@@ -23,7 +23,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_err
+from conftest import assert_grads_close, rel_err
 from typer.testing import CliRunner
 
 from unroller.api import graph_from_text
@@ -54,16 +54,17 @@ model tokens {
 }
 """
 
-# Relative L2 error of all parameter gradients together against exact autograd, float64,
-# batch 4, default init (measured 2026-12-01: quant 0.040 with gelu's input as a 3-bit
-# derivative code and act as 8-bit per-token quant; the other schemes keep nothing lossy
-# on this model: dct needs a 4-D map).
-# auto: forms with a round-trip error of at most 0.2 (AUTO_MAX_ERROR) where they lower the peak
+# Relative L2 error of each parameter's gradient against exact autograd, float64, batch 4,
+# default init (quant, gelu's input as a 3-bit derivative code and act as 8-bit per-token
+# quant: fc1.weight 0.080, fc1.bias 0.062, fc2 0.004; the other schemes keep nothing lossy
+# on this model: dct needs a 4-D map). auto: forms with a round-trip error of at most 0.2
+# (AUTO_MAX_ERROR) where they lower the peak (none here: exact). Every bound is below 1,
+# which a zero or sign-flipped gradient of any one parameter exceeds.
 TOKEN_BOUND = {
     "nocompress": 1e-10,
     "dct-first": 1e-10,
     "dct-dense": 1e-10,
-    "quant": 0.06,
+    "quant": 0.15,
     "auto": 0.2,
 }
 
@@ -510,11 +511,9 @@ def test_token_model_gradients_on_gpu(build, scheme, approximate, capsys):
     want = ref(x, y)
     want.backward()
     assert rel_err(loss, want) <= 1e-12  # the forward pass is never changed
-    got = torch.cat([p.grad.flatten() for p in model.parameters()])
-    exact = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    errors = assert_grads_close(model, ref, TOKEN_BOUND[scheme])  # each parameter's
     with capsys.disabled():
-        print(f"\ntokens {scheme} {approximate}: gradient error {rel_err(got, exact):.2e}")
-    assert rel_err(got, exact) <= TOKEN_BOUND[scheme]
+        print(f"\ntokens {scheme} {approximate}: worst gradient error {max(errors.values()):.2e}")
     rows = {r["tensor"]: r for r in model.stash_report()["rows"]}
     lossy = scheme == "quant"
     assert rows["fc1"]["compressor"].startswith("FewBit(") == lossy

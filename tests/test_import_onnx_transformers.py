@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import assert_grads_close
 
 onnx = pytest.importorskip("onnx")
 transformers = pytest.importorskip("transformers")
@@ -195,8 +196,8 @@ def test_parameters_read_as_data_train(exported):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_quant_generation_runs(name, exported, tmp_path):
     """The compressed generation (``--scheme quant``) of the imported text trains: the
-    forward loss is the original's, every parameter gets a finite gradient close in
-    direction to the original's."""
+    forward loss is the original's, every parameter gets a finite gradient within the
+    scheme's error of the original's."""
     module, _ = exported[name]
     text = imported_text(name, exported)
     source = generate_from_text(text, Options(scheme="quant"))
@@ -214,15 +215,15 @@ def test_quant_generation_runs(name, exported, tmp_path):
     assert abs(float(loss.detach()) - float(want.detach())) <= 1e-5 * max(
         1.0, abs(float(want.detach()))
     )
-    grads = dict(model.named_parameters())
-    got_all, want_all = [], []
-    for key, param in reference.named_parameters():
-        assert grads[key].grad is not None and torch.isfinite(grads[key].grad).all(), key
-        got_all.append(grads[key].grad.flatten())
-        want_all.append(param.grad.flatten())
-    got, ref = torch.cat(got_all), torch.cat(want_all)
-    assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.95
-    reference.zero_grad()
+    for key, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), key
+    try:  # each parameter (measured: bert at most 0.076, vit 0.20 on a layer norm's weight);
+        # the key biases' gradients are zero in exact arithmetic (softmax ignores a shift of
+        # a query's scores), float32 noise in both, so judged against the largest gradient
+        errors = assert_grads_close(model, reference, 0.5, floor=1e-3)
+    finally:
+        reference.zero_grad()
+    assert max(errors.values()) > 0  # compressed: not the exact gradient
 
 
 def test_torchscript_export_of_bert_imports_and_verifies(tmp_path):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rel_err
-from suite_steps import assert_grads_and_buffers_match, suite_pair, suite_step
+from conftest import assert_grads_close, rel_err
+from suite_steps import assert_grads_and_buffers_match, flat_grads, suite_pair, suite_step
 from typer.testing import CliRunner
 
 from unroller.api import graph_from_text
@@ -111,12 +111,15 @@ def test_recompute_shrinks_the_stash(stem, scheme):
 
 
 def _grad_error(build, stem: str, options: Options) -> float:
-    """Relative error of all parameter gradients of one float64 step against autograd."""
+    """Relative error of all parameter gradients of one float64 step against autograd;
+    under quant each parameter's too (measured on resnet_like, batch 4: at most 0.024 with
+    and without recompute). dct-dense has no per-parameter bound below 1 there: its error
+    on layer2.1.bn1.weight is 1.19 without recompute already."""
     gen, ref = suite_pair(build, stem, options)
     suite_step(gen, ref, stem, 4, 0)
-    got = torch.cat([p.grad.flatten() for _, p in sorted(gen.named_parameters())])
-    want = torch.cat([p.grad.flatten() for _, p in sorted(ref.named_parameters())])
-    return rel_err(got, want)
+    if options.scheme == "quant":
+        assert_grads_close(gen, ref, 0.1)
+    return rel_err(flat_grads(gen), flat_grads(ref))
 
 
 @pytest.mark.parametrize(

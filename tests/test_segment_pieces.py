@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rel_err
-from suite_steps import flat_grads
+from conftest import assert_grads_close, grad_errors, rel_err
 from typer.testing import CliRunner
 
 from unroller.api import generate_from_text, graph_from_text
@@ -59,7 +58,7 @@ FANIN = """model fanin {
 
 def _bench_step(tmp_path: Path, name: str, options: Options, batch: int):
     """One float64 step of a benchmark's generated module and of its torch.nn reference
-    (same weights, same batch): (loss, gradients, reference loss, reference gradients)."""
+    (same weights, same batch): (loss, module, reference loss, reference, source)."""
     bench = BENCHMARKS[name]
     torch.manual_seed(0)
     ref = bench.build().double()
@@ -69,7 +68,7 @@ def _bench_step(tmp_path: Path, name: str, options: Options, batch: int):
     gen = bench.model_class(options, tmp_path)().double()
     gen.load_state_dict(ref.state_dict())
     source = Path(sys.modules[type(gen).__module__].__file__).read_text()
-    return gen(*inputs), flat_grads(gen), ref_loss, flat_grads(ref), source
+    return gen(*inputs), gen, ref_loss, ref, source
 
 
 @pytest.mark.parametrize(
@@ -79,18 +78,19 @@ def test_pieces_are_exact_without_compression(tmp_path, name, batch, pieces):
     """gpt_tiny (batch 4 in pieces of 1; batch 5 in pieces of 3 and 2) and a small vision
     transformer: the loss and every gradient as autograd's to 1e-10."""
     options = Options(recompute_segments=BLOCKS, segment_pieces=pieces)
-    loss, grads, ref_loss, ref_grads, source = _bench_step(tmp_path, name, options, batch)
+    loss, gen, ref_loss, ref, source = _bench_step(tmp_path, name, options, batch)
     assert f"in {pieces} pieces of the batch" in source
     assert f".tensor_split({pieces})" in source
     assert rel_err(loss, ref_loss) <= TOL
-    assert rel_err(grads, ref_grads) <= TOL, rel_err(grads, ref_grads)
+    assert_grads_close(gen, ref, TOL)
 
 
 def test_more_pieces_than_samples(tmp_path):
     """Batch 2 in 4 pieces: two of them are empty, and change nothing."""
     options = Options(recompute_segments=BLOCKS, segment_pieces=4)
-    loss, grads, ref_loss, ref_grads, _ = _bench_step(tmp_path, "gpt_tiny", options, 2)
-    assert rel_err(grads, ref_grads) <= TOL
+    loss, gen, ref_loss, ref, _ = _bench_step(tmp_path, "gpt_tiny", options, 2)
+    assert rel_err(loss, ref_loss) <= TOL
+    assert_grads_close(gen, ref, TOL)
 
 
 def test_an_input_with_a_gradient_from_outside(build):
@@ -104,7 +104,7 @@ def test_an_input_with_a_gradient_from_outside(build):
     x = torch.randn(5, 6, 16, dtype=torch.float64)
     y = torch.randint(0, 5, (5, 6))
     assert rel_err(pieced(x, y), whole(x, y)) <= TOL
-    assert rel_err(flat_grads(pieced), flat_grads(whole)) <= TOL
+    assert_grads_close(pieced, whole, TOL)
     source = Path(sys.modules[type(pieced).__module__].__file__).read_text()
     assert "grad_h += grad_h_from_a" in source or "grad_h = grad_h + grad_h_from_a" in source
 
@@ -150,7 +150,7 @@ def test_input_gradient_written_over_the_output_gradient(tmp_path, build):
     x = torch.randn(5, 6, 16, dtype=torch.float64)
     y = torch.randint(0, 5, (5, 6))
     assert rel_err(pieced(x, y), whole(x, y)) <= TOL
-    assert rel_err(flat_grads(pieced), flat_grads(whole)) <= TOL
+    assert_grads_close(pieced, whole, TOL)
     source = Path(sys.modules[type(pieced).__module__].__file__).read_text()
     assert "grad_h = grad_a_g.new_empty(" in source
 
@@ -231,8 +231,13 @@ def test_quant_pieces_keep_the_scheme_error(tmp_path):
         4,
     )
     assert torch.equal(whole[0], pieced[0])  # the forward's loss
-    error_whole, error_pieced = rel_err(whole[1], whole[3]), rel_err(pieced[1], pieced[3])
-    assert 0 < error_pieced <= 1.1 * error_whole, (error_pieced, error_whole)
+    # each parameter within the scheme's error of autograd's gradient (measured: whole
+    # segments up to 0.083, pieces up to 0.0063), and no worse than with whole segments
+    errors_whole = grad_errors(whole[1], whole[3])
+    errors_pieced = assert_grads_close(pieced[1], pieced[3], 0.25)
+    assert 0 < max(errors_pieced.values())
+    worse = {n: (e, errors_whole[n]) for n, e in errors_pieced.items() if e > 1.1 * errors_whole[n]}
+    assert not worse, worse
 
 
 def test_batch_norm_couples_the_batch():
@@ -372,10 +377,10 @@ def test_piece_size_is_exact_without_compression(tmp_path, name, batch, size):
     """--segment-piece-size P: pieces of P samples (the last one smaller; one piece when the
     batch is at most P), the loss and every gradient as autograd's to 1e-10."""
     options = Options(recompute_segments=BLOCKS, segment_piece_size=size)
-    loss, grads, ref_loss, ref_grads, source = _bench_step(tmp_path, name, options, batch)
+    loss, gen, ref_loss, ref, source = _bench_step(tmp_path, name, options, batch)
     assert f"in pieces of {size} samples" in source and f".split({size})" in source
     assert rel_err(loss, ref_loss) <= TOL
-    assert rel_err(grads, ref_grads) <= TOL, rel_err(grads, ref_grads)
+    assert_grads_close(gen, ref, TOL)
 
 
 def test_piece_size_working_set_is_the_same_at_every_batch():
@@ -487,6 +492,6 @@ def test_a_first_block_without_input_gradient(build, size):
     ref_loss = ref(x, y)
     ref_loss.backward()
     assert rel_err(gen(x, y), ref_loss) <= TOL
-    assert rel_err(flat_grads(gen), flat_grads(ref)) <= TOL
+    assert_grads_close(gen, ref, TOL)
     source = Path(sys.modules[type(gen).__module__].__file__).read_text()
     assert f"for x_piece, grad_a_r2_piece, a_r2_piece in zip(x.split({size})" in source

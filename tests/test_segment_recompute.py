@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import assert_grads_close, rel_err
 from suite_steps import assert_grads_and_buffers_match, flat_grads, suite_pair, suite_step
 from typer.testing import CliRunner
 
@@ -60,7 +60,7 @@ def test_segments_are_exact_without_compression(build, stem, ops):
 
 def _gpt_step(tmp_path: Path, options: Options):
     """One float64 step of gpt_tiny's generated module and of its torch.nn reference (same
-    weights, same batch): (loss, gradients, reference loss, reference gradients)."""
+    weights, same batch): (loss, module, reference loss, reference)."""
     bench = BENCHMARKS["gpt_tiny"]
     torch.manual_seed(0)
     ref = bench.build().double()
@@ -69,13 +69,13 @@ def _gpt_step(tmp_path: Path, options: Options):
     ref_loss.backward()
     gen = bench.model_class(options, tmp_path)().double()
     gen.load_state_dict(ref.state_dict())
-    return gen(*batch), flat_grads(gen), ref_loss, flat_grads(ref)
+    return gen(*batch), gen, ref_loss, ref
 
 
 def test_gpt_tiny_segments_are_exact_without_compression(tmp_path):
-    loss, grads, ref_loss, ref_grads = _gpt_step(tmp_path, Options(recompute_segments=BLOCKS))
+    loss, gen, ref_loss, ref = _gpt_step(tmp_path, Options(recompute_segments=BLOCKS))
     assert rel_err(loss, ref_loss) <= TOL
-    assert rel_err(grads, ref_grads) <= TOL
+    assert_grads_close(gen, ref, TOL)
 
 
 # -- under a lossy scheme: the compressor's error, through the block ------------------------------
@@ -95,6 +95,10 @@ def test_segments_under_a_compressor_keep_its_error(build, stem, scheme):
         loss, _ = suite_step(gen, ref, stem, 4, 0)
         errors.append(rel_err(flat_grads(gen), flat_grads(ref)))
         losses.append(loss)
+        if scheme == "quant":  # each parameter too (measured: at most 0.015 on tiny_resnet)
+            assert_grads_close(gen, ref, 0.1)
+        # dct-dense on resnet_like at batch 4 has no per-parameter bound below 1: without
+        # segments its error on layer2.1.bn1.weight is 1.19 already, with them 1.41 (worst)
     plain, remade = errors
     assert 0 < remade <= 2.0 * plain, (remade, plain)
     assert torch.equal(losses[0], losses[1])
@@ -104,8 +108,12 @@ def test_gpt_tiny_under_quant_keeps_its_error(tmp_path):
     plain = _gpt_step(tmp_path / "plain", Options(scheme="quant"))
     remade = _gpt_step(tmp_path / "segments", Options(scheme="quant", recompute_segments=BLOCKS))
     assert torch.equal(plain[0], remade[0])  # the forward's loss
-    error_plain, error_remade = rel_err(plain[1], plain[3]), rel_err(remade[1], remade[3])
+    error_plain = rel_err(flat_grads(plain[1]), flat_grads(plain[3]))
+    error_remade = rel_err(flat_grads(remade[1]), flat_grads(remade[3]))
     assert 0 < error_remade <= 2.0 * error_plain, (error_remade, error_plain)
+    # each parameter within the scheme's error (measured: at most 0.082 and 0.083)
+    assert_grads_close(plain[1], plain[3], 0.25)
+    assert_grads_close(remade[1], remade[3], 0.25)
 
 
 # -- what is kept, what is made again ---------------------------------------------------------
