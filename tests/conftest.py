@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import hypothesis
@@ -23,6 +24,30 @@ from unroller.api import import_generated, write_atomic  # noqa: E402
 from unroller.codegen import Options  # noqa: E402
 
 SLOW = os.environ.get("SLOW") == "1"
+
+
+def _test_cache_dir() -> Path:
+    """The cache of the tests' native kernel builds and one-shot sources, never the user's:
+    ``$UNROLLER_TEST_CACHE_DIR``, else ``unroller-tests-UID`` in the temp folder. It is kept
+    between runs (a build costs 20-50 s of CPU; its file is named by the hash of the source,
+    compiler and flags, and a one-shot source by the hash of its text, so nothing stale is
+    loaded). Only a folder of ours that others cannot write is used: else a fresh one."""
+    chosen = os.environ.get("UNROLLER_TEST_CACHE_DIR")
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    folder = Path(chosen) if chosen else Path(tempfile.gettempdir()) / f"unroller-tests-{uid}"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = folder.lstat()
+        if folder.is_symlink() or info.st_uid != uid or info.st_mode & 0o022:
+            raise PermissionError(folder)
+    except OSError:
+        folder = Path(tempfile.mkdtemp(prefix="unroller-tests-"))
+    return folder
+
+
+# Set at import, before anything builds: xdist workers and the subprocesses tests start
+# inherit both (a worker imports this file too and takes the same folder).
+os.environ["UNROLLER_CACHE_DIR"] = os.environ["UNROLLER_TEST_CACHE_DIR"] = str(_test_cache_dir())
 
 # Property tests draw the same examples on every machine and every run (derandomized, no
 # example database): a failure in CI is one anybody reproduces with the same command.
