@@ -156,6 +156,13 @@ def config(tmp_path: Path, text: str) -> str:
         (["--pipeline", "2", "--platform", "ipu"], ["--pipeline", "--platform ipu"]),
         (["--pipeline", "2", "--data-parallel"], ["--pipeline", "--data-parallel"]),
         (["--data-parallel", "--platform", "ipu"], ["--data-parallel", "--platform gpu"]),
+        (
+            ["--recompute-segments", "blocks", "--segment-piece-size", "2", "--platform", "ipu"],
+            ["--segment-piece-size", "--platform ipu"],
+        ),
+        (["--platform", "ipu", "--num-ipus", "2", "--stage-starts", "bogus"], ["--stage-starts"]),
+        (["--pipeline", "2", "--stage-starts", "e,f"], ["--stage-starts", "--pipeline 2"]),
+        (["--recompute-segments", "nope"], ["recompute segment 'nope'"]),
     ],
 )
 def test_a_refused_combination_names_its_options(args: list[str], named: list[str], tmp_path):
@@ -200,6 +207,16 @@ def test_a_config_the_options_contradict_names_the_segment_and_the_options(
     assert "segment 'u1'" in result.stderr and "u1 = unit(a, ch=4)" in result.stderr
     for word in [*named, "--compress-config"]:
         assert word in result.stderr, (word, result.stderr)
+
+
+def test_a_refusal_escapes_what_the_user_typed(tmp_path: Path):
+    out = tmp_path / "m.py"
+    starts = "bo\x1b[2Jgus\rx"
+    args = ["--platform", "ipu", "--num-ipus", "2", "--stage-starts", starts, "-o", str(out)]
+    result = runner.invoke(app, ["generate", str(FANOUT), *args])
+    assert_contract(result, out)
+    assert result.exit_code == 2 and "\x1b" not in result.stderr and "\r" not in result.stderr
+    assert "--stage-starts names unknown node 'bo\\x1b[2Jgus\\x0dx'" in result.stderr
 
 
 def test_recompute_under_pipeline_names_both_options_and_the_statement(tmp_path: Path):

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from unroller import safe
 from unroller.dtypes import DTYPE_BYTES
-from unroller.errors import ModelError
+from unroller.errors import ModelError, did_you_mean
 from unroller.graph import Graph, Value
 from unroller.stash import StashPlan
 
@@ -100,16 +101,20 @@ def split(
     if starts:
         if len(starts) != num_ipus - 1:
             raise ModelError(
-                f"the pipeline config names {len(starts)} stage starts; {num_ipus} stages need "
-                f"{num_ipus - 1} (the first node of each stage after the first)"
+                f"--stage-starts names {len(starts)} stage starts; {num_ipus} stages "
+                f"({option} {num_ipus}) need {num_ipus - 1} (the first node of each stage "
+                "after the first)"
             )
         missing = [s for s in starts if s not in names]
         if missing:
-            raise ModelError(f"the pipeline config names unknown node '{missing[0]}'")
+            raise ModelError(
+                f"--stage-starts names unknown node '{safe.comment_text(missing[0][:200])}'"
+                f"{did_you_mean(missing[0], names)}"
+            )
         cut_indices = [names.index(s) for s in starts]
         if cut_indices != sorted(set(cut_indices)) or cut_indices[0] == 0:
             raise ModelError(
-                "stage starts must be distinct nodes in model order, after the first node"
+                "--stage-starts must name distinct nodes in model order, after the first node"
             )
     else:
         costs = node_costs(graph, plan)
