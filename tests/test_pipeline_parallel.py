@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import TESTS, rel_err
+from conftest import TESTS, assert_grads_close, rel_err
 
 from unroller.api import generate_source, import_generated, load_graph, write_atomic
 from unroller.codegen import Options, _value_range, read_header
@@ -160,6 +160,10 @@ def test_compressed_boundaries_cost_fewer_bytes_and_bounded_error(tmp_path, sche
     assert totals["forward_bytes"] <= ratio * totals["raw_forward_bytes"]
     assert totals["backward_bytes"] <= ratio * totals["raw_backward_bytes"]
     # the compressed pipeline's gradients against the exact ones: measured, bounded
+    if scheme == "quant":  # each parameter too (measured: at most 0.36, layer1.1.bn2.weight);
+        # dct-dense's boundaries give some parameters an error above 1 (layer1.1.bn2.weight
+        # 4.1, worse than no gradient): for it the whole only
+        assert_grads_close(two, exact, 0.75)
     got, want = _grads(two), _grads(exact)
     flat = torch.cat([got[n].reshape(-1) for n in want])
     ref = torch.cat([want[n].reshape(-1) for n in want])
