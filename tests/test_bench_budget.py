@@ -460,7 +460,8 @@ def test_segment_rows_only_for_models_with_blocks(tmp_path: Path):
     text = (Path(__file__).parent / "models" / "autoencoder.txt").read_text()
     bench = types.SimpleNamespace(model_text=lambda resolution: text)
     args = config.parse_args([*TINY, "--scheme", "nocompress", "--peers", "none"])
-    assert suite._segmented_ours(bench, args, 16, None, CPU, tmp_path) == []
+    names = [b.name for b in suite.ours_builds(bench, args, 16)]
+    assert names == ["ours:nocompress", "ours:nocompress+recompute"]
 
 
 # --------------------------------------------------------------------------- end to end

@@ -37,6 +37,7 @@ editable, diffable, and ``unroll generate --compress-config`` takes it as it is.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -552,8 +553,24 @@ def auto_config(
     ``AUTO_MAX_ERROR``, calibrated on a seeded synthetic batch and seeded initial weights
     (so the same model text always gives the same file); ``segments``: block instances to
     recompute in the backward (``("auto",)``: the plan chooses them)."""
-    probe = run_probe(graph, label=label)
-    return checked_plan(graph, probe, AUTO_MAX_ERROR, segments, label).config
+    key = (graph.source, graph.float_dtype, tuple(str(v.type) for v in graph.inputs), segments)
+    if key not in _AUTO_PLANS:
+        probe = run_probe(graph, label=label)
+        config = checked_plan(graph, probe, AUTO_MAX_ERROR, segments, label).config
+        while len(_AUTO_PLANS) >= AUTO_PLANS_KEPT:
+            del _AUTO_PLANS[next(iter(_AUTO_PLANS))]
+        _AUTO_PLANS[key] = config
+    return copy.deepcopy(_AUTO_PLANS[key])
+
+
+AUTO_PLANS_KEPT = 32
+"""How many ``auto`` plans one process remembers. A plan is a function of the model text,
+its input shapes and the segments alone (seeded probe batch and weights), and one process
+often plans the same model again: ``auto`` and ``auto --recompute`` and the ipu module
+share a plan, the benchmark harness generates and then predicts memory at two batches, a
+test suite builds a model more than once. Each plan costs a probe step and a checked
+step of the model (tens of seconds for a U-Net at 256 x 256 on a CPU)."""
+_AUTO_PLANS: dict[tuple[Any, ...], CompressionConfig] = {}
 
 
 def checked_plan(

@@ -70,30 +70,20 @@ def _options(args: argparse.Namespace, scheme: str, resolution: int) -> Options:
     )
 
 
-def _variant_ours(
-    bench: Any,
-    args: argparse.Namespace,
-    resolution: int,
-    ref: torch.nn.Module,
-    device: torch.device,
-    directory: Path,
-    variant: tuple[tuple[str, ...], str, dict[str, Any], str],
-) -> list[Method]:
-    """ours:SCHEME+SUFFIX for each scheme run of ``schemes``, built with the Options fields
-    ``fields`` on top of the scheme's (kept on the method, so that the memory model predicts
-    it with the same Options); ``note`` says what the row runs."""
-    schemes, suffix, fields, note = variant
-    found = []
-    for scheme in [s for s in args.schemes if s in schemes]:
-        options = dataclasses.replace(_options(args, scheme, resolution), **fields)
-        model = models.build_ours(bench, options, ref, device, directory / suffix)
-        method = peers.ours_gpu(scheme, model)
-        method.name = f"ours:{scheme}+{suffix}"
-        method.recompute = options.recompute
-        method.variant = fields
-        method.notes.append(note)
-        found.append(method)
-    return found
+@dataclasses.dataclass(frozen=True)
+class OursBuild:
+    """One generated module the suite builds and measures for a benchmark: the row's
+    method name, the Options it is generated with, and how it is built. ``ours_builds``
+    is the one list of them, so what the harness runs and what the tests generate cannot
+    drift apart."""
+
+    name: str  # ours:SCHEME, ours:SCHEME+compile, ours:SCHEME+recompute, ...
+    scheme: str
+    options: Options
+    variant: dict[str, Any] = dataclasses.field(default_factory=dict)  # fields on the scheme's
+    note: str = ""  # what the row runs, beyond the scheme
+    compile: bool = False  # Model(compile=True): torch.compile of the step
+    folder: str = ""  # where under the run's temporary folder it is written
 
 
 RECOMPUTE_VARIANT = (
@@ -115,25 +105,42 @@ inputs from the forward and runs its forward again when its backward begins, in 
 at most ``config.SEGMENT_PIECE_SIZE`` samples where no op couples the samples."""
 
 
-def _segmented_ours(
-    bench: Any,
-    args: argparse.Namespace,
-    resolution: int,
-    ref: torch.nn.Module,
-    device: torch.device,
-    directory: Path,
-) -> list[Method]:
-    """The ``SEGMENT_VARIANT`` rows; none on a model without block instances, where they
-    would repeat ours:SCHEME."""
+def ours_builds(bench: Any, args: argparse.Namespace, resolution: int) -> list[OursBuild]:
+    """Every generated module the suite runs on ``bench`` at ``resolution`` under the parsed
+    flags ``args``, in the order of its rows: ours per scheme, +compile per scheme
+    (``--compile``), +recompute (``--recompute``, RECOMPUTE_SCHEMES) and +blocks+pieces
+    (``--segments``, SEGMENT_SCHEMES, on models with block instances, where they would
+    otherwise repeat ours:SCHEME). The host-side variants are not built for a platform
+    that hands the step to a graph compiler."""
+    found = [OursBuild(f"ours:{s}", s, _options(args, s, resolution)) for s in args.schemes]
+    if args.compile:
+        note = "Model(compile=True): torch.compile of the step"
+        found += [
+            OursBuild(f"ours:{b.scheme}+compile", b.scheme, b.options, {}, note, True, "compile")
+            for b in found
+        ]
+    variants = []
+    if getattr(args, "recompute", False) and not _compiled(args):
+        variants.append(RECOMPUTE_VARIANT)
+    if getattr(args, "segments", False) and not _compiled(args) and _has_blocks(bench, resolution):
+        variants.append(SEGMENT_VARIANT)
+    for schemes, suffix, fields, note in variants:
+        for scheme in [s for s in args.schemes if s in schemes]:
+            options = dataclasses.replace(_options(args, scheme, resolution), **fields)
+            name = f"ours:{scheme}+{suffix}"
+            found.append(OursBuild(name, scheme, options, fields, note, folder=suffix))
+    return found
+
+
+def _has_blocks(bench: Any, resolution: int) -> bool:
+    """Does the model have top-level block instances (segments to recompute)?"""
     from unroller.api import graph_from_text
     from unroller.stash import block_instances
 
-    if not block_instances(graph_from_text(bench.model_text(resolution))):
-        return []
-    return _variant_ours(bench, args, resolution, ref, device, directory, SEGMENT_VARIANT)
+    return bool(block_instances(graph_from_text(bench.model_text(resolution))))
 
 
-def _compiled_ours(
+def _ours_methods(
     bench: Any,
     args: argparse.Namespace,
     resolution: int,
@@ -142,20 +149,28 @@ def _compiled_ours(
     directory: Path,
     notes: list[str],
 ) -> list[Method]:
-    """ours:SCHEME+compile per scheme (``--compile``): the generated module built with
-    ``Model(compile=True)``; none, with a note, where the generated Model cannot."""
+    """The ours rows of ``ours_builds``, each generated, given the reference's weights and
+    wrapped for timing; no +compile rows, with a note, where the generated Model cannot
+    compile."""
     found = []
-    for scheme in args.schemes:
-        options = _options(args, scheme, resolution)
+    for build in ours_builds(bench, args, resolution):
         try:
-            model = models.build_ours(bench, options, ref, device, directory / "compile", True)
+            model = models.build_ours(
+                bench, build.options, ref, device, directory / build.folder, build.compile
+            )
         except models.CompileUnsupported as exc:
             notes.append(f"--compile: no ours:SCHEME+compile rows: {exc} in this tree")
-            return []
-        method = peers.ours_gpu(scheme, model)
-        method.name = f"ours:{scheme}+compile"
-        method.compiles = True  # peers.Method: its first step compiles
-        method.notes.append("Model(compile=True): torch.compile of the step")
+            continue
+        if _compiled(args):
+            method = peers.ours_ipu(build.scheme, model, ipu_device.poptorch, args)
+        else:
+            method = peers.ours_gpu(build.scheme, model)
+        method.name = build.name
+        method.recompute = build.options.recompute
+        method.variant = dict(build.variant)
+        method.compiles = build.compile  # peers.Method: its first step compiles
+        if build.note:
+            method.notes.append(build.note)
         found.append(method)
     return found
 
@@ -184,22 +199,9 @@ def _methods(
     directory: Path,
     notes: list[str],
 ) -> list[Method]:
-    """Ours per scheme (and per scheme compiled, with --compile), autograd, and the
-    peers of --peers; what could not be built goes into ``notes``."""
-    found = []
-    for scheme in args.schemes:
-        options = _options(args, scheme, resolution)
-        model = models.build_ours(bench, options, ref, device, directory)
-        if _compiled(args):
-            found.append(peers.ours_ipu(scheme, model, ipu_device.poptorch, args))
-        else:
-            found.append(peers.ours_gpu(scheme, model))
-    if args.compile:
-        found += _compiled_ours(bench, args, resolution, ref, device, directory, notes)
-    if getattr(args, "recompute", False) and not _compiled(args):
-        found += _variant_ours(bench, args, resolution, ref, device, directory, RECOMPUTE_VARIANT)
-    if getattr(args, "segments", False) and not _compiled(args):
-        found += _segmented_ours(bench, args, resolution, ref, device, directory)
+    """Ours (``ours_builds``), autograd, and the peers of --peers; what could not be built
+    goes into ``notes``."""
+    found = _ours_methods(bench, args, resolution, ref, device, directory, notes)
     found.append(peers.autograd(ref))
     if "checkpoint" in args.peers and hasattr(ref, "forward_checkpointed"):
         found.append(peers.checkpointed(ref))
