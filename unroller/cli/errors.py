@@ -127,10 +127,12 @@ def config_error(exc: ConfigError) -> typer.Exit:
 def model_error(exc: ModelError, path: str | Path) -> typer.Exit:
     """``FILE:LINE:COL: error: ...`` with the model's line and a caret under the column;
     an error that no statement is to blame for (a segment or a stage start that an option
-    names and the model does not have) is one ``unroll: error: FILE: ...`` line."""
+    names and the model does not have) is one ``FILE: error: ...`` line, as a compiler
+    says what is wrong with a file as a whole."""
     if exc.loc is None:
         note = f" (note: {exc.hint})" if exc.hint else ""
-        return fail(f"{shown_path(path)}: {crash.printable(exc.message + note, 2000)}")
+        message = crash.printable(exc.message + note, 2000)
+        return fail_plain(f"{shown_path(path)}: error: {message}")
     from unroller.parser import read_source
 
     try:  # the same bounded read of a regular file as the parser's: a FIFO never blocks
