@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_grads_close, rel_err
-from suite_steps import assert_grads_and_buffers_match, flat_grads, suite_pair, suite_step
+from conftest import assert_grads_close, grad_errors, rel_err
+from suite_steps import assert_grads_and_buffers_match, suite_pair, suite_step
 from typer.testing import CliRunner
 
 from unroller.api import graph_from_text
@@ -110,16 +110,17 @@ def test_recompute_shrinks_the_stash(stem, scheme):
 # -- under compression: the error stays the compressor's ------------------------------------
 
 
-def _grad_error(build, stem: str, options: Options) -> float:
-    """Relative error of all parameter gradients of one float64 step against autograd;
-    under quant each parameter's too (measured on resnet_like, batch 4: at most 0.024 with
-    and without recompute). dct-dense has no per-parameter bound below 1 there: its error
-    on layer2.1.bn1.weight is 1.19 without recompute already."""
+def _grad_errors(build, stem: str, options: Options) -> dict[str, float]:
+    """Each parameter's gradient error in one float64 step against autograd (batch 4);
+    under quant each within 0.1 (measured on resnet_like: at most 0.024 with and without
+    recompute). dct-dense has no per-parameter bound below 1 there: its error on
+    layer2.1.bn1.weight is 1.19 without recompute already (docs/compression.md,
+    "Parameters worse than no gradient")."""
     gen, ref = suite_pair(build, stem, options)
     suite_step(gen, ref, stem, 4, 0)
     if options.scheme == "quant":
         assert_grads_close(gen, ref, 0.1)
-    return rel_err(flat_grads(gen), flat_grads(ref))
+    return grad_errors(gen, ref)
 
 
 @pytest.mark.parametrize(
@@ -127,13 +128,16 @@ def _grad_error(build, stem: str, options: Options) -> float:
 )
 def test_recompute_under_a_compressor_keeps_its_error(build, scheme):
     """The remade tensors are made from restored (lossy) inputs: the gradient error is the
-    compressor's, passed through cheap ops (relu(bn(c~)) instead of r~). Measured on
-    resnet_like, batch 4: dct-dense 1.0-1.5x, quant 1.75x the error of the same scheme
-    without recompute (0.0060 vs 0.0034); bounded at 2x, and not zero: something is
-    compressed."""
-    plain = _grad_error(build, "resnet_like", Options(scheme=scheme))
-    remade = _grad_error(build, "resnet_like", Options(scheme=scheme, recompute=True))
-    assert 0 < remade <= 2.0 * plain, (remade, plain)
+    compressor's, passed through cheap ops (relu(bn(c~)) instead of r~). Per parameter,
+    on resnet_like at batch 4, the error with recompute over the error without: at most
+    1.96 under dct-dense (layer2.1.conv2.weight, 0.63 -> 1.23), 1.75 under quant; bounded
+    at 2.5x each parameter's own (a parameter exact without recompute must stay exact to
+    rounding), and some parameter has an error: something is compressed."""
+    plain = _grad_errors(build, "resnet_like", Options(scheme=scheme))
+    remade = _grad_errors(build, "resnet_like", Options(scheme=scheme, recompute=True))
+    over = {p: (remade[p], plain[p]) for p in plain if remade[p] > 2.5 * plain[p] + 1e-9}
+    assert not over, over
+    assert max(remade.values()) > 1e-6
 
 
 # -- memory: predicted and measured ---------------------------------------------------------

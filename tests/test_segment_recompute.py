@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_grads_close, rel_err
+from conftest import assert_grads_close, grad_errors, rel_err
 from suite_steps import assert_grads_and_buffers_match, flat_grads, suite_pair, suite_step
 from typer.testing import CliRunner
 
@@ -84,23 +84,26 @@ def test_gpt_tiny_segments_are_exact_without_compression(tmp_path):
 @pytest.mark.parametrize("stem,scheme", [(CNN, "quant"), ("resnet_like", "dct-dense")])
 def test_segments_under_a_compressor_keep_its_error(build, stem, scheme):
     """The recompute starts from the restored input, so every tensor it keeps carries that
-    input's error (the forward's 1-bit masks stay: exact). Measured at batch 4, relative
-    error of all gradients against autograd, with / without segment recompute: tiny_resnet
-    quant 1.30x, resnet_like quant 1.24x and dct-dense 1.13x, unet_like quant 1.58x and
-    dct-dense 1.09x, gpt_tiny quant 1.01x; bounded at 2x, and not zero. The loss is the
-    forward's, which segment recompute leaves as it is: the same bits."""
+    input's error (the forward's 1-bit masks stay: exact). Per parameter, at batch 4, the
+    error against autograd with segment recompute over the error without: at most 1.8
+    (resnet_like dct-dense, layer2.1.conv2.weight 0.63 -> 1.14); bounded at 2.5x each
+    parameter's own (one exact without segments stays exact to rounding), and some
+    parameter has an error: something is compressed. quant each parameter within 0.1 too
+    (measured at most 0.015 on tiny_resnet); dct-dense on resnet_like has no bound below 1
+    (layer2.1.bn1.weight: 1.19 without segments). The loss is the forward's, which segment
+    recompute leaves as it is: the same bits."""
     errors, losses = [], []
     for segments in ((), BLOCKS):
         gen, ref = suite_pair(build, stem, Options(scheme=scheme, recompute_segments=segments))
         loss, _ = suite_step(gen, ref, stem, 4, 0)
-        errors.append(rel_err(flat_grads(gen), flat_grads(ref)))
+        errors.append(grad_errors(gen, ref))
         losses.append(loss)
-        if scheme == "quant":  # each parameter too (measured: at most 0.015 on tiny_resnet)
+        if scheme == "quant":
             assert_grads_close(gen, ref, 0.1)
-        # dct-dense on resnet_like at batch 4 has no per-parameter bound below 1: without
-        # segments its error on layer2.1.bn1.weight is 1.19 already, with them 1.41 (worst)
     plain, remade = errors
-    assert 0 < remade <= 2.0 * plain, (remade, plain)
+    over = {p: (remade[p], plain[p]) for p in plain if remade[p] > 2.5 * plain[p] + 1e-9}
+    assert not over, over
+    assert max(remade.values()) > 1e-6
     assert torch.equal(losses[0], losses[1])
 
 
