@@ -288,9 +288,19 @@ def test_summary_tables_core(tmp_path):
 
 # What a measurement looks like in prose: a ratio against something (8.6x less, 1.14-1.22x,
 # 0.53x), a time (29 ms, 2,122 s), a measured size (1.45 MiB, 725 KiB per sample), a share
-# of something measured (17%), a date or commit a figure was taken at, a tally of runs.
+# of something measured (17%), a date or commit a figure was taken at, a tally of runs;
+# a difference or level of a training metric (-0.46 pp, 0.40 dB, 0.0003 IoU, 3.36
+# bits/char), a signed decimal of two or more places (+1.11 and -1.39 pp: a measured
+# difference, where a limit or a format fact is unsigned or one place: +0.0, -1.0), a
+# ratio in words (7-10 times less).
 _MEASURED = re.compile(
-    r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x (?:less|more|smaller|larger|faster|slower|fewer"
+    r"(?<![\w.])[+-]?\d+(?:\.\d+)? ?(?:pp|dB|IoU)\b"
+    r"|\b\d+(?:\.\d+)? percentage points?\b"
+    r"|(?<![\w.+=-])[+-]\d+\.\d{2,}\b"
+    r"|\b\d+(?:\.\d+)? ?bits?(?:/| per )char"
+    r"|\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? times (?:less|more|fewer|smaller|larger|faster"
+    r"|slower)\b"
+    r"|\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x (?:less|more|smaller|larger|faster|slower|fewer"
     r"|below|above|the|its|autograd)\b"
     r"|(?<![\w.])\d+\.\d+(?:-\d+\.\d+)?x\b"
     r"|\b\d+-\d+x\b"
@@ -326,8 +336,8 @@ _NOT_MEASURED = {
     "the IPU case study: 1.1-3.5x faster",  # published figures, cited as such (docs/scaling.md)
     "streaming; 17-20x",
     "29 gradients, 0.30 MiB",  # the shape of a printed line, in an example of output
-    "1,024 B per token per layer",  # arithmetic: 4 heads x 64 x 4 B
-    "| 9,304 | 1.00x | 3,297 (56,056) | 1.00x |",  # nocompress against itself
+    "within 1 pp",  # the accuracy goals' limits (docs/accuracy.md), stated before the runs
+    "within 0.05 bits/char",
 }
 
 
@@ -374,6 +384,17 @@ def test_the_measurement_pattern_catches_pasted_figures():
         "met by a hair, not with margin",
         "the DCT codec about 17%",
         "Block recompute matches checkpointing (0.53x against 0.55x)",
+        "**met**, -0.46 pp and +0.09 pp",
+        "costs 0.40 dB (64x64) on denoising",
+        "nocompress 28.40 dB; quant 8/4/2 bits -0.02 / +0.01 / -0.22 dB",
+        "free everywhere (within 0.1 pp, 0.1 dB, 0.0003 IoU)",
+        "the 4-bit and 2-bit runs land at +1.11 and -1.39 pp",
+        "the noisy inputs are at 13.8 dB",
+        "one test image is 0.28 pp",
+        "`dct-dense` stores 7-10 times less",
+        "nothing measurable on the cloud masks (-0.002 IoU)",
+        "within 1 percentage point: met, +0.0002 bits/char (even 2-bit is +0.008)",
+        "a unigram model scores 4.46 bits/char",
     ]
     for text in pasted:
         assert _measured_figures(text), text
@@ -381,6 +402,10 @@ def test_the_measurement_pattern_catches_pasted_figures():
         "keeps 16 of 64 coefficients in 4 bits, int8",
         "`--memory-budget 2GiB`, a file of at most 64 MiB",
         "the best of ours at <= 1.3x autograd's time",
+        "Goal: 8-bit `quant` within 1 pp of `nocompress`",
+        "`quant` within 0.05 bits/char of `nocompress`",
+        "a zero minimum is stored as +0.0; -0.0 inputs decompress to +0.0",
+        "`min_val=-1.0`, `compiled-budget-0.5` / `-0.1`",
         "<!-- include: benchmarks/results/x.md -->\n| a | 8.63x less |\n<!-- end include -->",
     ]
     for text in fine:
@@ -405,3 +430,44 @@ def test_every_include_names_a_results_file():
             except (OSError, ValueError) as error:
                 bad.append(f"{name}: {error}")
     assert not bad, bad
+
+
+def test_accuracy_summaries_are_what_their_scripts_write():
+    """benchmarks/results/accuracy/goals.md (differences and goal verdicts, from every
+    experiment's summary.json) and stash_per_token.md (the stash plans of the two
+    transformers) are reproduced byte for byte by their scripts, in seconds."""
+    from benchmarks import accuracy_goals, stash_per_token
+
+    for module in (accuracy_goals, stash_per_token):
+        assert module.OUT.read_text(encoding="utf-8") == module.report(), f"run: {module.COMMAND}"
+
+
+def test_accuracy_goals_judge_the_absolute_difference():
+    from benchmarks.accuracy_goals import goals
+
+    def row(scheme, delta, diverged=0):
+        return {
+            "scheme": scheme,
+            "metric": "accuracy",
+            "seeds": [0, 1],
+            "delta": delta,
+            "diverged": diverged,
+        }
+
+    summary = {
+        "rows": [
+            row("nocompress", 0.0),
+            row("dct-dense", -1.2),
+            row("quant-8bit", 0.9),
+            row("auto", 0.1, diverged=1),
+        ]
+    }
+    table = "\n".join(goals([("x", summary)]))
+    assert (
+        "| x | dct-dense | within 1 pp of nocompress (mean of 2 seeds) | -1.20 pp | **NOT met** |"
+        in table
+    )
+    assert (
+        "| x | quant-8bit | within 1 pp of nocompress (mean of 2 seeds) | +0.90 pp | met |" in table
+    )
+    assert "| x | auto |" in table and table.count("**NOT met**") == 2
