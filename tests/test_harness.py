@@ -254,3 +254,41 @@ def test_the_package_never_imports_the_checkouts_benchmarks():
             elif isinstance(node, ast.ImportFrom) and not node.level:
                 names = [node.module or ""]
             assert not any(n.split(".")[0] == "benchmarks" for n in names), path
+
+
+def test_a_failing_benchmark_costs_only_itself(tmp_path, monkeypatch, capsys):
+    """A benchmark that raises (a bug) is one line naming it and a log file with the
+    traceback, at once; the other benchmarks are still measured and the results files
+    written, saying which benchmark was not measured; the exit status is the internal
+    error's. With UNROLL_DEBUG=1 the exception goes through."""
+    from unroller import crash
+    from unroller.bench import suite
+
+    real = suite.bench_one
+
+    def flaky(bench, *args, **kwargs):
+        if bench.name == "resnet_like":
+            raise KeyError(1234)
+        return real(bench, *args, **kwargs)
+
+    monkeypatch.setattr(suite, "bench_one", flaky)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(logs))
+    monkeypatch.delenv(crash.DEBUG_ENV, raising=False)
+    out = tmp_path / "out"
+    argv = [*TINY, "--benchmark", "resnet_like,quick", "--scheme", "nocompress"]
+    argv += ["--peers", "none", "--no-recompute", "--no-segments", "--memory-budget", "none"]
+    argv += ["--no-plots", "--no-get-memory", "--out-dir", str(out)]
+    assert main(argv) == crash.INTERNAL_ERROR
+    err = capsys.readouterr().err
+    assert "resnet_like: " in err and "internal error: KeyError: 1234" in err
+    (log,) = logs.glob("unroller-*-crash-*.log")
+    assert "KeyError: 1234" in log.read_text() and str(log) in err
+    meta, *records = _lines(out / "bench.jsonl")
+    assert {r["benchmark"] for r in records if "method" in r} == {"quick"}
+    assert any(a.startswith("resnet_like: not measured: ") for a in meta["about"])
+    assert "resnet_like: not measured" in (out / "bench.md").read_text()
+    monkeypatch.setenv(crash.DEBUG_ENV, "1")
+    with pytest.raises(KeyError):
+        main(argv)

@@ -36,6 +36,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
+from unroller import crash  # noqa: E402
 from unroller.bench import (  # noqa: E402
     budget,
     config,
@@ -883,15 +884,23 @@ def main(argv: Sequence[str], prog: str = "unroll bench") -> int:
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
     ran: list[dict[str, Any]] = []
+    failed: list[str] = []
     try:
         with output.progress_bar(console, args.progress) as bar:
             for name in args.benchmarks:
-                found, info = bench_one(registry[name], args, device, bar)
+                try:
+                    found, info = bench_one(registry[name], args, device, bar)
+                except Exception as exc:
+                    failed.append(_failed_benchmark(name, exc, prog, argv))
+                    continue
                 records += found
                 ran.append(info)
     finally:
         if _compiled(args) and args.emulate:
             ipu_device.use_emulation(False)
+    if not ran:
+        print(f"{prog}: error: no benchmark could be measured", file=sys.stderr)
+        return crash.INTERNAL_ERROR
     meta = _meta(args, argv, prog)
     found = goals.evaluate(records, device=device.type, command=meta["command"])
     out = args.out_dir
@@ -904,11 +913,25 @@ def main(argv: Sequence[str], prog: str = "unroll bench") -> int:
         files += _write_timelines(ran, out, prefix, meta["title"], notes)
     for info in ran:
         info.pop("timeline", None)
-    meta["about"] += notes
+    meta["about"] += notes + failed
     meta["wall_s"] = time.perf_counter() - started
     meta["benchmarks"] = ran
     output.write_jsonl(files[0], meta, records, found)
     output.write_csv(files[1], records)
     files[2].write_text(output.markdown(meta, records, found), encoding="utf-8")
     output.print_summary(console, meta, records, found, files)
-    return 0
+    for line in failed:
+        print(f"{prog}: {line}", file=sys.stderr)
+    return crash.INTERNAL_ERROR if failed else 0
+
+
+def _failed_benchmark(name: str, exc: Exception, prog: str, argv: Sequence[str]) -> str:
+    """What the results say of a benchmark that raised (an internal error: a bug): its
+    name, the exception and the log file with the traceback, also printed at once, so
+    that one benchmark's failure costs neither the others' measurements nor the results
+    files. With ``--debug`` / ``UNROLL_DEBUG=1`` the exception goes through instead."""
+    if crash.debugging():
+        raise exc
+    line = crash.crash_line(exc, " ".join([prog, *argv]), prog, f"{crash.DEBUG_ENV}=1")
+    print(f"{name}: {line}", file=sys.stderr, flush=True)
+    return f"{name}: not measured: {line.split(': ', 1)[1]}"
