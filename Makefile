@@ -64,7 +64,8 @@ bench: $(STAMP)
 
 # Accuracy by scheme (docs/accuracy.md): about 40 minutes on an idle
 # 2-core CPU (25 for the first three). Finished runs under each --out are reused, so an
-# interrupted `make accuracy` resumes.
+# interrupted `make accuracy` resumes. Then the summaries docs/accuracy.md includes
+# (goals.md: each scheme against nocompress and the goals; stash_per_token.md).
 ACCURACY := $(UNROLL) accuracy --schemes all --seeds 3 --quiet
 # Transformers (vit_digits, gpt_tiny): every saved tensor is a token tensor, attention map or
 # feature vector, which dct leaves raw, so dct-first/dct-dense would repeat nocompress; one seed.
@@ -80,6 +81,8 @@ accuracy: $(STAMP)
 		--optimizer adam --lr 0.003 --batch-size 32 --out benchmarks/results/accuracy/vit_digits
 	$(ACCURACY_V2) benchmarks/models/gpt_tiny.txt --dataset pysource --epochs 2 --train-size 2048 \
 		--test-size 512 --optimizer adam --lr 0.003 --batch-size 32 --out benchmarks/results/accuracy/gpt_pysource
+	$(PY) -m benchmarks.accuracy_goals
+	$(PY) -m benchmarks.stash_per_token
 
 # The golden files under generated/; `make generate ALL=1` also writes every benchmark
 # module (each platform, scheme, pipeline) under build/generated/.
