@@ -1499,14 +1499,22 @@ def header_comment(
     return HEADER_TAG + json.dumps(meta, sort_keys=False)
 
 
-def render(graph: Graph, source_path: str, options: Options, config: CompressionConfig) -> str:
+def render(
+    graph: Graph,
+    source_path: str,
+    options: Options,
+    config: CompressionConfig,
+    readable: bool = True,
+) -> str:
     """The complete generated module, formatted, with header and checksum.
 
     A pure function of its arguments: ``config`` is already resolved (a config file read,
     the ``auto`` scheme planned: ``unroller.api.compression_config``), so rendering never
     runs a model, reads a file or imports the planner. ``options`` says the platform,
     pipeline and what the header records (tests pass configs no loader would accept, to
-    check the emitter on its own).
+    check the emitter on its own). ``readable=False``: not formatted by black, for a
+    module only run, never read (verify's and the planner's probe modules): the same
+    statements, and black is most of a render's time.
     """
     target = get_platform(options.platform)
     _check_segment_options(options)
@@ -1560,7 +1568,7 @@ def render(graph: Graph, source_path: str, options: Options, config: Compression
             else []
         ),
     )
-    return add_checksum(formatted(text, black.format_str))
+    return add_checksum(formatted(text, black.format_str) if readable else text)
 
 
 def _check_segment_options(options: Options) -> None:

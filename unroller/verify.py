@@ -505,7 +505,8 @@ def generated_class(graph: Graph, label: str, config: CompressionConfig | None =
     temporary folder and imported (the module leaves sys.modules again: the class keeps
     what it needs)."""
     options = Options(platform="gpu", scheme="nocompress")
-    source = render(graph, label, options, config if config is not None else options.compression())
+    config = config if config is not None else options.compression()
+    source = render(graph, label, options, config, readable=False)  # run, never read
     with tempfile.TemporaryDirectory(prefix="unroller-verify-") as folder:
         path = write_atomic(Path(folder) / "verified_model.py", source)
         name = f"unroller_verify_{abs(hash(str(path)))}"
