@@ -16,12 +16,12 @@ limit and no seed diverged.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from pathlib import Path
 
+from benchmarks.results_file import write_or_check
 from unroller.accuracy import BASELINE, DIGITS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,18 +157,7 @@ def report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if goals.md is stale")
-    args = parser.parse_args(argv)
-    text = report()
-    if args.check:
-        if OUT.read_text(encoding="utf-8") != text:
-            print(f"{OUT.relative_to(ROOT)}: stale, run: {COMMAND}")
-            return 1
-        return 0
-    OUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUT.relative_to(ROOT)}")
-    return 0
+    return write_or_check(__doc__.splitlines()[0], OUT, COMMAND, report, argv)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ divided by batch and tokens), and what ``quant`` keeps, by stored form and raw i
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from pathlib import Path
 
+from benchmarks.results_file import write_or_check
 from unroller.api import compression_config, load_graph
 from unroller.cli.target import make_options
 from unroller.stash import plan_stash
@@ -143,18 +143,7 @@ def report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
-    args = parser.parse_args(argv)
-    text = report()
-    if args.check:
-        if OUT.read_text(encoding="utf-8") != text:
-            print(f"{OUT.relative_to(ROOT)}: stale, run: {COMMAND}")
-            return 1
-        return 0
-    OUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUT.relative_to(ROOT)}")
-    return 0
+    return write_or_check(__doc__.splitlines()[0], OUT, COMMAND, report, argv)
 
 
 if __name__ == "__main__":
