@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from conftest import fast_format
 
 from unroller import codegen
 from unroller.bench import config, models, suite
@@ -58,12 +59,6 @@ def _cases() -> dict[str, list[tuple[str, str, suite.OursBuild]]]:
 
 GROUPS = _cases()
 CASES = [case for cases in GROUPS.values() for case in cases]
-
-
-def _compiles(text: str, mode=None) -> str:
-    """Stands in for black.format_str: the text unchanged, once it compiles."""
-    compile(text, "<generated>", "exec")
-    return text
 
 
 def test_the_list_covers_every_model_scheme_and_variant():
@@ -107,7 +102,7 @@ def _generates(name: str, build: suite.OursBuild) -> str | None:
 def test_harness_builds_generate(monkeypatch, group):
     """Every harness row on one model text generates: the failures, if any, each named by
     run, benchmark and row."""
-    monkeypatch.setattr(codegen.black, "format_str", _compiles)
+    monkeypatch.setattr(codegen.black, "format_str", fast_format)
     failures = [
         f"{label} {name} {build.name}: {problem}"
         for label, name, build in GROUPS[group]

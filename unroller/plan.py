@@ -521,6 +521,23 @@ def _segment_moves(
     return moves
 
 
+def _planned_step(
+    graph: Graph, plan: MemoryPlan, probe: Probe, label: str, model_class: type | None = None
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """One step of the module planned by ``plan`` on the probe's batch and weights: per
+    parameter with a gradient on both sides, (name, its gradient, the probe's uncompressed
+    one); ``model_class``: the planned module's class, when the caller has it already."""
+    model = (model_class or generated_class(graph, label, plan.config))()
+    model.load_state_dict(probe.state, strict=True)
+    model.train()
+    model(*probe.inputs)
+    return [
+        (name, p.grad, probe.grads[name])
+        for name, p in model.named_parameters()
+        if p.grad is not None and probe.grads.get(name) is not None
+    ]
+
+
 def measured_error(
     graph: Graph,
     plan: MemoryPlan,
@@ -531,16 +548,9 @@ def measured_error(
     """Relative error of all parameter gradients of one step under the plan, against the
     probe's uncompressed step (same weights, same batch); ``model_class``: the planned
     module's class, when the caller has generated it already."""
-    model = (model_class or generated_class(graph, label, plan.config))()
-    model.load_state_dict(probe.state, strict=True)
-    model.train()
-    model(*probe.inputs)
     num = den = 0.0
-    for name, p in model.named_parameters():
-        ref = probe.grads.get(name)
-        if ref is None or p.grad is None:
-            continue
-        num += float(torch.linalg.vector_norm((p.grad - ref).double())) ** 2
+    for _, got, ref in _planned_step(graph, plan, probe, label, model_class):
+        num += float(torch.linalg.vector_norm((got - ref).double())) ** 2
         den += float(torch.linalg.vector_norm(ref.double())) ** 2
     return math.sqrt(num / den) if den > 0 else 0.0
 
@@ -602,21 +612,26 @@ def checked_plan(
             graph, AUTO_BATCH, budget, probe, max_error, segments=segments, ceilings=ceilings
         )
 
-    for attempt in range(AUTO_ROUNDS + 1):
-        found = plan()
+    def blamed(found: MemoryPlan) -> list[Row]:
+        """The lossy rows that reach a parameter at or over ``limit`` (all lossy rows
+        when none reaches one); none when no parameter is over."""
         lossy = [r for r in found.rows if r.choice.codec is not None]
         if not lossy:
-            return found
+            return []
         over = {n for n, e in parameter_errors(graph, found, probe, label).items() if e >= limit}
         if not over:
+            return []
+        return [r for r in lossy if _reach(units[r.tensor], upstream) & over] or lossy
+
+    for attempt in range(AUTO_ROUNDS + 1):
+        found = plan()
+        culprits = blamed(found)
+        if not culprits:
             return found
-        culprits = [r for r in lossy if _reach(units[r.tensor], upstream) & over] or lossy
-        if attempt == AUTO_ROUNDS:  # the rest at once: every tensor that reaches them
-            ceilings.update({r.tensor: 0.0 for r in culprits})
-            return plan()
-        for row in culprits:
-            ceilings[row.tensor] = min(row.round_trip_error, ceilings.get(row.tensor, math.inf))
-    return found
+        for row in culprits:  # the last round: every tensor that reaches them stays raw
+            ceiling = 0.0 if attempt == AUTO_ROUNDS else row.round_trip_error
+            ceilings[row.tensor] = min(ceiling, ceilings.get(row.tensor, math.inf))
+    return plan()
 
 
 def parameter_errors(
@@ -627,19 +642,12 @@ def parameter_errors(
     gradient is at most ``NEGLIGIBLE`` of all gradients together is left out: at float32
     rounding (a convolution's bias right before a batch norm, exactly 0 in exact
     arithmetic), any change is a large relative error and means nothing."""
-    model = generated_class(graph, label, plan.config)()
-    model.load_state_dict(probe.state, strict=True)
-    model.train()
-    model(*probe.inputs)
     floor = NEGLIGIBLE * plan.grad_norm
     found = {}
-    for name, p in model.named_parameters():
-        ref = probe.grads.get(name)
-        if ref is None or p.grad is None:
-            continue
+    for name, got, ref in _planned_step(graph, plan, probe, label):
         norm = float(torch.linalg.vector_norm(ref.double()))
         if norm > floor:
-            found[name] = float(torch.linalg.vector_norm((p.grad - ref).double())) / norm
+            found[name] = float(torch.linalg.vector_norm((got - ref).double())) / norm
     return found
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import black
 import pytest
 import torch
-from conftest import time_limit
+from conftest import fast_format, time_limit
 
 from unroller import codegen
 from unroller.api import at_resolution, import_generated, render_graph, write_atomic
@@ -435,12 +435,6 @@ def deadline(seconds: int):
 
     with time_limit(seconds, MutantTimeout(f"took more than {seconds} s")):
         yield
-
-
-def fast_format(text: str, mode: black.Mode) -> str:
-    """Stands in for black.format_str: the text unchanged, once it compiles."""
-    compile(text, "<generated>", "exec")
-    return text
 
 
 def step_cost(graph) -> int:
