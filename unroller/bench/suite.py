@@ -704,8 +704,10 @@ def _method_record(
 
 def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str, Any]:
     meta = machine.describe(prog, argv)
-    meta["args"] = {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "preset"
+    meta["args"] = {  # paths as machine.shown_path records them: no absolute path
+        k: (machine.shown_path(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k != "preset"
     }
     meta["args"]["preset"] = "full" if args.full else "quick"
     how = "cuda" if args.device == "cuda" else "cpu"
