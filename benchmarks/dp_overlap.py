@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from unroller.api import import_generated, write_atomic
 from unroller.bench.reference import BENCHMARKS
-from unroller.codegen import Options
+from unroller.options import Options
 
 
 def _worker(rank: int, folder: str, name: str, batch: int, steps: int) -> None:

@@ -20,10 +20,10 @@ from pathlib import Path
 from unroller.api import graph_from_text, write_atomic
 from unroller.bench.config import PUBLISHED
 from unroller.bench.reference import BENCHMARKS
-from unroller.codegen import Options
 from unroller.estimate import IpuSpec, estimate_gpu, estimate_ipu, largest_on_chip
 from unroller.estimate import samples_per_second as rate
 from unroller.graph import Graph
+from unroller.options import Options
 
 MIB = 2**20
 SCHEMES = ("nocompress", "quant", "dct-dense")

@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 
 from unroller.api import generate_source, write_atomic
-from unroller.codegen import Options
+from unroller.options import Options
 from unroller.platforms import PLATFORMS
 from unroller.schemes import SCHEMES
 

@@ -22,7 +22,7 @@ import black
 
 from unroller import codegen
 from unroller.api import graph_from_text, render_graph
-from unroller.codegen import Options
+from unroller.options import Options
 
 OPS = (
     "relu({prev})",

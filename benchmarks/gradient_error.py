@@ -26,7 +26,8 @@ import torch
 
 from unroller.api import compression_config, import_generated, load_graph, write_atomic
 from unroller.bench.reference import SUITE_REFERENCES, make_inputs, suite_model_path
-from unroller.codegen import Options, render
+from unroller.codegen import render
+from unroller.options import Options
 from unroller.schemes import CompressionConfig, Rule
 from unroller.stash import plan_stash
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from unroller.api import simulate, write_atomic
 from unroller.bench.config import PUBLISHED
 from unroller.bench.reference import BENCHMARKS
-from unroller.codegen import Options
+from unroller.options import Options
 
 MIB = 2**20
 SCHEMES = ("nocompress", "quant", "dct-dense")

@@ -35,8 +35,8 @@ import torch
 from unroller.api import compression_config, graph_from_text, write_atomic
 from unroller.bench.profiling import profile_step
 from unroller.bench.reference import BENCHMARKS
-from unroller.codegen import Options
 from unroller.memory import simulate_graph
+from unroller.options import Options
 
 SCHEMES = ("nocompress", "quant")
 

@@ -30,8 +30,8 @@ from conftest import rel_err
 from torch import nn
 
 from unroller.api import generate_from_text, graph_from_text
-from unroller.codegen import Options
 from unroller.errors import ModelError
+from unroller.options import Options
 from unroller.runtime import gpu, ipu, ipu_device, poptorch_emulation
 
 TOL = 1e-10

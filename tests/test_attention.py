@@ -43,8 +43,9 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from unroller.api import graph_from_text
-from unroller.codegen import Options, layer_lines
+from unroller.codegen import layer_lines
 from unroller.errors import ModelError
+from unroller.options import Options
 from unroller.registry import RegistryError, load_registry
 from unroller.runtime import attention, gpu, ipu, ipu_device
 from unroller.schemes import SCHEMES

@@ -21,7 +21,7 @@ from torch import nn  # noqa: E402
 
 from unroller.bench import measure, models, peers, plots, timeline  # noqa: E402
 from unroller.bench.reference import BENCHMARKS  # noqa: E402
-from unroller.codegen import Options  # noqa: E402
+from unroller.options import Options  # noqa: E402
 
 CPU = torch.device("cpu")
 CHEAP = "aot_eager_decomp_partition"

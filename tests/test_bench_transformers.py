@@ -26,7 +26,7 @@ from unroller.bench.reference import BENCHMARKS
 from unroller.bench.reference.batches import MASK_ID
 from unroller.bench.reference.sequence import rewrite_context
 from unroller.cli import app
-from unroller.codegen import Options
+from unroller.options import Options
 from unroller.parser import parse
 from unroller.runtime import ipu_device, poptorch_emulation
 

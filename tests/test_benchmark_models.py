@@ -24,7 +24,7 @@ from conftest import rel_err
 
 from unroller.api import at_resolution, graph_from_text
 from unroller.bench.reference import BENCHMARKS
-from unroller.codegen import Options
+from unroller.options import Options
 from unroller.parser import parse
 
 TOL = 1e-10

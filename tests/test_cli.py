@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 from unroller import __version__
 from unroller.api import generate_source, load_model_class
 from unroller.cli import app
-from unroller.codegen import Options, edited_by_hand, read_header
+from unroller.codegen import edited_by_hand, read_header
+from unroller.options import Options
 
 UNROLL = Path(sys.executable).with_name("unroll")
 MODELS = Path(__file__).resolve().parent / "models"

@@ -23,8 +23,8 @@ import unroller.cli as cli
 from unroller import crash
 from unroller.bench import cli as bench_cli
 from unroller.cli import app
-from unroller.codegen import Options
 from unroller.errors import OptionError
+from unroller.options import Options
 
 ROOT = Path(__file__).resolve().parent.parent
 FANOUT = ROOT / "tests" / "models" / "fanout.txt"  # small, with two instances of a block

@@ -21,8 +21,8 @@ from test_compressors import FAST_COMPRESSORS, FLOATS, randn, roundtrip
 
 from tests.codec_agreement import assert_agree, native_dct, same_bits
 from unroller.api import generate_from_text, import_generated, write_atomic
-from unroller.codegen import Options
 from unroller.compress import Bits, FewBit, Quant, base
+from unroller.options import Options
 
 # A tiny network with every kind of kept tensor: a dct-compressed conv input, a ReLU mask,
 # batch-norm statistics, a pooled map.

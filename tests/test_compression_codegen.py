@@ -10,7 +10,8 @@ from unroller.api import load_graph
 from unroller.bench.reference import make_inputs
 from unroller.bench.reference import suite_model_path as model_path
 from unroller.cli import app
-from unroller.codegen import Emitter, Options
+from unroller.codegen import Emitter
+from unroller.options import Options
 from unroller.stash import plan_stash
 
 

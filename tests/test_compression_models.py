@@ -27,8 +27,8 @@ from unroller.api import (
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import make_inputs
 from unroller.bench.reference import suite_model_path as model_path
-from unroller.codegen import Options
 from unroller.dtypes import DTYPE_BYTES, is_float
+from unroller.options import Options
 from unroller.plan import (
     AUTO_BATCH,
     AUTO_PARAM_ERROR,

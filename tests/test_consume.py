@@ -26,8 +26,8 @@ from test_memory_plan import assert_model_brackets_the_measured_peak
 import unroller.runtime.gpu as K
 from unroller import platforms
 from unroller.api import generate_from_text, graph_from_text
-from unroller.codegen import Options
 from unroller.memory import simulate_graph
+from unroller.options import Options
 
 TOL = 1e-10
 IGNORE = -100

@@ -22,7 +22,7 @@ from conftest import rel_err
 from torch import nn
 
 from unroller.api import generate_from_text, import_generated, write_atomic
-from unroller.codegen import Options
+from unroller.options import Options
 
 PLAIN = """model plain {
     input x: f32[N, 3, 8, 8]

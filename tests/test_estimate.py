@@ -19,7 +19,6 @@ from typer.testing import CliRunner
 
 from unroller.api import graph_from_text, import_generated, render_graph, write_atomic
 from unroller.cli import app
-from unroller.codegen import Options
 from unroller.estimate import (
     IpuSpec,
     estimate_gpu,
@@ -28,6 +27,7 @@ from unroller.estimate import (
     largest_on_chip,
     samples_per_second,
 )
+from unroller.options import Options
 from unroller.pipeline import ipu_report, split
 from unroller.stash import plan_stash
 

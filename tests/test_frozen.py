@@ -24,8 +24,8 @@ from conftest import rel_err
 from torch import nn
 
 from unroller.api import graph_from_text
-from unroller.codegen import Options
 from unroller.errors import ModelError
+from unroller.options import Options
 from unroller.runtime import ipu_device
 
 TEXT = """model frz {

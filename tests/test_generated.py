@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from benchmarks.generate_all import targets
 from unroller.api import generate_source
 from unroller.cli import app
-from unroller.codegen import Options, edited_by_hand, read_header
+from unroller.codegen import edited_by_hand, read_header
+from unroller.options import Options
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,8 +29,8 @@ from torch import nn
 
 from unroller.api import generate_from_text, graph_from_text
 from unroller.cli import app
-from unroller.codegen import Options
 from unroller.errors import ModelError
+from unroller.options import Options
 from unroller.registry import RegistryError, load_registry
 from unroller.runtime import common, gpu, ipu, ipu_device, poptorch_emulation
 

@@ -118,7 +118,7 @@ def test_opt_imports_its_row_wise_mlp_and_verifies_exactly(opt_text):
 
 def test_quant_generation_of_an_imported_opt_runs_a_step(opt_text):
     from unroller.api import generate_from_text
-    from unroller.codegen import Options
+    from unroller.options import Options
 
     source = generate_from_text(opt_text, Options(scheme="quant"), label="opt")
     namespace: dict = {}

@@ -77,8 +77,8 @@ def test_default_dropout_imports_and_verifies_exactly(spec, target, dropout_mode
 
 def test_attention_dropout_is_refused_on_the_ipu_platform():
     from unroller.api import generate_from_text
-    from unroller.codegen import Options
     from unroller.errors import ModelError
+    from unroller.options import Options
 
     kwargs = {"attn_implementation": "sdpa", "dropout": 0.1}
     text = import_network(f"{ZOO}:hf_bert", ["ids: i64[N, 16]"], kwargs=kwargs).text

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from unroller.api import generate_from_text
-from unroller.codegen import Options
 from unroller.importer.api import import_network
 from unroller.importer.hf_norms import float64_twin, is_llama_rmsnorm, swap_float64_twins
 from unroller.importer.model import ImportFailure
+from unroller.options import Options
 from unroller.verify import verify_text
 
 transformers = pytest.importorskip("transformers")

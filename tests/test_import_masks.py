@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from unroller.api import generate_from_text
-from unroller.codegen import Options
 from unroller.graph import build_graph
 from unroller.importer.api import import_network
 from unroller.importer.model import ImportFailure
+from unroller.options import Options
 from unroller.parser import parse
 from unroller.verify import make_inputs, verify_text
 

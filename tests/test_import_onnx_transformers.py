@@ -31,10 +31,10 @@ onnx = pytest.importorskip("onnx")
 transformers = pytest.importorskip("transformers")
 
 from unroller.api import generate_from_text, import_generated, write_atomic  # noqa: E402
-from unroller.codegen import Options  # noqa: E402
 from unroller.importer.api import import_network  # noqa: E402
 from unroller.importer.model import ImportFailure  # noqa: E402
 from unroller.importer.onnx_frontend import onnx_state_dict  # noqa: E402
+from unroller.options import Options  # noqa: E402
 from unroller.verify import NOISE_NOTE, verify_text  # noqa: E402
 
 TOLERANCE = 1e-10

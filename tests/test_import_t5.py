@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from unroller.api import generate_from_text
-from unroller.codegen import Options
 from unroller.importer.api import import_network
 from unroller.importer.model import ImportFailure
+from unroller.options import Options
 from unroller.runtime.positions import relative_buckets
 from unroller.verify import verify_text
 

@@ -18,7 +18,7 @@ from conftest import rel_err
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import make_inputs
 from unroller.bench.reference import suite_model_path as model_path
-from unroller.codegen import Options
+from unroller.options import Options
 from unroller.runtime import ipu_device, poptorch_emulation
 
 TOL = 1e-9

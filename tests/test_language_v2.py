@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import rel_err
 
-from unroller.codegen import Options
 from unroller.errors import ModelError
 from unroller.graph import build_graph
+from unroller.options import Options
 from unroller.parser import parse
 from unroller.runtime import ipu_device, poptorch_emulation
 

@@ -41,7 +41,8 @@ OUTSIDE = ("unroller.plan", "unroller.verify", "unroller.memory", "unroller.benc
 
 RENDER = """
 import json, sys
-from unroller.codegen import Options, render
+from unroller.codegen import render
+from unroller.options import Options
 from unroller.graph import build_graph
 from unroller.parser import parse
 

@@ -16,8 +16,9 @@ from unroller.api import graph_from_text, import_generated, render_graph, simula
 from unroller.bench.profiling import profile_step
 from unroller.bench.reference import BENCHMARKS
 from unroller.cli import app
-from unroller.codegen import Options, render
+from unroller.codegen import render
 from unroller.memory import simulate_graph
+from unroller.options import Options
 from unroller.plan import (
     config_of,
     make_plan,

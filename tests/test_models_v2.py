@@ -18,7 +18,7 @@ from conftest import fast_subset, rel_err
 from unroller.bench.reference import BENCHMARKS
 from unroller.bench.reference.sequence import VitEncoderBlock
 from unroller.cli import app
-from unroller.codegen import Options
+from unroller.options import Options
 from unroller.runtime import ipu_device, poptorch_emulation
 
 SGD = dict(lr=0.05, momentum=0.9)

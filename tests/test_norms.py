@@ -22,8 +22,8 @@ from conftest import rel_err
 from torch import Tensor, nn
 
 from unroller.api import generate_from_text, graph_from_text
-from unroller.codegen import Options
 from unroller.errors import ModelError
+from unroller.options import Options
 from unroller.runtime import ipu_device
 
 TOL = 1e-10

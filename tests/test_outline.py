@@ -18,8 +18,9 @@ from unroller.api import generate_from_text, generate_source, load_graph
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import make_inputs
 from unroller.bench.reference import suite_model_path as model_path
-from unroller.codegen import Emitter, Options
+from unroller.codegen import Emitter
 from unroller.ir import Step
+from unroller.options import Options
 from unroller.runtime import ipu_device, poptorch_emulation
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from unroller.api import generate_from_text, generate_source
-from unroller.codegen import Options
+from unroller.options import Options
 
 ROOT = Path(__file__).resolve().parent.parent
 MOBILENET = ROOT / "benchmarks/models/mobilenet_v2.txt"

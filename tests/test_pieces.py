@@ -23,8 +23,8 @@ import unroller.runtime.gpu as K
 from unroller import compress as C
 from unroller import platforms
 from unroller.api import generate_from_text, graph_from_text, simulate
-from unroller.codegen import Options
 from unroller.memory import simulate_graph
+from unroller.options import Options
 
 TOL = 1e-10
 ROOT = Path(__file__).resolve().parents[1]

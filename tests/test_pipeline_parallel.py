@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 from conftest import TESTS, assert_grads_close, rel_err
 
 from unroller.api import generate_source, import_generated, load_graph, write_atomic
-from unroller.codegen import Options, _value_range, read_header
+from unroller.codegen import _value_range, read_header
+from unroller.options import Options
 from unroller.pipeline_parallel import PipelineStage, Wire, boundaries_of, run_local, schedule
 from unroller.runtime.ipu_device import synthetic_batch
 

@@ -21,9 +21,10 @@ from unroller.api import graph_from_text
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import suite_model_path as model_path
 from unroller.cli import app
-from unroller.codegen import Options, read_header
+from unroller.codegen import read_header
 from unroller.errors import ConfigError
 from unroller.memory import simulate_graph
+from unroller.options import Options
 from unroller.registry import RegistryError, _op_spec, load_registry
 from unroller.schemes import load_config
 from unroller.stash import MAX_RECOMPUTE_OPS, plan_stash

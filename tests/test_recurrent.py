@@ -25,10 +25,10 @@ from conftest import rel_err
 from torch import Tensor, nn
 
 from unroller.api import generate_from_text, graph_from_text
-from unroller.codegen import Options
 from unroller.errors import ModelError
 from unroller.importer.api import import_network
 from unroller.importer.model import ImportFailure
+from unroller.options import Options
 from unroller.runtime import ipu_device
 from unroller.runtime import recurrent as R
 

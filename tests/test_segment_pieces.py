@@ -23,8 +23,9 @@ from unroller.api import generate_from_text, graph_from_text
 from unroller.bench.reference import BENCHMARKS
 from unroller.bench.reference import suite_model_path as model_path
 from unroller.cli import app
-from unroller.codegen import Options, read_header
+from unroller.codegen import read_header
 from unroller.memory import simulate_graph
+from unroller.options import Options
 from unroller.registry import load_registry
 from unroller.stash import plan_stash
 

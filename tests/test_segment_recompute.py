@@ -27,9 +27,10 @@ from unroller.bench.reference import BENCHMARKS, make_inputs
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import suite_model_path as model_path
 from unroller.cli import app
-from unroller.codegen import Options, read_header
+from unroller.codegen import read_header
 from unroller.errors import ConfigError, ModelError
 from unroller.memory import simulate_graph
+from unroller.options import Options
 from unroller.schemes import load_config
 from unroller.stash import plan_stash
 

@@ -25,8 +25,8 @@ from conftest import ROOT, rel_err
 from torch import nn
 
 from unroller.api import graph_from_text
-from unroller.codegen import Options
 from unroller.errors import ModelError
+from unroller.options import Options
 from unroller.runtime import common, gpu, ipu, ipu_device, poptorch_emulation, shapeops
 from unroller.shapes import ShapeError, TensorType, expand, matmul, reduce, softmax
 

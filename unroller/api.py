@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from unroller.codegen import Options, render
+from unroller.codegen import render
 from unroller.files import (  # noqa: F401  (re-exported: the library's file helpers)
     MAX_READ_BYTES,
     STALE_TEMP_SECONDS,
@@ -48,6 +48,7 @@ from unroller.load import (  # noqa: F401  (re-exported: model text -> graph)
     load_graph,
     read_model_text,
 )
+from unroller.options import Options
 from unroller.schemes import CompressionConfig
 
 if TYPE_CHECKING:

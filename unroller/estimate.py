@@ -31,12 +31,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from unroller.codegen import Options
 from unroller.compress import get as compressor
 from unroller.dtypes import DTYPE_BYTES
 from unroller.flops import forward_flops
 from unroller.graph import Graph, Node
 from unroller.memory import simulate_graph
+from unroller.options import Options
 from unroller.pipeline import ipu_report, split
 from unroller.schemes import CompressionConfig
 from unroller.stash import plan_stash

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from unroller.codegen import Options
 from unroller.importer.api import module_label, module_text
+from unroller.options import Options
 
 
 def cache_dir() -> Path:

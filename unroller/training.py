@@ -60,8 +60,8 @@ from unroller.api import (
     read_bounded,
     write_atomic,
 )
-from unroller.codegen import Options
 from unroller.metrics import PRIMARY, MetricSet
+from unroller.options import Options
 from unroller.run_folder import (
     CHECKPOINT,
     GENERATED,

@@ -35,11 +35,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unroller.ast import Call, Const, KwArg, ModelAST
-from unroller.codegen import Options, render
+from unroller.codegen import render
 from unroller.dtypes import is_float, torch_dtype
 from unroller.errors import ModelError
 from unroller.files import import_generated, source_label, write_atomic
 from unroller.graph import Graph, Node, Value, build_graph
+from unroller.options import Options
 from unroller.parser import parse, read_source
 
 if TYPE_CHECKING:

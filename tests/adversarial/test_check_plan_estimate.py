@@ -24,7 +24,7 @@ import unroller.plan as planner
 from tests.adversarial import cli_cases
 from tests.adversarial.cli_cases import invoke
 from unroller.api import load_graph
-from unroller.codegen import Options
+from unroller.options import Options
 
 MODEL = """\
 model lin {

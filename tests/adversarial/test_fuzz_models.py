@@ -38,9 +38,9 @@ from conftest import fast_format, time_limit
 
 from unroller import codegen
 from unroller.api import at_resolution, import_generated, render_graph, write_atomic
-from unroller.codegen import Options
 from unroller.errors import ModelError
 from unroller.graph import build_graph
+from unroller.options import Options
 from unroller.parser import parse, read_source
 from unroller.registry import load_registry
 

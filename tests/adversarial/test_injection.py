@@ -18,7 +18,8 @@ import pytest
 
 from unroller import codegen, safe
 from unroller.api import generate_source, graph_from_text, render_graph
-from unroller.codegen import Options, read_header, render
+from unroller.codegen import read_header, render
+from unroller.options import Options
 from unroller.schemes import CompressionConfig, Rule, make_codec
 
 TESTS = Path(__file__).resolve().parent.parent

@@ -26,11 +26,11 @@ from typer.testing import CliRunner
 from unroller import lint
 from unroller.api import generate_from_text, write_atomic
 from unroller.cli import app
-from unroller.codegen import Options
 from unroller.lint import LintReport, lint_module, lint_paths
 from unroller.lint import linter as lint_linter
 from unroller.lint import resolve as lint_resolve
 from unroller.lint import source as lint_source
+from unroller.options import Options
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,8 +16,8 @@ import torch
 from conftest import rel_err
 
 from unroller.api import generate_from_text
-from unroller.codegen import Options
 from unroller.names import _RESERVED_PATTERN, RESERVED, TEMPLATE_NAMES
+from unroller.options import Options
 from unroller.registry import load_registry
 from unroller.runtime import ipu_device, poptorch_emulation
 

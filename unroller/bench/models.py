@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from unroller.codegen import Options
+from unroller.options import Options
 
 
 def resolution_of(bench: Any, args: Any) -> int:

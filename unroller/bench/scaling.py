@@ -50,7 +50,8 @@ from unroller.bench import machine, options, output
 from unroller.bench.paths import ModelsNotFound, default_results_dir
 from unroller.bench.reference import BENCHMARKS
 from unroller.bench.stats import summary
-from unroller.codegen import PROCESS_STAGES, Options, _value_range
+from unroller.codegen import PROCESS_STAGES, _value_range
+from unroller.options import Options
 from unroller.pipeline import split
 from unroller.pipeline_parallel import PipelineStage, boundaries_of, run_local
 from unroller.runtime.ipu_device import synthetic_batch

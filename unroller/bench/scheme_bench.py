@@ -27,8 +27,8 @@ from unroller.bench.reference import Benchmark
 from unroller.bench.stashed import same_activations
 from unroller.bench.steps import step_ours
 from unroller.bench.timing import time_pair
-from unroller.codegen import Options
 from unroller.dtypes import torch_dtype
+from unroller.options import Options
 from unroller.schemes import SCHEMES
 from unroller.stash import plan_stash
 

@@ -54,7 +54,7 @@ from unroller.bench.paths import ModelsNotFound  # noqa: E402
 from unroller.bench.peers import STASH_METHODS, Method  # noqa: E402
 from unroller.bench.stats import summary  # noqa: E402
 from unroller.bench.timing import time_interleaved  # noqa: E402
-from unroller.codegen import Options  # noqa: E402
+from unroller.options import Options  # noqa: E402
 from unroller.platforms import platform as get_platform  # noqa: E402
 from unroller.runtime import ipu_device  # noqa: E402
 

@@ -128,7 +128,7 @@ def estimate(
         raise fail("--ipus must be 1, 2 or 4")
     names = _schemes(scheme)
     from unroller.api import load_graph, source_label
-    from unroller.codegen import Options
+    from unroller.options import Options
 
     try:
         graph = load_graph(model, resolution)

@@ -13,8 +13,9 @@ from pathlib import Path
 from unroller.api import source_label
 from unroller.cli.errors import config_error, fail
 from unroller.cli.options import parse_segments, value_of
-from unroller.codegen import PROCESS_STAGES, Options
+from unroller.codegen import PROCESS_STAGES
 from unroller.errors import ConfigError
+from unroller.options import Options
 from unroller.platforms import PLATFORMS, platform
 
 #: Every stage count some platform accepts: what a generated file's header may record.
