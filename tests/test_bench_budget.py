@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unroller.bench import budget, config, goals, main, models, output, peers, suite
+from unroller.bench import budget, config, main, models, output, peers, suite, targets
 from unroller.bench.reference import BENCHMARKS
 from unroller.bench.stats import summary
 
@@ -280,7 +280,7 @@ def test_budget_goals_per_scheme():
         _rec("checkpoint", "checkpoint", batch=20),
         _rec("hooks:dct-dense", "hooks", "dct-dense", batch=59),
     ]
-    found = _by_goal(goals.evaluate(records, device="cpu"))
+    found = _by_goal(targets.evaluate(records, device="cpu"))
     assert found["dense_max_batch"]["met"] is True  # 6.0x on ResNet-34
     assert found["ideal_batch:dct-dense"]["met"] is None  # stated for the U-Nets
     assert found["ahead_of_peers:dct-dense"]["met"] is True
@@ -291,12 +291,12 @@ def test_budget_goals_per_scheme():
     records[0]["max_batch"]["max_batch"] = 59  # level with the hook peer: not ahead
     records[0]["predicted"]["measured_over_floor"] = 1.3
     records[0]["time_ratio"]["median"] = 1.2
-    found = _by_goal(goals.evaluate(records, device="cpu"))
+    found = _by_goal(targets.evaluate(records, device="cpu"))
     assert found["ahead_of_peers:dct-dense"]["met"] is False
     assert found["dense_max_batch"]["met"] is False
     assert found["floor"]["met"] is False
     assert found["cpu_time"]["met"] is False
-    assert _by_goal(goals.evaluate(records, device="cuda"))["cpu_time"]["met"] is None
+    assert _by_goal(targets.evaluate(records, device="cuda"))["cpu_time"]["met"] is None
 
 
 def test_ideal_goal_on_the_unets_and_auto_entries():
@@ -306,7 +306,7 @@ def test_ideal_goal_on_the_unets_and_auto_entries():
         _rec("ours:dct-dense", scheme="dct-dense", batch=26, predicted=pred, benchmark="emdenoise"),
         _rec("autograd", "autograd", batch=5, benchmark="emdenoise"),
     ]
-    found = _by_goal(goals.evaluate(records))
+    found = _by_goal(targets.evaluate(records))
     assert found["ideal_batch:auto"]["met"] is False  # 30 / 20 = 1.5x
     assert found["ideal_batch:dct-dense"]["met"] is True  # 30 / 26 < 1.25x
     assert found["max_batch:auto"]["met"] is None  # the 6x goal is ResNet-34's

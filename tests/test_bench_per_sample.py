@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 
-from unroller.bench import budget, config, goals, main, output, peers, per_sample, plots, suite
+from unroller.bench import budget, config, main, output, peers, per_sample, plots, suite, targets
 from unroller.bench.stats import summary
 
 CPU = torch.device("cpu")
@@ -171,7 +171,7 @@ def _rec(method, slope, time=1.0, kind=None, bench="gpt_small", batches=(4, 8)):
 
 
 def _goals(records, command="python -m benchmarks.run --full"):
-    found = goals.evaluate(records, device="cpu", command=command)
+    found = targets.evaluate(records, device="cpu", command=command)
     return {(g["benchmark"], g["goal"]): g for g in found}
 
 
@@ -252,13 +252,13 @@ def test_resnet34_goal_and_which_models_carry_the_goals():
     rows[1]["time_ratio"]["median"] = 1.31  # dct-dense now too slow: quant is the best, 3x
     cnn = _goals(rows)["resnet34", "per_sample_best_cnn"]
     assert cnn["met"] is False and "ours:quant" in cnn["value"]
-    for bench in goals.TRANSFORMERS:
+    for bench in targets.TRANSFORMERS:
         keys = {k for b, k in _goals([_rec("autograd", 9, bench=bench)]) if b == bench}
         assert {"per_sample_nocompress", "per_sample_best"} <= keys
         assert "per_sample_best_cnn" not in keys
     keys = {k for _, k in _goals([_rec("autograd", 9, bench="emdenoise")])}
     assert not any(k.startswith("per_sample") for k in keys)
-    assert "command" not in goals.evaluate([_rec("autograd", 9)])[0]  # none given
+    assert "command" not in targets.evaluate([_rec("autograd", 9)])[0]  # none given
 
 
 # --------------------------------------------------------------------------- the tables
@@ -304,7 +304,7 @@ def test_markdown_csv_and_summary_carry_bytes_per_sample():
     ours = _full_record("ours:quant", MIB // 4, 0.125)
     flat = _full_record("ours:nocompress", 0, None)
     records = [ours, flat, ag]
-    found = goals.evaluate(records, command="python -m benchmarks.run")
+    found = targets.evaluate(records, command="python -m benchmarks.run")
     md = output.markdown(_meta(), records, found)
     header = next(line for line in md.splitlines() if line.startswith("| benchmark | batch"))
     assert header.endswith("| per sample MiB (b4->b8) | per sample vs autograd |")

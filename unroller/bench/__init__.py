@@ -8,7 +8,7 @@ Four presets, one command line (``cli``):
 
 - the suite (default; ``make bench``): ours per scheme against autograd, checkpointing
   and hook-based compression, with the memory-budget search (``suite``, ``config``,
-  ``models``, ``peers``, ``measure``, ``budget``, ``goals``, ``output``, ``plots``);
+  ``models``, ``peers``, ``measure``, ``budget``, ``targets``, ``output``, ``plots``);
 - ``core``: the generated step against autograd on the first models (``core``,
   ``core_report``; ``python -m benchmarks.core_bench``);
 - ``compress``: compressor throughput and what each scheme stores and costs

@@ -24,8 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from unroller.bench.goals import verdict
 from unroller.bench.per_sample import batches_label
+from unroller.bench.targets import verdict
 
 MIB = 1024.0 * 1024.0
 

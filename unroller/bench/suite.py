@@ -40,7 +40,6 @@ from unroller import crash  # noqa: E402
 from unroller.bench import (  # noqa: E402
     budget,
     config,
-    goals,
     machine,
     measure,
     models,
@@ -49,6 +48,7 @@ from unroller.bench import (  # noqa: E402
     peers,
     per_sample,
     plots,
+    targets,
 )
 from unroller.bench.paths import ModelsNotFound  # noqa: E402
 from unroller.bench.peers import STASH_METHODS, Method  # noqa: E402
@@ -904,7 +904,7 @@ def main(argv: Sequence[str], prog: str = "unroll bench") -> int:
         print(f"{prog}: error: no benchmark could be measured", file=sys.stderr)
         return crash.INTERNAL_ERROR
     meta = _meta(args, argv, prog)
-    found = goals.evaluate(records, device=device.type, command=meta["command"])
+    found = targets.evaluate(records, device=device.type, command=meta["command"])
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     prefix = "bench" if not _compiled(args) else f"bench_{args.platform}"

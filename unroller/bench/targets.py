@@ -1,11 +1,12 @@
-"""The issue's goals, evaluated on the run's records and reported met / not met.
+"""The suite's targets: thresholds a run's records are checked against, each reported
+met / not met / n/a in bench.md and as the ``goal`` lines of bench.jsonl.
 
-Nothing here asserts: each goal gives its headline figure (``value``), the details
-(``figures``), whether it was met (``met``; None where it cannot be evaluated: a scheme or
-peer not run, memory not measured, or a goal stated for other models). "Well below"
-every peer's peak is taken as at most ``DENSE_PEAK`` times it.
+Nothing here asserts: each target gives its headline figure (``value``), the details
+(``figures``), and whether the run met it (``met``; None where it cannot be evaluated: a
+scheme or peer not run, memory not measured, or a target stated for other models).
+"Well below" every peer's peak is taken as at most ``DENSE_PEAK`` times it.
 
-The goals under the memory budget (the "quarter" budget by default) are stated for
+Under the memory budget (the "quarter" budget by default) the targets are checked for
 ``auto`` and dct-dense (``BUDGET_SCHEMES``), one entry per scheme run: max batch >= 6x
 autograd's on ResNet-34, within 1.25x of the floor-limited ideal on the U-Nets and
 OpticalDamage, ahead of every hook-based peer and of checkpointing; for every ours:*
@@ -20,7 +21,7 @@ more per sample than autograd, and the best ours:* whose step time is within
 ``PER_SAMPLE_TIME`` of autograd's keeps ``PER_SAMPLE_LESS`` times less per sample than
 autograd and less than checkpointing; on ResNet-34 the same best keeps
 ``PER_SAMPLE_LESS`` times less. "Best" is picked among the rows that meet the time bound,
-so a scheme that saves memory only by being slow cannot meet it. These goals carry the
+so a scheme that saves memory only by being slow cannot meet it. These entries carry the
 command that measured them (``command``).
 """
 
@@ -76,7 +77,7 @@ TEXTS = {
     f"{PER_SAMPLE_TIME:g}x autograd's keeps >= {PER_SAMPLE_LESS:g}x less than autograd "
     "(ResNet-34)",
 }
-# the key each budget goal had before the quarter budget (dct-dense's 6x goal), kept for readers
+# the key dct-dense's max-batch target is recorded under (older runs' bench.jsonl use it too)
 GOAL_KEYS = {("max_batch", "dct-dense"): "dense_max_batch"}
 
 
@@ -352,7 +353,7 @@ def _budget_goals(bench: str, runs: dict[str, dict[str, Any]]) -> list[dict[str,
 def _per_sample_goals(
     bench: str, runs: dict[str, dict[str, Any]], command: str | None
 ) -> list[dict[str, Any]]:
-    """The bytes-per-sample goals of ``bench``: the transformers' two, ResNet-34's one."""
+    """The bytes-per-sample targets of ``bench``: the transformers' two, ResNet-34's one."""
     if bench in TRANSFORMERS:
         noc = _per_sample_nocompress(runs.get("ours:nocompress"), runs.get("autograd"))
         return [
@@ -372,8 +373,8 @@ def evaluate_benchmark(
     command: str | None = None,
 ) -> list[dict[str, Any]]:
     """``runs``: the records of one benchmark by method name; ``device``: where the steps
-    ran (the CPU time goal needs "cpu"); ``command``: the command line that measured
-    them, carried by the goals that state it."""
+    ran (the CPU time target needs "cpu"); ``command``: the command line that measured
+    them, carried by the bytes-per-sample entries. One entry per target checked."""
     noc, dense, ag = runs.get("ours:nocompress"), runs.get("ours:dct-dense"), runs.get("autograd")
     found = {
         "nocompress_time": _time_goal(noc, NOCOMPRESS_TIME),
@@ -395,6 +396,7 @@ def evaluate_benchmark(
 def evaluate(
     records: list[dict[str, Any]], device: str | None = None, command: str | None = None
 ) -> list[dict[str, Any]]:
+    """Every target checked on a run's records (grouped by benchmark, then method)."""
     by_bench: dict[str, dict[str, dict[str, Any]]] = {}
     for rec in records:
         by_bench.setdefault(rec["benchmark"], {})[rec["method"]] = rec
@@ -406,4 +408,5 @@ def evaluate(
 
 
 def verdict(met: bool | None) -> str:
+    """How an entry's ``met`` is printed: met, NOT met, or n/a (not evaluated)."""
     return "n/a" if met is None else ("met" if met else "NOT met")
