@@ -49,7 +49,7 @@ def describe(prog: str, argv: Sequence[str]) -> dict[str, Any]:
         "torch": torch.__version__,
         "num_threads": torch.get_num_threads(),
         "loadavg_start": loadavg(),
-        "command": shlex.join([*prog.split(), *argv]),
+        "command": shlex.join([*prog.split(), *map(shown_argument, argv)]),
         "executable": shown_path(sys.executable),
     }
 
@@ -63,3 +63,14 @@ def shown_path(path: str | os.PathLike[str]) -> str:
         return resolved.relative_to(Path.cwd().resolve()).as_posix()
     except ValueError:
         return resolved.name
+
+
+def shown_argument(word: str) -> str:
+    """A command-line word as a results file records it: an absolute path, alone or as
+    the value of ``--flag=PATH``, as ``shown_path`` shows it; any other word unchanged."""
+    flag, equals, value = word.partition("=") if word.startswith("-") else ("", "", word)
+    if not equals and flag:
+        return word
+    if not os.path.isabs(value):
+        return word
+    return flag + equals + shown_path(value)

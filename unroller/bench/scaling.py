@@ -753,7 +753,9 @@ def main(argv: Sequence[str], prog: str = "unroll bench scaling") -> int:
         records = run(args, work)
     finally:
         torch.set_num_threads(threads)
-    meta["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    meta["args"] = {
+        k: machine.shown_path(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+    }
     meta["methods"] = METHODS
     meta["wall_s"] = time.perf_counter() - started
     meta["loadavg_end"] = machine.loadavg()

@@ -321,7 +321,9 @@ def accuracy(
     if out is None:
         out = Path("runs") / f"accuracy-{model.stem}-{dataset.split(':', 1)[0]}"
     base = TrainConfig(model=str(model), **training_settings(locals()))
-    command = "unroll " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    from unroller.bench.machine import shown_argument  # results name no absolute path
+
+    command = "unroll " + " ".join(shlex.quote(shown_argument(a)) for a in sys.argv[1:])
     try:
         run_accuracy(
             base,
