@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from unroller.api import import_generated, write_atomic
 from unroller.bench.reference import BENCHMARKS
+from unroller.materialize import load_file, write_source
 from unroller.options import Options
 
 
@@ -34,7 +34,7 @@ def _worker(rank: int, folder: str, name: str, batch: int, steps: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path / 'store'}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     bench = BENCHMARKS[name]
-    model = import_generated(path / "model.py", f"dp_overlap_{rank}").Model()
+    model = load_file(path / "model.py", f"dp_overlap_{rank}").Model()
     reducer = distributed.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     inputs = bench.make_batch(batch, bench.native_resolution, 0)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = BENCHMARKS[args.benchmark]
     options = Options(data_parallel=True, resolution=bench.native_resolution)
     with tempfile.TemporaryDirectory() as folder:
-        write_atomic(Path(folder) / "model.py", bench.generate(options))
+        write_source(Path(folder) / "model.py", bench.generate(options))
         mp.spawn(_worker, args=(folder, args.benchmark, args.batch_size, args.steps), nprocs=2)
         found = torch.load(Path(folder) / "result.pt")
     command = "python -m benchmarks.dp_overlap " + " ".join(argv or sys.argv[1:])

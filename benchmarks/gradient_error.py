@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from unroller.api import compression_config, import_generated, load_graph, write_atomic
+from unroller.api import compression_config, load_graph
 from unroller.bench.reference import SUITE_REFERENCES, make_inputs, suite_model_path
-from unroller.codegen import render
+from unroller.materialize import materialize
 from unroller.options import Options
 from unroller.schemes import CompressionConfig, Rule
 from unroller.stash import plan_stash
@@ -40,14 +39,16 @@ COMMAND = "python -m benchmarks.gradient_error"
 
 def module_class(stem: str, config: CompressionConfig, folder: Path, tag: str) -> type:
     """The generated ``Model`` of test model ``stem`` under ``config``."""
-    graph = load_graph(suite_model_path(stem))
-    source = render(graph, f"tests/models/{stem}.txt", Options(scheme="nocompress"), config)
-    path = write_atomic(folder / f"{stem}_{tag}.py", source)
-    name = f"gradient_error_{stem}_{tag}"
-    try:
-        return import_generated(path, name).Model
-    finally:
-        sys.modules.pop(name, None)
+    return materialize(
+        load_graph(suite_model_path(stem)),
+        f"tests/models/{stem}.txt",
+        Options(scheme="nocompress"),
+        config,
+        folder=folder,
+        file_name=f"{stem}_{tag}.py",
+        module_name=f"gradient_error_{stem}_{tag}",
+        keep_module=False,
+    ).Model
 
 
 def scheme_config(stem: str, scheme: str) -> CompressionConfig:

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from unroller.api import import_generated, write_atomic
+from unroller.api import write_atomic
+from unroller.materialize import load_file, load_source
 from unroller.metrics import LABELS, REPORTED
 from unroller.schemes import SCHEMES
 from unroller.training import (
@@ -139,8 +140,8 @@ def initial_state(config: TrainConfig, seed: int, out: Path) -> Path:
         )
     if path.is_file():
         return path
-    write_atomic(module_path, source, follow_links=False)
-    Model = import_generated(module_path, f"unroller_init_{abs(hash(str(out.resolve())))}").Model
+    name = f"unroller_init_{abs(hash(str(out.resolve())))}"
+    Model = load_source(source, module_path.parent, GENERATED, name, follow_links=False).Model
     torch.manual_seed(seed)
     save_atomic(path, Model().state_dict(), follow_links=False)
     return path
@@ -198,7 +199,7 @@ def gradient_error(config: TrainConfig, run_dir: Path, baseline: Path, data) -> 
     grads = []
     for index, module in enumerate((baseline, run_dir / GENERATED)):
         name = f"unroller_probe_{index}_{abs(hash(str(module.resolve())))}"
-        model = import_generated(module, name).Model()
+        model = load_file(module, name).Model()
         check_model_state(run_dir / CHECKPOINT, checkpoint["model"], model)
         model.load_state_dict(checkpoint["model"])
         model.to(device)

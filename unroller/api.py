@@ -2,22 +2,15 @@
 
 ``load_graph`` reads and checks a model file; ``generate_source`` returns the text of
 the generated module; ``compression_config`` resolves a scheme, a config file or the
-planned ``auto`` scheme for a graph (which is why this layer sits above the planner).
-
-Reading a model text into a checked graph (``graph_from_text``, ``load_graph``) lives in
-``unroller.load``, below verify, the importer and the planner, which need it; this module
-re-exports it and stays the top: nothing it imports (the planner, verify, the memory
-model) imports it back. ``simulate`` is here, not in the memory model, for the same
-reason: a model text under the ``auto`` scheme is planned before it is simulated.
-
-The file helpers (``read_bounded``, ``write_atomic``, ``output_target``, ``stale_temps``,
-``import_generated``, ...) live in ``unroller.files``, below everything that verify, the
-planner, the estimate and the memory model import, and are re-exported here for callers.
+planned ``auto`` scheme for a graph; ``load_model_class`` generates, writes and imports
+(``unroller.materialize``). ``simulate`` predicts the memory of a model text under any
+scheme, ``auto`` planned first. The file helpers (``unroller.files``), the text -> graph
+step (``unroller.load``) and ``import_generated`` (``materialize.load_file``) are
+re-exported, so a caller needs one import.
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,7 +23,6 @@ from unroller.files import (  # noqa: F401  (re-exported: the library's file hel
     NotRegularFile,
     PathError,
     file_kind,
-    import_generated,
     output_target,
     read_bounded,
     read_limited,
@@ -48,6 +40,8 @@ from unroller.load import (  # noqa: F401  (re-exported: model text -> graph)
     load_graph,
     read_model_text,
 )
+from unroller.materialize import load_file as import_generated  # noqa: F401  (re-exported)
+from unroller.materialize import materialize
 from unroller.options import Options
 from unroller.schemes import CompressionConfig
 
@@ -58,9 +52,8 @@ if TYPE_CHECKING:
 def compression_config(options: Options, graph: Graph | None = None) -> CompressionConfig:
     """The resolved compression config of ``options`` for ``graph``: a built-in scheme or a
     config file (``Options.compression``), or the ``auto`` scheme planned for the graph
-    (``plan.auto_config``: one probe step of the uncompressed module). Resolving happens
-    here, in the library layer, so that ``codegen.render`` stays a pure function and the
-    code generator never imports the planner (which imports verify, which generates)."""
+    (``plan.auto_config``: one probe step of the uncompressed module). ``codegen.render``
+    takes the result: generation stays a pure function of a graph and a config."""
     if not options.planned:
         return options.compression(graph)
     if graph is None:
@@ -72,8 +65,7 @@ def compression_config(options: Options, graph: Graph | None = None) -> Compress
 
 def simulate(text: str, options: Options, batch_size: int, label: str = "<model>") -> Simulation:
     """``memory.simulate_graph`` of a model text under ``options`` (its scheme, resolution;
-    the ``auto`` scheme planned for the graph, which is why this is not in the memory
-    model: the planner imports the memory model)."""
+    the ``auto`` scheme planned for the graph)."""
     from unroller.memory import simulate_graph
 
     graph = graph_from_text(text, label, options.resolution)
@@ -110,11 +102,16 @@ def generate_from_text(source: str, options: Options | None = None, label: str =
 def load_model_class(
     path: str | Path, options: Options | None = None, directory: Path | None = None
 ):
-    """Generate, write to ``directory`` (a temp dir by default) and import; returns ``Model``."""
-    text = generate_source(path, options)
-    directory = Path(directory or tempfile.mkdtemp(prefix="unroller-"))
+    """Generate, write to ``directory`` (a temp dir by default) as
+    ``STEM_PLATFORM_SCHEME[_RESOLUTION].py`` and import; returns ``Model``."""
     options = options or Options()
+    graph = load_graph(path, options.resolution)
     suffix = f"_{options.resolution}" if options.resolution else ""
-    out = directory / f"{Path(path).stem}_{options.platform}_{options.scheme}{suffix}.py"
-    write_atomic(out, text)
-    return import_generated(out).Model
+    return materialize(
+        graph,
+        source_label(path),
+        options,
+        compression_config(options, graph),
+        folder=directory,
+        file_name=f"{Path(path).stem}_{options.platform}_{options.scheme}{suffix}.py",
+    ).Model

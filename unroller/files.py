@@ -1,6 +1,4 @@
-"""Files, read and written safely: the layer below the library (``unroller.api``) that
-verify, the planner, the estimate and the memory model use too, so none of them imports
-the library layer (which resolves configs through the planner) and no import cycle forms.
+"""Files, read and written safely, for every command and module that touches one.
 
 ``read_bounded`` reads a regular file only, at most a limit, and never blocks on a FIFO or
 reads a device; it raises ``NotRegularFile`` or ``FileTooLarge`` (both ``PathError``), which
@@ -9,20 +7,18 @@ mode for those messages. ``output_target`` says where a write to a path lands (t
 itself, or the regular file a symbolic link points to) and refuses folders, FIFOs, devices,
 sockets and dangling links; ``write_atomic`` replaces an output file only once the new
 text is complete; ``stale_temps`` finds the temporary files (``.NAME.unroller-tmp-PID-
-RANDOM``) an interrupted write left behind.
+RANDOM``) an interrupted write left behind. (A generated module is written and imported
+by ``unroller.materialize``, through ``write_atomic``.)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import secrets
 import stat
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 MAX_READ_BYTES = 64 * 1024 * 1024  # the most read from a model, config or existing output file
 TEMP_MARK = ".unroller-tmp-"  # write_atomic's temporary files: .NAME.unroller-tmp-PID-RANDOM
@@ -281,18 +277,6 @@ def _sync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def import_generated(path: str | Path, name: str | None = None) -> ModuleType:
-    """Import a generated module from a file path (tests and benchmarks use this)."""
-    path = Path(path)
-    name = name or f"unroller_generated_{abs(hash(path.resolve()))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def source_label(path: str | Path) -> str:

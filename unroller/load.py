@@ -1,11 +1,9 @@
-"""Model text -> checked graph: the bottom of the library layer.
+"""Model text -> checked graph: the first step of everything that starts from a text.
 
-Everything that starts from a model text (verify, the importer's self-check, the memory
-model's callers, the planner's callers) needs these, and the library entry points in
-``unroller.api`` sit above the planner, which sits above verify and the memory model. Were
-the text -> graph step in ``api``, each of those lower modules would import the top and
-close an import cycle; here it imports only the parser and the graph builder, and ``api``
-re-exports it for existing callers.
+Generation, verify, the importer's self-check, the memory model's callers and the planner's
+callers all read a model text the same way: parsed, image inputs optionally resized
+(``at_resolution``, to run the big benchmark inputs smaller on a CPU), built and checked as
+a graph. This module is that one way; ``unroller.api`` re-exports it.
 """
 
 from __future__ import annotations

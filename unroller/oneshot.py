@@ -19,7 +19,6 @@ original's parameters trains both.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,7 +26,8 @@ from typing import Any
 
 import torch
 
-from unroller.importer.api import module_label, module_text
+from unroller.importer.api import module_import, module_label, module_text
+from unroller.materialize import materialize
 from unroller.options import Options
 
 
@@ -41,8 +41,7 @@ def cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "unroller" / "generated"
 
 
-#: The model text of a module on example inputs, as ``unroll import`` writes it (it lives
-#: in the importer, which verify calls too: verify never imports this module).
+#: The model text of a module on example inputs, as ``unroll import`` writes it.
 import_text = module_text
 
 
@@ -84,23 +83,27 @@ def unroll(
     batch (only shapes and dtypes are read). The source is cached in ``directory`` (default
     ``cache_dir()``) under the hash of its text, so a second call with the same network
     and options imports the same file."""
-    from unroller.api import generate_from_text, import_generated, write_atomic
+    from unroller.api import compression_config, graph_from_text
 
-    text = import_text(module, inputs, target, loss, name)
+    imported = module_import(module, inputs, target, loss, name)
     options = options or Options(scheme=scheme)
     label = module_label(module, name)
-    source = generate_from_text(text, options, label=f"{label}.txt")
-    digest = hashlib.sha256(source.encode("utf-8")).hexdigest()[:20]
-    folder = Path(directory) if directory is not None else cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{label}_{digest}.py"
-    if not path.exists() or path.read_text(encoding="utf-8") != source:
-        write_atomic(path, source)
-    generated = import_generated(path, f"unroller_unrolled_{label}_{digest}")
-    model = generated.Model()
+    graph = imported.graph
+    if graph is None or options.resolution is not None:  # inputs resized: another graph
+        graph = graph_from_text(imported.text, f"{label}.txt", options.resolution)
+    loaded = materialize(
+        graph,
+        f"{label}.txt",
+        options,
+        compression_config(options, graph),
+        folder=Path(directory) if directory is not None else cache_dir(),
+        file_name=f"{label}_{{digest}}.py",
+        module_name=f"unroller_unrolled_{label}_{{digest}}",
+    )
+    model = loaded.Model()
     _share(model, module)
     model.train(module.training)
-    return Unrolled(model, text, source, path)
+    return Unrolled(model, imported.text, loaded.source, loaded.path)
 
 
 def _share(model: torch.nn.Module, original: torch.nn.Module) -> None:

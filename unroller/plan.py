@@ -47,6 +47,9 @@ import torch
 
 from unroller.flops import forward_flops
 from unroller.graph import Graph, Node
+from unroller.inputs import make_inputs
+from unroller.materialize import ModelBuilder
+from unroller.materialize import model_class as materialized_class
 from unroller.memory import Simulation, packed_bytes, simulate_graph
 from unroller.runtime.common import observe_stash
 from unroller.schemes import Codec, CompressionConfig, Rule, make_codec
@@ -59,7 +62,6 @@ from unroller.stash import (
     chosen_instances,
     plan_stash,
 )
-from unroller.verify import generated_class
 
 __all__ = [
     "AUTO_BATCH",
@@ -191,11 +193,12 @@ def run_probe(
     seed: int = 0,
     state: dict[str, torch.Tensor] | None = None,
     label: str = "<model>",
+    build: ModelBuilder = materialized_class,
 ) -> Probe:
     """One float32 step of the uncompressed module: seeded initial weights (or ``state``),
-    on ``batch`` or seeded synthetic inputs of the declared shapes."""
-    from unroller.verify import make_inputs
-
+    on ``batch`` or seeded synthetic inputs of the declared shapes; ``build`` makes the
+    module's class (``materialize.model_class``; a test or a caller with its own module
+    passes its own)."""
     source = "the batch given"
     if batch is None:
         batch = [
@@ -203,7 +206,7 @@ def run_probe(
         ]
         source = f"seeded synthetic inputs (batch {batch_size}, seed {seed})"
     torch.manual_seed(seed)
-    model = generated_class(graph, label)()
+    model = build(graph, label, None)()
     if state is not None:
         model.load_state_dict(state, strict=True)
     model.train()
@@ -522,12 +525,18 @@ def _segment_moves(
 
 
 def _planned_step(
-    graph: Graph, plan: MemoryPlan, probe: Probe, label: str, model_class: type | None = None
+    graph: Graph,
+    plan: MemoryPlan,
+    probe: Probe,
+    label: str,
+    planned: type | None = None,
+    build: ModelBuilder = materialized_class,
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """One step of the module planned by ``plan`` on the probe's batch and weights: per
     parameter with a gradient on both sides, (name, its gradient, the probe's uncompressed
-    one); ``model_class``: the planned module's class, when the caller has it already."""
-    model = (model_class or generated_class(graph, label, plan.config))()
+    one); ``planned``: the planned module's class, when the caller has it already, else
+    ``build`` makes it."""
+    model = (planned or build(graph, label, plan.config))()
     model.load_state_dict(probe.state, strict=True)
     model.train()
     model(*probe.inputs)
@@ -544,29 +553,34 @@ def measured_error(
     probe: Probe,
     label: str = "<model>",
     model_class: type | None = None,
+    build: ModelBuilder = materialized_class,
 ) -> float:
     """Relative error of all parameter gradients of one step under the plan, against the
     probe's uncompressed step (same weights, same batch); ``model_class``: the planned
-    module's class, when the caller has generated it already."""
+    module's class, when the caller has generated it already (else ``build`` makes it)."""
     num = den = 0.0
-    for _, got, ref in _planned_step(graph, plan, probe, label, model_class):
+    for _, got, ref in _planned_step(graph, plan, probe, label, model_class, build):
         num += float(torch.linalg.vector_norm((got - ref).double())) ** 2
         den += float(torch.linalg.vector_norm(ref.double())) ** 2
     return math.sqrt(num / den) if den > 0 else 0.0
 
 
 def auto_config(
-    graph: Graph, label: str = "<model>", segments: tuple[str, ...] = ()
+    graph: Graph,
+    label: str = "<model>",
+    segments: tuple[str, ...] = (),
+    build: ModelBuilder = materialized_class,
 ) -> CompressionConfig:
     """The ``auto`` scheme: a plan at ``AUTO_BATCH`` whose peak is within ``AUTO_SLACK`` of
     the least any plan reaches, candidates limited to round-trip errors of at most
     ``AUTO_MAX_ERROR``, calibrated on a seeded synthetic batch and seeded initial weights
     (so the same model text always gives the same file); ``segments``: block instances to
-    recompute in the backward (``("auto",)``: the plan chooses them)."""
+    recompute in the backward (``("auto",)``: the plan chooses them); ``build``: what makes
+    the probe's modules (``materialize.model_class``)."""
     key = (graph.source, graph.float_dtype, tuple(str(v.type) for v in graph.inputs), segments)
     if key not in _AUTO_PLANS:
-        probe = run_probe(graph, label=label)
-        config = checked_plan(graph, probe, AUTO_MAX_ERROR, segments, label).config
+        probe = run_probe(graph, label=label, build=build)
+        config = checked_plan(graph, probe, AUTO_MAX_ERROR, segments, label, build=build).config
         while len(_AUTO_PLANS) >= AUTO_PLANS_KEPT:
             del _AUTO_PLANS[next(iter(_AUTO_PLANS))]
         _AUTO_PLANS[key] = config
@@ -591,6 +605,7 @@ def checked_plan(
     label: str = "<model>",
     limit: float = AUTO_PARAM_ERROR,
     budget: int | None = None,
+    build: ModelBuilder = materialized_class,
 ) -> MemoryPlan:
     """``make_plan`` at ``AUTO_BATCH`` (``budget``; None: least peak + slack), then checked per parameter: one
     step of the planned module on the probe's batch and weights; while some parameter's
@@ -618,7 +633,8 @@ def checked_plan(
         lossy = [r for r in found.rows if r.choice.codec is not None]
         if not lossy:
             return []
-        over = {n for n, e in parameter_errors(graph, found, probe, label).items() if e >= limit}
+        errors = parameter_errors(graph, found, probe, label, build)
+        over = {n for n, e in errors.items() if e >= limit}
         if not over:
             return []
         return [r for r in lossy if _reach(units[r.tensor], upstream) & over] or lossy
@@ -635,7 +651,11 @@ def checked_plan(
 
 
 def parameter_errors(
-    graph: Graph, plan: MemoryPlan, probe: Probe, label: str = "<model>"
+    graph: Graph,
+    plan: MemoryPlan,
+    probe: Probe,
+    label: str = "<model>",
+    build: ModelBuilder = materialized_class,
 ) -> dict[str, float]:
     """Per parameter, the relative error of its gradient in one step under the plan against
     the probe's uncompressed step (same weights, same batch). A parameter whose exact
@@ -644,7 +664,7 @@ def parameter_errors(
     arithmetic), any change is a large relative error and means nothing."""
     floor = NEGLIGIBLE * plan.grad_norm
     found = {}
-    for name, got, ref in _planned_step(graph, plan, probe, label):
+    for name, got, ref in _planned_step(graph, plan, probe, label, build=build):
         norm = float(torch.linalg.vector_norm(ref.double()))
         if norm > floor:
             found[name] = float(torch.linalg.vector_norm((got - ref).double())) / norm

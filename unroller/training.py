@@ -55,11 +55,11 @@ from unroller.api import (
     PathError,
     file_kind,
     generate_source,
-    import_generated,
     load_graph,
     read_bounded,
     write_atomic,
 )
+from unroller.materialize import load_file
 from unroller.metrics import PRIMARY, MetricSet
 from unroller.options import Options
 from unroller.run_folder import (
@@ -997,14 +997,16 @@ def _start_model(
 ) -> tuple[Any, Any]:
     """The generated model, written into the run folder and imported from there, seeded,
     on ``device``, from ``config.init``'s weights on a ``fresh`` run; with more than one
-    process, its gradient reducer too (else None)."""
+    process, its gradient reducer too (else None). Rank 0 writes the file as every run
+    file is written (``run_folder.write_run_file``: never through a link), unless it holds
+    the text already; every rank imports it (``materialize.load_file``) after the barrier."""
     if rank == 0:
         claim_run_folder(out)
         if read_run_file(out / GENERATED) != source.encode("utf-8"):
             write_run_file(out / GENERATED, source)
     _barrier(world)
     module_name = f"unroller_train_{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"
-    Model = import_generated(out / GENERATED, module_name).Model
+    Model = load_file(out / GENERATED, module_name).Model
 
     torch.manual_seed(config.seed)
     random.seed(config.seed)

@@ -27,7 +27,6 @@ import copy
 import difflib
 import math
 import sys
-import tempfile
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,18 +34,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unroller.ast import Call, Const, KwArg, ModelAST
-from unroller.codegen import render
-from unroller.dtypes import is_float, torch_dtype
 from unroller.errors import ModelError
-from unroller.files import import_generated, source_label, write_atomic
+from unroller.files import source_label
 from unroller.graph import Graph, Node, Value, build_graph
-from unroller.options import Options
+from unroller.inputs import PASS_THROUGH, integer_bound, make_inputs  # noqa: F401 (verify's batch)
+from unroller.materialize import model_class
 from unroller.parser import parse, read_source
 
 if TYPE_CHECKING:
     import torch
-
-    from unroller.schemes import CompressionConfig
 
 TOLERANCE = 1e-10  # float64, relative: the project's bound for "the same gradients"
 TINY = 1e-300  # the floor of the relative error's denominator (see ``relative_error``)
@@ -57,8 +53,6 @@ ROUNDING_LEVEL = 1e-13
 SHAPE_OPS = ("permute", "transpose", "reshape", "flatten")
 #: Losses verify replays on the original's predictions (torch.nn.functional, mean).
 LOSS_OPS = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "bce_with_logits", "bce_loss")
-#: Ops an integer input may flow through on its way to what bounds it (embedding, a loss).
-PASS_THROUGH = (*SHAPE_OPS, "select", "slice", "expand")
 DROPOUT_MODES = ("seeded", "off")
 
 
@@ -327,37 +321,6 @@ def _loss_op(node: Node, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- inputs
 
 
-def make_inputs(graph: Graph, batch_size: int, seed: int) -> list[torch.Tensor]:
-    """Seeded tensors of the declared shapes, in declaration order (inputs and targets).
-
-    Float: standard normal in float64, except targets of binary cross-entropy, uniform in
-    [0, 1). Integer: uniform in [0, bound) with the bound what consumes them allows
-    (``num_embeddings``, the class count of a cross-entropy or nll_loss), else [0, 2); a
-    padding mask (read by ``padding_mask``) attends to every row's first token."""
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-    tensors = []
-    for value in graph.inputs:
-        shape = (batch_size, *value.type.shape[1:])
-        if is_float(value.type.dtype):
-            if _feeds_bce_target(value):
-                tensor = torch.rand(shape, generator=generator, dtype=torch.float64)
-            else:
-                tensor = torch.randn(shape, generator=generator, dtype=torch.float64)
-        else:
-            high = integer_bound(value) or 2
-            dtype = torch_dtype(value.type.dtype)
-            tensor = torch.randint(0, high, shape, generator=generator, dtype=dtype)
-            if _feeds_padding_mask(value) and len(shape) == 2:
-                # a padding mask: 0 and 1, the first token of every row attended, so that no
-                # query row is all padding, causal or not (the original may give it NaN);
-                # True / nonzero pads where the mask is inverted (key_padding_mask)
-                tensor[:, 0] = 0 if _feeds_padding_mask(value, inverted=True) else 1
-        tensors.append(tensor)
-    return tensors
-
-
 #: The most input and target elements one verify step makes, all together (1 GiB in
 #: float64): the language admits 2**34 per sample, and --batch-size is unbounded.
 MAX_VERIFY_ELEMENTS = 2**27
@@ -376,45 +339,6 @@ def check_input_size(graph: Graph, batch_size: int) -> None:
             f"{largest.type}); use a smaller --batch-size or smaller declared shapes",
             largest.loc,
         )
-
-
-def integer_bound(value: Value) -> int | None:
-    """The exclusive upper bound of valid integers for ``value`` (the smallest over its
-    consumers), following shape ops; None when nothing bounds it."""
-    bounds = []
-    for node, index in value.consumers:
-        op = node.op.name
-        if op == "embedding":
-            bounds.append(int(node.args["num_embeddings"]))
-        elif op == "padding_mask":  # 1 attends, 0 pads
-            bounds.append(2)
-        elif node.op.target == "classes" and index == 1:  # registry ``target``
-            bounds.append(int(node.inputs[0].type.shape[1]))
-        elif op in PASS_THROUGH:
-            found = integer_bound(node.output)
-            if found:
-                bounds.append(found)
-    return min(bounds) if bounds else None
-
-
-def _feeds_padding_mask(value: Value, inverted: bool | None = None) -> bool:
-    """Whether ``value`` reaches a ``padding_mask`` (one with ``invert`` as asked, if asked)."""
-    for node, _ in value.consumers:
-        if node.op.name == "padding_mask":
-            if inverted is None or bool(node.args.get("invert")) == inverted:
-                return True
-        elif node.op.name in PASS_THROUGH and _feeds_padding_mask(node.output, inverted):
-            return True
-    return False
-
-
-def _feeds_bce_target(value: Value) -> bool:
-    for node, index in value.consumers:
-        if node.op.target == "probabilities" and index == 1:
-            return True
-        if node.op.name in PASS_THROUGH and _feeds_bce_target(node.output):
-            return True
-    return False
 
 
 # ---------------------------------------------------------------------------- dropout
@@ -501,21 +425,9 @@ def _dropout_notes(mode: str, text: list[str], original: list[str], seed: int) -
 # ---------------------------------------------------------------------------- building
 
 
-def generated_class(graph: Graph, label: str, config: CompressionConfig | None = None) -> type:
-    """The gpu ``Model`` for ``graph`` (nocompress, or under ``config``), written to a
-    temporary folder and imported (the module leaves sys.modules again: the class keeps
-    what it needs)."""
-    options = Options(platform="gpu", scheme="nocompress")
-    config = config if config is not None else options.compression()
-    source = render(graph, label, options, config, readable=False)  # run, never read
-    with tempfile.TemporaryDirectory(prefix="unroller-verify-") as folder:
-        path = write_atomic(Path(folder) / "verified_model.py", source)
-        name = f"unroller_verify_{abs(hash(str(path)))}"
-        try:
-            module = import_generated(path, name)
-        finally:
-            sys.modules.pop(name, None)
-    return module.Model
+#: The gpu ``Model`` of a graph (nocompress, or under a config) that verify steps:
+#: ``materialize.model_class``, by the name callers know.
+generated_class = model_class
 
 
 def build_original(spec: Any, kwargs: dict | None) -> torch.nn.Module:
@@ -993,9 +905,8 @@ def verify_module(
 ) -> VerifyReport:
     """One float64 step of a built torch ``module``, imported on example ``inputs`` (and
     ``target``: ``importer.api.module_text``), against the module itself: the report
-    (``.ok``, ``.table()``); ``module`` is left as it is (a copy is stepped). Here rather
-    than in ``unroller.oneshot`` (which generates through the library layer, above the
-    planner that imports this module), so that this module imports nothing above it."""
+    (``.ok``, ``.table()``); ``module`` is left as it is (a copy is stepped). What
+    ``unroller.verify(...)`` and ``unroller.oneshot.verify`` run."""
     from unroller.importer.api import module_text
 
     text = module_text(module, inputs, target, loss, name)

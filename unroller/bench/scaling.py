@@ -45,12 +45,13 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from unroller import distributed
-from unroller.api import generate_from_text, graph_from_text, import_generated, write_atomic
+from unroller.api import generate_from_text, graph_from_text
 from unroller.bench import machine, options, output
 from unroller.bench.paths import ModelsNotFound, default_results_dir
 from unroller.bench.reference import BENCHMARKS
 from unroller.bench.stats import summary
 from unroller.codegen import PROCESS_STAGES, _value_range
+from unroller.materialize import load_file, write_source
 from unroller.options import Options
 from unroller.pipeline import split
 from unroller.pipeline_parallel import PipelineStage, boundaries_of, run_local
@@ -281,7 +282,7 @@ def _module_path(folder: str | Path, scheme: str, variant: str) -> Path:
 def load_model(folder: str | Path, scheme: str, variant: str, tag: str) -> torch.nn.Module:
     """The generated Model of ``variant`` (one, pipeline, dp) with the run's initial weights."""
     path = _module_path(folder, scheme, variant)
-    module = import_generated(path, f"scaling_{path.stem}_{tag}")
+    module = load_file(path, f"scaling_{path.stem}_{tag}")
     model = module.Model()
     model.load_state_dict(torch.load(Path(folder) / "initial.pt"))
     model.train()
@@ -423,9 +424,9 @@ def prepare(args: argparse.Namespace, work: Workload, folder: Path) -> list[Tens
         variants["dp"] = {"data_parallel": True}
     for scheme in dict.fromkeys([EXACT, *args.schemes]):
         for variant, extra in variants.items():
-            write_atomic(_module_path(folder, scheme, variant), work.source(scheme, **extra))
+            write_source(_module_path(folder, scheme, variant), work.source(scheme, **extra))
     torch.manual_seed(args.seed)
-    module = import_generated(_module_path(folder, EXACT, "one"), f"scaling_init_{folder.name}")
+    module = load_file(_module_path(folder, EXACT, "one"), f"scaling_init_{folder.name}")
     torch.save(module.Model().state_dict(), folder / "initial.pt")
     batch = work.make_batch(args.batch_size, args.seed)
     torch.save(batch, folder / "batch.pt")

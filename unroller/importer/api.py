@@ -17,8 +17,12 @@ from typing import TYPE_CHECKING, Any
 from unroller.importer.emit import emit_text, snake
 from unroller.importer.loss import add_loss
 from unroller.importer.model import (
+    DTYPES,
+    MAX_INPUT_DIMS,
+    MAX_SPEC_CHARS,
     ImportedModel,
     ImportFailure,
+    Tensor,
     check_elements,
     parse_tensor_spec,
 )
@@ -26,6 +30,8 @@ from unroller.importer.source import build_module, is_onnx, parse_kwargs, user_c
 
 if TYPE_CHECKING:
     import torch
+
+    from unroller.graph import Graph
 
 #: The most --input declarations a network may have.
 MAX_INPUTS = 64
@@ -36,6 +42,7 @@ class Imported:
     text: str
     model: ImportedModel
     state: dict[str, tuple[int, ...]]  # the original's state-dict keys and shapes
+    graph: Graph | None = None  # the text's checked graph (``check_text`` built it)
 
 
 def model_name(spec: str, name: str | None) -> str:
@@ -50,24 +57,27 @@ def model_name(spec: str, name: str | None) -> str:
 
 def import_network(
     spec: str,
-    inputs: list[str],
-    target: str | None = None,
+    inputs: Sequence[str | Tensor],
+    target: str | Tensor | None = None,
     loss: str = "cross_entropy",
     kwargs: str | dict | None = None,
     name: str | None = None,
     built=None,
 ) -> Imported:
-    """The model text for the network SPEC names (see ``unroll import --help``);
-    ``built``: the torch.nn module itself (``unroller.unroll``), SPEC then only its label."""
+    """The model text for the network SPEC names (see ``unroll import --help``), with its
+    checked graph; ``built``: the torch.nn module itself (``unroller.unroll``), SPEC then
+    only its label. ``inputs`` and ``target``: ``NAME: DTYPE[N, ...]`` as written on the
+    command line, or the declarations themselves (``module_import`` reads them off example
+    tensors), checked alike."""
     if not inputs:
         raise ImportFailure('give the network\'s inputs: --input "x: f32[N, 3, 224, 224]"')
     if len(inputs) > MAX_INPUTS:
         raise ImportFailure(f"{len(inputs)} --input options, more than the limit of {MAX_INPUTS}")
-    tensors = [parse_tensor_spec(text) for text in inputs]
+    tensors = [declared(item) for item in inputs]
     check_elements(tensors)
     if len({t.name for t in tensors}) != len(tensors):
         raise ImportFailure("two --input declarations have the same name")
-    target_spec = parse_tensor_spec(target, "--target") if target else None
+    target_spec = declared(target, "--target") if target else None
     label = model_name(spec, name)
     module = None  # the torch.nn original, to diagnose a text that does not build
     if is_onnx(spec):
@@ -95,7 +105,7 @@ def import_network(
     model.notes.insert(0, f"imported from {spec} by unroll import")
     try:
         text = emit_checked(model, spec)
-        check_text(text, state, spec)
+        graph = check_text(text, state, spec)
     except ImportFailure:
         if module is not None:  # the network or its declared inputs at fault: say so
             from unroller.importer.torch_frontend import diagnose
@@ -103,7 +113,31 @@ def import_network(
             with user_code(spec, "running it on example inputs"):
                 diagnose(module, tensors, f"SPEC {spec!r}")
         raise
-    return Imported(text, model, state)
+    return Imported(text, model, state, graph)
+
+
+def declared(item: str | Tensor, what: str = "--input") -> Tensor:
+    """A declared input or target: ``parse_tensor_spec`` of a command line's text, or a
+    declaration made from an example tensor, held to the same bounds (in the same words,
+    about the text it stands for)."""
+    if isinstance(item, str):
+        return parse_tensor_spec(item, what)
+    text = f"{item.name}: {item.text()}"
+    if len(text) > MAX_SPEC_CHARS:
+        raise ImportFailure(
+            f"{what}: {len(text):,} characters, more than the limit of {MAX_SPEC_CHARS:,}"
+        )
+    if item.dtype not in DTYPES or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", item.name):
+        raise ImportFailure(f"{what} {text!r}: expected NAME: DTYPE[N, d1, ...]")
+    if any(d <= 0 or d > 2**31 for d in item.dims):
+        raise ImportFailure(f"{what} {text!r}: dims after N must be positive integers")
+    if len(item.dims) > MAX_INPUT_DIMS:
+        raise ImportFailure(
+            f"{what} {item.name!r}: {len(item.dims)} dims after N, more than the limit of "
+            f"{MAX_INPUT_DIMS}"
+        )
+    check_elements([item], what)
+    return item
 
 
 def _reserved() -> set[str]:
@@ -121,8 +155,9 @@ def emit_checked(model: ImportedModel, spec: str) -> str:
         raise ImportFailure(f"internal error: cannot write the text of {spec}: {exc}") from None
 
 
-def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> None:
-    """The emitted text builds, and its tensors are the original's state dict."""
+def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> Graph:
+    """The emitted text builds, and its tensors are the original's state dict; the graph
+    it builds (so a caller generating from it builds it once)."""
     from unroller.errors import ModelError
     from unroller.load import graph_from_text
 
@@ -140,7 +175,7 @@ def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> None:
             if tensor.present:
                 ours[tensor.key] = tuple(tensor.shape)
     if not state:
-        return
+        return graph
     missing = sorted(set(state) - set(ours))
     extra = sorted(set(ours) - set(state))
     wrong = sorted(k for k in set(ours) & set(state) if tuple(ours[k]) != tuple(state[k]))
@@ -157,6 +192,7 @@ def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> None:
         raise ImportFailure(
             f"internal error: the imported state dict differs from {spec}'s: " + "; ".join(parts)
         )
+    return graph
 
 
 #: The model-text dtype of an example tensor's dtype (by ``torch.dtype`` name).
@@ -171,8 +207,8 @@ _DTYPES = {
 }
 
 
-def _spec(name: str, t: Any) -> str:
-    """``name: f32[N, 3, 32, 32]`` for an example batch ``t``."""
+def _declaration(name: str, t: Any) -> Tensor:
+    """The declaration ``name: f32[N, 3, 32, 32]`` of an example batch ``t``."""
     import torch
 
     if not isinstance(t, torch.Tensor) or t.dim() < 1:
@@ -180,8 +216,7 @@ def _spec(name: str, t: Any) -> str:
     dtype = str(t.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise ValueError(f"{name}: dtype {t.dtype} is not one a model input can have")
-    dims = ", ".join(["N", *map(str, t.shape[1:])])
-    return f"{name}: {_DTYPES[dtype]}[{dims}]"
+    return Tensor(name, _DTYPES[dtype], tuple(int(d) for d in t.shape[1:]))
 
 
 def module_label(module: torch.nn.Module, name: str | None) -> str:
@@ -194,20 +229,18 @@ def module_label(module: torch.nn.Module, name: str | None) -> str:
     return snake(type(module).__name__)
 
 
-def module_text(
+def module_import(
     module: torch.nn.Module,
     inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
     target: torch.Tensor | None = None,
     loss: str = "cross_entropy",
     name: str | None = None,
-) -> str:
-    """The model text of a built ``module`` on example ``inputs`` (and ``target``), as
-    ``unroll import`` writes it, for ``unroller.unroll`` and ``unroller.verify``. It is
-    here, not in ``unroller.oneshot``, so that verify (which the planner imports) reaches
-    it without importing the library layer that oneshot generates through. The inputs are
-    named x0, x1, ... (or by the keys of a dict, each reaching ``forward`` by keyword where
-    it names a parameter: ``{"input_ids": ..., "decoder_input_ids": ...}``) and the target
-    y."""
+) -> Imported:
+    """The import of a built ``module`` on example ``inputs`` (and ``target``), as ``unroll
+    import`` makes it: its model text and checked graph, for ``unroller.unroll`` and
+    ``unroller.verify``. The inputs are named x0, x1, ... (or by the keys of a dict, each
+    reaching ``forward`` by keyword where it names a parameter: ``{"input_ids": ...,
+    "decoder_input_ids": ...}``) and the target y."""
     import torch
 
     if isinstance(inputs, torch.Tensor):
@@ -216,9 +249,20 @@ def module_text(
         for key in inputs:
             if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"input name {key!r}: expected an identifier")
-        specs = [_spec(key, t) for key, t in inputs.items()]
+        specs = [_declaration(key, t) for key, t in inputs.items()]
     else:
-        specs = [_spec(f"x{i}", t) for i, t in enumerate(inputs)]
+        specs = [_declaration(f"x{i}", t) for i, t in enumerate(inputs)]
     label = module_label(module, name)
-    target_spec = _spec("y", target) if target is not None else None
-    return import_network(label, specs, target_spec, loss, name=label, built=module).text
+    target_spec = _declaration("y", target) if target is not None else None
+    return import_network(label, specs, target_spec, loss, name=label, built=module)
+
+
+def module_text(
+    module: torch.nn.Module,
+    inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
+    target: torch.Tensor | None = None,
+    loss: str = "cross_entropy",
+    name: str | None = None,
+) -> str:
+    """The model text of ``module_import``, as ``unroll import`` writes it."""
+    return module_import(module, inputs, target, loss, name).text

@@ -28,7 +28,6 @@ The model files are found in the checkout (``unroller.bench.paths``);
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from unroller.api import generate_from_text, import_generated, write_atomic
+from unroller.api import compression_config, generate_from_text, graph_from_text
 from unroller.bench.paths import benchmark_models_dir
 from unroller.bench.reference import batches
 from unroller.bench.reference.base import Reference
@@ -63,6 +62,7 @@ from unroller.bench.reference.sequence import (
     VitTiny,
     rewrite_context,
 )
+from unroller.materialize import materialize
 from unroller.options import Options
 
 #: the quick preset's sequence lengths of the two larger transformers: gpt_small at a
@@ -165,15 +165,21 @@ class Benchmark:
         return generate_from_text(text, options, label=self.label)
 
     def model_class(self, options: Options | None = None, directory: Path | None = None):
-        """Generate, write to ``directory`` (a new temp dir by default), import; returns
-        the generated ``Model`` class."""
+        """Generate, write to ``directory`` (a new temp dir by default) as
+        ``NAME_PLATFORM_SCHEME_RESOLUTION.py``, import; returns the generated ``Model``
+        class."""
         options = options or Options()
-        source = self.generate(options)
-        directory = Path(directory or tempfile.mkdtemp(prefix="unroller-bench-"))
+        text = self.model_text(options.resolution)
         resolution = self.check_resolution(options.resolution)
-        out = directory / f"{self.name}_{options.platform}_{options.scheme}_{resolution}.py"
-        write_atomic(out, source)
-        return import_generated(out).Model
+        graph = graph_from_text(text, self.label, options.resolution)
+        return materialize(
+            graph,
+            self.label,
+            options,
+            compression_config(options, graph),
+            folder=directory,
+            file_name=f"{self.name}_{options.platform}_{options.scheme}_{resolution}.py",
+        ).Model
 
 
 BENCHMARKS: dict[str, Benchmark] = {

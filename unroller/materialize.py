@@ -1,0 +1,201 @@
+"""A graph made into a running module: rendered, written to a file, imported.
+
+Generated code runs as a module imported from a file (tracebacks then point at real
+lines, and another process, a data-parallel rank or a benchmark worker, can import the
+same file). Every place that turns a graph into a ``Model`` class goes through here, so
+the three steps are done one way everywhere:
+
+- **render**: ``codegen.render`` under a resolved compression config (the caller
+  resolves ``auto``: ``unroller.api.compression_config``; built-in schemes and config
+  files resolve here through ``Options.compression``);
+- **write**: ``files.write_atomic`` (a temporary file beside the target, then a rename),
+  so a half-written file never replaces a good one; a file that already holds exactly
+  the text is left alone (a content-addressed cache, a run folder resumed);
+- **import**: ``load_file``, the one place that imports generated code
+  (``tests/test_materialize.py`` checks that no other module of the package or the
+  benchmarks does).
+
+File layout. ``folder`` is where the file goes (None: a temporary folder, removed again
+right after the import when ``keep_file`` is False); ``file_name`` its name, in which
+``{digest}`` stands for the first 20 hex digits of the source's SHA-256 (one-shot
+``unroller.unroll``'s cache: ``LABEL_{digest}.py``, so each distinct source has its own
+file). The callers' names: ``api.load_model_class`` ``STEM_PLATFORM_SCHEME[_RES].py``,
+the benchmark registry ``NAME_PLATFORM_SCHEME_RES.py``, verify and the planner
+``verified_model.py`` in a temporary folder, ``unroll train`` the run folder's
+``generated_model.py``, ``unroll accuracy`` ``init/generated_model.py``, the scaling
+benchmark ``VARIANT_SCHEME.py``. ``module_name`` (also with ``{digest}``) is the name in
+``sys.modules``; ``keep_module=False`` takes it out again after the import (the class
+keeps what it needs), for callers that build many modules in one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import shutil
+import stat
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from unroller.codegen import read_header, render
+from unroller.files import read_bounded, write_atomic
+from unroller.options import Options
+
+if TYPE_CHECKING:
+    from unroller.graph import Graph
+    from unroller.schemes import CompressionConfig
+
+DIGEST_CHARS = 20  # how much of the source's SHA-256 ``{digest}`` stands for
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A generated module as imported: the module object, the file it was imported from
+    (gone again when it was written to a temporary folder not kept) and its source."""
+
+    module: ModuleType
+    path: Path
+    source: str
+
+    @property
+    def Model(self) -> type:  # noqa: N802 - the generated class's own name
+        return self.module.Model
+
+    @property
+    def header(self) -> dict[str, Any] | None:
+        """The metadata the generated file records (``codegen.read_header``)."""
+        return read_header(self.source)
+
+
+def digest(source: str) -> str:
+    """The first ``DIGEST_CHARS`` hex digits of the source's SHA-256."""
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:DIGEST_CHARS]
+
+
+def materialize(
+    graph: Graph,
+    label: str,
+    options: Options | None = None,
+    config: CompressionConfig | None = None,
+    *,
+    folder: str | Path | None = None,
+    file_name: str = "generated_model.py",
+    module_name: str | None = None,
+    readable: bool = True,
+    keep_file: bool = True,
+    keep_module: bool = True,
+    follow_links: bool = True,
+) -> Loaded:
+    """``graph`` rendered under ``options`` and ``config`` (None: ``options.compression``,
+    which refuses the planned ``auto`` scheme: resolve it first), written and imported
+    (see the module docstring for ``folder``, ``file_name``, ``module_name`` and the
+    ``keep_`` flags). ``readable=False`` skips black: for modules that are run, never
+    read."""
+    options = options or Options()
+    config = config if config is not None else options.compression(graph)
+    source = render(graph, label, options, config, readable=readable)
+    return load_source(
+        source,
+        folder,
+        file_name,
+        module_name,
+        keep_file=keep_file,
+        keep_module=keep_module,
+        follow_links=follow_links,
+    )
+
+
+def load_source(
+    source: str,
+    folder: str | Path | None,
+    file_name: str = "generated_model.py",
+    module_name: str | None = None,
+    *,
+    keep_file: bool = True,
+    keep_module: bool = True,
+    follow_links: bool = True,
+) -> Loaded:
+    """A generated ``source`` already rendered (a caller that compares or hashes the text
+    first: ``unroll train``, ``unroll accuracy``), written into ``folder`` and imported, as
+    ``materialize`` does."""
+    fill = digest(source) if "{digest}" in file_name + (module_name or "") else ""
+    file_name = file_name.replace("{digest}", fill)
+    module_name = module_name.replace("{digest}", fill) if module_name else None
+    temporary = folder is None
+    where = Path(tempfile.mkdtemp(prefix="unroller-")) if temporary else Path(folder)
+    try:
+        path = write_source(where / file_name, source, follow_links=follow_links)
+        module = load_file(path, module_name, keep_module=keep_module)
+    finally:
+        if temporary and not keep_file:
+            shutil.rmtree(where, ignore_errors=True)
+    return Loaded(module, path, source)
+
+
+def write_source(path: str | Path, source: str, *, follow_links: bool = True) -> Path:
+    """Write ``source`` to ``path`` atomically unless the file holds exactly that text
+    already (then it is left as it is, its time stamp too); returns the file.
+    ``follow_links=False``: a link at ``path`` is refused (``files.write_atomic``), never
+    read through."""
+    path = Path(path)
+    if _holds(path, source.encode("utf-8"), follow_links):
+        return path
+    return write_atomic(path, source, follow_links=follow_links)
+
+
+def _holds(path: Path, data: bytes, follow_links: bool) -> bool:
+    try:
+        mode = (path.stat() if follow_links else path.lstat()).st_mode
+        return stat.S_ISREG(mode) and read_bounded(path) == data
+    except OSError:
+        return False
+
+
+def load_file(
+    path: str | Path, module_name: str | None = None, *, keep_module: bool = True
+) -> ModuleType:
+    """Import the generated module in the file at ``path`` (written by this process or
+    another: a data-parallel rank, a benchmark's parent process, an earlier run) as
+    ``module_name`` (default: one derived from the resolved path). The one place the
+    package imports generated code."""
+    path = Path(path)
+    name = module_name or f"unroller_generated_{abs(hash(path.resolve()))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if not keep_module:
+            sys.modules.pop(name, None)
+    return module
+
+
+def model_class(graph: Graph, label: str, config: CompressionConfig | None = None) -> type:
+    """The gpu ``Model`` of ``graph``, uncompressed or under ``config``, unformatted, from
+    a temporary folder removed right after the import, and out of ``sys.modules`` again:
+    the module verify and the planner step (run, never read)."""
+    options = Options(platform="gpu", scheme="nocompress")
+    loaded = materialize(
+        graph,
+        label,
+        options,
+        config,
+        file_name="verified_model.py",
+        module_name=f"unroller_verify_{abs(hash(label))}_{{digest}}",
+        readable=False,
+        keep_file=False,
+        keep_module=False,
+    )
+    return loaded.Model
+
+
+#: Builds the ``Model`` class of a graph under a config (None: uncompressed), labelled: the
+#: shape of ``model_class``, which the planner takes as a parameter.
+ModelBuilder = Callable[["Graph", str, "CompressionConfig | None"], type]
