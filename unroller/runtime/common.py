@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -46,6 +47,8 @@ Needs = tuple[bool, ...]
 Grads = tuple[Tensor | None, ...]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
+# aten's hardsigmoid_backward multiplies by scalar_t(1.0f / 6.0f): a float32 1/6, in float64 too
+_ONE_SIXTH_F32 = struct.unpack("f", struct.pack("f", 1.0 / 6.0))[0]
 #: The batch size of the step (or prediction) running now in this thread, recorded by
 #: ``check_inputs`` at its entry: expand(size=(N, ...)) of a tensor without the batch dim
 #: reads it (shapeops.expand). Per thread, so models stepping in parallel threads do not

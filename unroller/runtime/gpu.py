@@ -3,7 +3,9 @@
 Generated code calls ``K.<op>(...)`` and ``K.<op>_backward(...)`` inside ``torch.no_grad()``;
 the calling convention, the layer handles and the helpers are described in
 ``unroller.runtime.common``, which holds everything this module shares with ``ipu``. Here
-are only the kernels whose gpu code differs.
+are only the kernels whose gpu code differs, each under ``@conventions.implements`` (its
+parameters and defaults are ``unroller.runtime.conventions``' stub, written once for both);
+the kernels made from these (the 1-D pools, ...) come from ``unroller.runtime.derived``.
 
 Every backward calls the aten kernel that autograd's derivative formula calls, with the
 tensors autograd would have saved, so in float64 gradients equal ``torch.autograd``'s
@@ -16,7 +18,6 @@ sit side by side.
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,9 @@ from unroller.distributed import (
 # Shared kernels and helpers, exported from here as gpu kernels (see __all__ at the end).
 from unroller.runtime import attention as _blocks
 from unroller.runtime import common as _common
+from unroller.runtime import conventions, derived
 from unroller.runtime.common import (  # noqa: F401
+    _ONE_SIXTH_F32,
     IGNORE_INDEX,
     Grads,
     Layers,
@@ -156,8 +159,6 @@ from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__
 
 _aten = torch.ops.aten
 _MEAN = 1  # at::Reduction::Mean
-# aten's hardsigmoid_backward multiplies by scalar_t(1.0f / 6.0f): a float32 1/6, in float64 too
-_ONE_SIXTH_F32 = struct.unpack("f", struct.pack("f", 1.0 / 6.0))[0]
 _NO_OUTPUT_PADDING = (0, 0)
 _NO_DILATION = (1, 1)
 # Devices on which F.dropout uses the fused aten::native_dropout (ATen's is_fused_kernel_acceptable).
@@ -210,15 +211,8 @@ def _compiled(step: Step, backend: str | Callable[..., Any]) -> Step:
 # ---------------------------------------------------------------- convolutions
 
 
-def conv2d(
-    x: Tensor,
-    layer: torch.nn.Module,
-    *,
-    stride: Pair = (1, 1),
-    padding: Pair = (0, 0),
-    dilation: Pair = (1, 1),
-    groups: int = 1,
-) -> Tensor:
+@conventions.implements
+def conv2d(x, layer, *, stride, padding, dilation, groups):
     """aten::convolution, as F.conv2d; autograd saves x and weight."""
     weight, bias = _weight_bias(layer)
     return _aten.convolution(
@@ -350,20 +344,21 @@ def _conv_backward(
     return grad_x, grad_w, grad_b
 
 
+@conventions.implements
 def conv2d_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
+    g,
+    x,
+    layer,
     *,
-    stride: Pair = (1, 1),
-    padding: Pair = (0, 0),
-    dilation: Pair = (1, 1),
-    groups: int = 1,
-    needs: Needs | None = None,
+    stride,
+    padding,
+    dilation,
+    groups,
+    needs,
     piece_bytes: int = 0,
     in_place: bool = False,
     add_into: Tensor | None = None,
-) -> Grads:
+):
     """aten::convolution_backward (transposed=False); ``piece_bytes``, ``in_place``, ``add_into``: see
     _conv_backward."""
     mask = _need_mask(needs)
@@ -389,16 +384,8 @@ def conv2d_backward(
     return _fit(grads, needs)
 
 
-def conv_transpose2d(
-    x: Tensor,
-    layer: torch.nn.Module,
-    *,
-    stride: Pair = (1, 1),
-    padding: Pair = (0, 0),
-    output_padding: Pair = (0, 0),
-    dilation: Pair = (1, 1),
-    groups: int = 1,
-) -> Tensor:
+@conventions.implements
+def conv_transpose2d(x, layer, *, stride, padding, output_padding, dilation, groups):
     """aten::convolution(transposed=True), as F.conv_transpose2d; autograd saves x and weight."""
     weight, bias = _weight_bias(layer)
     return _aten.convolution(
@@ -406,21 +393,22 @@ def conv_transpose2d(
     )
 
 
+@conventions.implements
 def conv_transpose2d_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
+    g,
+    x,
+    layer,
     *,
-    stride: Pair = (1, 1),
-    padding: Pair = (0, 0),
-    output_padding: Pair = (0, 0),
-    dilation: Pair = (1, 1),
-    groups: int = 1,
-    needs: Needs | None = None,
+    stride,
+    padding,
+    output_padding,
+    dilation,
+    groups,
+    needs,
     piece_bytes: int = 0,
     in_place: bool = False,
     add_into: Tensor | None = None,
-) -> Grads:
+):
     """aten::convolution_backward (transposed=True); weight is [in, out/groups, kh, kw];
     ``piece_bytes``, ``in_place``, ``add_into``: see _conv_backward."""
     mask = _need_mask(needs)
@@ -449,9 +437,8 @@ def conv_transpose2d_backward(
 # ---------------------------------------------------------------- batch norm
 
 
-def batchnorm2d(
-    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
-) -> tuple[Tensor, Tensor, Tensor]:
+@conventions.implements
+def batchnorm2d(x, layer, *, eps, momentum):
     """aten::native_batch_norm(training=True), as nn.BatchNorm2d.train(): updates the layer's
     running stats (unbiased var) and num_batches_tracked in place; autograd saves x, weight,
     save_mean, save_invstd."""
@@ -467,19 +454,20 @@ def batchnorm2d(
     return _aten.native_batch_norm(x, weight, bias, running_mean, running_var, True, factor, eps)
 
 
+@conventions.implements
 def batchnorm2d_backward(
-    g: Tensor,
-    x: Tensor | RestoredInPieces,
-    layer: torch.nn.Module,
-    save_mean: Tensor,
-    save_invstd: Tensor,
+    g,
+    x,
+    layer,
+    save_mean,
+    save_invstd,
     *,
-    eps: float = 1e-05,
-    momentum: float | None = 0.1,
-    needs: Needs | None = None,
+    eps,
+    momentum,
+    needs,
     piece_bytes: int = 0,
     in_place: bool = False,
-) -> Grads:
+):
     """aten::native_batch_norm_backward(train=True); running stats are not read in training.
 
     ``piece_bytes`` (lossy schemes): in pieces of the batch (``_batchnorm_backward_pieces``)
@@ -594,9 +582,8 @@ def reduce_wait(layers: Layers) -> None:
         reducer.finish()
 
 
-def batchnorm2d_recompute(
-    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
-) -> Tensor:
+@conventions.implements
+def batchnorm2d_recompute(x, layer, *, eps, momentum):
     """The training forward's output again (``--recompute``): the same kernel on the same x
     gives the same bits, with no running statistics passed, so none change."""
     group = getattr(layer, SYNC_ATTR, None)
@@ -606,9 +593,8 @@ def batchnorm2d_recompute(
     return _aten.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)[0]
 
 
-def batchnorm2d_eval(
-    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
-) -> Tensor:
+@conventions.implements
+def batchnorm2d_eval(x, layer, *, eps, momentum):
     """aten::native_batch_norm(training=False): normalizes with the running stats, changes
     nothing."""
     weight, bias, running_mean, running_var, _ = _norm_tensors(layer)
@@ -623,9 +609,8 @@ def batchnorm2d_eval(
 # ---------------------------------------------------------------- activations
 
 
-def relu_backward(
-    g: Tensor, y: Tensor, *, needs: Needs | None = None, in_place: bool = False
-) -> Grads:
+@conventions.implements
+def relu_backward(g, y, *, needs, in_place: bool = False):
     """aten::threshold_backward(g, y, 0); y may be the bool mask y > 0 (same result).
     ``in_place``: written into ``g`` (the same kernels with ``g`` as their output, so the
     same bits), which the code generator passes when ``g`` is its own and dead after this
@@ -639,36 +624,38 @@ def relu_backward(
     return (_aten.threshold_backward(g, y, 0),)
 
 
-def sigmoid_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def sigmoid_backward(g, y, *, needs):
     """aten::sigmoid_backward(g, y)."""
     return (_aten.sigmoid_backward(g, y) if _need(needs, 0) else None,)
 
 
-def tanh_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def tanh_backward(g, y, *, needs):
     """aten::tanh_backward(g, y)."""
     return (_aten.tanh_backward(g, y) if _need(needs, 0) else None,)
 
 
-def gelu(x: Tensor, *, approximate: str = "none") -> Tensor:
+@conventions.implements
+def gelu(x, *, approximate):
     """aten::gelu; autograd saves the input."""
     return _aten.gelu(x, approximate=approximate)
 
 
-def gelu_backward(
-    g: Tensor, x: Tensor, *, approximate: str = "none", needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def gelu_backward(g, x, *, approximate, needs):
     """aten::gelu_backward(g, x, approximate)."""
     return (_aten.gelu_backward(g, x, approximate=approximate) if _need(needs, 0) else None,)
 
 
-def leaky_relu(x: Tensor, *, negative_slope: float = 0.01) -> Tensor:
+@conventions.implements
+def leaky_relu(x, *, negative_slope):
     """aten::leaky_relu; autograd saves the input."""
     return _aten.leaky_relu(x, negative_slope)
 
 
-def leaky_relu_backward(
-    g: Tensor, x: Tensor, *, negative_slope: float = 0.01, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def leaky_relu_backward(g, x, *, negative_slope, needs):
     """aten::leaky_relu_backward(g, x, negative_slope, self_is_result=False); x may be the
     bool mask x > 0."""
     if not _need(needs, 0):
@@ -682,19 +669,8 @@ def leaky_relu_backward(
 # relu6, hardtanh, silu, elu and softplus forwards are shared (common.py: one F call each).
 
 
-def relu6_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
-    """aten::hardtanh_backward(g, x, 0, 6) (F.relu6 is hardtanh); x may be the bool mask."""
-    return hardtanh_backward(g, x, min_val=0.0, max_val=6.0, needs=needs)
-
-
-def hardtanh_backward(
-    g: Tensor,
-    x: Tensor,
-    *,
-    min_val: float = -1.0,
-    max_val: float = 1.0,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def hardtanh_backward(g, x, *, min_val, max_val, needs):
     """aten::hardtanh_backward(g, x, min_val, max_val); x may be the bool mask of
     ``hardtanh_mask`` (g where set, +0 elsewhere: the same, bit for bit)."""
     if not _need(needs, 0):
@@ -704,12 +680,14 @@ def hardtanh_backward(
     return (_aten.hardtanh_backward(g, x, min_val, max_val),)
 
 
-def hardsigmoid(x: Tensor) -> Tensor:
+@conventions.implements
+def hardsigmoid(x):
     """aten::hardsigmoid; autograd saves the input."""
     return _aten.hardsigmoid(x)
 
 
-def hardsigmoid_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def hardsigmoid_backward(g, x, *, needs):
     """aten::hardsigmoid_backward(g, x); x may be the bool mask -3 < x < 3, then g times
     aten's constant 1/6 (a float32 1/6, also in float64) where set, +0 elsewhere."""
     if not _need(needs, 0):
@@ -719,41 +697,46 @@ def hardsigmoid_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) ->
     return (_aten.hardsigmoid_backward(g, x),)
 
 
-def hardswish(x: Tensor) -> Tensor:
+@conventions.implements
+def hardswish(x):
     """aten::hardswish; autograd saves the input."""
     return _aten.hardswish(x)
 
 
-def hardswish_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def hardswish_backward(g, x, *, needs):
     """aten::hardswish_backward(g, x)."""
     return (_aten.hardswish_backward(g, x) if _need(needs, 0) else None,)
 
 
-def silu_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def silu_backward(g, x, *, needs):
     """aten::silu_backward(g, x)."""
     return (_aten.silu_backward(g, x) if _need(needs, 0) else None,)
 
 
-def mish(x: Tensor) -> Tensor:
+@conventions.implements
+def mish(x):
     """aten::mish; autograd saves the input."""
     return _aten.mish(x)
 
 
-def mish_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def mish_backward(g, x, *, needs):
     """aten::mish_backward(g, x)."""
     return (_aten.mish_backward(g, x) if _need(needs, 0) else None,)
 
 
-def elu_backward(g: Tensor, x: Tensor, *, alpha: float = 1.0, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def elu_backward(g, x, *, alpha, needs):
     """aten::elu_backward(g, alpha, 1, 1, is_result=False, x), autograd's formula for F.elu."""
     if not _need(needs, 0):
         return (None,)
     return (_aten.elu_backward(g, alpha, 1, 1, False, x),)
 
 
-def softplus_backward(
-    g: Tensor, x: Tensor, *, beta: float = 1.0, threshold: float = 20.0, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def softplus_backward(g, x, *, beta, threshold, needs):
     """aten::softplus_backward(g, x, beta, threshold)."""
     if not _need(needs, 0):
         return (None,)
@@ -815,19 +798,14 @@ def _nll_grad_like(g: Tensor, log_probs: Tensor, target: Tensor, ignore_index: i
     return torch.zeros_like(log_probs).scatter_(1, index, weight.to(log_probs.dtype))
 
 
-def nll_loss(log_probs: Tensor, target: Tensor, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
+@conventions.implements
+def nll_loss(log_probs, target, *, ignore_index):
     """F.nll_loss (mean over the non-ignored targets; all ignored: nan, as torch)."""
     return _nll_forward(log_probs, target, ignore_index)
 
 
-def nll_loss_backward(
-    g: Tensor,
-    target: Tensor,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-    num_classes: int,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def nll_loss_backward(g, target, *, ignore_index, num_classes, needs):
     """aten's nll backward, given a 0-stride tensor of the input's shape [N, C, d1, ...]: it
     reads only sizes, so no activation is kept, only the target."""
     if not _need(needs, 0):
@@ -836,21 +814,16 @@ def nll_loss_backward(
     return _fit((_nll_backward(g, shape, target, ignore_index),), needs)
 
 
-def embedding(ids: Tensor, layer: torch.nn.Module, *, padding_idx: int | None = None) -> Tensor:
+@conventions.implements
+def embedding(ids, layer, *, padding_idx):
     """aten::embedding, as F.embedding (an id out of range raises, as torch); autograd keeps
     only the ids."""
     weight = layer.weight
     return _aten.embedding(weight, ids, _padding_row(padding_idx, weight.shape[0]), False, False)
 
 
-def embedding_backward(
-    g: Tensor,
-    ids: Tensor,
-    layer: torch.nn.Module,
-    *,
-    padding_idx: int | None = None,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def embedding_backward(g, ids, layer, *, padding_idx, needs):
     """(None for the ids, aten::embedding_dense_backward for the weight): a dense gradient
     whose padding_idx row stays zero."""
     if not _need(needs, 1):
@@ -872,23 +845,14 @@ def _padding_row(padding_idx: int | None, num_embeddings: int) -> int:
 # ---------------------------------------------------------------- pooling
 
 
-def maxpool2d(
-    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), ceil_mode: bool = False
-) -> tuple[Tensor, Tensor]:
+@conventions.implements
+def maxpool2d(x, *, kernel_size, stride, padding, ceil_mode):
     """aten::max_pool2d_with_indices (dilation 1); autograd saves x and indices."""
     return _aten.max_pool2d_with_indices(x, kernel_size, stride, padding, _NO_DILATION, ceil_mode)
 
 
-def maxpool2d_backward(
-    g: Tensor,
-    indices: Tensor,
-    *,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair = (0, 0),
-    input_hw: Pair,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def maxpool2d_backward(g, indices, *, kernel_size, stride, padding, input_hw, needs):
     """aten::max_pool2d_with_indices_backward, which reads only the input's sizes, so no
     activation is kept: just the indices, or (non-overlapping windows) a bool mask of the
     argmax positions from ``maxpool2d_mask``, whose gradient is the same, bit for bit."""
@@ -914,14 +878,8 @@ def _window_of(size: int, stride: int, padding: int, out: int, device: torch.dev
     return ((torch.arange(size, device=device) + padding) // stride).clamp_(max=out - 1)
 
 
-def maxpool2d_mask(
-    indices: Tensor,
-    *,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair = (0, 0),
-    input_hw: Pair,
-) -> Tensor:
+@conventions.implements
+def maxpool2d_mask(indices, *, kernel_size, stride, padding, input_hw):
     """The argmax positions as a bool mask of the input's shape (one per window; ties
     resolved as PyTorch resolved them). Exact only for non-overlapping windows."""
     n, c = indices.shape[:2]
@@ -930,22 +888,14 @@ def maxpool2d_mask(
     return mask.reshape(n, c, *input_hw)
 
 
-def avgpool2d(
-    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), ceil_mode: bool = False
-) -> Tensor:
+@conventions.implements
+def avgpool2d(x, *, kernel_size, stride, padding, ceil_mode):
     """aten::avg_pool2d (count_include_pad); the backward needs no activation."""
     return _aten.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, True, None)
 
 
-def avgpool2d_backward(
-    g: Tensor,
-    *,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair = (0, 0),
-    input_hw: Pair,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def avgpool2d_backward(g, *, kernel_size, stride, padding, input_hw, needs):
     """aten::avg_pool2d_backward; it reads only the input's shape, given as a 0-stride tensor."""
     if not _need(needs, 0):
         return (None,)
@@ -956,16 +906,16 @@ def avgpool2d_backward(
     )
 
 
-def adaptive_avgpool2d(x: Tensor, *, output_size: Pair) -> Tensor:
+@conventions.implements
+def adaptive_avgpool2d(x, *, output_size):
     """As F.adaptive_avg_pool2d: a mean over H, W for 1x1, else aten::_adaptive_avg_pool2d."""
     if tuple(output_size) == (1, 1):
         return x.mean((-1, -2), keepdim=True)
     return _aten._adaptive_avg_pool2d(x, output_size)
 
 
-def adaptive_avgpool2d_backward(
-    g: Tensor, *, output_size: Pair, input_hw: Pair, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def adaptive_avgpool2d_backward(g, *, output_size, input_hw, needs):
     """mean's backward (expand / numel) for 1x1, else aten::_adaptive_avg_pool2d_backward
     given a 0-stride tensor of the input's shape."""
     if not _need(needs, 0):
@@ -986,13 +936,8 @@ def _upsample_size(
     return [int(hw[0] * scale_factor[0]), int(hw[1] * scale_factor[1])]
 
 
-def upsample(
-    x: Tensor,
-    *,
-    scale_factor: tuple[float, float],
-    mode: str = "nearest",
-    align_corners: bool | None = False,
-) -> Tensor:
+@conventions.implements
+def upsample(x, *, scale_factor, mode, align_corners):
     """As nn.Upsample(scale_factor=...): aten::upsample_{nearest,bilinear}2d with the scales
     passed through, as F.interpolate with recompute_scale_factor=None; saves nothing."""
     size = _upsample_size(x.shape[-2:], scale_factor)
@@ -1004,15 +949,8 @@ def upsample(
     raise ValueError(f"upsample: unsupported mode {mode!r}")
 
 
-def upsample_backward(
-    g: Tensor,
-    *,
-    scale_factor: tuple[float, float],
-    mode: str = "nearest",
-    align_corners: bool | None = False,
-    input_hw: Pair,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def upsample_backward(g, *, scale_factor, mode, align_corners, input_hw, needs):
     """aten::upsample_{nearest,bilinear}2d_backward; sizes come from g and input_hw."""
     if not _need(needs, 0):
         return (None,)
@@ -1031,7 +969,8 @@ def upsample_backward(
 # ---------------------------------------------------------------- dropout
 
 
-def dropout(x: Tensor, *, p: float = 0.5) -> tuple[Tensor, Tensor | None]:
+@conventions.implements
+def dropout(x, *, p):
     """As F.dropout(train=True), same random draws. Saves a bool keep-mask (autograd saves float
     noise on CPU, the same bool mask from aten::native_dropout on CUDA). The mask is None for
     p == 0 (identity) and p == 1 (all dropped)."""
@@ -1046,9 +985,8 @@ def dropout(x: Tensor, *, p: float = 0.5) -> tuple[Tensor, Tensor | None]:
     return x * noise.div_(1 - p), mask
 
 
-def dropout_backward(
-    g: Tensor, mask: Tensor | None, *, p: float = 0.5, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def dropout_backward(g, mask, *, p, needs):
     """g * noise with noise rebuilt from the mask exactly as forward made it (CPU), or
     aten::native_dropout_backward (fused devices)."""
     if not _need(needs, 0):
@@ -1065,13 +1003,8 @@ def dropout_backward(
 # ---------------------------------------------------------------- losses (mean reduction)
 
 
-def cross_entropy(
-    logits: Tensor,
-    target: Tensor,
-    *,
-    label_smoothing: float = 0.0,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[Tensor, Tensor]:
+@conventions.implements
+def cross_entropy(logits, target, *, label_smoothing, ignore_index):
     """As F.cross_entropy: aten::_log_softmax over dim 1 then aten's nll (nll_loss_nd's
     choice of kernel and view); with label smoothing, PyTorch's composite
     (1 - ls) * nll + ls / C * (the mean over kept elements of -sum_c log_probs), op for op.
@@ -1098,16 +1031,10 @@ def cross_entropy(
     return (1 - label_smoothing) * nll + smooth * (label_smoothing / classes), log_probs
 
 
+@conventions.implements
 def cross_entropy_backward(
-    g: Tensor,
-    log_probs: Tensor,
-    target: Tensor,
-    *,
-    label_smoothing: float = 0.0,
-    ignore_index: int = IGNORE_INDEX,
-    needs: Needs | None = None,
-    consume: bool = False,
-) -> Grads:
+    g, log_probs, target, *, label_smoothing, ignore_index, needs, consume: bool = False
+):
     """aten's nll backward then aten::_log_softmax_backward_data; the total weight is the
     count of non-ignored targets, as nll_loss_forward computes it. With label smoothing,
     the composite's backward step by step: mul, then div by the count, sum's expand,
@@ -1158,19 +1085,22 @@ def _cross_entropy_grad_into(
     return grad.scatter_add_(1, index, w_nll.neg())
 
 
-def mse_loss(a: Tensor, b: Tensor) -> Tensor:
+@conventions.implements
+def mse_loss(a, b):
     """aten::mse_loss(mean); autograd saves both arguments."""
     return _aten.mse_loss(a, b, _MEAN)
 
 
-def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def mse_loss_backward(g, a, b, *, needs):
     """aten::mse_loss_backward for a, and with the arguments swapped for b (derivatives.yaml)."""
     ga = _aten.mse_loss_backward(g, a, b, _MEAN) if _need(needs, 0) else None
     gb = _aten.mse_loss_backward(g, b, a, _MEAN) if _need(needs, 1) else None
     return (ga, gb)
 
 
-def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def l1_loss_backward(g, a, b, *, needs):
     """mean -> abs -> sub backward: sgn(a - b) * g / numel for a, its negation for b."""
     if not (_need(needs, 0) or _need(needs, 1)):
         return (None, None)
@@ -1179,12 +1109,14 @@ def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = N
     return (ga if _need(needs, 0) else None, ga.neg() if _need(needs, 1) else None)
 
 
-def bce_loss(p: Tensor, t: Tensor) -> Tensor:
+@conventions.implements
+def bce_loss(p, t):
     """aten::binary_cross_entropy(mean); autograd saves both arguments."""
     return _aten.binary_cross_entropy(p, t, None, _MEAN)
 
 
-def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def bce_loss_backward(g, p, t, *, needs):
     """aten::binary_cross_entropy_backward for p; for t, -logit(p) * g / numel (autograd's
     binary_cross_entropy_target_backward)."""
     gp = _aten.binary_cross_entropy_backward(g, p, t, None, _MEAN) if _need(needs, 0) else None
@@ -1192,14 +1124,14 @@ def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: Needs | None = 
     return (gp, gt)
 
 
-def bce_with_logits(x: Tensor, t: Tensor) -> Tensor:
+@conventions.implements
+def bce_with_logits(x, t):
     """aten::binary_cross_entropy_with_logits(mean); autograd saves both arguments."""
     return _aten.binary_cross_entropy_with_logits(x, t, None, None, _MEAN)
 
 
-def bce_with_logits_backward(
-    g: Tensor, x: Tensor, t: Tensor, *, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def bce_with_logits_backward(g, x, t, *, needs):
     """(sigmoid(x) - t) * g / numel for x and -x * g / numel for t, as autograd's
     binary_cross_entropy_with_logits_{,target_}backward."""
     gx = (x.sigmoid() - t).mul_(g).div_(x.numel()) if _need(needs, 0) else None
@@ -1210,16 +1142,16 @@ def bce_with_logits_backward(
 # ---------------------------------------------------------------- softmax, log_softmax (v2)
 
 
-def softmax_backward(g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def softmax_backward(g, y, *, dim, needs):
     """aten's _softmax_backward_data with the saved output, as autograd."""
     if not _need(needs, 0):
         return (None,)
     return (torch._softmax_backward_data(g, y, dim, y.dtype),)
 
 
-def log_softmax_backward(
-    g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def log_softmax_backward(g, y, *, dim, needs):
     """aten's _log_softmax_backward_data with the saved output, as autograd."""
     if not _need(needs, 0):
         return (None,)
@@ -1336,17 +1268,8 @@ def _attention(
     return _blocks.scaled_dot_product_attention(q, k, v, bias, is_causal=is_causal, scale=scale)
 
 
-def scaled_dot_product_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None = None,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    dropout: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+@conventions.implements
+def scaled_dot_product_attention(q, k, v, bias, *, is_causal, scale, enable_gqa, dropout):
     """F.scaled_dot_product_attention (a float attn_mask ``bias`` [N or 1, H or 1, L, S]
     added to the scores, and/or the causal mask). Returns (output [N, H, L,
     Ev], lse [N, H, L], seed); the backward reads q, k, v, the output, lse and the seed.
@@ -1363,23 +1286,6 @@ def scaled_dot_product_attention(
         return out, lse, seed
     out, lse = _attention(q, k, v, is_causal, scale, bias)
     return out, lse, None
-
-
-def scaled_dot_product_attention_eval(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None = None,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    dropout: float = 0.0,
-) -> Tensor:
-    """The attention in evaluation mode: no dropout (as torch modules pass dropout_p=0 then)."""
-    return scaled_dot_product_attention(
-        q, k, v, bias, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-    )[0]
 
 
 def attention_seed() -> Tensor:
@@ -1416,22 +1322,10 @@ def _dropped_attention(q, k, v, keep, p, is_causal, scale, bias) -> tuple[Tensor
     return torch.matmul(probs * keep / (1 - p), v), lse
 
 
+@conventions.implements
 def scaled_dot_product_attention_backward(
-    g: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    output: Tensor,
-    lse: Tensor,
-    seed: Tensor | None = None,
-    bias: Tensor | None = None,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    dropout: float = 0.0,
-    needs: Needs | None = None,
-) -> Grads:
+    g, q, k, v, output, lse, seed, bias, *, is_causal, scale, enable_gqa, dropout, needs
+):
     """Gradients of q, k, v and the bias (only those ``needs`` asks for), the probabilities
     remade from q, k, the bias and lse (and the dropout mask from the seed)."""
     if not any(_need(needs, i) for i in range(4 if bias is not None else 3)):
@@ -1488,14 +1382,8 @@ def _mha_tensors(layer: torch.nn.Module) -> tuple[Tensor, Tensor | None, Tensor,
     return layer.in_proj_weight, getattr(layer, "in_proj_bias", None), out_weight, out_bias
 
 
-def multihead_attention(
-    x: Tensor,
-    bias: Tensor | torch.nn.Module | None,
-    layer: torch.nn.Module | None = None,
-    *,
-    num_heads: int,
-    is_causal: bool = False,
-) -> tuple[Tensor, ...]:
+@conventions.implements
+def multihead_attention(x, bias, layer, *, num_heads, is_causal):
     """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False): the packed
     in-projection [N, L, 3E], whose thirds seen as [N, H, L, E/H] are q, k and v (views: ATen's
     CPU flash kernels read them strided, faster than from copies, and write the output in
@@ -1554,21 +1442,10 @@ def _packed_grad(
     return g_proj.view(n * length, 3 * heads * head_dim), grads[3] if need_bias else None
 
 
+@conventions.implements
 def multihead_attention_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lse: Tensor,
-    context: Tensor,
-    bias: Tensor | None = None,
-    *,
-    is_causal: bool = False,
-    needs: Needs | None = None,
-    accumulate: bool = False,
-) -> Grads:
+    g, x, layer, q, k, v, lse, context, bias, *, is_causal, needs, accumulate: bool = False
+):
     """The backward of the forward above: the out-projection's (rows in [N, L] order), the
     attention's (block by block, from q, k, v, the context as its output and lse), the
     heads joined back into the packed layout, then the in-projection's. Gradients: x,
@@ -1617,24 +1494,15 @@ def _mha_backward(
 # ---------------------------------------------------------------- normalisation and 1-D ops (v2)
 
 
-def layernorm(
-    x: Tensor, layer: torch.nn.Module, *, normalized_shape: tuple[int, ...], eps: float = 1e-05
-) -> tuple[Tensor, Tensor, Tensor]:
+@conventions.implements
+def layernorm(x, layer, *, normalized_shape, eps):
     """aten::native_layer_norm, as F.layer_norm; autograd saves x, mean, rstd, weight, bias."""
     weight, bias = _weight_bias(layer)
     return _aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
 
 
-def layernorm_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    mean: Tensor,
-    rstd: Tensor,
-    *,
-    normalized_shape: tuple[int, ...],
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def layernorm_backward(g, x, layer, mean, rstd, *, normalized_shape, needs):
     """aten::native_layer_norm_backward; bias is read only for its presence (its gradient)."""
     mask = _need_mask(needs)
     if not any(mask):
@@ -1644,25 +1512,16 @@ def layernorm_backward(
     return _fit(grads, needs)
 
 
-def groupnorm(
-    x: Tensor, layer: torch.nn.Module, *, num_groups: int, eps: float = 1e-05
-) -> tuple[Tensor, Tensor, Tensor]:
+@conventions.implements
+def groupnorm(x, layer, *, num_groups, eps):
     """aten::native_group_norm, as F.group_norm; autograd saves x, weight, mean, rstd."""
     weight, bias = _weight_bias(layer)
     n, c = x.shape[:2]
     return _aten.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(), num_groups, eps)
 
 
-def groupnorm_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    mean: Tensor,
-    rstd: Tensor,
-    *,
-    num_groups: int,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def groupnorm_backward(g, x, layer, mean, rstd, *, num_groups, needs):
     """aten::native_group_norm_backward."""
     mask = _need_mask(needs)
     if not any(mask):
@@ -1683,34 +1542,28 @@ batchnorm1d_eval = batchnorm2d_eval
 batchnorm1d_recompute = batchnorm2d_recompute
 
 
-def conv1d(
-    x: Tensor,
-    layer: torch.nn.Module,
-    *,
-    stride: int = 1,
-    padding: int = 0,
-    dilation: int = 1,
-    groups: int = 1,
-) -> Tensor:
+@conventions.implements
+def conv1d(x, layer, *, stride, padding, dilation, groups):
     """aten::convolution on [N, C, L], as F.conv1d; autograd saves x and weight."""
     weight, bias = _weight_bias(layer)
     return _aten.convolution(x, weight, bias, [stride], [padding], [dilation], False, [0], groups)
 
 
+@conventions.implements
 def conv1d_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
+    g,
+    x,
+    layer,
     *,
-    stride: int = 1,
-    padding: int = 0,
-    dilation: int = 1,
-    groups: int = 1,
-    needs: Needs | None = None,
+    stride,
+    padding,
+    dilation,
+    groups,
+    needs,
     piece_bytes: int = 0,
     in_place: bool = False,
     add_into: Tensor | None = None,
-) -> Grads:
+):
     """aten::convolution_backward with one spatial dim; ``piece_bytes``, ``in_place``, ``add_into``: see
     _conv_backward."""
     mask = _need_mask(needs)
@@ -1736,114 +1589,15 @@ def conv1d_backward(
     return _fit(grads, needs)
 
 
-# The 1-D pools are the 2-D ones on [N, C, 1, L] with a (1, k) window, exactly as ATen's
-# max_pool1d_with_indices / avg_pool1d / adaptive_avg_pool1d compute them (so autograd's
-# gradients are the 2-D backward kernels' too).
-
-
-def maxpool1d(
-    x: Tensor, *, kernel_size: int, stride: int, padding: int = 0, ceil_mode: bool = False
-) -> tuple[Tensor, Tensor]:
-    """maxpool2d on x.unsqueeze(2): the output and PyTorch's indices (positions in L)."""
-    y, indices = maxpool2d(
-        x.unsqueeze(2),
-        kernel_size=(1, kernel_size),
-        stride=(1, stride),
-        padding=(0, padding),
-        ceil_mode=ceil_mode,
-    )
-    return y.squeeze(2), indices.squeeze(2)
-
-
-def maxpool1d_backward(
-    g: Tensor,
-    indices: Tensor,
-    *,
-    kernel_size: int,
-    stride: int,
-    padding: int = 0,
-    input_length: int,
-    needs: Needs | None = None,
-) -> Grads:
-    """maxpool2d_backward on the unsqueezed gradient; indices may be maxpool1d_mask's mask."""
-    if not _need(needs, 0):
-        return (None,)
-    (gx,) = maxpool2d_backward(
-        g.unsqueeze(2),
-        indices.unsqueeze(2),
-        kernel_size=(1, kernel_size),
-        stride=(1, stride),
-        padding=(0, padding),
-        input_hw=(1, input_length),
-    )
-    return (gx.squeeze(2),)
-
-
-def maxpool1d_mask(
-    indices: Tensor,
-    *,
-    kernel_size: int,
-    stride: int,
-    padding: int = 0,
-    input_length: int,
-) -> Tensor:
+@conventions.implements
+def maxpool1d_mask(indices, *, kernel_size, stride, padding, input_length):
     """The argmax positions as a bool mask of the input's shape (non-overlapping windows)."""
     n, c = indices.shape[:2]
     mask = torch.zeros(n, c, input_length, dtype=torch.bool, device=indices.device)
     return mask.scatter_(2, indices, True)
 
 
-def avgpool1d(
-    x: Tensor, *, kernel_size: int, stride: int, padding: int = 0, ceil_mode: bool = False
-) -> Tensor:
-    """avgpool2d on x.unsqueeze(2), as ATen's avg_pool1d."""
-    y = avgpool2d(
-        x.unsqueeze(2),
-        kernel_size=(1, kernel_size),
-        stride=(1, stride),
-        padding=(0, padding),
-        ceil_mode=ceil_mode,
-    )
-    return y.squeeze(2)
-
-
-def avgpool1d_backward(
-    g: Tensor,
-    *,
-    kernel_size: int,
-    stride: int,
-    padding: int = 0,
-    input_length: int,
-    needs: Needs | None = None,
-) -> Grads:
-    """avgpool2d_backward on the unsqueezed gradient."""
-    if not _need(needs, 0):
-        return (None,)
-    (gx,) = avgpool2d_backward(
-        g.unsqueeze(2),
-        kernel_size=(1, kernel_size),
-        stride=(1, stride),
-        padding=(0, padding),
-        input_hw=(1, input_length),
-    )
-    return (gx.squeeze(2),)
-
-
-def adaptive_avgpool1d(x: Tensor, *, output_size: int) -> Tensor:
-    """adaptive_avgpool2d on x.unsqueeze(2) with output (1, output_size)."""
-    return adaptive_avgpool2d(x.unsqueeze(2), output_size=(1, output_size)).squeeze(2)
-
-
-def adaptive_avgpool1d_backward(
-    g: Tensor, *, output_size: int, input_length: int, needs: Needs | None = None
-) -> Grads:
-    """adaptive_avgpool2d_backward on the unsqueezed gradient."""
-    if not _need(needs, 0):
-        return (None,)
-    (gx,) = adaptive_avgpool2d_backward(
-        g.unsqueeze(2), output_size=(1, output_size), input_hw=(1, input_length)
-    )
-    return (gx.squeeze(2),)
-
+# The kernels made from this platform's own (see derived's doc).
+globals().update(derived.kernels(globals()))
 
 __all__ = _exports(globals())

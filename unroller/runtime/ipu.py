@@ -6,8 +6,11 @@ gradient per input then per parameter, ``None`` where ``needs`` is False, nothin
 computed). The kernels whose code is the same on both platforms (linear, relu, sigmoid, tanh,
 add, mul, concat, flatten, reshape, l1_loss's forward, the mask kernels of relu and
 leaky_relu, dropout_eval) and the helpers generated code calls come from
-``unroller.runtime.common``; this module defines only what PopTorch needs done differently,
-and ``collect`` (not ``accumulate``) hands parameter gradients to PopTorch.
+``unroller.runtime.common``; this module defines only what PopTorch needs done differently
+(each under ``@conventions.implements``: its parameters and defaults are
+``unroller.runtime.conventions``' stub, written once for both platforms; the kernels made from
+these, the 1-D pools and more, come from ``unroller.runtime.derived``), and ``collect`` (not
+``accumulate``) hands parameter gradients to PopTorch.
 
 Every kernel uses only operations PopTorch runs on the IPU (see PopTorch's list of supported
 operations): no aten backward kernels, no autograd, no max-pool indices, no bilinear
@@ -74,11 +77,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from unroller.runtime import conventions, derived
 from unroller.runtime.attention import scaled_dot_product_attention as _sdpa_blocks
 from unroller.runtime.attention import (
     scaled_dot_product_attention_backward as _sdpa_blocks_backward,
 )
 from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ at the end)
+    _ONE_SIXTH_F32,
     IGNORE_INDEX,
     Grads,
     Needs,
@@ -205,8 +210,6 @@ _GELU_TANH_KAPPA = 0.044715
 _PHI_SERIES_BELOW = 0.1  # |x| below this: Phi(x) from its Taylor series, else gelu(x) / x
 # Phi(x) = 1/2 + x/sqrt(2 pi) * sum_n (-1)^n x^(2n) / (2^n n! (2n+1)), n = 0..5
 _PHI_SERIES = tuple((-1) ** n / (2**n * math.factorial(n) * (2 * n + 1)) for n in range(6))
-# PyTorch's hardsigmoid gradient is g * scalar_t(1.0f / 6.0f): a float32 1/6, in float64 too
-_ONE_SIXTH_F32 = struct.unpack("f", struct.pack("f", 1.0 / 6.0))[0]
 
 
 # ---------------------------------------------------------------- small helpers
@@ -250,17 +253,8 @@ def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
     return None
 
 
-def scaled_dot_product_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None = None,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    dropout: float = 0.0,
-) -> tuple[Tensor, Tensor, None]:
+@conventions.implements
+def scaled_dot_product_attention(q, k, v, bias, *, is_causal, scale, enable_gqa, dropout):
     """unroller.runtime.attention's, block by block (the seed extra is None: no dropout)."""
     if dropout:
         raise NotImplementedError(unsupported("scaled_dot_product_attention", {"dropout": dropout}))
@@ -268,39 +262,10 @@ def scaled_dot_product_attention(
     return out, lse, None
 
 
-def scaled_dot_product_attention_eval(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None = None,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    dropout: float = 0.0,
-) -> Tensor:
-    """The attention in evaluation mode: no dropout (as torch modules pass dropout_p=0 then)."""
-    return scaled_dot_product_attention(
-        q, k, v, bias, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-    )[0]
-
-
+@conventions.implements
 def scaled_dot_product_attention_backward(
-    g: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    output: Tensor,
-    lse: Tensor,
-    seed: Tensor | None = None,
-    bias: Tensor | None = None,
-    *,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    dropout: float = 0.0,
-    needs: Needs | None = None,
-) -> Grads:
+    g, q, k, v, output, lse, seed, bias, *, is_causal, scale, enable_gqa, dropout, needs
+):
     """unroller.runtime.attention's backward (no dropout on this platform)."""
     if dropout:
         raise NotImplementedError(unsupported("scaled_dot_product_attention", {"dropout": dropout}))
@@ -397,31 +362,15 @@ def _transposed_conv(
     return F.conv2d(z, w, None, 1, tuple(both), d, groups)
 
 
-def conv2d(
-    x: Tensor,
-    layer: torch.nn.Module,
-    *,
-    stride: Pair = (1, 1),
-    padding: Pair = (0, 0),
-    dilation: Pair = (1, 1),
-    groups: int = 1,
-) -> Tensor:
+@conventions.implements
+def conv2d(x, layer, *, stride, padding, dilation, groups):
     """F.conv2d with the layer's weight and bias."""
     weight, bias = _weight_bias(layer)
     return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
 
-def conv2d_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    *,
-    stride: Pair = (1, 1),
-    padding: Pair = (0, 0),
-    dilation: Pair = (1, 1),
-    groups: int = 1,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def conv2d_backward(g, x, layer, *, stride, padding, dilation, groups, needs):
     """gx = conv_transpose2d(g, weight) (dilated: _transposed_conv), gW = conv of x with g,
     gb = sum."""
     weight = layer.weight
@@ -444,16 +393,8 @@ def conv2d_backward(
     return _fit((gx, gw, gb), needs)
 
 
-def conv_transpose2d(
-    x: Tensor,
-    layer: torch.nn.Module,
-    *,
-    stride: Pair = (1, 1),
-    padding: Pair = (0, 0),
-    output_padding: Pair = (0, 0),
-    dilation: Pair = (1, 1),
-    groups: int = 1,
-) -> Tensor:
+@conventions.implements
+def conv_transpose2d(x, layer, *, stride, padding, output_padding, dilation, groups):
     """F.conv_transpose2d; with dilation > 1, which PopTorch's ConvTranspose lacks,
     _transposed_conv plus the bias."""
     weight, bias = _weight_bias(layer)
@@ -469,18 +410,10 @@ def conv_transpose2d(
     return y if bias is None else y + bias.reshape(1, -1, 1, 1)
 
 
+@conventions.implements
 def conv_transpose2d_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    *,
-    stride: Pair = (1, 1),
-    padding: Pair = (0, 0),
-    output_padding: Pair = (0, 0),
-    dilation: Pair = (1, 1),
-    groups: int = 1,
-    needs: Needs | None = None,
-) -> Grads:
+    g, x, layer, *, stride, padding, output_padding, dilation, groups, needs
+):
     """gx = conv2d(g, weight), gW = conv of g with x (weight is [in, out/groups, kh, kw]),
     gb = sum. Uses only conv2d, so any dilation works here."""
     weight = layer.weight
@@ -502,9 +435,8 @@ def _per_channel(t: Tensor) -> Tensor:
     return t.reshape(1, -1, 1, 1)
 
 
-def batchnorm2d(
-    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
-) -> tuple[Tensor, Tensor, Tensor]:
+@conventions.implements
+def batchnorm2d(x, layer, *, eps, momentum):
     """As nn.BatchNorm2d.train(): normalizes with the batch statistics (biased var), updates
     the layer's running_mean / running_var (unbiased var) with the momentum in place and adds
     1 to its num_batches_tracked; momentum None: cumulative average. Returns (y, mean, invstd)."""
@@ -527,9 +459,8 @@ def batchnorm2d(
     return y, mean, invstd
 
 
-def batchnorm2d_recompute(
-    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
-) -> Tensor:
+@conventions.implements
+def batchnorm2d_recompute(x, layer, *, eps, momentum):
     """The training forward's output again (``--recompute``), from the batch statistics of x;
     the running statistics are left alone."""
     weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
@@ -555,17 +486,8 @@ def _momentum_factor(
     return factor
 
 
-def batchnorm2d_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    save_mean: Tensor,
-    save_invstd: Tensor,
-    *,
-    eps: float = 1e-05,
-    momentum: float | None = 0.1,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def batchnorm2d_backward(g, x, layer, save_mean, save_invstd, *, eps, momentum, needs):
     """Closed form: with xhat = (x - mean) * invstd, gb = sum(g), gW = sum(g * xhat),
     gx = (g - gb/M - xhat * gW/M) * invstd * W (sums over N, H, W; M their count)."""
     if not any(_need(needs, i) for i in range(3)):
@@ -583,9 +505,8 @@ def batchnorm2d_backward(
     return _fit((gx, gw, gb), needs)
 
 
-def batchnorm2d_eval(
-    x: Tensor, layer: torch.nn.Module, *, eps: float = 1e-05, momentum: float | None = 0.1
-) -> Tensor:
+@conventions.implements
+def batchnorm2d_eval(x, layer, *, eps, momentum):
     """As nn.BatchNorm2d.eval(): normalizes with the running statistics, changes nothing."""
     weight, bias, running_mean, running_var, _ = _norm_tensors(layer)
     if running_mean is None or running_var is None:  # no running stats: batch statistics
@@ -603,7 +524,8 @@ def batchnorm2d_eval(
 # ---------------------------------------------------------------- activations
 
 
-def relu_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def relu_backward(g, y, *, needs):
     """where(y > 0, g, 0); y may be the bool mask y > 0 (same result, bit for bit)."""
     if not _need(needs, 0):
         return (None,)
@@ -611,12 +533,14 @@ def relu_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
     return (torch.where(keep, g, _zero(g)),)
 
 
-def sigmoid_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def sigmoid_backward(g, y, *, needs):
     """g * (1 - y) * y."""
     return (g * (1 - y) * y if _need(needs, 0) else None,)
 
 
-def tanh_backward(g: Tensor, y: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def tanh_backward(g, y, *, needs):
     """g * (1 - y^2)."""
     return (g * (1 - y * y) if _need(needs, 0) else None,)
 
@@ -641,7 +565,8 @@ def _std_normal_cdf(x: Tensor) -> Tensor:
     return torch.where(small, series, from_gelu)
 
 
-def gelu(x: Tensor, *, approximate: str = "none") -> Tensor:
+@conventions.implements
+def gelu(x, *, approximate):
     """F.gelu for "none" (GELU runs on the IPU); the tanh form written out."""
     if approximate == "tanh":
         _, t = _gelu_tanh_parts(x)
@@ -651,9 +576,8 @@ def gelu(x: Tensor, *, approximate: str = "none") -> Tensor:
     raise ValueError(f"gelu: unknown approximate={approximate!r}")
 
 
-def gelu_backward(
-    g: Tensor, x: Tensor, *, approximate: str = "none", needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def gelu_backward(g, x, *, approximate, needs):
     """none: g * (Phi(x) + x * phi(x)), Phi without erf (see _std_normal_cdf); tanh: the
     derivative of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     if not _need(needs, 0):
@@ -670,14 +594,14 @@ def gelu_backward(
     raise ValueError(f"gelu: unknown approximate={approximate!r}")
 
 
-def leaky_relu(x: Tensor, *, negative_slope: float = 0.01) -> Tensor:
+@conventions.implements
+def leaky_relu(x, *, negative_slope):
     """F.leaky_relu; the backward reads the input (or its mask x > 0)."""
     return F.leaky_relu(x, negative_slope)
 
 
-def leaky_relu_backward(
-    g: Tensor, x: Tensor, *, negative_slope: float = 0.01, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def leaky_relu_backward(g, x, *, negative_slope, needs):
     """where(x > 0, g, g * negative_slope); x may be the bool mask x > 0."""
     if not _need(needs, 0):
         return (None,)
@@ -692,19 +616,8 @@ def leaky_relu_backward(
 # (forward and gradient), mish to rounding (aten's vectorised exp / tanh differ in the last bit).
 
 
-def relu6_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
-    """hardtanh's gradient on [0, 6]; x may be the bool mask."""
-    return hardtanh_backward(g, x, min_val=0.0, max_val=6.0, needs=needs)
-
-
-def hardtanh_backward(
-    g: Tensor,
-    x: Tensor,
-    *,
-    min_val: float = -1.0,
-    max_val: float = 1.0,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def hardtanh_backward(g, x, *, min_val, max_val, needs):
     """where(min_val < x < max_val, g, 0), the inside test written as hardtanh_mask's; x
     may be that bool mask."""
     if not _need(needs, 0):
@@ -713,12 +626,14 @@ def hardtanh_backward(
     return (torch.where(inside, g, _zero(g)),)
 
 
-def hardsigmoid(x: Tensor) -> Tensor:
+@conventions.implements
+def hardsigmoid(x):
     """min(max(x + 3, 0), 6) / 6, aten's formula."""
     return torch.clamp(x + 3.0, 0.0, 6.0) / 6.0
 
 
-def hardsigmoid_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def hardsigmoid_backward(g, x, *, needs):
     """g * 1/6 (float32's 1/6, as aten) where -3 < x < 3, else 0; x may be that bool mask."""
     if not _need(needs, 0):
         return (None,)
@@ -726,12 +641,14 @@ def hardsigmoid_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) ->
     return (torch.where(inside, g * _ONE_SIXTH_F32, _zero(g)),)
 
 
-def hardswish(x: Tensor) -> Tensor:
+@conventions.implements
+def hardswish(x):
     """x * min(max(x + 3, 0), 6) / 6, aten's formula."""
     return x * torch.clamp(x + 3.0, 0.0, 6.0) / 6.0
 
 
-def hardswish_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def hardswish_backward(g, x, *, needs):
     """0 for x <= -3, g for x >= 3, g * (x / 3 + 0.5) between (aten's hardswish_backward,
     ends included as PyTorch 2.x decides them)."""
     if not _need(needs, 0):
@@ -745,7 +662,8 @@ def _sigmoid_of(x: Tensor) -> Tensor:
     return torch.reciprocal(torch.exp(x.neg()) + 1.0)
 
 
-def silu_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def silu_backward(g, x, *, needs):
     """g * s * (1 + x * (1 - s)), s = sigmoid(x) (aten's silu_backward)."""
     if not _need(needs, 0):
         return (None,)
@@ -757,12 +675,14 @@ def _tanh_softplus(x: Tensor) -> Tensor:
     return torch.tanh(torch.log1p(torch.exp(x)))
 
 
-def mish(x: Tensor) -> Tensor:
+@conventions.implements
+def mish(x):
     """x * tanh(log1p(exp(x))), aten's formula (Mish is not on PopTorch's list)."""
     return x * _tanh_softplus(x)
 
 
-def mish_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def mish_backward(g, x, *, needs):
     """g * (t + x * s * (1 - t^2)), t = tanh(softplus(x)), s = sigmoid(x) (aten's)."""
     if not _need(needs, 0):
         return (None,)
@@ -770,16 +690,16 @@ def mish_backward(g: Tensor, x: Tensor, *, needs: Needs | None = None) -> Grads:
     return (g * (t + x * s * (1.0 - t * t)),)
 
 
-def elu_backward(g: Tensor, x: Tensor, *, alpha: float = 1.0, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def elu_backward(g, x, *, alpha, needs):
     """g * alpha * exp(x) where x <= 0, else g (elu_backward with is_result=False)."""
     if not _need(needs, 0):
         return (None,)
     return (torch.where(x <= 0.0, g * alpha * torch.exp(x), g),)
 
 
-def softplus_backward(
-    g: Tensor, x: Tensor, *, beta: float = 1.0, threshold: float = 20.0, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def softplus_backward(g, x, *, beta, threshold, needs):
     """g where beta * x > threshold (softplus is x there), else g * z / (z + 1) with
     z = exp(beta * x) (aten's softplus_backward)."""
     if not _need(needs, 0):
@@ -809,20 +729,15 @@ def _nll_mean(log_probs: Tensor, target: Tensor, ignore_index: int) -> tuple[Ten
     return torch.where(kept, picked, _zero(picked)).sum().neg() / total, kept
 
 
-def nll_loss(log_probs: Tensor, target: Tensor, *, ignore_index: int = IGNORE_INDEX) -> Tensor:
+@conventions.implements
+def nll_loss(log_probs, target, *, ignore_index):
     """Gather of the targets' log-probabilities, sum over the kept elements / their count
     (all ignored: 0 / 0 = nan, as torch)."""
     return _nll_mean(log_probs, target, ignore_index)[0]
 
 
-def nll_loss_backward(
-    g: Tensor,
-    target: Tensor,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-    num_classes: int,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def nll_loss_backward(g, target, *, ignore_index, num_classes, needs):
     """-one_hot(target) * g / count on kept elements, 0 on ignored ones."""
     if not _need(needs, 0):
         return _fit((), needs)
@@ -832,19 +747,14 @@ def nll_loss_backward(
     return _fit((_class_one_hot(target, num_classes, g.dtype) * scale,), needs)
 
 
-def embedding(ids: Tensor, layer: torch.nn.Module, *, padding_idx: int | None = None) -> Tensor:
+@conventions.implements
+def embedding(ids, layer, *, padding_idx):
     """F.embedding (Embedding runs on the IPU; padding_idx changes only the gradient)."""
     return F.embedding(ids, layer.weight)
 
 
-def embedding_backward(
-    g: Tensor,
-    ids: Tensor,
-    layer: torch.nn.Module,
-    *,
-    padding_idx: int | None = None,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def embedding_backward(g, ids, layer, *, padding_idx, needs):
     """(None for the ids, the weight's dense gradient): scatter_add of g's rows into a zero
     table at the ids; the padding_idx row (negative: from the end) stays zero."""
     if not _need(needs, 1):
@@ -923,9 +833,8 @@ def _ones_bank(channels: int, kh: int, kw: int, dtype: torch.dtype, dev: torch.d
     )
 
 
-def maxpool2d(
-    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), ceil_mode: bool = False
-) -> tuple[Tensor, Tensor]:
+@conventions.implements
+def maxpool2d(x, *, kernel_size, stride, padding, ceil_mode):
     """F.max_pool2d (dilation 1) and, in place of indices, the bool selection
     ``sel[N, C, kh*kw, Ho, Wo]``: offset q = (i, j) (row-major) of each window is selected when
     it holds the window's maximum and no earlier offset does: PyTorch's rule, first maximum
@@ -953,16 +862,8 @@ def maxpool2d(
     return y, torch.stack(sels, 2)
 
 
-def maxpool2d_backward(
-    g: Tensor,
-    indices: Tensor,
-    *,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair = (0, 0),
-    input_hw: Pair,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def maxpool2d_backward(g, indices, *, kernel_size, stride, padding, input_hw, needs):
     """conv_transpose2d of where(sel, g, 0) (C * kh*kw channels) with the one-hot kernel bank
     (groups C, stride s, padding p): each input element gets the sum of g over the windows that
     selected it, as PyTorch's gradient. ``indices`` may instead be the input-shaped bool mask
@@ -982,14 +883,8 @@ def maxpool2d_backward(
     return (_unpool(picked, bank, s, p, input_hw, c),)
 
 
-def maxpool2d_mask(
-    indices: Tensor,
-    *,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair = (0, 0),
-    input_hw: Pair,
-) -> Tensor:
+@conventions.implements
+def maxpool2d_mask(indices, *, kernel_size, stride, padding, input_hw):
     """The selected positions as a bool mask of the input's shape (one per window, ties
     resolved as PyTorch does). Enough for the backward only for non-overlapping windows."""
     k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
@@ -999,23 +894,15 @@ def maxpool2d_mask(
     return _unpool(sel, bank, s, p, input_hw, c) > 0.5
 
 
-def avgpool2d(
-    x: Tensor, *, kernel_size: Pair, stride: Pair, padding: Pair = (0, 0), ceil_mode: bool = False
-) -> Tensor:
+@conventions.implements
+def avgpool2d(x, *, kernel_size, stride, padding, ceil_mode):
     """F.avg_pool2d (count_include_pad); the backward needs no activation."""
     k, s, p = _pair(kernel_size), _pair(stride), _pair(padding)
     return F.avg_pool2d(x, k, s, p, ceil_mode=ceil_mode, count_include_pad=True)
 
 
-def avgpool2d_backward(
-    g: Tensor,
-    *,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Pair = (0, 0),
-    input_hw: Pair,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def avgpool2d_backward(g, *, kernel_size, stride, padding, input_hw, needs):
     """conv_transpose2d of g / (kh*kw) with a ones kernel per channel (groups C, stride s,
     padding p, output_padding up to input_hw). In ceil mode a window overhanging the input
     divides by the part of it inside input and padding (PyTorch's divisor)."""
@@ -1046,7 +933,8 @@ def _adaptive_matrix(out: int, size: int, dtype: torch.dtype, dev: torch.device)
     return _constant(("adaptive", out, size, dtype), dev, build)
 
 
-def adaptive_avgpool2d(x: Tensor, *, output_size: Pair) -> Tensor:
+@conventions.implements
+def adaptive_avgpool2d(x, *, output_size):
     """A_h @ x @ A_w^T with the averaging matrices (a mean over H, W for 1x1)."""
     ho, wo = _pair(output_size)
     if (ho, wo) == (1, 1):
@@ -1057,9 +945,8 @@ def adaptive_avgpool2d(x: Tensor, *, output_size: Pair) -> Tensor:
     return torch.matmul(a_h, torch.matmul(x, a_w.t()))
 
 
-def adaptive_avgpool2d_backward(
-    g: Tensor, *, output_size: Pair, input_hw: Pair, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def adaptive_avgpool2d_backward(g, *, output_size, input_hw, needs):
     """A_h^T @ g @ A_w (g / (H*W) expanded for 1x1)."""
     if not _need(needs, 0):
         return (None,)
@@ -1138,13 +1025,8 @@ def _upsample_matrices(
     return m_h, m_w
 
 
-def upsample(
-    x: Tensor,
-    *,
-    scale_factor: tuple[float, float],
-    mode: str = "nearest",
-    align_corners: bool | None = False,
-) -> Tensor:
+@conventions.implements
+def upsample(x, *, scale_factor, mode, align_corners):
     """As nn.Upsample(scale_factor=...): M_h @ x @ M_w^T with interpolation matrices."""
     scale = tuple(float(v) for v in _pair(scale_factor))
     out_hw = _upsample_size(x.shape[-2:], scale)
@@ -1152,15 +1034,8 @@ def upsample(
     return torch.matmul(m_h, torch.matmul(x, m_w.t()))
 
 
-def upsample_backward(
-    g: Tensor,
-    *,
-    scale_factor: tuple[float, float],
-    mode: str = "nearest",
-    align_corners: bool | None = False,
-    input_hw: Pair,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def upsample_backward(g, *, scale_factor, mode, align_corners, input_hw, needs):
     """M_h^T @ g @ M_w."""
     if not _need(needs, 0):
         return (None,)
@@ -1172,7 +1047,8 @@ def upsample_backward(
 # ---------------------------------------------------------------- dropout
 
 
-def dropout(x: Tensor, *, p: float = 0.5) -> tuple[Tensor, Tensor | None]:
+@conventions.implements
+def dropout(x, *, p):
     """Training dropout: keep = rand >= p (probability 1 - p), y = x * keep / (1 - p).
     Returns (y, keep); keep is None for p == 0 (identity) and p == 1 (all dropped). Draws
     come from torch.rand (on the IPU seeded by poptorch.Options().randomSeed), not the gpu
@@ -1185,9 +1061,8 @@ def dropout(x: Tensor, *, p: float = 0.5) -> tuple[Tensor, Tensor | None]:
     return x * (keep.to(x.dtype) / (1 - p)), keep
 
 
-def dropout_backward(
-    g: Tensor, mask: Tensor | None, *, p: float = 0.5, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def dropout_backward(g, mask, *, p, needs):
     """g * keep / (1 - p)."""
     if not _need(needs, 0):
         return (None,)
@@ -1201,13 +1076,8 @@ def dropout_backward(
 # ---------------------------------------------------------------- losses (mean reduction)
 
 
-def cross_entropy(
-    logits: Tensor,
-    target: Tensor,
-    *,
-    label_smoothing: float = 0.0,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[Tensor, Tensor]:
+@conventions.implements
+def cross_entropy(logits, target, *, label_smoothing, ignore_index):
     """As F.cross_entropy (mean over the non-ignored elements; classes on dim 1, any further
     dims per pixel / token): log_softmax, gather of the targets' log-probabilities, sum over
     the kept elements / their count; with label smoothing, (1 - ls) times that plus ls / C
@@ -1222,15 +1092,8 @@ def cross_entropy(
     return (1 - label_smoothing) * loss + smooth * (label_smoothing / classes), log_probs
 
 
-def cross_entropy_backward(
-    g: Tensor,
-    log_probs: Tensor,
-    target: Tensor,
-    *,
-    label_smoothing: float = 0.0,
-    ignore_index: int = IGNORE_INDEX,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def cross_entropy_backward(g, log_probs, target, *, label_smoothing, ignore_index, needs):
     """(softmax - (1 - ls) one_hot(target) - ls / C) * g / count on the kept elements, zero
     on ignored ones; the softmax is exp(log_probs), the one-hot a comparison with arange(C)."""
     if not _need(needs, 0):
@@ -1246,12 +1109,14 @@ def cross_entropy_backward(
     return _fit(((torch.exp(log_probs) - smoothed) * row,), needs)
 
 
-def mse_loss(a: Tensor, b: Tensor) -> Tensor:
+@conventions.implements
+def mse_loss(a, b):
     """mean((a - b)^2)."""
     return (a - b).square().mean()
 
 
-def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def mse_loss_backward(g, a, b, *, needs):
     """2 (a - b) g / numel for a, its negation for b."""
     if not (_need(needs, 0) or _need(needs, 1)):
         return (None, None)
@@ -1259,7 +1124,8 @@ def mse_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = 
     return (ga if _need(needs, 0) else None, ga.neg() if _need(needs, 1) else None)
 
 
-def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def l1_loss_backward(g, a, b, *, needs):
     """sign(a - b) g / numel for a, its negation for b."""
     if not (_need(needs, 0) or _need(needs, 1)):
         return (None, None)
@@ -1267,14 +1133,16 @@ def l1_loss_backward(g: Tensor, a: Tensor, b: Tensor, *, needs: Needs | None = N
     return (ga if _need(needs, 0) else None, ga.neg() if _need(needs, 1) else None)
 
 
-def bce_loss(p: Tensor, t: Tensor) -> Tensor:
+@conventions.implements
+def bce_loss(p, t):
     """mean(-(t log p + (1 - t) log(1 - p))), each log clamped at -100 as in PyTorch."""
     log_p = torch.clamp(torch.log(p), min=_BCE_LOG_MIN)
     log_q = torch.clamp(torch.log1p(-p), min=_BCE_LOG_MIN)
     return ((t - 1) * log_q - t * log_p).mean()
 
 
-def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def bce_loss_backward(g, p, t, *, needs):
     """g (p - t) / max((1 - p) p, eps) / numel for p (PyTorch's formula, eps = float32(1e-12)); for t,
     -log(p / (1 - p)) g / numel."""
     gp = gt = None
@@ -1285,15 +1153,15 @@ def bce_loss_backward(g: Tensor, p: Tensor, t: Tensor, *, needs: Needs | None = 
     return (gp, gt)
 
 
-def bce_with_logits(x: Tensor, t: Tensor) -> Tensor:
+@conventions.implements
+def bce_with_logits(x, t):
     """mean((1 - t) x + softplus(-x)), softplus(-x) = max(-x, 0) + log1p(exp(-|x|))."""
     softplus_neg = torch.clamp(x.neg(), min=0.0) + torch.log1p(torch.exp(x.abs().neg()))
     return ((1 - t) * x + softplus_neg).mean()
 
 
-def bce_with_logits_backward(
-    g: Tensor, x: Tensor, t: Tensor, *, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def bce_with_logits_backward(g, x, t, *, needs):
     """(sigmoid(x) - t) g / numel for x, -x g / numel for t."""
     gx = (torch.sigmoid(x) - t) * (g / x.numel()) if _need(needs, 0) else None
     gt = x.neg() * (g / t.numel()) if _need(needs, 1) else None
@@ -1303,16 +1171,16 @@ def bce_with_logits_backward(
 # ---------------------------------------------------------------- softmax, log_softmax (v2)
 
 
-def softmax_backward(g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None) -> Grads:
+@conventions.implements
+def softmax_backward(g, y, *, dim, needs):
     """y * (g - sum(g * y)) along dim: the formula aten's softmax backward computes."""
     if not _need(needs, 0):
         return (None,)
     return (y * (g - (g * y).sum(dim, keepdim=True)),)
 
 
-def log_softmax_backward(
-    g: Tensor, y: Tensor, *, dim: int = -1, needs: Needs | None = None
-) -> Grads:
+@conventions.implements
+def log_softmax_backward(g, y, *, dim, needs):
     """g - exp(y) * sum(g) along dim: the formula aten's log_softmax backward computes."""
     if not _need(needs, 0):
         return (None,)
@@ -1326,14 +1194,8 @@ def log_softmax_backward(
 # [N, H, L, S] probabilities.
 
 
-def multihead_attention(
-    x: Tensor,
-    bias: Tensor | torch.nn.Module | None,
-    layer: torch.nn.Module | None = None,
-    *,
-    num_heads: int,
-    is_causal: bool = False,
-) -> tuple[Tensor, ...]:
+@conventions.implements
+def multihead_attention(x, bias, layer, *, num_heads, is_causal):
     """nn.MultiheadAttention(batch_first=True)(x, x, x, need_weights=False): one packed
     projection [N, L, 3E] split into q, k, v [N, H, L, E/H], the attention (block by block:
     ``attention``), the heads joined into the context [N, L, E], the out-projection.
@@ -1352,20 +1214,8 @@ def multihead_attention(
     return linear(context, out_layer), q, k, v, lse, context
 
 
-def multihead_attention_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lse: Tensor,
-    context: Tensor,
-    bias: Tensor | None = None,
-    *,
-    is_causal: bool = False,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def multihead_attention_backward(g, x, layer, q, k, v, lse, context, bias, *, is_causal, needs):
     """The out-projection's linear backward, the attention's (from q, k, v, lse and the
     context as its output), the heads' gradients joined
     into [N, L, 3E] (q, k, v blocks), the in-projection's linear backward. Gradients: x,
@@ -1416,9 +1266,8 @@ def _trailing(x: Tensor, count: int) -> tuple[int, ...]:
     return tuple(range(x.dim() - count, x.dim()))
 
 
-def layernorm(
-    x: Tensor, layer: torch.nn.Module, *, normalized_shape: tuple[int, ...], eps: float = 1e-05
-) -> tuple[Tensor, Tensor, Tensor]:
+@conventions.implements
+def layernorm(x, layer, *, normalized_shape, eps):
     """As F.layer_norm over the trailing dims (biased var); returns (y, mean, rstd) with
     mean, rstd keeping those dims as 1s, as aten::native_layer_norm."""
     weight, bias = _weight_bias(layer)
@@ -1441,16 +1290,8 @@ def _norm_input_grad(gy: Tensor, xhat: Tensor, rstd: Tensor, dims: Any) -> Tenso
     return (gy - mean_gy - xhat * (gy * xhat).mean(dims, keepdim=True)) * rstd
 
 
-def layernorm_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    mean: Tensor,
-    rstd: Tensor,
-    *,
-    normalized_shape: tuple[int, ...],
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def layernorm_backward(g, x, layer, mean, rstd, *, normalized_shape, needs):
     """Closed form with xhat = (x - mean) * rstd: gx as _norm_input_grad, gW = sum of g * xhat
     and gb = sum of g over the leading dims."""
     weight, bias = _weight_bias(layer)
@@ -1471,9 +1312,8 @@ def _channel_shape(x: Tensor) -> tuple[int, ...]:
     return (1, -1, *([1] * (x.dim() - 2)))
 
 
-def groupnorm(
-    x: Tensor, layer: torch.nn.Module, *, num_groups: int, eps: float = 1e-05
-) -> tuple[Tensor, Tensor, Tensor]:
+@conventions.implements
+def groupnorm(x, layer, *, num_groups, eps):
     """As F.group_norm: statistics over each group of channels with the spatial dims (biased
     var); returns (y, mean, rstd), mean and rstd [N, num_groups] as aten::native_group_norm."""
     weight, bias = _weight_bias(layer)
@@ -1489,16 +1329,8 @@ def groupnorm(
     return y, mean, rstd
 
 
-def groupnorm_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    mean: Tensor,
-    rstd: Tensor,
-    *,
-    num_groups: int,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def groupnorm_backward(g, x, layer, mean, rstd, *, num_groups, needs):
     """Closed form per group (as layernorm's, on [N, G, C/G * spatial]); gW, gb summed over
     N and the spatial dims."""
     weight, bias = _weight_bias(layer)
@@ -1567,15 +1399,8 @@ def batchnorm1d_eval(
     return batchnorm2d_eval(_as_image(x), layer, eps=eps, momentum=momentum).reshape(x.shape)
 
 
-def conv1d(
-    x: Tensor,
-    layer: torch.nn.Module,
-    *,
-    stride: int = 1,
-    padding: int = 0,
-    dilation: int = 1,
-    groups: int = 1,
-) -> Tensor:
+@conventions.implements
+def conv1d(x, layer, *, stride, padding, dilation, groups):
     """F.conv2d on the [N, C, 1, L] views (as ATen runs a 1-D convolution)."""
     weight, bias = _weight_bias(layer)
     y = F.conv2d(
@@ -1584,17 +1409,8 @@ def conv1d(
     return y.squeeze(2)
 
 
-def conv1d_backward(
-    g: Tensor,
-    x: Tensor,
-    layer: torch.nn.Module,
-    *,
-    stride: int = 1,
-    padding: int = 0,
-    dilation: int = 1,
-    groups: int = 1,
-    needs: Needs | None = None,
-) -> Grads:
+@conventions.implements
+def conv1d_backward(g, x, layer, *, stride, padding, dilation, groups, needs):
     """conv2d's gradients on the [N, C, 1, L] views: gx = conv_transpose2d(g, weight)
     (dilated: _transposed_conv), gW = the convolution of x with g, gb = sum."""
     weight = layer.weight
@@ -1632,56 +1448,8 @@ def conv1d_backward(
     return _fit((gx, gw, gb), needs)
 
 
-# The 1-D pools are the 2-D ones on [N, C, 1, L] with a (1, k) window.
-
-
-def maxpool1d(
-    x: Tensor, *, kernel_size: int, stride: int, padding: int = 0, ceil_mode: bool = False
-) -> tuple[Tensor, Tensor]:
-    """maxpool2d on x.unsqueeze(2); the selection is [N, C, k, Lo]."""
-    y, sel = maxpool2d(
-        x.unsqueeze(2),
-        kernel_size=(1, kernel_size),
-        stride=(1, stride),
-        padding=(0, padding),
-        ceil_mode=ceil_mode,
-    )
-    return y.squeeze(2), sel.squeeze(3)
-
-
-def maxpool1d_backward(
-    g: Tensor,
-    indices: Tensor,
-    *,
-    kernel_size: int,
-    stride: int,
-    padding: int = 0,
-    input_length: int,
-    needs: Needs | None = None,
-) -> Grads:
-    """maxpool2d_backward on the unsqueezed gradient and selection [N, C, k, Lo] (or the
-    input-shaped mask [N, C, L] of maxpool1d_mask)."""
-    if not _need(needs, 0):
-        return (None,)
-    (gx,) = maxpool2d_backward(
-        g.unsqueeze(2),
-        indices.unsqueeze(3 if indices.dim() == 4 else 2),
-        kernel_size=(1, kernel_size),
-        stride=(1, stride),
-        padding=(0, padding),
-        input_hw=(1, input_length),
-    )
-    return (gx.squeeze(2),)
-
-
-def maxpool1d_mask(
-    indices: Tensor,
-    *,
-    kernel_size: int,
-    stride: int,
-    padding: int = 0,
-    input_length: int,
-) -> Tensor:
+@conventions.implements
+def maxpool1d_mask(indices, *, kernel_size, stride, padding, input_length):
     """maxpool2d_mask of the unsqueezed selection, as [N, C, L]."""
     mask = maxpool2d_mask(
         indices.unsqueeze(3),
@@ -1693,57 +1461,7 @@ def maxpool1d_mask(
     return mask.squeeze(2)
 
 
-def avgpool1d(
-    x: Tensor, *, kernel_size: int, stride: int, padding: int = 0, ceil_mode: bool = False
-) -> Tensor:
-    """F.avg_pool1d (count_include_pad), as avgpool2d on the [N, C, 1, L] view."""
-    y = avgpool2d(
-        x.unsqueeze(2),
-        kernel_size=(1, kernel_size),
-        stride=(1, stride),
-        padding=(0, padding),
-        ceil_mode=ceil_mode,
-    )
-    return y.squeeze(2)
-
-
-def avgpool1d_backward(
-    g: Tensor,
-    *,
-    kernel_size: int,
-    stride: int,
-    padding: int = 0,
-    input_length: int,
-    needs: Needs | None = None,
-) -> Grads:
-    """avgpool2d_backward on the unsqueezed gradient."""
-    if not _need(needs, 0):
-        return (None,)
-    (gx,) = avgpool2d_backward(
-        g.unsqueeze(2),
-        kernel_size=(1, kernel_size),
-        stride=(1, stride),
-        padding=(0, padding),
-        input_hw=(1, input_length),
-    )
-    return (gx.squeeze(2),)
-
-
-def adaptive_avgpool1d(x: Tensor, *, output_size: int) -> Tensor:
-    """adaptive_avgpool2d on the [N, C, 1, L] view with output (1, output_size)."""
-    return adaptive_avgpool2d(x.unsqueeze(2), output_size=(1, output_size)).squeeze(2)
-
-
-def adaptive_avgpool1d_backward(
-    g: Tensor, *, output_size: int, input_length: int, needs: Needs | None = None
-) -> Grads:
-    """adaptive_avgpool2d_backward on the unsqueezed gradient."""
-    if not _need(needs, 0):
-        return (None,)
-    (gx,) = adaptive_avgpool2d_backward(
-        g.unsqueeze(2), output_size=(1, output_size), input_hw=(1, input_length)
-    )
-    return (gx.squeeze(2),)
-
+# The kernels made from this platform's own (see derived's doc).
+globals().update(derived.kernels(globals()))
 
 __all__ = _exports(globals())
