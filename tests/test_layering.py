@@ -1,9 +1,10 @@
-"""Generation is a pure function of a graph and a resolved compression config: the code
-generator imports neither the planner (which runs a probe step of a generated module),
-nor verify, nor the memory model, nor the benchmark harness, nor the library layer that
-resolves configs (``unroller.api.compression_config``). Were one of them back in the code
-generator's imports, the cycle api -> codegen -> plan -> verify -> api would return, and
-rendering a built-in scheme would again load (and could again run) the planner."""
+"""Generation is a pure function of a graph and a resolved compression config, and the
+layers above it are acyclic: the code generator, and what makes its output run
+(``unroller.materialize``, ``unroller.inputs``), import nothing that drives them (the
+planner, verify, the memory model, the benchmark harness, the library layer); the planner
+steps modules through ``materialize`` and imports neither verify nor the library layer;
+no library module sits on an import cycle. Rendering a built-in scheme never loads (and so
+can never run) the planner."""
 
 from __future__ import annotations
 
@@ -141,9 +142,23 @@ def _chain(via: dict[str, str], module: str) -> str:
     return " <- ".join(chain)
 
 
-def test_the_code_generator_never_reaches_what_drives_it(import_graph):
-    via = _closure(import_graph, "unroller.codegen")
-    reached = [m for m in via if any(m == o or m.startswith(o + ".") for o in OUTSIDE)]
+BELOW = {
+    "unroller.codegen": OUTSIDE,
+    "unroller.materialize": OUTSIDE,
+    "unroller.inputs": OUTSIDE,
+    "unroller.plan": ("unroller.verify", "unroller.api", "unroller.oneshot", "unroller.bench"),
+}
+"""What each module must never reach: the code generator and what makes its output run (a
+module written and imported, a seeded batch) stay below everything that drives them; the
+planner steps the modules it plans through ``materialize``, not through verify or the
+library layer above it."""
+
+
+@pytest.mark.parametrize("module", sorted(BELOW))
+def test_a_lower_module_never_reaches_what_drives_it(import_graph, module):
+    via = _closure(import_graph, module)
+    above = BELOW[module]
+    reached = [m for m in via if any(m == o or m.startswith(o + ".") for o in above)]
     assert reached == [], [_chain(via, m) for m in reached]
 
 
@@ -188,16 +203,14 @@ LIBRARY = (
     "unroller.estimate",
     "unroller.memory",
     "unroller.oneshot",
+    "unroller.materialize",
+    "unroller.inputs",
     "unroller.importer.api",
     "unroller.importer.torch_frontend",
     "unroller.importer.masks",
     "unroller.importer.batch_merge",
 )
-"""The library layer's modules, each a layer of its own: the entry points (api: it
-resolves the ``auto`` scheme through the planner), the planner (a probe step through verify
-and the memory model), the estimate, one-shot ``unroller.unroll`` and the importer's entry.
-What they share from below (model text -> graph: ``unroller.load``; FLOPs of an op:
-``unroller.flops``; a module's model text: ``importer.api.module_text``) lives below them."""
+"""The library layer's modules: none may sit on an import cycle."""
 
 
 def _cycle_through(graph: dict[str, set[str]], module: str) -> list[str] | None:
@@ -212,10 +225,9 @@ def _cycle_through(graph: dict[str, set[str]], module: str) -> list[str] | None:
 
 @pytest.mark.parametrize("module", LIBRARY)
 def test_no_import_cycle_passes_through_the_library_layer(import_graph, module):
-    """Counting imports inside functions: were one of these modules on a cycle (estimate
-    and memory importing the api that plans through them, verify calling oneshot that
-    generates through the api above the planner that imports verify), which loads first
-    would depend on call order, and no module of the cycle could be read or tested alone."""
+    """Counting imports inside functions: were one of these modules on a cycle, which loads
+    first would depend on call order, and no module of the cycle could be read or tested
+    alone."""
     assert module in import_graph
     assert _cycle_through(import_graph, module) is None
 
