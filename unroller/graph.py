@@ -492,7 +492,9 @@ class GraphBuilder:
         float_dtype = next(
             (v.type.dtype for v in inputs if v.type.dtype in FLOAT_DTYPES), result.type.dtype
         )
-        params = self._param_tensors(op, op.params, True, full_name, result, args, float_dtype)
+        params = self._param_tensors(
+            op, op.params_for(args), True, full_name, result, args, float_dtype
+        )
         buffers = self._param_tensors(op, op.buffers, False, full_name, result, args, float_dtype)
         for name in self._frozen_params(op, stmt, given, freezes, params):
             next(p for p in params if p.name == name).trainable = False

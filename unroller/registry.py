@@ -68,6 +68,37 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class LayerParams:
+    """Parameters that repeat per layer and direction (the recurrent layers'): each row of
+    ``rows`` once, named ``{row}_l{layer}`` and ``{row}_l{layer}_reverse`` in torch's order
+    (layer by layer, the forward direction before the reverse one), present for the layers
+    ``layers`` counts and, reversed, when ``reverse`` is true. A row's ``first`` is its shape
+    at layer 0 (the input there is the statement's, above it the layer below's output).
+    Rows are made for at least ``listed`` layers, so the backward's slot list (one per row)
+    has one length for every statement of up to that many layers."""
+
+    layers: str
+    reverse: str
+    listed: int
+    rows: tuple[TensorSpec, ...]
+    first: dict[str, str]
+
+    def expand(self, count: int = 0) -> tuple[TensorSpec, ...]:
+        """The rows of ``max(listed, count)`` layers, both directions."""
+        made = []
+        for layer in range(max(self.listed, count)):
+            for reverse in (False, True):
+                conditions = [f"{self.layers} > {layer}"] if layer else []
+                conditions += [self.reverse] if reverse else []
+                for row in self.rows:
+                    when = " and ".join(conditions + ([row.when] if row.when else []))
+                    shape = self.first.get(row.name, row.shape) if layer == 0 else row.shape
+                    name = f"{row.name}_l{layer}{'_reverse' if reverse else ''}"
+                    made.append(TensorSpec(name, shape, when or None, row.dtype))
+        return tuple(made)
+
+
+@dataclass(frozen=True)
 class ExtraSpec:
     """An extra forward output kept for backward: shaped like a tensor, or a fixed size."""
 
@@ -185,6 +216,8 @@ class OpSpec:
     args: dict[str, ArgSpec]
     shape: str
     params: tuple[TensorSpec, ...] = ()
+    #: parameters that repeat per layer (their rows for ``listed`` layers end ``params``)
+    layer_params: LayerParams | None = None
     buffers: tuple[TensorSpec, ...] = ()
     module: ModuleSpec | None = None
     extras: tuple[ExtraSpec, ...] = ()
@@ -249,6 +282,15 @@ class OpSpec:
     #: the output is a view of the input with its dims reordered (``reorders``)
     reorders: bool = False
 
+    def params_for(self, args: dict[str, Any]) -> tuple[TensorSpec, ...]:
+        """The parameters of a call with these arguments: ``params``, with the repeating
+        rows made for as many layers as the call has (when that is more than are listed)."""
+        repeat = self.layer_params
+        if repeat is None or int(args.get(repeat.layers, 0)) <= repeat.listed:
+            return self.params
+        fixed = self.params[: len(self.params) - len(repeat.expand())]
+        return fixed + repeat.expand(int(args[repeat.layers]))
+
     @property
     def is_loss(self) -> bool:
         return self.kind == "loss"
@@ -309,6 +351,29 @@ def _tensor_specs(op: str, raw: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
+def _layer_params(where: str, raw: Any) -> LayerParams | None:
+    """An entry's ``layer_params`` table: the rows of one layer and direction, what counts
+    the layers and turns the reverse direction on, and how many layers are always listed."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"layers", "reverse", "listed", "rows"}:
+        raise RegistryError(f"{where}: layer_params needs exactly layers, reverse, listed, rows")
+    rows = raw["rows"]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise RegistryError(f"{where}: layer_params.rows must be a list of tables")
+    plain = [{k: v for k, v in r.items() if k != "first"} for r in rows]
+    first = {r["name"]: r["first"] for r in rows if "first" in r}
+    listed = raw["listed"]
+    if not isinstance(listed, int) or isinstance(listed, bool) or listed < 1:
+        raise RegistryError(f"{where}: layer_params.listed must be a positive integer")
+    specs = _tensor_specs(where, plain)
+    return LayerParams(str(raw["layers"]), str(raw["reverse"]), listed, specs, first)
+
+
+def _expanded(layer_params: LayerParams | None) -> tuple[TensorSpec, ...]:
+    return () if layer_params is None else layer_params.expand()
+
+
 def _extra_specs(op: str, raw: list[dict[str, Any]]) -> list[ExtraSpec]:
     specs = []
     for item in raw:
@@ -337,6 +402,7 @@ OP_FIELDS = frozenset(
         "args",
         "shape",
         "params",
+        "layer_params",
         "buffers",
         "module",
         "extras",
@@ -376,6 +442,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
     where = f"{source}: [{name}]"
     _check_op_fields(where, raw)
     args = _arg_specs(where, raw.get("args", {}))
+    layer_params = _layer_params(where, raw.get("layer_params"))
     spec = OpSpec(
         name=name,
         doc=raw["doc"],
@@ -384,7 +451,8 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         variadic=bool(raw.get("variadic", False)),
         args=args,
         shape=raw["shape"],
-        params=_tensor_specs(name, raw.get("params", [])),
+        params=_tensor_specs(name, raw.get("params", [])) + _expanded(layer_params),
+        layer_params=layer_params,
         buffers=_tensor_specs(name, raw.get("buffers", [])),
         module=_module_spec(where, raw.get("module")),
         extras=tuple(_extra_specs(name, raw.get("extras", []))),

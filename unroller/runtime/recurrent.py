@@ -30,9 +30,9 @@ from torch import Tensor
 
 from unroller.runtime.common import Grads, Needs, _fit, _need
 
-#: The most layers one statement has: the registry lists each layer's parameters (a deeper
-#: stack is several statements, each one's input the output of the one before).
-MAX_LAYERS = 4
+#: The layers the registry always lists parameters for (``layer_params.listed``): the
+#: backward returns a slot per parameter of this many layers, of more for a deeper statement.
+LISTED_LAYERS = 4
 #: Parameters per layer and direction, in torch's (and the registry's) order.
 PER_DIRECTION = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
 
@@ -132,7 +132,8 @@ def _backward(
     hidden = hiddens.shape[-1]
     length = x.shape[1]
     inputs = 1 + initial_states
-    slots: list[Tensor | None] = [None] * (MAX_LAYERS * 2 * len(PER_DIRECTION))
+    layers = max(LISTED_LAYERS, num_layers)
+    slots: list[Tensor | None] = [None] * (layers * 2 * len(PER_DIRECTION))
 
     def slot(index: int, reverse: int, j: int) -> int:
         return inputs + (index * 2 + reverse) * len(PER_DIRECTION) + j
