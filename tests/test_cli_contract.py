@@ -232,22 +232,26 @@ def test_recompute_under_pipeline_names_both_options_and_the_statement(tmp_path:
     assert "(--recompute)" in first and "--pipeline 2" in first and "'r'" in first
 
 
-def test_the_library_refuses_options_by_their_flags():
-    """Callers that skip the CLI get the same names, as an ``OptionError`` (a
-    ``ValueError`` too)."""
-    from unroller.api import generate_source
-
+def test_the_library_refuses_options_by_their_arguments():
+    """Callers that skip the CLI get the same refusals when they make ``Options``, naming
+    the keyword arguments they typed, as an ``OptionError`` (a ``ValueError`` too) that
+    names the field; rendered for the command line, the same message names the flags."""
     cases = [
-        (Options(platform="ipu", pipeline=2), "--pipeline is not for --platform ipu"),
-        (Options(num_ipus=2), "--num-ipus is not for --platform gpu"),
-        (Options(stage_starts=("b",)), "--stage-starts needs --num-ipus or --pipeline"),
-        (Options(platform="ipu", data_parallel=True), "--data-parallel is for --platform gpu"),
-        (Options(segment_pieces=2, segment_piece_size=2), "--segment-pieces and --segment-piece"),
+        (dict(platform="ipu", pipeline=2), "pipeline= is not for platform='ipu'"),
+        (dict(num_ipus=2), "num_ipus= and stage_starts= are for platform='ipu'"),
+        (dict(stage_starts=("b",)), "num_ipus= and stage_starts= are for platform='ipu'"),
+        (dict(platform="ipu", data_parallel=True), "data_parallel= is for platform='gpu'"),
+        (
+            dict(segment_pieces=2, segment_piece_size=2),
+            "segment_pieces= and segment_piece_size=: give one of them",
+        ),
     ]
-    for options, message in cases:
+    for kwargs, message in cases:
         with pytest.raises(OptionError, match=re.escape(message)) as caught:
-            generate_source(FANOUT, options)
-        assert isinstance(caught.value, ValueError)
+            Options(**kwargs)
+        assert isinstance(caught.value, ValueError) and caught.value.field in kwargs
+        flags = caught.value.render("cli")
+        assert all(f"--{name.replace('_', '-')}" in flags for name in kwargs), flags
 
 
 # ---- (2) an internal error -------------------------------------------------------------

@@ -9,7 +9,8 @@ are ``ConfigFileError``s, formatted the same way when they are raised.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping
 
 from unroller.ast import Loc
 
@@ -36,6 +37,85 @@ class OptionError(ConfigError, ValueError):
     process stages), refused by the code generator itself for callers that skip the
     CLI's checks; the message names the options as they are typed (``--num-ipus``). A
     ``ValueError`` too, for callers that catch the library's ``ValueError``s."""
+
+
+class OptionValueError(OptionError):
+    """One ``Options`` field refused, alone or with the fields it does not combine with.
+
+    ``field`` is the field to blame. The message is a template, so that each caller names
+    the options as its user wrote them: ``render("cli")`` names the flag as typed
+    (``--segment-pieces``), ``render("python")`` the keyword argument (``segment_pieces=``),
+    ``render("header")`` the key of a generated file's header (``'segment_pieces'``).
+    ``str()`` is the Python form: the library's callers typed arguments, not flags.
+
+    In the template, ``{name}`` is an option, ``{name=}`` an option with its value,
+    ``{name=TEXT}`` an option with the value TEXT, and ``{name!}`` a value alone (of a
+    field, or of an entry of ``values`` that is not one, such as one bad list item).
+    ``flags`` maps each field to its flag; values are shown with every control character
+    escaped and huge numbers by their size, so a message stays one short line."""
+
+    def __init__(
+        self,
+        field: str,
+        template: str,
+        values: Mapping[str, object],
+        flags: Mapping[str, str],
+    ):
+        self.field = field
+        self.template = template
+        self.values = dict(values)
+        self.flags = dict(flags)
+        super().__init__(self.render("python"))
+
+    def render(self, style: str = "python") -> str:
+        """The message naming options as ``style`` does: "cli", "python" or "header"."""
+        if style not in ("cli", "python", "header"):
+            raise ValueError(f"unknown style {style!r} (cli, python or header)")
+        return _PLACEHOLDER.sub(lambda m: self._placeholder(m, style), self.template)
+
+    def _placeholder(self, match: re.Match[str], style: str) -> str:
+        name, text = match.group(1), match.group(4)
+        sign = match.group(2) or match.group(3) or ""
+        value: object = text if text else self.values.get(name)
+        if sign == "!":
+            return shown_value(value)
+        if style == "cli":
+            flag = self.flags.get(name, "--" + name.replace("_", "-"))
+            return flag if not sign else f"{flag}{_cli_value(value)}"
+        if style == "header":
+            return f"'{name}'" if not sign else f"'{name}' = {shown_value(value)}"
+        return f"{name}=" if not sign else f"{name}={shown_value(value)}"
+
+
+_PLACEHOLDER = re.compile(r"\{(\w+)(?:(!)|(=)([^{}]*))?\}")
+SHOWN_VALUE = 60  # characters of a value shown in a message
+
+
+def shown_value(value: object) -> str:
+    """A value for a one-line message: ``ascii()`` (no control character reaches a
+    terminal), cut short; an integer too big to print (Python refuses past 4300 digits)
+    by its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"
+    if isinstance(value, (list, tuple)):
+        text = "(" + ", ".join(shown_value(v) for v in value[:8]) + ")"
+        text = text if len(value) <= 8 else text[:-1] + ", ...)"
+    else:
+        text = ascii(value)
+    return text if len(text) <= SHOWN_VALUE else text[: SHOWN_VALUE - 3] + "..."
+
+
+def _cli_value(value: object) -> str:
+    """`` VALUE`` as a command line gives it after its flag (nothing for a switch): a list
+    comma-separated, a printable word as is, anything else as ``shown_value``."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
+    if isinstance(value, str):
+        plain = value.isprintable() and " " not in value and len(value) <= SHOWN_VALUE
+        return " " + (value if plain and value else shown_value(value))
+    return " " + shown_value(value)
 
 
 class ConfigFileError(ConfigError):

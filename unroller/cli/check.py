@@ -24,7 +24,7 @@ from unroller.cli.errors import fail
 from unroller.cli.headers import checksum_problem, inspect_header, short
 from unroller.cli.options import GENERATED
 from unroller.cli.shadows import importable_kind, shadow_problem
-from unroller.errors import ConfigError, ModelError
+from unroller.errors import ConfigError, ModelError, OptionValueError
 from unroller.options import Options
 
 PARALLEL_CHECK_FROM = 8  # files; fewer are checked in-process unless --jobs says otherwise
@@ -121,7 +121,10 @@ def check_file(path: Path, roots: tuple[Path, ...] = ()) -> tuple[str, str]:
     found = checksum_problem(text)
     if found:
         return found
-    options = Options.from_header(header)
+    try:
+        options = Options.from_header(header)
+    except OptionValueError as exc:
+        return "damaged", f"header damaged: {exc.render('header')}"
     if options.compress_config is not None:
         config, outside = resolve_source(options.compress_config, None, roots)
         if outside:

@@ -20,7 +20,7 @@ import click
 import typer
 
 from unroller import crash
-from unroller.errors import ConfigError, ConfigFileError, ModelError
+from unroller.errors import ConfigError, ConfigFileError, ModelError, OptionValueError
 
 USER_ERROR = 2  # exit status of every refused command line or input file
 
@@ -120,8 +120,11 @@ def fail_plain(message: str) -> typer.Exit:
 
 
 def config_error(exc: ConfigError) -> typer.Exit:
-    """A config file's error is already ``FILE:LINE:COL: error: ...``; any other is one line."""
-    return fail_plain(str(exc)) if isinstance(exc, ConfigFileError) else fail(str(exc))
+    """A config file's error is already ``FILE:LINE:COL: error: ...``; any other is one
+    line, an option refused by ``Options`` naming the flags as typed."""
+    if isinstance(exc, ConfigFileError):
+        return fail_plain(str(exc))
+    return fail(exc.render("cli") if isinstance(exc, OptionValueError) else str(exc))
 
 
 def model_error(exc: ModelError, path: str | Path) -> typer.Exit:

@@ -18,6 +18,7 @@ from unroller.cli.options import (
     RecomputeOpt,
     ResolutionOpt,
 )
+from unroller.cli.target import checked
 from unroller.errors import ConfigError, ModelError
 from unroller.platforms import platform as get_platform
 from unroller.schemes import SCHEMES
@@ -127,6 +128,7 @@ def estimate(
     if ipus not in (1, 2, 4):
         raise fail("--ipus must be 1, 2 or 4")
     names = _schemes(scheme)
+    checked("resolution", resolution)
     from unroller.api import load_graph, source_label
     from unroller.options import Options
 

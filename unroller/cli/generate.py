@@ -9,31 +9,19 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from unroller.api import generate_source, source_label
 from unroller.cli.errors import config_error, fail, model_error, print_warnings
 from unroller.cli.options import (
-    DEFAULT_PLATFORM,
-    DEFAULT_SCHEME,
     GENERATED,
-    ConfigOpt,
-    DataParallelOpt,
+    TARGET_OPTIONS,
     ModelArg,
-    NumIpusOpt,
-    OptLevelOpt,
-    PipelineOpt,
-    PlatformOpt,
-    RecomputeOpt,
-    RecomputeSegmentsOpt,
-    SchemeOpt,
     SchemesOpt,
-    SegmentPieceSizeOpt,
-    SegmentPiecesOpt,
-    StagesOpt,
     value_of,
+    with_options,
 )
 from unroller.cli.output import prepare_output, read_existing, write_output
 from unroller.cli.stdout import write_stdout
@@ -53,6 +41,7 @@ def emit(model: Path, options: Options, label: str | None = None) -> str:
         raise config_error(exc) from None
 
 
+@with_options(*TARGET_OPTIONS, "data_parallel", "pipeline")
 def generate(
     model: ModelArg,
     output: Annotated[
@@ -65,18 +54,7 @@ def generate(
             "which is replaced atomically while the link stays (a dangling link is refused).",
         ),
     ] = None,
-    platform: PlatformOpt = DEFAULT_PLATFORM,
-    scheme: SchemeOpt = DEFAULT_SCHEME,
-    compress_config: ConfigOpt = None,
-    opt_level: OptLevelOpt = 1,
-    num_ipus: NumIpusOpt = 1,
-    stage_starts: StagesOpt = None,
-    recompute: RecomputeOpt = False,
-    recompute_segments: RecomputeSegmentsOpt = None,
-    segment_pieces: SegmentPiecesOpt = 1,
-    segment_piece_size: SegmentPieceSizeOpt = 0,
-    data_parallel: DataParallelOpt = False,
-    pipeline: PipelineOpt = 1,
+    option_values: dict[str, Any] | None = None,
     force: Annotated[
         bool,
         typer.Option("--force", help="Overwrite a file that was edited by hand or not generated."),
@@ -97,20 +75,9 @@ def generate(
 
     Example: unroll generate models/resnet34.txt --platform gpu --scheme dct-dense -o resnet34.py
     """
-    options = make_options(
-        platform,
-        scheme,
-        compress_config,
-        opt_level,
-        num_ipus,
-        stage_starts,
-        recompute,
-        data_parallel,
-        pipeline,
-        recompute_segments,
-        segment_pieces,
-        segment_piece_size,
-    )
+    values = option_values or {}
+    options = make_options(values)
+    compress_config = values.get("compress_config")
     to_stdout = output is None or str(output) == "-"
     inputs = (model, *((compress_config,) if compress_config else ()))
     target = None if to_stdout else prepare_output(output, force, mkdir, inputs=inputs)
@@ -151,18 +118,11 @@ def unified(a: str, b: str, name_a: str, name_b: str) -> str:
     )
 
 
+@with_options(*(name for name in TARGET_OPTIONS if name != "scheme"))
 def diff(
     model: ModelArg,
-    platform: PlatformOpt = DEFAULT_PLATFORM,
     scheme: SchemesOpt = None,
-    compress_config: ConfigOpt = None,
-    opt_level: OptLevelOpt = 1,
-    num_ipus: NumIpusOpt = 1,
-    stage_starts: StagesOpt = None,
-    recompute: RecomputeOpt = False,
-    recompute_segments: RecomputeSegmentsOpt = None,
-    segment_pieces: SegmentPiecesOpt = 1,
-    segment_piece_size: SegmentPieceSizeOpt = 0,
+    option_values: dict[str, Any] | None = None,
     against: Annotated[
         Path | None, typer.Option(help="The file to compare with (default: the checked-in one).")
     ] = None,
@@ -180,18 +140,7 @@ def diff(
         raise fail("give one --scheme (against a file) or two (scheme against scheme)")
 
     def options_for(name: str) -> Options:
-        return make_options(
-            platform,
-            name,
-            compress_config,
-            opt_level,
-            num_ipus,
-            stage_starts,
-            recompute,
-            recompute_segments=recompute_segments,
-            segment_pieces=segment_pieces,
-            segment_piece_size=segment_piece_size,
-        )
+        return make_options(option_values or {}, scheme=name)
 
     if len(schemes) == 2:
         a, b = (emit(model, options_for(s)) for s in schemes)

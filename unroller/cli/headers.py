@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import re
 
-from unroller.cli.options import SEGMENT_CHARS
 from unroller.cli.target import ALL_STAGE_COUNTS
-from unroller.codegen import CHECKSUM_TAG, HEADER_TAG, PROCESS_STAGES, body_checksum
+from unroller.codegen import CHECKSUM_TAG, HEADER_TAG, body_checksum
+from unroller.options import PROCESS_STAGES, SEGMENT_CHARS
 from unroller.platforms import PLATFORMS
 from unroller.schemes import SCHEMES
 

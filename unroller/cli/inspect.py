@@ -13,20 +13,11 @@ import typer
 from unroller.api import compression_config, load_graph, read_model_text
 from unroller.cli.errors import fail, model_error
 from unroller.cli.options import (
-    DEFAULT_PLATFORM,
-    DEFAULT_SCHEME,
-    ConfigOpt,
+    TARGET_OPTIONS,
     ModelArg,
-    NumIpusOpt,
-    OptLevelOpt,
     PlatformOpt,
-    RecomputeOpt,
-    RecomputeSegmentsOpt,
-    SchemeOpt,
-    SegmentPieceSizeOpt,
-    SegmentPiecesOpt,
-    StagesOpt,
     value_of,
+    with_options,
 )
 from unroller.cli.stdout import write_stdout
 from unroller.cli.target import make_options
@@ -43,20 +34,12 @@ FORMATS = ("table", "json", "dot")
 LINT_PLATFORM = PlatformName(LINTED.name)
 
 
+@with_options(*TARGET_OPTIONS)
 def graph(
     model: ModelArg,
     batch_size: Annotated[int, typer.Option(min=1, help="Batch size for byte counts.")] = 32,
     fmt: Annotated[str, typer.Option("--format", help="table, json or dot.")] = "table",
-    scheme: SchemeOpt = DEFAULT_SCHEME,
-    compress_config: ConfigOpt = None,
-    opt_level: OptLevelOpt = 1,
-    platform: PlatformOpt = DEFAULT_PLATFORM,
-    num_ipus: NumIpusOpt = 1,
-    stage_starts: StagesOpt = None,
-    recompute: RecomputeOpt = False,
-    recompute_segments: RecomputeSegmentsOpt = None,
-    segment_pieces: SegmentPiecesOpt = 1,
-    segment_piece_size: SegmentPieceSizeOpt = 0,
+    option_values: dict[str, Any] | None = None,
 ) -> None:
     """Show the node graph: op, output shape, parameters and bytes saved for backward,
     and per saved tensor the form the scheme keeps it in, raw and stored bytes.
@@ -66,18 +49,7 @@ def graph(
 
     Example: unroll graph models/resnet34.txt --batch-size 32 --scheme dct-dense
     """
-    options = make_options(
-        platform,
-        scheme,
-        compress_config,
-        opt_level,
-        num_ipus,
-        stage_starts,
-        recompute,
-        recompute_segments=recompute_segments,
-        segment_pieces=segment_pieces,
-        segment_piece_size=segment_piece_size,
-    )
+    options = make_options(option_values or {})
     if fmt not in FORMATS:
         raise fail(f"unknown format '{fmt}' (table, json or dot)")
     try:
@@ -97,7 +69,7 @@ def graph(
     per_stage = None
     if platform_named(options.platform).pipelined:
         try:
-            pipe = split(g, plan, num_ipus, list(options.stage_starts) or None)
+            pipe = split(g, plan, options.num_ipus, list(options.stage_starts) or None)
         except ModelError as exc:
             raise model_error(exc, model) from None
         per_stage = ipu_report(g, plan, pipe, batch_size)
@@ -110,7 +82,8 @@ def graph(
         out = [json.dumps(found, indent=2)]
     else:
         out = [format_table(graph_report(g, batch_size)), ""]
-        shown = value_of(scheme) if compress_config is None else str(compress_config)
+        config_path = (option_values or {}).get("compress_config")
+        shown = options.scheme if config_path is None else str(config_path)
         out.append(format_stash(stash, shown))
         out += _segment_lines(plan, batch_size)
         if per_stage is not None:

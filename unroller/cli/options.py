@@ -1,34 +1,36 @@
 """Every option two or more commands take, declared once.
 
-Commands annotate their parameters with these aliases, so a name, a short flag, a help
-text or a set of choices is changed in one place. Platforms and schemes are Enums built
-from ``unroller.platforms.PLATFORMS`` and ``unroller.schemes.SCHEMES``: --help lists
-their choices, and adding a platform or scheme there adds it here.
+The options of the generator are the fields of ``unroller.options.Options``: their flags
+and help texts are the fields' metadata, and ``with_options`` adds the ones a command
+takes to its parameters, so no command restates them; ``unroller.cli.target`` turns
+their values into ``Options``, which refuses what it cannot generate (the message naming
+the flags as typed). Other shared options are the aliases below. Platforms and schemes
+are Enums built from ``unroller.platforms.PLATFORMS`` and ``unroller.schemes.SCHEMES``:
+--help lists their choices, and adding a platform or scheme there adds it here.
 
 An unknown choice is refused with the message users know (``unroll: error: unknown
 platform 'tpu' (known: gpu, ipu)``, status 2) rather than click's generic one: the
-parsers below do the refusing.
+parsers below do the refusing, with ``Options``'s own check.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from unroller.cli.errors import fail
-from unroller.platforms import PLATFORMS, PlatformName
+from unroller.options import FLAGS, OPTION_FIELDS, check_field
+from unroller.platforms import PlatformName
 from unroller.schemes import SCHEMES
 
 #: The scheme names as an Enum, for typer options (``Scheme("dct-dense")``).
 Scheme = Enum("Scheme", {name.upper().replace("-", "_"): name for name in SCHEMES}, type=str)
-
-#: The defaults of --platform and --scheme where a command does not say otherwise.
-DEFAULT_PLATFORM = PlatformName("gpu")
-DEFAULT_SCHEME = Scheme("nocompress")
 
 #: Where checked-in generated files live (``unroll check``, ``unroll diff``).
 GENERATED = Path("generated")
@@ -39,19 +41,20 @@ def value_of(choice: Enum | str) -> str:
     return str(getattr(choice, "value", choice))
 
 
-def _choice_parser(enum: type[Enum], noun: str) -> Callable[[object], str]:
-    """A typer parser that checks a name against ``enum``, or refuses it (status 2).
+def _choice_parser(enum: type[Enum], name: str) -> Callable[[object], str]:
+    """A typer parser that checks a name as ``Options`` does (field ``name``), or refuses
+    it (status 2).
 
     It returns the plain name, not the member: typer releases differ in what follows a
     parser (older ones map the name to the member themselves, and would turn a member
     into None), so commands read every choice through ``value_of``."""
 
     def parse(value: object) -> str:
-        try:
-            return value_of(enum(value))
-        except ValueError:
-            known = ", ".join(value_of(member) for member in enum)
-            raise fail(f"unknown {noun} '{value}' (known: {known})") from None
+        text = value_of(value)
+        problem = check_field(name, text)
+        if problem is not None:
+            raise fail(problem.render("cli"))
+        return text
 
     return parse
 
@@ -66,48 +69,57 @@ def _metavar(enum: type[Enum]) -> str:
     return "[" + "|".join(value_of(member) for member in enum) + "]"
 
 
-def _platforms_help() -> str:
-    return "; ".join(f"{p.name}: {p.summary}" for p in PLATFORMS.values()) + "."
-
-
-def _stages_help() -> str:
-    """Which platforms pipeline, and the stage counts each accepts."""
-    pipelined = [p for p in PLATFORMS.values() if p.pipelined]
-    counts = "; ".join(f"{p.name}: {', '.join(map(str, p.stage_counts))}" for p in pipelined)
-    return f"Pipeline stages, one per device ({counts})."
-
-
-# ---- the model and its target (generate, diff, graph, lint, train, accuracy) -----------
-
 ModelArg = Annotated[Path, typer.Argument(help="The model file (.txt).")]
-PlatformOpt = Annotated[
-    PlatformName,
-    typer.Option(
-        "--platform",
-        "-p",
-        parser=parse_platform,
-        metavar=_metavar(PlatformName),
-        help=_platforms_help(),
-    ),
-]
-NumIpusOpt = Annotated[int, typer.Option("--num-ipus", help=_stages_help())]
-StagesOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--stage-starts",
-        help="Pipelined platforms: comma-separated first node of each stage after the first "
-        "(default: balance parameter + stashed bytes).",
-    ),
-]
 
-# ---- compression (generate, diff, graph, train) ----------------------------------------
+# ---- the generator's options: the fields of Options -----------------------------------
 
-SchemeOpt = Annotated[
-    Scheme,
-    typer.Option(
-        "--scheme", parser=parse_scheme, metavar=_metavar(Scheme), help="Compression scheme."
-    ),
-]
+FIELDS = {f.name: f for f in OPTION_FIELDS}
+
+#: What the command line reads for each field (its type, and for a choice the parser
+#: and the choices shown); a field not here is not on the command line.
+CLI_TYPES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "platform": (PlatformName, {"parser": parse_platform, "metavar": _metavar(PlatformName)}),
+    "scheme": (Scheme, {"parser": parse_scheme, "metavar": _metavar(Scheme)}),
+    "compress_config": (Path | None, {}),
+    "opt_level": (int, {}),
+    "num_ipus": (int, {}),
+    "stage_starts": (str | None, {}),
+    "resolution": (int | None, {}),
+    "recompute": (bool, {}),
+    "recompute_segments": (str | None, {}),
+    "segment_pieces": (int, {}),
+    "segment_piece_size": (int, {}),
+    "data_parallel": (bool, {}),
+    "pipeline": (int, {}),
+}
+
+#: The defaults of --platform and --scheme where a command does not say otherwise.
+DEFAULT_PLATFORM = PlatformName(FIELDS["platform"].default)
+DEFAULT_SCHEME = Scheme(FIELDS["scheme"].default)
+
+#: Each field's default as the command line gives it (a list field: no text).
+CLI_DEFAULTS: dict[str, Any] = {
+    name: {"platform": DEFAULT_PLATFORM, "scheme": DEFAULT_SCHEME}.get(
+        name, None if isinstance(FIELDS[name].default, tuple) else FIELDS[name].default
+    )
+    for name in CLI_TYPES
+}
+
+
+def field_option(name: str, **overrides: Any) -> Any:
+    """The typer option of field ``name`` of ``Options``: its flag, short flag, help text
+    and metavar from the field's metadata, its type and parser from ``CLI_TYPES``."""
+    meta = FIELDS[name].metadata
+    kind, settings = CLI_TYPES[name]
+    settings = {"help": meta["help"], **settings, **overrides}
+    if meta["metavar"] and "metavar" not in settings:
+        settings["metavar"] = meta["metavar"]
+    flags = [FLAGS[name], *([meta["short"]] if meta["short"] else [])]
+    return Annotated[kind, typer.Option(*flags, **settings)]
+
+
+PlatformOpt = field_option("platform")
+SchemeOpt = field_option("scheme")
 SchemesOpt = Annotated[
     list[Scheme] | None,
     typer.Option(
@@ -117,108 +129,68 @@ SchemesOpt = Annotated[
         help="A scheme; give two to compare schemes.",
     ),
 ]
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--compress-config", help="TOML file with a default and rules (replaces the scheme's)."
-    ),
-]
-OptLevelOpt = Annotated[
-    int, typer.Option("--opt-level", min=0, max=1, help="0: no compression and no masks.")
-]
+ConfigOpt = field_option("compress_config")
+RecomputeOpt = field_option("recompute")
+RecomputeSegmentsOpt = field_option("recompute_segments")
+SegmentPieceSizeOpt = field_option("segment_piece_size")
+ResolutionOpt = field_option("resolution")
 
-RecomputeOpt = Annotated[
-    bool,
-    typer.Option(
-        "--recompute",
-        help="Remake the outputs of cheap ops (activations, pooling, resampling, concat, batch "
-        "norm) in the backward from what is kept anyway, instead of keeping them.",
-    ),
-]
+#: The target and compression options of the commands that generate or show a module.
+TARGET_OPTIONS = (
+    "platform",
+    "scheme",
+    "compress_config",
+    "opt_level",
+    "num_ipus",
+    "stage_starts",
+    "recompute",
+    "recompute_segments",
+    "segment_pieces",
+    "segment_piece_size",
+)
+"""What generate, diff and graph take (generate also --data-parallel and --pipeline)."""
 
-SEGMENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-")
-"""What a segment pattern may hold: a block instance name or glob (as a config's globs)."""
+
+def with_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command the options of the ``Options`` fields ``names``, declared by the
+    fields (``field_option``) and placed where the command has its ``option_values``
+    parameter; the command receives their values as that one dict, by field name, for
+    ``unroller.cli.target.make_options``."""
+
+    def wrap(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        params = list(signature.parameters.values())
+        at = [p.name for p in params].index("option_values")
+        added = [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                default=CLI_DEFAULTS[name],
+                annotation=field_option(name),
+            )
+            for name in names
+        ]
+        params[at : at + 1] = added
+
+        @functools.wraps(command)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            values = {name: kwargs.pop(name) for name in names if name in kwargs}
+            return command(*args, option_values=values, **kwargs)
+
+        run.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+
+    return wrap
 
 
 def parse_segments(text: str | None) -> tuple[str, ...]:
-    """``--recompute-segments blocks|auto|GLOB[,GLOB...]`` as patterns, or refused (status 2)."""
+    """``--recompute-segments blocks|auto|GLOB[,GLOB...]`` as patterns (``Options`` checks
+    them)."""
     if text is None:
         return ()
-    found = tuple(dict.fromkeys(part.strip() for part in text.split(",")))
-    for part in found:
-        if not part or len(part) > 200 or not set(part) <= SEGMENT_CHARS:
-            shown = part if set(part) <= SEGMENT_CHARS else ascii(part)
-            raise fail(
-                f"--recompute-segments: bad segment '{shown[:60]}' (blocks, auto, or block "
-                "instance names / globs of letters, digits and _ . * ? [ ] ! -, "
-                "comma-separated)"
-            )
-    if "auto" in found and len(found) > 1:
-        raise fail("--recompute-segments: auto stands alone (the planner chooses)")
-    return found
+    return tuple(dict.fromkeys(part.strip() for part in text.split(",")))
 
-
-RecomputeSegmentsOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--recompute-segments",
-        metavar="blocks|auto|NAMES",
-        help="Segment recompute: these top-level block instances keep only their inputs "
-        "from the forward (compressed as the scheme compresses them) and run their forward "
-        "again when their backward begins. 'blocks': every one that can be; NAMES: "
-        "comma-separated instance names or globs ('layers.*'); 'auto': the planner chooses "
-        "(--scheme auto, unroll plan).",
-    ),
-]
-
-MAX_SEGMENT_PIECES = 4096
-"""The most pieces ``--segment-pieces`` takes (a piece of one sample at batch 4096)."""
-
-SegmentPiecesOpt = Annotated[
-    int,
-    typer.Option(
-        "--segment-pieces",
-        min=1,
-        max=MAX_SEGMENT_PIECES,
-        metavar="K",
-        help="With --recompute-segments: each recomputed segment runs its recompute and "
-        "backward in K pieces of the batch, one at a time, so that their working memory is "
-        "a piece's (segments holding an op that couples the batch, batch norm, stay whole; "
-        "unroll graph says which). 1: whole.",
-    ),
-]
-SegmentPieceSizeOpt = Annotated[
-    int,
-    typer.Option(
-        "--segment-piece-size",
-        min=0,
-        max=MAX_SEGMENT_PIECES,
-        metavar="P",
-        help="With --recompute-segments, instead of --segment-pieces: pieces of at most P "
-        "samples, whatever the batch, so that a segment's working memory is the same at "
-        "every batch size (what each extra sample costs is then its kept inputs and "
-        "gradients). 0: by --segment-pieces.",
-    ),
-]
-
-DataParallelOpt = Annotated[
-    bool,
-    typer.Option(
-        "--data-parallel",
-        help="gpu: all-reduce gradient buckets during the backward (unroller.distributed); "
-        "the file still trains in one process.",
-    ),
-]
-
-PipelineOpt = Annotated[
-    int,
-    typer.Option(
-        "--pipeline",
-        help="gpu: also emit one generator per pipeline stage, for that many processes "
-        "(unroller.pipeline_parallel; stages split by --stage-starts or balanced); the file "
-        "still trains in one process. 1: none.",
-    ),
-]
 
 # ---- training (train, accuracy) --------------------------------------------------------
 
@@ -257,13 +229,6 @@ TrainSizeOpt = Annotated[
 ]
 TestSizeOpt = Annotated[
     int | None, typer.Option("--test-size", help="K test samples (as --train-size).")
-]
-ResolutionOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--resolution",
-        help="Rewrite the model's image inputs and targets to R rows (as unroll bench).",
-    ),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or epoch lines.")]

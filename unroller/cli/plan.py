@@ -24,6 +24,7 @@ from unroller.cli.options import (
     parse_segments,
 )
 from unroller.cli.output import prepare_output, write_output
+from unroller.cli.target import checked
 from unroller.errors import ConfigError, ModelError
 
 BudgetOpt = Annotated[
@@ -119,7 +120,9 @@ def plan(
     from unroller.api import load_graph, source_label
     from unroller.bench.options import parse_bytes
 
-    segments = parse_segments(recompute_segments)
+    segments = checked("recompute_segments", parse_segments(recompute_segments))
+    checked("segment_piece_size", segment_piece_size)
+    checked("resolution", resolution)
     if segment_piece_size and not segments:
         raise fail("--segment-piece-size needs --recompute-segments (pieces of what?)")
     budget = None

@@ -41,6 +41,7 @@ from unroller.cli.options import (
     TrainSizeOpt,
     value_of,
 )
+from unroller.cli.target import checked
 from unroller.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
@@ -65,7 +66,9 @@ TRAINING = (
 
 
 def training_settings(values: dict[str, Any]) -> dict[str, Any]:
-    """The shared training options out of a command's parameters (its ``locals()``)."""
+    """The shared training options out of a command's parameters (its ``locals()``); the
+    resolution refused as ``Options`` refuses it (status 2)."""
+    checked("resolution", values["resolution"])
     return {name: values[name] for name in TRAINING}
 
 
