@@ -14,7 +14,7 @@ from unroller.bench.machine import shown_argument, shown_path
 
 RESULTS = ROOT / "benchmarks" / "results"
 
-# A POSIX path of two parts or more that starts at the root (/tmp/x, "/work/a/b"), a home
+# A POSIX path of two parts or more that starts at the root (/tmp/x, "/srv/a/b"), a home
 # folder (~/x) or a Windows drive (C:\x); "a / b", "MiB/sample" and "1/12" are not.
 ABSOLUTE = re.compile(r"(?<![\w.~/\\-])/(?:[\w.+-]+/)+[\w.+-]*|\b[A-Za-z]:\\|(?<![\w.])~/\w")
 
@@ -40,7 +40,7 @@ def test_no_results_file_names_an_absolute_path():
 @pytest.mark.parametrize(
     "text",
     [
-        '"executable": "/work/main/.venv/bin/python"',
+        '"executable": "/srv/checkout/.venv/bin/python"',
         "--out-dir /tmp/full/emdenoise",
         "--out=/tmp/acc",
         "(real, /root/.pyenv/versions/3.11.7/lib/python3.11, tests left out)",
