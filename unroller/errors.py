@@ -98,8 +98,10 @@ def shown_value(value: object) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"<an integer of {value.bit_length()} bits>"
     if isinstance(value, (list, tuple)):
-        text = "(" + ", ".join(shown_value(v) for v in value[:8]) + ")"
-        text = text if len(value) <= 8 else text[:-1] + ", ...)"
+        opening, closing = "[]" if isinstance(value, list) else "()"
+        items = [shown_value(v) for v in value[:8]] + (["..."] if len(value) > 8 else [])
+        comma = "," if isinstance(value, tuple) and len(value) == 1 else ""
+        text = opening + ", ".join(items) + comma + closing
     else:
         text = ascii(value)
     return text if len(text) <= SHOWN_VALUE else text[: SHOWN_VALUE - 3] + "..."

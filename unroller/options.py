@@ -38,6 +38,8 @@ MAX_RESOLUTION = 65536  # rows of an image input
 MAX_BUCKET_BYTES = 2**40  # bytes of one data-parallel gradient bucket
 MAX_PATH = 4096  # characters of a compression config's path
 
+LIST_FIELDS = ("stage_starts", "recompute_segments")  # tuples; lists taken, headers' lists
+
 #: Header keys that are not options: what the generator records about the source.
 HEADER_ONLY = ("generator", "source", "sha256", "compress_config_sha256")
 
@@ -186,7 +188,8 @@ class Options:
         for f in OPTION_FIELDS:
             if f.name in header:
                 value = header[f.name]
-                values[f.name] = tuple(value) if isinstance(value, list) else value
+                listed = f.name in LIST_FIELDS and isinstance(value, list)
+                values[f.name] = tuple(value) if listed else value
         known = {*HEADER_ONLY, *(f.name for f in OPTION_FIELDS)}
         return cls(**values, extra={k: v for k, v in header.items() if k not in known})
 
@@ -329,15 +332,17 @@ def _check_count(name: str, value: Any) -> OptionValueError | None:
 def check_field(name: str, value: Any) -> OptionValueError | None:
     """Why ``value`` cannot be field ``name`` of ``Options`` whatever the other fields
     are, or None: for a parser that refuses a value before the rest is known (the
-    command line's choices), or a config file's keys that are options too."""
-    return _check_one(name, value)
+    command line's choices), or a config file's keys that are options too. A list is
+    taken as a tuple, as ``Options`` takes it."""
+    listed = name in LIST_FIELDS and isinstance(value, list)
+    return _check_one(name, tuple(value) if listed else value)
 
 
 def validate(options: Options) -> None:
     """Refuse what ``options`` cannot generate, whatever the model: each field's type and
     range, then the combinations (``_check_combination``). Lists given for the tuple
     fields are taken as tuples."""
-    for name in ("stage_starts", "recompute_segments"):
+    for name in LIST_FIELDS:
         if isinstance(getattr(options, name), list):
             setattr(options, name, tuple(getattr(options, name)))
     for f in OPTION_FIELDS:
