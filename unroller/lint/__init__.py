@@ -103,8 +103,9 @@ Each module is read and parsed once per run, however many linted modules import 
 The package, one job a module: ``supported`` (the supported list), ``kinds`` (the kinds of
 finding), ``report`` (findings and the report's text), ``hostonly`` (the marker),
 ``torchnames`` (what a torch name or expression stands for), ``restrictions`` (argument
-checks), ``selection`` (the statements a by-name import needs), ``scanner`` (one module),
-``source`` (bounded reading), ``resolve`` (finding imported modules) and ``linter`` (the
+checks), ``selection`` (the statements a by-name import needs), ``scanner`` (one module;
+its import records in ``imports``, its checks of torch calls in ``calls``), ``source``
+(bounded reading), ``resolve`` (finding imported modules) and ``linter`` (the
 run over many modules, and the chains).
 """
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from unroller.platforms import LINTED
 
+from .imports import _UNUSED, _Import
 from .kinds import IMPORT, READ
 from .report import Hop, LintCall, LintReport
 from .resolve import (
@@ -25,7 +26,7 @@ from .resolve import (
     _module_name,
     _Resolver,
 )
-from .scanner import _UNUSED, _Import, _ModuleScanner, _Scan
+from .scanner import _ModuleScanner, _Scan
 from .selection import _statement_at
 from .source import _read_source, _Unreadable
 from .supported import supported_ops
