@@ -14,7 +14,7 @@ from unroller.api import source_label
 from unroller.cli.errors import config_error, fail
 from unroller.cli.options import CLI_DEFAULTS, parse_segments, value_of
 from unroller.errors import ConfigError, OptionValueError
-from unroller.options import Options, check_field
+from unroller.options import OPTION_FIELDS, Options, check_field
 from unroller.platforms import PLATFORMS
 
 #: Every stage count some platform accepts: what a generated file's header may record.
@@ -65,10 +65,15 @@ def checked(name: str, value: Any) -> Any:
     return value
 
 
-def make_options(values: dict[str, Any], **changed: Any) -> Options:
+def make_options(values: Any = None, *positional: Any, **changed: Any) -> Options:
     """Generator options from command-line values by field name (the command's
-    ``option_values``, with ``changed`` ones), refused (status 2) naming the flags; the
-    compression config is read and checked now, before anything is written."""
+    ``option_values``, with ``changed`` ones; or, for a script, the values in the fields'
+    order: ``make_options("gpu", "quant", path)``), refused (status 2) naming the flags;
+    the compression config is read and checked now, before anything is written."""
+    if not isinstance(values, dict):
+        positional, values = (values, *positional), {}
+    names = [f.name for f in OPTION_FIELDS]
+    changed = {**dict(zip(names, positional)), **changed}
     options = options_of({**CLI_DEFAULTS, **values, **changed})
     try:
         if options.scheme != "auto" or options.compress_config is not None:
