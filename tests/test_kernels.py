@@ -36,7 +36,17 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from unroller.registry import OpSpec, eval_expr, load_registry
-from unroller.runtime import attention, common, gpu, ipu, norms, positions, recurrent, shapeops
+from unroller.runtime import (
+    attention,
+    common,
+    derived,
+    gpu,
+    ipu,
+    norms,
+    positions,
+    recurrent,
+    shapeops,
+)
 
 OPS = load_registry()
 KERNELS = {"gpu": gpu, "ipu": ipu}
@@ -700,7 +710,11 @@ TORCH_CALLS |= {"finfo"}
 TORCH_CALLS |= {"cumsum"}  # padded_positions (RoBERTa's position ids); on the "Other" list
 PYTHON_METHODS = {"get", "clear", "append", "items", "values", "insert"}
 # relative_position_bias (positions.py): log of a size ratio, a constant made on the host
-HOST_CALLS = {"math": {"sqrt", "floor", "factorial", "prod", "log"}, "struct": {"pack", "unpack"}}
+HOST_CALLS = {
+    "math": {"sqrt", "floor", "factorial", "prod", "log"},
+    "struct": {"pack", "unpack"},
+    "derived": {"install"},  # the namespace assembly at import: derived's kernels are scanned
+}
 FORBIDDEN_NAMES = {
     "ops", "aten", "autograd", "erf", "erfc", "erfinv", "special", "max_pool2d_with_indices",
     "return_indices", "interpolate", "upsample", "upsample_bilinear2d", "upsample_nearest2d",
@@ -751,7 +765,12 @@ def _ipu_kernel_code() -> list[ast.AST]:
         if name in defs and name not in seen:
             seen[name] = defs[name]
             todo += [n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name)]
-    return [ipu_tree, *seen.values()]
+    made = [  # the kernels derived makes from ipu's own, not how it adds them (host code)
+        n
+        for n in ast.parse(Path(derived.__file__).read_text()).body
+        if isinstance(n, ast.FunctionDef) and n.name not in ("install", "kernels")
+    ]
+    return [ipu_tree, *seen.values(), *made]
 
 
 def _call_allowed(node: ast.Call) -> bool:

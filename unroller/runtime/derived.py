@@ -4,7 +4,7 @@ The 1-D pools are the 2-D ones on [N, C, 1, L] with a (1, k) window, exactly as 
 max_pool1d_with_indices / avg_pool1d / adaptive_avg_pool1d compute them (so autograd's
 gradients are the 2-D backward kernels' too); attention in evaluation mode is the training
 kernel without dropout; relu6's gradient is hardtanh's on [0, 6] (F.relu6 is hardtanh). ``kernels`` makes them from a platform's namespace, which then holds
-them as its own (``globals().update(derived.kernels(globals()))``).
+them as its own (``derived.install(globals())``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from torch import Tensor
 from unroller.runtime.common import Grads, Needs, _need
 
 Kernel = Callable[..., Any]
+
+
+def install(namespace: dict[str, Any]) -> None:
+    """Adds the derived kernels to a platform module's namespace (at its import, on the host)."""
+    namespace.update(kernels(namespace))
 
 
 def kernels(platform: Mapping[str, Any]) -> dict[str, Kernel]:

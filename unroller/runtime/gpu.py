@@ -1598,6 +1598,6 @@ def maxpool1d_mask(indices, *, kernel_size, stride, padding, input_length):
 
 
 # The kernels made from this platform's own (see derived's doc).
-globals().update(derived.kernels(globals()))
+derived.install(globals())
 
 __all__ = _exports(globals())

@@ -132,8 +132,8 @@ def _backward(
     hidden = hiddens.shape[-1]
     length = x.shape[1]
     inputs = 1 + initial_states
-    layers = max(LISTED_LAYERS, num_layers)
-    slots: list[Tensor | None] = [None] * (layers * 2 * len(PER_DIRECTION))
+    listed = max(LISTED_LAYERS, num_layers)
+    slots: list[Tensor | None] = [None] * (listed * 2 * len(PER_DIRECTION))
 
     def slot(index: int, reverse: int, j: int) -> int:
         return inputs + (index * 2 + reverse) * len(PER_DIRECTION) + j
