@@ -10,18 +10,18 @@ from unroller.api import load_graph
 from unroller.bench.reference import make_inputs
 from unroller.bench.reference import suite_model_path as model_path
 from unroller.cli import app
-from unroller.codegen import Emitter
+from unroller.lower import Lowering
 from unroller.options import Options
 from unroller.stash import plan_stash
 
 
-def emitter(stem: str, scheme: str) -> Emitter:
+def lowering(stem: str, scheme: str) -> Lowering:
     graph = load_graph(model_path(stem))
-    return Emitter(graph, plan_stash(graph, Options(scheme=scheme).compression()))
+    return Lowering(graph, plan_stash(graph, Options(scheme=scheme).compression()))
 
 
 def test_compress_follows_the_producer_and_raw_is_released_in_forward():
-    em = emitter("resnet_like", "dct-dense")
+    em = lowering("resnet_like", "dct-dense")
     steps = em.training_steps()
     compressed = [s for s in em.plan.entries if all(f.kind != "raw" for f in s.forms)]
     assert compressed
@@ -39,7 +39,7 @@ RESTORES = (".decompress(", "K.restore_in_pieces(")
 
 
 def test_decompress_comes_right_before_the_first_reader():
-    em = emitter("unet_like", "dct-dense")
+    em = lowering("unet_like", "dct-dense")
     steps = em.training_steps()
 
     def restores(step) -> bool:
@@ -55,7 +55,7 @@ def test_decompress_comes_right_before_the_first_reader():
 
 
 def test_a_tensor_shared_by_two_readers_is_compressed_once():
-    em = emitter("resnet_like", "dct-dense")
+    em = lowering("resnet_like", "dct-dense")
     text = "\n".join(line for s in em.training_steps() for line in s.text())
     # r feeds layer1.0.conv1 (dct) and the residual add; relu reads its mask; the
     # convolution decompresses it a piece of the batch at a time

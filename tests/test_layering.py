@@ -26,6 +26,17 @@ CORE = (
     "shapes",
     "registry",
     "codegen",
+    "lower",
+    "lower.context",
+    "lower.resolved",
+    "lower.forward",
+    "lower.restore",
+    "lower.grads",
+    "lower.backward",
+    "lower.segments",
+    "lower.pieces",
+    "lower.reductions",
+    "lower.stages",
     "names",
     "outline",
     "ir",
@@ -264,14 +275,14 @@ def test_the_stash_observer_sees_every_kept_tensor_by_full_name():
 
 
 def test_the_step_observer_sees_each_training_step_with_its_node():
-    from unroller.codegen import Emitter
     from unroller.graph import build_graph
+    from unroller.lower import Lowering
     from unroller.parser import parse
 
     text = (ROOT / "benchmarks" / "models" / "quick.txt").read_text(encoding="utf-8")
     graph = build_graph(parse(text, "quick.txt"))
     made: list[tuple[str, str]] = []
-    steps = Emitter(graph, observer=lambda s, n: made.append((s.section, n.name))).training_steps()
+    steps = Lowering(graph, observer=lambda s, n: made.append((s.section, n.name))).training_steps()
     trained = {n.name for n in graph.nodes}
     assert {name for _, name in made} == trained
     assert {section for section, _ in made} >= {"forward", "backward"}

@@ -18,8 +18,8 @@ from unroller.api import generate_from_text, generate_source, load_graph
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import make_inputs
 from unroller.bench.reference import suite_model_path as model_path
-from unroller.codegen import Emitter
 from unroller.ir import Step
+from unroller.lower import Lowering
 from unroller.options import Options
 from unroller.runtime import ipu_device, poptorch_emulation
 
@@ -77,7 +77,7 @@ def test_a_rule_by_instance_name_gives_that_instance_its_own_variant(tmp_path):
 
 def test_run_ends_are_where_the_flat_program_changes_instance():
     graph = load_graph(model_path("resnet_like"))
-    steps: list[Step] = Emitter(graph).training_steps()
+    steps: list[Step] = Lowering(graph).training_steps()
     forward_runs: list[str] = []
     for step in steps:
         if step.section == "forward" and step.calls:

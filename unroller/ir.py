@@ -156,6 +156,18 @@ class Return:
 
 Statement = Assign | AddTo | Do | RecordRaw | Yield | Return
 
+RECOMPUTE_SECTION = "recompute"
+"""The section of a segment's recompute steps (its forward again, in the backward): a run
+of its own for the outliner, rendered inside the backward."""
+
+ACCUMULATORS = ("K.accumulate", "K.accumulate_fresh")
+"""The calls that add parameter gradients into ``.grad`` (``Platform.grads == "accumulate"``)."""
+
+
+def called_name(expr: Any) -> str:
+    """The dotted name a statement's call calls (``K.accumulate``); "" for anything else."""
+    return expr.func.dotted if isinstance(expr, CallExpr) and isinstance(expr.func, Global) else ""
+
 
 @dataclass
 class Step:

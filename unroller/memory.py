@@ -1,8 +1,10 @@
 """The memory model of one generated training step: bytes live over the step, peak, floor.
 
 The generated step is explicit code, so its memory can be read off the step program the
-code generator emits (``Emitter.training_steps``: every statement, what it writes, and
-after which step each variable is released) without running it. Every variable gets its
+code generator emits (``unroller.lower.Lowering.training_steps``: every statement, what it
+writes, and after which step each variable is released) without running it; what each
+variable is comes from its structured key (``Lowering.key_of``) and the resolved stash plan
+(``Lowering.plan``), which step belongs to which op from the lowering's step observer. Every variable gets its
 bytes from the graph's shapes at a batch size: activations and gradients from their value's
 type, packed forms from the compressor's ``stored_bytes``, restored ones from the logical
 type. Views allocate nothing and keep their base alive (forward ops marked ``view`` in the
@@ -47,16 +49,28 @@ from typing import Any
 
 import torch
 
-from unroller.codegen import ACCUMULATORS, RECOMPUTE_SECTION, Emitter, called_name
 from unroller.dtypes import DTYPE_BYTES, torch_dtype
 from unroller.graph import Graph, Node
-from unroller.ir import AddTo, Assign, Attr, CallExpr, Const, Do, Step, Var
+from unroller.ir import (
+    ACCUMULATORS,
+    RECOMPUTE_SECTION,
+    AddTo,
+    Assign,
+    Attr,
+    CallExpr,
+    Const,
+    Do,
+    Step,
+    Var,
+    called_name,
+)
+from unroller.lower import Lowering
 from unroller.platforms import platform as get_platform
 from unroller.registry import Workspace
 from unroller.runtime.attention import largest_tile
 from unroller.runtime.gpu import piece_samples
 from unroller.schemes import Codec, CompressionConfig
-from unroller.stash import Form, Stashed, StashPlan, plan_stash, value_form
+from unroller.stash import Form, Stashed, plan_stash
 
 __all__ = ["Simulation", "Event", "simulate_graph", "Workspace"]
 
@@ -113,13 +127,16 @@ class Simulation:
 class _Sizes:
     """Bytes of every variable of the step program, from its structured key."""
 
-    def __init__(self, emitter: Emitter, plan: StashPlan, batch: int, kernel_scale: float = 1.0):
-        self.emitter, self.batch = emitter, batch
+    def __init__(self, lowering: Lowering, batch: int, kernel_scale: float = 1.0):
+        self.key_of, self.batch = lowering.key_of, batch
         self.kernel_scale = kernel_scale  # multiplies the registry's workspace entries
-        graph = emitter.graph
+        graph = lowering.graph
+        self.node_named = {n.name: n for n in graph.nodes}
         self.values = {v.name: v for v in graph.inputs}
         self.values.update({n.output.name: n.output for n in graph.nodes})
+        plan = lowering.plan
         self.stashed = plan.by_key()
+        self.value_forms = plan.value_forms
         self.forms = {(s.key, str(f)): (s, f) for s in plan.entries for f in s.forms}
         self.in_pieces: set[str] = set()  # restored variables a kernel decompresses by piece
 
@@ -127,7 +144,7 @@ class _Sizes:
         return t.numel(self.batch) * DTYPE_BYTES[dtype or t.dtype]
 
     def of(self, name: str, node: Node | None) -> int:
-        key = self.emitter.key_of.get(name)
+        key = self.key_of.get(name)
         return 0 if key is None else self.of_key(key, node)
 
     def of_key(self, key: tuple[str, ...], node: Node | None) -> int:
@@ -139,7 +156,7 @@ class _Sizes:
         if kind == "partial":
             return self.tensor(self.values[key[1]].type)
         if kind == "extra":
-            node_named = self.emitter.node_named[key[1]]
+            node_named = self.node_named[key[1]]
             extra = next(e for e in node_named.extras if e.name == key[2])
             return self.tensor(extra.type)
         if kind == "pgrad":
@@ -279,26 +296,26 @@ def simulate_graph(
     def observe(step: Step, node: Node) -> None:
         made[id(step)] = node
 
-    emitter = Emitter(graph, plan, get_platform(platform), observer=observe)
-    steps = emitter.training_steps()
-    return _run(steps, made, emitter, plan, batch_size, kernel_scale)
+    lowering = Lowering(graph, plan, get_platform(platform), observer=observe)
+    steps = lowering.training_steps()
+    return _run(steps, made, lowering, batch_size, kernel_scale)
 
 
 def _run(
     steps: list[Step],
     made: dict[int, Node],
-    emitter: Emitter,
-    plan: StashPlan,
+    lowering: Lowering,
     batch: int,
     kernel_scale: float = 1.0,
 ) -> Simulation:
-    sizes = _Sizes(emitter, plan, batch, kernel_scale)
+    plan = lowering.plan
+    sizes = _Sizes(lowering, batch, kernel_scale)
     heap = _Heap()
-    inputs = {emitter.var(v).name for v in emitter.graph.inputs}
+    inputs = {lowering.var(v).name for v in lowering.graph.inputs}
     raw_kept = [s for s in plan.entries if s.forms == [Form("raw")]]
     # kept raw by the forward, or made raw by a segment's recompute (only then stash)
-    stash_names = {emitter.raw_var(s.key).name: s.key for s in raw_kept if s.segment is None}
-    remade_names = {emitter.raw_var(s.key).name: s.key for s in raw_kept if s.segment}
+    stash_names = {lowering.raw_var(s.key).name: s.key for s in raw_kept if s.segment is None}
+    remade_names = {lowering.raw_var(s.key).name: s.key for s in raw_kept if s.segment}
     first_grad: set[str] = set()
     events: list[Event] = []
     peak, peak_at, peak_stash = 0, "", ()
@@ -309,8 +326,8 @@ def _run(
     at = {id(step): i for i, step in enumerate(steps)}
     loop_end: dict[int, int] = {}  # a pieces loop's header index -> its last step's index
     piece_batch: dict[int, int] = {}  # step index in a loop body -> the largest piece's batch
-    for header, last, segment in emitter.piece_loops:
-        start, end = at[id(header)], at[id(last)]
+    for loop in lowering.piece_loops:
+        start, end, segment = at[id(loop.header)], at[id(loop.last)], loop.segment
         loop_end[start] = end
         for k in range(start + 1, end + 1):
             piece_batch[k] = (
@@ -352,7 +369,7 @@ def _run(
             for name in _targets_of(step):
                 if name in raw_names:
                     heap.mark_stash(name, raw_names[name])
-                key = emitter.key_of.get(name, ("",))
+                key = lowering.key_of.get(name, ("",))
                 if key[0] == "packed":
                     heap.mark_stash(name, key[1])
         stash_during, stash_ids = heap.stash_live, dict(heap.stash)
@@ -486,10 +503,10 @@ def _transient_of(
 ) -> int:
     """Working memory of a codec call or a kernel (registry ``workspace``)."""
     if func.endswith((".compress", ".decompress")) and targets:
-        key = sizes.emitter.key_of.get(targets[0], ("",))
+        key = sizes.key_of.get(targets[0], ("",))
         if key[0] == "value" and key[1] in sizes.stashed:  # a segment's input, restored
             stashed = sizes.stashed[key[1]]
-            found = value_form(stashed)
+            found = sizes.value_forms[key[1]]
             if found is None or found.kind == "raw":
                 return 0
             form = found
@@ -598,7 +615,7 @@ def _restore_transient(name: str, sizes: _Sizes, piece: float, restored: float) 
     """What a kernel holds while it decompresses a piece of an input it was handed packed
     (``RestoredInPieces``): the piece itself (``restored`` times its bytes: none where the
     kernel's own workspace is that piece) and the codec's transient."""
-    key = sizes.emitter.key_of[name]
+    key = sizes.key_of[name]
     stashed, form = sizes.forms[(key[1], key[3])]
     t = form.type or stashed.type
     nbytes = piece * t.numel(sizes.batch) * DTYPE_BYTES[t.dtype]
