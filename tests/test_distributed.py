@@ -178,7 +178,7 @@ def test_buckets_follow_the_backward(tmp_path):
     wait = lines.index("K.reduce_wait(L)")
     assert wait > max(reduces)
     assert "K.reduce_bucket" not in generate_from_text(PLAIN, Options(), "p.txt")
-    with pytest.raises(ValueError, match="--data-parallel is for --platform gpu"):
+    with pytest.raises(ValueError, match="data_parallel= is for platform='gpu'"):
         generate_from_text(PLAIN, Options(platform="ipu", data_parallel=True), "p.txt")
 
 

@@ -198,11 +198,11 @@ def test_schedules_order_each_micro_batch_forward_before_backward():
 
 def test_what_cannot_be_pipelined_is_refused(tmp_path):
     model = MODELS / "resnet_like.txt"
-    with pytest.raises(ValueError, match="--pipeline is not for --platform ipu"):
+    with pytest.raises(ValueError, match="pipeline= is not for platform='ipu'"):
         generate_source(model, Options(platform="ipu", pipeline=2))
     with pytest.raises(ValueError, match="do not combine"):
         generate_source(model, Options(pipeline=2, data_parallel=True))
-    with pytest.raises(Exception, match="--pipeline must be one of"):
+    with pytest.raises(Exception, match="pipeline= must be one of"):
         generate_source(model, Options(pipeline=1000))
     with pytest.raises(Exception, match="recompute"):
         generate_source(model, Options(pipeline=2, recompute=True))

@@ -223,7 +223,7 @@ def test_segment_patterns():
     ]
     with pytest.raises(ModelError, match="'layer9' matches no block instance"):
         _plan(text, segments=("layer9",))
-    with pytest.raises(ConfigError, match="needs --scheme auto"):
+    with pytest.raises(ConfigError, match="needs scheme='auto'"):
         Options(recompute_segments=("auto",)).compression()
     # a model without blocks: nothing to recompute, nothing refused
     assert _plan(model_path("all_ops").read_text()).segments == []
