@@ -23,9 +23,8 @@ from unroller.outline import relative
 from unroller.pipeline import Pipeline
 from unroller.platforms import Platform
 from unroller.schemes import Codec
-from unroller.stash import Form, Segment
 
-from .resolved import ResolvedPlan
+from .resolved import Form, ResolvedPlan, Segment
 
 StepObserver = Callable[[Step, Node], None]
 """Told of each step the lowering makes for a node, with that node: the memory model reads

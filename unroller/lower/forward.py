@@ -28,10 +28,9 @@ from unroller.ir import (
     Var,
     release_dead,
 )
-from unroller.stash import Stashed
 
 from .context import LoweringContext, const_kwargs, defaults, in_block
-from .resolved import RAW, RECOMPUTE
+from .resolved import RAW, RECOMPUTE, Stashed
 
 
 def forward_step(ctx: LoweringContext, node: Node, eval_mode: bool = False) -> Step:

@@ -31,11 +31,10 @@ from unroller.ir import (
 )
 from unroller.outline import rename_vars
 from unroller.shapes import TensorType
-from unroller.stash import Segment
 
 from .context import LoweringContext, PieceLoop
 from .grads import backward_step
-from .resolved import SegmentPlan
+from .resolved import Segment, SegmentPlan
 from .restore import restore_steps
 from .segments import restore_input, segment_steps
 

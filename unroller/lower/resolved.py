@@ -32,6 +32,22 @@ from unroller.stash import (
     value_producers,
 )
 
+__all__ = [
+    "Form",
+    "NodeStash",
+    "RAW",
+    "RECOMPUTE",
+    "Read",
+    "ResolvedPlan",
+    "Segment",
+    "SegmentPlan",
+    "Source",
+    "Stashed",
+    "resolve",
+]
+"""The stash plan's own types (a form, an entry, a segment) are the passes' too: they read
+them from here, with the plan's answers."""
+
 RAW = Form("raw")
 RECOMPUTE = Form("recompute")
 

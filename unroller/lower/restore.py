@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from unroller.graph import Node, SavedArg, explicit_kwargs
 from unroller.ir import Assign, Attr, CallExpr, Const, Expr, Global, Layer, Step, Var
-from unroller.stash import Form, Stashed
 
 from .context import LoweringContext, const_kwargs, defaults, in_block
+from .resolved import Form, Stashed
 
 
 def saved_arg(ctx: LoweringContext, node: Node, arg: SavedArg) -> Expr:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from unroller.graph import Node, explicit_kwargs
 from unroller.ir import RECOMPUTE_SECTION, Assign, Attr, CallExpr, Const, Expr, Global, Layer, Step
-from unroller.stash import Form, Segment, Stashed
 
 from .context import LoweringContext, const_kwargs, defaults, in_block
 from .forward import forward_step, forward_with_stash
-from .resolved import SegmentPlan
+from .resolved import Form, Segment, SegmentPlan, Stashed
 
 
 def segment_steps(

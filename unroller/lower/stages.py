@@ -17,11 +17,11 @@ from unroller.errors import ModelError
 from unroller.graph import Value
 from unroller.ir import Const, Return, Step, Var, Yield, release_dead
 from unroller.pipeline import Boundary
-from unroller.stash import Stashed
 
 from .context import LoweringContext
 from .forward import forward_with_stash
 from .grads import backward_step
+from .resolved import Stashed
 from .restore import restore_steps
 
 
