@@ -1,6 +1,6 @@
 """ATen operator -> registry operator: one small function per ATen op, side by side.
 
-A mapper receives a ``NodeView`` (``torch_frontend``): the node's arguments by schema
+A mapper receives a ``NodeView`` (``torch_view``): the node's arguments by schema
 name (defaults filled in), the names of the values it reads, the parameter each weight
 placeholder is, and the output shape with ``"N"`` for the batch. It returns a
 statement (``view.stmt``), an identity (``view.alias``), or refuses with the exact
@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from unroller.importer.model import BATCH, shape_text
+from unroller.importer.registry import op_table
 
 
 class Refuse(Exception):
@@ -42,16 +43,7 @@ def schema_arguments(node) -> dict:
 
 
 #: ATen overload or packet name ("aten.conv2d.default" / "aten.conv2d") -> mapper.
-MAPPERS: dict[str, Callable] = {}
-
-
-def maps(*names: str):
-    def register(fn: Callable) -> Callable:
-        for name in names:
-            MAPPERS[name] = fn
-        return fn
-
-    return register
+MAPPERS, maps = op_table()
 
 
 def mapper_for(target_name: str) -> Callable | None:

@@ -15,25 +15,16 @@ weight of the old value, so torch's momentum is ``1 - momentum`` (computed in de
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from decimal import Decimal
 
 import numpy as np
 
 from unroller.importer.aten_ops import Refuse, pair, single
 from unroller.importer.model import BATCH
+from unroller.importer.registry import op_table
 
 #: ONNX op type -> mapper.
-MAPPERS: dict[str, Callable] = {}
-
-
-def maps(*names: str):
-    def register(fn: Callable) -> Callable:
-        for name in names:
-            MAPPERS[name] = fn
-        return fn
-
-    return register
+MAPPERS, maps = op_table()
 
 
 def decimal32(value) -> float:
