@@ -23,7 +23,7 @@ from unroller.runtime.common import IGNORE_INDEX, Grads, Needs, Pair
 Kernel = TypeVar("Kernel", bound=Callable)
 
 
-def implements(impl: Kernel) -> Kernel:
+def implements(impl: Kernel) -> Kernel:  # unroller-lint: host-only (runs at import)
     """``impl`` with the defaults and annotations of the stub of the same name below."""
     spec = globals()[impl.__name__]
     want = list(inspect.signature(spec).parameters.values())
