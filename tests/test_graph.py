@@ -11,7 +11,7 @@ import unroller.runtime.gpu as K
 from unroller.api import graph_from_text, load_graph, load_model_class
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import suite_model_path as model_path
-from unroller.codegen import Emitter
+from unroller.lower import Lowering
 from unroller.report import graph_report
 
 # (input shape after N, op call) -- the inferred shape must equal the kernel's output.
@@ -113,7 +113,7 @@ def test_saved_bytes_are_counted_once_when_shared():
 
 def test_liveness_releases_each_tensor_after_its_last_use():
     graph = load_graph(model_path("resnet_like"))
-    emitter = Emitter(graph)
+    emitter = Lowering(graph)
     steps = emitter.training_steps()
     defined: set[str] = set()
     released: set[str] = set()

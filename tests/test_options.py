@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from unroller.cli import app
 from unroller.errors import OptionError, OptionValueError
-from unroller.options import FLAGS, OPTION_FIELDS, PROCESS_STAGES, Options, check_field
+from unroller.options import FLAGS, OPTION_FIELDS, Options, check_field
 from unroller.schemes import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,12 +102,6 @@ def test_lists_are_taken_as_tuples():
     options = Options(recompute_segments=["blocks"])  # type: ignore[arg-type]
     assert options.recompute_segments == ("blocks",)
     assert options.as_dict()["recompute_segments"] == ["blocks"]
-
-
-def test_pipeline_counts_are_the_generators():
-    from unroller.codegen import PROCESS_STAGES as GENERATED_STAGES
-
-    assert PROCESS_STAGES == GENERATED_STAGES
 
 
 # ---- refused: one message, Python names the argument, the CLI the flag ------------------

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from conftest import TESTS, assert_grads_close, rel_err
 
 from unroller.api import generate_source, import_generated, load_graph, write_atomic
-from unroller.codegen import _value_range, read_header
+from unroller.codegen import read_header, value_range
 from unroller.options import Options
 from unroller.pipeline_parallel import PipelineStage, Wire, boundaries_of, run_local, schedule
 from unroller.runtime.ipu_device import synthetic_batch
@@ -42,8 +42,7 @@ def _module(tmp_path: Path, model: Path, tag: str, **options):
 def _batch(model: Path, n: int = BATCH, seed: int = 0) -> list[torch.Tensor]:
     graph = load_graph(model)
     specs = [
-        (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), _value_range(v))
-        for v in graph.inputs
+        (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), value_range(v)) for v in graph.inputs
     ]
     return [t.double() if t.is_floating_point() else t for t in synthetic_batch(specs, n, seed)]
 

@@ -20,7 +20,7 @@ import black
 import jinja2
 
 from unroller import __version__, safe
-from unroller.errors import ModelError, OptionError
+from unroller.errors import ModelError
 from unroller.graph import Graph, Value, explicit_kwargs
 from unroller.ir import (
     RECOMPUTE_SECTION,
@@ -36,7 +36,7 @@ from unroller.ir import (
 from unroller.lower import Lowering, LoweringContext, PieceLoop, base_name
 from unroller.lower.context import const_kwargs
 from unroller.names import RESERVED
-from unroller.options import Options
+from unroller.options import PROCESS_STAGES, Options
 from unroller.outline import Function, Outliner
 from unroller.pipeline import (
     Boundary,
@@ -49,11 +49,8 @@ from unroller.pipeline import (
 from unroller.platforms import Platform
 from unroller.platforms import platform as get_platform
 from unroller.resources import resource_dir
-from unroller.schemes import SCHEMES, CompressionConfig
+from unroller.schemes import CompressionConfig
 from unroller.stash import StashPlan, plan_stash, wire_codec
-
-Emitter = Lowering
-"""The step programs' builder, under the name the library's callers and tests import."""
 
 HEADER_TAG = "# unroller: "
 CHECKSUM_TAG = "# unroller-checksum: "
@@ -185,7 +182,6 @@ def render(
     statements, and black is most of a render's time.
     """
     target = get_platform(options.platform)
-    _check_segment_options(options)
     plan = plan_stash(graph, config, options.segment_pieces, options.segment_piece_size)
     _check_pieces(plan, target, options)
     pipeline = _split_stages(graph, plan, target, options)
@@ -273,19 +269,6 @@ def _outliner(ctx: LoweringContext, programs: int = 1) -> Outliner:
     return outliner
 
 
-def _check_segment_options(options: Options) -> None:
-    """Refuse a scheme the header cannot name and segment piece options that contradict."""
-    if options.scheme not in SCHEMES:
-        raise OptionError(
-            f"--scheme: unknown scheme '{safe.comment_text(options.scheme)}' "
-            f"(known: {', '.join(SCHEMES)})"
-        )
-    if options.segment_pieces < 1 or options.segment_piece_size < 0:
-        raise OptionError("--segment-pieces must be at least 1, --segment-piece-size at least 0")
-    if options.segment_pieces != 1 and options.segment_piece_size:
-        raise OptionError("--segment-pieces and --segment-piece-size: give one of them")
-
-
 def _config_name(options: Options) -> str:
     """The compression config as a message names it: its file, or the scheme."""
     if options.compress_config:
@@ -357,29 +340,15 @@ def _split_stages(
     graph: Graph, plan: StashPlan, target: Platform, options: Options
 ) -> Pipeline | None:
     """The model's pipeline stages: over IPUs for a pipelined platform (``--num-ipus``), over
-    processes for ``--pipeline``; None when neither applies. Refuses the options a platform
-    does not take and the combinations not supported yet."""
+    processes for ``--pipeline``; None when neither applies. Which platform takes which is
+    ``Options``'s own check, made when the options were built."""
     pipeline = None
     starts = list(options.stage_starts) or None
     if target.pipelined:
         pipeline = split(graph, plan, options.num_ipus, starts)
-    elif options.num_ipus != 1:
-        raise OptionError(f"--num-ipus is not for --platform {target.name}")
     if options.pipeline != 1:
-        if not target.process_stages or target.pipelined:
-            raise OptionError(f"--pipeline is not for --platform {target.name}")
-        if options.data_parallel:
-            raise OptionError("--pipeline and --data-parallel do not combine yet")
         pipeline = split(
             graph, plan, options.pipeline, starts, PROCESS_STAGES, "--pipeline", loss_last=True
-        )
-    elif options.stage_starts and not target.pipelined:
-        raise OptionError(
-            f"--stage-starts needs --num-ipus or --pipeline (--platform {target.name})"
-        )
-    if options.data_parallel and target.pipelined:
-        raise OptionError(
-            f"--data-parallel is for --platform gpu (--platform {target.name} replicates itself)"
         )
     return pipeline
 
@@ -422,7 +391,7 @@ def _module_view(
         signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
         input_specs=safe.literal(
             [
-                (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), _value_range(v))
+                (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), value_range(v))
                 for v in graph.inputs
             ]
         ),
@@ -436,10 +405,6 @@ def formatted(text: str, format_str: Callable[..., str]) -> str:
     check`` after generate, the benchmark harness, the tests). Keyed by the formatter too,
     so a stand-in formatter (the fuzz tests') never serves or poisons black's results."""
     return format_str(text, mode=black.Mode(line_length=GENERATED_LINE_LENGTH))
-
-
-PROCESS_STAGES = (2, 3, 4, 5, 6, 7, 8)
-"""The stage counts ``--pipeline`` accepts (one process each)."""
 
 
 def _stage_view(
@@ -577,7 +542,7 @@ def _template(platform: Platform) -> jinja2.Template:
     return env.get_template(platform.template)
 
 
-def _value_range(value: Value) -> int:
+def value_range(value: Value) -> int:
     """For synthetic data: the class count of a loss's class-index target, 1 for a
     probability (registry ``target``, which verify's inputs read too)."""
     for node, position in value.consumers:

@@ -27,7 +27,7 @@ MAX_SEGMENT_PIECES = 4096
 the largest ``--segment-piece-size``."""
 
 PROCESS_STAGES = (2, 3, 4, 5, 6, 7, 8)
-"""The process counts ``--pipeline`` accepts besides 1 (``codegen.PROCESS_STAGES``)."""
+"""The process counts ``--pipeline`` accepts besides 1 (their stages split by ``pipeline.split``)."""
 
 SEGMENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-")
 """What a segment pattern may hold: a block instance name or glob (as a config's globs)."""

@@ -50,7 +50,7 @@ from unroller.bench import machine, options, output
 from unroller.bench.paths import ModelsNotFound, default_results_dir
 from unroller.bench.reference import BENCHMARKS
 from unroller.bench.stats import summary
-from unroller.codegen import PROCESS_STAGES, _value_range
+from unroller.codegen import PROCESS_STAGES, value_range
 from unroller.materialize import load_file, write_source
 from unroller.options import Options
 from unroller.pipeline import split
@@ -161,8 +161,7 @@ def workload(name: str, resolution: int | None, models_dir: Path | None) -> Work
     text = path.read_text(encoding="utf-8")
     graph = graph_from_text(text, str(path), resolution)
     specs = [
-        (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), _value_range(v))
-        for v in graph.inputs
+        (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), value_range(v)) for v in graph.inputs
     ]
     return Workload(path.stem, str(path), text, resolution, _file_batches(specs))
 
