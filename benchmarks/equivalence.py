@@ -28,7 +28,10 @@ SCHEMES = ("nocompress", "dct-first", "dct-dense", "quant")
 GENERATE = (
     "import sys\n"
     "from unroller.api import generate_source\n"
-    "from unroller.options import Options\n"
+    "try:\n"
+    "    from unroller.compiler.options import Options\n"
+    "except ImportError:  # a revision before the compiler's subpackage\n"
+    "    from unroller.options import Options\n"
     "text = generate_source(sys.argv[1], Options(scheme=sys.argv[3]), label='m.txt')\n"
     "open(sys.argv[2], 'w').write(text)\n"
 )
