@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.results_file import write_or_check
-from unroller.accuracy import BASELINE, DIGITS
+from unroller.training.accuracy import BASELINE, DIGITS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "accuracy"

@@ -28,8 +28,8 @@ import torch
 import unroller.runtime.gpu as runtime
 from unroller import data
 from unroller.api import load_graph, load_model_class
+from unroller.compiler.options import Options
 from unroller.compress import make
-from unroller.options import Options
 
 COMPRESSORS = {
     "dct (dct-dense)": ("dct", {}),

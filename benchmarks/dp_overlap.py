@@ -5,7 +5,7 @@
 Each process runs the ``--data-parallel`` module of the benchmark on its half of the
 batch (1 thread each), for ``--steps`` SGD steps after one warm-up; per step the reducer
 records the time ``reduce_wait`` blocks, and after the last step the same all-reduces are
-timed alone (``unroller.distributed.overlap``). Hidden fraction = 1 - blocked / alone;
+timed alone (``unroller.parallel.data.overlap``). Hidden fraction = 1 - blocked / alone;
 the per-step medians of rank 0 are printed as a Markdown row with the command.
 """
 
@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from unroller.bench.reference import BENCHMARKS
+from unroller.compiler.options import Options
 from unroller.materialize import load_file, write_source
-from unroller.options import Options
 
 
 def _worker(rank: int, folder: str, name: str, batch: int, steps: int) -> None:
-    from unroller import distributed
+    from unroller.parallel import data as distributed
 
     path = Path(folder)
     dist.init_process_group("gloo", init_method=f"file://{path / 'store'}", rank=rank, world_size=2)

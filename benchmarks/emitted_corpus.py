@@ -23,9 +23,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from unroller.api import compression_config, load_graph
-from unroller.codegen import render
+from unroller.compiler.codegen import render
+from unroller.compiler.options import Options
 from unroller.errors import ConfigError, ModelError
-from unroller.options import Options
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIRS = (ROOT / "benchmarks" / "models", ROOT / "tests" / "models")

@@ -7,7 +7,7 @@ and 2 GC200s, per scheme: the most any IPU holds, what goes off chip, samples/s,
 ratio to nocompress on one IPU, which is what the published figures compare (1.1-3.5x on
 one IPU, 17-20x with two pipelined IPUs). Again at the streaming bandwidths 5 and 80 GB/s,
 since that one is an assumption. GPU: the largest batch per scheme on an 80 GiB device.
-Every figure is the model's (unroller/estimate.py), not a measurement.
+Every figure is the model's (unroller/analysis/estimate.py), not a measurement.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from unroller.analysis.estimate import IpuSpec, estimate_gpu, estimate_ipu, largest_on_chip
+from unroller.analysis.estimate import samples_per_second as rate
 from unroller.api import graph_from_text, write_atomic
 from unroller.bench.config import PUBLISHED
 from unroller.bench.reference import BENCHMARKS
-from unroller.estimate import IpuSpec, estimate_gpu, estimate_ipu, largest_on_chip
-from unroller.estimate import samples_per_second as rate
-from unroller.graph import Graph
-from unroller.options import Options
+from unroller.compiler.graph import Graph
+from unroller.compiler.options import Options
 
 MIB = 2**20
 SCHEMES = ("nocompress", "quant", "dct-dense")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             "## unroll estimate: IPU (GC200) and GPU, the published models",
             "",
             "Command: `python -m benchmarks.estimate_tables`. Model figures, not measurements "
-            f"(unroller/estimate.py): streaming {spec.streaming_bandwidth / 1e9:g} GB/s, compute "
+            f"(unroller/analysis/estimate.py): streaming {spec.streaming_bandwidth / 1e9:g} GB/s, compute "
             f"{spec.efficiency:g} x {spec.flops / 1e12:g} TFLOPS FP32, {spec.code_bytes // MIB} "
             "MiB per IPU for code and exchange, 8 micro-batches per pipelined step.",
             "",

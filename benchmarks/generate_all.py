@@ -22,9 +22,9 @@ import argparse
 from pathlib import Path
 
 from unroller.api import generate_source, write_atomic
-from unroller.options import Options
-from unroller.platforms import PLATFORMS
-from unroller.schemes import SCHEMES
+from unroller.compiler.options import Options
+from unroller.compiler.platforms import PLATFORMS
+from unroller.compiler.schemes import SCHEMES
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "benchmarks" / "models"

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import black
 
-from unroller import codegen
 from unroller.api import graph_from_text, render_graph
-from unroller.options import Options
+from unroller.compiler import codegen
+from unroller.compiler.options import Options
 
 OPS = (
     "relu({prev})",

@@ -2,7 +2,7 @@
 
 For each test model and scheme, one float64 training step of the generated module at
 batch 4 (seeded inputs, PyTorch's default initialisation of the model's reference, the
-same step ``tests/test_compression_models.py`` runs) against the ``nocompress`` step:
+same step ``tests/compressors/test_scheme_gradient_error.py`` runs) against the ``nocompress`` step:
 the relative L2 error ``|g - g_exact| / |g_exact|`` of every parameter's gradient. A
 parameter at 1 or more gets a gradient no better than none at all; for each of those the
 script also finds the cause: the saved tensor whose compression alone (the scheme's codec
@@ -25,10 +25,10 @@ import torch
 
 from unroller.api import compression_config, load_graph
 from unroller.bench.reference import SUITE_REFERENCES, make_inputs, suite_model_path
+from unroller.compiler.options import Options
+from unroller.compiler.schemes import CompressionConfig, Rule
+from unroller.compiler.stash import plan_stash
 from unroller.materialize import materialize
-from unroller.options import Options
-from unroller.schemes import CompressionConfig, Rule
-from unroller.stash import plan_stash
 
 OUT = Path(__file__).resolve().parent / "results" / "gradient_error"
 STEMS = ("resnet_like", "unet_like", "autoencoder", "fanout")

@@ -1,9 +1,9 @@
 """What ``--recompute`` buys in memory, per benchmark model and scheme, at the published sizes.
 
 For each model at its paper batch and native resolution (``unroller.bench.reference``), and
-each scheme, the memory model (``unroller.memory``, which predicts the CPU profiler's
+each scheme, the memory model (``unroller.analysis.memory``, which predicts the CPU profiler's
 measured step peak to 0.98-1.05x on the CNNs, with and without recompute: see
-tests/test_recompute.py and tests/test_memory_plan.py) gives the stash kept for backward,
+tests/compiler/test_recompute.py and tests/analysis/test_memory_plan.py) gives the stash kept for backward,
 the step's peak and its floor, without and with ``--recompute``; and the peak's bytes per
 sample (the slope of the line through the peaks at the batch and 8x it), whose ratio is
 what recompute multiplies the max batch by when the budget is large against the fixed part.
@@ -23,7 +23,7 @@ from pathlib import Path
 from unroller.api import simulate, write_atomic
 from unroller.bench.config import PUBLISHED
 from unroller.bench.reference import BENCHMARKS
-from unroller.options import Options
+from unroller.compiler.options import Options
 
 MIB = 2**20
 SCHEMES = ("nocompress", "quant", "dct-dense")
@@ -58,7 +58,7 @@ def markdown(found: list[dict], command: str) -> str:
     lines = [
         "## What --recompute buys: the memory model at the published sizes",
         "",
-        f"Command: `{command}`. Predicted by the memory model (unroller.memory), not "
+        f"Command: `{command}`. Predicted by the memory model (unroller.analysis.memory), not "
         "measured; peak per sample = the slope through the predicted peaks at the batch and "
         f"{LARGE}x it; its ratio is the max-batch gain of recompute under a large budget.",
         "",

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
+from unroller.analysis.memory import simulate_graph
 from unroller.api import compression_config, graph_from_text, write_atomic
 from unroller.bench.profiling import profile_step
 from unroller.bench.reference import BENCHMARKS
-from unroller.memory import simulate_graph
-from unroller.options import Options
+from unroller.compiler.options import Options
 
 SCHEMES = ("nocompress", "quant")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from benchmarks.results_file import write_or_check
 from unroller.api import compression_config, load_graph
 from unroller.cli.target import make_options
-from unroller.stash import plan_stash
+from unroller.compiler.stash import plan_stash
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCURACY = ROOT / "benchmarks" / "results" / "accuracy"

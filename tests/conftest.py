@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from unroller.api import import_generated, write_atomic  # noqa: E402
-from unroller.options import Options  # noqa: E402
+from unroller.compiler.options import Options  # noqa: E402
 
 SLOW = os.environ.get("SLOW") == "1"
 

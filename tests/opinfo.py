@@ -1,4 +1,4 @@
-"""OpInfo-style table of the operators: one row per registry operator, for tests/test_kernels.py.
+"""OpInfo-style table of the operators: one row per registry operator, for tests/runtime/test_kernels.py.
 
 A row says how to check the kernels of one operator on every platform: the torch reference
 of its forward (torch.nn modules / torch.nn.functional, differentiated by torch.autograd
@@ -8,7 +8,7 @@ the backward reads, the mask kernels, the eval kernel) comes from the registry, 
 table holds only what the registry cannot know: what the operator means in torch, and the
 inputs that exercise its edge cases (ties, ignored targets, probabilities at 0 and 1, ...).
 
-Adding an operator: one ``OpInfo`` in ``ROWS`` (tests/test_kernels.py refuses a registry
+Adding an operator: one ``OpInfo`` in ``ROWS`` (tests/runtime/test_kernels.py refuses a registry
 operator without one).
 """
 
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unroller.ast import Loc
-from unroller.graph import normalize_arg
-from unroller.registry import OpSpec
+from unroller.compiler.ast import Loc
+from unroller.compiler.graph import normalize_arg
+from unroller.compiler.registry import OpSpec
 from unroller.runtime import common as runtime_common
 
 F64, F32 = torch.float64, torch.float32
@@ -611,7 +611,7 @@ def rel(a: Tensor, b: Tensor) -> float:
 # probabilities are remade in the backward, never kept), which rounds differently from the
 # math path, so neither platform is bit for bit (_ATTENTION): the table's bounds hold, 1e-10
 # relative in float64 and 1e-5 in float32 for the gradients. With q, k, v of one head size
-# torch's default CPU backend is a fused flash kernel (tests/test_attention.py compares the
+# torch's default CPU backend is a fused flash kernel (tests/operators/test_attention.py compares the
 # kernels with that default too).
 _ATTENTION = dict(exact_forward=(), exact_grads=())
 
@@ -768,7 +768,7 @@ def _sdpa_reference(s: Sample, ctx: Ctx) -> Tensor:
     dropout = kwargs.pop("dropout", 0.0)
     q, k, v, *bias = s.inputs
     if dropout:  # the generated kernel's mask, drawn after the same seed (verify's reference)
-        from unroller.verify import reference_dropped_attention
+        from unroller.analysis.verify import reference_dropped_attention
 
         torch.manual_seed(s.seed)
         return reference_dropped_attention(

@@ -10,7 +10,7 @@ from conftest import rel_err
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import make_inputs
 from unroller.bench.reference import suite_model_path as model_path
-from unroller.options import Options
+from unroller.compiler.options import Options
 
 
 def suite_pair(build, stem: str, options: Options):

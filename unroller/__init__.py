@@ -15,11 +15,11 @@ def unroll(*args, **kwargs):
 
 
 def __getattr__(name: str):
-    """``unroller.verify``: the module ``unroller/verify.py``, which is also callable as
-    ``unroller.verify(module, inputs, target)`` (``unroller.oneshot.verify``); imported on
+    """``unroller.analysis.verify``: the module ``unroller/analysis/verify.py``, which is also callable as
+    ``unroller.analysis.verify(module, inputs, target)`` (``unroller.oneshot.verify``); imported on
     first use, as a submodule import would set the attribute anyway."""
     if name == "verify":
         import importlib
 
-        return importlib.import_module("unroller.verify")
+        return importlib.import_module("unroller.analysis.verify")
     raise AttributeError(f"module 'unroller' has no attribute {name!r}")

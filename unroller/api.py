@@ -14,7 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from unroller.codegen import render
+from unroller.compiler.codegen import render
+from unroller.compiler.graph import Graph
+from unroller.compiler.options import Options
+from unroller.compiler.schemes import CompressionConfig
 from unroller.files import (  # noqa: F401  (re-exported: the library's file helpers)
     MAX_READ_BYTES,
     STALE_TEMP_SECONDS,
@@ -33,7 +36,6 @@ from unroller.files import (  # noqa: F401  (re-exported: the library's file hel
     unlinked_target,
     write_atomic,
 )
-from unroller.graph import Graph
 from unroller.load import (  # noqa: F401  (re-exported: model text -> graph)
     at_resolution,
     graph_from_text,
@@ -42,11 +44,9 @@ from unroller.load import (  # noqa: F401  (re-exported: model text -> graph)
 )
 from unroller.materialize import load_file as import_generated  # noqa: F401  (re-exported)
 from unroller.materialize import materialize
-from unroller.options import Options
-from unroller.schemes import CompressionConfig
 
 if TYPE_CHECKING:
-    from unroller.memory import Simulation
+    from unroller.analysis.memory import Simulation
 
 
 def compression_config(options: Options, graph: Graph | None = None) -> CompressionConfig:
@@ -58,7 +58,7 @@ def compression_config(options: Options, graph: Graph | None = None) -> Compress
         return options.compression(graph)
     if graph is None:
         raise ValueError("the auto scheme is planned per model: pass the graph")
-    from unroller.plan import auto_config
+    from unroller.analysis.plan import auto_config
 
     return options.with_flags(auto_config(graph, segments=options.recompute_segments))
 
@@ -66,7 +66,7 @@ def compression_config(options: Options, graph: Graph | None = None) -> Compress
 def simulate(text: str, options: Options, batch_size: int, label: str = "<model>") -> Simulation:
     """``memory.simulate_graph`` of a model text under ``options`` (its scheme, resolution;
     the ``auto`` scheme planned for the graph)."""
-    from unroller.memory import simulate_graph
+    from unroller.analysis.memory import simulate_graph
 
     graph = graph_from_text(text, label, options.resolution)
     return simulate_graph(

@@ -22,7 +22,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from unroller import safe
+from unroller.compiler import safe
 
 #: Exit status of an internal error (``EX_SOFTWARE`` of sysexits.h).
 INTERNAL_ERROR = 70

@@ -12,7 +12,7 @@ import difflib
 import re
 from collections.abc import Iterable, Mapping
 
-from unroller.ast import Loc
+from unroller.compiler.ast import Loc
 
 
 class ModelError(Exception):

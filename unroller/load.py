@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from unroller.ast import ModelAST
+from unroller.compiler.ast import ModelAST
+from unroller.compiler.graph import Graph, build_graph
+from unroller.compiler.parser import parse, read_source
 from unroller.errors import ModelError
-from unroller.graph import Graph, build_graph
-from unroller.parser import parse, read_source
 
 
 def read_model_text(path: str | Path) -> str:

@@ -12,7 +12,7 @@ the three steps are done one way everywhere:
   so a half-written file never replaces a good one; a file that already holds exactly
   the text is left alone (a content-addressed cache, a run folder resumed);
 - **import**: ``load_file``, the one place that imports generated code
-  (``tests/test_materialize.py`` checks that no other module of the package or the
+  (``tests/compiler/test_materialize.py`` checks that no other module of the package or the
   benchmarks does).
 
 File layout. ``folder`` is where the file goes (None: a temporary folder, removed again
@@ -42,13 +42,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from unroller.codegen import read_header, render
+from unroller.compiler.codegen import read_header, render
+from unroller.compiler.options import Options
 from unroller.files import read_bounded, write_atomic
-from unroller.options import Options
 
 if TYPE_CHECKING:
-    from unroller.graph import Graph
-    from unroller.schemes import CompressionConfig
+    from unroller.compiler.graph import Graph
+    from unroller.compiler.schemes import CompressionConfig
 
 DIGEST_CHARS = 20  # how much of the source's SHA-256 ``{digest}`` stands for
 

@@ -14,7 +14,7 @@ original's parameters trains both.
         loss = step(x, y)
         opt.step()
 
-``unroller.verify`` checks the same import against the original, one float64 step.
+``unroller.analysis.verify`` checks the same import against the original, one float64 step.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from unroller.compiler.options import Options
 from unroller.importer.api import module_import, module_label, module_text
 from unroller.materialize import materialize
-from unroller.options import Options
 
 
 def cache_dir() -> Path:
@@ -132,7 +132,7 @@ def verify(
 ):
     """One float64 step of the imported module against ``module`` (``unroll verify``): the
     report (``.ok``, ``.table()``). ``module`` itself is left as it is (a copy is stepped).
-    ``unroller.verify.verify_module``, where ``unroller.verify(...)`` calls it."""
-    from unroller.verify import verify_module
+    ``unroller.analysis.verify.verify_module``, where ``unroller.analysis.verify(...)`` calls it."""
+    from unroller.analysis.verify import verify_module
 
     return verify_module(module, inputs, target, loss=loss, name=name, **kwargs)

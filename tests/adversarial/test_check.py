@@ -468,7 +468,7 @@ def test_byte_code_caches_are_compared_with_their_source(work: Path):
 
 def planted(path: Path, source: str) -> None:
     """Point the header of ``path`` at ``source``, with a checksum that matches again."""
-    from unroller.codegen import CHECKSUM_TAG, body_checksum
+    from unroller.compiler.codegen import CHECKSUM_TAG, body_checksum
 
     with_fields(source=source)(path)
     lines = lines_of(path)

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from conftest import time_limit
 
-import unroller.estimate as estimate_module
-import unroller.plan as planner
+import unroller.analysis.estimate as estimate_module
+import unroller.analysis.plan as planner
 from tests.adversarial import cli_cases
 from tests.adversarial.cli_cases import invoke
 from unroller.api import load_graph
-from unroller.options import Options
+from unroller.compiler.options import Options
 
 MODEL = """\
 model lin {

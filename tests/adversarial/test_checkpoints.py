@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from tests.train_models import CLASSIFIER
 from unroller.cli import app
-from unroller.training import (
+from unroller.training.loop import (
     DIGEST_PREFIX,
     DIGEST_SIZE,
     CheckpointError,

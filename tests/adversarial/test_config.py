@@ -29,10 +29,10 @@ from typer.testing import CliRunner
 
 from unroller.api import load_graph, render_graph
 from unroller.cli import app
+from unroller.compiler.options import Options
+from unroller.compiler.schemes import _Locator, load_config
 from unroller.compress.dct import Dct
 from unroller.errors import ConfigError
-from unroller.options import Options
-from unroller.schemes import _Locator, load_config
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny_resnet.txt"
 UNROLL = Path(sys.executable).with_name("unroll")

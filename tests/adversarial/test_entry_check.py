@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from unroller.options import Options
+from unroller.compiler.options import Options
 from unroller.runtime import ipu_device, poptorch_emulation
 
 MODEL = """

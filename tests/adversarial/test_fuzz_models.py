@@ -36,13 +36,13 @@ import pytest
 import torch
 from conftest import fast_format, time_limit
 
-from unroller import codegen
 from unroller.api import at_resolution, import_generated, render_graph, write_atomic
+from unroller.compiler import codegen
+from unroller.compiler.graph import build_graph
+from unroller.compiler.options import Options
+from unroller.compiler.parser import parse, read_source
+from unroller.compiler.registry import load_registry
 from unroller.errors import ModelError
-from unroller.graph import build_graph
-from unroller.options import Options
-from unroller.parser import parse, read_source
-from unroller.registry import load_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = sorted((ROOT / "tests" / "models").glob("*.txt")) + sorted(

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from unroller import codegen, safe
 from unroller.api import generate_source, graph_from_text, render_graph
-from unroller.codegen import read_header, render
-from unroller.options import Options
-from unroller.schemes import CompressionConfig, Rule, make_codec
+from unroller.compiler import codegen, safe
+from unroller.compiler.codegen import read_header, render
+from unroller.compiler.options import Options
+from unroller.compiler.schemes import CompressionConfig, Rule, make_codec
 
 TESTS = Path(__file__).resolve().parent.parent
 TINY = TESTS / "models" / "tiny_resnet.txt"

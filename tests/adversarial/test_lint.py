@@ -1,6 +1,6 @@
 """`unroll lint --platform ipu` against kernels of operators added through ``UNROLLER_OPS``.
 
-A user operator (``clip``) is registered from a tmp folder as tests/test_add_op.py does; its
+A user operator (``clip``) is registered from a tmp folder as tests/compiler/test_add_op.py does; its
 IPU kernel module reaches ``torch.ops.aten.hardtanh`` in one way or another. Linting the
 generated IPU module must follow ``import <kernels> as K2`` into the kernel module, the
 helpers the called kernel uses (in the same module or in a second user module) and report
@@ -26,11 +26,11 @@ from typer.testing import CliRunner
 from unroller import lint
 from unroller.api import generate_from_text, write_atomic
 from unroller.cli import app
+from unroller.compiler.options import Options
 from unroller.lint import LintReport, lint_module, lint_paths
 from unroller.lint import linter as lint_linter
 from unroller.lint import resolve as lint_resolve
 from unroller.lint import source as lint_source
-from unroller.options import Options
 
 ROOT = Path(__file__).resolve().parents[2]
 

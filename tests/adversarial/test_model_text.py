@@ -25,9 +25,15 @@ from pathlib import Path
 import pytest
 
 from unroller.api import graph_from_text
+from unroller.compiler.graph import MAX_BLOCK_DEPTH, MAX_NODES
+from unroller.compiler.parser import (
+    MAX_SOURCE_BYTES,
+    MAX_TUPLE_DEPTH,
+    parse,
+    parse_file,
+    read_source,
+)
 from unroller.errors import ModelError
-from unroller.graph import MAX_BLOCK_DEPTH, MAX_NODES
-from unroller.parser import MAX_SOURCE_BYTES, MAX_TUPLE_DEPTH, parse, parse_file, read_source
 
 UNROLL = Path(sys.executable).with_name("unroll")
 FILE = "bad.txt"
@@ -669,7 +675,7 @@ def test_cli_model_file_that_is_a_fifo(tmp_path: Path):
 def test_the_quoted_source_line_is_printable_and_windowed():
     """No terminal escape reaches the user's screen; a 5,000-digit literal is not printed
     whole; the caret stays under its column."""
-    from unroller.ast import Loc
+    from unroller.compiler.ast import Loc
     from unroller.errors import format_diagnostic
 
     text = format_diagnostic("error", "bad", Loc(1, 3, 1), "f.txt", "a\x1b= b")

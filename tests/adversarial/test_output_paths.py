@@ -30,7 +30,7 @@ from tests.adversarial.cli_cases import invoke, refused
 from unroller import files
 from unroller.api import PathError, generate_source, read_bounded, stale_temps, write_atomic
 from unroller.cli import app
-from unroller.options import Options
+from unroller.compiler.options import Options
 
 UNROLL = Path(sys.executable).with_name("unroll")
 MODEL = """\

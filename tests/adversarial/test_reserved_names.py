@@ -16,9 +16,9 @@ import torch
 from conftest import rel_err
 
 from unroller.api import generate_from_text
-from unroller.names import _RESERVED_PATTERN, RESERVED, TEMPLATE_NAMES
-from unroller.options import Options
-from unroller.registry import load_registry
+from unroller.compiler.names import _RESERVED_PATTERN, RESERVED, TEMPLATE_NAMES
+from unroller.compiler.options import Options
+from unroller.compiler.registry import load_registry
 from unroller.runtime import ipu_device, poptorch_emulation
 
 # Every template name, the numbered families, builtins a template could call, Python

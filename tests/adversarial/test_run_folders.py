@@ -40,12 +40,11 @@ from typer.testing import CliRunner
 
 from tests.adversarial.cli_cases import invoke, refused
 from tests.train_models import CLASSIFIER
-from unroller import run_folder
 from unroller.cli import app
 from unroller.cli.train import launch_command
-from unroller.distributed import BOOT, python_module_command, torchrun_command
-from unroller.run_folder import MARKER, RunFolderError, write_run_file
-from unroller.training import (
+from unroller.parallel.data import BOOT, python_module_command, torchrun_command
+from unroller.training import run_folder
+from unroller.training.loop import (
     MAX_CHECKPOINT_BYTES,
     CheckpointError,
     TrainConfig,
@@ -53,6 +52,7 @@ from unroller.training import (
     save_checkpoint,
     train,
 )
+from unroller.training.run_folder import MARKER, RunFolderError, write_run_file
 
 runner = CliRunner()
 TINY = ["--epochs", "1", "--train-size", "32", "--test-size", "16", "--batch-size", "16"]
@@ -512,7 +512,7 @@ def test_resume_of_a_huge_file_reads_none_of_it(tmp_path, monkeypatch):
 
 def test_resume_of_a_file_past_the_bound_is_refused(tmp_path, monkeypatch):
     """The bound itself, at a small size (the real one is checked above by size only)."""
-    monkeypatch.setattr("unroller.training.MAX_CHECKPOINT_BYTES", 1024)
+    monkeypatch.setattr("unroller.training.loop.MAX_CHECKPOINT_BYTES", 1024)
     path = tmp_path / "checkpoint.pt"
     path.write_bytes(b"PK\x03\x04" + b"\0" * 4096)
     with pytest.raises(CheckpointError, match="is larger than"):

@@ -47,7 +47,7 @@ METHODS = {
         "ratio = sum of their stored bytes under the scheme / sum of the stored bytes of the "
         "same keys under nocompress. Masks stored next to a compressed tensor (e.g. a ReLU "
         "output whose mask also goes to the ReLU backward) are counted in the scheme's bytes. "
-        "mask_bytes comes from unroller.stash.plan_stash (the plan the code was generated "
+        "mask_bytes comes from unroller.compiler.stash.plan_stash (the plan the code was generated "
         "from), whose totals are checked against the measured ones"
     ),
     "step_time": (
@@ -67,7 +67,7 @@ METHODS = {
         "during the forward pass"
     ),
     "codec_cost": (
-        "per scheme, every stored form that is not raw (from unroller.stash.plan_stash) "
+        "per scheme, every stored form that is not raw (from unroller.compiler.stash.plan_stash) "
         "gets compress + decompress timed alone on a standard normal tensor of its shape (a "
         "random bool mask for 1-bit forms): one warm-up round, then min(--repeats, 7) rounds "
         "over all forms; per form the median (min_ms: the fastest); total_ms sums the "

@@ -20,8 +20,8 @@ from pathlib import Path
 from unroller.bench.options import add_common, choose, non_negative, pair, parse_bytes, positive
 from unroller.bench.paths import default_results_dir
 from unroller.bench.reference import BENCHMARKS
-from unroller.platforms import platform as get_platform
-from unroller.schemes import SCHEMES
+from unroller.compiler.platforms import platform as get_platform
+from unroller.compiler.schemes import SCHEMES
 
 PUBLISHED = ("resnet34", "emdenoise", "slstrcloud", "opticaldamage")
 # Models in the spec-v2 language: transformers on tokens (vit_tiny: 65 tokens of an image;

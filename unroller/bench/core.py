@@ -14,7 +14,7 @@ Measured per model (``METHODS`` says exactly how; it is also written to the JSON
 time (interleaved rounds, median, p10, p90 per side, the median of the per-round ratios
 ours / autograd); peak step memory of each side (profiler allocation events);
 saved-for-backward bytes (autograd's counted with ``saved_tensors_hooks``, ours
-predicted by ``unroller.report.graph_report``) and the bytes each side holds live when
+predicted by ``unroller.analysis.report.graph_report``) and the bytes each side holds live when
 its backward pass begins. The goals (time ratio <= 1.05, saved bytes and peak memory no
 larger than autograd's) are printed as met / not met; nothing here asserts them.
 """
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from unroller.analysis.report import graph_report
 from unroller.api import load_graph, load_model_class
 from unroller.bench import machine, options
 from unroller.bench.core_report import METHODS, format_markdown
@@ -41,7 +42,6 @@ from unroller.bench.reference import Benchmark
 from unroller.bench.saved import count_autograd_saved
 from unroller.bench.steps import step_autograd, step_ours
 from unroller.bench.timing import time_pair
-from unroller.report import graph_report
 
 DEFAULT_MODELS = ("resnet_like", "unet_like")
 OUT_NAME = "core_bench.json"

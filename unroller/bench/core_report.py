@@ -47,7 +47,7 @@ METHODS = {
         "drops buffers (batch-norm running statistics, which native_batch_norm saves)"
     ),
     "ours_saved": (
-        "predicted, not measured: unroller.report.graph_report(unroller.api.load_graph("
+        "predicted, not measured: unroller.analysis.report.graph_report(unroller.api.load_graph("
         "path), batch)['total_saved_bytes'] (activations the generated backward reads, "
         "each value once, parameters excluded)"
     ),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from unroller.options import Options
+from unroller.compiler.options import Options
 
 
 def resolution_of(bench: Any, args: Any) -> int:
@@ -90,12 +90,12 @@ def state_bytes(module: nn.Module) -> int:
 
 def memory_model() -> Any:
     """The memory model of a model text (``unroller.api.simulate``; an older tree's
-    ``unroller.memory.simulate``), or None in a tree without the memory model."""
+    ``unroller.analysis.memory.simulate``), or None in a tree without the memory model."""
     try:
         from unroller.api import simulate
     except ImportError:
         try:
-            from unroller.memory import simulate
+            from unroller.analysis.memory import simulate
         except ImportError:
             return None
     return simulate

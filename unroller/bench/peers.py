@@ -26,8 +26,8 @@ from unroller.bench.config import ipu_accumulation
 from unroller.bench.profiling import BACKWARD_MARK, backward_marker
 from unroller.bench.saved import count_autograd_saved
 from unroller.bench.steps import backward, step_autograd, step_ours
+from unroller.compiler.schemes import builtin
 from unroller.compress import Compressor, packed_nbytes
-from unroller.schemes import builtin
 
 HOOK_MIN_HW = 8
 COMPILE_BUDGETS = (0.5, 0.1)  # torch._functorch.config.activation_memory_budget

@@ -5,7 +5,7 @@ step runs under ``torch.profiler`` with ``profile_memory=True`` and its allocati
 free events are summed in time order. A marker (the first event of a named op) says
 when the backward pass begins, which gives the bytes alive at that moment: what a step
 really keeps for backward, next to what it says it keeps. The events are read by
-``unroller.allocations.allocation_trace`` (re-exported here).
+``unroller.analysis.allocations.allocation_trace`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
 
-from unroller.allocations import allocation_trace
+from unroller.analysis.allocations import allocation_trace
 
 BACKWARD_MARK = "unroller.bench::autograd_backward"  # record_function around loss.backward()
 SEED_OP = "aten::ones_like"  # the generated step's seed gradient: torch.ones_like(loss)

@@ -10,12 +10,12 @@
 
 - ``ours:SCHEME``: the ordinary generated module, one process, the whole batch;
 - ``pipelineK:SCHEME``: the module generated with ``Options(pipeline=K)``, one process
-  per stage (``unroller.pipeline_parallel.PipelineStage``), boundaries over gloo in the
+  per stage (``unroller.parallel.pipeline.PipelineStage``), boundaries over gloo in the
   scheme's codec; bytes on the wire against raw tensors, and the gradient error the
   scheme gives with the wire against the exact (nocompress) pipeline;
 - ``dpK:SCHEME`` (``--data-parallel K``): the module generated with
   ``Options(data_parallel=True)``, K processes on batch/K each, gradients averaged by
-  ``unroller.distributed``; the all-reduce time alone, how much of it the backward hides,
+  ``unroller.parallel.data``; the all-reduce time alone, how much of it the backward hides,
   and the bytes all-reduced.
 
 The parent times the one-process rows and measures the gradient errors (float64,
@@ -44,20 +44,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from unroller import distributed
 from unroller.api import generate_from_text, graph_from_text
 from unroller.bench import machine, options, output
 from unroller.bench.paths import ModelsNotFound, default_results_dir
 from unroller.bench.reference import BENCHMARKS
 from unroller.bench.stats import summary
-from unroller.codegen import PROCESS_STAGES, value_range
+from unroller.compiler.codegen import PROCESS_STAGES, value_range
+from unroller.compiler.options import Options
+from unroller.compiler.pipeline import split
+from unroller.compiler.schemes import SCHEMES, builtin
+from unroller.compiler.stash import plan_stash
 from unroller.materialize import load_file, write_source
-from unroller.options import Options
-from unroller.pipeline import split
-from unroller.pipeline_parallel import PipelineStage, boundaries_of, run_local
+from unroller.parallel import data as distributed
+from unroller.parallel.pipeline import PipelineStage, boundaries_of, run_local
 from unroller.runtime.ipu_device import synthetic_batch
-from unroller.schemes import SCHEMES, builtin
-from unroller.stash import plan_stash
 
 DEFAULT_SCHEMES = ("nocompress", "quant", "dct-dense")
 EXACT = "nocompress"  # the scheme every gradient error is measured against
@@ -98,14 +98,14 @@ METHODS = {
         "relative L2 error ||g - g_exact|| / ||g_exact|| over every parameter gradient "
         "concatenated, float64, in the parent on the first --error-batch samples of the "
         "batch. ours rows: the one-process SCHEME step against the one-process nocompress "
-        "step; pipeline rows: the SCHEME pipeline (unroller.pipeline_parallel.run_local, the "
+        "step; pipeline rows: the SCHEME pipeline (unroller.parallel.pipeline.run_local, the "
         "same micro-batches, the wire's codec round trips) against the nocompress pipeline. "
         "Set side by side they show what the wire adds (the pipeline's figure also holds "
         "the scheme's own stash error on micro-batches)"
     ),
     "allreduce": (
         "data-parallel rows: alone = the median time of the step's bucket all-reduces run "
-        "one after another with nothing else to do (unroller.distributed.overlap, after "
+        "one after another with nothing else to do (unroller.parallel.data.overlap, after "
         "the last step); blocked = the median over timed steps of the time reduce_wait "
         "waited; hidden = 1 - blocked / alone; rank 0's figures (every rank's are in the "
         "JSON lines)"

@@ -27,10 +27,10 @@ from unroller.bench.reference import Benchmark
 from unroller.bench.stashed import same_activations
 from unroller.bench.steps import step_ours
 from unroller.bench.timing import time_pair
-from unroller.dtypes import torch_dtype
-from unroller.options import Options
-from unroller.schemes import SCHEMES
-from unroller.stash import plan_stash
+from unroller.compiler.dtypes import torch_dtype
+from unroller.compiler.options import Options
+from unroller.compiler.schemes import SCHEMES
+from unroller.compiler.stash import plan_stash
 
 BASELINE = "nocompress"
 DENSE = "dct-dense"

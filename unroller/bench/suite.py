@@ -54,8 +54,8 @@ from unroller.bench.paths import ModelsNotFound  # noqa: E402
 from unroller.bench.peers import STASH_METHODS, Method  # noqa: E402
 from unroller.bench.stats import summary  # noqa: E402
 from unroller.bench.timing import time_interleaved  # noqa: E402
-from unroller.options import Options  # noqa: E402
-from unroller.platforms import platform as get_platform  # noqa: E402
+from unroller.compiler.options import Options  # noqa: E402
+from unroller.compiler.platforms import platform as get_platform  # noqa: E402
 from unroller.runtime import ipu_device  # noqa: E402
 
 EMULATION_NOTE = (
@@ -136,7 +136,7 @@ def ours_builds(bench: Any, args: argparse.Namespace, resolution: int) -> list[O
 def _has_blocks(bench: Any, resolution: int) -> bool:
     """Does the model have top-level block instances (segments to recompute)?"""
     from unroller.api import graph_from_text
-    from unroller.stash import block_instances
+    from unroller.compiler.stash import block_instances
 
     return bool(block_instances(graph_from_text(bench.model_text(resolution))))
 
@@ -398,7 +398,7 @@ def _predicted(run: _Run, methods: list[Method], notes: list[str]) -> dict[str, 
     found: dict[str, dict | None] = {}
     if _compiled(run.args) or models.memory_model() is None:
         if not _compiled(run.args):
-            notes.append("predicted peak and floor: unroller.memory.simulate is missing")
+            notes.append("predicted peak and floor: unroller.analysis.memory.simulate is missing")
         return found
     cache: dict[str, dict | None] = {}
     for m in methods:
@@ -764,7 +764,7 @@ MAX_BATCH_SPEED_METHOD = (
     "largest batch under that limit (the table marks a batch that is not the max batch)"
 )
 PREDICTED_METHOD = (
-    "unroller.memory.simulate on the generated step of the scheme at the run's batch (ours "
+    "unroller.analysis.memory.simulate on the generated step of the scheme at the run's batch (ours "
     "only): predicted step peak (the step's own allocations, as the measured step peak "
     "counts them), floor (stored stash at its largest + the largest working set of a single "
     "step + parameter gradients); measured step peak / floor and / predicted peak. The "

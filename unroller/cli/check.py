@@ -24,8 +24,8 @@ from unroller.cli.errors import fail
 from unroller.cli.headers import checksum_problem, inspect_header, short
 from unroller.cli.options import GENERATED
 from unroller.cli.shadows import importable_kind, shadow_problem
+from unroller.compiler.options import Options
 from unroller.errors import ConfigError, ModelError, OptionValueError
-from unroller.options import Options
 
 PARALLEL_CHECK_FROM = 8  # files; fewer are checked in-process unless --jobs says otherwise
 

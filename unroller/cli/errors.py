@@ -136,7 +136,7 @@ def model_error(exc: ModelError, path: str | Path) -> typer.Exit:
         note = f" (note: {exc.hint})" if exc.hint else ""
         message = crash.printable(exc.message + note, 2000)
         return fail_plain(f"{shown_path(path)}: error: {message}")
-    from unroller.parser import read_source
+    from unroller.compiler.parser import read_source
 
     try:  # the same bounded read of a regular file as the parser's: a FIFO never blocks
         source = read_source(path)

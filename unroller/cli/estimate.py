@@ -1,6 +1,6 @@
 """``unroll estimate``: memory and time on a device this machine does not have.
 
-The work is ``unroller.estimate`` (imported when the command runs: it imports torch);
+The work is ``unroller.analysis.estimate`` (imported when the command runs: it imports torch);
 this module reads the options, runs the estimate per scheme and prints a table or JSON.
 """
 
@@ -19,9 +19,9 @@ from unroller.cli.options import (
     ResolutionOpt,
 )
 from unroller.cli.target import checked
+from unroller.compiler.platforms import platform as get_platform
+from unroller.compiler.schemes import SCHEMES
 from unroller.errors import ConfigError, ModelError
-from unroller.platforms import platform as get_platform
-from unroller.schemes import SCHEMES
 
 MIB = 2**20
 
@@ -108,7 +108,7 @@ def estimate(
     IPU: per IPU, the weights, gradients and optimizer state, the stash at the micro-batch,
     the largest working set of one op and an allowance for code, against 897 MiB of
     In-Processor-Memory; what does not fit goes to Streaming Memory. The step time is a
-    roofline of FLOPs and bytes with the bandwidths as named parameters (unroller/estimate.py);
+    roofline of FLOPs and bytes with the bandwidths as named parameters (unroller/analysis/estimate.py);
     the ratios against nocompress, on the same IPUs and on one, are the figures to read.
     GPU: the largest batch whose predicted total (weights, optimizer state, batch, the memory
     model's step peak) fits --device-memory.
@@ -130,7 +130,7 @@ def estimate(
     names = _schemes(scheme)
     checked("resolution", resolution)
     from unroller.api import load_graph, source_label
-    from unroller.options import Options
+    from unroller.compiler.options import Options
 
     try:
         graph = load_graph(model, resolution)
@@ -186,14 +186,14 @@ def _ceiling_note(scheme: str, batch: int, what: str) -> str:
 
 
 def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
-    from unroller.api import compression_config
-    from unroller.estimate import (
+    from unroller.analysis.estimate import (
         IpuSpec,
         at_ceiling,
         estimate_ipu,
         largest_on_chip,
         samples_per_second,
     )
+    from unroller.api import compression_config
 
     ipus, batch, micro_batches = settings["ipus"], settings["batch"], settings["micro_batches"]
     spec = IpuSpec(
@@ -260,8 +260,8 @@ def _ipu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gpu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
+    from unroller.analysis.estimate import estimate_gpu
     from unroller.api import compression_config
-    from unroller.estimate import estimate_gpu
 
     device, optimizer = settings["device"], settings["optimizer"]
     states = 2 if optimizer == "adam" else 1
@@ -273,7 +273,7 @@ def _gpu(graph, options, names, settings: dict[str, Any]) -> dict[str, Any]:
     base = rows[0]["max_batch"] or 1
     lines = [
         f"GPU estimate: {device / MIB:.0f} MiB device memory, {optimizer} ({states} state(s) "
-        "per parameter); predicted by unroller.memory (CPU kernels' working memory)",
+        "per parameter); predicted by unroller.analysis.memory (CPU kernels' working memory)",
         "",
         f"{'scheme':<11} {'max batch':>9} {'vs nocompress':>13} {'total MiB there':>15} "
         f"{'step peak MiB':>13}",

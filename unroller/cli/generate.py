@@ -26,9 +26,9 @@ from unroller.cli.options import (
 from unroller.cli.output import prepare_output, read_existing, write_output
 from unroller.cli.stdout import write_stdout
 from unroller.cli.target import make_options
-from unroller.codegen import read_header
+from unroller.compiler.codegen import read_header
+from unroller.compiler.options import Options
 from unroller.errors import ConfigError, ModelError
-from unroller.options import Options
 
 
 def emit(model: Path, options: Options, label: str | None = None) -> str:

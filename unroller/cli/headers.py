@@ -9,10 +9,10 @@ import json
 import re
 
 from unroller.cli.target import ALL_STAGE_COUNTS
-from unroller.codegen import CHECKSUM_TAG, HEADER_TAG, body_checksum
-from unroller.options import PROCESS_STAGES, SEGMENT_CHARS
-from unroller.platforms import PLATFORMS
-from unroller.schemes import SCHEMES
+from unroller.compiler.codegen import CHECKSUM_TAG, HEADER_TAG, body_checksum
+from unroller.compiler.options import PROCESS_STAGES, SEGMENT_CHARS
+from unroller.compiler.platforms import PLATFORMS
+from unroller.compiler.schemes import SCHEMES
 
 HEADER_LINES = 10  # read_header and edited_by_hand look at this many first lines
 HEADER_LIKE = re.compile(r"^\s*#.*\bunroller\s*:", re.IGNORECASE)  # moved or re-prefixed

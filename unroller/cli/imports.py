@@ -135,8 +135,8 @@ def _verify(text: str, spec: str, kwargs: str | None) -> None:
 
     if is_onnx(spec):
         raise fail("--verify needs the torch.nn original; an ONNX file cannot be run here")
+    from unroller.analysis.verify import verify_text
     from unroller.errors import ModelError
-    from unroller.verify import verify_text
 
     try:
         report = verify_text(text, spec, parse_kwargs(kwargs), label="<imported>")

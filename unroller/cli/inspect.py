@@ -10,6 +10,13 @@ from typing import Annotated, Any
 
 import typer
 
+from unroller.analysis.report import (
+    format_dot,
+    format_ipus,
+    format_stash,
+    format_table,
+    graph_report,
+)
 from unroller.api import compression_config, load_graph, read_model_text
 from unroller.cli.errors import fail, model_error
 from unroller.cli.options import (
@@ -21,12 +28,11 @@ from unroller.cli.options import (
 )
 from unroller.cli.stdout import write_stdout
 from unroller.cli.target import make_options
+from unroller.compiler.pipeline import ipu_report, split
+from unroller.compiler.platforms import LINTED, PlatformName
+from unroller.compiler.platforms import platform as platform_named
+from unroller.compiler.stash import plan_stash
 from unroller.errors import ModelError
-from unroller.pipeline import ipu_report, split
-from unroller.platforms import LINTED, PlatformName
-from unroller.platforms import platform as platform_named
-from unroller.report import format_dot, format_ipus, format_stash, format_table, graph_report
-from unroller.stash import plan_stash
 
 FORMATS = ("table", "json", "dot")
 #: lint checks against a platform's list of supported calls (``platforms.LINTED``: the
@@ -159,10 +165,10 @@ def ops(
 
     Example: unroll ops
     """
-    from unroller.registry import load_registry
+    from unroller.compiler.registry import load_registry
 
     if markdown or update is not None:
-        from unroller.reference import operator_table, with_table
+        from unroller.compiler.reference import operator_table, with_table
 
         if update is None:
             write_stdout(operator_table())

@@ -1,11 +1,11 @@
 """Every option two or more commands take, declared once.
 
-The options of the generator are the fields of ``unroller.options.Options``: their flags
+The options of the generator are the fields of ``unroller.compiler.options.Options``: their flags
 and help texts are the fields' metadata, and ``with_options`` adds the ones a command
 takes to its parameters, so no command restates them; ``unroller.cli.target`` turns
 their values into ``Options``, which refuses what it cannot generate (the message naming
 the flags as typed). Other shared options are the aliases below. Platforms and schemes
-are Enums built from ``unroller.platforms.PLATFORMS`` and ``unroller.schemes.SCHEMES``:
+are Enums built from ``unroller.compiler.platforms.PLATFORMS`` and ``unroller.compiler.schemes.SCHEMES``:
 --help lists their choices, and adding a platform or scheme there adds it here.
 
 An unknown choice is refused with the message users know (``unroll: error: unknown
@@ -25,9 +25,9 @@ from typing import Annotated, Any
 import typer
 
 from unroller.cli.errors import fail
-from unroller.options import FLAGS, OPTION_FIELDS, check_field
-from unroller.platforms import PlatformName
-from unroller.schemes import SCHEMES
+from unroller.compiler.options import FLAGS, OPTION_FIELDS, check_field
+from unroller.compiler.platforms import PlatformName
+from unroller.compiler.schemes import SCHEMES
 
 #: The scheme names as an Enum, for typer options (``Scheme("dct-dense")``).
 Scheme = Enum("Scheme", {name.upper().replace("-", "_"): name for name in SCHEMES}, type=str)
@@ -207,7 +207,7 @@ DatasetOpt = Annotated[
 EpochsOpt = Annotated[int, typer.Option("--epochs", help="Epochs to train.", min=1)]
 BatchOpt = Annotated[int, typer.Option("--batch-size", help="Samples per step.", min=1)]
 LrOpt = Annotated[float, typer.Option("--lr", help="Peak learning rate.")]
-# The names are unroller.training.OPTIMIZERS (tests/test_cli_layout.py checks): not imported,
+# The names are unroller.training.loop.OPTIMIZERS (tests/cli/test_cli_layout.py checks): not imported,
 # because importing training imports torch, which would slow every `unroll` command.
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="sgd or adam.")]
 MomentumOpt = Annotated[float, typer.Option("--momentum", help="SGD momentum.")]

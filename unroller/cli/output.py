@@ -20,7 +20,7 @@ import typer
 
 from unroller.api import PathError, output_target, read_bounded, stale_temps, write_atomic
 from unroller.cli.errors import fail
-from unroller.codegen import edited_by_hand, read_header
+from unroller.compiler.codegen import edited_by_hand, read_header
 
 
 def read_existing(path: Path) -> str:

@@ -1,6 +1,6 @@
 """``unroll plan``: a compression config that fits a memory budget with the least error.
 
-The work is ``unroller.plan`` (it imports torch, so only when the command runs); this
+The work is ``unroller.analysis.plan`` (it imports torch, so only when the command runs); this
 module reads the model, makes the probe batch, prints the table and writes the config
 (through ``unroller.cli.output``, as generate -o: refused outputs are refused before the
 work, and nothing is written when no plan fits the budget).
@@ -106,7 +106,7 @@ def plan(
     """Choose per saved tensor among raw, quant 8/4/2 bits and DCT forms, so that the
     predicted peak of one step fits the budget with the least predicted gradient error.
 
-    Memory is predicted from the step the generator emits (unroller/memory.py); the error
+    Memory is predicted from the step the generator emits (unroller/analysis/memory.py); the error
     is calibrated by one uncompressed probe step (per tensor: its round-trip error times
     the norm of the parameter gradients it reaches). The output is an ordinary compression
     config: unroll generate MODEL --compress-config plan.toml.
@@ -139,12 +139,12 @@ def plan(
     try:
         graph = load_graph(model, resolution)
         if segments and "auto" not in segments:  # refused before the probe step
-            from unroller.stash import chosen_instances
+            from unroller.compiler.stash import chosen_instances
 
             chosen_instances(graph, segments)
     except ModelError as exc:
         raise model_error(exc, model) from None
-    import unroller.plan as planner
+    import unroller.analysis.plan as planner
 
     try:
         batch = _probe_batch(graph, dataset, probe_batch, seed)
@@ -199,11 +199,12 @@ def _probe_batch(graph: Any, dataset: str | None, size: int, seed: int) -> list 
 
 def _measure(graph: Any, found: Any, probe: Any, label: str) -> dict[str, Any]:
     """One step of the planned module at the plan's batch: profiler peak, gradient error."""
-    import unroller.plan as planner
+    import unroller.analysis.plan as planner
+    from unroller.analysis.inputs import make_inputs
     from unroller.bench.profiling import profile_step
-    from unroller.verify import generated_class, make_inputs
+    from unroller.materialize import model_class
 
-    planned = generated_class(graph, label, found.config)
+    planned = model_class(graph, label, found.config)
     model = planned()
     model.load_state_dict(probe.state, strict=True)
     model.train()

@@ -1,7 +1,7 @@
 """From the target options of a command line to the generator's ``Options``.
 
 ``Options`` refuses what it cannot generate (asking each ``Platform`` in
-``unroller.platforms`` what it takes, never testing its name); here its refusal becomes
+``unroller.compiler.platforms`` what it takes, never testing its name); here its refusal becomes
 one ``unroll: error:`` line naming the flags as typed.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 from unroller.api import source_label
 from unroller.cli.errors import config_error, fail
 from unroller.cli.options import CLI_DEFAULTS, parse_segments, value_of
+from unroller.compiler.options import OPTION_FIELDS, Options, check_field
+from unroller.compiler.platforms import PLATFORMS
 from unroller.errors import ConfigError, OptionValueError
-from unroller.options import OPTION_FIELDS, Options, check_field
-from unroller.platforms import PLATFORMS
 
 #: Every stage count some platform accepts: what a generated file's header may record.
 ALL_STAGE_COUNTS: tuple[int, ...] = tuple(

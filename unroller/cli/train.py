@@ -45,7 +45,7 @@ from unroller.cli.target import checked
 from unroller.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
-    from unroller.training import TrainConfig
+    from unroller.training.loop import TrainConfig
 
 #: The options train and accuracy share, by parameter name: each is a TrainConfig field.
 TRAINING = (
@@ -79,7 +79,7 @@ def _logger(quiet: bool):
 def _resumed_config(ctx: typer.Context, config: TrainConfig, resume: Path) -> TrainConfig:
     """The checkpoint's settings, overridden by the options given on the command line
     (``train`` then refuses any that differ, except --epochs)."""
-    from unroller.training import TrainConfig, load_checkpoint
+    from unroller.training.loop import TrainConfig, load_checkpoint
 
     recorded = TrainConfig.from_dict(load_checkpoint(resume)["config"])
     given = {
@@ -101,8 +101,8 @@ def _check_out(out: Path, resume: Path | None, force: bool) -> None:
     """Refuse a run folder before torchrun launches anything. One process (and rank 0
     inside torchrun) checks in ``training.train``; the other ranks would see its files
     half-made."""
-    from unroller.run_folder import check_run_folder
-    from unroller.training import resumes_in_place
+    from unroller.training.loop import resumes_in_place
+    from unroller.training.run_folder import check_run_folder
 
     check_run_folder(out, force=force, ours=resumes_in_place(resume, out))
 
@@ -166,8 +166,8 @@ def train(
 
     Example: unroll train benchmarks/models/quick.txt --dataset digits --scheme dct-dense --epochs 15
     """
-    from unroller.training import TrainConfig
-    from unroller.training import train as run_training
+    from unroller.training.loop import TrainConfig
+    from unroller.training.loop import train as run_training
 
     config = TrainConfig(
         **training_settings(locals()),
@@ -250,7 +250,7 @@ def launch_command(
 ) -> list[str]:
     """torchrun running ``unroll train`` in ``nproc_per_node`` processes (one machine, a
     rendezvous on a free local port); no code from the working directory runs in it."""
-    from unroller.distributed import torchrun_command
+    from unroller.parallel.data import torchrun_command
 
     args = ["train", *_child_args(config, out, resume, quiet, force)]
     return torchrun_command(config.nproc_per_node, "unroller.cli", args)
@@ -318,8 +318,8 @@ def accuracy(
 
     Example: unroll accuracy benchmarks/models/quick.txt --dataset digits --schemes all --seeds 3
     """
-    from unroller.accuracy import parse_schemes, run_accuracy
-    from unroller.training import TrainConfig
+    from unroller.training.accuracy import parse_schemes, run_accuracy
+    from unroller.training.loop import TrainConfig
 
     if out is None:
         out = Path("runs") / f"accuracy-{model.stem}-{dataset.split(':', 1)[0]}"

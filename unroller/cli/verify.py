@@ -1,6 +1,6 @@
 """``unroll verify``: does a model text compute what a ``torch.nn.Module`` computes?
 
-The work is ``unroller.verify`` (it imports torch, so it is imported only when the command
+The work is ``unroller.analysis.verify`` (it imports torch, so it is imported only when the command
 runs); this module turns its report into output and an exit status: 0 every value
 matches, 1 a mismatch (keys, shapes or numbers), 2 a user error (a broken model file, a
 SPEC that does not load, a model text that is not ``prediction -> shape ops -> loss``).
@@ -60,7 +60,7 @@ def verify(
 
     Exit status 0: everything within --tolerance; 1: a mismatch; 2: a user error.
     """
-    import unroller.verify as verification
+    import unroller.analysis.verify as verification
     from unroller.importer.model import ImportFailure
     from unroller.importer.source import parse_kwargs
 

@@ -186,7 +186,7 @@ class Compressor(abc.ABC):
     PARAMS: ClassVar[dict[str, ParamSpec]] = {}
     lossless: ClassVar[bool] = False
     #: FLOPs per element one compress and one decompress spend together, for the IPU step
-    #: estimate (``unroller.estimate``): a scale, round and clamp unless a codec says more
+    #: estimate (``unroller.analysis.estimate``): a scale, round and clamp unless a codec says more
     flops: ClassVar[float] = 8.0
 
     def __init__(self, **params: Any) -> None:
@@ -668,7 +668,8 @@ def host_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
     tuples) on the host, so that torch.compile calls it while tracing and takes its result
     as a constant instead of tracing its Python code (a numeric solver does not trace): what
     ``torch.compiler.assume_constant_result`` does, its attribute set here without importing
-    torch._dynamo, which takes seconds (tests/test_compile_codecs.py checks the two agree)."""
+    torch._dynamo, which takes seconds (tests/runtime/test_compiled_step.py checks the two agree).
+    """
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from unroller.compiler.graph import Graph, Value
 from unroller.errors import ConfigError
-from unroller.graph import Graph, Value
 
 LOSS_TASKS = {
     "cross_entropy": "classification",

@@ -39,7 +39,7 @@ What is read, and how it becomes windows:
 Nothing depends on a seed: the same installation always gives the same tensors (the
 description names the Python version and a SHA-256 of both streams); training's own
 seed then fixes the batches. The metric is bits per character
-(``unroller.metrics.bits_per_char``) over every target of the validation windows.
+(``unroller.training.metrics.bits_per_char``) over every target of the validation windows.
 """
 
 from __future__ import annotations

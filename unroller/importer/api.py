@@ -31,7 +31,7 @@ from unroller.importer.source import build_module, is_onnx, parse_kwargs, user_c
 if TYPE_CHECKING:
     import torch
 
-    from unroller.graph import Graph
+    from unroller.compiler.graph import Graph
 
 #: The most --input declarations a network may have.
 MAX_INPUTS = 64
@@ -142,7 +142,7 @@ def declared(item: str | Tensor, what: str = "--input") -> Tensor:
 
 def _reserved() -> set[str]:
     """Names a block may not take: the registry's operators and the language's words."""
-    from unroller.registry import load_registry
+    from unroller.compiler.registry import load_registry
 
     return set(load_registry()) | {"model", "input", "target", "block", "return", "N"}
 
@@ -238,7 +238,7 @@ def module_import(
 ) -> Imported:
     """The import of a built ``module`` on example ``inputs`` (and ``target``), as ``unroll
     import`` makes it: its model text and checked graph, for ``unroller.unroll`` and
-    ``unroller.verify``. The inputs are named x0, x1, ... (or by the keys of a dict, each
+    ``unroller.analysis.verify``. The inputs are named x0, x1, ... (or by the keys of a dict, each
     reaching ``forward`` by keyword where it names a parameter: ``{"input_ids": ...,
     "decoder_input_ids": ...}``) and the target y."""
     import torch

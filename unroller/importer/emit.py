@@ -272,7 +272,7 @@ def _note(model: ImportedModel, stmt: Stmt) -> str:
 
 
 def _defaults() -> dict[str, dict[str, object]]:
-    from unroller.registry import load_registry
+    from unroller.compiler.registry import load_registry
 
     out: dict[str, dict[str, object]] = {}
     for name, op in load_registry().items():

@@ -16,7 +16,7 @@ rounds where the generated code (float64 throughout) does not. ``float64_twin`` 
 the module computes without that cast, ``torch.nn.RMSNorm`` holding the same weight
 parameter, and ``verify`` compares the step against the original with its RMSNorms so
 replaced, saying so in its notes; the float32 agreement of the two is tested on its own
-(tests/test_import_llama.py).
+(tests/importer/test_import_llama.py).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from unroller.graph import MAX_FLOAT
+from unroller.compiler.graph import MAX_FLOAT
 from unroller.importer import aten_ops, batch_merge, masks
 from unroller.importer.aten_ops import Refuse
 from unroller.importer.model import (

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
-from unroller.platforms import LINTED
+from unroller.compiler.platforms import LINTED
 
 from .imports import _UNUSED, _Import
 from .kinds import IMPORT, READ

@@ -119,7 +119,7 @@ def _kernel_tops() -> frozenset[str]:
     """Top-level packages the operator registry names as kernels (followed wherever they
     are installed)."""
     try:
-        from unroller.registry import load_registry
+        from unroller.compiler.registry import load_registry
 
         ops = load_registry()
     except Exception:  # noqa: BLE001 - a broken registry is generate's error, not lint's

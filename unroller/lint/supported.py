@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unroller.platforms import LINTED
+from unroller.compiler.platforms import LINTED
 
 from .kinds import FUNCTIONAL, MODULE, TENSOR, TORCH
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from unroller.dtypes import is_float, torch_dtype
+from unroller.compiler.dtypes import is_float, torch_dtype
 
 Pair = tuple[int, int]
 Needs = tuple[bool, ...]

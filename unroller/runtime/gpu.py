@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 # Data parallel: the gradient reducer and synchronised batch norm (not kernels themselves).
-from unroller.distributed import (
+from unroller.parallel.data import (
     SYNC_ATTR,
     reducer_of,
     sync_batchnorm,
@@ -274,7 +274,7 @@ def piece_samples(batch: int, sample_bytes: int, piece_bytes: int, weight_bytes:
     outweighs its maps (a late ResNet stage) is not split into pieces that each make a
     weight-sized gradient to sum (the CPU kernel ran 3x slower in 8 pieces there). The
     working buffers are then a constant, not a fraction, of the batch; ``batch``: whole.
-    The memory model (``unroller.memory``) counts pieces by this same rule."""
+    The memory model (``unroller.analysis.memory``) counts pieces by this same rule."""
     if piece_bytes <= 0 or batch < 2:
         return batch
     return min(batch, max(1, max(piece_bytes, weight_bytes) // max(1, sample_bytes)))
@@ -569,7 +569,7 @@ def _batchnorm_backward_pieces(
 def reduce_bucket(layers: Layers, index: int, names: tuple[str, ...]) -> None:
     """Data parallel (``--data-parallel``): start the all-reduce of bucket ``index``, the
     gradients ``names`` (state-dict names), if a reducer is attached to the model
-    (``unroller.distributed.attach``); in one process, nothing."""
+    (``unroller.parallel.data.attach``); in one process, nothing."""
     reducer = reducer_of(layers)
     if reducer is not None:
         reducer.launch(index, names)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from unroller.dtypes import is_float, torch_dtype
+from unroller.compiler.dtypes import is_float, torch_dtype
 
 MISSING = (
     "unroll: PopTorch (Graphcore's Poplar SDK) is required to run this module on an IPU and "

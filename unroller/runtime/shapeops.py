@@ -9,7 +9,7 @@ of softmax and log_softmax differ (gpu calls aten's, ipu writes the formula) and
 They sit in a module of their own because two kernels are named like Python builtins
 (``sum``, ``slice``): defined in ``common``, they would shadow the builtins that its stash
 accounting calls. In gpu.py and ipu.py they shadow them too, so neither calls a bare
-``sum(...)`` or ``slice(...)`` (tests/test_shapeops.py checks this).
+``sum(...)`` or ``slice(...)`` (tests/operators/test_shapeops.py checks this).
 
 The batch dim is dim 0 of every batched tensor and the shape rules hand these kernels
 normalised dims (never 0 of a batched tensor). An input without the batch dim (a free parameter) reaches only

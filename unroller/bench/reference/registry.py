@@ -13,7 +13,7 @@ every network alike:
   the batch the authors of the published benchmarks used, and the reduced size the
   quick preset uses on a 2-core CPU.
 
-Resolutions. ``unroller.options.Options(resolution=R)`` makes the generator rewrite every
+Resolutions. ``unroller.compiler.options.Options(resolution=R)`` makes the generator rewrite every
 ``[N, C, H, W]`` input and target to ``H = R``. The ResNets (adaptive pooling) and the
 U-Nets (fully convolutional; R a multiple of 8) need nothing more. OpticalDamage's
 linear layers depend on the size, so ``model_text(R)`` rewrites them; ``generate`` and
@@ -62,8 +62,8 @@ from unroller.bench.reference.sequence import (
     VitTiny,
     rewrite_context,
 )
+from unroller.compiler.options import Options
 from unroller.materialize import materialize
-from unroller.options import Options
 
 #: the quick preset's sequence lengths of the two larger transformers: gpt_small at a
 #: quarter of its context (6 layers of width 256 at 256 tokens cost ~5x gpt_small at 64

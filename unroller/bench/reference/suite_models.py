@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from unroller.bench.paths import suite_models_dir
 from unroller.bench.reference.base import Reference, StageRunner
 from unroller.bench.reference.blocks import CifarResNet, UNet
-from unroller.dtypes import torch_dtype
+from unroller.compiler.dtypes import torch_dtype
 
 
 def suite_model_path(stem: str) -> Path:

@@ -1,0 +1,1 @@
+"""The memory model, the planner and the device estimate."""

@@ -1,0 +1,111 @@
+"""Every module the benchmark harness would build generates.
+
+The cases come from the harness's own list (``unroller.bench.suite.ours_builds``) under the
+flags of ``make bench`` (the quick preset), ``make bench FULL=1`` (``--full``) and the
+emulated IPU run (``--platform ipu --emulate``, both presets): every suite model x every
+scheme x every variant those runs measure (``+recompute``, ``+blocks+pieces``, ``auto``),
+at the resolution each run uses. A new model, scheme or variant in the harness is a new
+case here without editing this file. Nothing is timed or run: each module is generated
+(black stood in for by a check that the text compiles, since black takes 80% of a
+render and only re-lays the lines) and, where the harness predicts memory, the memory
+model simulates it, as the harness does before measuring.
+
+Cases whose model text and options are the same in two runs (the spec-v2 models run at
+one size in both presets) are generated once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from conftest import fast_format
+
+from unroller.bench import config, models, suite
+from unroller.bench.reference import BENCHMARKS
+from unroller.compiler import codegen
+from unroller.compiler.schemes import SCHEMES
+
+#: the harness runs whose builds are generated: (label, argv of `unroll bench`)
+RUNS = (
+    ("quick", []),
+    ("full", ["--full"]),
+    ("ipu-quick", ["--platform", "ipu", "--emulate"]),
+    ("ipu-full", ["--platform", "ipu", "--emulate", "--full"]),
+)
+
+
+def _cases() -> dict[str, list[tuple[str, str, suite.OursBuild]]]:
+    """The distinct builds of every run, grouped by model text: (run label, benchmark,
+    OursBuild) per build, under a key naming the benchmark and its resolution. One group
+    runs in one process, so an ``auto`` plan (a probe step of the model) is made once per
+    text (``plan.auto_config`` remembers it) and serves ``auto``, ``auto+recompute``, the
+    ipu module and the memory model."""
+    seen: set[tuple[str, str]] = set()
+    groups: dict[str, list[tuple[str, str, suite.OursBuild]]] = {}
+    for label, argv in RUNS:
+        args = config.parse_args(argv)
+        for name in args.benchmarks:
+            bench = BENCHMARKS[name]
+            resolution = models.resolution_of(bench, args)
+            text = bench.model_text(resolution)
+            for build in suite.ours_builds(bench, args, resolution):
+                key = (hashlib.sha256(text.encode()).hexdigest(), repr(build.options))
+                if key not in seen:
+                    seen.add(key)
+                    groups.setdefault(f"{name}@{resolution}", []).append((label, name, build))
+    return groups
+
+
+GROUPS = _cases()
+CASES = [case for cases in GROUPS.values() for case in cases]
+
+
+def test_the_list_covers_every_model_scheme_and_variant():
+    """The list is the harness's: each suite model, each scheme, and the variant rows
+    the presets turn on, appear (so a preset or list that ran nothing fails here)."""
+    names = {(name, build.name) for _, name, build in CASES}
+    for bench in config.SUITE:
+        for scheme in SCHEMES:
+            assert (bench, f"ours:{scheme}") in names
+    assert {b for b, _ in names} == set(config.SUITE)
+    rows = {n for _, n in names}
+    for scheme in config.RECOMPUTE_SCHEMES:
+        assert f"ours:{scheme}+recompute" in rows
+    for scheme in config.SEGMENT_SCHEMES:
+        assert f"ours:{scheme}+blocks+pieces" in rows
+    assert {label for label, _, _ in CASES} == {label for label, _ in RUNS}
+    platforms = {build.options.platform for _, _, build in CASES}
+    assert platforms == {"gpu", "ipu"}
+
+
+def _generates(name: str, build: suite.OursBuild) -> str | None:
+    """None when the module of one harness row generates (compiling Python) and, on the
+    gpu platform, the memory model simulates it at batch 2 as the harness asks it to;
+    else what went wrong."""
+    bench = BENCHMARKS[name]
+    try:
+        source = bench.generate(build.options)
+        header = source.splitlines()[0]
+        if "class Model" not in source or f'"scheme": "{build.scheme}"' not in header:
+            return "no Model class, or the header names another scheme"
+        if build.options.platform == "gpu":
+            predicted = models.predict_memory(bench, build.options, 2)
+            if predicted is None or not predicted["peak_bytes"] > 0:
+                return f"the memory model predicted {predicted}"
+    except Exception as exc:  # noqa: BLE001 - every failing build is reported, not the first
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_harness_builds_generate(monkeypatch, group):
+    """Every harness row on one model text generates: the failures, if any, each named by
+    run, benchmark and row."""
+    monkeypatch.setattr(codegen.black, "format_str", fast_format)
+    failures = [
+        f"{label} {name} {build.name}: {problem}"
+        for label, name, build in GROUPS[group]
+        if (problem := _generates(name, build)) is not None
+    ]
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,1 @@
+"""The `unroll` command line and the IPU lint it runs."""

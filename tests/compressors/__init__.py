@@ -1,0 +1,1 @@
+"""Compressors of saved activations: round trips, bytes, error bounds, native kernels."""

@@ -1,0 +1,1 @@
+"""A generated module over several processes: data and pipeline parallel."""

@@ -1,0 +1,1 @@
+"""Whole networks: generated steps against their torch.nn references."""

@@ -1,0 +1,1 @@
+"""The repository itself: documentation, packaging, results files, the test suite."""

@@ -1,0 +1,1 @@
+"""The kernels generated code calls, per platform, and the emulated IPU."""

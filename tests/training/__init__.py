@@ -1,0 +1,1 @@
+"""Training runs, datasets, metrics and the accuracy study."""

@@ -1,0 +1,1 @@
+"""What is learnt about a generated step without training with it: its memory (the memory model, the stash report), its cost (FLOPs, the device estimate), whether it is exact (verify) and the compression config the planner picks from a probe step."""

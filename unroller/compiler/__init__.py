@@ -1,0 +1,1 @@
+"""The compiler: model text -> parse tree -> graph (shapes, parameters) -> stash plan (what each op saves, in what form) -> step IR lowered by passes -> the platform's template -> source text. Pure functions of their inputs: nothing here runs a model."""
