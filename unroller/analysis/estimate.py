@@ -122,9 +122,9 @@ class IpuEstimate:
 def resolved(options: Options, graph: Graph, config: CompressionConfig | None) -> CompressionConfig:
     """``config`` when given (resolved by the caller: ``unroller.api.compression_config``,
     which plans the ``auto`` scheme), else the built-in scheme or config file of
-    ``options``. Resolving ``auto`` stays in the library layer, the top of the import
-    graph: an estimate importing it would sit both below and above it (a cycle). ``auto``
-    without ``config`` is a ConfigError naming the resolver."""
+    ``options``. The ``auto`` scheme is planned from a probe step, which the caller runs
+    (or has run) once for everything it asks of the model; ``auto`` without ``config`` is
+    a ConfigError naming the resolver."""
     return options.compression(graph) if config is None else config
 
 

@@ -1,9 +1,9 @@
 """The ``unroll`` command line: the typer app, and ``main`` (the console script).
 
 Each command group lives in its own module and adds itself with ``register(app)``;
-options that several commands take are declared once in ``options``, error output in
-``errors``. No submodule imports this package's ``__init__``, so there is no import
-cycle: ``app`` and ``main`` exist only here.
+options that several commands take are built once from ``Options``'s fields in
+``options``, error output in ``errors``. ``app`` and ``main`` are here, where the groups
+meet; a command module needs neither.
 """
 
 from __future__ import annotations
