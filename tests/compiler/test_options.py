@@ -98,6 +98,15 @@ def test_every_constructor_path_validates():
     assert caught.value.render("header") == "'recompute' = 'yes': not True or False"
 
 
+def test_a_validated_options_cannot_be_changed_only_replaced():
+    options = Options(segment_pieces=2, recompute_segments=("blocks",))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.segment_pieces = 0  # type: ignore[misc]
+    with pytest.raises(OptionError, match="segment_pieces=0"):
+        dataclasses.replace(options, segment_pieces=0)
+    assert dataclasses.replace(options, segment_pieces=3).segment_pieces == 3
+
+
 def test_lists_are_taken_as_tuples():
     options = Options(recompute_segments=["blocks"])  # type: ignore[arg-type]
     assert options.recompute_segments == ("blocks",)

@@ -76,9 +76,11 @@ def option(
     return field(default=default, metadata=metadata)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Options:
-    """Everything besides the model text that determines the generated file."""
+    """Everything besides the model text that determines the generated file. Frozen, so
+    that what was validated stays valid: a changed copy is ``dataclasses.replace``, which
+    validates again."""
 
     platform: str = option(
         "gpu", flag="--platform", short="-p", recorded=True, help=_platforms_help()
@@ -344,7 +346,7 @@ def validate(options: Options) -> None:
     fields are taken as tuples."""
     for name in LIST_FIELDS:
         if isinstance(getattr(options, name), list):
-            setattr(options, name, tuple(getattr(options, name)))
+            object.__setattr__(options, name, tuple(getattr(options, name)))  # frozen
     for f in OPTION_FIELDS:
         problem = _check_one(f.name, getattr(options, f.name))
         if problem is not None:
