@@ -582,6 +582,122 @@ def test_an_imported_name_pulls_in_the_definitions_it_uses(tmp_path):
     assert report.partial == {} and len(report.errors) == 4
 
 
+STAR_KERNELS = {
+    # a family module with a literal __all__: only the names it lists are exported
+    "runtime/listed.py": """\
+        import torch
+
+        __all__ = ["relu"]
+
+
+        def relu(x):
+            return _inner(x)
+
+
+        def _inner(x):
+            return torch.erf(x)
+
+
+        def unlisted(x):
+            return torch.special.erfinv(x)
+        """,
+    # no __all__: every public name it binds, none of the private ones
+    "runtime/family.py": """\
+        import torch
+
+
+        def lstm(x):
+            return torch.logit(x)
+
+
+        def unsupported(x):
+            return torch.nonzero(x)
+
+
+        def gpu_only(x):
+            return torch.empty_like(x)
+
+
+        def _private(x):
+            return torch.flip(x, (0,))
+        """,
+    # gathers the families; its __all__ is computed, so its public names count
+    "runtime/shared.py": """\
+        from unroller.runtime.family import *  # noqa: F403
+        from unroller.runtime.listed import *  # noqa: F403
+
+        __all__ = sorted(name for name in dir() if not name.startswith("_"))
+        """,
+    # takes them by a relative star import, then replaces one with its own
+    "runtime/ipu.py": """\
+        import torch
+
+        from .shared import *  # noqa: F403
+
+
+        def unsupported(x):
+            return torch.add(x, x)
+        """,
+}
+
+
+def test_star_imports_follow_each_exported_name_to_its_definition(tmp_path):
+    """``from X import *`` of a followed module binds X's literal ``__all__``, else its public
+    top-level names (with what its own star imports bind): each is followed as an imported
+    name is, through chains of star imports; a private or unlisted name is not, nor a name
+    the importing module defines again after the star import."""
+    roots = fake_package(tmp_path, STAR_KERNELS)
+    report = lint_source(tmp_path, "import unroller.runtime.ipu as K\n", package_roots=roots)
+    pkg = roots["unroller"].resolve() / "runtime"
+    assert [(c.file.name, c.line, c.name) for c in report.errors] == [
+        ("family.py", 5, "torch.logit"),
+        ("family.py", 13, "torch.empty_like"),  # exported: a computed __all__ is not read
+        ("listed.py", 11, "torch.erf"),
+    ]
+    erf = next(c for c in report.errors if c.name == "torch.erf")
+    assert [(h.file.name, h.name) for h in erf.chain] == [
+        ("model.py", "import unroller.runtime.ipu as K"),
+        ("ipu.py", "from unroller.runtime.shared import *"),
+        ("shared.py", "from unroller.runtime.listed import *"),
+        ("listed.py", "_inner"),
+    ]
+    assert report.partial[pkg / "listed.py"] == ("relu",)
+    assert report.partial[pkg / "family.py"] == ("gpu_only", "lstm", "torch")
+    assert "unsupported" not in report.partial[pkg / "shared.py"]
+
+
+def test_a_name_bound_by_a_star_import_is_followed_alone(tmp_path):
+    """A name imported from a module that binds it by a star import: only its definition
+    counts, not the module whole nor the other names of the star import."""
+    roots = fake_package(tmp_path, STAR_KERNELS)
+    report = lint_source(tmp_path, "from unroller.runtime.ipu import lstm\n", package_roots=roots)
+    pkg = roots["unroller"].resolve() / "runtime"
+    assert [(c.file.name, c.name) for c in report.errors] == [("family.py", "torch.logit")]
+    assert report.partial[pkg / "ipu.py"] == ("lstm",)
+    assert report.partial[pkg / "family.py"] == ("lstm",)
+
+
+def test_a_star_import_whose_names_cannot_be_known_counts_whole(tmp_path):
+    """A module that star-imports one lint does not follow (its names are unknown): a star
+    import of it makes all of it count, as before names were followed."""
+    roots = fake_package(
+        tmp_path,
+        {
+            "runtime/opaque.py": """\
+                from math import *  # noqa: F403
+
+
+                def _private(x):
+                    return x.erf()
+                """,
+            "runtime/ipu.py": "from unroller.runtime.opaque import *  # noqa: F403\n",
+        },
+    )
+    report = lint_source(tmp_path, "import unroller.runtime.ipu as K\n", package_roots=roots)
+    assert [(c.file.name, c.name) for c in report.errors] == [("opaque.py", "Tensor.erf")]
+    assert report.partial == {}
+
+
 # ---------------------------------------------------------------- host-only functions
 
 

@@ -46,6 +46,7 @@ from unroller.runtime import (
     positions,
     recurrent,
     shapeops,
+    shared,
 )
 
 OPS = load_registry()
@@ -742,17 +743,20 @@ SHARED_KERNEL_MODULES = (
 
 def _ipu_kernel_code() -> list[ast.AST]:
     """ipu.py whole, and what it takes from the shared modules to compute with: the shared
-    kernels it imports (attention's included) and, transitively, the functions of those
-    modules they use (as ``unroll lint`` follows names imported from a module); the host
-    helpers are left out."""
+    kernels it imports (by name, attention's included, or by its star import of shared)
+    and, transitively, the functions of those modules they use (as ``unroll lint`` follows
+    names imported from a module); the host helpers are left out."""
     ipu_tree = ast.parse(Path(ipu.__file__).read_text())
+    own = {n.name for n in ipu_tree.body if isinstance(n, ast.FunctionDef)}
     todo = [
         alias.name
         for node in ast.walk(ipu_tree)
         if isinstance(node, ast.ImportFrom) and node.module in SHARED_KERNEL_MODULES
         for alias in node.names
-        if alias.name not in HOST_HELPERS
+        if alias.name not in HOST_HELPERS and alias.name != "*"
     ]
+    # what its star import of shared binds, but the names it defines again itself
+    todo += [name for name in shared.__all__ if name not in HOST_HELPERS | own]
     defs = {
         n.name: n
         for module in (common, shapeops, attention, norms, positions, recurrent)

@@ -48,7 +48,9 @@ SHARED_HELPERS = [
     "take",
     "within",
 ]
-HELPERS = {"gpu": [*SHARED_HELPERS, "accumulate", "accumulate_fresh"], "ipu": SHARED_HELPERS}
+#: gpu's own: gradient accumulation into .grad, on the host platform only
+GPU_HELPERS = ["accumulate", "accumulate_fresh"]
+HELPERS = {"gpu": [*SHARED_HELPERS, *GPU_HELPERS], "ipu": SHARED_HELPERS}
 KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
 PER_OP = [
     pytest.param(platform, name, id=f"{platform}-{name}") for platform in KERNELS for name in OPS
@@ -236,12 +238,15 @@ def test_shape_only_backwards_take_no_activation(platform):
 
 @pytest.mark.parametrize("platform", list(KERNELS))
 def test_helpers_are_exported(platform):
-    """The helpers generated code calls; one copy of each, in common (ipu has its own
-    ``unsupported``, and no ``accumulate``: PopTorch gets gradients through ``collect``)."""
+    """The helpers generated code calls; one copy of each shared one, in common (ipu has its
+    own ``unsupported``); ``accumulate`` is gpu's own: PopTorch gets gradients through
+    ``collect``."""
     K = KERNELS[platform]
     for name in HELPERS[platform]:
         assert name in K.__all__, name
-        if not (platform == "ipu" and name == "unsupported"):
+        if name in GPU_HELPERS:
+            assert getattr(K, name).__module__ == gpu.__name__, name
+        elif not (platform == "ipu" and name == "unsupported"):
             assert getattr(K, name) is getattr(common, name), name
     assert ("accumulate" in ipu.__all__) is False
     assert ("accumulate_fresh" in ipu.__all__) is False

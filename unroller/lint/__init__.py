@@ -66,7 +66,11 @@ linted module's folder first on ``sys.path``, as when it runs as a script; the f
   unroller.runtime.gpu import accumulate, tensors``) only the top-level statements defining
   those names count, with the top-level definitions they use, transitively, and the top-level
   statements that bind nothing (they run at import); a name that is not bound at the top
-  level makes the whole module count;
+  level makes the whole module count. A star import (``from unroller.runtime.shared import
+  *``) imports by name what it binds: the module's literal ``__all__``, else every public
+  name it binds at the top level (a computed ``__all__`` is not evaluated: more is checked,
+  never less), through its own star imports in turn, less the names the importing module
+  defines again after it; where those names cannot be known, the whole module counts;
 * any other module whose source is not part of Python or an installed library (stdlib,
   site-packages), or whose top-level package is named as kernels by the operator registry
   (user operator modules, their helpers, ``import X as K2``): only what the checked code
@@ -96,17 +100,17 @@ called (other than ``torch.nn`` modules), and the values generated code passes t
 kernels. Parent packages of an imported module (``unroller/__init__.py``) are not scanned
 unless imported by name.
 
-Each module is read and parsed once per run, however many linted modules import it.
+Each module is read once per run, however many linted modules import it.
 ``unroll lint`` is a thin wrapper: ``report = lint_paths(paths, platform)``, print
 ``report.format()``, exit 1 unless ``report.ok``.
 
 The package, one job a module: ``supported`` (the supported list), ``kinds`` (the kinds of
 finding), ``report`` (findings and the report's text), ``hostonly`` (the marker),
 ``torchnames`` (what a torch name or expression stands for), ``restrictions`` (argument
-checks), ``selection`` (the statements a by-name import needs), ``scanner`` (one module;
-its import records in ``imports``, its checks of torch calls in ``calls``), ``source``
-(bounded reading), ``resolve`` (finding imported modules) and ``linter`` (the
-run over many modules, and the chains).
+checks), ``selection`` (the statements a by-name import needs), ``stars`` (what a star
+import binds), ``scanner`` (one module; its import records in ``imports``, its checks of
+torch calls in ``calls``), ``source`` (bounded reading), ``resolve`` (finding imported
+modules) and ``linter`` (the run over many modules, and the chains).
 """
 
 from __future__ import annotations

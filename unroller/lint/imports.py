@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .kinds import DYNAMIC, OPS_REFERENCE
 from .resolve import _LIBRARY, _MISSING, _ROOT, _UNREADABLE, _USER, _Found
+from .selection import _bound_names
 from .torchnames import _is_torch, _ops_reason
 
 _UNUSED = ""  # _Import.name of a module imported and never used by the checked code
@@ -79,7 +80,7 @@ class _ImportScan:
                 self._unfollowed(base, local, node, found)
                 continue
             if a.name == "*":
-                self._record(base, None, node, f"from {base} import *", found)
+                self._star(base, node, found)
                 continue
             sub = f"{base}.{a.name}"
             sub_found = self.resolve(sub) if found.is_package else _Found(_MISSING)
@@ -87,6 +88,44 @@ class _ImportScan:
                 self._import_module(sub, local, node, sub_found)
             else:
                 self._record(base, a.name, node, f"from {base} import {a.name}", found)
+
+    def _star_binds(self, node: ast.ImportFrom) -> frozenset[str]:
+        """The names a star import binds here, where they can be known (else none)."""
+        base = self._absolute(node.module, node.level)
+        if base is None or _is_torch(base):
+            return frozenset()
+        return self.star_names(self.resolve(base)) or frozenset()
+
+    def _star(self, base: str, node: ast.ImportFrom, found: _Found) -> None:
+        """``from base import *`` of a followed module: each name it binds that the checked
+        code can reach (all of them in a module checked whole, else those asked for or
+        used), but those a later top-level statement binds again (its own definition
+        replaces the imported one); the whole module where the names cannot be known."""
+        names = self.star_names(found)
+        text = f"from {base} import *"
+        if names is None:
+            self._record(base, None, node, text, found)
+            return
+        if self.selection is not None:
+            names = names & (self.selection | set(self.name_uses))
+        names = names - self._rebound_after(node)
+        for name in sorted(names):
+            self._record(base, name, node, text, found)
+        if not names:
+            self._record(base, _UNUSED, node, text, found)
+
+    def _rebound_after(self, node: ast.stmt) -> set[str]:
+        """Names the top-level statements after ``node`` bind unconditionally (definitions,
+        assignments and imports by name; not within if, try, for or with)."""
+        if node not in self.body:
+            return set()
+        out: set[str] = set()
+        for stmt in self.body[self.body.index(node) + 1 :]:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(stmt.name)
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom)):
+                out |= _bound_names(stmt)
+        return out
 
     def _import_module(
         self, module: str, local: str, node: ast.stmt, found: _Found | None = None

@@ -23,12 +23,14 @@ from .resolve import (
     _UNREADABLE,
     _USER,
     _entry_module,
+    _Found,
     _module_name,
     _Resolver,
 )
 from .scanner import _ModuleScanner, _Scan
 from .selection import _statement_at
 from .source import _read_source, _Unreadable
+from .stars import star_names
 from .supported import supported_ops
 
 
@@ -45,6 +47,8 @@ class _Linter:
         self.origins: dict[Path, dict[str | None, Hop]] = {}
         self.results: dict[Path, _Scan] = {}
         self.entries: set[Path] = set()
+        self.stars: dict[Path, dict[Path, frozenset[str] | None]] = {}  # by base, then module
+        self.sources: dict[Path, str | _Unreadable] = {}  # each file read once
 
     def run(self, entries: Iterable[Path]) -> LintReport:
         """Scan the entries whole, then the modules they import: package modules whole when
@@ -65,11 +69,10 @@ class _Linter:
                 else:  # a package module: imported from the folder above its package
                     base = self.roots[name.split(".")[0]].resolve().parent
                 self.module[path], self.base[path] = (name, is_package), base
-        sources: dict[Path, str | _Unreadable] = {}
         problems: list[LintCall] = []
         while queue:
             path = queue.popleft()
-            result = self.results[path] = self._scan(path, wanted[path], sources)
+            result = self.results[path] = self._scan(path, wanted[path])
             wanted[path] = result.selection
             for imp in result.imports:
                 target = self._follow(path, imp, problems)
@@ -91,17 +94,11 @@ class _Linter:
         report.calls.extend(self._with_chain(c) for c in _uniq_calls(problems))
         return report
 
-    def _scan(
-        self, path: Path, selection: frozenset[str] | None, sources: dict[Path, str | _Unreadable]
-    ) -> _Scan:
-        if path not in sources:
-            try:
-                sources[path] = _read_source(path)
-            except _Unreadable as exc:
-                sources[path] = exc
-        source = sources[path]
-        if isinstance(source, _Unreadable):
-            why = f"{path.name} cannot be checked: {source}"
+    def _scan(self, path: Path, selection: frozenset[str] | None) -> _Scan:
+        try:
+            source = self._read(path)
+        except _Unreadable as exc:
+            why = f"{path.name} cannot be checked: {exc}"
             return _Scan([LintCall(path, 1, 1, "unreadable", READ, False, why)], [], [], None)
         module, is_package = self.module.get(path) or _module_name(path, self.roots)
         base = self.base.get(path, path.parent)
@@ -113,8 +110,27 @@ class _Linter:
             self.ops,
             selection,
             resolve=lambda name: self.resolver.find(name, base),
+            star_names=lambda found: self._star_names(found, base),
         )
         return scanner.scan()
+
+    def _star_names(self, found: _Found, base: Path) -> frozenset[str] | None:
+        """What ``from <found> import *`` binds, imports resolved from ``base`` (once per
+        module and base)."""
+        cache = self.stars.setdefault(base, {})
+        return star_names(found, lambda name: self.resolver.find(name, base), self._read, cache)
+
+    def _read(self, path: Path) -> str:
+        """The source of ``path``, read once per run (raises _Unreadable)."""
+        if path not in self.sources:
+            try:
+                self.sources[path] = _read_source(path)
+            except _Unreadable as exc:
+                self.sources[path] = exc
+        source = self.sources[path]
+        if isinstance(source, _Unreadable):
+            raise source
+        return source
 
     def _follow(self, path: Path, imp: _Import, problems: list[LintCall]) -> Path | None:
         """The file to scan for an import (None: nothing to scan); problems get an import

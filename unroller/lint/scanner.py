@@ -20,6 +20,7 @@ from .report import HostOnly, LintCall
 from .resolve import _Found
 from .restrictions import _literal
 from .selection import _select, _span
+from .stars import _absolute
 from .supported import SupportedOps
 from .torchnames import _is_torch, _tensor_methods
 
@@ -49,6 +50,7 @@ class _ModuleScanner(_ImportScan, _CallScan):
         ops: SupportedOps,
         selection: frozenset[str] | None,
         resolve: Callable[[str], _Found],
+        star_names: Callable[[_Found], frozenset[str] | None] = lambda found: None,
     ) -> None:
         self.path = path
         self.selection = selection
@@ -57,6 +59,8 @@ class _ModuleScanner(_ImportScan, _CallScan):
         self.is_package = is_package
         self.ops = ops
         self.resolve = resolve
+        self.star_names = star_names
+        self.body: list[ast.stmt] = []
         self.lines = re.split(r"\r\n|\r|\n", source)
         self.calls: list[LintCall] = []
         self.host_only: list[HostOnly] = []
@@ -102,18 +106,7 @@ class _ModuleScanner(_ImportScan, _CallScan):
     # names -----------------------------------------------------------------------------
 
     def _absolute(self, module: str | None, level: int) -> str | None:
-        if level == 0:
-            return module
-        if self.module is None:
-            return None
-        parts = self.module.split(".")
-        if not self.is_package:
-            parts = parts[:-1]
-        if level > 1:
-            parts = parts[: len(parts) - (level - 1)]
-        if not parts:
-            return None
-        return ".".join(parts + ([module] if module else []))
+        return _absolute(module, level, self.module, self.is_package)
 
     def _qual(self, node: ast.AST) -> str | None:
         """The dotted name an expression stands for, through the aliases, or None."""
@@ -228,6 +221,7 @@ class _ModuleScanner(_ImportScan, _CallScan):
         tree = self._parse()
         if tree is None:
             return _Scan(self.calls, self.host_only, self.imports, None)
+        self.body = tree.body
         every = list(ast.walk(tree))
         self._collect_aliases(every)
         marks = _host_only_marks(self.source)
@@ -275,7 +269,9 @@ class _ModuleScanner(_ImportScan, _CallScan):
         name that is not bound at the top level makes the whole module count."""
         if self.selection is None:
             return ast.Module(body=tree.body, type_ignores=[]), None
-        picked = _select(tree.body, self.selection, lambda f: _is_host_only(f, marks))
+        picked = _select(
+            tree.body, self.selection, lambda f: _is_host_only(f, marks), self._star_binds
+        )
         if picked is None:
             self.selection = None
             return ast.Module(body=tree.body, type_ignores=[]), None

@@ -9,9 +9,12 @@ import bisect
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
+StarBinds = Callable[[ast.ImportFrom], Iterable[str]]
 
-def _bound_names(stmt: ast.stmt) -> set[str]:
-    """The names a top-level statement binds in its module."""
+
+def _bound_names(stmt: ast.stmt, star_binds: StarBinds | None = None) -> set[str]:
+    """The names a top-level statement binds in its module; a star import binds what
+    ``star_binds`` says it does (nothing known without it)."""
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
@@ -20,6 +23,9 @@ def _bound_names(stmt: ast.stmt) -> set[str]:
             return
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             out.update(a.asname or a.name.split(".")[0] for a in node.names if a.name != "*")
+            if star_binds is not None and isinstance(node, ast.ImportFrom):
+                if any(a.name == "*" for a in node.names):
+                    out.update(star_binds(node))
             return
         if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp)):
             return
@@ -53,15 +59,19 @@ def _span(stmt: ast.stmt) -> tuple[int, int]:
 
 
 def _select(
-    body: list[ast.stmt], names: Iterable[str], host_only: Callable[[ast.AST], bool]
+    body: list[ast.stmt],
+    names: Iterable[str],
+    host_only: Callable[[ast.AST], bool],
+    star_binds: StarBinds | None = None,
 ) -> dict[int, tuple] | None:
     """The top-level statements that define ``names`` and everything they use, transitively
     (not counting what host-only functions use), plus those that bind nothing (they run at
     import), each (by index) with why it counts: ("name", NAME) one of ``names``, ("use",
     INDEX, NAME, LINE, COL) statement INDEX mentions NAME there (the first such way, breadth
-    first), ("import-time",); None if a name is not bound at the top level."""
+    first), ("import-time",); None if a name is not bound at the top level. A star import
+    binds the names ``star_binds`` gives it."""
     where: dict[str, list[int]] = {}
-    binds = [_bound_names(stmt) for stmt in body]
+    binds = [_bound_names(stmt, star_binds) for stmt in body]
     for i, bound in enumerate(binds):
         for name in bound:
             where.setdefault(name, []).append(i)

@@ -3,13 +3,13 @@
 Three kinds of code live here, so that a fix reaches both platforms at once:
 
 * the helpers generated code calls around the kernels (``add_layer``, ``layers``,
-  ``tensors``, ``check_inputs``, ``accumulate`` (``accumulate_fresh``), ``collect``, the
-  ``stash`` accounting);
+  ``tensors``, ``check_inputs``, ``collect``, the ``stash`` accounting);
 * the ``needs`` / gradient-padding helpers every backward kernel uses (``_need``, ``_fit``,
   ``_need_mask``) and the accessors that read a layer handle's parameters and buffers;
 * every kernel whose code is the same on both platforms. These use only operations PopTorch
-  runs on the IPU, because ``unroller.runtime.ipu`` imports them: ``unroll lint --platform ipu``
-  checks each name ipu imports from here, with what it uses.
+  runs on the IPU, because ``unroller.runtime.ipu`` takes them: ``unroll lint --platform ipu``
+  follows its star import of ``unroller.runtime.shared`` to each name this module offers,
+  and checks it with what it uses.
 
 Kernel conventions (both platforms):
 
@@ -22,9 +22,10 @@ Kernel conventions (both platforms):
 * every keyword with a registry default has that default (normalised as the graph gives it),
   because the code generator leaves out arguments equal to their default.
 
-``accumulate`` and ``accumulate_fresh`` are deliberately not re-exported by ``ipu``: they allocate with
-``torch.empty_like`` and runs only on the host platform (the IPU hands gradients to
-PopTorch through ``collect``).
+``__all__`` is what both platforms take from here, through ``unroller.runtime.shared``.
+Gradient accumulation into ``.grad`` (``accumulate``, ``accumulate_fresh``) is not here but
+``gpu``'s own: it allocates with ``torch.empty_like`` and runs only on the host platform
+(the IPU hands gradients to PopTorch through ``collect``).
 """
 
 from __future__ import annotations
@@ -516,65 +517,6 @@ def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
 # ---------------------------------------------------------------- helpers for generated code
 
 
-def accumulate(layer: Any, /, **grads: Tensor | None) -> None:
-    """Add each ``name=grad`` into ``getattr(layer, name).grad``, as autograd's AccumulateGrad:
-    the first gradient is stored, later ones added in place; None (not needed) is skipped.
-
-    The first one is always copied, into a tensor with the param's layout (as autograd's
-    clone_obey_contract), because a kernel's gradient may be shared (add_backward returns g
-    for both inputs) or a view (concat_backward): a later in-place add must not write into it.
-    """
-    for name, grad in grads.items():
-        if grad is not None:
-            _accumulate_one(_param(layer, name), grad)
-
-
-def _param(layer: Any, name: str) -> Tensor:
-    """The layer's parameter ``name``; a gradient for a missing one is a generator bug."""
-    found = _dicts(layer)
-    param = found[0].get(name) if found is not None else getattr(layer, name, None)
-    if param is None:
-        raise ValueError(f"accumulate: {type(layer).__name__} has no parameter '{name}'")
-    return param
-
-
-def accumulate_fresh(layer: Any, /, **grads: Tensor | None) -> None:
-    """``accumulate`` for gradients the caller made and holds alone (the registry's
-    ``fresh_param_grads``: a backward kernel's matmul or reduction results, handed over and
-    dropped): the first one becomes ``.grad`` itself when it has the parameter's dtype, device
-    and strides, as autograd's AccumulateGrad takes a gradient nothing else holds. That
-    saves a parameter-sized allocation and copy per parameter and step. A later one is added
-    in place as ``accumulate`` does, into a tensor nothing else holds either."""
-    for name, grad in grads.items():
-        if grad is not None:
-            _accumulate_one(_param(layer, name), grad, adopt=True)
-
-
-def _accumulate_one(param: Tensor, grad: Tensor, adopt: bool = False) -> None:
-    with torch.no_grad():
-        if param.grad is None:
-            if adopt and _adoptable(param, grad):
-                param.grad = grad.detach()
-            else:
-                param.grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(
-                    grad
-                )
-        else:
-            param.grad += grad
-
-
-def _adoptable(param: Tensor, grad: Tensor) -> bool:
-    """May ``grad`` be the parameter's ``.grad`` as it is? Its layout must be the one
-    ``accumulate`` would give (the parameter's), or an optimizer would see other strides."""
-    return (
-        grad.dtype == param.dtype
-        and grad.device == param.device
-        and grad.shape == param.shape
-        and grad.stride() == param.stride()
-        and not grad.requires_grad
-    )
-
-
 def collect(
     grads: dict[str, Tensor], layers: Layers | LayersView, name: str, /, **named: Tensor | None
 ) -> None:
@@ -907,17 +849,22 @@ def _ceil_mode_of(input_hw: Any, out_hw: Any, kernel_size: Any, stride: Any, pad
     )
 
 
-def _exports(namespace: Mapping[str, Any]) -> list[str]:
+def _exports(namespace: Mapping[str, Any], *, besides: Iterable[str] = ()) -> list[str]:
     """A runtime module's ``__all__``: every public function in ``namespace`` that a runtime
-    module defines (its own or imported from here), so the list cannot drift from what the
-    module offers, as a hand-kept list did; torch functions and typing names are left out."""
+    module defines (its own or imported from here), but those named in ``besides``, so the
+    list cannot drift from what the module offers, as a hand-kept list did; torch functions
+    and typing names are left out."""
+    left_out = frozenset(besides)
     return sorted(
         name
         for name, obj in namespace.items()
         if not name.startswith("_")
+        and name not in left_out
         and inspect.isfunction(obj)
         and obj.__module__.startswith(_RUNTIME_PACKAGE)
     )
 
 
-__all__ = _exports(globals())
+#: What both platforms take from here (through ``unroller.runtime.shared``): every public
+#: function but the stash observer, which the analysis uses, not generated code.
+__all__ = _exports(globals(), besides=("observe_stash",))

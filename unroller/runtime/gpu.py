@@ -2,8 +2,9 @@
 
 Generated code calls ``K.<op>(...)`` and ``K.<op>_backward(...)`` inside ``torch.no_grad()``;
 the calling convention, the layer handles and the helpers are described in
-``unroller.runtime.common``, which holds everything this module shares with ``ipu``. Here
-are only the kernels whose gpu code differs, each under ``@conventions.implements`` (its
+``unroller.runtime.common``. Everything this module shares with ``ipu`` comes from
+``unroller.runtime.shared``, in one star import. Here are only the kernels whose gpu code
+differs, each under ``@conventions.implements`` (its
 parameters and defaults are ``unroller.runtime.conventions``' stub, written once for both);
 the kernels made from these (the 1-D pools, ...) come from ``unroller.runtime.derived``.
 
@@ -31,131 +32,32 @@ from unroller.parallel.data import (
     sync_batchnorm,
     sync_batchnorm_backward,
 )
-
-# Shared kernels and helpers, exported from here as gpu kernels (see __all__ at the end).
 from unroller.runtime import attention as _blocks
 from unroller.runtime import common as _common
 from unroller.runtime import conventions, derived
-from unroller.runtime.common import (  # noqa: F401
+
+# What this module's own code uses of the shared modules.
+from unroller.runtime.common import (
     _ONE_SIXTH_F32,
-    IGNORE_INDEX,
     Grads,
     Layers,
     Needs,
-    Pair,
     _attention_factors,
     _ceil_mode_of,
+    _dicts,
     _exports,
     _fit,
     _need,
     _need_mask,
     _norm_tensors,
     _weight_bias,
-    accumulate,
-    accumulate_fresh,
-    add,
-    add_backward,
-    add_layer,
-    causal_mask,
-    causal_mask_backward,
-    check_inputs,
-    collect,
-    concat,
-    concat_backward,
-    div,
-    div_backward,
-    dropout_eval,
-    elu,
-    embedding_rows,
-    embedding_rows_backward,
-    flatten,
-    flatten_backward,
-    free_parameter,
-    freeze,
-    hardsigmoid_mask,
-    hardtanh,
-    hardtanh_mask,
-    l1_loss,
     layers,
-    leaky_relu_mask,
-    linear,
-    mul,
-    mul_backward,
-    padded_positions,
-    padded_positions_backward,
-    padding_mask,
-    padding_mask_backward,
-    parameter,
-    parameter_backward,
-    relu,
-    relu6,
-    relu6_mask,
-    relu_mask,
-    reshape,
-    reshape_backward,
-    scale,
-    scale_backward,
-    sigmoid,
-    silu,
-    softplus,
-    stash,
-    stash_log,
-    stash_raw,
-    stash_report,
-    sub,
-    sub_backward,
-    take,
-    tanh,
-    tensors,
-    tie,
-    transposed_linear,
-    transposed_linear_layer,
-    unsupported,
-    within,
 )
 
-# The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
-# sum and slice shadow the builtins here, so this module calls neither bare).
-# RMSNorm, the same on both platforms (see norms' doc).
-from unroller.runtime.norms import rmsnorm, rmsnorm_backward  # noqa: F401  (re-exported)
-
-# Rotary position embeddings, the same on both platforms (see positions' doc).
-from unroller.runtime.positions import (  # noqa: F401  (re-exported)
-    relative_position_bias,
-    relative_position_bias_backward,
-    rotary,
-    rotary_backward,
-)
-
-# LSTM and GRU, unrolled through time, the same on both platforms (see recurrent's doc).
-from unroller.runtime.recurrent import (  # noqa: F401  (re-exported)
-    gru,
-    gru_backward,
-    lstm,
-    lstm_backward,
-)
-from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__)
-    expand,
-    expand_backward,
-    log_softmax,
-    matmul,
-    matmul_backward,
-    mean,
-    mean_backward,
-    pad,
-    pad_backward,
-    permute,
-    permute_backward,
-    select,
-    select_backward,
-    slice,
-    slice_backward,
-    softmax,
-    sum,
-    sum_backward,
-    transpose,
-    transpose_backward,
-)
+# Every kernel and helper the two platforms share (see shared's doc), exported from here as
+# gpu kernels (see __all__ at the end); the definitions below replace shared ones of the same
+# name. shapeops' sum and slice shadow the builtins here, so this module calls neither bare.
+from unroller.runtime.shared import *  # noqa: F403
 
 _aten = torch.ops.aten
 _MEAN = 1  # at::Reduction::Mean
@@ -206,6 +108,71 @@ def _compiled(step: Step, backend: str | Callable[..., Any]) -> Step:
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(step, backend=backend)
     return _COMPILED[key]
+
+
+# ---------------------------------------------------------------- gradient accumulation
+#
+# The host platform's: generated gpu code hands parameter gradients to these, which write
+# them into ``.grad`` as autograd does (ipu has none: PopTorch gets them through ``collect``).
+
+
+def accumulate(layer: Any, /, **grads: Tensor | None) -> None:
+    """Add each ``name=grad`` into ``getattr(layer, name).grad``, as autograd's AccumulateGrad:
+    the first gradient is stored, later ones added in place; None (not needed) is skipped.
+
+    The first one is always copied, into a tensor with the param's layout (as autograd's
+    clone_obey_contract), because a kernel's gradient may be shared (add_backward returns g
+    for both inputs) or a view (concat_backward): a later in-place add must not write into it.
+    """
+    for name, grad in grads.items():
+        if grad is not None:
+            _accumulate_one(_param(layer, name), grad)
+
+
+def _param(layer: Any, name: str) -> Tensor:
+    """The layer's parameter ``name``; a gradient for a missing one is a generator bug."""
+    found = _dicts(layer)
+    param = found[0].get(name) if found is not None else getattr(layer, name, None)
+    if param is None:
+        raise ValueError(f"accumulate: {type(layer).__name__} has no parameter '{name}'")
+    return param
+
+
+def accumulate_fresh(layer: Any, /, **grads: Tensor | None) -> None:
+    """``accumulate`` for gradients the caller made and holds alone (the registry's
+    ``fresh_param_grads``: a backward kernel's matmul or reduction results, handed over and
+    dropped): the first one becomes ``.grad`` itself when it has the parameter's dtype, device
+    and strides, as autograd's AccumulateGrad takes a gradient nothing else holds. That
+    saves a parameter-sized allocation and copy per parameter and step. A later one is added
+    in place as ``accumulate`` does, into a tensor nothing else holds either."""
+    for name, grad in grads.items():
+        if grad is not None:
+            _accumulate_one(_param(layer, name), grad, adopt=True)
+
+
+def _accumulate_one(param: Tensor, grad: Tensor, adopt: bool = False) -> None:
+    with torch.no_grad():
+        if param.grad is None:
+            if adopt and _adoptable(param, grad):
+                param.grad = grad.detach()
+            else:
+                param.grad = torch.empty_like(param, memory_format=torch.preserve_format).copy_(
+                    grad
+                )
+        else:
+            param.grad += grad
+
+
+def _adoptable(param: Tensor, grad: Tensor) -> bool:
+    """May ``grad`` be the parameter's ``.grad`` as it is? Its layout must be the one
+    ``accumulate`` would give (the parameter's), or an optimizer would see other strides."""
+    return (
+        grad.dtype == param.dtype
+        and grad.device == param.device
+        and grad.shape == param.shape
+        and grad.stride() == param.stride()
+        and not grad.requires_grad
+    )
 
 
 # ---------------------------------------------------------------- convolutions
@@ -1176,7 +1143,7 @@ def _product_grad(param: Tensor, a: Tensor, b: Tensor, into: bool) -> Tensor | N
         return a.mm(b)
     with torch.no_grad():
         if param.grad is None:
-            _common._accumulate_one(param, a.mm(b), adopt=True)
+            _accumulate_one(param, a.mm(b), adopt=True)
         else:
             param.grad.addmm_(a, b)
     return None
@@ -1188,7 +1155,7 @@ def _rows_grad(param: Tensor | None, rows: Tensor, into: bool) -> Tensor | None:
     if not into:
         return rows.sum(0)
     if param is not None:
-        _common._accumulate_one(param, rows.sum(0), adopt=True)
+        _accumulate_one(param, rows.sum(0), adopt=True)
     return None
 
 

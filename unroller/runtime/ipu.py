@@ -5,12 +5,13 @@ layer handles in place of parameter tensors, registry defaults as keyword defaul
 gradient per input then per parameter, ``None`` where ``needs`` is False, nothing unneeded
 computed). The kernels whose code is the same on both platforms (linear, relu, sigmoid, tanh,
 add, mul, concat, flatten, reshape, l1_loss's forward, the mask kernels of relu and
-leaky_relu, dropout_eval) and the helpers generated code calls come from
-``unroller.runtime.common``; this module defines only what PopTorch needs done differently
-(each under ``@conventions.implements``: its parameters and defaults are
-``unroller.runtime.conventions``' stub, written once for both platforms; the kernels made from
-these, the 1-D pools and more, come from ``unroller.runtime.derived``), and ``collect`` (not
-``accumulate``) hands parameter gradients to PopTorch.
+leaky_relu, dropout_eval, the shape ops, rmsnorm, rotary, lstm, gru) and the helpers
+generated code calls come from ``unroller.runtime.shared``, in one star import; this module
+defines only what PopTorch needs done differently (each under ``@conventions.implements``:
+its parameters and defaults are ``unroller.runtime.conventions``' stub, written once for
+both platforms; the kernels made from these, the 1-D pools and more, come from
+``unroller.runtime.derived``), and ``collect`` (not ``accumulate``) hands parameter
+gradients to PopTorch.
 
 Every kernel uses only operations PopTorch runs on the IPU (see PopTorch's list of supported
 operations): no aten backward kernels, no autograd, no max-pool indices, no bilinear
@@ -82,9 +83,10 @@ from unroller.runtime.attention import scaled_dot_product_attention as _sdpa_blo
 from unroller.runtime.attention import (
     scaled_dot_product_attention_backward as _sdpa_blocks_backward,
 )
-from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ at the end)
+
+# What this module's own code uses of the shared modules.
+from unroller.runtime.common import (
     _ONE_SIXTH_F32,
-    IGNORE_INDEX,
     Grads,
     Needs,
     Pair,
@@ -94,112 +96,17 @@ from unroller.runtime.common import (  # noqa: F401  (re-exported: see __all__ a
     _need,
     _norm_tensors,
     _weight_bias,
-    add,
-    add_backward,
-    add_layer,
-    causal_mask,
-    causal_mask_backward,
-    check_inputs,
-    collect,
-    concat,
-    concat_backward,
-    div,
-    div_backward,
-    dropout_eval,
-    elu,
-    embedding_rows,
-    embedding_rows_backward,
-    flatten,
-    flatten_backward,
-    free_parameter,
-    freeze,
     hardsigmoid_mask,
-    hardtanh,
     hardtanh_mask,
-    l1_loss,
-    layers,
-    leaky_relu_mask,
     linear,
     linear_backward,
-    mul,
-    mul_backward,
-    padded_positions,
-    padded_positions_backward,
-    padding_mask,
-    padding_mask_backward,
-    parameter,
-    parameter_backward,
-    relu,
-    relu6,
-    relu6_mask,
-    relu_mask,
-    reshape,
-    reshape_backward,
-    scale,
-    scale_backward,
-    sigmoid,
-    silu,
-    softplus,
-    stash,
-    stash_log,
-    stash_raw,
-    stash_report,
-    sub,
-    sub_backward,
-    take,
-    tanh,
-    tensors,
-    tie,
-    transposed_linear,
-    transposed_linear_backward,
-    transposed_linear_layer,
-    within,
 )
 
-# The shape and tensor ops of spec v2, shared with the other platform (see shapeops' doc:
-# sum and slice shadow the builtins here, so this module calls neither bare).
-# RMSNorm, the same on both platforms (see norms' doc).
-from unroller.runtime.norms import rmsnorm, rmsnorm_backward  # noqa: F401  (re-exported)
-
-# Rotary position embeddings, the same on both platforms (see positions' doc).
-from unroller.runtime.positions import (  # noqa: F401  (re-exported)
-    relative_position_bias,
-    relative_position_bias_backward,
-    rotary,
-    rotary_backward,
-)
-
-# LSTM and GRU, unrolled through time, the same on both platforms (see recurrent's doc).
-from unroller.runtime.recurrent import (  # noqa: F401  (re-exported)
-    gru,
-    gru_backward,
-    lstm,
-    lstm_backward,
-)
-from unroller.runtime.shapeops import (  # noqa: F401  (re-exported: see __all__)
-    expand,
-    expand_backward,
-    log_softmax,
-    matmul,
-    matmul_backward,
-    mean_backward,
-    pad,
-    pad_backward,
-    permute,
-    permute_backward,
-    select,
-    select_backward,
-    slice,
-    slice_backward,
-    softmax,
-    sum,
-    sum_backward,
-    transpose,
-    transpose_backward,
-)
-from unroller.runtime.shapeops import (
-    mean as mean,  # re-exported: batchnorm2d's local `mean` is its own
-)
+# Every kernel and helper the two platforms share (see shared's doc), exported from here as
+# ipu kernels (see __all__ at the end); the definitions below replace shared ones of the same
+# name (``unsupported``). shapeops' sum and slice shadow the builtins here, so this module
+# calls neither bare.
+from unroller.runtime.shared import *  # noqa: F403
 
 # the clamp of (1 - p) * p in binary_cross_entropy's gradient: PyTorch's EPSILON, 1e-12 as a float32
 _BCE_EPS = struct.unpack("f", struct.pack("f", 1e-12))[0]

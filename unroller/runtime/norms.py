@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from unroller.runtime.common import Grads, Needs, _fit, _need
+from unroller.runtime.common import Grads, Needs, _exports, _fit, _need
 from unroller.runtime.shapeops import _sum_to
 
 
@@ -80,3 +80,7 @@ def rmsnorm_backward(
         g_square = g_mean.expand(x.shape) / count  # mean over dims
         gx = gt * rstd + g_square * (2.0 * x)  # both uses of x: the product and pow(x, 2)
     return _fit((gx, gw), needs)
+
+
+#: The kernels both platforms take from here (through ``unroller.runtime.shared``).
+__all__ = _exports(globals())

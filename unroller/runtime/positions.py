@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from unroller.runtime.common import Grads, Needs, _fit, _need, _weight_bias
+from unroller.runtime.common import Grads, Needs, _exports, _fit, _need, _weight_bias
 
 
 def rotary_tables(
@@ -135,3 +135,8 @@ def relative_position_bias_backward(
     index = buckets.reshape(-1, 1).expand(-1, heads)
     table = torch.scatter_add(g.new_zeros((num_buckets, heads)), 0, index, per_pair)
     return _fit((table,), needs)
+
+
+#: The kernels both platforms take from here (through ``unroller.runtime.shared``): not the
+#: tables and buckets, which the importer reads to match a traced model's to these kernels.
+__all__ = _exports(globals(), besides=("relative_buckets", "rotary_tables"))

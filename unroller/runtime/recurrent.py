@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from unroller.runtime.common import Grads, Needs, _fit, _need
+from unroller.runtime.common import Grads, Needs, _exports, _fit, _need
 
 #: The layers the registry always lists parameters for (``layer_params.listed``): the
 #: backward returns a slot per parameter of this many layers, of more for a deeper statement.
@@ -348,3 +348,7 @@ def gru_backward(
         needs,
         _gru_step_back,
     )
+
+
+#: The kernels both platforms take from here (through ``unroller.runtime.shared``).
+__all__ = _exports(globals())

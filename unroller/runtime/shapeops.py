@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from unroller.runtime.common import _STEP, Grads, Needs, _need
+from unroller.runtime.common import _STEP, Grads, Needs, _exports, _need
 
 BATCH = "N"  # shapes.BATCH: the batch symbol in expand's size and input_shape
 
@@ -293,3 +293,7 @@ def pad_backward(g: Tensor, *, pad: tuple[int, ...], needs: Needs | None = None)
         left, right = pad[2 * i], pad[2 * i + 1]
         g = g.narrow(dim, left, g.shape[dim] - left - right)
     return (g,)
+
+
+#: The kernels both platforms take from here (through ``unroller.runtime.shared``).
+__all__ = _exports(globals())
