@@ -93,17 +93,36 @@ def read_limited(handle, limit: int, what: str, size_hint: int | None = None) ->
     return data[0] if len(data) == 1 else b"".join(data)  # one file-sized copy at most
 
 
-def read_bounded(path: str | Path, limit: int = MAX_READ_BYTES, what: str | None = None) -> bytes:
+def read_bounded(
+    path: str | Path,
+    limit: int = MAX_READ_BYTES,
+    what: str | None = None,
+    *,
+    follow_links: bool = True,
+) -> bytes:
     """The bytes of the regular file at ``path`` (a symbolic link is followed), at most
     ``limit`` of them. Anything else (folder, FIFO, device, socket, a bigger file) raises
     ``NotRegularFile`` or ``FileTooLarge`` without being read: a FIFO never blocks,
     /dev/zero is never read. Their messages name the file as ``what`` (default: the path);
     a caller with words of its own rewords them from the exceptions' fields. Other OSErrors
-    (a missing file, no permission) pass through as they are."""
+    (a missing file, no permission) pass through as they are. ``follow_links=False``: a
+    symbolic link is refused as ``NotRegularFile`` (checked with ``lstat``, and opened with
+    ``O_NOFOLLOW`` should one be swapped in after the check), for folders whose files must
+    be the files themselves (the cache of generated code)."""
     path = Path(path)
     what = str(path) if what is None else what
-    _check_readable(what, os.stat(path), limit, opened=False)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    _check_readable(what, os.stat(path) if follow_links else os.lstat(path), limit, opened=False)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if not follow_links and os.path.islink(path):  # ELOOP: a link swapped in
+            raise NotRegularFile(
+                f"{what} is a symbolic link, not a regular file", stat.S_IFLNK, True
+            ) from exc
+        raise
     with os.fdopen(fd, "rb") as handle:
         # the file opened, should it have changed meanwhile
         info = os.fstat(fd)
@@ -119,6 +138,47 @@ def _check_readable(what: str, info: os.stat_result, limit: int, opened: bool) -
         raise NotRegularFile(message, info.st_mode, opened)
     if info.st_size > limit:
         raise FileTooLarge(f"{what} is larger than {size_text(limit)}", info.st_size, limit)
+
+
+UNSAFE_FOLDER = "is writable by others or not ours"
+"""How a folder that code is run from is refused (the generated-code and native-kernel
+caches say it in the same words: ``private_folder_problem``)."""
+
+
+def private_folder_problem(path: str | Path, what: str = "cache folder") -> str | None:
+    """Why ``path`` may not hold code this process runs (a cached module it imports, a
+    library it loads), or None when it may: it must be a folder (a link to one is
+    followed: ``~/.cache`` on another disk is common) owned by this user that neither group
+    nor others can write, and no folder above it may be writable by others without the
+    sticky bit (whoever can rename our folder away could put theirs in its place). The
+    words are shared, so both caches refuse alike: ``WHAT PATH is writable by others or
+    not ours``."""
+    message = f"{what} {path} {UNSAFE_FOLDER}"
+    try:
+        info = os.stat(path)
+    except OSError:
+        return message
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    if not stat.S_ISDIR(info.st_mode) or (uid is not None and info.st_uid != uid):
+        return message
+    if info.st_mode & 0o022:
+        return message
+    for above in Path(os.path.realpath(path)).parents:
+        try:
+            mode = os.stat(above).st_mode
+        except OSError:
+            return message
+        if mode & 0o022 and not mode & stat.S_ISVTX:
+            return f"{message} ({above} above it is writable by others)"
+    return None
+
+
+def check_private_folder(path: str | Path, what: str = "cache folder") -> None:
+    """Raise ``PathError`` with ``private_folder_problem``'s words unless ``path`` may hold
+    code this process runs."""
+    problem = private_folder_problem(path, what)
+    if problem is not None:
+        raise PathError(problem)
 
 
 def output_target(path: str | Path) -> Path:

@@ -13,7 +13,18 @@ the three steps are done one way everywhere:
   the text is left alone (a content-addressed cache, a run folder resumed);
 - **import**: ``load_file``, the one place that imports generated code
   (``tests/compiler/test_materialize.py`` checks that no other module of the package or the
-  benchmarks does).
+  benchmarks does). The code run is compiled in memory from the very text rendered (or,
+  for ``load_file``, read once from a regular file): no byte code is read from or written
+  to ``__pycache__`` beside it, so a ``.pyc`` planted there never runs in place of the
+  checked source, and the file can change after the check without effect. ``linecache``
+  gets that text, so tracebacks and ``inspect.getsource`` show what ran.
+
+The cache. A folder that is one-shot ``unroller.unroll``'s cache (``cache=True``, or the
+folder ``unroller.cache.generated_dir()`` names) gets its rules: it must be ours and
+private (``files.private_folder_problem``), its entries are regular files only (a link,
+FIFO or folder in an entry's place is refused, never followed or opened blocking), a hit
+is marked recently used and each new entry evicts the least recently used beyond the
+bounds (``unroller.cache.evict``).
 
 File layout. ``folder`` is where the file goes (None: a temporary folder, removed again
 right after the import when ``keep_file`` is False); ``file_name`` its name, in which
@@ -31,20 +42,21 @@ keeps what it needs), for callers that build many modules in one process.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib.machinery
+import linecache
 import shutil
-import stat
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import TYPE_CHECKING, Any
 
+from unroller import cache as cache_rules
 from unroller.compiler.codegen import read_header, render
 from unroller.compiler.options import Options
-from unroller.files import read_bounded, write_atomic
+from unroller.files import PathError, read_bounded, write_atomic
 
 if TYPE_CHECKING:
     from unroller.compiler.graph import Graph
@@ -90,12 +102,14 @@ def materialize(
     keep_file: bool = True,
     keep_module: bool = True,
     follow_links: bool = True,
+    cache: bool | None = None,
 ) -> Loaded:
     """``graph`` rendered under ``options`` and ``config`` (None: ``options.compression``,
     which refuses the planned ``auto`` scheme: resolve it first), written and imported
     (see the module docstring for ``folder``, ``file_name``, ``module_name`` and the
     ``keep_`` flags). ``readable=False`` skips black: for modules that are run, never
-    read."""
+    read. ``cache``: ``folder`` is the one-shot cache (None: when it is
+    ``unroller.cache.generated_dir()``)."""
     options = options or Options()
     config = config if config is not None else options.compression(graph)
     source = render(graph, label, options, config, readable=readable)
@@ -107,6 +121,7 @@ def materialize(
         keep_file=keep_file,
         keep_module=keep_module,
         follow_links=follow_links,
+        cache=cache,
     )
 
 
@@ -119,58 +134,111 @@ def load_source(
     keep_file: bool = True,
     keep_module: bool = True,
     follow_links: bool = True,
+    cache: bool | None = None,
 ) -> Loaded:
     """A generated ``source`` already rendered (a caller that compares or hashes the text
     first: ``unroll train``, ``unroll accuracy``), written into ``folder`` and imported, as
-    ``materialize`` does."""
+    ``materialize`` does. The module runs ``source`` itself, compiled in memory; the file
+    is for tracebacks and other processes."""
     fill = digest(source) if "{digest}" in file_name + (module_name or "") else ""
     file_name = file_name.replace("{digest}", fill)
     module_name = module_name.replace("{digest}", fill) if module_name else None
     temporary = folder is None
     where = Path(tempfile.mkdtemp(prefix="unroller-")) if temporary else Path(folder)
+    cached = not temporary and (cache if cache is not None else cache_rules.is_generated_dir(where))
     try:
-        path = write_source(where / file_name, source, follow_links=follow_links)
-        module = load_file(path, module_name, keep_module=keep_module)
+        if cached:
+            cache_rules.prepare(where)
+        path = _write_entry(where / file_name, source, cached, follow_links)
+        module = run_source(source, path, module_name, keep_module=keep_module)
     finally:
         if temporary and not keep_file:
             shutil.rmtree(where, ignore_errors=True)
     return Loaded(module, path, source)
 
 
-def write_source(path: str | Path, source: str, *, follow_links: bool = True) -> Path:
+def _write_entry(path: Path, source: str, cached: bool, follow_links: bool) -> Path:
+    """``write_source``, with the cache's rules when ``cached``: links never followed, a
+    hit marked recently used, old entries evicted past the bounds; a refusal says it is
+    the cache's file."""
+    if not cached:
+        return write_source(path, source, follow_links=follow_links)
+    try:
+        written = write_source(path, source, follow_links=False, touch=True)
+    except PathError as exc:
+        raise PathError(
+            f"unroller cache: {exc}; only regular files it wrote belong there (remove it)"
+        ) from exc
+    cache_rules.evict(written.parent, keep=written)
+    return written
+
+
+def write_source(
+    path: str | Path, source: str, *, follow_links: bool = True, touch: bool = False
+) -> Path:
     """Write ``source`` to ``path`` atomically unless the file holds exactly that text
-    already (then it is left as it is, its time stamp too); returns the file.
-    ``follow_links=False``: a link at ``path`` is refused (``files.write_atomic``), never
-    read through."""
+    already (then it is left as it is, its time stamp too, unless ``touch``: a cache hit
+    marked recently used); returns the file. ``follow_links=False``: a link at ``path`` is
+    refused (``files.write_atomic``), never read through."""
     path = Path(path)
     if _holds(path, source.encode("utf-8"), follow_links):
+        if touch:
+            cache_rules.touch(path)
         return path
     return write_atomic(path, source, follow_links=follow_links)
 
 
 def _holds(path: Path, data: bytes, follow_links: bool) -> bool:
+    """Whether ``path`` is a regular file holding exactly ``data`` (a FIFO or device is
+    never opened blocking or read: ``read_bounded``)."""
     try:
-        mode = (path.stat() if follow_links else path.lstat()).st_mode
-        return stat.S_ISREG(mode) and read_bounded(path) == data
+        return read_bounded(path, follow_links=follow_links) == data
     except OSError:
         return False
 
 
 def load_file(
-    path: str | Path, module_name: str | None = None, *, keep_module: bool = True
+    path: str | Path,
+    module_name: str | None = None,
+    *,
+    keep_module: bool = True,
+    follow_links: bool = True,
 ) -> ModuleType:
     """Import the generated module in the file at ``path`` (written by this process or
     another: a data-parallel rank, a benchmark's parent process, an earlier run) as
     ``module_name`` (default: one derived from the resolved path). The one place the
-    package imports generated code."""
+    package imports generated code from a file: the file is read once (a regular file of
+    bounded size; ``follow_links=False`` refuses a link) and that text is what runs."""
     path = Path(path)
     name = module_name or f"unroller_generated_{abs(hash(path.resolve()))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
+    source = read_bounded(path, follow_links=follow_links).decode("utf-8")
+    return run_source(source, path, name, keep_module=keep_module)
+
+
+def run_source(
+    source: str, path: Path, module_name: str | None = None, *, keep_module: bool = True
+) -> ModuleType:
+    """A fresh module ``module_name`` running ``source`` compiled in memory, its
+    ``__file__`` ``path`` (tracebacks and ``inspect`` point there and, through
+    ``linecache``, show ``source`` whatever the file holds later). Registered in
+    ``sys.modules`` while it runs (a class pickled or a dataclass made at import needs
+    that) and after, unless ``keep_module`` is False. No byte code is read or written:
+    what runs is ``source``, nothing planted beside it."""
+    name = module_name or f"unroller_generated_{abs(hash(path.resolve()))}"
+    filename = str(path)
+    code: CodeType = compile(source, filename, "exec", dont_inherit=True)
+    module = ModuleType(name)
+    module.__file__ = filename
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, origin=filename)
+    module.__spec__.has_location = True
+    if keep_module:
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        exec(code, module.__dict__)  # noqa: S102 - the checked, generated source
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     finally:
         if not keep_module:
             sys.modules.pop(name, None)

@@ -30,9 +30,10 @@ ALLOWED = {
 }
 """Modules that may import Python code from a file, each with the reason."""
 
-IMPORTING = {"import_generated", "spec_from_file_location", "exec_module"}
-"""Calls that import a module from a file (``import_generated``: the helper that did it
-before materialize, by its old name)."""
+IMPORTING = {"import_generated", "spec_from_file_location", "exec_module", "exec", "run_source"}
+"""Calls that import a module from a file or run code text (``import_generated``: the
+helper that did it before materialize, by its old name; ``exec`` and ``run_source``: how
+materialize runs the checked text, compiled in memory)."""
 
 MODEL = """\
 model tiny {

@@ -14,7 +14,18 @@ from typing import Annotated
 import typer
 
 from unroller import __version__, crash
-from unroller.cli import bench, check, estimate, generate, imports, inspect, plan, train, verify
+from unroller.cli import (
+    bench,
+    cache,
+    check,
+    estimate,
+    generate,
+    imports,
+    inspect,
+    plan,
+    train,
+    verify,
+)
 from unroller.cli.errors import internal_errors, path_errors
 
 app = typer.Typer(
@@ -28,8 +39,8 @@ app = typer.Typer(
 )
 
 # The order of --help's command list: generate, diff, check, graph, lint, ops, bench, train,
-# accuracy, import, weights, verify, plan, estimate.
-for group in (generate, check, inspect, bench, train, imports, verify, plan, estimate):
+# accuracy, import, weights, verify, plan, estimate, cache.
+for group in (generate, check, inspect, bench, train, imports, verify, plan, estimate, cache):
     group.register(app)
 # An OSError naming a user path that escapes a command (a name too long, a link loop) is
 # one `unroll: error:` line, whichever command and whichever path it was; any other

@@ -24,6 +24,16 @@ hash of the source, the compiler's identity and the flags, so an edited source o
 compiler builds anew and stale files are never loaded. The build writes to a temporary
 name and renames it, so concurrent processes (test workers) never load a half-written
 file. Compiler: ``$CXX`` if set, else the first of ``c++``, ``g++``, ``clang++`` found.
+The folder must be ours and private (``files.private_folder_problem``: a library loaded
+from it runs in this process), in the words the generated-code cache uses too.
+
+The build is announced: a first compressed step on a new machine would otherwise sit
+silent for up to a minute (44 s on an idle 2-core machine). One ``WARNING`` of the
+``unroller.native`` logger says what is built, where it is kept and that it happens once
+(Python prints it on standard error when logging is not configured; silence it with
+``logging.getLogger("unroller.native").setLevel(logging.ERROR)``). Build ahead of time,
+at install or image build: ``unroll cache build-native`` or
+``python -m unroller.compress.native`` (``build()``).
 """
 
 from __future__ import annotations
@@ -31,15 +41,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+from unroller import cache as cache_rules
+from unroller.files import private_folder_problem
 
 try:
     import fcntl
@@ -49,6 +64,7 @@ except ImportError:  # pragma: no cover - Windows
 __all__ = [
     "ABI_VERSION",
     "SOURCES",
+    "build",
     "build_error",
     "cache_dir",
     "compiler",
@@ -75,6 +91,9 @@ FLAGS = (
 )
 BUILD_TIMEOUT_S = 300
 
+log = logging.getLogger("unroller.native")
+"""Announces a build (see the module docstring)."""
+
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the CDLL or None once tried; "error": why not
 
@@ -87,12 +106,7 @@ def enabled() -> bool:  # unroller-lint: host-only (native path)
 
 def cache_dir() -> Path:  # unroller-lint: host-only (native path)
     """Where built libraries are kept (see the module docstring)."""
-    env = os.environ.get("UNROLLER_CACHE_DIR")
-    if env:
-        return Path(env).expanduser() / "native"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "unroller" / "native"
+    return cache_rules.native_dir()
 
 
 def compiler() -> str | None:  # unroller-lint: host-only (native path)
@@ -132,18 +146,12 @@ def _key(cxx: str, source: bytes) -> str:  # unroller-lint: host-only (native pa
     return h.hexdigest()[:24]
 
 
-def _safe_dir(path: Path) -> bool:  # unroller-lint: host-only (native path)
-    """Whether ``path`` is a directory of ours that others cannot write into (a library
-    loaded from it runs in this process)."""
-    try:
-        info = path.stat()
-    except OSError:
-        return False
-    if not path.is_dir():
-        return False
-    if hasattr(os, "getuid") and info.st_uid != os.getuid():
-        return False
-    return not info.st_mode & 0o022
+def _check_dir(path: Path) -> None:  # unroller-lint: host-only (native path)
+    """OSError unless ``path`` is a folder of ours that others cannot write into (a
+    library loaded from it runs in this process): ``files.private_folder_problem``."""
+    problem = private_folder_problem(path)
+    if problem is not None:
+        raise OSError(problem)
 
 
 @contextlib.contextmanager
@@ -166,8 +174,7 @@ def _build_lock(folder: Path) -> Iterator[None]:  # unroller-lint: host-only (na
 def _build(cxx: str, target: Path) -> None:  # unroller-lint: host-only (native path)
     """Compile the source into ``target`` (atomically: a temporary file, then a rename)."""
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if not _safe_dir(target.parent):
-        raise OSError(f"cache folder {target.parent} is writable by others or not ours")
+    _check_dir(target.parent)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -217,8 +224,10 @@ def _declare(lib: ctypes.CDLL) -> None:  # unroller-lint: host-only (native path
     lib.ufb_set_generic.argtypes = [i32]
 
 
-def _load() -> ctypes.CDLL:  # unroller-lint: host-only (native path)
-    """Build if needed, then load and check the library; OSError says why not."""
+def build() -> Path:  # unroller-lint: host-only (native path)
+    """The library file, built now unless it already is (``unroll cache build-native``,
+    ``python -m unroller.compress.native``: ahead of time, so no training step waits for
+    it); OSError says why it cannot be."""
     if sys.byteorder != "little" or ctypes.sizeof(ctypes.c_void_p) != 8:
         raise OSError("the native kernels expect a little-endian 64-bit platform")
     cxx = compiler()
@@ -226,12 +235,41 @@ def _load() -> ctypes.CDLL:  # unroller-lint: host-only (native path)
         raise OSError("no C++ compiler found (set CXX, or install g++ or clang++)")
     source = b"\0".join(p.read_bytes() for p in SOURCES)
     target = cache_dir() / f"kernels-{_key(cxx, source)}.so"
-    if not target.exists():
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_dir(target.parent)
+    if not _is_file(target):
         with _build_lock(target.parent):  # one build at a time (test workers start together)
-            if not target.exists():
+            if not _is_file(target):
+                _announce(cxx, target)
                 _build(cxx, target)
-    if not _safe_dir(target.parent):
-        raise OSError(f"cache folder {target.parent} is writable by others or not ours")
+    _check_dir(target.parent)
+    if not _is_file(target):
+        raise OSError(f"{target} is not a regular file")
+    return target
+
+
+def _announce(cxx: str, target: Path) -> None:  # unroller-lint: host-only (native path)
+    """One line before a build: what, where it is kept, that it happens once (a silent
+    minute on a first compressed step looks like a hang)."""
+    log.warning(
+        "unroller: building the native codec kernels with %s, once per machine and "
+        "compiler (up to a minute); kept in %s (build ahead: unroll cache build-native)",
+        Path(cxx).name,
+        target.parent,
+    )
+
+
+def _is_file(path: Path) -> bool:  # unroller-lint: host-only (native path)
+    """Whether ``path`` is a regular file itself (a link is not: it is never loaded)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _load() -> ctypes.CDLL:  # unroller-lint: host-only (native path)
+    """Build if needed, then load and check the library; OSError says why not."""
+    target = build()
     lib = ctypes.CDLL(str(target))
     _declare(lib)
     version = lib.uq_abi_version()
