@@ -31,7 +31,7 @@ GENERATE = (
     "try:\n"
     "    from unroller.compiler.options import Options\n"
     "except ImportError:  # a revision before the compiler's subpackage\n"
-    "    from unroller.compiler.options import Options\n"
+    "    from unroller.options import Options\n"
     "text = generate_source(sys.argv[1], Options(scheme=sys.argv[3]), label='m.txt')\n"
     "open(sys.argv[2], 'w').write(text)\n"
 )
