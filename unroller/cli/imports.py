@@ -91,6 +91,14 @@ def import_command(
             "1e-10); write nothing and exit 1 if it differs. torch.nn networks only.",
         ),
     ] = False,
+    no_fallback: Annotated[
+        bool,
+        typer.Option(
+            "--no-fallback",
+            help="Refuse an ATen op no registry operator computes, instead of importing it "
+            "as an opaque aten(...) statement (run as is, its backward by torch.autograd).",
+        ),
+    ] = False,
 ) -> None:
     """Write the model text of an existing network (torch.nn.Module or ONNX).
 
@@ -109,9 +117,14 @@ def import_command(
     try:
         from unroller.importer.api import import_network
 
-        imported = import_network(spec, inputs, target, loss, kwargs, name)
+        imported = import_network(
+            spec, inputs, target, loss, kwargs, name, fallback=not no_fallback
+        )
     except ImportFailure as exc:
         raise fail(exc.format()) from None
+    for note in imported.model.notes:
+        if note.startswith("opaque: "):
+            typer.echo(f"unroll: {note}", err=True)
     if check:
         _verify(imported.text, spec, kwargs)
     if to_stdout:

@@ -63,12 +63,14 @@ def import_network(
     kwargs: str | dict | None = None,
     name: str | None = None,
     built=None,
+    fallback: bool = True,
 ) -> Imported:
     """The model text for the network SPEC names (see ``unroll import --help``), with its
     checked graph; ``built``: the torch.nn module itself (``unroller.unroll``), SPEC then
     only its label. ``inputs`` and ``target``: ``NAME: DTYPE[N, ...]`` as written on the
     command line, or the declarations themselves (``module_import`` reads them off example
-    tensors), checked alike."""
+    tensors), checked alike. ``fallback``: an ATen node no registry operator computes
+    becomes an ``aten`` statement (named in the text's notes); False refuses it."""
     if not inputs:
         raise ImportFailure('give the network\'s inputs: --input "x: f32[N, 3, 224, 224]"')
     if len(inputs) > MAX_INPUTS:
@@ -92,7 +94,7 @@ def import_network(
         options = kwargs if isinstance(kwargs, dict) else parse_kwargs(kwargs)
         with user_code(spec, "importing, building or capturing it"):
             module = built if built is not None else build_module(spec, options)
-            model = import_torch(module, tensors, label, spec)
+            model = import_torch(module, tensors, label, spec, fallback=fallback)
             state = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     add_loss(model, loss, target_spec)
     taken = {s.name for s in model.stmts}

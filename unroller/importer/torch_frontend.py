@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from unroller.compiler.graph import MAX_FLOAT
-from unroller.importer import aten_ops, batch_merge, masks
+from unroller.importer import aten_ops, batch_merge, masks, torch_opaque
 from unroller.importer.aten_ops import Refuse
 from unroller.importer.model import (
     BATCH,
@@ -230,6 +230,8 @@ class _Mapper(_Collapse, _Patterns, _Checks):
                 self.first_keys[ident] = keys[0]
                 self.shared_keys.update(dict.fromkeys(keys, True))
         self.used_buffers: set[str] = set()
+        self.fallback = True  # an ATen node no mapper handles: an ``aten`` statement
+        self.opaque: list[str] = []  # one line per such statement
         self.unmapped: list[Unmapped] = []
         self.poisoned: set[fx.Node] = set()
         self.classes: dict[str, str] = {}
@@ -561,6 +563,9 @@ class _Mapper(_Collapse, _Patterns, _Checks):
         return {f"frozen_{k.rpartition('.')[2]}": True for k in frozen}
 
     def _map(self, node, target: str) -> None:
+        if target == "getitem" and isinstance(self.values.get(node.args[0]), torch_opaque.Parts):
+            torch_opaque.fallback(self, node, target)
+            return
         if target == "getitem" and isinstance(self.values.get(node.args[0]), aten_ops.Pieces):
             self.values[node] = self._piece(node)
             return
@@ -581,6 +586,9 @@ class _Mapper(_Collapse, _Patterns, _Checks):
             return
         mapper = aten_ops.mapper_for(target)
         after_failure = any(arg in self.poisoned for arg in node.all_input_nodes)
+        if mapper is None and not after_failure and self.fallback:
+            torch_opaque.fallback(self, node, target)
+            return
         if mapper is None and not (after_failure and target == "getitem"):
             # a root cause too: an op no operator computes is a gap whatever it reads
             self._fail(node, target, "no registry operator computes it")
@@ -672,12 +680,19 @@ class _Mapper(_Collapse, _Patterns, _Checks):
 
 
 def import_torch(
-    module: torch.nn.Module, inputs: Sequence[Tensor], name: str, source: str
+    module: torch.nn.Module,
+    inputs: Sequence[Tensor],
+    name: str,
+    source: str,
+    fallback: bool = True,
 ) -> ImportedModel:
-    """The network as an ImportedModel (no loss yet); ImportFailure lists what is unmapped."""
+    """The network as an ImportedModel (no loss yet); ImportFailure lists what is unmapped.
+    ``fallback``: an ATen node no mapper handles becomes an ``aten`` statement (listed in
+    the notes) instead of being refused."""
     _check_parameter_names(module, source)
     program, how = capture(module, inputs, f"SPEC {source!r}")
     mapper = _Mapper(program, module, inputs)
+    mapper.fallback = fallback
     predictions = mapper.run()
     if mapper.unmapped:
         raise ImportFailure(f"cannot import {source}", _name_the_cache(module, mapper.unmapped))
@@ -694,7 +709,7 @@ def import_torch(
         stmts=mapper.stmts,
         predictions=predictions,
         classes=mapper.classes,
-        notes=[f"captured with {how}"],
+        notes=[f"captured with {how}", *(f"opaque: {line}" for line in mapper.opaque)],
     )
 
 
