@@ -129,24 +129,22 @@ def opaque(mapper, node: fx.Node) -> str | Parts:
     return mapper.add_stmt(node, "aten", writer.inputs, None, {"op": target, "call": call})
 
 
-def opaque_part(parts: Parts, view) -> str:
-    """One result of a multi-result op, read by ``getitem`` (``view``'s node)."""
-    index = view.node.args[1]
+def opaque_part(mapper, parts: Parts, node: fx.Node) -> str:
+    """One result of a multi-result op, read by ``getitem`` (``node``)."""
+    index = node.args[1]
     if not isinstance(index, int) or index < 0:
         raise Refuse(f"a result index {index!r}")
     kwargs = {"op": parts.op, "call": parts.call, "output": index}
-    return view.m.add_stmt(view.node, "aten", parts.inputs, None, kwargs)
+    return mapper.add_stmt(node, "aten", parts.inputs, None, kwargs)
 
 
 def fallback(mapper, node: fx.Node, target: str) -> None:
     """The exact fallback for ``node``: one ``aten`` statement, or one result of a
     multi-result node waiting for it (``Parts``); a failure recorded as unmapped."""
-    from unroller.importer.torch_view import NodeView
-
     source = node.args[0] if target == "getitem" and node.args else None
     try:
         if isinstance(mapper.values.get(source), Parts):
-            name = opaque_part(mapper.values[source], NodeView(mapper, node, target))
+            name = opaque_part(mapper, mapper.values[source], node)
             op = mapper.values[source].op
         else:
             made = opaque(mapper, node)

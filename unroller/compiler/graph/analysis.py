@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from unroller.compiler import shapes
 from unroller.compiler.ast import ModelAST
+from unroller.compiler.dtypes import is_float
 from unroller.compiler.graph.model import Graph, Node, SavedArg, Value
 from unroller.compiler.graph.scope import Scope
 from unroller.errors import ModelError, ModelWarning
@@ -47,9 +48,10 @@ def outputs(model: ModelAST, scope: Scope) -> tuple[Value, list[Value]]:
 def analyse(graph: Graph) -> None:
     """Gradient requirements, which nodes reach the loss, and unused-name warnings."""
     for node in graph.nodes:
-        node.output.requires_grad = any(p.present and p.trainable for p in node.params) or any(
-            v.requires_grad for v in node.inputs
-        )
+        node.output.requires_grad = is_float(node.output.type.dtype) and (
+            any(p.present and p.trainable for p in node.params)
+            or any(v.requires_grad for v in node.inputs)
+        )  # an integer or bool output (argmax) has no gradient, as in torch
     reaches_loss = {id(graph.loss)}
     for node in reversed(graph.nodes):
         if id(node.output) in reaches_loss:
