@@ -528,9 +528,15 @@ def constant_pad(view):
 # ---------------------------------------------------------------- shapes
 
 
+class Empty(str):
+    """The value of a slice with nothing in it (Phi-3's pass-through part of a full-width
+    rotary, ``x[..., D:]``): no statement; ``cat`` leaves it out, as torch's cat does, and
+    any other reader is refused (``torch_frontend.value_of``)."""
+
+
 @maps("aten.cat.default")
 def cat(view):
-    tensors = view.a["tensors"]
+    tensors = [t for t in view.a["tensors"] if not isinstance(view.m.values.get(t), Empty)]
     if len(tensors) == 1:  # DenseNet's first layer: the concat of one tensor is a copy
         return view.value_of(tensors[0])
     rank = len(view.shape_of(tensors[0]))
@@ -636,6 +642,8 @@ def slice_(view):
     )
     if whole:
         return view.alias("self")
+    if 0 in view.out_shape():
+        return Empty("empty slice")
     if dim == 0:
         raise Refuse("slicing the batch dim")
     if end is not None and int(end) >= size:

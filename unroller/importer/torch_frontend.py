@@ -410,6 +410,8 @@ class _Mapper(_Collapse, _Patterns, _Checks):
     def value_of(self, node) -> str:
         if not isinstance(node, fx.Node):
             raise Refuse(f"expected a tensor, got the constant {node!r}")
+        if isinstance(self.values.get(node), aten_ops.Empty):
+            raise Refuse(f"reads {node.name}, an empty slice, which no statement holds")
         if node in self.values:
             return self.values[node]
         if node in self.poisoned:
