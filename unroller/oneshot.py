@@ -8,26 +8,36 @@ returns the loss with every gradient in the original's ``.grad``: an optimizer o
 original's parameters trains both.
 
     step = unroller.unroll(net, (x,), y, scheme="quant")
-    opt = torch.optim.AdamW(net.parameters())
     for x, y in batches:
         opt.zero_grad()
         loss = step(x, y)
         opt.step()
 
-``unroller.analysis.verify`` checks the same import against the original, one float64 step.
+    step = unroller.unroll(hf_model, batch)        # batch = dict(input_ids=..., labels=...)
+    out = step(**batch)                            # the model's own loss: out.loss, out.logits
+
+The step follows the module as a drop-in would: its train/eval mode, ``torch.no_grad``,
+parameters replaced or frozen after ``unroll`` (seen at the next call), other sequence
+lengths (a specialisation generated on demand, kept per shape). ``unroller.analysis.verify``
+checks the same import against the original, one float64 step.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from unroller import stepcache
 from unroller.compiler.options import Options
 from unroller.importer.api import module_import, module_label, module_text
+from unroller.importer.model import ImportFailure
 from unroller.materialize import materialize
 
 
@@ -45,26 +55,292 @@ def cache_dir() -> Path:
 import_text = module_text
 
 
+@dataclass(frozen=True)
+class _How:
+    """What every specialisation of one step is generated with."""
+
+    loss: str
+    options: Options
+    name: str | None
+    directory: Path | None
+    keywords: bool  # inputs named by a dict (they reach forward by keyword)
+    names: tuple[str, ...]  # the first import's input names, for positional calls
+    plan: Any = None  # hf_batch.BatchPlan of a keyword batch with labels
+
+
+@dataclass
+class _Spec:
+    """One specialisation held by a step: the generated class and an instance sharing
+    the original's tensors (``shared``: the snapshot it shares)."""
+
+    built: stepcache.Built
+    model: torch.nn.Module
+    shared: tuple
+
+
+class StepOutput:
+    """What ``step(**batch)`` returns: ``.loss`` (the model's own loss, the step's) and
+    ``.logits``, the batch's predictions in evaluation mode, computed on first access
+    (one forward without backward; equal to the training forward's where it has no
+    dropout). ``to_output()`` gives the model's output class (``CausalLMOutput``...)."""
+
+    def __init__(self, loss, logits_fn, output_class=None):
+        self.loss = loss
+        self._logits_fn = logits_fn
+        self._logits = None
+        self._output_class = output_class
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self._logits_fn()
+        return self._logits
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return self.to_tuple()[key]
+        if key not in ("loss", "logits"):
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def keys(self):
+        return ("loss", "logits")
+
+    def to_tuple(self) -> tuple:
+        return (self.loss, self.logits)
+
+    def to_output(self):
+        cls = self._output_class
+        return cls(loss=self.loss, logits=self.logits) if cls is not None else self
+
+
 class Unrolled(torch.nn.Module):
     """The generated ``Model`` of a module, sharing its tensors: ``step(*inputs, target)``
-    runs one training step and returns the loss; ``predict(*inputs)`` evaluates. ``source``
-    is the generated code and ``source_path`` the cached file; ``text`` the model text."""
+    runs one training step and returns the loss; ``step(**batch)`` (a Hugging Face batch
+    with ``labels``) returns a ``StepOutput``; ``predict(*inputs)`` evaluates. ``model``,
+    ``source``, ``source_path`` and ``text`` are those of the last specialisation used."""
 
-    def __init__(self, model: torch.nn.Module, text: str, source: str, path: Path):
+    def __init__(self, original: torch.nn.Module, how: _How, key: tuple, spec: _Spec):
         super().__init__()
-        self.model = model
-        self.text = text
-        self.source = source
-        self.source_path = path
+        object.__setattr__(self, "_original", original)  # not a submodule: no second state
+        self._how = how
+        self._specs: OrderedDict[tuple, _Spec] = OrderedDict({key: spec})
+        self._last = spec
+        self._snap = stepcache.snapshot(original)
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.model(*args)
+    # -- what the last specialisation is -----------------------------------------------
 
-    def predict(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.model.predict(*inputs)
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._last.model
+
+    @property
+    def text(self) -> str:
+        return self._last.built.text
+
+    @property
+    def source(self) -> str:
+        return self._last.built.source
+
+    @property
+    def source_path(self) -> Path:
+        return self._last.built.path
 
     def stash_report(self) -> dict:
         return self.model.stash_report()
+
+    def predict(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._spec_for(self._named(inputs), None, "train").model.predict(*inputs)
+
+    # -- the step ----------------------------------------------------------------------
+
+    def forward(self, *args: Any, **batch: Any):
+        if args and batch:
+            raise TypeError(
+                "step(...): pass the inputs and target positionally, or a batch by keyword"
+            )
+        if batch:
+            if self._how.plan is None:
+                raise TypeError(
+                    "step(**batch): this step was unrolled on positional inputs; call "
+                    "step(*inputs, target), or unroll on the keyword batch"
+                )
+            inputs, target = self._how.plan.split(self._original, batch)
+        else:
+            if len(args) != len(self._how.names) + 1:
+                raise TypeError(
+                    f"step(*inputs, target): {len(self._how.names)} inputs and the target, "
+                    f"got {len(args)} arguments"
+                )
+            inputs, target = self._named(args[:-1]), args[-1]
+        loss, logits_fn = self._run(inputs, target)
+        if not batch:
+            return loss
+        return StepOutput(loss, logits_fn, self._how.plan.output)
+
+    def _named(self, values: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(zip(self._how.names, values))
+
+    def _run(self, inputs: dict, target):
+        """The loss (a training step, or a forward only where no gradient is asked) and a
+        function giving the predictions."""
+        values = list(inputs.values())
+        training = self._original.training
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return self._forward_only(inputs, target, training)
+        spec = self._spec_for(inputs, target, "train" if training else "eval")
+        loss = spec.model(*values, target)
+        return loss, lambda: self._eval_predictions(inputs)
+
+    def _eval_predictions(self, inputs: dict) -> torch.Tensor:
+        spec = self._spec_for(inputs, None, "train")
+        with torch.no_grad():
+            out = spec.model.predict(*inputs.values())
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _forward_only(self, inputs: dict, target, training: bool):
+        """Under ``no_grad``/``inference_mode``: the loss without any ``.grad`` written. In
+        eval mode (or a text without dropout or batch norm) ``predict`` and the text's loss
+        replayed on it; in train mode with either, the training step itself, the gradients
+        it writes put back as they were (dropout draws, batch norm's statistics update,
+        as the original's forward does)."""
+        from unroller.analysis.verify import loss_plan, replay_loss
+
+        spec = self._spec_for(inputs, target, "train")
+        if training and _train_only(spec.built.graph):
+            with torch.inference_mode(False), torch.no_grad():
+                params = [p for p in self._original.parameters()]
+                grads = [p.grad for p in params]
+                for p in params:
+                    p.grad = None
+                try:
+                    loss = spec.model(*inputs.values(), target)
+                finally:
+                    for p, g in zip(params, grads):
+                        p.grad = g
+            return loss, lambda: self._eval_predictions(inputs)
+        with torch.no_grad():
+            out = spec.model.predict(*inputs.values())
+        prediction = out[0] if isinstance(out, (tuple, list)) else out
+        loss = replay_loss(loss_plan(spec.built.graph), prediction, target)
+        return loss, lambda: prediction
+
+    # -- specialisations -----------------------------------------------------------------
+
+    def _spec_for(self, inputs: dict, target, mode: str) -> _Spec:
+        """The specialisation for this batch's shapes and the mode, made on demand (LRU of
+        ``stepcache.MAX_SHAPES``), after following changes to the module (``_follow``)."""
+        self._follow()
+        key = (stepcache.signature(inputs, target), mode)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = _make_spec(self._original, self._how, inputs, target, mode)
+            self._specs[key] = spec
+            while len(self._specs) > stepcache.MAX_SHAPES:
+                self._specs.popitem(last=False)
+        self._specs.move_to_end(key)
+        if spec.shared != self._snap:
+            stepcache.share(spec.model, self._original)
+            spec.shared = self._snap
+        self._last = spec
+        return spec
+
+    def _follow(self) -> None:
+        """New tensor objects are shared again by state-dict key; a changed structure
+        (``requires_grad`` flipped, a dtype or shape changed) drops every specialisation,
+        so the next is generated from the module as it is now: never a stale tensor."""
+        snap = stepcache.snapshot(self._original)
+        if snap == self._snap:
+            return
+        if stepcache.structure(snap) != stepcache.structure(self._snap):
+            self._specs.clear()
+        self._snap = snap
+
+
+def _train_only(graph) -> bool:
+    """Whether the text computes otherwise in train mode: dropout drawing a mask, batch norm."""
+    from unroller.analysis.verify import text_dropouts
+
+    return bool(text_dropouts(graph)) or any(n.op.name.startswith("batchnorm") for n in graph.nodes)
+
+
+def _make_spec(original, how: _How, inputs: dict, target, mode: str) -> _Spec:
+    """A specialisation: the generated class from the in-process cache, else imported and
+    generated (``_build``); an instance on the meta device given the original's tensors."""
+    key = (
+        stepcache.fingerprint(original),
+        stepcache.signature(inputs, target),
+        how.loss,
+        repr(how.options),
+        how.name,
+        str(how.directory),
+        mode,
+    )
+    built = stepcache.lookup(key)
+    if built is None:
+        with stepcache.preserved(original):
+            built = _build(original, how, inputs, target, mode)
+        stepcache.remember(key, built)
+    model = stepcache.instantiate(built.Model, original)
+    model.train()
+    return _Spec(built, model, stepcache.snapshot(original))
+
+
+def _build(original, how: _How, inputs: dict, target, mode: str) -> stepcache.Built:
+    """Import at these shapes and generate. ``mode`` "eval": the text with every dropout
+    probability 0 (what eval mode computes), refused where batch norm would need its
+    running statistics in a training step, which no generated step computes."""
+    from unroller.analysis.verify import dropout_off
+    from unroller.api import compression_config, graph_from_text
+    from unroller.compiler.graph import build_graph
+    from unroller.compiler.parser import parse
+
+    batch = inputs if how.keywords else tuple(inputs.values())
+    imported = python_words(module_import, original, batch, target, how.loss, how.name)
+    label = module_label(original, how.name)
+    graph, text = imported.graph, imported.text
+    if graph is None or how.options.resolution is not None:  # inputs resized: another graph
+        graph = graph_from_text(text, f"{label}.txt", how.options.resolution)
+    if mode == "eval":
+        if any(n.op.name.startswith("batchnorm") for n in graph.nodes):
+            raise ValueError(
+                "step: the module is in eval mode and a gradient is asked, but a training "
+                "step through batch norm's running statistics is not generated; call it "
+                "under torch.no_grad() to evaluate, or module.train() to train"
+            )
+        graph = build_graph(dropout_off(parse(text, f"{label}.txt")))
+    loaded = materialize(
+        graph,
+        f"{label}.txt",
+        how.options,
+        compression_config(how.options, graph),
+        folder=how.directory if how.directory is not None else cache_dir(),
+        file_name=f"{label}_{{digest}}.py",
+        module_name=f"unroller_unrolled_{label}_{{digest}}",
+    )
+    return stepcache.Built(loaded.Model, text, loaded.source, loaded.path, graph)
+
+
+#: Command-line words in the importer's messages -> the Python arguments they stand for.
+_PYTHON_WORDS = (
+    ("--input", "inputs"),
+    ("--target", "target"),
+    ("--loss", "loss="),
+    ("--name", "name="),
+    ("--kwargs", "kwargs"),
+)
+
+
+def python_words(function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with an ImportFailure's command-line flags named as
+    the Python arguments of ``unroll``/``verify`` (``--target`` -> ``target``)."""
+    try:
+        return function(*args, **kwargs)
+    except ImportFailure as exc:
+        message = str(exc)
+        for flag, word in _PYTHON_WORDS:
+            message = re.sub(rf"{flag}(?![\w-])", word, message)
+        raise ImportFailure(message) from None
 
 
 def unroll(
@@ -72,7 +348,7 @@ def unroll(
     inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
     target: torch.Tensor | None = None,
     *,
-    loss: str = "cross_entropy",
+    loss: str | None = None,
     scheme: str = "nocompress",
     options: Options | None = None,
     name: str | None = None,
@@ -80,45 +356,42 @@ def unroll(
 ) -> Unrolled:
     """``module``'s training step, generated with ``scheme`` (or ``options``), sharing its
     parameters and buffers (see the module docstring). ``inputs``/``target``: an example
-    batch (only shapes and dtypes are read). The source is cached in ``directory`` (default
-    ``cache_dir()``) under the hash of its text, so a second call with the same network
-    and options imports the same file."""
-    from unroller.api import compression_config, graph_from_text
+    batch (only shapes and dtypes are read); or ``inputs`` a Hugging Face keyword batch
+    with ``labels`` (no ``target``), whose loss is the model's own (``hf_batch``). The
+    source is cached in ``directory`` (default ``cache_dir()``) under the hash of its text,
+    and the generated class in-process, so a second call with the same network and
+    options costs no import. ``loss`` defaults to ``cross_entropy`` (or the model's)."""
+    from unroller.importer.hf_batch import batch_plan
 
-    imported = module_import(module, inputs, target, loss, name)
-    options = options or Options(scheme=scheme)
-    label = module_label(module, name)
-    graph = imported.graph
-    if graph is None or options.resolution is not None:  # inputs resized: another graph
-        graph = graph_from_text(imported.text, f"{label}.txt", options.resolution)
-    loaded = materialize(
-        graph,
-        f"{label}.txt",
-        options,
-        compression_config(options, graph),
-        folder=Path(directory) if directory is not None else cache_dir(),
-        file_name=f"{label}_{{digest}}.py",
-        module_name=f"unroller_unrolled_{label}_{{digest}}",
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    plan = None
+    if isinstance(inputs, Mapping) and "labels" in inputs:
+        if target is not None:
+            raise ValueError("unroll: a batch with 'labels' is its own target; leave target out")
+        plan = batch_plan(module, inputs["labels"])
+        if loss is not None and loss != plan.loss:
+            raise ValueError(
+                f"unroll: loss={loss!r}, but {type(module).__name__} computes {plan.loss}"
+            )
+        named, target = plan.split(module, inputs)
+        loss = plan.loss
+    elif isinstance(inputs, Mapping):
+        named = dict(inputs)
+    else:
+        named = {f"x{i}": t for i, t in enumerate(inputs)}
+    how = _How(
+        loss or "cross_entropy",
+        options or Options(scheme=scheme),
+        name,
+        Path(directory) if directory is not None else None,
+        isinstance(inputs, Mapping),
+        tuple(named),
+        plan,
     )
-    model = loaded.Model()
-    _share(model, module)
-    model.train(module.training)
-    return Unrolled(model, imported.text, loaded.source, loaded.path)
-
-
-def _share(model: torch.nn.Module, original: torch.nn.Module) -> None:
-    """Every parameter and buffer of ``model`` becomes the original's tensor of the same
-    state-dict key (the keys are the same: the import checked them; non-persistent buffers
-    of the original, such as a rotary module's table, are not the model's)."""
-    for key, tensor in original.state_dict(keep_vars=True).items():
-        path, _, leaf = key.rpartition(".")
-        owner = model.get_submodule(path) if path else model
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = tensor
-        elif leaf in owner._buffers:
-            owner._buffers[leaf] = tensor
-        else:
-            raise ValueError(f"unroll: the generated module has no tensor {key}")
+    spec = _make_spec(module, how, named, target, "train")  # the eval variant on demand
+    key = (stepcache.signature(named, target), "train")
+    return Unrolled(module, how, key, spec)
 
 
 def verify(
@@ -126,7 +399,7 @@ def verify(
     inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
     target: torch.Tensor | None = None,
     *,
-    loss: str = "cross_entropy",
+    loss: str | None = None,
     name: str | None = None,
     **kwargs: Any,
 ):

@@ -647,7 +647,10 @@ def _step_and_compare(
             f"the original's step on inputs of the declared shapes failed: {exc!r}"
         )
         return
-    report.rows.append(compare("loss", loss, ref_loss, report.tolerance))
+    # which loss was replayed is in the table, not only in the notes: a default target
+    # that is not the one meant shows here (see importer.loss.default_target)
+    replayed = f"replayed: {plan.describe()}"
+    report.rows.append(compare("loss", loss, ref_loss, report.tolerance, replayed))
     noise = _rounding_noise(original, twin, plan, model_inputs, other, seed)
     report.rows += _noise_checked(_state_rows(original, generated, report.tolerance), noise)
     report.rows.append(_prediction_row(original, generated, model_inputs, report.tolerance))
@@ -894,18 +897,33 @@ def verify_module(
     inputs: Any,
     target: Any = None,
     *,
-    loss: str = "cross_entropy",
+    loss: str | None = None,
     name: str | None = None,
     **kwargs: Any,
 ) -> VerifyReport:
     """One float64 step of a built torch ``module``, imported on example ``inputs`` (and
-    ``target``: ``importer.api.module_text``), against the module itself: the report
-    (``.ok``, ``.table()``); ``module`` is left as it is (a copy is stepped). What
-    ``unroller.analysis.verify(...)`` and ``unroller.oneshot.verify`` run."""
-    from unroller.importer.api import module_text
+    ``target``: ``importer.api.module_text``; or a Hugging Face keyword batch with
+    ``labels``, its loss the model's own: ``importer.hf_batch``), against the module itself:
+    the report (``.ok``, ``.table()``). ``module``, its mode and buffers and torch's random
+    state are left as they were (a copy is stepped). What ``unroller.analysis.verify(...)``
+    and ``unroller.oneshot.verify`` run."""
+    from collections.abc import Mapping
 
-    text = module_text(module, inputs, target, loss, name)
-    return verify_text(text, module, **kwargs)
+    from unroller.importer.api import module_text
+    from unroller.oneshot import python_words
+    from unroller.stepcache import preserved
+
+    if isinstance(inputs, Mapping) and "labels" in inputs:
+        from unroller.importer.hf_batch import batch_plan
+
+        if target is not None:
+            raise ValueError("verify: a batch with 'labels' is its own target; leave target out")
+        plan = batch_plan(module, inputs["labels"])
+        inputs, target = plan.split(module, inputs)
+        loss = loss or plan.loss
+    with preserved(module):
+        text = python_words(module_text, module, inputs, target, loss or "cross_entropy", name)
+        return verify_text(text, module, **kwargs)
 
 
 class _CallableModule(types.ModuleType):

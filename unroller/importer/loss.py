@@ -25,10 +25,16 @@ _CLASS_LOSSES = ("cross_entropy", "nll_loss")
 
 
 def default_target(loss: str, pred_shape: tuple, float_dtype: str = "f32") -> Tensor:
-    """``y: i64[N]`` (or per pixel ``[N, H, W]``) for class losses, else like the predictions."""
+    """The target when none is declared. Class losses: ``y: i64[N]`` for ``[N, C]`` scores;
+    per position ``[N, L]`` for ``[N, L, C]`` scores, the classes last, as a sequence model
+    (a language model, a tagger) makes them: a target ``[N, C]`` there would be a silently
+    different loss (a class per row of the vocabulary); per pixel ``[N, H, W]`` for
+    ``[N, C, H, W]`` (classes in dim 1, as a convolutional net makes them). ``[N, C, L]``
+    scores of a 1-d convolution are the one case this reads otherwise: declare the target
+    (``--target "y: i64[N, L]"``). Other losses: like the predictions."""
     dims = tuple(int(d) for d in pred_shape[1:])
     if loss in _CLASS_LOSSES:
-        return Tensor("y", "i64", dims[1:])
+        return Tensor("y", "i64", dims[:-1] if len(dims) == 2 else dims[1:])
     return Tensor("y", float_dtype, dims)
 
 

@@ -1,0 +1,349 @@
+"""``unroller.unroll`` as a drop-in for the module (issue 37).
+
+- ``step(**batch)`` with a Hugging Face batch computes the model's own loss: a causal LM's
+  shifted labels with -100 prompt tokens, a sequence classifier's cross-entropy (MSE for
+  one label), T5's labels with its decoder inputs made from them; loss, logits and every
+  gradient equal autograd's on the original (float64, 1e-10);
+- another sequence length through the same step: a specialisation made on demand, kept;
+- train/eval, ``no_grad``/``inference_mode`` follow torch; ``unroll``/``verify`` leave the
+  module's mode, its tensors and torch's random state as they were;
+- tensors replaced or frozen after ``unroll`` are followed at the next call;
+- a second ``unroll`` of the same network costs no import and no second copy of the
+  parameters;
+- an ``[N, L, C]`` output's default target is per position; verify's table says which loss
+  it replayed; errors name Python arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import rel_err
+from torch import nn
+
+import unroller
+from unroller import oneshot, stepcache
+from unroller.importer.model import ImportFailure
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers: int = 2):
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _twin(net):
+    """The float64 reference: Hugging Face's RMSNorm casts to float32 inside, compared as
+    what it computes without that cast (as verify does)."""
+    from unroller.importer.hf_norms import swap_float64_twins
+
+    twin = copy.deepcopy(net)
+    swap_float64_twins(twin)
+    return twin
+
+
+def _grads_equal(net, twin, tol=1e-10):
+    """Every gradient to ``tol`` relative; one that is zero in exact arithmetic (BERT's key
+    bias: it shifts every score of a row alike) passes as noise on both sides below 1e-13
+    of the largest gradient, as verify's rule."""
+    theirs = dict(twin.named_parameters())
+    scale = max(float(p.grad.abs().max()) for p in twin.parameters() if p.grad is not None)
+    for name, p in net.named_parameters():
+        if p.requires_grad:
+            ref = theirs[name].grad
+            if float(ref.abs().max()) < 1e-13 * scale:
+                assert float((p.grad - ref).abs().max()) < 1e-13 * scale, name
+            else:
+                assert rel_err(p.grad, ref) <= tol, name
+
+
+def _causal_loss(logits, labels):
+    """``ForCausalLMLoss`` in float64 (it upcasts to float32, which rounds in float64)."""
+    v = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, v), labels[:, 1:].reshape(-1))
+
+
+def _lm_batch(n=4, length=16):
+    ids = torch.randint(0, 64, (n, length))
+    labels = ids.clone()
+    labels[:, :5] = -100  # the prompt: no loss on it
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+
+
+def test_causal_lm_batch_is_the_models_own_loss(tmp_path):
+    torch.manual_seed(0)
+    net = _llama().double()
+    twin = _twin(net)
+    batch = _lm_batch()
+    step = unroller.unroll(net, batch, directory=tmp_path)
+    out = step(**batch)
+    ref = twin(**batch)
+    assert rel_err(out.loss, ref.loss) <= 1e-6  # Hugging Face's own, computed in float32
+    want = _causal_loss(ref.logits, batch["labels"])
+    want.backward()
+    assert rel_err(out.loss, want) <= 1e-10
+    assert rel_err(out.logits, ref.logits) <= 1e-10
+    _grads_equal(net, twin)
+    assert isinstance(out.to_output(), transformers.modeling_outputs.CausalLMOutputWithPast)
+    assert out["loss"] is out.loss
+    assert torch.is_tensor(step(batch["input_ids"], batch["attention_mask"], out_target(batch)))
+
+
+def out_target(batch):
+    return F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+
+
+def test_another_sequence_length_through_the_same_step(tmp_path):
+    torch.manual_seed(0)
+    net = _llama().double()
+    twin = _twin(net)
+    step = unroller.unroll(net, _lm_batch(), directory=tmp_path)
+    batch = _lm_batch(n=3, length=11)
+    out = step(**batch)
+    want = _causal_loss(twin(**batch).logits, batch["labels"])
+    want.backward()
+    assert rel_err(out.loss, want) <= 1e-10
+    _grads_equal(net, twin)
+    assert len(step._specs) == 2
+    for length in range(2, 2 + stepcache.MAX_SHAPES + 1):
+        step(**_lm_batch(n=2, length=length))
+    assert len(step._specs) == stepcache.MAX_SHAPES
+
+
+def test_sequence_classifier_batch(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    net = transformers.BertForSequenceClassification(config).double()
+    twin = copy.deepcopy(net)
+    ids = torch.randint(0, 64, (4, 12))
+    batch = dict(
+        input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([0, 2, 1, 2])
+    )
+    step = unroller.unroll(net, batch, directory=tmp_path)
+    out = step(**batch)
+    ref = twin(**batch)
+    ref.loss.backward()
+    assert rel_err(out.loss, ref.loss) <= 1e-10 and rel_err(out.logits, ref.logits) <= 1e-10
+    _grads_equal(net, twin)
+    assert net.config.problem_type is None  # unroll decides as the model does, writes nothing
+    config.num_labels = 1
+    torch.manual_seed(1)
+    reg = transformers.BertForSequenceClassification(config).double()
+    twin = copy.deepcopy(reg)
+    batch["labels"] = torch.randn(4, dtype=torch.float64)
+    out = unroller.unroll(reg, batch, directory=tmp_path)(**batch)
+    ref = twin(**batch)
+    ref.loss.backward()
+    assert rel_err(out.loss, ref.loss) <= 1e-10  # MSE
+    _grads_equal(reg, twin)
+
+
+def test_t5_labels(tmp_path):
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from import_zoo import hf_t5
+
+    torch.manual_seed(0)
+    net = hf_t5().double()
+    twin = _twin(net)
+    labels = torch.randint(0, 64, (2, 8))
+    labels[:, -2:] = -100
+    batch = dict(input_ids=torch.randint(0, 64, (2, 12)), labels=labels)
+    step = unroller.unroll(net, batch, directory=tmp_path)
+    out = step(**batch)
+    ref = twin(**batch)
+    ref.loss.backward()
+    assert rel_err(out.loss, ref.loss) <= 1e-10 and rel_err(out.logits, ref.logits) <= 1e-10
+    _grads_equal(net, twin)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.relu(self.bn(self.fc1(x)))))
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+def _xy(n=5):
+    return torch.randn(n, 6, dtype=torch.float64), torch.randint(0, 3, (n,))
+
+
+def test_eval_mode_and_no_grad_follow_the_module(tmp_path):
+    torch.manual_seed(0)
+    net = Net().double()
+    x, y = _xy()
+    step = unroller.unroll(net, x, y, directory=tmp_path)
+    net.eval()
+    with torch.no_grad():
+        loss = step(x, y)
+    assert rel_err(loss, F.cross_entropy(net(x), y)) <= 1e-10
+    assert all(p.grad is None for p in net.parameters())
+    with pytest.raises(ValueError, match=r"eval mode.*batch norm.*torch.no_grad\(\)"):
+        step(x, y)
+    net.train()
+    before = net.bn.running_mean.clone()
+    with torch.inference_mode():
+        step(x, y)  # train mode: batch statistics, running stats updated as torch does
+    assert all(p.grad is None for p in net.parameters())
+    assert not torch.equal(before, net.bn.running_mean)
+    loss = step(x, y)  # after inference_mode, training works
+    assert torch.isfinite(loss) and net.fc1.weight.grad is not None
+
+
+def test_eval_mode_gradient_is_the_eval_gradient(tmp_path):
+    torch.manual_seed(0)
+    net = Mlp().double()
+    twin = copy.deepcopy(net).eval()
+    x, y = _xy()
+    step = unroller.unroll(net, x, y, directory=tmp_path)
+    net.eval()
+    loss = step(x, y)  # no dropout
+    want = F.cross_entropy(twin(x), y)
+    want.backward()
+    assert rel_err(loss, want) <= 1e-10
+    _grads_equal(net, twin)
+
+
+def test_unroll_and_verify_leave_the_module_and_the_rng_alone(tmp_path):
+    torch.manual_seed(0)
+    net = Net().double().eval()
+    x, y = _xy()
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    rng = torch.get_rng_state()
+    unroller.unroll(net, x, y, directory=tmp_path)
+    assert oneshot.verify(net, x, y).ok
+    assert torch.equal(rng, torch.get_rng_state())
+    assert not net.training and not net.bn.training
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_replaced_and_frozen_parameters_are_followed(tmp_path):
+    torch.manual_seed(0)
+    net = Mlp().double()
+    net.drop.p = 0.0
+    x, y = _xy()
+    step = unroller.unroll(net, x, y, directory=tmp_path)
+    net.fc1.weight = nn.Parameter(torch.randn(8, 6, dtype=torch.float64))  # a new object
+    twin = copy.deepcopy(net)
+    step(x, y)
+    F.cross_entropy(twin(x), y).backward()
+    _grads_equal(net, twin)
+    fresh = {k: torch.randn_like(v) for k, v in net.state_dict().items()}
+    net.load_state_dict(fresh, assign=True)
+    net.fc2.requires_grad_(False)  # a flip: generated again, fc2 frozen
+    twin = copy.deepcopy(net)
+    loss = step(x, y)
+    want = F.cross_entropy(twin(x), y)
+    want.backward()
+    assert rel_err(loss, want) <= 1e-10
+    assert net.fc2.weight.grad is None
+    _grads_equal(net, twin)
+    net.fc2 = nn.Linear(8, 3).double()  # a swapped submodule
+    twin = copy.deepcopy(net)
+    net.zero_grad()
+    step(x, y)
+    F.cross_entropy(twin(x), y).backward()
+    _grads_equal(net, twin)
+
+
+def test_a_second_unroll_is_cached_and_allocates_no_parameters(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    net = _llama()
+    batch = _lm_batch()
+    first = time.perf_counter()
+    unroller.unroll(net, batch, directory=tmp_path)
+    first = time.perf_counter() - first
+    made = []
+    real = nn.Parameter.__new__
+
+    def spy(cls, data=None, requires_grad=True):
+        if data is not None:
+            made.append(data.device.type)
+        return real(cls, data, requires_grad)
+
+    monkeypatch.setattr(nn.Parameter, "__new__", spy)
+    rng = torch.get_rng_state()
+    again = time.perf_counter()
+    step = unroller.unroll(net, batch, directory=tmp_path)
+    again = time.perf_counter() - again
+    assert again < 0.5 * first and again < 1.0, (first, again)
+    assert "cpu" not in made  # built on meta, given the original's tensors
+    assert torch.equal(rng, torch.get_rng_state())
+    assert step.model.lm_head.weight is net.lm_head.weight
+
+
+def test_default_target_is_per_position(tmp_path):
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 8)
+            self.head = nn.Linear(8, 5)
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    from unroller.importer.loss import default_target
+
+    assert default_target("cross_entropy", ("N", 16, 5)).dims == (16,)
+    assert default_target("cross_entropy", ("N", 5, 8, 8)).dims == (8, 8)
+    assert default_target("cross_entropy", ("N", 5)).dims == ()
+    net = Tagger().double()
+    text = oneshot.import_text(net, torch.randint(0, 20, (2, 7)))
+    assert "target y: i64[N, 7]" in text
+    report = oneshot.verify(net, torch.randint(0, 20, (2, 7)))
+    loss_row = next(row for row in report.rows if row.name == "loss")
+    assert "replayed: head -> permute" in loss_row.note and "cross_entropy" in report.table()
+
+
+def test_errors_name_python_arguments(tmp_path):
+    net = Mlp()
+    x = torch.randn(2, 6)
+    with pytest.raises(ImportFailure) as info:
+        unroller.unroll(net, x, torch.randn(2, 3), directory=tmp_path)
+    assert "--" not in str(info.value) and "target" in str(info.value)
+    with pytest.raises(ValueError, match="no 'labels'"):
+        step = unroller.unroll(_llama(), _lm_batch(), directory=tmp_path)
+        step(input_ids=torch.randint(0, 64, (2, 16)))
