@@ -87,7 +87,9 @@ class _Writer:
         if (node in self.m.constant or lifted) and node not in self.m.values:
             value = constant_value(self.m, node)
             if value.numel() > MAX_CONSTANT:
-                raise Refuse(f"a constant tensor of {value.numel()} elements (at most {MAX_CONSTANT})")
+                raise Refuse(
+                    f"a constant tensor of {value.numel()} elements (at most {MAX_CONSTANT})"
+                )
             name = str(value.dtype).removeprefix("torch.")
             if name not in _DTYPES:
                 raise Refuse(f"a constant {name} tensor")

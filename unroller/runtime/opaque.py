@@ -322,4 +322,3 @@ def aten_backward(
         if i < count:
             grads[i] = grad if grad is not None else torch.zeros_like(tensors[i].detach())
     return tuple(grads)
-
