@@ -23,8 +23,7 @@ from torch import fx
 from unroller.importer.aten_ops import Refuse
 from unroller.importer.model import BATCH
 from unroller.importer.torch_nodes import Poisoned, constant_value, is_size_value, target_name
-from unroller.runtime.opaque import _DTYPES, _STRING, MAX_CONSTANT, MAX_TENSORS, CallError
-from unroller.runtime.opaque import resolve
+from unroller.runtime.opaque import _DTYPES, _STRING, MAX_CONSTANT, MAX_TENSORS, CallError, resolve
 
 #: keyword arguments that only place the result (the kernel makes it where its inputs are)
 _PLACEMENT = {"device", "pin_memory", "layout"}
