@@ -107,6 +107,7 @@ from unroller.runtime.common import (
 # name (``unsupported``). shapeops' sum and slice shadow the builtins here, so this module
 # calls neither bare.
 from unroller.runtime.shared import *  # noqa: F403
+from unroller.runtime.opaque import aten, aten_backward  # noqa: F401, E402 (refused by unsupported)
 
 # the clamp of (1 - p) * p in binary_cross_entropy's gradient: PyTorch's EPSILON, 1e-12 as a float32
 _BCE_EPS = struct.unpack("f", struct.pack("f", 1e-12))[0]
@@ -152,12 +153,24 @@ def _constant(key: tuple, device: torch.device, build: Callable[[], Tensor]) -> 
 
 def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
     """Why a node with these args cannot run on the IPU platform, or None when it can."""
+    if op_name == "aten":  # the importer's opaque ATen call (unroller.runtime.opaque)
+        return _opaque_refusal(args)
     if op_name == "scaled_dot_product_attention" and float(args.get("dropout", 0.0)) > 0:
         return (
             "attention dropout is not supported on the ipu platform: its mask is drawn from "
             "a seeded generator, which PopTorch's random ops do not take (use dropout=0.0)"
         )
     return None
+
+
+def _opaque_refusal(args: Mapping[str, Any]) -> str:
+    """Why an ``aten`` statement cannot run here: PopTorch runs only its own operations,
+    traced into its graph, and the call's backward needs torch.autograd."""
+    return (
+        f"the opaque ATen call {str(args.get('op'))!r} is not supported on the ipu platform: "
+        "PopTorch runs only its own operations, and this call's backward needs "
+        "torch.autograd (map the op to a registry operator, or use --platform gpu)"
+    )
 
 
 @conventions.implements
