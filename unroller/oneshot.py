@@ -325,8 +325,8 @@ def _build(original, how: _How, inputs: dict, target, mode: str) -> stepcache.Bu
 _PYTHON_WORDS = (
     ("--input", "inputs"),
     ("--target", "target"),
-    ("--loss", "loss="),
-    ("--name", "name="),
+    ("--loss", "loss"),
+    ("--name", "name"),
     ("--kwargs", "kwargs"),
 )
 
