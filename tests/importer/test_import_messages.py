@@ -27,7 +27,7 @@ ZOO = str(Path(__file__).parents[1] / "import_zoo.py")
 
 def _fail(module: nn.Module, spec: str = "x: f32[N, 8]") -> ImportFailure:
     with pytest.raises(ImportFailure) as info:
-        import_network("net", [spec], built=module)
+        import_network("net", [spec], built=module, fallback=False)
     return info.value
 
 

@@ -27,6 +27,9 @@ from unroller.runtime.opaque import _DTYPES, _STRING, MAX_CONSTANT, MAX_TENSORS,
 
 #: keyword arguments that only place the result (the kernel makes it where its inputs are)
 _PLACEMENT = {"device", "pin_memory", "layout"}
+#: ops that stop the gradient: refused, as before the fallback (a detach in a network is
+#: most often a mistake the step would otherwise keep silently)
+_GRADIENT_STOPS = {"aten.detach.default", "aten.detach_.default"}
 
 
 @dataclass
@@ -114,6 +117,8 @@ def opaque(mapper, node: fx.Node) -> str | Parts:
         resolve(target)
     except CallError as exc:
         raise Refuse(str(exc)) from None
+    if target in _GRADIENT_STOPS:  # never an identity, nor a silent zero gradient
+        raise Refuse("a gradient stop: no registry operator computes it")
     if node.target._schema.is_mutable:
         raise Refuse("an in-place or out= ATen op: no registry operator computes it")
     writer = _Writer(mapper)
