@@ -53,12 +53,12 @@ from unroller.runtime.common import (
     _weight_bias,
     layers,
 )
+from unroller.runtime.opaque import aten, aten_backward  # noqa: F401, E402 (the fallback)
 
 # Every kernel and helper the two platforms share (see shared's doc), exported from here as
 # gpu kernels (see __all__ at the end); the definitions below replace shared ones of the same
 # name. shapeops' sum and slice shadow the builtins here, so this module calls neither bare.
 from unroller.runtime.shared import *  # noqa: F403
-from unroller.runtime.opaque import aten, aten_backward  # noqa: F401, E402 (the fallback)
 
 _aten = torch.ops.aten
 _MEAN = 1  # at::Reduction::Mean

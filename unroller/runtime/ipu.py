@@ -101,13 +101,13 @@ from unroller.runtime.common import (
     linear,
     linear_backward,
 )
+from unroller.runtime.opaque import aten, aten_backward  # noqa: F401, E402 (refused by unsupported)
 
 # Every kernel and helper the two platforms share (see shared's doc), exported from here as
 # ipu kernels (see __all__ at the end); the definitions below replace shared ones of the same
 # name (``unsupported``). shapeops' sum and slice shadow the builtins here, so this module
 # calls neither bare.
 from unroller.runtime.shared import *  # noqa: F403
-from unroller.runtime.opaque import aten, aten_backward  # noqa: F401, E402 (refused by unsupported)
 
 # the clamp of (1 - p) * p in binary_cross_entropy's gradient: PyTorch's EPSILON, 1e-12 as a float32
 _BCE_EPS = struct.unpack("f", struct.pack("f", 1e-12))[0]
