@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -274,7 +273,6 @@ def fresh_native(monkeypatch):
 
     def fake_build(cxx, target):
         built.append(target)
-        time.sleep(0)
         target.write_bytes(b"stub")
 
     monkeypatch.setattr(native, "_build", fake_build)
