@@ -24,7 +24,6 @@ checks the same import against the original, one float64 step.
 
 from __future__ import annotations
 
-import os
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from unroller import stepcache
+from unroller.cache import generated_dir
 from unroller.compiler.options import Options
 from unroller.importer.api import module_import, module_label, module_text
 from unroller.importer.model import ImportFailure
@@ -43,12 +43,9 @@ from unroller.materialize import materialize
 
 def cache_dir() -> Path:
     """Where generated sources are kept: ``$UNROLLER_CACHE_DIR/generated``, else
-    ``$XDG_CACHE_HOME/unroller/generated``, else ``~/.cache/unroller/generated``."""
-    env = os.environ.get("UNROLLER_CACHE_DIR")
-    if env:
-        return Path(env).expanduser() / "generated"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "unroller" / "generated"
+    ``$XDG_CACHE_HOME/unroller/generated``, else ``~/.cache/unroller/generated``
+    (``unroller.cache``, which also bounds it and says how to clean it)."""
+    return generated_dir()
 
 
 #: The model text of a module on example inputs, as ``unroll import`` writes it.
@@ -317,6 +314,7 @@ def _build(original, how: _How, inputs: dict, target, mode: str) -> stepcache.Bu
         folder=how.directory if how.directory is not None else cache_dir(),
         file_name=f"{label}_{{digest}}.py",
         module_name=f"unroller_unrolled_{label}_{{digest}}",
+        cache=True,  # a folder given by the caller is a cache of code run too
     )
     return stepcache.Built(loaded.Model, text, loaded.source, loaded.path, graph)
 

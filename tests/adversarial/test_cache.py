@@ -1,4 +1,4 @@
-"""The cache never runs code it did not check (issue 37).
+"""The cache never runs code it did not check.
 
 One-shot ``unroller.unroll`` keeps generated modules in ``$UNROLLER_CACHE_DIR/generated``
 and the native kernels in ``.../native``; both are code this process runs. Reproducers:

@@ -1,4 +1,4 @@
-"""``unroller.unroll`` as a drop-in for the module (issue 37).
+"""``unroller.unroll`` as a drop-in for the module.
 
 - ``step(**batch)`` with a Hugging Face batch computes the model's own loss: a causal LM's
   shifted labels with -100 prompt tokens, a sequence classifier's cross-entropy (MSE for
