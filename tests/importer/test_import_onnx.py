@@ -540,10 +540,10 @@ def test_optimizer_folded_batchnorm_is_refused_with_the_fix(tmp_path):
             [("shift", (3, 1, 1))],
             "no registry operator takes a constant operand",
         ),
-        (  # Gemm with the weight stored [in, out]
+        (  # Gemm (transB=0: the weight stored [in, out]) by a weight of the wrong shape
             [("Flatten", ["x"], ["f"], {}), ("Gemm", ["f", "fc.weight"], ["y"], {})],
-            [("fc.weight", (48, 5))],
-            "transB=0",
+            [("fc.weight", (5, 48))],
+            "by a weight [5, 48]",
         ),
         (  # resizing modes torch's upsample does not compute
             [("Resize", ["x", "", "scales"], ["y"], {"mode": "cubic"})],

@@ -39,11 +39,11 @@ MAX_CHECK_ELEMENTS = 2**24
 #: cost a hostile file could make cubic in sizes it fits under the bounds above).
 FOLDED = frozenset(
     """Abs Add And ArgMax ArgMin Cast CastLike Ceil Clip Concat Constant ConstantOfShape
-    CumSum Div Dropout Equal Erf Exp Expand EyeLike Flatten Floor Gather GatherElements
+    Cos CumSum Div Dropout Equal Erf Exp Expand EyeLike Flatten Floor Gather GatherElements
     GatherND Greater GreaterOrEqual Identity IsInf IsNaN LeakyRelu Less LessOrEqual Log
     LogSoftmax Max Mean Min Mod Mul Neg Not OneHot Or Pad Pow Range Reciprocal ReduceMax
     ReduceMean ReduceMin ReduceProd ReduceSum Relu Reshape Round ScatterElements ScatterND
-    Shape Sigmoid Sign Size Slice Softmax Split Sqrt Squeeze Sub Sum Tanh Tile Transpose
+    Shape Sigmoid Sign Sin Size Slice Softmax Split Sqrt Squeeze Sub Sum Tanh Tile Transpose
     Trilu Unsqueeze Where Xor""".split()
 )
 

@@ -260,20 +260,21 @@ def gemm(view):
         view.has(2) and decimal32(view.attr("beta", 1.0)) != 1.0
     ):
         raise Refuse(f"alpha={view.attr('alpha', 1.0)}, beta={view.attr('beta', 1.0)}")
-    if not int(view.attr("transB", 0)):
-        raise Refuse(
-            "transB=0: the weight is stored [in, out], transposed from torch.nn.Linear's "
-            "[out, in], so its values are not the module's weight"
-        )
+    # transB=0 stores the weight [in, out] (a Keras Dense, torch.addmm of a raw matrix):
+    # ``transposed_linear`` (x @ weight + bias) holds it as stored, so the state dict keeps
+    # the file's values and shape, and nothing is transposed to fit torch.nn.Linear
+    stored = not int(view.attr("transB", 0))
     weight = view.param_shape(1, "weight")
+    out_features, in_features = (weight[1], weight[0]) if stored else weight
     x = view.in_shape(0)
-    if len(x) != 2 or x[1] != weight[1]:
+    if len(weight) != 2 or len(x) != 2 or x[1] != in_features:
         raise Refuse(f"a linear map of {list(x)} by a weight {list(weight)}")
     bias = _bias(view, 2)
-    if bias and view.param_shape(2, "bias") != (weight[0],):
+    if bias and view.param_shape(2, "bias") != (out_features,):
         raise Refuse(f"a bias of shape {list(view.param_shape(2, 'bias'))}")
     layer = view.layer(weight=1, bias=2) if bias else view.layer(weight=1)
-    return view.stmt("linear", [view.value(0)], layer=layer, out_features=weight[0], bias=bias)
+    op = "transposed_linear" if stored else "linear"
+    return view.stmt(op, [view.value(0)], layer=layer, out_features=out_features, bias=bias)
 
 
 def _bias_add(view, out_features: int):

@@ -1,0 +1,163 @@
+"""ONNX import gaps closed exactly: ``Gemm(transB=0)`` (the weight stored [in, out]), a
+constant ``Cos``/``Sin`` folded, ``SplitToSequence`` read by ``SequenceAt`` at constant
+positions, and ONNX ops no registry operator computes that run as their ATen twin (the
+``aten`` fallback, refused under ``fallback=False``).
+
+Each file is built by hand from a small torch module's float32 weights; the generated
+module, loaded with that module's state dict (strict=True), must make the same float64
+training step as torch autograd on the module (loss and every gradient to 1e-10 relative)
+and predict what ``onnx.reference`` computes from the file.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+onnx = pytest.importorskip("onnx")
+
+from unroller.api import generate_from_text, import_generated, write_atomic  # noqa: E402
+from unroller.compiler.options import Options  # noqa: E402
+from unroller.importer.api import import_network  # noqa: E402
+from unroller.importer.onnx_frontend import onnx_state_dict  # noqa: E402
+
+TOLERANCE = 1e-10
+make = onnx.helper.make_node
+
+
+def _save(nodes, inits, inputs, outputs, folder: Path, opset: int = 18) -> tuple:
+    graph = onnx.helper.make_graph(nodes, "g", inputs, outputs, initializer=inits)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    path = folder / "case.onnx"
+    onnx.save(model, str(path))
+    return model, str(path)
+
+
+def _tensor(name: str, shape):
+    return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
+
+
+def _weights(module: nn.Module) -> list:
+    """The module's parameters as float32 initializers named by their state-dict keys."""
+    return [
+        onnx.numpy_helper.from_array(p.detach().float().numpy(), k)
+        for k, p in module.state_dict().items()
+    ]
+
+
+def _ints(name: str, values) -> onnx.TensorProto:
+    return onnx.numpy_helper.from_array(np.asarray(values, np.int64), name)
+
+
+def _generated(text: str, folder: Path):
+    source = generate_from_text(text, Options(platform="gpu", scheme="nocompress"))
+    path = write_atomic(folder / "gaps_generated.py", source)
+    return import_generated(path, f"onnx_gaps_{abs(hash(str(path)))}").Model
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().item()
+    return (got - want).abs().max().item() / max(scale, 1e-300)
+
+
+def _verifies(text: str, module: nn.Module, model, path: str, folder: Path, shape) -> None:
+    """One float64 mse step of the generated module against autograd on ``module``, and
+    its prediction against onnx.reference on the file (float32: to its rounding)."""
+    module = module.double().train()
+    generated = _generated(text, folder)().double().train()
+    generated.load_state_dict(module.state_dict(), strict=True)
+    assert set(onnx_state_dict(path)) == set(module.state_dict())
+    torch.manual_seed(1)
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    out = module(x)
+    y = torch.randn_like(out)
+    loss = generated(x, y)
+    want = F.mse_loss(out, y)
+    want.backward()
+    assert _relative(loss.detach(), want.detach()) <= TOLERANCE
+    grads = dict(generated.named_parameters())
+    for key, param in module.named_parameters():
+        assert grads[key].grad is not None, key
+        assert _relative(grads[key].grad, param.grad) <= TOLERANCE, key
+    x32 = x.float().numpy()
+    reference = onnx.reference.ReferenceEvaluator(model).run(None, {"x": x32})[0]
+    got = generated.predict(torch.from_numpy(x32).double()).detach().numpy()
+    assert np.allclose(got, reference, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- Gemm(transB=0)
+
+
+class StoredDense(nn.Module):
+    """x @ W + b with W stored [in, out] (a Keras Dense; torch.addmm of a raw matrix)."""
+
+    def __init__(self, bias: bool = True):
+        super().__init__()
+        self.fc = nn.Module()
+        self.fc.weight = nn.Parameter(torch.randn(6, 4))
+        self.fc.bias = nn.Parameter(torch.randn(4)) if bias else None
+
+    def forward(self, x):
+        y = x @ self.fc.weight
+        return y if self.fc.bias is None else y + self.fc.bias
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_gemm_with_the_weight_stored_in_out_is_a_transposed_linear(bias, tmp_path):
+    """``Gemm(transB=0)``: ``transposed_linear``, its weight the file's [in, out] values."""
+    torch.manual_seed(0)
+    module = StoredDense(bias)
+    inputs = ["x", "fc.weight", "fc.bias"] if bias else ["x", "fc.weight"]
+    nodes = [make("Gemm", inputs, ["y"])]
+    model, path = _save(
+        nodes, _weights(module), [_tensor("x", ["N", 6])], [_tensor("y", ["N", 4])], tmp_path
+    )
+    text = import_network(path, ["x: f32[N, 6]"], loss="mse_loss").text
+    want = "fc = transposed_linear(x, out_features=4)" if bias else "bias=false"
+    assert want in text and "transposed_linear" in text, text
+    _verifies(text, module, model, path, tmp_path, (6,))
+
+
+# ---------------------------------------------------------------- constant Cos / Sin
+
+
+class Rotated(nn.Module):
+    """x cos(a) - x sin(a) through a linear layer (the factors folded at import)."""
+
+    def __init__(self, cos: float, sin: float):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+        self.cos, self.sin = cos, sin
+
+    def forward(self, x):
+        return self.fc(x * self.cos - x * self.sin)
+
+
+def test_constant_cos_and_sin_are_folded(tmp_path):
+    """``Cos`` and ``Sin`` of a constant angle are computed at import: scalar factors."""
+    angle = np.array(0.7, np.float32)
+    cos, sin = float(str(np.cos(angle))), float(str(np.sin(angle)))
+    torch.manual_seed(0)
+    module = Rotated(cos, sin)
+    nodes = [
+        make("Constant", [], ["angle"], value=onnx.numpy_helper.from_array(angle, "")),
+        make("Cos", ["angle"], ["c"]),
+        make("Sin", ["angle"], ["s"]),
+        make("Mul", ["x", "c"], ["xc"]),
+        make("Mul", ["x", "s"], ["xs"]),
+        make("Sub", ["xc", "xs"], ["r"]),
+        make("Gemm", ["r", "fc.weight", "fc.bias"], ["y"], transB=1),
+    ]
+    model, path = _save(
+        nodes, _weights(module), [_tensor("x", ["N", 5])], [_tensor("y", ["N", 3])], tmp_path
+    )
+    text = import_network(path, ["x: f32[N, 5]"], loss="mse_loss").text
+    assert f"factor={cos}" in text and f"factor={sin}" in text, text
+    assert math.isclose(cos, math.cos(0.7), rel_tol=1e-6)
+    _verifies(text, module, model, path, tmp_path, (5,))
