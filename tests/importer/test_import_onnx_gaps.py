@@ -25,6 +25,7 @@ onnx = pytest.importorskip("onnx")
 from unroller.api import generate_from_text, import_generated, write_atomic  # noqa: E402
 from unroller.compiler.options import Options  # noqa: E402
 from unroller.importer.api import import_network  # noqa: E402
+from unroller.importer.model import ImportFailure  # noqa: E402
 from unroller.importer.onnx_frontend import onnx_state_dict  # noqa: E402
 
 TOLERANCE = 1e-10
@@ -161,3 +162,75 @@ def test_constant_cos_and_sin_are_folded(tmp_path):
     assert f"factor={cos}" in text and f"factor={sin}" in text, text
     assert math.isclose(cos, math.cos(0.7), rel_tol=1e-6)
     _verifies(text, module, model, path, tmp_path, (5,))
+
+
+# ---------------------------------------------------------------- SplitToSequence
+
+
+class Pieces(nn.Module):
+    """Pieces of x [N, 6, 4] along dim 1: x[:, 2:5] (split [2, 3, 1], position 1), x[:, 5]
+    (keepdims=0 ones, position -1) and x[:, 4:] (split 2, position 2), mixed by linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x):
+        mid = self.a(x[:, 2:5]).sum(1)
+        return mid + self.b(x[:, 5]) + x[:, 4:].sum((1, 2)).unsqueeze(1)
+
+
+def test_split_to_sequence_read_at_constant_positions_is_slices(tmp_path):
+    """Each ``SequenceAt`` of a ``SplitToSequence`` (a 1-D split, ones without keepdims, a
+    scalar split) is a ``slice`` or ``select`` of the source."""
+    torch.manual_seed(0)
+    module = Pieces()
+    nodes = [
+        make("SplitToSequence", ["x", "sizes"], ["s1"], axis=1),
+        make("SequenceAt", ["s1", "one"], ["p1"]),
+        make("Transpose", ["a.weight"], ["at"], perm=[1, 0]),
+        make("MatMul", ["p1", "at"], ["m1"]),
+        make("Add", ["m1", "a.bias"], ["l1"]),
+        make("ReduceSum", ["l1", "axis1"], ["r1"], keepdims=0),
+        make("SplitToSequence", ["x"], ["s2"], axis=-2, keepdims=0),
+        make("SequenceAt", ["s2", "last"], ["p2"]),
+        make("Gemm", ["p2", "b.weight", "b.bias"], ["l2"], transB=1),
+        make("SplitToSequence", ["x", "two"], ["s3"], axis=1),
+        make("SequenceAt", ["s3", "two"], ["p3"]),
+        make("ReduceSum", ["p3", "axes12"], ["r3"], keepdims=1),
+        make("Squeeze", ["r3", "axis1"], ["q3"]),
+        make("Add", ["r1", "l2"], ["y0"]),
+        make("Add", ["y0", "q3"], ["y"]),
+    ]
+    consts = [
+        _ints("sizes", [2, 3, 1]),
+        _ints("one", 1),
+        _ints("last", -1),
+        _ints("two", 2),
+        _ints("axis1", [1]),
+        _ints("axes12", [1, 2]),
+    ]
+    model, path = _save(
+        nodes,
+        _weights(module) + consts,
+        [_tensor("x", ["N", 6, 4])],
+        [_tensor("y", ["N", 3])],
+        tmp_path,
+    )
+    text = import_network(path, ["x: f32[N, 6, 4]"], loss="mse_loss").text
+    assert "slice(x, dim=1, start=2, end=5)" in text, text
+    assert "select(x, dim=1, index=5)" in text, text
+    assert "slice(x, dim=1, start=4)" in text, text
+    _verifies(text, module, model, path, tmp_path, (6, 4))
+
+
+def test_a_sequence_read_otherwise_is_refused(tmp_path):
+    nodes = [
+        make("SplitToSequence", ["x"], ["s"], axis=1),
+        make("ConcatFromSequence", ["s"], ["y"], axis=1),
+    ]
+    _, path = _save(nodes, [], [_tensor("x", ["N", 6])], [_tensor("y", ["N", 6])], tmp_path)
+    with pytest.raises(ImportFailure) as caught:
+        import_network(path, ["x: f32[N, 6]"], loss="mse_loss", fallback=False)
+    assert "not SequenceAt" in caught.value.format()

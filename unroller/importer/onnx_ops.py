@@ -818,6 +818,29 @@ def slice_(view):
     return view.stmt("slice", [view.value(0)], dim=axis, start=start, end=stop, step=step)
 
 
+@maps("SplitToSequence")
+def split_to_sequence(view):
+    """The sequence is its source: each ``SequenceAt`` at a constant position slices it
+    (``split_piece``); any other reader of the sequence is refused here."""
+    others = [u.op for u in view.users(0) if u.op != "SequenceAt"]
+    if others or view.node.output[0] == view.m.output:
+        raise Refuse(f"its sequence is read by {others or ['the graph output']}, not SequenceAt")
+    return view.value(0)
+
+
+@maps("SequenceAt")
+def sequence_at(view):
+    x = view.value(0)  # the source, or Poisoned where the split failed
+    source, axis, start, end, squeezed = view.m.split_piece(view.node, view.m.shapes)
+    size = view.m.shape(source)[axis]
+    if squeezed:
+        return view.stmt("select", [x], dim=axis, index=start)
+    if (start, end) == (0, size):
+        return x
+    stop = None if end == size else end
+    return view.stmt("slice", [x], dim=axis, start=start, end=stop)
+
+
 def _embedding_padding(view) -> int | None:
     """``padding_idx`` from the dynamo exporter's record of ``aten.embedding`` (its row gets
     no gradient); ONNX itself does not carry it, so a file without the record trains

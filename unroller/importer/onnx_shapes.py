@@ -40,6 +40,9 @@ class _Shapes:
 
     def _infer_node(self, node, shapes: dict[str, tuple], which: int) -> None:
         """ONNX shape inference of one data node into ``shapes`` (run ``which``)."""
+        if node.op_type == "SequenceAt" and node.domain in DEFAULT_DOMAINS:
+            self._infer_piece(node, shapes)
+            return
         helper = self.onnx.helper
         ins, inits, seen = [], [], set()
         for name in node.input:
@@ -82,6 +85,78 @@ class _Shapes:
                 dims = value_dims(value)
                 if dims is not None:
                     shapes[value.name] = tuple(d if isinstance(d, int) else None for d in dims)
+
+    def _infer_piece(self, node, shapes: dict[str, tuple]) -> None:
+        """A tensor read from a sequence: ONNX infers no shape through sequence types, so
+        the piece's shape comes from ``split_piece`` (none where it refuses: the mapper
+        says why)."""
+        try:
+            source, axis, start, end, squeezed = self.split_piece(node, shapes)
+        except Refuse:
+            return
+        dims = list(shapes[source])
+        dims[axis] = end - start
+        if squeezed:
+            del dims[axis]
+        shapes[node.output[0]] = tuple(dims)
+        self.dtypes[node.output[0]] = self.dtypes.get(source, 0)
+
+    def split_piece(self, node, shapes) -> tuple[str, int, int, int, bool]:
+        """(source, axis, start, end, squeezed) of the piece a ``SequenceAt`` node reads
+        from a ``SplitToSequence`` at a constant position: a slice of the source (the
+        sequence exists only as those slices, so nothing else may read it)."""
+        made = self.producer.get(node.input[0])
+        split = self.nodes[made] if made is not None else None
+        if split is None or split.op_type != "SplitToSequence" or len(node.input) < 2:
+            raise Refuse("a SequenceAt of a sequence that no SplitToSequence makes")
+        source = split.input[0]
+        dims = shapes.get(source)
+        if source not in self.data or not dims or None in dims:
+            raise Refuse(f"the shape of {source} is not known")
+        attrs = {a.name: a.i for a in split.attribute}
+        axis = attrs.get("axis", 0)
+        if not -len(dims) <= axis < len(dims) or axis % len(dims) == 0:
+            raise Refuse(f"splitting {source} along axis {axis} (the batch dim or none)")
+        axis %= len(dims)
+        size = dims[axis]
+        sizes = self._split_sizes(split, size)
+        position = self._constant_int(node.input[1], "its position")
+        if not -len(sizes) <= position < len(sizes):
+            raise Refuse(f"position {position} of a sequence of {len(sizes)} tensors")
+        position %= len(sizes)
+        start = sum(sizes[:position])
+        squeezed = len(split.input) < 2 or not split.input[1]
+        squeezed = squeezed and not attrs.get("keepdims", 1)
+        return source, axis, start, start + sizes[position], squeezed
+
+    def _split_sizes(self, split, size: int) -> list[int]:
+        """The piece sizes of ``SplitToSequence``: ones without ``split``, pieces of a scalar
+        split (the last one shorter), or the 1-D list, which must add up to ``size``."""
+        if len(split.input) < 2 or not split.input[1]:
+            return [1] * size
+        name = split.input[1]
+        if name in self.data or not self.is_constant(name):
+            raise Refuse("a SplitToSequence whose split is computed from the data")
+        a, b = self.pair(name)
+        if not np.array_equal(a, b) or a.dtype.kind not in "iu" or a.ndim > 1:
+            raise Refuse("a SplitToSequence split that is not constant integers")
+        if a.ndim == 0:
+            step = int(a)
+            if step < 1:
+                raise Refuse(f"a SplitToSequence split of {step}")
+            return [min(step, size - k) for k in range(0, size, step)]
+        sizes = [int(v) for v in a.tolist()]
+        if any(v < 0 for v in sizes) or sum(sizes) != size:
+            raise Refuse(f"a SplitToSequence split {sizes} of a dim of {size}")
+        return sizes
+
+    def _constant_int(self, name: str, what: str) -> int:
+        if name in self.data or not self.is_constant(name):
+            raise Refuse(f"{what} is computed from the data")
+        a, b = self.pair(name)
+        if a.size != 1 or a.dtype.kind not in "iu" or not np.array_equal(a, b):
+            raise Refuse(f"{what} is not one constant integer")
+        return int(a.reshape(()))
 
     def shape(self, name: str) -> tuple:
         """A data value's shape, ``N`` first; Refuse if unknown or the batch is not first."""
