@@ -13,14 +13,16 @@ import torch
 from torch import nn
 
 from unroller.analysis.verify import verify_module
+from unroller.importer.api import module_text
 from unroller.importer.model import ImportFailure
 
 
 def _verified(net, inputs, target=None, **kwargs):
+    """The imported text of ``net``, after checking it against ``net`` exactly."""
     torch.manual_seed(0)
     report = verify_module(net, inputs, target, **kwargs)
     assert report.ok, report.problems or report.table()
-    return report
+    return module_text(net, inputs, target)
 
 
 class _Conv(nn.Module):
@@ -49,3 +51,23 @@ def test_string_conv_padding_imports_as_numbers(padding, kernel, dilation, one_d
 def test_same_padding_with_an_even_kernel_is_refused_with_its_reason():
     with pytest.raises(ImportFailure, match="one more on the right"):
         verify_module(_Conv("same", 4), (torch.randn(2, 3, 8, 8),))
+
+
+class _SharedActivation(nn.Module):
+    """One activation instance called twice: a plain one, and transformers' tanh GELU,
+    which maps as one collapsed statement per call (ALBERT's shared activation)."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.a, self.b, self.act = nn.Linear(8, 8), nn.Linear(8, 5), act
+
+    def forward(self, x):
+        return self.b(self.act(self.a(self.act(x))))
+
+
+@pytest.mark.parametrize("tanh_gelu", [False, True])
+def test_an_activation_called_twice_gets_two_statements(tanh_gelu):
+    from transformers.activations import NewGELUActivation
+
+    net = _SharedActivation(NewGELUActivation() if tanh_gelu else nn.GELU())
+    assert "act_1 = gelu(" in _verified(net, (torch.randn(2, 8),))

@@ -16,6 +16,7 @@ from unroller.importer.hf_norms import is_hf_rmsnorm, rmsnorm_kwargs
 from unroller.importer.model import BATCH, Stmt, shape_text, valid_path
 from unroller.importer.torch_nodes import (
     Poisoned,
+    call_group,
     is_causal_mask,
     is_size_value,
     qualname,
@@ -141,14 +142,16 @@ def _collapsed_stmt(mapper, path, module, nodes, escaping, op, args, kwargs, par
         if key in mapper.used_params:
             raise Refuse(f"{key} is used by two operators (tied weights)")
         mapper.used_params[key] = path
-    if path in mapper.names or not valid_path(path):
-        raise Refuse(unusable_name(path) if not valid_path(path) else f"{path} is called twice")
-    mapper.names.add(path)
+    if not valid_path(path):
+        raise Refuse(unusable_name(path))
+    if path in mapper.names and params:
+        raise Refuse(f"{path} is called twice")
+    name = mapper.unique(path)  # a module without parameters called again: path_1
     mapper.classes.setdefault(path, qualname(type(module)))
     mapper._record_classes(nodes[0])
     kwargs = {**kwargs, **mapper.frozen_kwargs(path)}
-    mapper.stmts.append(Stmt(path, op, args, kwargs, path, mapper.shape(escaping[0])))
-    return path
+    mapper.stmts.append(Stmt(name, op, args, kwargs, path, mapper.shape(escaping[0])))
+    return name
 
 
 def _hf_conv1d(mapper, path, module, nodes, external, escaping) -> str:
@@ -227,12 +230,13 @@ class _Collapse:
                 continue
             for path, cls in self.stack(node):
                 if self.collapser(path, cls) is not None:
-                    groups[node] = path
+                    groups[node] = call_group(node, path)
                     break
         return groups
 
-    def _collapse(self, path: str) -> None:
-        nodes = [n for n in self.nodes if self.groups.get(n) == path]
+    def _collapse(self, group: str) -> None:
+        nodes = [n for n in self.nodes if self.groups.get(n) == group]
+        path = group.partition("@")[0]
         members = set(nodes)
         cls = next(c for p, c in self.stack(nodes[0]) if p == path)
         external: list[fx.Node] = []

@@ -22,6 +22,16 @@ def strip_wrapper(path: str) -> str:
     return path[len(WRAPPER_PREFIX) :] if path.startswith(WRAPPER_PREFIX) else path
 
 
+def call_group(node, path: str) -> str:
+    """``path`` for the first call of that module in ``node``'s stack, ``path@K`` for its
+    K-th repeat (export's ``nn_module_stack`` key suffix): a module called twice (ALBERT's
+    shared layer, one activation instance used twice) is two calls, two groups."""
+    for key, (where, _cls) in (node.meta.get("nn_module_stack") or {}).items():
+        if strip_wrapper(where) == path and "@" in key:
+            return f"{path}@{key.rpartition('@')[2]}"
+    return path
+
+
 def qualname(cls) -> str:
     if isinstance(cls, str):
         module, _, rest = cls.partition(".")
