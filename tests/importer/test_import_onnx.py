@@ -449,7 +449,7 @@ def test_every_unmapped_node_is_listed_once_with_name_and_op(tmp_path):
     path = tmp_path / "bad.onnx"
     onnx.save(model, str(path))
     with pytest.raises(ImportFailure) as caught:
-        import_network(str(path), ["x: f32[N, 3, 8, 8]"])
+        import_network(str(path), ["x: f32[N, 3, 8, 8]"], fallback=False)
     unmapped = caught.value.unmapped
     assert [u.op for u in unmapped] == [
         "onnx::Erf (erf_node)",
@@ -479,7 +479,7 @@ def test_unsupported_ops_of_an_exported_module_name_their_module_path(tmp_path):
 
     path = export(Net(), tmp_path / "net.onnx")
     with pytest.raises(ImportFailure) as caught:
-        import_network(str(path), [IMAGE])
+        import_network(str(path), [IMAGE], fallback=False)
     found = {(u.module_path, u.op.split(" ")[0]) for u in caught.value.unmapped}
     assert ("mix", "onnx::Erf") in found and ("mix", "onnx::CumSum") in found, found
     assert any(op.startswith("onnx::Gather") and path == "" for path, op in found), found

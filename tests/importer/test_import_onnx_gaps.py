@@ -234,3 +234,99 @@ def test_a_sequence_read_otherwise_is_refused(tmp_path):
     with pytest.raises(ImportFailure) as caught:
         import_network(path, ["x: f32[N, 6]"], loss="mse_loss", fallback=False)
     assert "not SequenceAt" in caught.value.format()
+
+
+# ---------------------------------------------------------------- the aten fallback
+
+
+class Fallbacks(nn.Module):
+    """Ops only an ATen overload computes: exp, cumsum, an L2 norm, pow, max, logsumexp."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)  # [N, 3, 4]
+        e = torch.cumsum(torch.exp(h), 2)
+        n = torch.linalg.vector_norm(e, 2, [2], True)  # [N, 3, 1]
+        p = torch.maximum(h.pow(2.0), torch.sqrt(torch.abs(x)))
+        return p / n + torch.logsumexp(h, [1], True)
+
+
+def _fallback_graph(module: nn.Module) -> tuple[list, list]:
+    nodes = [
+        make("Transpose", ["fc.weight"], ["wt"], perm=[1, 0]),
+        make("MatMul", ["x", "wt"], ["mm"]),
+        make("Add", ["mm", "fc.bias"], ["h"]),
+        make("Exp", ["h"], ["e0"]),
+        make("CumSum", ["e0", "two"], ["e"]),
+        make("ReduceL2", ["e", "axes2"], ["n"]),
+        make("Pow", ["h", "power"], ["sq"]),
+        make("Abs", ["x"], ["ax"]),
+        make("Sqrt", ["ax"], ["rt"]),
+        make("Max", ["sq", "rt"], ["p"]),
+        make("Div", ["p", "n"], ["q"]),
+        make("ReduceLogSumExp", ["h", "axes1"], ["l"]),
+        make("Add", ["q", "l"], ["y"]),
+    ]
+    consts = [
+        _ints("two", 2),
+        _ints("axes2", [2]),
+        _ints("axes1", [1]),
+        onnx.numpy_helper.from_array(np.array(2.0, np.float32), "power"),
+    ]
+    return nodes, _weights(module) + consts
+
+
+def test_onnx_ops_with_an_aten_twin_run_as_aten_statements(tmp_path):
+    """Exp, CumSum, ReduceL2, Pow, Abs, Sqrt, Max and ReduceLogSumExp become ``aten``
+    statements (each named in an ``opaque:`` note), exact in value and gradient."""
+    torch.manual_seed(0)
+    module = Fallbacks()
+    nodes, inits = _fallback_graph(module)
+    io = [_tensor("x", ["N", 3, 4])], [_tensor("y", ["N", 3, 4])]
+    model, path = _save(nodes, inits, *io, tmp_path)
+    imported = import_network(path, ["x: f32[N, 3, 4]"], loss="mse_loss")
+    text = imported.text
+    for call in (
+        'op="aten.cumsum.default", call="t0, 2"',
+        'op="aten.linalg_vector_norm.default", call="t0, 2, [2], True"',
+        'op="aten.pow.Tensor_Scalar", call="t0, 2.0"',
+        'op="aten.maximum.default", call="t0, t1"',
+        'op="aten.logsumexp.default", call="t0, [1], True"',
+    ):
+        assert call in text, text
+    opaque = [n for n in imported.model.notes if n.startswith("opaque: ")]
+    assert len(opaque) == 8 and "onnx::CumSum" in " ".join(opaque), opaque
+    _verifies(text, module, model, path, tmp_path, (3, 4))
+
+
+def test_no_fallback_lists_the_ops_instead(tmp_path):
+    """``fallback=False`` (``--no-fallback``) leaves every such op unmapped, all listed."""
+    torch.manual_seed(0)
+    nodes, inits = _fallback_graph(Fallbacks())
+    io = [_tensor("x", ["N", 3, 4])], [_tensor("y", ["N", 3, 4])]
+    _, path = _save(nodes, inits, *io, tmp_path)
+    with pytest.raises(ImportFailure) as caught:
+        import_network(path, ["x: f32[N, 3, 4]"], loss="mse_loss", fallback=False)
+    listed = caught.value.format()
+    for op in ("Exp", "Pow", "Abs", "Max", "ReduceLogSumExp"):
+        assert f"onnx::{op}" in listed, listed
+
+
+@pytest.mark.parametrize(
+    "node, reason",
+    [
+        (make("CumSum", ["x", "zero"], ["y"]), "the batch dim"),
+        (make("CumSum", ["x", "one"], ["y"], reverse=1), "exclusive or reversed"),
+        (make("ReduceL2", ["x", "zero"], ["y"]), "over the batch dim"),
+    ],
+)
+def test_fallbacks_that_would_not_be_exact_are_refused(node, reason, tmp_path):
+    inits = [_ints("zero", [0]) if node.op_type == "ReduceL2" else _ints("zero", 0)]
+    inits.append(_ints("one", 1))
+    _, path = _save([node], inits, [_tensor("x", ["N", 6])], [_tensor("y", None)], tmp_path)
+    with pytest.raises(ImportFailure) as caught:
+        import_network(path, ["x: f32[N, 6]"], loss="mse_loss")
+    assert reason in caught.value.format()

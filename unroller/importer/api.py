@@ -69,8 +69,9 @@ def import_network(
     checked graph; ``built``: the torch.nn module itself (``unroller.unroll``), SPEC then
     only its label. ``inputs`` and ``target``: ``NAME: DTYPE[N, ...]`` as written on the
     command line, or the declarations themselves (``module_import`` reads them off example
-    tensors), checked alike. ``fallback``: an ATen node no registry operator computes
-    becomes an ``aten`` statement (named in the text's notes); False refuses it."""
+    tensors), checked alike. ``fallback``: an ATen node (or an ONNX op one ATen overload
+    computes) no registry operator computes becomes an ``aten`` statement (named in the
+    text's notes); False refuses it."""
     if not inputs:
         raise ImportFailure('give the network\'s inputs: --input "x: f32[N, 3, 224, 224]"')
     if len(inputs) > MAX_INPUTS:
@@ -87,7 +88,7 @@ def import_network(
 
         if kwargs if isinstance(kwargs, dict) else parse_kwargs(kwargs):
             raise ImportFailure("--kwargs: an ONNX file is not built by a factory")
-        model, state = import_onnx(Path(spec), tensors, label, spec)
+        model, state = import_onnx(Path(spec), tensors, label, spec, fallback=fallback)
     else:
         from unroller.importer.torch_frontend import import_torch
 

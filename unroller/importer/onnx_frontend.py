@@ -77,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-from unroller.importer import onnx_ops
+from unroller.importer import onnx_aten, onnx_ops
 from unroller.importer.aten_ops import Refuse
 from unroller.importer.model import (
     ImportedModel,
@@ -359,8 +359,9 @@ class _Mapper(_Collapse, _Shapes):
     """Reads the graph once: shapes, constants, then statements or unmapped records; the
     state lives here, shape inference and collapsed calls in the mixins."""
 
-    def __init__(self, model, inputs: Sequence[Tensor], source: str):
+    def __init__(self, model, inputs: Sequence[Tensor], source: str, fallback: bool = True):
         self.onnx = _onnx()
+        self.fallback = fallback  # an op only an ATen overload computes: ``onnx_aten``
         self.model = model
         self.graph = model.graph
         self.source = source
@@ -639,6 +640,8 @@ class _Mapper(_Collapse, _Shapes):
     def _map(self, i: int) -> None:
         node = self.nodes[i]
         mapper = onnx_ops.MAPPERS.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
+        if mapper is None and self.fallback and node.domain in DEFAULT_DOMAINS:
+            mapper = onnx_aten.opaque if node.op_type in onnx_aten.ATEN else None
         if mapper is None:
             domain = f"{node.domain}::" if node.domain not in DEFAULT_DOMAINS else ""
             self._fail(i, f"no registry operator computes {domain}{node.op_type}")
@@ -747,8 +750,10 @@ class _Mapper(_Collapse, _Shapes):
 # ---------------------------------------------------------------- entry points
 
 
-def _mapped(model, inputs: Sequence[Tensor], source: str) -> tuple[_Mapper, str]:
-    mapper = _Mapper(model, inputs, source)
+def _mapped(
+    model, inputs: Sequence[Tensor], source: str, fallback: bool = True
+) -> tuple[_Mapper, str]:
+    mapper = _Mapper(model, inputs, source, fallback)
     prediction = mapper.run()
     if mapper.unmapped:
         raise ImportFailure(f"cannot import {source}", mapper.unmapped)
@@ -757,11 +762,13 @@ def _mapped(model, inputs: Sequence[Tensor], source: str) -> tuple[_Mapper, str]
 
 
 def import_onnx(
-    path: Path, inputs: Sequence[Tensor], name: str, source: str
+    path: Path, inputs: Sequence[Tensor], name: str, source: str, fallback: bool = True
 ) -> tuple[ImportedModel, dict[str, tuple[int, ...]]]:
     """The ONNX network as an ImportedModel (no loss yet) and the state the imported module
-    must hold ({state-dict key: shape}); ImportFailure lists every unmapped node."""
-    mapper, prediction = _mapped(load_model(path), inputs, source)
+    must hold ({state-dict key: shape}); ImportFailure lists every unmapped node.
+    ``fallback``: an op only an ATen overload computes becomes an ``aten`` statement
+    (``onnx_aten``); False leaves it unmapped."""
+    mapper, prediction = _mapped(load_model(path), inputs, source, fallback)
     model = mapper.model
     notes = [f"read from ONNX (opset {mapper.opset}, written by {_producer(model)})"]
     if len(model.graph.output) > 1:
