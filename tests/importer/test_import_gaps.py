@@ -71,3 +71,38 @@ def test_an_activation_called_twice_gets_two_statements(tanh_gelu):
 
     net = _SharedActivation(NewGELUActivation() if tanh_gelu else nn.GELU())
     assert "act_1 = gelu(" in _verified(net, (torch.randn(2, 8),))
+
+
+class _UnreadToken(nn.Module):
+    """A parameter ``forward`` never reads (DINOv2's ``mask_token``), trainable or frozen."""
+
+    def __init__(self, frozen=False):
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+        self.mask_token = nn.Parameter(torch.zeros(1, 8), requires_grad=not frozen)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_parameter_forward_never_reads_is_held_without_a_gradient(frozen):
+    net = _UnreadToken(frozen)
+    text = _verified(net, (torch.randn(2, 8),))
+    frozen_text = ", frozen=true" if frozen else ""
+    assert f"mask_token = parameter(shape=(1, 8){frozen_text})" in text
+
+
+def test_dinov2_imports_and_verifies():
+    from transformers import Dinov2Config, Dinov2Model
+
+    config = Dinov2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=8,
+    )
+    text = _verified(Dinov2Model(config), (torch.randn(2, 3, 16, 16),))
+    assert "embeddings.mask_token = parameter(" in text

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from unroller.importer.aten_ops import Refuse
-from unroller.importer.model import BATCH, Unmapped
+from unroller.importer.model import BATCH, Stmt, Unmapped, valid_path
 from unroller.importer.torch_nodes import (
     FILLED,
     VIEW_OPS,
@@ -167,6 +167,23 @@ class _Checks:
             return
         what = self.buffers.get(mutated.name) or self.params.get(mutated.name) or mutated.name
         self._fail(node, target_name(node), f"writes {what} in place, which the step would drop")
+
+    def _hold_unread_parameters(self) -> None:
+        """A parameter that ``forward`` never reads (DINOv2's ``mask_token``, read only when
+        ``bool_masked_pos`` is given): a ``parameter`` statement under its key that nothing
+        reads, so the state dict keeps every key and its gradient stays None, as under
+        autograd (``frozen=true`` where it does not require one)."""
+        for key, param in self.module.named_parameters():
+            if key in self.used_params or key in self.names or not valid_path(key):
+                continue  # read, tied (held by ``_hold_unused_owners``) or reported
+            shape = tuple(int(d) for d in param.shape)
+            kwargs = {"shape": shape, "init": "zeros"}
+            if not param.requires_grad:
+                kwargs["frozen"] = True
+                self.frozen_marked.add(key)
+            self.names.add(key)
+            self.used_params[key] = key
+            self.stmts.append(Stmt(key, "parameter", [], kwargs, key.rpartition(".")[0], shape))
 
     def _check_state(self) -> None:
         """Every parameter and buffer in the state dict has a statement that owns it."""

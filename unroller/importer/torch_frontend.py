@@ -525,6 +525,7 @@ class _Mapper(_Collapse, _Patterns, _Checks):
                     str(exc),
                 )
         self._hold_unused_owners()
+        self._hold_unread_parameters()
         self._check_state()
         return predictions
 
