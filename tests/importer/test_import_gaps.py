@@ -106,3 +106,21 @@ def test_dinov2_imports_and_verifies():
     )
     text = _verified(Dinov2Model(config), (torch.randn(2, 3, 16, 16),))
     assert "embeddings.mask_token = parameter(" in text
+
+
+def test_a_causal_lm_with_its_default_use_cache_imports():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    assert config.use_cache
+    net = LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+    _verified(net, (ids,), torch.randint(0, 64, (2, 8)))
+    assert net.config.use_cache  # left as it was

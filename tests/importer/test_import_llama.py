@@ -127,15 +127,14 @@ def test_the_float64_twin_equals_hugging_face_rmsnorm_in_float32():
     assert swap_float64_twins(root) == ["0"] and isinstance(root[0], torch.nn.RMSNorm)
 
 
-def test_use_cache_is_named_with_its_fix():
-    """A config with use_cache=True (the default of every decoder): the failure is one line
-    that names the cache and the fix, not the ``detach_`` it shows up as."""
-    with pytest.raises(ImportFailure) as caught:
-        imported(use_cache=True)
-    assert len(caught.value.unmapped) == 1
-    text = str(caught.value)
-    assert "use_cache=True" in text and "use_cache=False" in text
-    assert "key/value cache" in text and "detach_" not in text
+def test_use_cache_is_captured_without_the_cache():
+    """A config with use_cache=True (the default of every decoder): the key/value cache is
+    an output only generation reads, so the capture runs with it off; the text is the one
+    of use_cache=False, and the config is left as it was."""
+    text = imported(use_cache=True)
+    assert text == imported(use_cache=False)
+    report = verify_text(text, SPEC, {"use_cache": True})
+    assert report.ok, report.problems or report.table()
 
 
 @pytest.mark.parametrize("factory", ["hf_gpt_neox", "hf_phi"])

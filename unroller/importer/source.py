@@ -318,6 +318,22 @@ def call_with_inputs(module, names: Sequence[str] | None, values: Sequence):
     return module(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _without_cache(module):
+    """``config.use_cache`` off while the capture runs a Hugging Face model (every causal
+    LM's default is on): the key/value cache is an output only generation reads, written in
+    place, and the predictions are the same without it, so the step is captured without."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in module.modules())}
+    caching = [c for c in configs.values() if getattr(c, "use_cache", None) is True]
+    for config in caching:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in caching:
+            config.use_cache = True
+
+
 class Predictions:
     """Wraps a module so that ``forward`` returns the prediction tensor only (what export
     captures), taking the declared inputs positionally and passing each to the module by
@@ -333,7 +349,8 @@ class Predictions:
                 self.inner = inner
 
             def forward(self, *args):
-                return predictions(call_with_inputs(self.inner, names, args))
+                with _without_cache(self.inner):
+                    return predictions(call_with_inputs(self.inner, names, args))
 
         return _Predictions(inner)
 
