@@ -124,3 +124,44 @@ def test_a_causal_lm_with_its_default_use_cache_imports():
     ids = torch.randint(0, 64, (2, 8))
     _verified(net, (ids,), torch.randint(0, 64, (2, 8)))
     assert net.config.use_cache  # left as it was
+
+
+def test_rmsnorm_copies_whose_comments_differ_are_recognised():
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.mt5.modeling_mt5 import MT5LayerNorm
+
+    from unroller.importer.hf_norms import is_gemma_rmsnorm, is_t5_layernorm
+
+    assert is_gemma_rmsnorm(Gemma2RMSNorm) and is_t5_layernorm(MT5LayerNorm)
+
+
+class _Gemma2Norm(nn.Module):
+    """Gemma2's RMSNorm (``1 + weight``) before a head: Gemma2 itself stays refused at its
+    eager attention, whose softmax rounds to float32 inside."""
+
+    def __init__(self):
+        from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+        super().__init__()
+        self.norm, self.fc = Gemma2RMSNorm(8), nn.Linear(8, 5)
+        nn.init.normal_(self.norm.weight)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def test_gemma2_rmsnorm_imports_as_rmsnorm():
+    text = _verified(_Gemma2Norm(), (torch.randn(2, 4, 8),), torch.randint(0, 5, (2, 4)))
+    assert "norm = rmsnorm(x0, normalized_shape=8, eps=1e-06, weight_offset=1.0)" in text
+
+
+def test_mt5_imports_and_verifies():
+    from transformers import MT5Config, MT5ForConditionalGeneration
+
+    config = MT5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, use_cache=False
+    )
+    ids = torch.randint(0, 64, (2, 8))
+    inputs = {"input_ids": ids, "decoder_input_ids": ids}
+    text = _verified(MT5ForConditionalGeneration(config), inputs, torch.randint(0, 64, (2, 8)))
+    assert "layer_norm = rmsnorm(" in text

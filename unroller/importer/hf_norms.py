@@ -6,7 +6,8 @@ sources): ``x`` cast to float32, ``x * rsqrt(mean(x**2) + eps)``, cast back to `
 times ``weight``. Traced, that is pow, mean, add, rsqrt and mul, which no registry operator
 computes one by one; as a module it is ``torch.nn.RMSNorm`` (torch computes half-precision
 inputs in float32 too). A class is recognised by its source, not by its name: its
-``forward`` and ``__init__`` are Llama's, text for text (with its own class name), so a
+``forward`` and ``__init__`` are Llama's, statement for statement (with its own class name;
+comments and docstrings, which copies reword, aside), so a
 class that only looks alike (Gemma's ``1 + weight``, Olmo's) is never taken for it. Gemma's
 (``1 + weight``) and T5's ``T5LayerNorm`` (the same arithmetic as Llama's, written in its own
 words) are recognised the same way, each against its own source.
@@ -21,9 +22,11 @@ replaced, saying so in its notes; the float32 agreement of the two is tested on 
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import inspect
+import textwrap
 
 import torch
 
@@ -37,10 +40,34 @@ def _source(fn) -> str | None:
         return None
 
 
+def _code(source: str | None, own: str, name: str) -> str | None:
+    """What a method's source computes, as text: its syntax tree without comments and
+    docstrings, ``own`` (the class's name) read as ``name``. A "Copied from" class whose
+    comments name itself (Gemma2's "whilst Gemma2 is", mT5's "MT5 uses") is still the copy."""
+    if source is None:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(source.replace(own, name)))
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 def _copy_of(cls: type, module: str, name: str, parts: tuple[str, ...]) -> bool:
     """Whether ``cls`` is a ``transformers`` class whose methods ``parts`` are those of the
-    class ``name`` in ``transformers.models.MODULE`` word for word (its own name in place
-    of that class's): how "Copied from" classes are recognised, never by their names."""
+    class ``name`` in ``transformers.models.MODULE``, statement for statement (its own name
+    in place of that class's; comments and docstrings aside): how "Copied from" classes are
+    recognised, never by their names."""
     if not cls.__module__.startswith("transformers."):
         return False
     try:
@@ -49,11 +76,11 @@ def _copy_of(cls: type, module: str, name: str, parts: tuple[str, ...]) -> bool:
         return False
     if cls is reference:
         return True
-    mine = [_source(getattr(cls, part, None)) for part in parts]
-    theirs = [_source(getattr(reference, part, None)) for part in parts]
+    mine = [_code(_source(getattr(cls, part, None)), cls.__name__, name) for part in parts]
+    theirs = [_code(_source(getattr(reference, part, None)), name, name) for part in parts]
     if None in mine or None in theirs:
         return False
-    return [m.replace(cls.__name__, name) for m in mine] == theirs
+    return mine == theirs
 
 
 @functools.cache
