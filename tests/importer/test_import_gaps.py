@@ -155,6 +155,7 @@ def test_gemma2_rmsnorm_imports_as_rmsnorm():
     assert "norm = rmsnorm(x0, normalized_shape=8, eps=1e-06, weight_offset=1.0)" in text
 
 
+@pytest.mark.slow  # about 15 s
 def test_mt5_imports_and_verifies():
     from transformers import MT5Config, MT5ForConditionalGeneration
 
@@ -165,3 +166,52 @@ def test_mt5_imports_and_verifies():
     inputs = {"input_ids": ids, "decoder_input_ids": ids}
     text = _verified(MT5ForConditionalGeneration(config), inputs, torch.randint(0, 64, (2, 8)))
     assert "layer_norm = rmsnorm(" in text
+
+
+def _segformer(**kwargs):
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    config = SegformerConfig(
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[8, 16],
+        patch_sizes=[3, 3],
+        strides=[2, 2],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
+        decoder_hidden_size=16,
+        num_labels=3,
+        **kwargs,
+    )
+    return SegformerForSemanticSegmentation(config)
+
+
+@pytest.mark.slow  # about 15 s
+def test_segformer_without_stochastic_depth_imports_and_verifies():
+    _verified(_segformer(drop_path_rate=0.0), (torch.randn(2, 3, 16, 16),))
+
+
+def test_segformer_stochastic_depth_is_refused_with_its_fix():
+    """Its draw (``torch.rand`` of [N, 1, 1]) reads no tensor of the network, which the
+    opaque fallback cannot run as a statement: refused, by name, with the fix."""
+    with pytest.raises(ImportFailure, match="stochastic depth.*drop_path_rate=0.0"):
+        module_text(_segformer(), (torch.randn(2, 3, 16, 16),))
+
+
+def test_albert_with_one_layer_imports_and_verifies():
+    """ALBERT's tanh GELU; with two layers its one shared layer is called twice, its
+    weights read by two calls each, which stays refused (shared weights)."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    config = AlbertConfig(
+        vocab_size=64,
+        embedding_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_labels=3,
+    )
+    ids = torch.randint(0, 64, (2, 8))
+    _verified(AlbertForSequenceClassification(config), (ids,), torch.randint(0, 3, (2,)))
