@@ -161,14 +161,18 @@ def test_consequences_of_a_failure_are_not_listed_but_other_causes_are():
     assert ops == ["aten.special_erfcx.default", "aten.special_i0.default"], failure
 
 
-def test_attention_dropout_names_the_fix():
+def test_attention_dropout_with_a_mask_names_the_fix():
+    """Attention dropout imports as statements (sdpa with its dropout); with a causal mask
+    too it is refused, naming the dropout and the fix."""
+
     class Attn(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.attn = nn.MultiheadAttention(8, 2, dropout=0.1, batch_first=True)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.attn(x, x, x, need_weights=False)[0]
+            mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
+            return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
 
     failure = _fail(Attn(), "x: f32[N, 5, 8]")
     assert len(failure.unmapped) == 1, failure

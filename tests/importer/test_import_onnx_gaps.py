@@ -330,3 +330,63 @@ def test_fallbacks_that_would_not_be_exact_are_refused(node, reason, tmp_path):
     with pytest.raises(ImportFailure) as caught:
         import_network(path, ["x: f32[N, 6]"], loss="mse_loss")
     assert reason in caught.value.format()
+
+
+# ---------------------------------------------------------------- nn.MultiheadAttention
+
+
+class CrossAttention(nn.Module):
+    """Queries from x [N, 4, 8], keys and values from a memory m [N, 5, 8] (or keys from m
+    and values from v), optionally with attention dropout; self-attention without m."""
+
+    def __init__(self, mode: str = "cross", dropout: float = 0.0):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, dropout=dropout, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+        self.mode = mode
+
+    def forward(self, x, m, v):
+        key, value = {"cross": (m, m), "kv": (m, v), "self": (x, x)}[self.mode]
+        out = self.attn(x, key, value, need_weights=False)[0]
+        return self.fc(out + m.mean(1, keepdim=True) + v.mean(1, keepdim=True))
+
+
+MHA_INPUTS = ["x: f32[N, 4, 8]", "m: f32[N, 5, 8]", "v: f32[N, 5, 8]"]
+
+
+@pytest.mark.parametrize(
+    "mode, dropout",
+    [("cross", 0.0), ("kv", 0.0), ("cross", 0.25), ("self", 0.25)],
+    ids=["cross", "key_and_value_apart", "cross_dropout", "self_dropout"],
+)
+def test_multihead_attention_cross_or_with_dropout_verifies_exactly(mode, dropout):
+    """Cross-attention or attention dropout, which the registry's ``multihead_attention``
+    (self-attention, no dropout kernel) cannot say: the statements torch's forward runs
+    (packed in-projection, heads, ``scaled_dot_product_attention`` with the dropout,
+    ``out_proj``), checked by verify in float64 with seeded dropout masks."""
+    from unroller.analysis.verify import verify_text
+
+    def factory():
+        torch.manual_seed(0)
+        return CrossAttention(mode, dropout)
+
+    text = import_network(
+        "gaps:CrossAttention", MHA_INPUTS, "y: f32[N, 4, 3]", "mse_loss", built=factory()
+    ).text
+    assert "attn.in_proj_weight = parameter(shape=(24, 8))" in text, text
+    assert "attn.out_proj = linear(" in text, text
+    assert ("dropout=0.25" in text) == bool(dropout), text
+    report = verify_text(text, factory, None, batch_size=3)
+    assert report.ok, report.problems or report.table()
+
+
+def test_self_attention_without_dropout_stays_one_statement():
+    torch.manual_seed(0)
+    text = import_network(
+        "gaps:CrossAttention",
+        MHA_INPUTS,
+        "y: f32[N, 4, 3]",
+        "mse_loss",
+        built=CrossAttention("self"),
+    ).text
+    assert "attn = multihead_attention(x, num_heads=2)" in text, text

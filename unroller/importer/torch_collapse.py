@@ -32,11 +32,6 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
         raise Refuse("nn.MultiheadAttention without batch_first=True puts the batch in dim 1")
     if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
         raise Refuse("kdim/vdim, add_bias_kv or add_zero_attn")
-    if module.dropout != 0.0:
-        raise Refuse(
-            f"attention dropout {module.dropout}, whose random draws the import does not "
-            "carry over: build nn.MultiheadAttention with dropout=0.0 to import it"
-        )
     data = []
     padding = []  # key_padding_mask: a boolean input [N, S], True where padded
     causal = False
@@ -52,14 +47,22 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
             data.append(node)
         else:
             causal = is_causal_mask(mapper, node, causal, true_masks=True)
-    if len(data) != 1:
-        raise Refuse(
-            "query, key and value must be one tensor (self-attention); a key_padding_mask must "
-            "be a boolean model input [N, S] (True pads), and an attn_mask the causal mask or "
-            "one that masks nothing"
-        )
     if len(escaping) != 1:
         raise Refuse("the attention weights are used (need_weights=True)")
+    if not data or any(not _is_sequence(mapper, n, module.embed_dim) for n in data):
+        raise Refuse(
+            "a key_padding_mask must be a boolean model input [N, S] (True pads), and an "
+            "attn_mask the causal mask or one that masks nothing"
+        )
+    if len(data) > 1 or module.dropout != 0.0:
+        if padding or causal or any(_is_sdpa_with_mask(n) for n in nodes):
+            what = "cross-attention" if len(data) > 1 else f"attention dropout {module.dropout}"
+            raise Refuse(
+                f"a mask with {what}: only attention without a mask is written out of "
+                "statements; build nn.MultiheadAttention with dropout=0.0 (self-attention) "
+                "or call it without the mask"
+            )
+        return _composed_attention(mapper, path, module, nodes, data, escaping)
     for node in nodes:
         if target_name(node) == "aten.scaled_dot_product_attention.default":
             view = NodeView(mapper, node, target_name(node))
@@ -81,6 +84,120 @@ def _multihead_attention(mapper, path, module, nodes, external, escaping) -> str
     return _collapsed_stmt(
         mapper, path, module, nodes, escaping, "multihead_attention", args, kwargs, names
     )
+
+
+def _is_sequence(mapper, node: fx.Node, embed: int) -> bool:
+    """Whether ``node`` can be a query, key or value ([N, L, E]), not a mask read as data."""
+    shape = mapper.shape(node)
+    value = node.meta.get("val")
+    floating = isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+    return len(shape) == 3 and shape[0] == BATCH and shape[2] == embed and floating
+
+
+def _is_sdpa_with_mask(node: fx.Node) -> bool:
+    if target_name(node) != "aten.scaled_dot_product_attention.default":
+        return False
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+    return mask is not None or bool(causal)
+
+
+def _attention_inputs(nodes: list[fx.Node], data: list[fx.Node]) -> list[fx.Node]:
+    """query, key, value: ``F.multi_head_attention_forward`` transposes (batch_first) the
+    query first, then the key, then the value, each tensor once (``key is value`` shares
+    one), so the order in which the module's nodes first read them says which is which."""
+    order = []
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg in data and arg not in order:
+                order.append(arg)
+    if len(order) == 1:
+        return order * 3
+    if len(order) == 2:  # key is value (cross-attention on a memory)
+        return [order[0], order[1], order[1]]
+    return order
+
+
+def _composed_attention(mapper, path, module, nodes, data, escaping) -> str:
+    """``nn.MultiheadAttention`` as the statements torch's forward computes, where the
+    registry's ``multihead_attention`` (self-attention, no dropout kernel) cannot say it:
+    the packed in-projection of each input (a ``parameter`` holding ``in_proj_weight``,
+    ``matmul``, the bias added, then the query's, key's or value's third sliced off), the
+    heads split, ``scaled_dot_product_attention`` with the module's dropout (seeded, as
+    torch's sdpa draws), the heads joined and ``out_proj`` a ``linear``."""
+    query, key, value = _attention_inputs(nodes, data)
+    heads, embed = module.num_heads, module.embed_dim
+    weight, bias = _packed_parameters(mapper, path, nodes, module.in_proj_bias is not None)
+    projected: dict[fx.Node, str] = {}
+    parts = []
+    for k, node in enumerate((query, key, value)):
+        shape = mapper.shape(node)
+        if len(shape) != 3 or shape[0] != BATCH or shape[2] != embed:
+            raise Refuse(f"attention on {shape_text(shape)}: expected [N, L, {embed}]")
+        length = shape[1]
+        if node not in projected:
+            projected[node] = _in_projection(mapper, path, node, weight, bias, embed, length)
+        part = _stmt(
+            mapper,
+            path,
+            "slice",
+            [projected[node]],
+            {"dim": 2, "start": k * embed, "end": (k + 1) * embed},
+            (BATCH, length, embed),
+        )
+        split = (BATCH, length, heads, embed // heads)
+        part = _stmt(mapper, path, "reshape", [part], {"shape": split[1:]}, split)
+        swapped = (BATCH, heads, length, embed // heads)
+        parts.append(_stmt(mapper, path, "transpose", [part], {"dim0": 1, "dim1": 2}, swapped))
+    length = mapper.shape(query)[1]
+    kwargs = {"dropout": float(module.dropout)} if module.dropout else {}
+    shape = (BATCH, heads, length, embed // heads)
+    context = _stmt(mapper, path, "scaled_dot_product_attention", parts, kwargs, shape)
+    shape = (BATCH, length, heads, embed // heads)
+    context = _stmt(mapper, path, "transpose", [context], {"dim0": 1, "dim1": 2}, shape)
+    context = _stmt(
+        mapper, path, "reshape", [context], {"shape": (length, embed)}, (BATCH, length, embed)
+    )
+    out = f"{path}.out_proj"
+    names = ("weight", "bias") if module.out_proj.bias is not None else ("weight",)
+    sub = module.out_proj
+    kwargs = {"out_features": embed, "bias": sub.bias is not None}
+    mapper.classes.setdefault(path, qualname(type(module)))
+    return _collapsed_stmt(mapper, out, sub, nodes, escaping, "linear", [context], kwargs, names)
+
+
+def _stmt(mapper, path: str, op: str, args: list[str], kwargs: dict, shape) -> str:
+    name = mapper.unique(f"{path}.{op}")
+    mapper.stmts.append(Stmt(name, op, args, kwargs, path, shape))
+    return name
+
+
+def _packed_parameters(mapper, path, nodes, bias: bool) -> tuple[str, str | None]:
+    """``in_proj_weight`` (and ``in_proj_bias``) as ``parameter`` statements under their
+    keys: the three projections are rows of one packed tensor, not three modules."""
+    found = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg.op == "placeholder" and arg.name in mapper.params:
+                found[mapper.params[arg.name]] = arg
+    values = []
+    for leaf in ("in_proj_weight", "in_proj_bias") if bias else ("in_proj_weight",):
+        key = f"{path}.{leaf}"
+        if key not in found:
+            raise Refuse(f"the forward does not read {key}")
+        values.append(mapper.value_of(found[key]))
+    return values[0], values[1] if bias else None
+
+
+def _in_projection(mapper, path, node, weight, bias, embed: int, length: int) -> str:
+    """x [N, L, E] -> x @ in_proj_weight^T (+ in_proj_bias): [N, L, 3E], computed as
+    (W @ x^T)^T, since ``matmul`` broadcasts a weight without N on the left."""
+    x = mapper.value_of(node)
+    rows = _stmt(mapper, path, "transpose", [x], {"dim0": 1, "dim1": 2}, (BATCH, embed, length))
+    out = _stmt(mapper, path, "matmul", [weight, rows], {}, (BATCH, 3 * embed, length))
+    shape = (BATCH, length, 3 * embed)
+    out = _stmt(mapper, path, "transpose", [out], {"dim0": 1, "dim1": 2}, shape)
+    return out if bias is None else _stmt(mapper, path, "add", [out, bias], {}, shape)
 
 
 def _key_padding_bias(mapper, path: str, mask: fx.Node, length: int) -> str:

@@ -1203,10 +1203,14 @@ def transposed_linear_backward(
 
 def _aten_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """May ATen's CPU flash-attention kernels take these? (CPU tensors of 4 dims, float32 or
-    float64, one head size for q, k and v.)"""
+    float64, one head size for q, k and v, each head's entries adjacent: the kernel reads a
+    head dim of another stride as if it were 1 and returns garbage, where
+    F.scaled_dot_product_attention checks the stride and runs another kernel; heads split
+    from a transposed projection, (W @ x^T)^T, have such a stride.)"""
     return (
         q.device.type == "cpu"
         and q.dim() == k.dim() == v.dim() == 4
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         and q.dtype in (torch.float32, torch.float64)
         and q.dtype == k.dtype == v.dtype
         and q.shape[-1] == k.shape[-1] == v.shape[-1]
