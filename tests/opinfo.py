@@ -1999,8 +1999,48 @@ RECURRENT_ROWS: tuple[OpInfo, ...] = tuple(
     for name, cls, most in (("lstm", nn.LSTM, 2), ("gru", nn.GRU, 1))
 )
 
+
+def _aten_case(label: str, op: str, call: str, *shapes: tuple[int, ...]) -> Case:
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        inputs = tuple(randn(*shape, dtype=dtype) for shape in shapes)
+        return Sample(inputs, kwargs={"op": op, "call": call}, derived={"random": False})
+
+    return Case(label, make)
+
+
+def _aten_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """The ATen call itself, under autograd: what the opaque statement must reproduce."""
+    name, overload = s.kwargs["op"].split(".")[1:]
+    tensors = {f"t{i}": t for i, t in enumerate(s.inputs)}
+    args, kwargs = eval(f"(lambda *a, **k: (a, k))({s.kwargs['call']})", {}, tensors)
+    return getattr(getattr(torch.ops.aten, name), overload)(*args, **kwargs)
+
+
+#: The importer's exact fallback for an ATen op no registry operator covers (ipu refuses it).
+ATEN_ROWS: tuple[OpInfo, ...] = (
+    OpInfo(
+        "aten",
+        _aten_reference,
+        (
+            _aten_case(
+                "baddbmm",
+                "aten.baddbmm.default",
+                "t0, t1, t2, beta=0.5, alpha=2.0",
+                (2, 3, 4),
+                (2, 3, 5),
+                (2, 5, 4),
+            ),
+            _aten_case("cumsum", "aten.cumsum.default", "t0, 1", (2, 6)),
+        ),
+        exact_grads=(),
+        ipu_unsupported="forward",
+    ),
+)
+
 ROWS += V2_ROWS
 ROWS += RECURRENT_ROWS
+ROWS += ATEN_ROWS
 
 BY_NAME: dict[str, OpInfo] = {row.name: row for row in ROWS}
 

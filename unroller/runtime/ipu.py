@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,7 +101,6 @@ from unroller.runtime.common import (
     linear,
     linear_backward,
 )
-from unroller.runtime.opaque import aten, aten_backward  # noqa: F401, E402 (refused by unsupported)
 
 # Every kernel and helper the two platforms share (see shared's doc), exported from here as
 # ipu kernels (see __all__ at the end); the definitions below replace shared ones of the same
@@ -161,6 +160,29 @@ def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
             "a seeded generator, which PopTorch's random ops do not take (use dropout=0.0)"
         )
     return None
+
+
+Maybe = Tensor | None
+
+
+def aten(
+    t0: Maybe, t1: Maybe = None, t2: Maybe = None, t3: Maybe = None, t4: Maybe = None,
+    t5: Maybe = None, t6: Maybe = None, t7: Maybe = None, *, op: str, call: str,
+    output: int | None = None,
+) -> tuple[Tensor, Maybe]:  # fmt: skip
+    """The importer's opaque ATen call has no ipu formulation: ``unsupported`` refuses the
+    statement when the module is generated, so this only says so if called by hand."""
+    raise NotImplementedError(_opaque_refusal({"op": op}))
+
+
+def aten_backward(
+    g: Tensor, t0: Maybe, t1: Maybe = None, t2: Maybe = None, t3: Maybe = None,
+    t4: Maybe = None, t5: Maybe = None, t6: Maybe = None, t7: Maybe = None,
+    seed: Maybe = None, *, op: str, call: str, output: int | None = None,
+    needs: Sequence[bool] | None = None,
+) -> tuple[Maybe, ...]:  # fmt: skip
+    """See ``aten``: refused at generate time."""
+    raise NotImplementedError(_opaque_refusal({"op": op}))
 
 
 def _opaque_refusal(args: Mapping[str, Any]) -> str:
