@@ -24,7 +24,6 @@ checks the same import against the original, one float64 step.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,8 +35,7 @@ import torch
 from unroller import stepcache
 from unroller.cache import generated_dir
 from unroller.compiler.options import Options
-from unroller.importer.api import module_import, module_label, module_text
-from unroller.importer.model import ImportFailure
+from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
 
 
@@ -320,27 +318,6 @@ def _build(original, how: _How, inputs: dict, target, mode: str) -> stepcache.Bu
 
 
 #: Command-line words in the importer's messages -> the Python arguments they stand for.
-_PYTHON_WORDS = (
-    ("--input", "inputs"),
-    ("--target", "target"),
-    ("--loss", "loss"),
-    ("--name", "name"),
-    ("--kwargs", "kwargs"),
-)
-
-
-def python_words(function, *args, **kwargs):
-    """``function(*args, **kwargs)`` with an ImportFailure's command-line flags named as
-    the Python arguments of ``unroll``/``verify`` (``--target`` -> ``target``)."""
-    try:
-        return function(*args, **kwargs)
-    except ImportFailure as exc:
-        message = str(exc)
-        for flag, word in _PYTHON_WORDS:
-            message = re.sub(rf"{flag}(?![\w-])", word, message)
-        raise ImportFailure(message) from None
-
-
 def unroll(
     module: torch.nn.Module,
     inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,

@@ -909,8 +909,7 @@ def verify_module(
     and ``unroller.oneshot.verify`` run."""
     from collections.abc import Mapping
 
-    from unroller.importer.api import module_text
-    from unroller.oneshot import python_words
+    from unroller.importer.api import module_text, python_words
     from unroller.stepcache import preserved
 
     if isinstance(inputs, Mapping) and "labels" in inputs:

@@ -269,3 +269,24 @@ def module_text(
 ) -> str:
     """The model text of ``module_import``, as ``unroll import`` writes it."""
     return module_import(module, inputs, target, loss, name).text
+
+
+_PYTHON_WORDS = (
+    ("--input", "inputs"),
+    ("--target", "target"),
+    ("--loss", "loss"),
+    ("--name", "name"),
+    ("--kwargs", "kwargs"),
+)
+
+
+def python_words(function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with an ImportFailure's command-line flags named as
+    the Python arguments of ``unroll``/``verify`` (``--target`` -> ``target``)."""
+    try:
+        return function(*args, **kwargs)
+    except ImportFailure as exc:
+        message = str(exc)
+        for flag, word in _PYTHON_WORDS:
+            message = re.sub(rf"{flag}(?![\w-])", word, message)
+        raise ImportFailure(message) from None
