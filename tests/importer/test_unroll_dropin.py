@@ -118,9 +118,20 @@ def test_another_sequence_length_through_the_same_step(tmp_path):
     assert rel_err(out.loss, want) <= 1e-10
     _grads_equal(net, twin)
     assert len(step._specs) == 2
-    for length in range(2, 2 + stepcache.MAX_SHAPES + 1):
-        step(**_lm_batch(n=2, length=length))
-    assert len(step._specs) == stepcache.MAX_SHAPES
+
+
+def test_the_shapes_a_step_keeps_are_bounded(tmp_path, monkeypatch):
+    """Least recently used shapes are dropped past ``stepcache.MAX_SHAPES`` (a small
+    network, so each new shape's import is quick)."""
+    monkeypatch.setattr(stepcache, "MAX_SHAPES", 2)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    step = unroller.unroll(
+        net, torch.randn(2, 5, 8), torch.randint(0, 4, (2, 5)), directory=tmp_path
+    )
+    for length in (3, 4, 6):
+        step(torch.randn(2, length, 8), torch.randint(0, 4, (2, length)))
+    assert len(step._specs) == 2
 
 
 def test_sequence_classifier_batch(tmp_path):

@@ -72,7 +72,9 @@ def add_loss(model: ImportedModel, loss: str, target: Tensor | None) -> None:
             pass
         elif len(dims) >= 2 and tuple(target.dims) == dims[:-1]:
             order = (0, len(dims), *range(1, len(dims)))
-            scores = _fresh(model, f"{pred}_classes_first", {target.name})
+            # a module index ("2" in an nn.Sequential) is a name, "2_classes_first" is not
+            base = f"{pred}_classes_first" if not pred[:1].isdigit() else f"classes_first_{pred}"
+            scores = _fresh(model, base, {target.name})
             model.stmts.append(
                 Stmt(scores, "permute", [pred], {"dims": order}, "", (BATCH, dims[-1], *dims[:-1]))
             )
