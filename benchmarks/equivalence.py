@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.emitted_corpus import models as model_files
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMES = ("nocompress", "dct-first", "dct-dense", "quant")
 GENERATE = (
@@ -115,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", help="comma-separated model stems (default: all)")
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     args = parser.parse_args(argv)
-    models = sorted((ROOT / "benchmarks/models").glob("*.txt"))
-    models += sorted((ROOT / "tests/models").glob("*.txt"))
+    models = model_files()
     if args.models:
         models = [m for m in models if m.stem in args.models.split(",")]
     failures = 0
