@@ -16,10 +16,12 @@ original's parameters trains both.
     step = unroller.unroll(hf_model, batch)        # batch = dict(input_ids=..., labels=...)
     out = step(**batch)                            # the model's own loss: out.loss, out.logits
 
-The step follows the module as a drop-in would: its train/eval mode, ``torch.no_grad``,
-parameters replaced or frozen after ``unroll`` (seen at the next call), other sequence
-lengths (a specialisation generated on demand, kept per shape). ``unroller.analysis.verify``
-checks the same import against the original, one float64 step.
+The step follows the module as a drop-in would: its train/eval mode (and each batch norm's
+own flag: a frozen-BN fine-tune, the model in train mode with its batch norms in eval, gets
+eval-mode batch norm's gradient), ``torch.no_grad``, parameters replaced or frozen after
+``unroll`` (seen at the next call), other sequence lengths (a specialisation generated on
+demand, kept per shape). ``unroller.analysis.verify`` checks the same import against the
+original, one float64 step.
 """
 
 from __future__ import annotations
@@ -66,11 +68,44 @@ class _How:
 @dataclass
 class _Spec:
     """One specialisation held by a step: the generated class and an instance sharing
-    the original's tensors (``shared``: the snapshot it shares)."""
+    the original's tensors (``shared``: the snapshot it shares); ``norms``: the instance's
+    batch-norm layers by module path, whose train/eval flags follow the original's."""
 
     built: stepcache.Built
     model: torch.nn.Module
     shared: tuple
+    norms: tuple[tuple[str, torch.nn.Module], ...] = ()
+
+    def follow_modes(self, original: torch.nn.Module) -> None:
+        """Each batch-norm layer of the instance takes the train/eval flag of the original's
+        module at its path (the state-dict keys are the same, so the paths are), so that a
+        layer in eval mode normalises with its running statistics and has eval-mode batch
+        norm's backward (the kernels read the flag), as in ``module.eval()`` or a frozen-BN
+        fine-tune (the model in train mode, its batch norms in eval)."""
+        for path, layer in self.norms:
+            source = _module_at(original, path)
+            if source is not None:
+                layer.training = source.training
+
+
+def _module_at(root: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    """The submodule of ``root`` at dotted ``path`` (read through ``_modules``), or None."""
+    module: Any = root
+    for part in path.split("."):
+        module = module._modules.get(part) if isinstance(module, torch.nn.Module) else None
+        if module is None:
+            return None
+    return module
+
+
+def _norm_layers(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], ...]:
+    """The generated instance's layers that follow a train/eval flag: batch norm's, by the
+    running statistics they hold."""
+    return tuple(
+        (path, layer)
+        for path, layer in model.named_modules(remove_duplicate=False)
+        if path and "running_mean" in layer._buffers
+    )
 
 
 class StepOutput:
@@ -237,6 +272,7 @@ class Unrolled(torch.nn.Module):
         if spec.shared != self._snap:
             stepcache.share(spec.model, self._original)
             spec.shared = self._snap
+        spec.follow_modes(self._original)
         self._last = spec
         return spec
 
@@ -273,37 +309,42 @@ def _make_spec(original, how: _How, inputs: dict, target, mode: str) -> _Spec:
     )
     built = stepcache.lookup(key)
     if built is None:
+        # the import captures in train mode, so the eval text starts from the train one's
+        trained = stepcache.lookup((*key[:-1], "train")) if mode == "eval" else None
         with stepcache.preserved(original):
-            built = _build(original, how, inputs, target, mode)
+            built = _build(
+                original, how, inputs, target, mode, None if trained is None else trained.text
+            )
         stepcache.remember(key, built)
     model = stepcache.instantiate(built.Model, original)
     model.train()
-    return _Spec(built, model, stepcache.snapshot(original))
+    spec = _Spec(built, model, stepcache.snapshot(original), _norm_layers(model))
+    spec.follow_modes(original)
+    return spec
 
 
-def _build(original, how: _How, inputs: dict, target, mode: str) -> stepcache.Built:
-    """Import at these shapes and generate. ``mode`` "eval": the text with every dropout
-    probability 0 (what eval mode computes), refused where batch norm would need its
-    running statistics in a training step, which no generated step computes."""
+def _build(
+    original, how: _How, inputs: dict, target, mode: str, text: str | None = None
+) -> stepcache.Built:
+    """Import at these shapes (unless ``text``, this import's text, is given) and generate.
+    ``mode`` "eval": the text with every dropout probability 0 (what eval mode computes);
+    batch norm needs no other text, its kernels follow each layer's train/eval flag
+    (``_Spec.follow_modes``)."""
     from unroller.analysis.verify import dropout_off
     from unroller.api import compression_config, graph_from_text
     from unroller.compiler.graph import build_graph
     from unroller.compiler.parser import parse
 
-    batch = inputs if how.keywords else tuple(inputs.values())
-    imported = python_words(module_import, original, batch, target, how.loss, how.name)
     label = module_label(original, how.name)
-    graph, text = imported.graph, imported.text
-    if graph is None or how.options.resolution is not None:  # inputs resized: another graph
-        graph = graph_from_text(text, f"{label}.txt", how.options.resolution)
+    graph = None
+    if text is None:
+        batch = inputs if how.keywords else tuple(inputs.values())
+        imported = python_words(module_import, original, batch, target, how.loss, how.name)
+        graph, text = imported.graph, imported.text
     if mode == "eval":
-        if any(n.op.name.startswith("batchnorm") for n in graph.nodes):
-            raise ValueError(
-                "step: the module is in eval mode and a gradient is asked, but a training "
-                "step through batch norm's running statistics is not generated; call it "
-                "under torch.no_grad() to evaluate, or module.train() to train"
-            )
         graph = build_graph(dropout_off(parse(text, f"{label}.txt")))
+    elif graph is None or how.options.resolution is not None:  # inputs resized: another graph
+        graph = graph_from_text(text, f"{label}.txt", how.options.resolution)
     loaded = materialize(
         graph,
         f"{label}.txt",

@@ -231,8 +231,16 @@ def test_eval_mode_and_no_grad_follow_the_module(tmp_path):
         loss = step(x, y)
     assert rel_err(loss, F.cross_entropy(net(x), y)) <= 1e-10
     assert all(p.grad is None for p in net.parameters())
-    with pytest.raises(ValueError, match=r"eval mode.*batch norm.*torch.no_grad\(\)"):
-        step(x, y)
+    twin = copy.deepcopy(net)
+    stats = {k: v.clone() for k, v in net.bn.state_dict().items()}
+    loss = step(x, y)  # eval mode: no dropout, batch norm on its running statistics
+    want = F.cross_entropy(twin(x), y)
+    want.backward()
+    assert rel_err(loss, want) <= 1e-10
+    _grads_equal(net, twin)
+    for k, v in net.bn.state_dict().items():
+        assert torch.equal(v, stats[k]), k  # nothing updated, num_batches_tracked included
+    net.zero_grad(set_to_none=True)
     net.train()
     before = net.bn.running_mean.clone()
     with torch.inference_mode():

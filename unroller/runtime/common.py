@@ -127,6 +127,18 @@ def _norm_tensors(layer: Any) -> tuple[Tensor | None, ...]:
     )
 
 
+def _running_stats_used(
+    layer: Any, running_mean: Tensor | None, running_var: Tensor | None
+) -> bool:
+    """Whether a batch-norm layer normalises with its running statistics in a training step,
+    as torch.nn's batch norm decides: its module in eval mode (``training`` False) and
+    running statistics tracked. Nothing is updated then, and the backward is eval-mode
+    batch norm's (each sample on its own). A handle without the flag trains."""
+    if getattr(layer, "training", True):
+        return False
+    return running_mean is not None or running_var is not None
+
+
 # ---------------------------------------------------------------- attention scaling
 
 

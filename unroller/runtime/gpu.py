@@ -50,6 +50,7 @@ from unroller.runtime.common import (
     _need,
     _need_mask,
     _norm_tensors,
+    _running_stats_used,
     _weight_bias,
     layers,
 )
@@ -409,11 +410,15 @@ def conv_transpose2d_backward(
 def batchnorm2d(x, layer, *, eps, momentum):
     """aten::native_batch_norm(training=True), as nn.BatchNorm2d.train(): updates the layer's
     running stats (unbiased var) and num_batches_tracked in place; autograd saves x, weight,
-    save_mean, save_invstd."""
+    save_mean, save_invstd. The layer in eval mode (with running stats), as
+    nn.BatchNorm2d.eval(): training=False, normalised with the running stats, nothing
+    updated (under --sync-bn too, as nn.SyncBatchNorm in eval mode)."""
+    weight, bias, running_mean, running_var, num_batches_tracked = _norm_tensors(layer)
+    if _running_stats_used(layer, running_mean, running_var):
+        return _aten.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, eps)
     group = getattr(layer, SYNC_ATTR, None)
     if group is not None:  # data parallel with --sync-bn: the whole distributed batch
         return sync_batchnorm(x, layer, group, eps, momentum)
-    weight, bias, running_mean, running_var, num_batches_tracked = _norm_tensors(layer)
     factor = 0.0 if momentum is None else momentum
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)
@@ -437,6 +442,8 @@ def batchnorm2d_backward(
     in_place: bool = False,
 ):
     """aten::native_batch_norm_backward(train=True); running stats are not read in training.
+    The layer in eval mode (with running stats): train=False with the running stats, what
+    autograd computes for nn.BatchNorm2d.eval() (``_batchnorm_eval_backward``).
 
     ``piece_bytes`` (lossy schemes): in pieces of the batch (``_batchnorm_backward_pieces``)
     when that makes more than one; ``in_place``: then the input gradient is written into
@@ -444,6 +451,23 @@ def batchnorm2d_backward(
     mask = _need_mask(needs)
     if not any(mask):
         return _fit((), needs)
+    _, _, running_mean, running_var, _ = _norm_tensors(layer)
+    if _running_stats_used(layer, running_mean, running_var):
+        step = piece_samples(g.shape[0], _sample_bytes(g), piece_bytes)
+        grads = _batchnorm_eval_backward(
+            g,
+            x,
+            layer,
+            running_mean,
+            running_var,
+            save_mean,
+            save_invstd,
+            eps,
+            mask,
+            step,
+            in_place,
+        )
+        return _fit(grads, needs)
     group = getattr(layer, SYNC_ATTR, None)
     if group is not None:
         return _fit(
@@ -461,6 +485,67 @@ def batchnorm2d_backward(
         g, _whole(x), weight, None, None, save_mean, save_invstd, True, eps, mask
     )
     return _fit(grads, needs)
+
+
+def _batchnorm_eval_backward(
+    g: Tensor,
+    x: Tensor | RestoredInPieces,
+    layer: Any,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    save_mean: Tensor,
+    save_invstd: Tensor,
+    eps: float,
+    mask: list[bool],
+    step: int,
+    in_place: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Eval-mode batch norm's backward: aten::native_batch_norm_backward(train=False) with the
+    running stats and what the forward returned, as autograd calls it. Each sample is
+    normalised on its own, so in pieces of ``step`` samples (fewer than the batch) the
+    kernel on each piece gives that piece's input gradient exactly, written into ``g``
+    with ``in_place``, and the weight and bias gradients are the pieces' sums."""
+    weight = getattr(layer, "weight", None)
+    n = g.shape[0]
+    if step >= n or torch.compiler.is_compiling():
+        return _aten.native_batch_norm_backward(
+            g,
+            _whole(x),
+            weight,
+            running_mean,
+            running_var,
+            save_mean,
+            save_invstd,
+            False,
+            eps,
+            mask,
+        )
+    out = None
+    if mask[0]:
+        out = g if in_place and g.is_contiguous() else torch.empty_like(g)
+    grad_w: Tensor | None = None
+    grad_b: Tensor | None = None
+    for start in range(0, n, step):
+        size = min(step, n - start)
+        gx, gw, gb = _aten.native_batch_norm_backward(
+            g.narrow(0, start, size),
+            x.narrow(0, start, size),
+            weight,
+            running_mean,
+            running_var,
+            save_mean,
+            save_invstd,
+            False,
+            eps,
+            mask,
+        )
+        if out is not None:
+            out.narrow(0, start, size).copy_(gx)
+        if gw is not None:
+            grad_w = gw if grad_w is None else grad_w.add_(gw)
+        if gb is not None:
+            grad_b = gb if grad_b is None else grad_b.add_(gb)
+    return out, grad_w, grad_b
 
 
 def _batchnorm_backward_pieces(
@@ -553,11 +638,16 @@ def reduce_wait(layers: Layers) -> None:
 @conventions.implements
 def batchnorm2d_recompute(x, layer, *, eps, momentum):
     """The training forward's output again (``--recompute``): the same kernel on the same x
-    gives the same bits, with no running statistics passed, so none change."""
+    gives the same bits, with no running statistics passed, so none change. The layer in
+    eval mode: the eval forward's output again (the running stats unchanged since)."""
+    weight, bias, running_mean, running_var, _ = _norm_tensors(layer)
+    if _running_stats_used(layer, running_mean, running_var):
+        return _aten.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0, eps)[
+            0
+        ]
     group = getattr(layer, SYNC_ATTR, None)
     if group is not None:
         return sync_batchnorm(x, layer, group, eps, momentum, update=False)[0]
-    weight, bias, _, _, _ = _norm_tensors(layer)
     return _aten.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)[0]
 
 

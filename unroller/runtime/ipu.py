@@ -95,6 +95,7 @@ from unroller.runtime.common import (
     _fit,
     _need,
     _norm_tensors,
+    _running_stats_used,
     _weight_bias,
     hardsigmoid_mask,
     hardtanh_mask,
@@ -377,21 +378,33 @@ def _per_channel(t: Tensor) -> Tensor:
     return t.reshape(1, -1, 1, 1)
 
 
+def _normalised(
+    centered: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
+) -> Tensor:
+    """centered * invstd * weight + bias, per channel (weight, bias: None when not affine)."""
+    scale = invstd if weight is None else invstd * weight
+    y = centered * _per_channel(scale)
+    return y if bias is None else y + _per_channel(bias)
+
+
 @conventions.implements
 def batchnorm2d(x, layer, *, eps, momentum):
     """As nn.BatchNorm2d.train(): normalizes with the batch statistics (biased var), updates
     the layer's running_mean / running_var (unbiased var) with the momentum in place and adds
-    1 to its num_batches_tracked; momentum None: cumulative average. Returns (y, mean, invstd)."""
+    1 to its num_batches_tracked; momentum None: cumulative average. Returns (y, mean, invstd).
+    The layer in eval mode (with running stats), as nn.BatchNorm2d.eval(): the running
+    mean and rsqrt(running_var + eps) in their place, nothing updated."""
     weight, bias, running_mean, running_var, num_batches_tracked = _norm_tensors(layer)
+    if _running_stats_used(layer, running_mean, running_var):
+        invstd = torch.rsqrt(running_var + eps)
+        y = _normalised(x - _per_channel(running_mean), invstd, weight, bias)
+        return y, running_mean, invstd
     dims = (0, 2, 3)
     mean = x.mean(dims)
     centered = x - _per_channel(mean)
     sq = centered.square()
     invstd = torch.rsqrt(sq.mean(dims) + eps)
-    scale = invstd if weight is None else invstd * weight
-    y = centered * _per_channel(scale)
-    if bias is not None:
-        y = y + _per_channel(bias)
+    y = _normalised(centered, invstd, weight, bias)
     factor = _momentum_factor(num_batches_tracked, momentum, x.dtype)
     if running_mean is not None:
         running_mean.mul_(1 - factor).add_(mean * factor)
@@ -404,15 +417,15 @@ def batchnorm2d(x, layer, *, eps, momentum):
 @conventions.implements
 def batchnorm2d_recompute(x, layer, *, eps, momentum):
     """The training forward's output again (``--recompute``), from the batch statistics of x;
-    the running statistics are left alone."""
-    weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
+    the running statistics are left alone. The layer in eval mode: the eval forward's."""
+    weight, bias, running_mean, running_var, _ = _norm_tensors(layer)
+    if _running_stats_used(layer, running_mean, running_var):
+        return batchnorm2d_eval(x, layer, eps=eps, momentum=momentum)
     dims = (0, 2, 3)
     mean = x.mean(dims)
     centered = x - _per_channel(mean)
     invstd = torch.rsqrt(centered.square().mean(dims) + eps)
-    scale = invstd if weight is None else invstd * weight
-    y = centered * _per_channel(scale)
-    return y if bias is None else y + _per_channel(bias)
+    return _normalised(centered, invstd, weight, bias)
 
 
 def _momentum_factor(
@@ -431,19 +444,28 @@ def _momentum_factor(
 @conventions.implements
 def batchnorm2d_backward(g, x, layer, save_mean, save_invstd, *, eps, momentum, needs):
     """Closed form: with xhat = (x - mean) * invstd, gb = sum(g), gW = sum(g * xhat),
-    gx = (g - gb/M - xhat * gW/M) * invstd * W (sums over N, H, W; M their count)."""
+    gx = (g - gb/M - xhat * gW/M) * invstd * W (sums over N, H, W; M their count). The
+    layer in eval mode (with running stats; mean and invstd the forward's from them): the
+    statistics are constants, so gx = g * invstd * W."""
     if not any(_need(needs, i) for i in range(3)):
         return _fit((), needs)
+    _, _, running_mean, running_var, _ = _norm_tensors(layer)
+    frozen = _running_stats_used(layer, running_mean, running_var)
     dims = (0, 2, 3)
     count = x.numel() // x.shape[1]
-    xhat = (x - _per_channel(save_mean)) * _per_channel(save_invstd)
     gb = g.sum(dims)
-    gw = (g * xhat).sum(dims) if (_need(needs, 0) or _need(needs, 1)) else None
+    gw = xhat = None
+    if _need(needs, 1) or (_need(needs, 0) and not frozen):
+        xhat = (x - _per_channel(save_mean)) * _per_channel(save_invstd)
+        gw = (g * xhat).sum(dims)
     gx = None
     if _need(needs, 0):
         weight = getattr(layer, "weight", None)
-        scale = save_invstd if weight is None else save_invstd * weight
-        gx = (g - _per_channel(gb / count) - xhat * _per_channel(gw / count)) * _per_channel(scale)
+        scale = _per_channel(save_invstd if weight is None else save_invstd * weight)
+        if frozen:
+            gx = g * scale
+        else:
+            gx = (g - _per_channel(gb / count) - xhat * _per_channel(gw / count)) * scale
     return _fit((gx, gw, gb), needs)
 
 
@@ -456,11 +478,7 @@ def batchnorm2d_eval(x, layer, *, eps, momentum):
         var = (x - _per_channel(mean)).square().mean((0, 2, 3))
     else:
         mean, var = running_mean, running_var
-    scale = torch.rsqrt(var + eps)
-    if weight is not None:
-        scale = scale * weight
-    y = (x - _per_channel(mean)) * _per_channel(scale)
-    return y if bias is None else y + _per_channel(bias)
+    return _normalised(x - _per_channel(mean), torch.rsqrt(var + eps), weight, bias)
 
 
 # ---------------------------------------------------------------- activations
