@@ -39,6 +39,7 @@ from unroller.cache import generated_dir
 from unroller.compiler.options import Options
 from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
+from unroller.runtime.common import keep_predictions
 
 
 def cache_dir() -> Path:
@@ -110,21 +111,15 @@ def _norm_layers(model: torch.nn.Module) -> tuple[tuple[str, torch.nn.Module], .
 
 class StepOutput:
     """What ``step(**batch)`` returns: ``.loss`` (the model's own loss, the step's) and
-    ``.logits``, the batch's predictions in evaluation mode, computed on first access
-    (one forward without backward; equal to the training forward's where it has no
-    dropout). ``to_output()`` gives the model's output class (``CausalLMOutput``...)."""
+    ``.logits``, the predictions the step's own forward made (in train mode with dropout
+    drawn and batch statistics, as the original's output holds them; in eval mode or
+    under ``no_grad`` the evaluation forward's). ``to_output()`` gives the model's output
+    class (``CausalLMOutput``...)."""
 
-    def __init__(self, loss, logits_fn, output_class=None):
+    def __init__(self, loss, logits, output_class=None):
         self.loss = loss
-        self._logits_fn = logits_fn
-        self._logits = None
+        self.logits = logits
         self._output_class = output_class
-
-    @property
-    def logits(self) -> torch.Tensor:
-        if self._logits is None:
-            self._logits = self._logits_fn()
-        return self._logits
 
     def __getitem__(self, key):
         if isinstance(key, int):
@@ -203,30 +198,31 @@ class Unrolled(torch.nn.Module):
                     f"got {len(args)} arguments"
                 )
             inputs, target = self._named(args[:-1]), args[-1]
-        loss, logits_fn = self._run(inputs, target)
+        loss, logits = self._run(inputs, target)
         if not batch:
             return loss
-        return StepOutput(loss, logits_fn, self._how.plan.output)
+        return StepOutput(loss, logits, self._how.plan.output)
 
     def _named(self, values: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(zip(self._how.names, values))
 
     def _run(self, inputs: dict, target):
-        """The loss (a training step, or a forward only where no gradient is asked) and a
-        function giving the predictions."""
+        """The loss (a training step, or a forward only where no gradient is asked) and the
+        predictions."""
         values = list(inputs.values())
         training = self._original.training
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return self._forward_only(inputs, target, training)
         spec = self._spec_for(inputs, target, "train" if training else "eval")
-        loss = spec.model(*values, target)
-        return loss, lambda: self._eval_predictions(inputs)
+        return self._step_with_predictions(spec, values, target)
 
-    def _eval_predictions(self, inputs: dict) -> torch.Tensor:
-        spec = self._spec_for(inputs, None, "train")
-        with torch.no_grad():
-            out = spec.model.predict(*inputs.values())
-        return out[0] if isinstance(out, (tuple, list)) else out
+    @staticmethod
+    def _step_with_predictions(spec: _Spec, values: list, target):
+        """The training step's loss, and its predictions as its own forward made them
+        (dropout drawn, batch statistics: what the original's output holds in train mode)."""
+        with keep_predictions() as kept:
+            loss = spec.model(*values, target)
+        return loss, kept[spec.built.graph.preds[0].name]
 
     def _forward_only(self, inputs: dict, target, training: bool):
         """Under ``no_grad``/``inference_mode``: the loss without any ``.grad`` written. In
@@ -244,16 +240,15 @@ class Unrolled(torch.nn.Module):
                 for p in params:
                     p.grad = None
                 try:
-                    loss = spec.model(*inputs.values(), target)
+                    return self._step_with_predictions(spec, list(inputs.values()), target)
                 finally:
                     for p, g in zip(params, grads):
                         p.grad = g
-            return loss, lambda: self._eval_predictions(inputs)
         with torch.no_grad():
             out = spec.model.predict(*inputs.values())
         prediction = out[0] if isinstance(out, (tuple, list)) else out
         loss = replay_loss(loss_plan(spec.built.graph), prediction, target)
-        return loss, lambda: prediction
+        return loss, prediction
 
     # -- specialisations -----------------------------------------------------------------
 

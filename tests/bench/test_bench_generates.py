@@ -11,7 +11,8 @@ render and only re-lays the lines) and, where the harness predicts memory, the m
 model simulates it, as the harness does before measuring.
 
 Cases whose model text and options are the same in two runs (the spec-v2 models run at
-one size in both presets) are generated once.
+one size in both presets) are generated once. The groups only the full presets build (the
+quick presets' models and rows at a larger resolution) run under ``make test-slow``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from conftest import fast_format
+from conftest import SLOW_MARK, fast_format
 
 from unroller.bench import config, models, suite
 from unroller.bench.reference import BENCHMARKS
@@ -98,7 +99,24 @@ def _generates(name: str, build: suite.OursBuild) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("group", sorted(GROUPS))
+def _group_params() -> list:
+    """Each group a case; a group only the full presets build (the same models and rows as
+    the quick presets at a larger resolution: 20-25 s each for the largest) runs under
+    ``make test-slow``."""
+    return [
+        pytest.param(
+            group,
+            marks=() if {label for label, _, _ in GROUPS[group]} & QUICK else SLOW_MARK,
+        )
+        for group in sorted(GROUPS)
+    ]
+
+
+#: the runs of ``make bench`` and the emulated IPU's quick preset
+QUICK = {"quick", "ipu-quick"}
+
+
+@pytest.mark.parametrize("group", _group_params())
 def test_harness_builds_generate(monkeypatch, group):
     """Every harness row on one model text generates: the failures, if any, each named by
     run, benchmark and row."""

@@ -27,6 +27,7 @@ from torch import nn
 
 import unroller
 from unroller import oneshot, stepcache
+from unroller.analysis.verify import attention_dropout_as_generated
 from unroller.importer.model import ImportFailure
 
 transformers = pytest.importorskip("transformers")
@@ -170,6 +171,43 @@ def test_sequence_classifier_batch(tmp_path):
     ref.loss.backward()
     assert rel_err(out.loss, ref.loss) <= 1e-10  # MSE
     _grads_equal(reg, twin)
+
+
+def test_train_mode_logits_are_the_training_forwards(tmp_path):
+    """At BERT's default dropout (0.1) in train mode, ``.logits`` are the predictions the
+    step's own forward made (its dropout draws), not an evaluation forward's: equal to the
+    original's train-mode logits under the same seed, with the loss and every gradient.
+    The hidden dropouts draw from torch's stream as the original's do; attention dropout's
+    mask comes from a generator the stream seeds (the generated kernel keeps only its
+    seed), which the reference draws the same way (as verify does)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=3,
+    )
+    net = transformers.BertForSequenceClassification(config).double()
+    twin = copy.deepcopy(net)
+    ids = torch.randint(0, 64, (4, 12))
+    batch = dict(
+        input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([0, 2, 1, 2])
+    )
+    step = unroller.unroll(net, batch, directory=tmp_path)
+    torch.manual_seed(7)
+    out = step(**batch)
+    torch.manual_seed(7)
+    with attention_dropout_as_generated("seeded"):
+        ref = twin(**batch)
+    ref.loss.backward()
+    assert rel_err(out.loss, ref.loss) <= 1e-10 and rel_err(out.logits, ref.logits) <= 1e-10
+    _grads_equal(net, twin)
+    with torch.no_grad():
+        evaluated = twin.eval()(**batch).logits
+    assert rel_err(out.logits, evaluated) > 1e-3  # the dropout draws are in them
 
 
 def test_t5_labels(tmp_path):

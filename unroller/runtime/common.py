@@ -747,6 +747,8 @@ class StashLog(list):
 
     prefix = ""
     observer: StashObserver | None = None
+    #: where ``hand_out`` puts the step's predictions, by model name (None: not asked)
+    predictions: dict[str, Tensor] | None = None
 
     def within(self, prefix: str) -> StashLog:
         view = _ScopedLog()
@@ -777,7 +779,30 @@ def stash_log(observer: StashObserver | None = None) -> StashLog:
     ``observer`` of each kept tensor: by default the one ``observe_stash`` set, if any."""
     log = StashLog()
     log.observer = observer or getattr(_OBSERVING, "observer", None)
+    log.predictions = getattr(_OBSERVING, "predictions", None)
     return log
+
+
+@contextlib.contextmanager
+def keep_predictions():
+    """Within the block, the training steps of this thread hand out their predictions (the
+    forward's values that ``predict()`` returns, as the training forward made them: batch
+    statistics, dropout drawn) into the dict this yields, by model name. Outside such a
+    block a step keeps none: holding them costs their memory until the caller drops them.
+    ``unroller.unroll``'s step reads its ``.logits`` this way."""
+    previous = getattr(_OBSERVING, "predictions", None)
+    _OBSERVING.predictions = kept = {}
+    try:
+        yield kept
+    finally:
+        _OBSERVING.predictions = previous
+
+
+def hand_out(log: StashLog, name: str, value: Tensor) -> None:
+    """A prediction of the training forward, kept when the caller asked (``keep_predictions``)."""
+    root = getattr(log, "root", log)
+    if root.predictions is not None:
+        root.predictions[name] = value
 
 
 @contextlib.contextmanager
@@ -878,5 +903,6 @@ def _exports(namespace: Mapping[str, Any], *, besides: Iterable[str] = ()) -> li
 
 
 #: What both platforms take from here (through ``unroller.runtime.shared``): every public
-#: function but the stash observer, which the analysis uses, not generated code.
-__all__ = _exports(globals(), besides=("observe_stash",))
+#: function but the stash observer and ``keep_predictions``, which callers of a generated
+#: step use, not generated code.
+__all__ = _exports(globals(), besides=("observe_stash", "keep_predictions"))

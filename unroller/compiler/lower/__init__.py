@@ -9,6 +9,8 @@ pass a module that reads on its own:
   ``predict()``'s forward with eval kernels;
 - ``pieces``: a segment run in pieces of the batch, as loops (its forward here, its
   recompute and backward inside the backward pass);
+- ``forward.hand_out_pass``: each prediction handed out after the forward made it
+  (kept only when the step's caller asks, ``runtime.common.keep_predictions``);
 - ``backward``: the seed, then every node's backward in reverse order, with restores
   (``restore``), gradient sums and parameter gradients (``grads``), and a recomputed
   segment's forward again where its backward begins (``segments``);
@@ -44,7 +46,7 @@ from unroller.compiler.stash import StashPlan, plan_stash
 
 from .backward import backward_pass
 from .context import LoweringContext, PieceLoop, StepObserver, base_name
-from .forward import forward_pass, predict_keep, predict_pass
+from .forward import forward_pass, hand_out_pass, predict_keep, predict_pass
 from .pieces import pieced_forward_pass
 from .reductions import reductions_pass
 from .resolved import ResolvedPlan, resolve
@@ -82,6 +84,7 @@ def release_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
 TRAINING_PASSES: tuple[Pass, ...] = (
     forward_pass,
     pieced_forward_pass,
+    hand_out_pass,
     backward_pass,
     reductions_pass,
     release_pass,

@@ -156,6 +156,31 @@ def forward_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
     return steps + forward_with_stash(ctx, ctx.graph.nodes, ctx.plan.forward_entries)
 
 
+def hand_out_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
+    """Pass: each prediction handed out right after the forward made it (after the block
+    instance that made it, at the model's level): ``K.hand_out`` keeps it only when the
+    step's caller asked (``keep_predictions``), so a training step can also give the
+    predictions it computed (dropout drawn, batch statistics) at no cost otherwise."""
+    for value in ctx.graph.preds:
+        var = ctx.var(value)
+        made = [i for i, s in enumerate(steps) if s.section == "forward" and var.name in s.writes()]
+        if not made:  # a prediction that is a model input: nothing made
+            continue
+        at = made[-1] + 1
+        run = steps[made[-1]].calls[:1]
+        while run and at < len(steps) and steps[at].calls[:1] == run:
+            at += 1
+        call = CallExpr(Global("K.hand_out"), (Var("stash"), ModelName(value.name), var))
+        step = Step(
+            "forward",
+            [Do(call)],
+            comment=f"hand out the prediction {value.name} (kept only when asked)",
+            stage=steps[made[-1]].stage,
+        )
+        steps.insert(at, step)
+    return steps
+
+
 def predict_keep(ctx: LoweringContext) -> set[str]:
     return {ctx.var(v).name for v in ctx.graph.preds} | {"L"}
 
