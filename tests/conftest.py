@@ -93,6 +93,22 @@ def fast_subset(values, fast) -> list:
 
 SLOW_MARK = pytest.mark.slow
 
+_IMPORTED: dict[str, str] = {}
+
+
+def imported_text(spec: str, inputs, target=None, kwargs: dict | None = None, **options) -> str:
+    """``import_network(spec, inputs, target, kwargs=kwargs, **options).text``, imported once
+    per test process for the same arguments: a torch.export of a Hugging Face model costs
+    1-3 s, and parametrized tests that check the same text another way (verify seeded and
+    with dropout off, another platform) share it. Only for imports that read nothing but
+    their arguments (no environment a test patches)."""
+    from unroller.importer.api import import_network
+
+    key = repr((spec, list(inputs), target, kwargs, sorted(options.items())))
+    if key not in _IMPORTED:
+        _IMPORTED[key] = import_network(spec, inputs, target, kwargs=kwargs, **options).text
+    return _IMPORTED[key]
+
 
 @contextlib.contextmanager
 def time_limit(seconds: int, error: BaseException):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import imported_text
 
 from unroller.analysis.verify import verify_text
 from unroller.importer.api import import_network
@@ -67,7 +68,7 @@ def test_default_dropout_imports_and_verifies_exactly(spec, target, dropout_mode
     kwargs = {"attn_implementation": "sdpa", "dropout": 0.1}
     if spec == "hf_gpt2":
         kwargs["tie_word_embeddings"] = True
-    text = import_network(f"{ZOO}:{spec}", ["ids: i64[N, 16]"], target, kwargs=kwargs).text
+    text = imported_text(f"{ZOO}:{spec}", ["ids: i64[N, 16]"], target, kwargs=kwargs)
     attention = [line for line in text.splitlines() if "scaled_dot_product_attention(" in line]
     assert attention and all("dropout=0.1" in line for line in attention)
     report = verify_text(text, f"{ZOO}:{spec}", kwargs, dropout=dropout_mode)
@@ -81,7 +82,7 @@ def test_attention_dropout_is_refused_on_the_ipu_platform():
     from unroller.errors import ModelError
 
     kwargs = {"attn_implementation": "sdpa", "dropout": 0.1}
-    text = import_network(f"{ZOO}:hf_bert", ["ids: i64[N, 16]"], kwargs=kwargs).text
+    text = imported_text(f"{ZOO}:hf_bert", ["ids: i64[N, 16]"], None, kwargs=kwargs)
     with pytest.raises((ModelError, NotImplementedError), match="attention dropout"):
         generate_from_text(text, Options(platform="ipu"))
 
@@ -90,7 +91,7 @@ def test_attention_dropout_is_refused_on_the_ipu_platform():
 def test_distilbert_at_its_defaults_imports_and_verifies_exactly(dropout_mode):
     """DistilBERT with every default (dropout 0.1 on hidden states and attention, 0.2 before
     the classifier)."""
-    text = import_network(f"{ZOO}:hf_distilbert", ["ids: i64[N, 16]"]).text
+    text = imported_text(f"{ZOO}:hf_distilbert", ["ids: i64[N, 16]"])
     assert "dropout=0.1" in text and "p=0.2" in text
     report = verify_text(text, f"{ZOO}:hf_distilbert", {}, dropout=dropout_mode)
     assert report.ok, report.problems or report.table()
@@ -101,7 +102,7 @@ def test_roberta_at_its_defaults_imports_and_verifies_exactly(dropout_mode):
     """RoBERTa: position ids computed from the token ids (padding tokens at padding_idx)
     are one ``padded_positions`` statement, and its zero token types gathered at them are
     a constant row; dropout 0.1 everywhere."""
-    text = import_network(f"{ZOO}:hf_roberta", ["ids: i64[N, 16]"]).text
+    text = imported_text(f"{ZOO}:hf_roberta", ["ids: i64[N, 16]"])
     assert "roberta.embeddings.positions = padded_positions(ids, padding_idx=1)" in text
     assert "token_type_embeddings = embedding_rows(" in text
     report = verify_text(text, f"{ZOO}:hf_roberta", {}, dropout=dropout_mode)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import imported_text
 
 from unroller.analysis.verify import verify_text
 from unroller.api import generate_from_text
@@ -33,17 +34,24 @@ TARGET = "y: i64[N, 16]"
 
 
 def imported(**kwargs):
-    return import_network(SPEC, INPUTS, TARGET, kwargs=kwargs).text
+    """The text of hf_llama under ``kwargs`` (the zoo's defaults spelled out, so the same
+    model is imported once per process: ``imported_text``)."""
+    return imported_text(
+        SPEC, INPUTS, TARGET, kwargs={"family": "llama", "use_cache": False} | kwargs
+    )
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_decoder_family_imports_and_verifies_exactly(family):
-    text = imported(family=family)
+@pytest.mark.parametrize("family,layers", [("llama", 2), ("mistral", 1), ("qwen2", 1)])
+def test_decoder_family_imports_and_verifies_exactly(family, layers):
+    """Llama with its two layers one block; Mistral and Qwen2 (the same layer, their own
+    classes and config defaults) with one layer, which checks the same statements."""
+    kwargs = {"family": family} if layers == 2 else {"family": family, "layers": layers}
+    text = imported(**kwargs)
     assert text.count("= rmsnorm(") == 3  # two in the layer block, the final norm
     assert text.count("= rotary(") == 2  # q and k, in the layer block
     assert "self_attn.rotary = rotary(" in text and "self_attn.rotary_1 = rotary(" in text
     assert "= silu(" in text and "scaled_dot_product_attention(" in text
-    report = verify_text(text, SPEC, {"family": family})
+    report = verify_text(text, SPEC, kwargs)
     assert report.ok, report.problems or report.table()
     assert any("Hugging Face RMSNorm" in note for note in report.notes)
 
@@ -52,7 +60,7 @@ def test_grouped_query_attention_through_sdpa_enable_gqa(monkeypatch):
     """transformers passes enable_gqa to SDPA where it can (forced here): k and v keep their
     two heads for four query heads."""
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-    text = imported()
+    text = import_network(SPEC, INPUTS, TARGET).text  # not the cached text: the variable matters
     assert "enable_gqa=true" in text and "expand(" not in text
     report = verify_text(text, SPEC, {})
     assert report.ok, report.problems or report.table()
@@ -60,9 +68,10 @@ def test_grouped_query_attention_through_sdpa_enable_gqa(monkeypatch):
 
 def test_a_rope_theta_from_the_config_verifies_exactly():
     rope = {"rope_type": "default", "rope_theta": 12345.0}  # not one of the usual thetas
-    text = imported(family="qwen2", rope_parameters=rope)
+    kwargs = {"family": "qwen2", "rope_parameters": rope, "layers": 1}  # one layer reads it
+    text = imported(**kwargs)
     assert text.count("rotary(") == 2 and "theta=12345.0" in text
-    report = verify_text(text, SPEC, {"family": "qwen2", "rope_parameters": rope})
+    report = verify_text(text, SPEC, kwargs)
     assert report.ok, report.problems or report.table()
 
 
@@ -71,7 +80,7 @@ def test_scaled_rope_is_refused_with_the_reason():
     and the import names that, not a constant tensor."""
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     with pytest.raises(ImportFailure, match="not the default rope"):
-        imported(rope_parameters=rope)
+        imported(rope_parameters=rope, layers=1)
 
 
 def test_quant_generation_of_an_imported_llama_runs_a_step():
