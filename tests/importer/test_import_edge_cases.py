@@ -389,12 +389,17 @@ def test_no_grad_and_detach_are_refused_not_differentiated(nets, name):
 
 
 def test_non_finite_keyword_value_is_a_one_line_error(nets, tmp_path):
+    """The registry's pad takes finite values only: registry only, a one-line error and
+    nothing written; with the fallback the very call (its -inf literal) runs as is."""
     out = tmp_path / "pad.txt"
-    result = runner.invoke(
-        app, ["import", f"{nets}:PadInf", "--input", "x: f32[N, 2, 5, 5]", "-o", str(out)]
-    )
+    argv = ["import", f"{nets}:PadInf", "--input", "x: f32[N, 2, 5, 5]", "-o", str(out)]
+    result = runner.invoke(app, [*argv, "--no-fallback"])
     assert result.exit_code == 2 and "unroll: error:" in result.output, result.exception
     assert not out.exists()
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "= aten(x, op=" in text and "-inf" in text, text
 
 
 def test_a_crashing_mapper_is_reported_as_unmapped(nets):

@@ -224,3 +224,52 @@ def test_phi3_full_width_rotary_imports_and_verifies():
     assert "rotary(" in imported.text
     report = verify_text(imported.text, build)
     assert report.ok, report.problems or report.table()
+
+
+class Float32Inside(nn.Module):
+    """What Gemma2's eager attention does: a softmax computed in float32 whatever the
+    input's dtype (``dtype=torch.float32``, which the registry's softmax does not take),
+    cast back after."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        p = torch.softmax(h @ h.transpose(1, 2), dim=-1, dtype=torch.float32).to(h.dtype)
+        return self.head(p @ h)
+
+
+def test_a_registry_refusal_falls_back_to_the_exact_call():
+    """The softmax mapper refuses ``dtype=``; the fallback runs that very call instead (its
+    float result in the step's float dtype, as the original's cast back makes it), listed
+    as opaque; without the fallback the mapper's reason is the one given."""
+    imported = _import(Float32Inside(), "inside")
+    assert 'op="aten.softmax.int"' in imported.text and "torch.float32" in imported.text
+    assert "refused it" in imported.text  # the "# opaque:" note says why
+    report = verify_text(imported.text, Float32Inside)
+    assert report.ok, report.problems or report.table()
+    with pytest.raises(ImportFailure, match="softmax with a dtype"):
+        _import(Float32Inside(), "inside", fallback=False)
+
+
+def test_an_opaque_float_result_takes_the_steps_float_dtype():
+    from unroller.runtime import opaque
+
+    x = torch.randn(2, 3, dtype=torch.float64)
+    out = opaque.run("aten.softmax.int", "t0, -1, dtype=torch.float32", [x])
+    assert out.dtype == torch.float64
+    assert torch.equal(out, torch.softmax(x, -1, dtype=torch.float32).double())
+    index = opaque.run("aten.argmax.default", "t0, -1", [x])
+    assert index.dtype == torch.int64
+
+
+def test_an_overload_name_with_capitals_resolves():
+    """Falcon's ``aten.numpy_T.default`` (the ``.T`` of a 2-d weight)."""
+    from unroller.runtime import opaque
+
+    w = torch.randn(3, 4)
+    assert torch.equal(opaque.run("aten.numpy_T.default", "t0", [w]), w.T)

@@ -224,13 +224,20 @@ def test_eager_attention_with_the_causal_mask_verifies_exactly(factory, inputs, 
     assert report.ok, report.problems or report.table()
 
 
-def test_eager_llama_stays_refused_for_its_float32_softmax():
-    """Its softmax rounds to float32 inside, which a float64 step cannot match."""
+def test_eager_llama_softmax_in_float32_runs_as_its_own_call():
+    """Eager attention's softmax rounds to float32 inside, which the registry's softmax
+    does not take: that very call runs as an opaque statement (its result back in the
+    step's dtype, as the original's cast makes it), so even a float64 step equals the
+    original's; registry only, it is refused with the reason."""
     pytest.importorskip("transformers")
+    inputs = ["input_ids: i64[N, 12]"]
+    kwargs = {"attn_implementation": "eager"}
+    text = import_network(f"{ZOO}:hf_llama", inputs, kwargs=kwargs).text
+    assert 'op="aten.softmax.int"' in text
+    report = verify_text(text, f"{ZOO}:hf_llama", kwargs)
+    assert report.ok, report.problems or report.table()
     with pytest.raises(ImportFailure) as failed:
-        import_network(
-            f"{ZOO}:hf_llama", ["input_ids: i64[N, 12]"], kwargs={"attn_implementation": "eager"}
-        )
+        import_network(f"{ZOO}:hf_llama", inputs, kwargs=kwargs, fallback=False)
     assert "softmax with a dtype" in str(failed.value)
 
 

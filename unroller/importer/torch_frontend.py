@@ -607,7 +607,8 @@ class _Mapper(_Collapse, _Patterns, _Checks):
             self._poison(node)
             return
         except Refuse as exc:
-            self._fail(node, target, str(exc))
+            if not (self.fallback and torch_opaque.instead(self, node, target, str(exc))):
+                self._fail(node, target, str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - arguments no mapper expected: refuse them
             self._fail(node, target, f"its arguments could not be read ({_one_line(exc)})")

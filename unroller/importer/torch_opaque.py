@@ -166,3 +166,30 @@ def fallback(mapper, node: fx.Node, target: str) -> None:
         return
     mapper.values[node] = name
     mapper.opaque.append(f"{name} = aten({op}): no registry operator computes it; run as is")
+
+
+def instead(mapper, node: fx.Node, target: str, refused: str) -> bool:
+    """The exact fallback for a node a registry mapper refused (an argument outside what
+    the operator takes: softmax to another dtype, an add of a constant the language has no
+    statement for, a tensor built from constants): one ``aten`` statement running that
+    very call, when it can be written; False (nothing recorded) when it cannot, so the
+    mapper's reason is the one reported."""
+    if target == "getitem" or node.op != "call_function":
+        return False
+    merged = mapper.merged
+    if node in merged.refused or node in merged.shapes:
+        return False  # rows merged with the batch: a per-sample question, not an operator's
+    if any(arg in merged.refused or arg in merged.shapes for arg in node.all_input_nodes):
+        return False
+    try:
+        made = opaque(mapper, node)
+    except (Refuse, Poisoned):
+        return False
+    if isinstance(made, Parts):
+        mapper.values[node] = made
+        return True
+    mapper.values[node] = made
+    mapper.opaque.append(
+        f"{made} = aten({target}): the registry's operator refused it ({refused}); run as is"
+    )
+    return True

@@ -39,7 +39,7 @@ MAX_CONSTANT = 4096
 #: the longest call text
 MAX_CALL = 20000
 
-_OP = re.compile(r"aten\.([a-z_][a-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\Z")
+_OP = re.compile(r"aten\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\Z")
 _STRING = re.compile(r"[A-Za-z0-9_ .+-]{0,64}\Z")
 _DTYPES = {
     name: getattr(torch, name)
@@ -233,7 +233,20 @@ def run(op: str, call: str, tensors: Sequence[Any], output: int | None = None) -
         **{k: _bind(v, tensors, like) for k, v in kwargs},
     )
     if output is not None:
-        return result[output]
+        result = result[output]
+    return _in_working_dtype(result, tensors)
+
+
+def _in_working_dtype(result: Any, tensors: Sequence[Any]) -> Any:
+    """A float result in the float dtype of the call's float inputs: the language has one
+    float dtype, which the whole step computes in (``model.double()``), so a call that
+    computes in another (``softmax(x, dtype=torch.float32)``, as eager attention's) rounds
+    there and comes back, as the original's next cast (``.to(query.dtype)``) does."""
+    working = next(
+        (t.dtype for t in tensors if isinstance(t, Tensor) and t.is_floating_point()), None
+    )
+    if isinstance(result, Tensor) and result.is_floating_point() and working is not None:
+        return result.to(working)
     return result
 
 
