@@ -10,6 +10,7 @@ folder (it is not in the wheel), no command tests a platform's name (it asks the
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import subprocess
 import sys
@@ -33,6 +34,13 @@ CLI_MODULES = sorted(
 runner = CliRunner()
 
 
+@functools.cache
+def parsed(source: str) -> ast.Module:
+    """The tree of one source text, parsed once per process: three checks below walk every
+    file of the package (about 2 s of parsing each)."""
+    return ast.parse(source)
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -45,7 +53,7 @@ def imported(path: Path) -> set[str]:
     package = module_name(path)
     if path.stem != "__init__":
         package = package.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parsed(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -98,7 +106,7 @@ def test_the_library_does_not_import_the_cli():
 def benchmarks_imports(source: str) -> list[str]:
     """Imports of the checkout's ``benchmarks`` folder, static or by name."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parsed(source)):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -122,7 +130,7 @@ def test_nothing_in_the_package_imports_benchmarks():
 def test_no_command_tests_a_platform_name():
     """Platform rules come from the Platform object: no ``platform == "ipu"`` in the CLI."""
     for path in CLI.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parsed(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]
                 named = [s.value for s in sides if isinstance(s, ast.Constant)]
@@ -134,7 +142,7 @@ def _platform_name_tests(path: Path, root: Path = PACKAGE.parent) -> list[str]:
     "ipu"``, ``in ("gpu",)``) or a dict keyed by every platform's name (a dispatch table)."""
     names = set(PLATFORMS)
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parsed(path.read_text(encoding="utf-8"))):
         sides: list[ast.AST] = []
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
