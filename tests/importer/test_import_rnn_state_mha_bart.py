@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SLOW_MARK
 from torch import nn
 
 from unroller.analysis.verify import verify_text
@@ -266,8 +267,12 @@ BART_INPUTS = ["input_ids: i64[N, 12]", "decoder_input_ids: i64[N, 8]"]
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"dropout": 0.0}, {"attn_implementation": "eager"}],
-    ids=["default", "off", "eager"],
+    [
+        pytest.param({}, id="default"),
+        # make test: BART without dropout is the default case's statements less its dropouts
+        pytest.param({"dropout": 0.0}, id="off", marks=SLOW_MARK),
+        pytest.param({"attn_implementation": "eager"}, id="eager"),
+    ],
 )
 def test_bart_verifies_exactly(kwargs):
     """Scaled, tied, offset-positioned embeddings; final_logits_bias, a buffer read as data,
