@@ -229,3 +229,24 @@ def test_albert_with_one_layer_imports_and_verifies():
     )
     ids = torch.randint(0, 64, (2, 8))
     _verified(AlbertForSequenceClassification(config), (ids,), torch.randint(0, 3, (2,)))
+
+
+class _MultiQuery(nn.Module):
+    """Falcon's multi-query attention: one key/value head broadcast over every query head
+    in ``F.scaled_dot_product_attention`` (no ``enable_gqa``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.out = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 3)
+
+    def forward(self, x):
+        n, length, _ = x.shape
+        q = self.q(x).view(n, length, 4, 2).transpose(1, 2)
+        k, v = self.kv(x).view(n, length, 1, 4).transpose(1, 2).chunk(2, dim=-1)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(a.transpose(1, 2).reshape(n, length, 8))
+
+
+def test_one_key_value_head_broadcast_is_grouped_query_attention():
+    text = _verified(_MultiQuery(), (torch.randn(2, 5, 8),))
+    assert "enable_gqa=true" in text

@@ -777,6 +777,11 @@ def sdpa(view):
         causal, bias = view.attention_bias(a["attn_mask"], causal)
     scale = a.get("scale")
     gqa = {"enable_gqa": True} if a.get("enable_gqa") else {}  # grouped-query attention
+    q_shape, k_shape = view.in_shape("query"), view.in_shape("key")
+    if len(q_shape) == len(k_shape) == 4 and k_shape[1] == 1 and q_shape[1] != 1:
+        # multi-query attention written as a broadcast of one key/value head (Falcon):
+        # grouped-query attention with every query head in the one group, the same sums
+        gqa["enable_gqa"] = True
     if float(a["dropout_p"]) != 0.0:
         gqa["dropout"] = float(a["dropout_p"])
     return view.stmt(
