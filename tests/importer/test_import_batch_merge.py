@@ -156,3 +156,43 @@ def test_swin_window_partition_stays_refused_and_is_named():
     message = str(caught.value)
     assert "merges the batch dim (a window partition, as Swin's" in message
     assert "scaled_dot_product_attention" in message
+
+
+class DebertaLike(nn.Module):
+    """DeBERTa-v2's attention as it writes it: heads merged with the batch for ``bmm``
+    (``[N, H, L, D] -> [N*H, L, D]``), the scores divided by a constant scalar tensor, a
+    constant mask of ones multiplied in and a fill under its (empty) complement, then
+    split back."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        n, length, _ = x.shape
+        mask = torch.ones(n, length, 1)
+        x = x * mask
+        q, k, v = (
+            t.view(n, length, 2, 4).transpose(1, 2).reshape(n * 2, length, 4)
+            for t in self.qkv(x).chunk(3, dim=-1)
+        )
+        scale = torch.sqrt(torch.tensor(4, dtype=torch.float) * 2)
+        scores = torch.bmm(q, k.transpose(-1, -2)) / scale.to(q.dtype)
+        scores = scores.view(n, 2, length, length)
+        blocked = ~torch.ones(n, 1, length, length, dtype=torch.bool)
+        scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1).view(n * 2, length, length)
+        a = torch.bmm(probs, v).view(n, 2, length, 4)
+        return self.out(a.transpose(1, 2).reshape(n, length, 8))
+
+
+def test_bmm_on_merged_heads_and_constant_masks_import_and_verify_exactly():
+    text = import_network(
+        "deberta_like", ["x: f32[N, 5, 8]"], loss="mse_loss", built=DebertaLike()
+    ).text
+    assert "aten(" not in text  # bmm row-wise, the scale a factor, the masks identities
+    assert "matmul(" in text and "scale(" in text
+    report = verify_text(text, DebertaLike, {}, batch_size=3)
+    assert report.ok, report.problems or report.table()

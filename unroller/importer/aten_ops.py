@@ -382,6 +382,9 @@ def _binary(op: str):
         if constant is not None and op in ("add", "sub") and not bool(constant.any()):
             if view.in_shape("self") == view.out_shape():
                 return view.alias("self")  # an attention mask that masks nothing
+        if constant is not None and op in ("mul", "div") and bool((constant == 1).all()):
+            if view.in_shape("self") == view.out_shape():
+                return view.alias("self")  # times a mask of ones (DeBERTa's, no padding)
         if op == "add":  # eager attention's scores plus the causal mask, either way round
             for key, mask in (("self", "other"), ("other", "self")):
                 if view.is_tensor(a[key]) and _additive_causal(view, mask, key):
@@ -390,13 +393,14 @@ def _binary(op: str):
                     )
         if (
             constant is not None
-            and op == "mul"
+            and op in ("mul", "div")
             and isinstance(constant, torch.Tensor)
             and constant.numel() == 1
             and constant.is_floating_point()
             and view.in_shape("self") == view.out_shape()
-        ):  # a constant scalar tensor (Gemma's embedding scale): x * c, exactly
-            return view.stmt("scale", [view.value("self")], factor=float(constant.reshape(())))
+        ):  # a constant scalar tensor (Gemma's embedding scale, DeBERTa's score scale)
+            c = float(constant.reshape(()))
+            return view.stmt("scale", [view.value("self")], factor=c if op == "mul" else 1.0 / c)
         return view.stmt(op, [view.value("self"), view.value("other")])
 
     return mapper
@@ -429,6 +433,17 @@ for _op in ("add", "sub", "mul", "div"):
     for _form in ("Tensor", "Scalar"):
         MAPPERS[f"aten.{_op}.{_form}"] = _binary(_op)
         MAPPERS[f"aten.{_op}_.{_form}"] = _binary(_op)
+
+
+@maps("aten.masked_fill.Scalar")
+def masked_fill(view):
+    """A fill under a constant mask that selects nothing (DeBERTa's attention mask when no
+    padding is given) is the tensor itself; any other mask is the fallback's (the call run
+    as is) or refused."""
+    mask = view.constant("mask")
+    if mask is not None and not bool(mask.any()) and view.in_shape("self") == view.out_shape():
+        return view.alias("self")
+    raise Refuse("masked_fill: the registry has no operator for it")
 
 
 @maps("aten.div.Tensor_mode")

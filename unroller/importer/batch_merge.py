@@ -68,6 +68,7 @@ LAST_DIMS = {
     "aten.mean.dim",
     "aten.sum.dim_IntList",
     "aten.matmul.default",
+    "aten.bmm.default",  # both operands [rows, n, m]: the rows are its batch dim
 }
 
 #: ops that move dims after the rows (the rows are checked to stay first)
@@ -240,7 +241,7 @@ def _row_wise(mapper, node, region, rows, target_name) -> str | None:
         return "reads the rows as its weight"
     if target == "aten.embedding.default" and a["indices"] not in region:
         return "reads the rows as its table"
-    if target == "aten.matmul.default":
+    if target in ("aten.matmul.default", "aten.bmm.default"):
         why = _matmul_rows(node, region)
         if why is not None:
             return why
@@ -254,7 +255,7 @@ def _row_wise(mapper, node, region, rows, target_name) -> str | None:
     for arg in node.all_input_nodes:
         if arg in region:
             continue
-        if target == "aten.matmul.default" or arg in _weights(node, target):
+        if target in ("aten.matmul.default", "aten.bmm.default") or arg in _weights(node, target):
             if any(isinstance(mapper.dim(d), str) for d in arg.meta["val"].shape):
                 return f"reads {arg.name} {shape_text(mapper.shape(arg))}, a batched value"
             continue  # checked above

@@ -87,6 +87,8 @@ class _Writer:
             return repr(d)
         lifted = node.op == "placeholder" and node.name in self.m.constant_values
         if (node in self.m.constant or lifted) and node not in self.m.values:
+            if any(isinstance(self.m.dim(d), str) for d in node.meta["val"].shape):
+                raise Refuse(f"{node.name} is a constant whose shape holds the batch size")
             value = constant_value(self.m, node)
             if value.numel() > MAX_CONSTANT:
                 raise Refuse(
