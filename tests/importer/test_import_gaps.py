@@ -250,3 +250,23 @@ class _MultiQuery(nn.Module):
 def test_one_key_value_head_broadcast_is_grouped_query_attention():
     text = _verified(_MultiQuery(), (torch.randn(2, 5, 8),))
     assert "enable_gqa=true" in text
+
+
+class _IndexedPositions(nn.Module):
+    """Whisper's learned positions: the table indexed by ``arange(L)`` repeated per sample
+    (``weight[position_ids]``, an ``aten.index``), added to the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(16, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1]).unsqueeze(0).repeat(x.shape[0], 1)
+        return self.fc(x + self.emb.weight[pos])
+
+
+def test_a_table_indexed_by_constant_positions_is_embedding_rows():
+    """Never the capture's batch size baked into a constant: the rows are one range shared
+    by every sample (``embedding_rows``), at any batch size."""
+    text = _verified(_IndexedPositions(), (torch.randn(2, 4, 8),))
+    assert "embedding_rows(" in text and "aten(" not in text

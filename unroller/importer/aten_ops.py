@@ -262,6 +262,25 @@ def embedding(view):
     )
 
 
+@maps("aten.index.Tensor")
+def index_rows(view):
+    """A table indexed by constant positions, ``weight[position_ids]`` (Whisper's learned
+    positions): ``embedding_rows``, as the embedding of those ids; any other index is the
+    fallback's (the call run as is) or refused."""
+    indices = view.a["indices"]
+    ids = None
+    if len(indices) == 1 and view.is_tensor(indices[0]):
+        view.a["ids"] = indices[0]
+        ids = view.constant("ids")
+    if ids is None or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise Refuse("index: the registry has no operator for it")
+    view.a["weight"] = view.a["self"]  # the table, under the registry's parameter name
+    weight = view.param_shape("weight")
+    if len(weight) != 2:
+        raise Refuse("index of a parameter that is not a 2-d table")
+    return _embedding_rows(view, ids, weight, -1)
+
+
 def _embedding_rows(view, ids, weight, padding: int):
     """A table looked up at constant positions (position ids, token-type ids): the same
     row range in every sample, as ``embedding_rows`` (a value without the batch dim that
