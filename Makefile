@@ -42,9 +42,18 @@ lock:
 	rm -f $(LOCK).new
 	rm -rf $(LOCK_VENV)
 
+# The tests' cache of native kernel builds (tests/conftest.py takes the same folder); the
+# kernels are built into it on the second core while check and lint run on the first, so
+# no test waits ~40 s of compiling for them on a fresh machine (a failed build here is
+# only reported: the test that needs the kernels builds them, or fails, itself).
+export UNROLLER_TEST_CACHE_DIR ?= $(shell $(PYTHON) -c 'import os, tempfile; print(os.path.join(tempfile.gettempdir(), f"unroller-tests-{os.getuid()}"))')
+
 test: $(STAMP)
-	$(UNROLL) check generated
-	$(UNROLL) lint generated/ipu generated/multiipu --platform ipu
+	@UNROLLER_CACHE_DIR=$(UNROLLER_TEST_CACHE_DIR) $(UNROLL) cache build-native > /dev/null & \
+	build=$$!; \
+	$(UNROLL) check generated && $(UNROLL) lint generated/ipu generated/multiipu --platform ipu; \
+	status=$$?; wait $$build || echo "make test: the native kernels did not build ahead"; \
+	exit $$status
 	$(PY) -m pytest -q -n $(WORKERS)
 
 # Everything `make test` runs, plus the slow tests (benchmark scripts end to end, the
