@@ -273,3 +273,23 @@ def test_an_overload_name_with_capitals_resolves():
 
     w = torch.randn(3, 4)
     assert torch.equal(opaque.run("aten.numpy_T.default", "t0", [w]), w.T)
+
+
+class BatchSizedConstant(nn.Module):
+    """A constant whose shape holds the batch size (a per-sample ``full`` built from
+    ``x.shape[0]``) read by an op the registry lacks: the fallback must not bake the
+    capture's batch size into the text."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        steps = torch.full((x.shape[0], 4, 4), 0.5).cumsum(dim=1)
+        return torch.hypot(h, steps)
+
+
+def test_a_constant_holding_the_batch_size_is_refused_not_baked_in():
+    with pytest.raises(ImportFailure, match="a constant whose shape holds the batch size"):
+        _import(BatchSizedConstant(), "sized")
