@@ -687,7 +687,7 @@ def measure(net: Network, fallback: bool) -> dict[str, Any]:
 
 
 def run_isolated(name: str, fallback: bool, timeout: int) -> dict[str, Any]:
-    """``measure`` in a new process (its own session, killed whole at ``timeout``)."""
+    """``measure`` in a new process (its own process group, killed whole at ``timeout``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "benchmarks.network_zoo", "--worker", name]
