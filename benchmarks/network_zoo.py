@@ -79,6 +79,28 @@ def _causal(name, model, config, **sizes) -> Network:
     return Network(name, "causal LM", model, config, base, "causal")
 
 
+def _encoder(name, model, config, batch, embedding_size=None) -> Network:
+    """A BERT-sized encoder (``embedding_size``: ALBERT's and ELECTRA's factorised table)."""
+    sizes = dict(vocab_size=VOCAB)
+    if embedding_size is not None:
+        sizes.update(embedding_size=embedding_size)
+    sizes.update(hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    sizes.update(intermediate_size=64)
+    return Network(name, "encoder", model, config, sizes, batch)
+
+
+#: the sizes of a BART-style encoder-decoder (BART, Pegasus, Marian, Whisper)
+_BART_SIZES = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+)
+
 #: 45 networks at their library defaults but size; the task head users fine-tune.
 NEW: list[Network] = [
     # causal language models (22)
@@ -143,34 +165,8 @@ NEW: list[Network] = [
     _causal("granite", "GraniteForCausalLM", "GraniteConfig", num_key_value_heads=4),
     _causal("starcoder2", "Starcoder2ForCausalLM", "Starcoder2Config", num_key_value_heads=1),
     # encoders (9)
-    Network(
-        "bert",
-        "encoder",
-        "BertForSequenceClassification",
-        "BertConfig",
-        dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        "classes",
-    ),
-    Network(
-        "roberta",
-        "encoder",
-        "RobertaForSequenceClassification",
-        "RobertaConfig",
-        dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        "classes",
-    ),
+    _encoder("bert", "BertForSequenceClassification", "BertConfig", "classes"),
+    _encoder("roberta", "RobertaForSequenceClassification", "RobertaConfig", "classes"),
     Network(
         "distilbert",
         "encoder",
@@ -179,92 +175,16 @@ NEW: list[Network] = [
         dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64),
         "tokens",
     ),
-    Network(
-        "albert",
-        "encoder",
-        "AlbertForSequenceClassification",
-        "AlbertConfig",
-        dict(
-            vocab_size=VOCAB,
-            embedding_size=16,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        "classes",
+    _encoder(
+        "albert", "AlbertForSequenceClassification", "AlbertConfig", "classes", embedding_size=16
     ),
-    Network(
-        "electra",
-        "encoder",
-        "ElectraForSequenceClassification",
-        "ElectraConfig",
-        dict(
-            vocab_size=VOCAB,
-            embedding_size=16,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        "classes",
+    _encoder(
+        "electra", "ElectraForSequenceClassification", "ElectraConfig", "classes", embedding_size=16
     ),
-    Network(
-        "deberta_v2",
-        "encoder",
-        "DebertaV2ForSequenceClassification",
-        "DebertaV2Config",
-        dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        "classes",
-    ),
-    Network(
-        "xlm_roberta",
-        "encoder",
-        "XLMRobertaForTokenClassification",
-        "XLMRobertaConfig",
-        dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        "tokens",
-    ),
-    Network(
-        "mpnet",
-        "encoder",
-        "MPNetForMaskedLM",
-        "MPNetConfig",
-        dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        "tokens",
-    ),
-    Network(
-        "modernbert",
-        "encoder",
-        "ModernBertForSequenceClassification",
-        "ModernBertConfig",
-        dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-        ),
-        "classes",
-    ),
+    _encoder("deberta_v2", "DebertaV2ForSequenceClassification", "DebertaV2Config", "classes"),
+    _encoder("xlm_roberta", "XLMRobertaForTokenClassification", "XLMRobertaConfig", "tokens"),
+    _encoder("mpnet", "MPNetForMaskedLM", "MPNetConfig", "tokens"),
+    _encoder("modernbert", "ModernBertForSequenceClassification", "ModernBertConfig", "classes"),
     # encoder-decoders (5)
     Network(
         "t5",
@@ -298,17 +218,7 @@ NEW: list[Network] = [
             "seq2seq",
             model,
             config,
-            dict(
-                vocab_size=VOCAB,
-                d_model=32,
-                encoder_layers=2,
-                decoder_layers=2,
-                encoder_attention_heads=4,
-                decoder_attention_heads=4,
-                encoder_ffn_dim=64,
-                decoder_ffn_dim=64,
-                **extra,
-            ),
+            dict(_BART_SIZES, **extra),
             "seq2seq",
         )
         for name, model, config, extra in (
@@ -410,17 +320,7 @@ NEW: list[Network] = [
         "audio",
         "WhisperForConditionalGeneration",
         "WhisperConfig",
-        dict(
-            vocab_size=VOCAB,
-            d_model=32,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_source_positions=16,
-        ),
+        dict(_BART_SIZES, max_source_positions=16),
         "audio",
         note="input_features [2, 80, 32] and decoder_input_ids [2, 8] with a per-position "
         "target: a labels batch is refused by unroller.importer.hf_batch, Whisper having no "

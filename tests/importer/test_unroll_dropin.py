@@ -135,24 +135,32 @@ def test_the_shapes_a_step_keeps_are_bounded(tmp_path, monkeypatch):
     assert len(step._specs) == 2
 
 
-def test_sequence_classifier_batch(tmp_path):
+def _bert_classifier(layers: int, **config_kwargs):
+    """(config, a float64 BERT sequence classifier of 3 labels built after seed 0, its copy,
+    a batch of 4 x 12 tokens with its labels)."""
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=64,
         hidden_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=16,
         num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        **config_kwargs,
     )
     net = transformers.BertForSequenceClassification(config).double()
     twin = copy.deepcopy(net)
     ids = torch.randint(0, 64, (4, 12))
     batch = dict(
         input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([0, 2, 1, 2])
+    )
+    return config, net, twin, batch
+
+
+def test_sequence_classifier_batch(tmp_path):
+    config, net, twin, batch = _bert_classifier(
+        2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )
     step = unroller.unroll(net, batch, directory=tmp_path)
     out = step(**batch)
@@ -180,22 +188,7 @@ def test_train_mode_logits_are_the_training_forwards(tmp_path):
     The hidden dropouts draw from torch's stream as the original's do; attention dropout's
     mask comes from a generator the stream seeds (the generated kernel keeps only its
     seed), which the reference draws the same way (as verify does)."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-        num_labels=3,
-    )
-    net = transformers.BertForSequenceClassification(config).double()
-    twin = copy.deepcopy(net)
-    ids = torch.randint(0, 64, (4, 12))
-    batch = dict(
-        input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([0, 2, 1, 2])
-    )
+    _, net, twin, batch = _bert_classifier(1)
     step = unroller.unroll(net, batch, directory=tmp_path)
     torch.manual_seed(7)
     out = step(**batch)

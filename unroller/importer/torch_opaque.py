@@ -152,22 +152,17 @@ def fallback(mapper, node: fx.Node, target: str) -> None:
     source = node.args[0] if target == "getitem" and node.args else None
     try:
         if isinstance(mapper.values.get(source), Parts):
-            name = opaque_part(mapper, mapper.values[source], node)
-            op = mapper.values[source].op
+            made = opaque_part(mapper, mapper.values[source], node)
+            target = mapper.values[source].op
         else:
             made = opaque(mapper, node)
-            if isinstance(made, Parts):
-                mapper.values[node] = made
-                return
-            name, op = made, target
     except Poisoned:
         mapper._poison(node)
         return
     except Refuse as exc:
         mapper._fail(node, target, str(exc))
         return
-    mapper.values[node] = name
-    mapper.opaque.append(f"{name} = aten({op}): no registry operator computes it; run as is")
+    _record(mapper, node, made, target, "no registry operator computes it")
 
 
 def instead(mapper, node: fx.Node, target: str, refused: str) -> bool:
@@ -179,19 +174,19 @@ def instead(mapper, node: fx.Node, target: str, refused: str) -> bool:
     if target == "getitem" or node.op != "call_function":
         return False
     merged = mapper.merged
-    if node in merged.refused or node in merged.shapes:
+    if any(n in merged.refused or n in merged.shapes for n in (node, *node.all_input_nodes)):
         return False  # rows merged with the batch: a per-sample question, not an operator's
-    if any(arg in merged.refused or arg in merged.shapes for arg in node.all_input_nodes):
-        return False
     try:
         made = opaque(mapper, node)
     except (Refuse, Poisoned):
         return False
-    if isinstance(made, Parts):
-        mapper.values[node] = made
-        return True
-    mapper.values[node] = made
-    mapper.opaque.append(
-        f"{made} = aten({target}): the registry's operator refused it ({refused}); run as is"
-    )
+    _record(mapper, node, made, target, f"the registry's operator refused it ({refused})")
     return True
+
+
+def _record(mapper, node: fx.Node, made: str | Parts, op: str, why: str) -> None:
+    """``node``'s value: an ``aten`` statement, listed with ``why`` it is opaque, or a
+    multi-result node's ``Parts`` waiting for the ``getitem`` that reads one."""
+    mapper.values[node] = made
+    if not isinstance(made, Parts):
+        mapper.opaque.append(f"{made} = aten({op}): {why}; run as is")
