@@ -542,6 +542,54 @@ def _dropout_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
     assert torch.equal(y == 0, ~mask | (x == 0))
 
 
+# ---------------------------------------------------------------- stochastic depth
+
+
+def _drop_path_case(p: float, shape: tuple[int, ...], scale: bool = True) -> Case:
+    """Stochastic depth on 16 samples (gpu; ipu refuses p > 0): at these p some samples
+    are dropped and some kept after seed 3 (``_drop_path_extras`` checks both happen)."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        kwargs: dict[str, Any] = dict(p=p) if scale else dict(p=p, scale=False)
+        return Sample((randn(16, *shape, dtype=dtype),), kwargs=kwargs, seed=3)
+
+    return Case(f"p{p}-{'x'.join(map(str, shape))}{'' if scale else '-unscaled'}", make)
+
+
+def _drop_path_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """A stochastic depth module (Hugging Face's, timm's) as verify steps it: its mask drawn
+    as the generated kernel draws it (verify.stochastic_depth_as_generated), after the same
+    seed, under autograd."""
+    from unroller.analysis.verify import stochastic_depth_as_generated
+
+    class DropPath(nn.Module):
+        def __init__(self, drop_prob: float, scale_by_keep: bool) -> None:
+            super().__init__()
+            self.drop_prob, self.scale_by_keep = drop_prob, scale_by_keep
+
+        def forward(self, x: Tensor) -> Tensor:
+            raise AssertionError("verify's reference replaces this forward")
+
+    module = DropPath(s.kwargs.get("p", 0.0), s.kwargs.get("scale", True)).train()
+    torch.manual_seed(s.seed)
+    with stochastic_depth_as_generated(module):
+        return module(s.inputs[0])
+
+
+def _drop_path_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
+    """The seed is one int64 (none at p == 0); whole samples are zero or all kept."""
+    (seed,) = extras
+    if not s.kwargs.get("p", 0.0):
+        assert seed is None
+        return
+    assert seed.dtype == torch.int64 and seed.shape == (1,)
+    x = s.inputs[0].detach()
+    dropped = (y == 0).flatten(1).all(1)
+    assert 0 < int(dropped.sum()) < x.shape[0], "the case should drop some samples, not all"
+    assert not (x[dropped] == 0).flatten(1).all(1).any()
+
+
 # ---------------------------------------------------------------- losses
 
 
@@ -1780,6 +1828,19 @@ ROWS: tuple[OpInfo, ...] = (
         + tuple(_dropout_case(p, (3, 4)) for p in (0.0, 1.0, None)),
         eval_reference=lambda s: nn.Dropout(s.kwargs.get("p", 0.5)).eval()(s.inputs[0]),
         check_extras=_dropout_extras,
+    ),
+    OpInfo(
+        "drop_path",
+        _drop_path_reference,
+        (
+            _drop_path_case(0.3, (5,)),
+            _drop_path_case(0.5, (2, 3, 4)),
+            _drop_path_case(0.4, (3, 2), scale=False),
+            _drop_path_case(0.0, (4,)),
+        ),
+        eval_reference=lambda s: s.inputs[0],
+        ipu_unsupported="forward",
+        check_extras=_drop_path_extras,
     ),
     OpInfo(
         "cross_entropy",

@@ -354,8 +354,13 @@ def text_dropouts(graph: Graph) -> list[str]:
     ]
 
 
-#: operator -> its dropout probability argument (attention drops its probabilities)
-DROPOUT_ARGS = {"dropout": ("p",), "scaled_dot_product_attention": ("dropout",)}
+#: operator -> its dropout probability argument (attention drops its probabilities,
+#: stochastic depth whole samples)
+DROPOUT_ARGS = {
+    "dropout": ("p",),
+    "scaled_dot_product_attention": ("dropout",),
+    "drop_path": ("p",),
+}
 
 
 def module_dropouts(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -363,18 +368,27 @@ def module_dropouts(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
     modules with a float ``dropout`` (torch.nn.MultiheadAttention)."""
     import torch
 
+    from unroller.importer.torch_nodes import stochastic_depth_attr
+
     found = []
     for name, sub in module.named_modules():
         if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
             found.append((name, sub))
         elif isinstance(sub, torch.nn.MultiheadAttention) and sub.dropout > 0:
             found.append((name, sub))
+        elif (attr := stochastic_depth_attr(sub)) and getattr(sub, attr) > 0:
+            found.append((name, sub))
     return found
 
 
+def _dropout_attr(sub: Any) -> str:
+    from unroller.importer.torch_nodes import stochastic_depth_attr
+
+    return stochastic_depth_attr(sub) or ("p" if hasattr(sub, "p") else "dropout")
+
+
 def _module_dropout_text(name: str, sub: Any) -> str:
-    p = sub.p if hasattr(sub, "p") else sub.dropout
-    return f"{name or '(root)'} ({type(sub).__name__}, p={p:g})"
+    return f"{name or '(root)'} ({type(sub).__name__}, p={getattr(sub, _dropout_attr(sub)):g})"
 
 
 def dropout_off(model: ModelAST) -> ModelAST:
@@ -395,10 +409,7 @@ def dropout_off(model: ModelAST) -> ModelAST:
 
 def _switch_off(modules: Sequence[tuple[str, Any]]) -> None:
     for _, sub in modules:
-        if hasattr(sub, "p"):
-            sub.p = 0.0
-        else:
-            sub.dropout = 0.0
+        setattr(sub, _dropout_attr(sub), 0.0)
 
 
 def _dropout_notes(mode: str, text: list[str], original: list[str], seed: int) -> list[str]:
@@ -639,7 +650,7 @@ def _step_and_compare(
     twin = copy.deepcopy(original)  # the same step on the batch given twice: rounding noise
     try:
         torch.manual_seed(seed)
-        with attention_dropout_as_generated(dropout):
+        with attention_dropout_as_generated(dropout), stochastic_depth_as_generated(original):
             ref_loss = _original_loss(original, plan, model_inputs, other)
             ref_loss.backward()
     except Exception as exc:  # noqa: BLE001 - the user's module on the declared inputs
@@ -744,7 +755,7 @@ def _noise_checked(rows: list[Row], noise: dict[str, float]) -> list[Row]:
 def attention_dropout_as_generated(mode: str):
     """While the original steps: ``F.scaled_dot_product_attention`` with dropout_p > 0 draws
     its mask as the generated kernel does (``seeded``: one draw of torch's random stream
-    seeds a generator whose uniform draws >= p are kept; gpu.attention_keep) and computes
+    seeds a generator whose uniform draws >= p are kept; gpu.seeded_keep) and computes
     the attention by the math formula under autograd; ``off``: with dropout_p = 0, as the
     generated side then runs. torch's own kernels draw their masks otherwise, so without
     this no attention dropout could be compared."""
@@ -775,12 +786,48 @@ def attention_dropout_as_generated(mode: str):
         F.scaled_dot_product_attention = real
 
 
+@contextlib.contextmanager
+def stochastic_depth_as_generated(module: Any):
+    """While the original steps: each stochastic depth submodule (``stochastic_depth_attr``)
+    in training with p > 0 draws its per-sample mask as the generated ``drop_path`` kernel
+    does (one draw of torch's random stream seeds a generator, gpu.drop_path_factor) under
+    autograd. Its own draw (``torch.rand`` or ``bernoulli_`` of torch's stream) is another
+    stream, so without this no stochastic depth could be compared."""
+    from unroller.importer.torch_nodes import stochastic_depth_attr
+    from unroller.runtime.gpu import drop_path_factor, random_seed
+
+    def reference(sub, attr):
+        def forward(x, *args, **kwargs):
+            p = getattr(sub, attr)
+            if not sub.training or p == 0 or x.numel() == 0:
+                return x
+            scale = bool(getattr(sub, "scale_by_keep", True))
+            return x * drop_path_factor(random_seed(), x, p, scale)
+
+        return forward
+
+    patched = []
+    for _, sub in module.named_modules():
+        attr = stochastic_depth_attr(sub)
+        if attr is not None:
+            patched.append((sub, sub.__dict__.get("forward")))
+            sub.forward = reference(sub, attr)
+    try:
+        yield
+    finally:
+        for sub, own in patched:
+            if own is None:
+                del sub.forward
+            else:
+                sub.forward = own
+
+
 def reference_dropped_attention(q, k, v, attn_mask, p, is_causal, scale, enable_gqa):
     """softmax(q k^T * scale + mask) with dropout (the generated kernel's mask) @ v, under
     autograd: the reference the generated attention dropout is compared with."""
     import torch
 
-    from unroller.runtime.gpu import attention_keep, attention_seed
+    from unroller.runtime.gpu import random_seed, seeded_keep
 
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         groups = q.shape[-3] // k.shape[-3]
@@ -797,7 +844,7 @@ def reference_dropped_attention(q, k, v, attn_mask, p, is_causal, scale, enable_
             else s + attn_mask
         )
     probs = torch.softmax(s, dim=-1)
-    keep = attention_keep(attention_seed(), probs.shape, p, probs.device)
+    keep = seeded_keep(random_seed(), probs.shape, p, probs.device)
     return torch.matmul(probs * keep / (1 - p), v)
 
 

@@ -5,7 +5,9 @@ parameter or buffer that no statement owns. Each is reported once, at its module
 from __future__ import annotations
 
 import contextlib
+import math
 import re
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -18,9 +20,24 @@ from unroller.importer.torch_nodes import (
     draws_random,
     qualname,
     short_name,
+    stochastic_depth_attr,
     target_name,
     writes_in_place,
 )
+from unroller.importer.torch_view import NodeView
+
+
+@dataclass(frozen=True)
+class DropPath:
+    """A stochastic depth the registry's ``drop_path`` computes: ``apply`` (``x * mask``)
+    becomes ``drop_path(x, p=prob, scale=scale)``; ``ident`` is its draw's index."""
+
+    ident: int
+    apply: fx.Node
+    x: fx.Node
+    prob: float
+    scale: bool
+    divided: fx.Node | None = None  # ``x / keep`` before the product, absorbed
 
 
 class _Checks:
@@ -65,37 +82,127 @@ class _Checks:
                     todo.extend(user.users)
         return sites
 
+    def _stochastic_depth_prob(self, ident: int) -> float | None:
+        """The drop probability of the stochastic depth drawn at node ``ident``: its
+        module's ``p`` / ``drop_prob``, else 1 - a bernoulli draw's keep probability."""
+        draw = self.nodes[ident]
+        path, _ = self.where(draw)
+        with contextlib.suppress(AttributeError):
+            sub = self.module.get_submodule(path) if path else self.module
+            for attr in ("p", "drop_prob"):
+                if isinstance(getattr(sub, attr, None), float):
+                    return getattr(sub, attr)
+        if short_name(draw) in ("bernoulli", "bernoulli_") and len(draw.args) > 1:
+            with contextlib.suppress(TypeError, ValueError):
+                return 1.0 - float(draw.args[1])
+        return None
+
+    def _stochastic_depth_plans(self) -> dict[fx.Node, DropPath]:
+        """The stochastic depths that are the registry's ``drop_path``, by the node that
+        applies the mask (``x * mask``). Recognised are the three ways libraries write it,
+        nothing else: ``keep + rand([N, 1, ...])`` floored (Hugging Face, whose ``x / keep``
+        before the product stays its own statement), and ``bernoulli_(keep)`` of an empty
+        ``[N, 1, ...]`` tensor (timm, torchvision), either divided by keep (scaled) or not."""
+        chains: dict[int, list[fx.Node]] = {}
+        for node, ident in self.stochastic.items():
+            chains.setdefault(ident, []).append(node)
+        plans = {}
+        for ident, chain in chains.items():
+            plan = self._stochastic_depth_plan(ident, set(chain))
+            if plan is not None:
+                plans[plan.apply] = plan
+        return plans
+
+    def _stochastic_depth_plan(self, ident: int, chain: set) -> DropPath | None:
+        """Its plan when the draw is a stochastic depth module's (``stochastic_depth_attr``:
+        verify makes exactly those draw as the kernel does), one value per sample."""
+        draw = self.nodes[ident]
+        path, _ = self.where(draw)
+        try:
+            sub = self.module.get_submodule(path) if path else self.module
+        except AttributeError:
+            return None
+        attr = stochastic_depth_attr(sub)
+        if attr is None or self.dim(draw.meta["val"].shape[0]) != BATCH:
+            return None
+        prob = getattr(sub, attr)
+        if not 0.0 < prob < 1.0:
+            return None
+        keep = 1.0 - prob
+        outside = {u for n in chain for u in n.users if u not in chain}
+        if len(outside) != 1:
+            return None
+        (apply,) = outside
+        mask = [a for a in apply.args if a in chain]
+        rest = [a for a in apply.args if a not in chain]
+        if target_name(apply) != "aten.mul.Tensor" or len(mask) != 1 or len(rest) != 1:
+            return None
+        if not isinstance(rest[0], fx.Node) or rest[0] in self.constant:
+            return None
+        steps = [short_name(n) for n in sorted(chain, key=self.order.__getitem__)]
+        scalars = [
+            float(a)
+            for n in chain
+            for a in n.args[1:]
+            if isinstance(a, (int, float)) and not isinstance(a, bool)
+        ]
+        if not all(math.isclose(c, keep, rel_tol=1e-12) for c in scalars):
+            return None
+        scaled = steps[-1] in ("div", "div_")
+        core = steps[:-1] if scaled else steps
+        if core not in (["rand", "add", "floor"], ["rand", "add", "floor_"]) and not (
+            core[-1:] in (["bernoulli"], ["bernoulli_"])
+            and all(step in FILLED for step in core[:-1])
+        ):
+            return None
+        x, divided = rest[0], None
+        if (  # Hugging Face's x.div(keep) * mask: the division is drop_path's scaling
+            target_name(x) == "aten.div.Tensor"
+            and len(x.users) == 1
+            and isinstance(x.args[0], fx.Node)
+            and isinstance(x.args[1], float)
+            and math.isclose(x.args[1], keep, rel_tol=1e-12)
+        ):
+            if scaled:
+                return None
+            x, divided, scaled = x.args[0], x, True
+        return DropPath(ident, apply, x, prob, scaled, divided)
+
+    def _map_stochastic_depth(self, node, plan: DropPath) -> None:
+        """``x * mask`` as ``drop_path(x, p=..., scale=...)`` (poisoned, as any node, when
+        x is: x's own refusal is the one reported)."""
+        if plan.x in self.poisoned:
+            self._poison(node)
+            return
+        view = NodeView(self, node, target_name(node))
+        kwargs = {"p": plan.prob} if plan.scale else {"p": plan.prob, "scale": False}
+        try:
+            self.values[node] = view.stmt("drop_path", [self.value_of(plan.x)], **kwargs)
+        except Refuse as exc:
+            self._fail(node, "stochastic depth", str(exc))
+
     def _refuse_stochastic_depth(self, node) -> None:
-        """One line per stochastic depth, naming it, its module and the fix."""
+        """One line per stochastic depth the registry's ``drop_path`` does not take (see
+        ``_stochastic_depth_plans``), naming it, its module and the fix."""
         ident = self.stochastic[node]
+        if ident in self.stochastic_taken:
+            return  # its draw and mask arithmetic: drop_path makes the mask itself
         if ident in self.stochastic_told:
             self._poison(node)
             return
         self.stochastic_told.add(ident)
         draw = self.nodes[ident]
-        path, _ = self.where(draw)
-        prob = None
-        with contextlib.suppress(AttributeError):
-            sub = self.module.get_submodule(path) if path else self.module
-            prob = next(
-                (
-                    getattr(sub, a)
-                    for a in ("p", "drop_prob")
-                    if isinstance(getattr(sub, a, None), float)
-                ),
-                None,
-            )
-        if prob is None and short_name(draw) == "bernoulli" and len(draw.args) > 1:
-            with contextlib.suppress(TypeError, ValueError):
-                prob = 1.0 - float(draw.args[1])
+        prob = self._stochastic_depth_prob(ident)
         said = f" (drop probability {prob:g})" if prob is not None else ""
         self._fail(
             draw,
             "stochastic depth",
-            f"a random drop of a residual branch, per sample{said}, which "
-            "the import captures in training mode and no registry operator draws; build the "
-            "network with its probability 0 (StochasticDepth(p=0.0), drop_path_rate=0.0), "
-            "where it is the identity, as at inference",
+            f"a random drop of a residual branch{said}, which the registry's drop_path "
+            "takes only from a stochastic depth module (a class named *DropPath or "
+            "StochasticDepth, one draw per sample: keep + rand floored, or bernoulli_ of "
+            "keep, times the branch); build the network with its probability 0 "
+            "(StochasticDepth(p=0.0), drop_path_rate=0.0), where it is the identity, as at "
+            "inference",
         )
         for other, i in self.stochastic.items():
             if i == ident:

@@ -253,6 +253,9 @@ class _Mapper(_Collapse, _Patterns, _Checks):
         self._absorb_masked_biases()
         self.stochastic = self._stochastic_depth_sites()
         self.stochastic_told: set[int] = set()
+        self.stochastic_plans = self._stochastic_depth_plans()
+        self.stochastic_taken = {plan.ident for plan in self.stochastic_plans.values()}
+        self.absorbed |= {p.divided for p in self.stochastic_plans.values() if p.divided}
         self.merged = batch_merge.find(self, target_name)
 
     # ---- the graph's signature: which placeholder is what
@@ -507,6 +510,9 @@ class _Mapper(_Collapse, _Patterns, _Checks):
                 continue
             if node in self.stochastic:
                 self._refuse_stochastic_depth(node)
+                continue
+            if node in self.stochastic_plans:
+                self._map_stochastic_depth(node, self.stochastic_plans[node])
                 continue
             self._map(node, target)
         output = next(n for n in reversed(self.nodes) if n.op == "output")

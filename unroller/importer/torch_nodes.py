@@ -6,6 +6,8 @@ the causal mask. Leaf helpers, so that the mapper and its pieces share one defin
 from __future__ import annotations
 
 import operator
+import re
+from typing import Any
 
 import torch
 from torch import fx
@@ -105,6 +107,21 @@ def draws_random(node) -> bool:
     """Whether the op draws random numbers (bernoulli_, rand, dropout)."""
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags
+
+
+#: the class names of stochastic depth modules (timm's DropPath, torchvision's
+#: StochasticDepth, Hugging Face's *DropPath)
+STOCHASTIC_DEPTH = re.compile(r"StochasticDepth|DropPath")
+
+
+def stochastic_depth_attr(sub: Any) -> str | None:
+    """The attribute holding a stochastic depth module's drop probability (``drop_prob``,
+    or torchvision's ``p``) when ``sub`` is one that drops whole samples (not torchvision's
+    ``mode="batch"``), else None. The importer maps such a module's draw as ``drop_path``
+    and verify makes it draw as that kernel does: one test for both."""
+    if not STOCHASTIC_DEPTH.search(type(sub).__name__) or getattr(sub, "mode", "row") != "row":
+        return None
+    return next((a for a in ("drop_prob", "p") if isinstance(getattr(sub, a, None), float)), None)
 
 
 def short_name(node) -> str:

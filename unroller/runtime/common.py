@@ -399,6 +399,11 @@ def dropout_eval(x: Tensor, *, p: float = 0.5) -> Tensor:
     return x
 
 
+def drop_path_eval(x: Tensor, *, p: float = 0.0, scale: bool = True) -> Tensor:
+    """Identity, as stochastic depth at inference."""
+    return x
+
+
 def l1_loss(a: Tensor, b: Tensor) -> Tensor:
     """As F.l1_loss: (a - b).abs().mean() (l1_loss is a composite op)."""
     return (a - b).abs().mean()

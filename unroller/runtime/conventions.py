@@ -280,6 +280,19 @@ def dropout_backward(
 ) -> Grads: ...
 
 
+def drop_path(x: Tensor, *, p: float = 0.0, scale: bool = True) -> tuple[Tensor, Tensor | None]: ...
+
+
+def drop_path_backward(
+    g: Tensor,
+    seed: Tensor | None,
+    *,
+    p: float = 0.0,
+    scale: bool = True,
+    needs: Needs | None = None,
+) -> Grads: ...
+
+
 def cross_entropy(
     logits: Tensor,
     target: Tensor,

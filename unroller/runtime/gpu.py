@@ -1058,6 +1058,35 @@ def dropout_backward(g, mask, *, p, needs):
     return (g * mask.to(g.dtype).div_(1 - p),)
 
 
+@conventions.implements
+def drop_path(x, *, p, scale):
+    """Stochastic depth: x times a per-sample factor (keep / (1 - p), or keep unscaled), the
+    keep-mask drawn from a generator seeded by one draw of torch's random stream. Returns
+    (y, seed); the backward draws the mask again from the seed (nothing batch-sized kept)."""
+    if p == 0 or x.numel() == 0:
+        return x, None
+    seed = random_seed()
+    return x * drop_path_factor(seed, x, p, scale), seed
+
+
+@conventions.implements
+def drop_path_backward(g, seed, *, p, scale, needs):
+    """g times the forward's per-sample factor, remade from the seed."""
+    if not _need(needs, 0):
+        return (None,)
+    if seed is None:
+        return (g,)
+    return (g * drop_path_factor(seed, g, p, scale),)
+
+
+def drop_path_factor(seed: Tensor, x: Tensor, p: float, scale: bool) -> Tensor:
+    """[N, 1, ...]: 1 / (1 - p) (or 1 unscaled) for a kept sample, 0 for a dropped one; the
+    keep-mask is ``seeded_keep`` over the batch (each sample kept with probability 1 - p)."""
+    keep = seeded_keep(seed, (x.shape[0],), p, x.device).to(x.dtype)
+    factor = keep / (1 - p) if scale else keep
+    return factor.reshape(x.shape[0], *([1] * (x.dim() - 1)))
+
+
 # ---------------------------------------------------------------- losses (mean reduction)
 
 
@@ -1337,27 +1366,28 @@ def scaled_dot_product_attention(q, k, v, bias, *, is_causal, scale, enable_gqa,
     Ev], lse [N, H, L], seed); the backward reads q, k, v, the output, lse and the seed.
     ``enable_gqa``: k and v may have fewer heads, each serving a group of query heads.
     ``dropout`` > 0: the probabilities are dropped with a keep-mask drawn from a generator
-    seeded by one draw of torch's random stream (``attention_keep``), which the backward
+    seeded by one draw of torch's random stream (``seeded_keep``), which the backward
     draws again from the kept seed (the mask is never kept); the attention then runs whole."""
     if enable_gqa:
         k, v = _blocks.gqa_heads(k, q.shape[1]), _blocks.gqa_heads(v, q.shape[1])
     if dropout:
-        seed = attention_seed()
-        keep = attention_keep(seed, (*q.shape[:-1], k.shape[-2]), dropout, q.device)
+        seed = random_seed()
+        keep = seeded_keep(seed, (*q.shape[:-1], k.shape[-2]), dropout, q.device)
         out, lse = _dropped_attention(q, k, v, keep, dropout, is_causal, scale, bias)
         return out, lse, seed
     out, lse = _attention(q, k, v, is_causal, scale, bias)
     return out, lse, None
 
 
-def attention_seed() -> Tensor:
-    """One draw of torch's random stream (CPU) seeding an attention's dropout mask."""
+def random_seed() -> Tensor:
+    """One draw of torch's random stream (CPU) seeding a mask that the backward draws again
+    (attention dropout, stochastic depth): the step keeps this int64, never the mask."""
     return torch.randint(0, 2**62, (1,), dtype=torch.int64)
 
 
-def attention_keep(seed: Tensor, shape: tuple[int, ...], p: float, device) -> Tensor:
-    """The keep-mask of attention dropout: uniform float32 draws of a generator seeded with
-    ``seed``, kept where at least p (so each is kept with probability 1 - p)."""
+def seeded_keep(seed: Tensor, shape: tuple[int, ...], p: float, device) -> Tensor:
+    """A keep-mask (attention dropout's, stochastic depth's): uniform float32 draws of a
+    generator seeded with ``seed``, kept where at least p (each with probability 1 - p)."""
     generator = torch.Generator(device=device)
     generator.manual_seed(int(seed.item()))
     return torch.rand(shape, generator=generator, device=device) >= p
@@ -1424,7 +1454,7 @@ def _dropped_attention_backward(g, q, k, v, output, lse, seed, p, is_causal, sca
     kept mask over 1 - p, remade from the seed; dQ, dK through the two scale factors."""
     qa, kb = _attention_factors(q.shape[-1], scale)
     probs = torch.exp(_scores(q, k, is_causal, scale, bias) - lse.unsqueeze(-1))
-    keep = attention_keep(seed, probs.shape, p, q.device)
+    keep = seeded_keep(seed, probs.shape, p, q.device)
     dropped = probs * keep / (1 - p)  # as the forward made it
     gv = torch.matmul(dropped.transpose(-2, -1), g) if _need(needs, 2) else None
     gq = gk = gbias = None

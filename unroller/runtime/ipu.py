@@ -160,6 +160,12 @@ def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
             "attention dropout is not supported on the ipu platform: its mask is drawn from "
             "a seeded generator, which PopTorch's random ops do not take (use dropout=0.0)"
         )
+    if op_name == "drop_path" and float(args.get("p", 0.0)) > 0:
+        return (
+            "stochastic depth (drop_path with p > 0) is not supported on the ipu platform: "
+            "its per-sample mask is drawn from a seeded generator, which PopTorch's random "
+            "ops do not take (use p=0.0)"
+        )
     return None
 
 
@@ -1031,6 +1037,22 @@ def dropout_backward(g, mask, *, p, needs):
     if mask is None:
         return (g,)
     return (g * (mask.to(g.dtype) / (1 - p)),)
+
+
+@conventions.implements
+def drop_path(x, *, p, scale):
+    """The identity at p == 0; p > 0 is refused (``unsupported``) when the module is made."""
+    if p:
+        raise NotImplementedError(unsupported("drop_path", {"p": p}))
+    return x, None
+
+
+@conventions.implements
+def drop_path_backward(g, seed, *, p, scale, needs):
+    """The identity's backward (p == 0 only, see drop_path)."""
+    if p:
+        raise NotImplementedError(unsupported("drop_path", {"p": p}))
+    return (g if _need(needs, 0) else None,)
 
 
 # ---------------------------------------------------------------- losses (mean reduction)
