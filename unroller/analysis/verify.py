@@ -582,20 +582,13 @@ def _run(report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dr
 
 def _float64_twins(report: VerifyReport, original) -> None:
     """Modules that compute in float32 inside whatever the input's dtype (Hugging Face's
-    RMSNorm: ``unroller.importer.hf_norms``) are compared as what they compute without that
+    RMSNorm, OLMo's LayerNorm: ``unroller.importer.hf_norms``) are compared as what they compute without that
     cast: in float64 the cast would round where the generated code does not."""
-    from unroller.importer.hf_norms import swap_float64_twins
+    from unroller.importer.hf_norms import swap_float64_twins, twins_note
 
     swapped = swap_float64_twins(original)
     if swapped:
-        shown = ", ".join(swapped[:3]) + (
-            f" and {len(swapped) - 3} more" if len(swapped) > 3 else ""
-        )
-        report.notes.append(
-            f"{shown}: Hugging Face RMSNorm, which casts its input to float32 inside; compared "
-            "as torch.nn.RMSNorm with the same weight (what it computes in float32 and "
-            "half precision), since in float64 its cast rounds where the generated code does not"
-        )
+        report.notes.append(twins_note(original, swapped))
 
 
 def require_finite(report: VerifyReport, original) -> None:

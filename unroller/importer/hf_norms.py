@@ -8,9 +8,10 @@ computes one by one; as a module it is ``torch.nn.RMSNorm`` (torch computes half
 inputs in float32 too). A class is recognised by its source, not by its name: its
 ``forward`` and ``__init__`` are Llama's, statement for statement (with its own class name;
 comments and docstrings, which copies reword, aside), so a
-class that only looks alike (Gemma's ``1 + weight``, Olmo's) is never taken for it. Gemma's
-(``1 + weight``) and T5's ``T5LayerNorm`` (the same arithmetic as Llama's, written in its own
-words) are recognised the same way, each against its own source.
+class that only looks alike (Gemma's ``1 + weight``, OLMo 2's) is never taken for it. Gemma's
+(``1 + weight``), T5's ``T5LayerNorm`` and OLMo 2's ``Olmo2RMSNorm`` (the same arithmetic as
+Llama's, written in their own words) are recognised the same way, each against its own
+source.
 
 In float64, the only precision ``verify`` judges at 1e-10, the original's cast to float32
 rounds where the generated code (float64 throughout) does not. ``float64_twin`` gives what
@@ -18,6 +19,14 @@ the module computes without that cast, ``torch.nn.RMSNorm`` holding the same wei
 parameter, and ``verify`` compares the step against the original with its RMSNorms so
 replaced, saying so in its notes; the float32 agreement of the two is tested on its own
 (tests/importer/test_import_llama.py).
+
+OLMo's ``OlmoLayerNorm`` (``F.layer_norm`` of the input cast to float32, no weight) is the
+same case for a module the importer maps op by op, as ``layernorm``: the importer traces in
+float32, where its ``.to(torch.float32)`` and the ``.to(orig_dtype)`` after it are one and
+the same no-op node, so no text can keep the cast; and keeping it as a rounding of the
+norm's input and output would still not be the original's float32 arithmetic, forward and
+backward (about 1e-7 apart). Its twin is ``torch.nn.LayerNorm`` without weight or bias,
+bit for bit the same in float32 (tests/importer/test_import_olmo.py).
 """
 
 from __future__ import annotations
@@ -104,13 +113,34 @@ def is_t5_layernorm(cls: type) -> bool:
     return _copy_of(cls, "t5.modeling_t5", "T5LayerNorm", ("forward", "__init__"))
 
 
+@functools.cache
+def is_olmo2_rmsnorm(cls: type) -> bool:
+    """``Olmo2RMSNorm``'s ``forward`` and ``__init__`` word for word (OLMo 2, OLMo 3,
+    FlexOlmo, ...): Llama's arithmetic with the weight multiplied before the cast back, which
+    changes nothing in float32 or float64 (a float32 norm times a float64 weight is float64
+    either way); in half precision it is ``torch.nn.RMSNorm``'s rounding."""
+    return _copy_of(cls, "olmo2.modeling_olmo2", "Olmo2RMSNorm", ("forward", "__init__"))
+
+
+@functools.cache
+def is_olmo_layernorm(cls: type) -> bool:
+    """``OlmoLayerNorm``'s ``forward`` and ``__init__`` word for word: ``F.layer_norm``
+    without weight or bias, eps ``OLMO_LAYERNORM_EPS``, of the input cast to float32. The
+    importer maps it op by op (``layernorm``); only verify's twin needs to know it."""
+    return _copy_of(cls, "olmo.modeling_olmo", "OlmoLayerNorm", ("forward", "__init__"))
+
+
+#: the eps OlmoLayerNorm's forward writes (a literal of the source is_olmo_layernorm matches)
+OLMO_LAYERNORM_EPS = 1e-5
+
+
 def _plain_rmsnorm(cls: type) -> bool:
-    """Llama's or T5's: the norm times ``weight``, ``variance_epsilon`` its eps."""
-    return is_llama_rmsnorm(cls) or is_t5_layernorm(cls)
+    """Llama's, T5's or OLMo 2's: the norm times ``weight``, ``variance_epsilon`` its eps."""
+    return is_llama_rmsnorm(cls) or is_t5_layernorm(cls) or is_olmo2_rmsnorm(cls)
 
 
 def is_hf_rmsnorm(cls: type) -> bool:
-    """A Hugging Face RMSNorm this module maps: Llama's, Gemma's or T5's."""
+    """A Hugging Face RMSNorm this module maps: Llama's, Gemma's, T5's or OLMo 2's."""
     return _plain_rmsnorm(cls) or is_gemma_rmsnorm(cls)
 
 
@@ -143,8 +173,13 @@ class OffsetRMSNorm(torch.nn.Module):
 
 def float64_twin(module: torch.nn.Module) -> torch.nn.Module | None:
     """``torch.nn.RMSNorm`` computing what a Llama-style RMSNorm computes, in the input's
-    dtype, sharing its weight parameter (the state dict keeps its keys); None for any
-    other module."""
+    dtype, sharing its weight parameter (the state dict keeps its keys); for OLMo's
+    LayerNorm, ``torch.nn.LayerNorm`` without weight or bias; None for any other module."""
+    if is_olmo_layernorm(type(module)):
+        shape = tuple(module.normalized_shape)
+        return torch.nn.LayerNorm(
+            shape, eps=OLMO_LAYERNORM_EPS, elementwise_affine=False, bias=False
+        )
     if is_gemma_rmsnorm(type(module)):
         return OffsetRMSNorm(module.weight, float(module.eps))
     if not _plain_rmsnorm(type(module)):
@@ -154,9 +189,33 @@ def float64_twin(module: torch.nn.Module) -> torch.nn.Module | None:
     return twin
 
 
+def twins_note(root: torch.nn.Module, swapped: list[str]) -> str:
+    """verify's note on the modules ``swap_float64_twins`` replaced under ``root`` (their
+    paths ``swapped``): which norms, compared as what, and why, so a reader of the report
+    knows the original was not stepped word for word."""
+    shown = ", ".join(swapped[:3]) + (f" and {len(swapped) - 3} more" if len(swapped) > 3 else "")
+    layer = [p for p in swapped if isinstance(root.get_submodule(p), torch.nn.LayerNorm)]
+    if not layer:
+        return (
+            f"{shown}: Hugging Face RMSNorm, which casts its input to float32 inside; compared "
+            "as torch.nn.RMSNorm with the same weight (what it computes in float32 and "
+            "half precision), since in float64 its cast rounds where the generated code does not"
+        )
+    if len(layer) == len(swapped):
+        kinds, twins = "OLMo's LayerNorm", "torch.nn.LayerNorm"
+    else:
+        kinds = "Hugging Face RMSNorm and OLMo's LayerNorm"
+        twins = "torch.nn.RMSNorm and torch.nn.LayerNorm"
+    return (
+        f"{shown}: {kinds}, which casts its input to float32 inside; compared as {twins} "
+        "(what it computes in float32), since in float64 its cast rounds where the generated "
+        "code does not"
+    )
+
+
 def swap_float64_twins(root: torch.nn.Module) -> list[str]:
-    """Replace every Llama-style RMSNorm under ``root`` by its ``float64_twin``, in place;
-    the paths replaced."""
+    """Replace every module under ``root`` that has a ``float64_twin`` (the RMSNorms above,
+    OLMo's LayerNorm) by it, in place; the paths replaced."""
     swapped = []
     for path, module in list(root.named_modules()):
         twin = float64_twin(module) if path else None
