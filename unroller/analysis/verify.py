@@ -582,8 +582,9 @@ def _run(report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dr
 
 def _float64_twins(report: VerifyReport, original) -> None:
     """Modules that compute in float32 inside whatever the input's dtype (Hugging Face's
-    RMSNorm, OLMo's LayerNorm: ``unroller.importer.hf_norms``) are compared as what they compute without that
-    cast: in float64 the cast would round where the generated code does not."""
+    RMSNorm, OLMo's LayerNorm: ``unroller.importer.hf_norms``) are compared as what they
+    compute without that cast: in float64 the cast would round where the generated code
+    does not."""
     from unroller.importer.hf_norms import swap_float64_twins, twins_note
 
     swapped = swap_float64_twins(original)
