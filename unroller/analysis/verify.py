@@ -631,6 +631,8 @@ def _step_and_compare(
     """One training step on both sides, then every comparison, into ``report``."""
     import torch
 
+    from unroller.analysis.lifted_casts import LiftedCasts, lifted_note
+
     graph, plan = setup.graph, setup.plan
     model_inputs = _NamedInputs(t for t, v in zip(inputs, graph.inputs) if v.kind == "input")
     model_inputs.names = [v.name for v in graph.inputs if v.kind == "input"]
@@ -642,9 +644,14 @@ def _step_and_compare(
         report.problems.append(f"the generated module's step failed: {exc!r}")
         return
     twin = copy.deepcopy(original)  # the same step on the batch given twice: rounding noise
+    lift = LiftedCasts()
     try:
         torch.manual_seed(seed)
-        with attention_dropout_as_generated(dropout), stochastic_depth_as_generated(original):
+        with (
+            attention_dropout_as_generated(dropout),
+            stochastic_depth_as_generated(original),
+            lift,
+        ):
             ref_loss = _original_loss(original, plan, model_inputs, other)
             ref_loss.backward()
     except Exception as exc:  # noqa: BLE001 - the user's module on the declared inputs
@@ -659,6 +666,8 @@ def _step_and_compare(
     noise = _rounding_noise(original, twin, plan, model_inputs, other, seed)
     report.rows += _noise_checked(_state_rows(original, generated, report.tolerance), noise)
     report.rows.append(_prediction_row(original, generated, model_inputs, report.tolerance))
+    if lift.lifted:
+        report.notes.append(lifted_note(lift.lifted))
 
 
 #: A gradient whose reference and difference are both below this fraction of the step's
@@ -680,6 +689,8 @@ def _rounding_noise(original, twin, plan, model_inputs, other, seed) -> dict[str
     fails (then no gradient passes as noise)."""
     import torch
 
+    from unroller.analysis import lifted_casts
+
     if other.dim() == 0:
         return {}
     order = torch.arange(other.shape[0] - 1, -1, -1)
@@ -691,8 +702,9 @@ def _rounding_noise(original, twin, plan, model_inputs, other, seed) -> dict[str
         torch.manual_seed(seed)
         doubled = _NamedInputs(twice(t) for t in model_inputs)
         doubled.names = model_inputs.names
-        loss = _original_loss(twin, plan, doubled, twice(other))
-        loss.backward()
+        with lifted_casts.LiftedCasts():
+            loss = _original_loss(twin, plan, doubled, twice(other))
+            loss.backward()
     except Exception:  # noqa: BLE001 - no estimate: the strict comparison stands
         return {}
     ref = dict(original.named_parameters())
@@ -899,13 +911,15 @@ def _state_rows(original, generated, tolerance: float) -> list[Row]:
 def _prediction_row(original, generated, model_inputs, tolerance: float) -> Row:
     import torch
 
+    from unroller.analysis import lifted_casts
     from unroller.importer.source import call_with_inputs, predictions
 
     original.eval()
     nan = float("nan")
-    try:
-        with torch.no_grad():
+    try:  # with autograd on (nothing is stepped), so that the same casts are lifted
+        with torch.enable_grad(), lifted_casts.LiftedCasts():
             ref = predictions(call_with_inputs(original, model_inputs.names, model_inputs))
+        ref = ref.detach()
     except Exception as exc:  # noqa: BLE001 - the user's module in eval mode
         return Row(
             "predictions (eval)",
