@@ -179,10 +179,11 @@ def estimate_ipu(
     for row in report["ipus"]:
         i = row["ipu"]
         nodes = [n for n in graph.nodes if pipeline.stage(n.name) == i]
+        owners = [n for n in nodes if not n.shares]  # a shared layer's tensors: its owner's
         params = sum(
-            p.nbytes() for n in nodes for p in n.params if p.present and p.name not in n.ties
+            p.nbytes() for n in owners for p in n.params if p.present and p.name not in n.ties
         )
-        buffers = sum(p.nbytes() for n in nodes for p in n.buffers if p.present)
+        buffers = sum(p.nbytes() for n in owners for p in n.buffers if p.present)
         working = max((working_bytes(n, micro_batch) for n in nodes), default=0)
         tile_ok = tile_ok and working <= tile_share
         boundary = sum(
@@ -341,17 +342,17 @@ def estimate_gpu(
     ``config``: see ``resolved``."""
     limit = SEARCH_CEILING if limit is None else limit
     config = resolved(options, graph, config)
-    # a tied parameter is one tensor (counted once); a frozen one has no optimizer state
-    params = sum(
-        p.nbytes() for n in graph.nodes for p in n.params if p.present and p.name not in n.ties
-    )
+    # a tied parameter is one tensor (counted once), a shared layer's counted where it is
+    # made; a frozen one has no optimizer state
+    owners = [n for n in graph.nodes if not n.shares]
+    params = sum(p.nbytes() for n in owners for p in n.params if p.present and p.name not in n.ties)
     trained = sum(
         p.nbytes()
-        for n in graph.nodes
+        for n in owners
         for p in n.params
         if p.present and p.trainable and p.name not in n.ties
     )
-    buffers = sum(p.nbytes() for n in graph.nodes for p in n.buffers if p.present)
+    buffers = sum(p.nbytes() for n in owners for p in n.buffers if p.present)
     state = params + buffers + optimizer_states * trained
     lo = _largest(lambda b: _gpu_total(graph, config, b, state)[0] <= device_bytes, limit)
     total, peak = _gpu_total(graph, config, lo, state) if lo else (state, 0)

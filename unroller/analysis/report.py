@@ -49,7 +49,7 @@ def graph_report(graph: Graph, batch: int) -> dict[str, Any]:
         seen.update(s.key for s in saved)
         n_params = sum(p.nbytes() // DTYPE_BYTES[p.dtype] for p in node.params if p.present)
         param_bytes = sum(p.nbytes() for p in node.params if p.present)
-        total_params += n_params
+        total_params += 0 if node.shares else n_params  # a shared layer's: counted once
         total_saved += sum(s.nbytes(batch) for s in new)
         rows.append(
             {

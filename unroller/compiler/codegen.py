@@ -107,7 +107,7 @@ def layer_lines(graph: Graph) -> list[tuple[str, str, str]]:
     layers = []
     instance = None
     for node in graph.nodes:
-        if not (node.params or node.buffers):
+        if not (node.params or node.buffers) or node.shares:  # shares: its layer is made
             continue
         spec = node.op.module
         env = {**node.args, **node.derived}
@@ -137,6 +137,7 @@ def tie_lines(graph: Graph) -> list[tuple[str, str, str]]:
             safe.literal(key),
         )
         for node in graph.nodes
+        if not node.shares  # its layer's ties, made once
         for name, key in node.ties.items()
     ]
 
@@ -146,6 +147,7 @@ def frozen_lines(graph: Graph) -> list[tuple[str, str]]:
     return [
         (safe.comment_text(f"{p.key} does not train"), safe.literal(p.key))
         for node in graph.nodes
+        if not node.shares  # its layer's parameters, frozen once
         for p in node.params
         if p.present and not p.trainable
     ]
@@ -558,7 +560,8 @@ def _surrogate_groups(graph: Graph, pipeline: Pipeline | None) -> list[tuple[int
     """Parameter keys with gradients, grouped by the pipeline stage that computes them."""
     groups: dict[int, list[str]] = {}
     for node in graph.nodes:
-        if node.needs_backward:
+        # a shared layer's gradients are collected under its keys: one term per key
+        if node.needs_backward and not node.shares:
             stage = pipeline.stage(node.name) if pipeline else 0
             groups.setdefault(stage, []).extend(p.key for p in node.params if p.present)
     return sorted((k, v) for k, v in groups.items() if v)

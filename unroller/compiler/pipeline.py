@@ -34,7 +34,10 @@ class Pipeline:
 
 
 def node_costs(graph: Graph, plan: StashPlan, batch: int = PLANNING_BATCH) -> list[int]:
-    costs = [sum(p.nbytes() for p in n.params + n.buffers if p.present) for n in graph.nodes]
+    costs = [  # a shared layer's tensors counted once, where it is made
+        0 if n.shares else sum(p.nbytes() for p in n.params + n.buffers if p.present)
+        for n in graph.nodes
+    ]
     for stashed in plan.entries:
         costs[max(stashed.producer, 0)] += stashed.stored_bytes(batch)
     return costs
@@ -130,6 +133,13 @@ def split(
         if stage < len(cut_indices) and i == cut_indices[stage]:
             stage += 1
         stage_of[name] = stage
+    for node in graph.nodes:
+        if node.shares and stage_of[node.name] != stage_of[node.shares]:
+            raise ModelError(
+                f"{node.name} calls the layer of {node.shares} (shares=) on stage "
+                f"{stage_of[node.name]}, but that layer is on stage {stage_of[node.shares]}: "
+                f"a shared layer's calls go on one stage ({option}; choose --stage-starts)"
+            )
     return Pipeline(num_ipus, stage_of, [names[i] for i in cut_indices])
 
 
@@ -151,7 +161,8 @@ def ipu_report(graph: Graph, plan: StashPlan, pipeline: Pipeline, batch: int) ->
         row = rows[pipeline.stage(node.name)]
         row["nodes"] += 1
         row["first"] = row["first"] or node.name
-        row["param_bytes"] += sum(p.nbytes() for p in node.params + node.buffers if p.present)
+        if not node.shares:  # a shared layer's tensors are its owner's
+            row["param_bytes"] += sum(p.nbytes() for p in node.params + node.buffers if p.present)
     for stashed in plan.entries:
         producer = graph.nodes[stashed.producer].name if stashed.producer >= 0 else None
         row = rows[pipeline.stage(producer) if producer else 0]

@@ -216,6 +216,10 @@ class _Mapper(_Collapse, _Patterns, _Checks):
         self.stmts: list[Stmt] = []
         self.names: set[str] = set(t.name for t in self.inputs)
         self.used_params: dict[str, str] = {}  # state-dict key -> statement
+        # layer statement -> the keys it claimed, its op and keywords: what a later call of
+        # the same module must match to be written ``shares="LAYER"`` (``shared_call``)
+        self.layer_claims: dict[str, frozenset[str]] = {}
+        self.layer_calls: dict[str, tuple[str, dict]] = {}
         self.ties: dict[str, dict[str, str]] = {}  # statement -> its param -> the key it is
         self.frozen_marked: set[str] = set()  # parameters written frozen (requires_grad off)
         # tensors held under several keys (tied weights): each key -> True, and the first key
@@ -647,6 +651,17 @@ class _Mapper(_Collapse, _Patterns, _Checks):
         self, node, op: str, args: list[str], layer: str | None, kwargs: dict, shape=None
     ) -> str:
         path, cls = self.where(node)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if layer is not None and layer in self.layer_calls:  # a later call of the module
+            name = self.shared_call(layer, op, kwargs)
+            self._record_classes(node)
+            if shape is None:
+                try:
+                    shape = self.shape(node)
+                except Refuse:
+                    shape = None
+            self.stmts.append(Stmt(name, op, args, {**kwargs, "shares": layer}, layer, shape))
+            return name
         if layer is not None:
             name = layer
             if name in {t.name for t in self.inputs}:
@@ -667,7 +682,8 @@ class _Mapper(_Collapse, _Patterns, _Checks):
             name = self.unique(self.functional_name(node))
             module_path = path
         self._record_classes(node)
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if layer is not None:
+            self.layer_calls[layer] = (op, dict(kwargs))
         for param, key in self.ties.get(name, {}).items() if layer is not None else ():
             kwargs[f"tied_{param}"] = key
         if layer is not None:
@@ -679,6 +695,19 @@ class _Mapper(_Collapse, _Patterns, _Checks):
                 shape = None
         self.stmts.append(Stmt(name, op, args, kwargs, module_path, shape))
         return name
+
+    def shared_call(self, layer: str, op: str, kwargs: dict) -> str:
+        """The name of a later call of the module ``layer`` (ALBERT's one layer per hidden
+        layer, a module run twice): ``layer_1``, ..., written ``shares="LAYER"`` so that it
+        adds no state-dict key. Refused unless it is the same operator with the same
+        keywords, which is what the language accepts as one layer."""
+        first_op, first_kwargs = self.layer_calls[layer]
+        if (op, kwargs) != (first_op, first_kwargs):
+            raise Refuse(
+                f"the module {layer} is called again as another operator or with other "
+                "arguments (shared weights)"
+            )
+        return self.unique(layer)
 
     def _record_classes(self, node) -> None:
         for path, cls in self.stack(node):

@@ -112,9 +112,13 @@ class NodeView:
             owner = path
         if owner is None:
             raise Refuse("no parameter or buffer names the layer")
+        keys = frozenset(full for full, _, _ in claims)
+        if self.m.layer_claims.get(owner) == keys:
+            return owner  # a later call of that layer: ``add_stmt`` writes it ``shares=``
         for full, _, _ in claims:
             if full in self.m.used_params or full in self.m.used_buffers:
                 raise Refuse(f"{full} is used by two operators (shared weights)")
+        self.m.layer_claims[owner] = keys
         if ties:
             self.m.ties[owner] = ties
         for full, _, is_param in claims:

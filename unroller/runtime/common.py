@@ -540,11 +540,13 @@ def collect(
     """Store each non-None ``param=grad`` of layer ``name`` as ``grads["<path>.<param>"]``
     (state-dict names; ``layers`` may be a block's scoped view): the ipu step returns them
     through its surrogate loss instead of writing .grad, because PopTorch owns the
-    optimizer step."""
+    optimizer step. A layer called more than once (``shares=``) collects into the same
+    name: the calls' gradients add up, as they do in ``.grad``."""
     path = layers.path(name)
     for param, grad in named.items():
         if grad is not None:
-            grads[_join(path, param)] = grad
+            key = _join(path, param)
+            grads[key] = grads[key] + grad if key in grads else grad
 
 
 def free_parameter(  # unroller-lint: host-only (runs when the model is built)

@@ -128,6 +128,10 @@ class Node:
     #: parameters that are another statement's tensor (``tied_weight="emb.weight"``):
     #: parameter name -> the state-dict key of the tensor it is
     ties: dict[str, str] = field(default_factory=dict)
+    #: the earlier statement whose layer this one calls (``shares="NAME"``), else "": its
+    #: params and buffers are that node's (their keys, ties and trainable flags), so it
+    #: adds no state-dict key; its parameter gradients add into the same ``.grad``
+    shares: str = ""
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -136,7 +140,10 @@ class Node:
     @property
     def layer(self) -> str:
         """The state-dict prefix of the module holding this node's parameters and buffers:
-        the node's own name, or for a free parameter its parent ("" at the top level)."""
+        the node's own name, the shared layer's (``shares=``), or for a free parameter its
+        parent ("" at the top level)."""
+        if self.shares:
+            return self.shares
         return self.name.rpartition(".")[0] if self.op.free else self.name
 
     @property

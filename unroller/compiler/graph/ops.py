@@ -22,6 +22,8 @@ from unroller.compiler.graph.params import (
     freeze_words,
     frozen_params,
     param_tensors,
+    share_word,
+    shared_layer,
     tie_words,
     tied_params,
 )
@@ -43,6 +45,7 @@ class OperatorCalls:
         self.ops = ops
         self.float_dtype = float_dtype
         self.nodes: list[Node] = []
+        self.by_name: dict[str, Node] = {}  # what a ``shares="NAME"`` looks up
         self.budget = ParameterBudget()
 
     def call(self, stmt: Call, scope: Scope) -> Value:
@@ -60,7 +63,12 @@ class OperatorCalls:
         given = scope.kwargs(stmt)
         ties = tie_words(op, stmt)
         freezes = freeze_words(op, stmt)
-        plain = {k: v for k, v in given.items() if k not in ties.values() and k not in freezes}
+        shares = share_word(op, stmt)
+        plain = {
+            k: v
+            for k, v in given.items()
+            if k not in ties.values() and k not in freezes and k != shares
+        }
         args = check_args(op, stmt, plain)
         result = self._output_of(op, stmt, full_name, inputs, args)
         env = {**args, **result.derived}
@@ -69,9 +77,15 @@ class OperatorCalls:
         )
         params = param_tensors(op, op.params_for(args), True, full_name, result, args, float_dtype)
         buffers = param_tensors(op, op.buffers, False, full_name, result, args, float_dtype)
+        owner = None
+        if shares:  # the earlier layer's own tensors: no new key, nothing more to count
+            others = {*ties.values(), *freezes}
+            owner = shared_layer(op, stmt, given, self.by_name, env, params + buffers, others)
+            params, buffers = owner.params, owner.buffers
         for name in frozen_params(op, stmt, given, freezes, params):
             next(p for p in params if p.name == name).trainable = False
-        self.budget.add(op, stmt, full_name, params + buffers)
+        if owner is None:
+            self.budget.add(op, stmt, full_name, params + buffers)
         value = Value(full_name, result.type, stmt.loc)
         args_text = [v.name for v in inputs]
         kw_text = [f"{k}={render_const(v)}" for k, v in given.items()]
@@ -90,12 +104,14 @@ class OperatorCalls:
             local_text=statement_text(stmt),
             blocks=scope.blocks,
             index=len(self.nodes),
-            ties=tied_params(op, stmt, given, ties, params),
+            ties=dict(owner.ties) if owner else tied_params(op, stmt, given, ties, params),
+            shares=owner.name if owner else "",
         )
         value.producer = node
         for position, v in enumerate(inputs):
             v.consumers.append((node, position))
         self.nodes.append(node)
+        self.by_name[full_name] = node
         return value
 
     @staticmethod

@@ -1,10 +1,12 @@
 """A statement's parameters and buffers: their tensors, the model's budget of elements,
-and the ``frozen`` and ``tied_`` keywords that say which train and which are shared.
+and the ``frozen``, ``tied_`` and ``shares`` keywords that say which train and which are
+shared.
 
 These keywords are no operator's arguments: the builder takes them out of a call's
-keywords (``tie_words``, ``freeze_words``) before the registry checks the rest, applies
-them to the tensors ``param_tensors`` makes, and checks the ties across statements once
-every statement is built (``check_ties``).
+keywords (``tie_words``, ``freeze_words``, ``share_word``) before the registry checks the
+rest, applies them to the tensors ``param_tensors`` makes, checks a ``shares`` against the
+earlier statement it names at once (``shared_layer``), and checks the ties across
+statements once every statement is built (``check_ties``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ TIED_PREFIX = "tied_"
 """``tied_PARAM="KEY"`` on a statement with parameters: its PARAM is the tensor that the
 state-dict key KEY names (another statement's parameter), as ``lm_head.weight =
 embed.weight`` ties them in torch; gradients of both uses add up in the one ``.grad``."""
+SHARES = "shares"
+"""``shares="NAME"`` on a statement with parameters or buffers: it calls the layer that
+the earlier statement NAME made (the same operator, built alike) instead of a layer of its
+own, as a torch module called twice does (ALBERT runs one layer per hidden layer): its
+parameters and buffers are NAME's, it adds no state-dict key, and the gradients of every
+call add up in the one ``.grad``. Without it, a module called twice would need a second
+key the original's state dict lacks."""
 _KEY_PART = r"(?:[A-Za-z_][A-Za-z0-9_]*|0|[1-9][0-9]*)"
 _TIED_KEY = re.compile(rf"{_KEY_PART}(?:\.{_KEY_PART})*")
 
@@ -96,6 +105,87 @@ def tie_words(op: OpSpec, stmt: Call) -> dict[str, str]:
         for kw in stmt.kwargs
         if kw.name.startswith(TIED_PREFIX) and kw.name not in op.args
     }
+
+
+def share_word(op: OpSpec, stmt: Call) -> str | None:
+    """``shares`` when the statement has that keyword (and the operator no such argument)."""
+    found = any(kw.name == SHARES for kw in stmt.kwargs) and SHARES not in op.args
+    return SHARES if found else None
+
+
+def shared_layer(
+    op: OpSpec,
+    stmt: Call,
+    given: dict[str, Any],
+    earlier: dict[str, Node],
+    env: dict[str, Any],
+    mine: list[ParamTensor],
+    others: set[str],
+) -> Node:
+    """The earlier node whose layer a ``shares="NAME"`` statement calls, checked: a string
+    naming an earlier statement of the same operator that shares no layer itself, built
+    with the same constructor arguments and tensors (``mine``: this call's, as its own
+    layer would have them), and no ``tied_`` or ``frozen`` keyword beside it (``others``:
+    those are the layer's, written on NAME). Errors point at the keyword."""
+    locs = {kw.name: kw.value.loc for kw in stmt.kwargs}
+    loc = locs[SHARES]
+    for word in others:
+        raise ModelError(
+            f"{word} beside {SHARES}: a shared layer's parameters are tied or frozen where "
+            "the layer is made, on the statement it names",
+            locs[word],
+        )
+    if op.free or not (op.params or op.buffers):
+        what = "a free parameter is a value: read it again" if op.free else "nothing to share"
+        raise ModelError(f"{op.name} has no layer to share ({what})", loc)
+    name = given[SHARES]
+    if not isinstance(name, str) or not _TIED_KEY.fullmatch(name):
+        raise ModelError(
+            f"{SHARES} takes the full name of an earlier statement as a string "
+            '("layers.0.fc"), got ' + render_const(name),
+            loc,
+        )
+    owner = earlier.get(name)
+    if owner is None:
+        raise ModelError(
+            f"{SHARES}={name!r} names no earlier statement{did_you_mean(name, list(earlier))}",
+            loc,
+        )
+    if owner.shares:
+        raise ModelError(
+            f"{SHARES}={name!r} shares the layer of {owner.shares!r} itself; name {owner.shares!r}",
+            loc,
+        )
+    if owner.op is not op:
+        raise ModelError(
+            f"{name} is a {owner.op.name}, not a {op.name}: a shared layer is one operator's",
+            loc,
+        )
+    theirs = {**owner.args, **owner.derived}
+    spec = op.module
+    for key in (*spec.args, *spec.kwargs) if spec is not None else ():
+        if env.get(key) != theirs.get(key):
+            raise ModelError(
+                f"this call's layer would be built with {key}={render_const(env.get(key))}, "
+                f"{name}'s is built with {key}={render_const(theirs.get(key))}",
+                loc,
+            )
+    for tensor, other in zip(mine, (*owner.params, *owner.buffers)):
+        if (tensor.shape, tensor.dtype, tensor.present) != (
+            other.shape,
+            other.dtype,
+            other.present,
+        ):
+            raise ModelError(
+                f"its {tensor.name} would be {_typed(tensor)} but {other.key} is "
+                f"{_typed(other)}: a shared layer's tensors are the same",
+                loc,
+            )
+    return owner
+
+
+def _typed(tensor: ParamTensor) -> str:
+    return f"{tensor.dtype}[{', '.join(map(str, tensor.shape))}]" if tensor.present else "absent"
 
 
 def freeze_words(op: OpSpec, stmt: Call) -> dict[str, str]:
@@ -165,8 +255,12 @@ def tied_params(
 def check_ties(nodes: list[Node]) -> None:
     """Every tie names a parameter of another statement, untied itself, of the same
     shape and dtype."""
-    params = {p.key: (node, p) for node in nodes for p in node.params if p.present}
+    params = {
+        p.key: (node, p) for node in nodes if not node.shares for p in node.params if p.present
+    }
     for node in nodes:
+        if node.shares:
+            continue  # its ties are its layer's, checked there
         for name, key in node.ties.items():
             mine = next(p for p in node.params if p.name == name)
             loc = node.loc
