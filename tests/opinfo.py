@@ -804,6 +804,34 @@ def _causal_mask_reference(s: Sample, ctx: Ctx) -> Tensor:
     return filled
 
 
+def _alibi_case(shape: tuple[int, ...]) -> Case:
+    """Scores [N, H, L, S], as BLOOM's ``baddbmm`` adds its ALiBi bias to them."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        return Sample((randn(*shape, dtype=dtype),))
+
+    return Case("x".join(map(str, shape)), make)
+
+
+def _alibi_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """The scores plus ALiBi's bias as Hugging Face's BLOOM writes it without padding
+    (``_get_alibi_slopes``, copied: powers of a float32 base per head, then slope times key
+    position in float32, cast to the scores' dtype), the add under autograd."""
+    (x,) = s.inputs
+    heads, keys = x.shape[1], x.shape[3]
+    closest = 2 ** math.floor(math.log2(heads))
+    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
+    if closest != heads:
+        extra = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        count = min(closest, heads - closest)
+        odd = torch.arange(1, 1 + 2 * count, 2, dtype=torch.int32)
+        slopes = torch.cat([slopes, torch.pow(extra, odd)], dim=0)
+    bias = slopes[:, None, None] * torch.arange(keys)
+    return x + bias.repeat(x.shape[0], 1, 1).to(x.dtype).view(x.shape[0], heads, 1, keys)
+
+
 def _sdpa_peaked(dtype: torch.dtype) -> Sample:
     """Large scores: softmax rows close to one-hot (probabilities near 0 and 1)."""
     _seeded()
@@ -1898,6 +1926,17 @@ ROWS: tuple[OpInfo, ...] = (
             _causal_mask_case((2, 3, 5, 5)),
             _causal_mask_case((2, 4, 6)),
             _causal_mask_case((1, 2, 3, 7)),
+        ),
+        exact_forward=("gpu", "ipu"),
+        exact_grads=("gpu", "ipu"),
+    ),
+    OpInfo(
+        "alibi",
+        _alibi_reference,
+        (
+            _alibi_case((2, 8, 5, 5)),
+            _alibi_case((1, 3, 2, 7)),  # heads not a power of two: the odd slopes
+            _alibi_case((2, 12, 1, 4)),
         ),
         exact_forward=("gpu", "ipu"),
         exact_grads=("gpu", "ipu"),

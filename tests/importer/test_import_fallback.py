@@ -22,7 +22,7 @@ runner = CliRunner()
 
 
 class Ops(nn.Module):
-    """baddbmm, exp, cumsum, repeat_interleave, linalg_vector_norm, index with a constant
+    """addcmul, exp, cumsum, repeat_interleave, linalg_vector_norm, index with a constant
     index tensor, argmax on a path without gradient (gather's index), max.dim, unbind."""
 
     def __init__(self):
@@ -33,7 +33,7 @@ class Ops(nn.Module):
 
     def forward(self, x):
         h = self.fc(x)  # [N, 4, 4]
-        s = torch.baddbmm(h, h, h.transpose(1, 2), beta=0.5, alpha=2.0)
+        s = torch.addcmul(h, h, h.transpose(1, 2), value=0.5)
         c = torch.cumsum(torch.exp(0.1 * s), dim=1)
         r = h.repeat_interleave(2, dim=1).mean(1)
         n = torch.linalg.vector_norm(h, dim=-1)
@@ -77,7 +77,7 @@ def test_unmapped_ops_import_as_aten_statements_and_verify_exactly():
     imported = _import(Ops(), "ops")
     text = imported.text
     for op in (
-        "aten.baddbmm.default",
+        "aten.addcmul.default",
         "aten.exp.default",
         "aten.cumsum.default",
         "aten.repeat_interleave.self_int",
@@ -115,7 +115,7 @@ def test_random_op_draws_from_a_kept_seed_and_matches_the_same_draws():
 def test_no_fallback_refuses_as_before():
     with pytest.raises(ImportFailure, match="no registry operator computes it") as caught:
         _import(Ops(), "ops", fallback=False)
-    assert "aten.baddbmm" in caught.value.format()
+    assert "aten.addcmul" in caught.value.format()
 
 
 def test_cli_lists_opaque_statements_and_no_fallback_refuses(tmp_path):

@@ -811,6 +811,15 @@ def rotary(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResu
     return ShapeResult(x)
 
 
+def alibi(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """Scores x [N, H, L, S] -> the same: the bias is per head (dim 1) and key (dim 3)."""
+    (x,) = inputs
+    if x.rank != 4:
+        raise ShapeError(f"{op} needs scores as a 4-D tensor [N, H, L, S], got {x}", 0)
+    _float(op, x)
+    return ShapeResult(x)
+
+
 def multihead_attention(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """Self-attention on x [N, L, E] -> [N, L, E]: E divisible by num_heads. Derives
     ``embed_dim`` (the module's size), ``head_shape`` [N, H, L, E/H] (q, k, v kept for the

@@ -802,6 +802,66 @@ def matmul(view):
     return view.stmt("matmul", [view.value("self"), view.value_of(other)])
 
 
+@maps("aten.baddbmm.default")
+def baddbmm(view):
+    """``beta * input + alpha * (batch1 @ batch2)``: the matmul, scaled by ``alpha``, plus
+    the input, scaled by ``beta`` (the order of the sum aside, the same numbers). An input
+    built from sizes alone has no statement of the language but one: BLOOM's ALiBi bias,
+    matched value for value (``_alibi``), is one ``alibi`` statement on the scores."""
+    a = view.a
+    alpha, beta = float(a["alpha"]), float(a["beta"])
+    bias = a["input"] if beta != 0.0 else None  # beta 0: torch ignores the input
+    alibi = bias is not None and view.is_tensor(bias) and view.constant("input") is not None
+    if alibi:
+        _alibi(view, beta)
+    elif bias is not None and not view.is_tensor(bias):
+        raise Refuse(f"baddbmm of the constant {bias!r} and a product")
+    if len(view.in_shape("batch1")) < 3 or len(view.in_shape("batch2")) < 3:
+        raise Refuse("baddbmm of operands without a batch dim")
+    operands = [view.value("batch1"), view.value("batch2")]
+    added = None if bias is None or alibi else view.value("input")  # all read first
+    scores = view.stmt("matmul", operands)
+    if alpha != 1.0:
+        scores = view.stmt("scale", [scores], factor=alpha)
+    if bias is None:
+        return scores
+    if alibi:
+        return view.stmt("alibi", [scores])
+    if beta != 1.0:
+        added = view.stmt("scale", [added], factor=beta, value_shape=view.in_shape("input"))
+    return view.stmt("add", [scores, added])
+
+
+def _alibi(view, beta: float) -> None:
+    """Refuses a constant input of ``baddbmm`` that is not ALiBi's bias of the scores: on
+    the shape the import gives them ([N, H, L, S]: the batch merged with the heads,
+    unmerged), the constant (evaluated at the capture batch size, [N*H, 1 or L, S]) must be
+    ``alibi_bias(H, S)`` in each sample, to the bit, and added once (beta 1)."""
+    from unroller.runtime.positions import alibi_bias
+
+    out = view.out_shape()
+    value = view.constant("input")
+    if beta != 1.0:
+        raise Refuse(f"baddbmm of a constant input scaled by beta={beta}")
+    if len(out) != 4 or out[0] != BATCH or not all(isinstance(d, int) for d in out[1:]):
+        raise Refuse(
+            "baddbmm of a constant input that is not ALiBi's bias of scores [N, H, L, S]: the "
+            "language holds no other constant tensor"
+        )
+    heads, length, keys = out[1:]
+    if value.dim() != 3 or value.shape[0] % heads or value.shape[1] not in (1, length):
+        raise Refuse(f"baddbmm of a constant input {list(value.shape)}, not ALiBi's bias")
+    if value.shape[2] != keys or not value.is_floating_point():
+        raise Refuse(f"baddbmm of a constant input {list(value.shape)}, not ALiBi's bias")
+    samples = value.reshape(-1, heads, *value.shape[1:])
+    expected = alibi_bias(heads, keys, value.dtype).expand_as(samples)
+    if not torch.equal(samples, expected):
+        raise Refuse(
+            "baddbmm of a constant input that is not ALiBi's bias (BLOOM's slopes times the "
+            "key position, in float32): the language holds no other constant tensor"
+        )
+
+
 @maps("aten.scaled_dot_product_attention.default")
 def sdpa(view):
     a = view.a

@@ -10,7 +10,8 @@ splitting reshape is an identity or a reshape of the dims after the batch.
 That is exact only when no op mixes rows, so each region is proven, not assumed:
 every node in it is one whose per-row independence is checked here (an op of the
 whitelist below, with its dims away from the merged dim 0, reading only values of the
-same region or tensors without a batch that broadcast along the rows); no value leaves
+same region or tensors without a batch that broadcast along the rows, or, as baddbmm's
+input, such a tensor repeated once per sample: BLOOM's ALiBi bias); no value leaves
 the region except through a reshape whose output has the batch whole in front again.
 Anything else leaves the merging reshape refused, with the reason (``refused``).
 """
@@ -69,7 +70,14 @@ LAST_DIMS = {
     "aten.sum.dim_IntList",
     "aten.matmul.default",
     "aten.bmm.default",  # both operands [rows, n, m]: the rows are its batch dim
+    "aten.baddbmm.default",  # bmm plus its input, which must meet the rows row for row
 }
+
+#: ops that hand their input on unchanged but for its dtype or memory (a tile seen through)
+CASTS = {"aten.to.dtype", "aten._to_copy.default", "aten.clone.default", "aten.contiguous.default"}
+
+#: ops that multiply matrices: an operand from outside the rows must have no batch
+_MATMULS = ("aten.matmul.default", "aten.bmm.default", "aten.baddbmm.default")
 
 #: ops that move dims after the rows (the rows are checked to stay first)
 MOVES = {"aten.transpose.int", "aten.permute.default", *RESHAPES}
@@ -188,7 +196,7 @@ def _grow(mapper, entry, prefix, target_name) -> tuple[set, str | None]:
     for user in sorted(region, key=lambda n: order.get(n, len(order))):
         if _is_reshape(user, target_name) and (_entry(mapper, user) or ((), ""))[0] == prefix:
             continue  # a merge of the same rows
-        why = _row_wise(mapper, user, region, rows, target_name)
+        why = _row_wise(mapper, user, region, rows, prefix, target_name)
         if why is not None:
             return region, (
                 f"{said}{window}, and the rows are not split back by a reshape to "
@@ -205,7 +213,7 @@ def _splits(mapper, node) -> bool:
     return bool(out) and out[0] == BATCH
 
 
-def _row_wise(mapper, node, region, rows, target_name) -> str | None:
+def _row_wise(mapper, node, region, rows, prefix, target_name) -> str | None:
     """None when ``node`` computes each row from the same row of what it reads, else
     what it does instead (the reason given)."""
     if node.op == "output":
@@ -242,7 +250,13 @@ def _row_wise(mapper, node, region, rows, target_name) -> str | None:
     if target == "aten.embedding.default" and a["indices"] not in region:
         return "reads the rows as its table"
     if target in ("aten.matmul.default", "aten.bmm.default"):
-        why = _matmul_rows(node, region)
+        why = _matmul_rows(node.args[0], node.args[1], region)
+        if why is not None:
+            return why
+    if target == "aten.baddbmm.default":
+        why = _matmul_rows(a["batch1"], a["batch2"], region) or _added_rows(
+            mapper, a["self"], region, prefix, target_name
+        )
         if why is not None:
             return why
     read = [arg for arg in node.all_input_nodes if arg in region]
@@ -255,7 +269,9 @@ def _row_wise(mapper, node, region, rows, target_name) -> str | None:
     for arg in node.all_input_nodes:
         if arg in region:
             continue
-        if target in ("aten.matmul.default", "aten.bmm.default") or arg in _weights(node, target):
+        if target == "aten.baddbmm.default" and arg is a["self"]:
+            continue  # checked above (_added_rows)
+        if target in _MATMULS or arg in _weights(node, target):
             if any(isinstance(mapper.dim(d), str) for d in arg.meta["val"].shape):
                 return f"reads {arg.name} {shape_text(mapper.shape(arg))}, a batched value"
             continue  # checked above
@@ -277,10 +293,9 @@ def _weights(node, target) -> set:
     return set()
 
 
-def _matmul_rows(node, region) -> str | None:
+def _matmul_rows(left, right, region) -> str | None:
     """A matmul is row-wise when the rows are a batch dim of it (rank 3 and up) or the
     rows of its left operand times a matrix without them."""
-    left, right = node.args[0], node.args[1]
     lrank, rrank = left.meta["val"].dim(), right.meta["val"].dim()
     if left in region and right in region:
         return None if lrank == rrank >= 3 else "multiplies rows with rows"
@@ -289,6 +304,48 @@ def _matmul_rows(node, region) -> str | None:
     if rrank >= 3 and lrank <= 2:
         return None
     return "contracts over the merged dim"
+
+
+def _added_rows(mapper, arg, region, prefix, target_name) -> str | None:
+    """None when baddbmm's ``input`` (added to the product [rows, n, m]) meets the rows row
+    for row: rows of the region (rank 3: the rows first, the rest broadcast within a row),
+    a tensor without the batch that broadcasts along the rows, or a tile of one
+    (``_tiled``), which on the unmerged shape is that tensor broadcast along the batch."""
+    if not isinstance(arg, fx.Node):
+        return None  # a number: the same for every row
+    if arg in region:
+        return None if arg.meta["val"].dim() == 3 else "broadcasts rows of fewer dims"
+    if _tiled(mapper, arg, prefix, target_name):
+        return None
+    return _broadcasts(mapper, arg, 3)
+
+
+def _tiled(mapper, arg, prefix, target_name) -> bool:
+    """Whether ``arg`` is ``x.repeat(N, 1, ..., 1)`` (through casts) of an ``x`` without
+    the batch whose dim 0 is the product ``P`` of the dims the merge took in (BLOOM's ALiBi
+    bias, ``[H, 1, L]`` repeated to ``[N*H, 1, L]``): row ``n*P + p`` of it is ``x[p]`` for
+    every sample ``n``, so on the unmerged shape ``[N, d1, ..., dk, ...]`` it is ``x`` viewed
+    as ``[d1, ..., dk, ...]``, the same for every sample, and meets each row of the merge as
+    a tensor without the batch would."""
+    node = arg
+    while isinstance(node, fx.Node) and target_name(node) in CASTS:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or target_name(node) != "aten.repeat.default":
+        return False
+    source, repeats = node.args[0], node.args[1]
+    if not isinstance(source, fx.Node) or not isinstance(source.meta.get("val"), torch.Tensor):
+        return False
+    shape = [mapper.dim(d) for d in source.meta["val"].shape]
+    if not shape or any(not isinstance(d, int) for d in shape) or len(repeats) != len(shape):
+        return False
+    first = repeats[0].meta.get("val") if isinstance(repeats[0], fx.Node) else repeats[0]
+    if mapper.dim(first) != BATCH or any(not _is_one(r) for r in repeats[1:]):
+        return False
+    return shape[0] == math.prod(prefix[1:])
+
+
+def _is_one(size) -> bool:
+    return not isinstance(size, fx.Node) and int(size) == 1
 
 
 def _broadcasts(mapper, arg, rank) -> str | None:

@@ -1,6 +1,6 @@
 """The ``aten`` operator: one ATen call run as is, the importer's exact fallback.
 
-A network op that no registry operator computes (``baddbmm``, ``cumsum``, advanced
+A network op that no registry operator computes (``addcmul``, ``cumsum``, advanced
 indexing, ...) is imported as ``aten(t0, t1, op="aten.NAME.OVERLOAD", call="...")``: the
 forward kernel runs ``torch.ops.aten.NAME.OVERLOAD`` on the call's arguments, and the
 backward is that same call's vector-Jacobian product (``torch.autograd.grad`` of the call

@@ -137,6 +137,50 @@ def relative_position_bias_backward(
     return _fit((table,), needs)
 
 
+# ---------------------------------------------------------------- ALiBi
+
+
+def alibi_slopes(heads: int, device=None) -> Tensor:
+    """ALiBi's slope of each head [H], float32, made as Hugging Face's BLOOM makes them
+    (``_get_alibi_slopes``: powers of 2 ** -(8 / P) for the P heads of the largest power of
+    two, the odd powers of 2 ** -(4 / P) for the rest), with the same float32 ops, so the
+    slopes are its values bit for bit (on the device it runs on, as the original's)."""
+    closest = 2 ** math.floor(math.log2(heads))
+    exponent = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    base = torch.full((), exponent, dtype=torch.float32, device=device)
+    powers = torch.arange(1, 1 + closest, dtype=torch.int32, device=device)
+    slopes = torch.pow(base, powers)
+    if closest != heads:
+        exponent = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        extra_base = torch.full((), exponent, dtype=torch.float32, device=device)
+        remaining = min(closest, heads - closest)
+        extra = torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32, device=device)
+        slopes = torch.cat([slopes, torch.pow(extra_base, extra)], dim=0)
+    return slopes
+
+
+def alibi_bias(heads: int, keys: int, dtype: torch.dtype, device=None) -> Tensor:
+    """ALiBi's bias [H, 1, S]: each head's slope times the key position 0 .. S-1, the
+    product in float32 and then cast to ``dtype``, as BLOOM builds it for a batch without
+    padding (its position of a key is its index then)."""
+    slopes = alibi_slopes(heads, device)
+    return (slopes[:, None, None] * torch.arange(keys, device=device)).to(dtype)
+
+
+def alibi(x: Tensor) -> Tensor:
+    """Scores x [N, H, L, S] plus ALiBi's bias (``alibi_bias``), broadcast over the batch
+    and the queries: the add BLOOM's ``baddbmm`` makes with the bias as its input."""
+    return x + alibi_bias(x.shape[-3], x.shape[-1], x.dtype, x.device)
+
+
+def alibi_backward(g: Tensor, *, needs: Needs | None = None) -> Grads:
+    """The output's gradient: the bias is a constant of the sizes."""
+    return _fit((g if _need(needs, 0) else None,), needs)
+
+
 #: The kernels both platforms take from here (through ``unroller.runtime.shared``): not the
-#: tables and buckets, which the importer reads to match a traced model's to these kernels.
-__all__ = _exports(globals(), besides=("relative_buckets", "rotary_tables"))
+#: tables, buckets and slopes, which the importer reads to match a traced model's to these
+#: kernels.
+__all__ = _exports(
+    globals(), besides=("relative_buckets", "rotary_tables", "alibi_slopes", "alibi_bias")
+)
