@@ -542,6 +542,56 @@ def _dropout_extras(platform: str, s: Sample, y: Tensor, extras: tuple) -> None:
     assert torch.equal(y == 0, ~mask | (x == 0))
 
 
+# ---------------------------------------------------------------- mixture of experts
+
+
+def _moe_case(family: str, experts: int, top_k: int, norm: bool = True) -> Case:
+    """transformers' own block as the layer and reference (its experts run eagerly: the
+    default grouped_mm takes no float64), weights drawn wide enough that the tokens spread
+    over the experts."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        if family == "mixtral":
+            from transformers import MixtralConfig
+            from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+            config = MixtralConfig(
+                hidden_size=6, intermediate_size=5, num_local_experts=experts,
+                num_experts_per_tok=top_k,
+            )  # fmt: skip
+            block: nn.Module = MixtralSparseMoeBlock(config)
+            kwargs: dict[str, Any] = dict(top_k=top_k)
+        else:
+            from transformers import Qwen2MoeConfig
+            from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+            config = Qwen2MoeConfig(
+                hidden_size=6, moe_intermediate_size=5, num_experts=experts,
+                num_experts_per_tok=top_k, shared_expert_intermediate_size=4,
+                norm_topk_prob=norm,
+            )  # fmt: skip
+            block = Qwen2MoeSparseMoeBlock(config)
+            kwargs = dict(top_k=top_k, norm_topk=norm, router_float32=True)
+        config._experts_implementation = "eager"
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0.0, 0.5)
+        return Sample((randn(3, 4, 6, dtype=dtype),), block.to(dtype), kwargs=kwargs)
+
+    return Case(f"{family}-{experts}x{top_k}{'' if norm else '-raw'}", make)
+
+
+def _moe_reference(s: Sample, ctx: Ctx) -> Tensor:
+    """The block under autograd with its activations' casts to float32 lifted, as verify
+    steps it (Mixtral's ``router_logits.float()`` is the identity in a float32 network and
+    the text has no such cast; Qwen2-MoE's softmax(dtype=torch.float) stays)."""
+    from unroller.analysis.lifted_casts import LiftedCasts
+
+    with LiftedCasts():
+        return s.layer(s.inputs[0])
+
+
 # ---------------------------------------------------------------- stochastic depth
 
 
@@ -1856,6 +1906,18 @@ ROWS: tuple[OpInfo, ...] = (
         + tuple(_dropout_case(p, (3, 4)) for p in (0.0, 1.0, None)),
         eval_reference=lambda s: nn.Dropout(s.kwargs.get("p", 0.5)).eval()(s.inputs[0]),
         check_extras=_dropout_extras,
+    ),
+    OpInfo(
+        "moe",
+        _moe_reference,
+        (
+            _moe_case("mixtral", 4, 2),
+            _moe_case("mixtral", 3, 1),
+            _moe_case("qwen2_moe", 4, 2, norm=False),
+            _moe_case("qwen2_moe", 5, 3),
+        ),
+        exact_grads=(),
+        ipu_unsupported="forward",
     ),
     OpInfo(
         "drop_path",

@@ -555,14 +555,18 @@ def test_layer_handle_is_any_object_with_the_registry_names(platform):
 
 def test_ipu_unsupported():
     """Dilated convolutions run on the ipu platform (their transposed convolutions are plain
-    conv2d there); attention dropout is refused."""
+    conv2d there); attention dropout, stochastic depth with p > 0 and a mixture of experts
+    (data-dependent row counts) are refused."""
     for name in ("conv2d", "conv_transpose2d", "conv1d"):
         for dilation in ((1, 2), 2, [1, 1], (3, 3)):
             assert ipu.unsupported(name, {"dilation": dilation, "stride": 2}) is None
     assert "dropout" in ipu.unsupported("scaled_dot_product_attention", {"dropout": 0.1})
     assert "needs torch.autograd" in ipu.unsupported("aten", {"op": "aten.exp.default"})
-    for name in OPS:
-        assert ipu.unsupported(name, {}) is None or name == "aten"  # refused whatever its args
+    assert "PopTorch" in ipu.unsupported("drop_path", {"p": 0.1})
+    assert ipu.unsupported("drop_path", {"p": 0.0}) is None
+    assert "data-dependent sizes" in ipu.unsupported("moe", {})
+    for name in OPS:  # refused whatever its args
+        assert ipu.unsupported(name, {}) is None or name in ("aten", "moe")
         assert gpu.unsupported(name, {"dilation": (2, 2)}) is None
 
 

@@ -575,6 +575,7 @@ def _run(report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dr
         return
     _note_setup(report, setup, fresh, dropout, seed)
     _float64_twins(report, fresh)
+    _float64_experts(report, fresh)
     inputs = make_inputs(setup.graph, batch_size, seed)
     _step_and_compare(report, setup, fresh, generated, inputs, seed, dropout)
     require_finite(report, fresh)
@@ -590,6 +591,19 @@ def _float64_twins(report: VerifyReport, original) -> None:
     swapped = swap_float64_twins(original)
     if swapped:
         report.notes.append(twins_note(original, swapped))
+
+
+def _float64_experts(report: VerifyReport, original) -> None:
+    """Hugging Face's mixture-of-experts blocks run their experts by ``grouped_mm`` by
+    default, which takes no float64: the original steps with the eager experts instead."""
+    from unroller.importer.hf_moe import eager_experts
+
+    switched = eager_experts(original)
+    if switched:
+        report.notes.append(
+            f"the original's experts run transformers' eager implementation, not "
+            f"{', '.join(switched)} (which takes no float64): the same arithmetic per token"
+        )
 
 
 def require_finite(report: VerifyReport, original) -> None:

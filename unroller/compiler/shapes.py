@@ -970,6 +970,24 @@ def adaptive_pool1d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> 
 # ---------------------------------------------------------------- recurrent layers
 
 
+def moe(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """A mixture of experts keeps x's type; derived ``in_features`` (x's last dim) and
+    ``index_shape`` [N, ..., top_k] (the chosen experts it keeps for the backward)."""
+    (x,) = inputs
+    _float(op, x)
+    if x.rank < 2:
+        raise ShapeError(f"{op} needs an input of at least 2 dims [N, ..., features], got {x}", 0)
+    if args["top_k"] > args["num_experts"]:
+        raise ShapeError(
+            f"{op}: top_k={args['top_k']} chooses more experts than num_experts="
+            f"{args['num_experts']}",
+            arg="top_k",
+        )
+    return ShapeResult(
+        x, {"in_features": x.shape[-1], "index_shape": (*x.shape[:-1], args["top_k"])}
+    )
+
+
 def recurrent(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """lstm / gru: x [N, L, E] -> [N, L, D * H]; after x the initial states given (h0, and
     the LSTM's c0), each [N, num_layers * D, H], batch first as every tensor here. Derives

@@ -82,6 +82,16 @@ class _Checks:
                     todo.extend(user.users)
         return sites
 
+    def _find_stochastic_depth(self) -> None:
+        """The stochastic depth sites, those the registry's ``drop_path`` takes (their draws
+        and mask arithmetic then map to nothing, Hugging Face's ``x / keep`` absorbed) and
+        the ones refused so far."""
+        self.stochastic = self._stochastic_depth_sites()
+        self.stochastic_told: set[int] = set()
+        self.stochastic_plans = self._stochastic_depth_plans()
+        self.stochastic_taken = {plan.ident for plan in self.stochastic_plans.values()}
+        self.absorbed |= {p.divided for p in self.stochastic_plans.values() if p.divided}
+
     def _stochastic_depth_prob(self, ident: int) -> float | None:
         """The drop probability of the stochastic depth drawn at node ``ident``: its
         module's ``p`` / ``drop_prob``, else 1 - a bernoulli draw's keep probability."""
@@ -274,6 +284,30 @@ class _Checks:
             return
         what = self.buffers.get(mutated.name) or self.params.get(mutated.name) or mutated.name
         self._fail(node, target_name(node), f"writes {what} in place, which the step would drop")
+
+    def _hold_unused_owners(self) -> None:
+        """A tied tensor whose first key (its owner, which the others are tied to) belongs
+        to a module the forward never calls (T5's ``shared`` embedding, read only through
+        the encoder's and decoder's ``embed_tokens``): a ``parameter`` statement holds it
+        under that key, so the state dict keeps every key torch's has."""
+        keys: dict[str, torch.nn.Parameter] = dict(
+            self.module.named_parameters(remove_duplicate=False)
+        )
+        tied_to = {key for ties in self.ties.values() for key in ties.values()}
+        held = []
+        for first in self.first_keys.values():
+            if first in self.used_params or first not in tied_to:
+                continue
+            if not valid_path(first):
+                continue  # reported by _check_state
+            shape = tuple(int(d) for d in keys[first].shape)
+            owner = first.rpartition(".")[0]
+            held.append(
+                Stmt(first, "parameter", [], {"shape": shape, "init": "zeros"}, owner, shape)
+            )
+            self.names.add(first)
+            self.used_params[first] = first
+        self.stmts[:0] = held
 
     def _hold_unread_parameters(self) -> None:
         """A parameter that ``forward`` never reads (DINOv2's ``mask_token``, read only when

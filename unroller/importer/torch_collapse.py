@@ -1,6 +1,7 @@
 """Module classes whose ATen chain is one registry operator (``COLLAPSED``:
-``nn.MultiheadAttention``, transformers' ``Conv1D``, tanh GELU, RMSNorm recognised by its
-source), and the mapper's part that finds their nodes and maps each call as one statement."""
+``nn.MultiheadAttention``, transformers' ``Conv1D``, tanh GELU, RMSNorm and the sparse
+mixture-of-experts blocks recognised by their source), and the mapper's part that finds their nodes and maps each call as one statement.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import fx
 
 from unroller.importer import masks
 from unroller.importer.aten_ops import Refuse
+from unroller.importer.hf_moe import is_hf_moe_block, moe_kwargs
 from unroller.importer.hf_norms import is_hf_rmsnorm, rmsnorm_kwargs
 from unroller.importer.model import BATCH, Stmt, shape_text, valid_path
 from unroller.importer.torch_nodes import (
@@ -316,6 +318,15 @@ def _hf_rmsnorm(mapper, path, module, nodes, external, escaping) -> str:
     )
 
 
+def _hf_moe(mapper, path, module, nodes, external, escaping) -> str:
+    """A Hugging Face sparse mixture-of-experts block (``hf_moe``): one ``moe`` statement."""
+    x = _one_input(mapper, path, external, escaping)
+    kwargs, params = moe_kwargs(module)
+    return _collapsed_stmt(
+        mapper, path, module, nodes, escaping, "moe", [mapper.value_of(x)], kwargs, params
+    )
+
+
 #: Module classes mapped as one statement: qualified class name -> builder.
 COLLAPSED: dict[str, Callable] = {
     "torch.nn.modules.activation.MultiheadAttention": _multihead_attention,
@@ -336,8 +347,11 @@ class _Collapse:
         found = COLLAPSED.get(cls)
         if found is None and cls.startswith("transformers.") and path:
             with contextlib.suppress(AttributeError):
-                if is_hf_rmsnorm(type(self.module.get_submodule(path))):
+                module = self.module.get_submodule(path)
+                if is_hf_rmsnorm(type(module)):
                     found = _hf_rmsnorm
+                elif is_hf_moe_block(module):
+                    found = _hf_moe
         return found
 
     def _collapsed_groups(self) -> dict[fx.Node, str]:

@@ -36,6 +36,7 @@ from torch import fx
 from unroller.compiler.graph import MAX_FLOAT
 from unroller.importer import aten_ops, batch_merge, masks, torch_opaque
 from unroller.importer.aten_ops import Refuse
+from unroller.importer.hf_moe import traceable_experts
 from unroller.importer.model import (
     BATCH,
     EXAMPLE_BATCH,
@@ -168,7 +169,8 @@ def _capture(module: torch.nn.Module, inputs: Sequence[Tensor], source: str):
     batch = torch.export.Dim("N", min=2, max=2**31 - 1)
     dynamic = (tuple({0: batch} for _ in example),)  # forward(*args): one tuple
     try:
-        program = torch.export.export(wrapper, example, dynamic_shapes=dynamic, strict=False)
+        with traceable_experts(module):
+            program = torch.export.export(wrapper, example, dynamic_shapes=dynamic, strict=False)
         return program, f"torch.export (torch {torch.__version__})"
     except Exception as first:  # noqa: BLE001 - any capture failure: try fx, then report
         export_error = _one_line(first)
@@ -255,11 +257,7 @@ class _Mapper(_Collapse, _Patterns, _Checks):
         # mask input (and a size it is expanded to) -> its padding_mask statement
         self.padding_values: dict[object, str] = {}
         self._absorb_masked_biases()
-        self.stochastic = self._stochastic_depth_sites()
-        self.stochastic_told: set[int] = set()
-        self.stochastic_plans = self._stochastic_depth_plans()
-        self.stochastic_taken = {plan.ident for plan in self.stochastic_plans.values()}
-        self.absorbed |= {p.divided for p in self.stochastic_plans.values() if p.divided}
+        self._find_stochastic_depth()
         self.merged = batch_merge.find(self, target_name)
 
     # ---- the graph's signature: which placeholder is what
@@ -538,30 +536,6 @@ class _Mapper(_Collapse, _Patterns, _Checks):
         self._hold_unread_parameters()
         self._check_state()
         return predictions
-
-    def _hold_unused_owners(self) -> None:
-        """A tied tensor whose first key (its owner, which the others are tied to) belongs
-        to a module the forward never calls (T5's ``shared`` embedding, read only through
-        the encoder's and decoder's ``embed_tokens``): a ``parameter`` statement holds it
-        under that key, so the state dict keeps every key torch's has."""
-        keys: dict[str, torch.nn.Parameter] = dict(
-            self.module.named_parameters(remove_duplicate=False)
-        )
-        tied_to = {key for ties in self.ties.values() for key in ties.values()}
-        held = []
-        for first in self.first_keys.values():
-            if first in self.used_params or first not in tied_to:
-                continue
-            if not valid_path(first):
-                continue  # reported by _check_state
-            shape = tuple(int(d) for d in keys[first].shape)
-            owner = first.rpartition(".")[0]
-            held.append(
-                Stmt(first, "parameter", [], {"shape": shape, "init": "zeros"}, owner, shape)
-            )
-            self.names.add(first)
-            self.used_params[first] = first
-        self.stmts[:0] = held
 
     def frozen_kwargs(self, statement: str) -> dict[str, bool]:
         """``frozen=true`` (every parameter of the statement) or ``frozen_PARAM=true`` for

@@ -293,6 +293,29 @@ def drop_path_backward(
 ) -> Grads: ...
 
 
+def moe(
+    x: Tensor,
+    layer: torch.nn.Module,
+    *,
+    top_k: int,
+    norm_topk: bool = True,
+    router_float32: bool = False,
+) -> tuple[Tensor, Tensor]: ...
+
+
+def moe_backward(
+    g: Tensor,
+    x: Tensor,
+    layer: torch.nn.Module,
+    index: Tensor,
+    *,
+    top_k: int,
+    norm_topk: bool = True,
+    router_float32: bool = False,
+    needs: Needs | None = None,
+) -> Grads: ...
+
+
 def cross_entropy(
     logits: Tensor,
     target: Tensor,

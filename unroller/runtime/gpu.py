@@ -54,6 +54,7 @@ from unroller.runtime.common import (
     _weight_bias,
     layers,
 )
+from unroller.runtime.moe import moe, moe_backward, moe_layer  # noqa: F401 (gpu only)
 from unroller.runtime.opaque import aten, aten_backward  # noqa: F401, E402 (the fallback)
 
 # Every kernel and helper the two platforms share (see shared's doc), exported from here as

@@ -80,6 +80,7 @@ from torch import Tensor
 
 from unroller.runtime import conventions, derived
 from unroller.runtime.attention import scaled_dot_product_attention as _sdpa_blocks
+from unroller.runtime.moe import moe_layer  # noqa: F401 (builds the layer; moe is refused)
 from unroller.runtime.attention import (
     scaled_dot_product_attention_backward as _sdpa_blocks_backward,
 )
@@ -159,6 +160,12 @@ def unsupported(op_name: str, args: Mapping[str, Any]) -> str | None:
         return (
             "attention dropout is not supported on the ipu platform: its mask is drawn from "
             "a seeded generator, which PopTorch's random ops do not take (use dropout=0.0)"
+        )
+    if op_name == "moe":
+        return (
+            "a mixture of experts (moe) is not supported on the ipu platform: its experts "
+            "gather and scatter the rows routed to them, tensors of data-dependent sizes, "
+            "which PopTorch does not run"
         )
     if op_name == "drop_path" and float(args.get("p", 0.0)) > 0:
         return (
@@ -1053,6 +1060,18 @@ def drop_path_backward(g, seed, *, p, scale, needs):
     if p:
         raise NotImplementedError(unsupported("drop_path", {"p": p}))
     return (g if _need(needs, 0) else None,)
+
+
+@conventions.implements
+def moe(x, layer, *, top_k, norm_topk, router_float32):
+    """Refused when the module is made (``unsupported``); this only says so if called."""
+    raise NotImplementedError(unsupported("moe", {}))
+
+
+@conventions.implements
+def moe_backward(g, x, layer, index, *, top_k, norm_topk, router_float32, needs):
+    """Refused when the module is made (``unsupported``)."""
+    raise NotImplementedError(unsupported("moe", {}))
 
 
 # ---------------------------------------------------------------- losses (mean reduction)

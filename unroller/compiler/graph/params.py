@@ -81,6 +81,8 @@ class ParameterBudget:
         """Add the call's tensors to the model's element count, refusing any tensor, or a
         model total, beyond the limits."""
         for tensor in tensors:
+            if not tensor.present:  # its shape may be empty (moe without a shared expert)
+                continue
             problem = size_problem(tensor.shape)
             if problem:
                 raise ModelError(
@@ -88,7 +90,7 @@ class ParameterBudget:
                     f"[{', '.join(map(str, tensor.shape))}]: {problem}",
                     stmt.op_loc,
                 )
-            self.elements += math.prod(tensor.shape) if tensor.present else 0
+            self.elements += math.prod(tensor.shape)
         if self.elements > MAX_PARAMETERS:
             raise ModelError(
                 f"{full_name}: the model's parameters and buffers reach "
