@@ -12,7 +12,11 @@ model simulates it, as the harness does before measuring.
 
 Cases whose model text and options are the same in two runs (the spec-v2 models run at
 one size in both presets) are generated once. The groups only the full presets build (the
-quick presets' models and rows at a larger resolution) run under ``make test-slow``.
+quick presets' models and rows at a larger resolution) run under ``make test-slow``, and so
+do the ``auto`` plans of the two models whose plan takes seconds (``STAND_IN_PLAN``): in
+``make test`` their ``auto`` rows generate from a stand-in plan (``stand_in_plan``) that
+gives their saved tensors every form the planner chooses from, while the planner itself
+runs on the eight other suite models.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from conftest import SLOW_MARK, fast_format
+from conftest import SLOW, SLOW_MARK, fast_format
 
+from unroller.analysis import plan
 from unroller.bench import config, models, suite
 from unroller.bench.reference import BENCHMARKS
 from unroller.compiler import codegen
@@ -116,11 +121,45 @@ def _group_params() -> list:
 QUICK = {"quick", "ipu-quick"}
 
 
+#: the groups whose ``auto`` plan takes seconds (5 s each on one core, the others 0.2-1.3 s:
+#: a probe step and checked steps of ResNet-34, and of MobileNetV2 in five rounds): their
+#: ``auto`` rows are generated from ``stand_in_plan`` unless SLOW=1
+STAND_IN_PLAN = {"resnet34@32", "mobilenet_v2@32"}
+
+
+def stand_in_plan(graph, label="<model>", segments=(), build=None):
+    """A config of the ``auto`` plan's form (one ``tensor`` rule per compressed saved
+    tensor) without its probe steps: the plannable tensors take the planner's candidates
+    in turn, raw included, so every codec form that fits some tensor of the model is
+    generated and simulated."""
+    assign = {}
+    for i, stashed in enumerate(plan.plannable(graph)):
+        choices = plan.candidates(stashed)
+        assign[stashed.key] = choices[i % len(choices)]
+    return plan.config_of(assign, segments=segments)
+
+
+def test_the_stand_in_plan_compresses_in_every_form_that_fits():
+    """The stand-in gives a model's saved tensors the codecs the planner chooses from,
+    several kinds of them, and leaves some raw."""
+    bench = BENCHMARKS["resnet34"]
+    from unroller.api import graph_from_text
+
+    graph = graph_from_text(bench.model_text(32), "resnet34", 32)
+    got = stand_in_plan(graph)
+    keys = {s.key for s in plan.plannable(graph)}
+    assert {rule.tensor for rule in got.rules} < keys
+    kinds = {rule.codec.name for rule in got.rules}
+    assert {"quant", "dct"} <= kinds, kinds
+
+
 @pytest.mark.parametrize("group", _group_params())
 def test_harness_builds_generate(monkeypatch, group):
     """Every harness row on one model text generates: the failures, if any, each named by
     run, benchmark and row."""
     monkeypatch.setattr(codegen.black, "format_str", fast_format)
+    if group in STAND_IN_PLAN and not SLOW:
+        monkeypatch.setattr(plan, "auto_config", stand_in_plan)
     failures = [
         f"{label} {name} {build.name}: {problem}"
         for label, name, build in GROUPS[group]
