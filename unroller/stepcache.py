@@ -1,7 +1,7 @@
 """What ``unroller.unroll`` keeps in-process, and the state it leaves as it found it.
 
 A second ``unroll`` of the same network (same classes, parameter names, shapes, dtypes,
-``requires_grad``, config) on a batch of the same signature with the same options costs
+``requires_grad``, module attributes, config) on a batch of the same signature with the same options costs
 no re-trace: the generated ``Model`` class is kept here under a structural fingerprint of
 the module, and only a new instance is made. That instance is built on the meta device and
 then given the original's tensors, so no second copy of the parameters is ever allocated
@@ -76,15 +76,40 @@ def structure(snap: tuple) -> tuple:
     return tuple((k, *rest) for k, _, *rest in snap)
 
 
+#: Plain values a module's attributes may hold that its forward may read (eps, stride, p).
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list, frozenset, set)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return isinstance(value, (*_PLAIN, torch.dtype, torch.Size))
+
+
+def settings(module: torch.nn.Module) -> str:
+    """Each submodule's plain attributes (a LayerNorm's eps, a convolution's stride and
+    padding, a dropout's p, a custom module's ``self.scale``): the traced code bakes them
+    in, so two modules that differ only there must not share a generated class. The
+    train/eval flag is left out: the step follows it at every call."""
+    found = []
+    for path, sub in module.named_modules():
+        plain = sorted((k, repr(v)) for k, v in vars(sub).items() if k != "training" and _plain(v))
+        found.append((path, tuple(plain)))
+    return repr(found)
+
+
 def fingerprint(module: torch.nn.Module) -> tuple:
     """The module's structure: its classes by path, state-dict keys with shape, dtype and
-    ``requires_grad``, and a Hugging Face config's values (which steer ``forward``)."""
+    ``requires_grad``, every submodule's plain attributes (``settings``) and a Hugging Face
+    config's values (which steer ``forward``)."""
     classes = tuple((path, type(m)) for path, m in module.named_modules())
     config = getattr(module, "config", None)
-    settings = None
+    hf = None
     if config is not None and hasattr(config, "to_dict"):
-        settings = repr(sorted(config.to_dict().items(), key=lambda kv: kv[0]))
-    return classes, structure(snapshot(module)), settings
+        hf = repr(sorted(config.to_dict().items(), key=lambda kv: kv[0]))
+    return classes, structure(snapshot(module)), settings(module), hf
 
 
 def signature(inputs: dict[str, torch.Tensor], target: torch.Tensor | None) -> tuple:

@@ -251,3 +251,15 @@ def test_a_network_failing_eagerly_shows_the_batch_as_n(module, spec, shown):
     text = str(_fail(module(), spec))
     assert "the network fails on inputs of the declared shapes" in text, text
     assert shown in text, text
+
+
+@pytest.mark.parametrize("eps, bound", [(-1.0, ">= 0.0"), (2.0, "<= 1.0")])
+def test_an_attribute_outside_the_languages_range_is_the_networks_error(eps, bound):
+    """A LayerNorm eps the language's layernorm does not take is reported as the network's
+    setting, at its module, not as an internal error of the importer."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, eps=eps), nn.Linear(8, 3))
+    with pytest.raises(ImportFailure) as info:
+        import_network("net", ["x: f32[N, 8]"], built=net)
+    message = str(info.value)
+    assert "internal error" not in message
+    assert "the network's 1 (LayerNorm)" in message and f"'eps' must be a number {bound}" in message

@@ -397,3 +397,38 @@ def test_errors_name_python_arguments(tmp_path):
     with pytest.raises(ValueError, match="no 'labels'"):
         step = unroller.unroll(_llama(), _lm_batch(), directory=tmp_path)
         step(input_ids=torch.randint(0, 64, (2, 16)))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda net: setattr(net[1], "eps", 0.5),  # LayerNorm
+        lambda net: setattr(net[2], "negative_slope", 0.3),  # LeakyReLU
+        lambda net: setattr(net, "scale", 2.0),  # a plain attribute a forward may read
+    ],
+)
+def test_modules_differing_only_in_an_attribute_do_not_share_a_step(tmp_path, change):
+    """The traced code bakes attributes in (eps, a slope): a second unroll of a network
+    whose structure is the same but an attribute differs gets its own step, exact against
+    autograd, never the first network's code."""
+
+    class Scaled(nn.Sequential):
+        scale = 1.0
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    def net():
+        torch.manual_seed(0)
+        return Scaled(nn.Linear(8, 8), nn.LayerNorm(8), nn.LeakyReLU(0.1), nn.Linear(8, 3))
+
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    unroller.unroll(net(), x, directory=tmp_path)(x, y)
+    other = net()
+    change(other)
+    twin = copy.deepcopy(other)
+    loss = unroller.unroll(other, x, directory=tmp_path)(x, y)
+    ref = F.cross_entropy(twin(x), y)
+    assert torch.equal(loss.detach(), ref.detach())
+    ref.backward()
+    _grads_equal(other, twin)

@@ -168,6 +168,14 @@ def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> Graph
         graph = graph_from_text(text, "<imported>")
     except ModelError as exc:
         line = text.splitlines()[exc.loc.line - 1] if exc.loc else ""
+        if "argument '" in exc.message:  # an attribute of the module, out of the op's range
+            name, _, rest = line.strip().partition(" = ")
+            module = rest.rpartition("# ")[2].split(" [")[0] if "# " in rest else ""
+            where = f"{name} ({module})" if module else name
+            raise ImportFailure(
+                f"{spec}: the network's {where} has a setting the language does not take: "
+                f"{exc.message}; change it in the network"
+            ) from None
         raise ImportFailure(
             f"internal error: the text imported from {spec} does not build: {exc.message} "
             f"(at: {line.strip()})"
