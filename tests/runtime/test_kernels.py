@@ -714,10 +714,11 @@ TENSOR_METHODS |= {"masked_fill"}  # causal_mask (eager attention's mask): the i
 TENSOR_METHODS |= {"pow", "cos", "sin"}
 TORCH_CALLS |= {"finfo"}
 TORCH_CALLS |= {"cumsum"}  # padded_positions (RoBERTa's position ids); on the "Other" list
+TORCH_CALLS |= {"pow"}  # alibi's slopes (positions.py): on the pointwise list
 PYTHON_METHODS = {"get", "clear", "append", "items", "values", "insert"}
 # relative_position_bias (positions.py): log of a size ratio, a constant made on the host
 HOST_CALLS = {
-    "math": {"sqrt", "floor", "factorial", "prod", "log"},
+    "math": {"sqrt", "floor", "factorial", "prod", "log", "log2"},  # log2: alibi's head count
     "struct": {"pack", "unpack"},
     "derived": {"install"},  # the namespace assembly at import: derived's kernels are scanned
 }
