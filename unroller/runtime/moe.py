@@ -87,9 +87,15 @@ def _shared_forward(rows: Tensor, layer: Any) -> Tensor:
     )
 
 
-def _silu_grad(gate: Tensor, g: Tensor) -> Tensor:
-    """d silu(gate) applied to g (aten's silu_backward)."""
-    return torch.ops.aten.silu_backward(g, gate)
+def _swiglu_grads(
+    g_out: Tensor, gate: Tensor, up: Tensor, down: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One SwiGLU MLP's backward from its output's gradient: (gate's and up's
+    pre-activation gradients, down's weight gradient), silu's derivative as aten's."""
+    g_down = g_out.t().matmul(F.silu(gate) * up)
+    g_hidden = g_out.matmul(down)
+    g_gate = torch.ops.aten.silu_backward(g_hidden * up, gate)
+    return g_gate, g_hidden * F.silu(gate), g_down
 
 
 @conventions.implements
@@ -115,12 +121,9 @@ def moe_backward(g, x, layer, index, *, top_k, norm_topk, router_float32, needs)
         gate, up, y = _swiglu(part, gate_up, down)
         g_rows = g[token_idx]
         g_weights[token_idx, top_k_pos] = (g_rows * y).sum(dim=-1)
-        g_y = g_rows * weights[token_idx, top_k_pos, None]
-        hidden = F.silu(gate) * up
-        g_down[expert] = g_y.t().matmul(hidden)
-        g_hidden = g_y.matmul(down)
-        g_gate = _silu_grad(gate, g_hidden * up)
-        g_up = g_hidden * F.silu(gate)
+        g_gate, g_up, g_down[expert] = _swiglu_grads(
+            g_rows * weights[token_idx, top_k_pos, None], gate, up, down
+        )
         g_pre = torch.cat([g_gate, g_up], dim=-1)
         g_gate_up[expert] = g_pre.t().matmul(part)
         gx.index_add_(0, token_idx, g_pre.matmul(gate_up))
@@ -158,16 +161,11 @@ def _shared_backward(g: Tensor, rows: Tensor, layer: Any) -> list[Tensor]:
     mlp = layer.shared_expert
     gate = F.linear(rows, mlp.gate_proj.weight)
     up = F.linear(rows, mlp.up_proj.weight)
-    hidden = F.silu(gate) * up
-    mlp_out = F.linear(hidden, mlp.down_proj.weight)
+    mlp_out = F.linear(F.silu(gate) * up, mlp.down_proj.weight)
     scale = torch.sigmoid(F.linear(rows, layer.shared_expert_gate.weight))
     g_scale = (g * mlp_out).sum(dim=-1, keepdim=True)
     g_scale_pre = torch.ops.aten.sigmoid_backward(g_scale, scale)
-    g_mlp_out = g * scale
-    g_down = g_mlp_out.t().matmul(hidden)
-    g_hidden = g_mlp_out.matmul(mlp.down_proj.weight)
-    g_gate = _silu_grad(gate, g_hidden * up)
-    g_up = g_hidden * F.silu(gate)
+    g_gate, g_up, g_down = _swiglu_grads(g * scale, gate, up, mlp.down_proj.weight)
     gx = (
         g_gate.matmul(mlp.gate_proj.weight)
         + g_up.matmul(mlp.up_proj.weight)
@@ -207,7 +205,7 @@ class _Moe(torch.nn.Module):
         self.experts.down_proj = _normal(experts, hidden, inter)
         if shared:
             self.shared_expert = torch.nn.Module()
-            for name, shape in (("gate_proj", (shared, hidden)), ("up_proj", (shared, hidden))):
-                setattr(self.shared_expert, name, torch.nn.Linear(*shape[::-1], bias=False))
+            self.shared_expert.gate_proj = torch.nn.Linear(hidden, shared, bias=False)
+            self.shared_expert.up_proj = torch.nn.Linear(hidden, shared, bias=False)
             self.shared_expert.down_proj = torch.nn.Linear(shared, hidden, bias=False)
             self.shared_expert_gate = torch.nn.Linear(hidden, 1, bias=False)
