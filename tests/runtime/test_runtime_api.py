@@ -26,6 +26,7 @@ from unroller.runtime import (
     derived,
     gpu,
     ipu,
+    moe,
     norms,
     opaque,
     positions,
@@ -156,6 +157,7 @@ def test_all_is_every_public_function_and_nothing_else(platform):
             recurrent.__name__,
             derived.__name__,
             opaque.__name__,  # the importer's fallback (aten)
+            moe.__name__,  # the mixture of experts (gpu's kernels; ipu's layer builder)
         )
     }
     assert K.__all__ == sorted(set(K.__all__))
