@@ -115,3 +115,25 @@ def test_the_ipu_platform_refuses_it_with_the_reason():
 
     node = next(n for n in graph.nodes if n.op.name == "moe")
     assert re.search("data-dependent sizes", ipu.unsupported("moe", node.args))
+
+
+def test_verify_steps_grouped_mm_experts_eagerly_and_says_so():
+    """A block inside a PreTrainedModel runs grouped_mm, which takes no float64: verify's
+    copy runs the eager experts (noted), the caller's module keeps its implementation."""
+    net = _net("mixtral")
+    net.moe.experts.config._experts_implementation = "grouped_mm"
+    report = verify_module(net, (torch.randn(4, 6, 8),), torch.randn(4, 6, 3), loss="mse_loss")
+    assert report.ok, report.problems or report.table()
+    assert any("eager implementation, not grouped_mm" in n for n in report.notes), report.notes
+    assert net.moe.experts.config._experts_implementation == "grouped_mm"
+
+
+def test_capture_traces_eager_experts_as_grouped_mm_and_restores_them():
+    from unroller.importer.hf_moe import traceable_experts
+
+    net = _net("mixtral")
+    config = net.moe.experts.config
+    before = config._experts_implementation
+    with traceable_experts(net):
+        assert config._experts_implementation == "grouped_mm"
+    assert config._experts_implementation == before
