@@ -137,3 +137,21 @@ def test_capture_traces_eager_experts_as_grouped_mm_and_restores_them():
     with traceable_experts(net):
         assert config._experts_implementation == "grouped_mm"
     assert config._experts_implementation == before
+
+
+def test_a_keyword_batch_is_refused_when_the_models_loss_adds_the_router_loss():
+    """Mixtral with output_router_logits=True adds the load-balancing loss to its own: the
+    step, which computes the cross-entropy alone, says so rather than train another loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from unroller.importer.hf_batch import batch_plan
+
+    config = MixtralConfig(
+        vocab_size=32, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+        output_router_logits=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="output_router_logits"):
+        batch_plan(MixtralForCausalLM(config))
+    config.output_router_logits = False
+    assert batch_plan(MixtralForCausalLM(config)).kind == "causal"

@@ -84,6 +84,12 @@ def batch_plan(module, labels=None) -> BatchPlan:
     name = type(module).__name__
     config = getattr(module, "config", None)
     output = _output_class(module)
+    if getattr(config, "output_router_logits", False) and name.endswith("ForCausalLM"):
+        raise ValueError(
+            f"unroll: {name}'s own loss adds its routers' load-balancing loss "
+            "(config.output_router_logits=True), which the step does not compute: set "
+            "config.output_router_logits = False, or pass inputs=(...) and target= with loss="
+        )
     if config is not None and getattr(config, "is_encoder_decoder", False):
         if hasattr(module, "prepare_decoder_input_ids_from_labels"):
             return BatchPlan("seq2seq", "cross_entropy", output)
