@@ -152,6 +152,7 @@ class Unrolled(torch.nn.Module):
         self._specs: OrderedDict[tuple, _Spec] = OrderedDict({key: spec})
         self._last = spec
         self._snap = stepcache.snapshot(original)
+        self._settings = stepcache.settings(original)
 
     # -- what the last specialisation is -----------------------------------------------
 
@@ -211,6 +212,8 @@ class Unrolled(torch.nn.Module):
         predictions."""
         values = list(inputs.values())
         training = self._original.training
+        if training:
+            _refuse_quiet_dropouts(self._original)
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return self._forward_only(inputs, target, training)
         spec = self._spec_for(inputs, target, "train" if training else "eval")
@@ -273,14 +276,35 @@ class Unrolled(torch.nn.Module):
 
     def _follow(self) -> None:
         """New tensor objects are shared again by state-dict key; a changed structure
-        (``requires_grad`` flipped, a dtype or shape changed) drops every specialisation,
+        (``requires_grad`` flipped, a dtype or shape changed) or a changed attribute (a
+        dropout's p, a LayerNorm's eps: ``stepcache.settings``) drops every specialisation,
         so the next is generated from the module as it is now: never a stale tensor."""
+        settings = stepcache.settings(self._original)
+        if settings != self._settings:
+            self._specs.clear()
+            self._settings = settings
         snap = stepcache.snapshot(self._original)
         if snap == self._snap:
             return
         if stepcache.structure(snap) != stepcache.structure(self._snap):
             self._specs.clear()
         self._snap = snap
+
+
+def _refuse_quiet_dropouts(original) -> None:
+    """Dropout follows the whole module's train/eval flag (batch norm follows each
+    layer's): a dropout module put in eval mode alone while the module trains would still
+    draw in the step, so it is refused here, with the fix, rather than trained silently."""
+    from unroller.analysis.verify import module_dropouts
+
+    quiet = [path or "(root)" for path, sub in module_dropouts(original) if not sub.training]
+    if quiet:
+        shown = ", ".join(quiet[:3]) + (f" (+{len(quiet) - 3} more)" if len(quiet) > 3 else "")
+        raise ValueError(
+            f"step: {shown} in eval mode while the module trains: the step's dropout follows "
+            "the whole module's train/eval flag; set such a module's probability to 0 "
+            "instead (module.p = 0.0: followed at the next call)"
+        )
 
 
 def _train_only(graph) -> bool:

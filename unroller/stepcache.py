@@ -91,13 +91,16 @@ def _plain(value: Any) -> bool:
 def settings(module: torch.nn.Module) -> str:
     """Each submodule's plain attributes (a LayerNorm's eps, a convolution's stride and
     padding, a dropout's p, a custom module's ``self.scale``): the traced code bakes them
-    in, so two modules that differ only there must not share a generated class. The
-    train/eval flag is left out: the step follows it at every call."""
+    in, so two modules that differ only there must not share a generated class, and a
+    step must notice when one changes. The train/eval flag is left out (the step follows
+    it at every call), as are nn.Module's own underscored fields (hooks, registries)."""
     found = []
     for path, sub in module.named_modules():
-        plain = sorted((k, repr(v)) for k, v in vars(sub).items() if k != "training" and _plain(v))
-        found.append((path, tuple(plain)))
-    return repr(found)
+        plain = [
+            (k, v) for k, v in vars(sub).items() if k[0] != "_" and k != "training" and _plain(v)
+        ]
+        found.append((path, plain))
+    return repr(found)  # a string: a nan compares equal to itself there
 
 
 def fingerprint(module: torch.nn.Module) -> tuple:

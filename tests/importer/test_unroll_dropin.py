@@ -432,3 +432,34 @@ def test_modules_differing_only_in_an_attribute_do_not_share_a_step(tmp_path, ch
     assert torch.equal(loss.detach(), ref.detach())
     ref.backward()
     _grads_equal(other, twin)
+
+
+def test_an_attribute_changed_after_unroll_is_followed(tmp_path):
+    """A dropout's p set to 0 (or any attribute the trace baked in) after ``unroll``: the
+    next call regenerates, exact against autograd, never the stale text."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 3))
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    step = unroller.unroll(net, x, directory=tmp_path)
+    step(x, y)
+    net[1].p = 0.0
+    twin = copy.deepcopy(net)
+    net.zero_grad()
+    loss = step(x, y)
+    ref = F.cross_entropy(twin(x), y)
+    assert torch.equal(loss.detach(), ref.detach())
+    ref.backward()
+    _grads_equal(net, twin)
+
+
+def test_a_dropout_in_eval_mode_alone_is_refused_while_the_module_trains(tmp_path):
+    net = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 3))
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    step = unroller.unroll(net, x, directory=tmp_path)
+    net[1].eval()
+    with pytest.raises(ValueError, match=r"1 in eval mode while the module trains.*p = 0\.0"):
+        step(x, y)
+    assert all(p.grad is None for p in net.parameters())
+    net.eval()  # the whole module in eval: followed (no dropout), not refused
+    with torch.no_grad():
+        step(x, y)
