@@ -191,17 +191,29 @@ def assert_grads_close(got, want, bound: float, floor: float = 1e-9) -> dict[str
 
 @pytest.fixture
 def build(tmp_path):
-    """build(path_or_text, scheme=...) -> generated module, imported from a temp file."""
+    """build(path_or_text, scheme=...) -> generated module, imported from a temp file. The
+    module is rendered as ``generate_source`` / ``generate_from_text`` render it but, unless
+    ``readable=True``, not laid out by black (``render(readable=False)``, as verify's and
+    the planner's modules are): black is most of a render's time, and a test that only runs
+    the module does not read it (the golden files, the CLI and the generate tests check the
+    formatted text). A test that reads the module's text passes ``readable=True``."""
     counter = {"n": 0}
 
-    def _build(model: str | Path, options: Options | None = None, **kwargs):
-        from unroller.api import generate_from_text, generate_source
+    def _build(model: str | Path, options: Options | None = None, readable: bool = False, **kwargs):
+        from unroller.api import (
+            compression_config,
+            graph_from_text,
+            load_graph,
+            render,
+            source_label,
+        )
 
         options = options or Options(**kwargs)
         if isinstance(model, Path):
-            text = generate_source(model, options)
+            graph, label = load_graph(model, options.resolution), source_label(model)
         else:
-            text = generate_from_text(model, options)
+            graph, label = graph_from_text(model, "<string>", options.resolution), "<string>"
+        text = render(graph, label, options, compression_config(options, graph), readable=readable)
         counter["n"] += 1
         out = tmp_path / f"gen_{counter['n']}.py"
         write_atomic(out, text)

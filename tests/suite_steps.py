@@ -13,11 +13,12 @@ from unroller.bench.reference import suite_model_path as model_path
 from unroller.compiler.options import Options
 
 
-def suite_pair(build, stem: str, options: Options):
-    """(generated module, reference) of suite model ``stem`` in float64, same weights."""
+def suite_pair(build, stem: str, options: Options, readable: bool = False):
+    """(generated module, reference) of suite model ``stem`` in float64, same weights
+    (``readable``: the module laid out by black, for a test that reads it)."""
     torch.manual_seed(0)
     ref = REFERENCES[stem]().double()
-    gen = build(model_path(stem), options).Model().double()
+    gen = build(model_path(stem), options, readable=readable).Model().double()
     gen.load_state_dict(ref.state_dict())
     return gen, ref
 

@@ -60,7 +60,7 @@ def test_an_added_op_generates_and_matches_autograd(tmp_path, monkeypatch, build
     monkeypatch.setenv("UNROLLER_OPS", str(tmp_path / "extra_ops.toml"))
     sys.modules.pop("softplus_kernels", None)
 
-    module = build(MODEL)
+    module = build(MODEL, readable=True)
     source = open(module.__file__).read()
     assert "import softplus_kernels as K2" in source
     assert "K2.ext_softplus_backward(" in source

@@ -92,7 +92,7 @@ def test_an_instance_split_over_two_ipus_stays_inline_and_exact(build):
     """A stage boundary inside a block: that instance is emitted inline, the others are
     calls, and the emulated 2-IPU step still equals the gpu step plus SGD."""
     options = Options(platform="ipu", num_ipus=2, stage_starts=("layer2.0.bn1",))
-    module = build(model_path("resnet_like"), options)
+    module = build(model_path("resnet_like"), options, readable=True)
     text = Path(module.__file__).read_text()
     assert 'L["layer2.0.conv1"]' in text  # inline: full names
     assert 'L.within("layer1.0")' in text  # the others: calls

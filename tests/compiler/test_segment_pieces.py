@@ -486,7 +486,7 @@ def test_a_first_block_without_input_gradient(build, size):
     options = Options(recompute_segments=BLOCKS, segment_piece_size=size)
     torch.manual_seed(0)
     ref = _First().double()
-    gen = build(FIRST, options).Model().double()
+    gen = build(FIRST, options, readable=True).Model().double()
     gen.load_state_dict(ref.state_dict())
     x = torch.randn(5, 3, 8, 8, dtype=torch.float64)
     y = torch.randint(0, 5, (5,))

@@ -50,7 +50,8 @@ CNN = "tiny_resnet"  # the small CNN: two residual blocks with batch norm
 def test_segments_are_exact_without_compression(build, stem, ops):
     """Every block instance recomputed (``ops``: with --recompute's single ops too): the
     loss, every gradient and every running statistic as autograd's, over two steps."""
-    gen, ref = suite_pair(build, stem, Options(recompute=ops, recompute_segments=BLOCKS))
+    options = Options(recompute=ops, recompute_segments=BLOCKS)
+    gen, ref = suite_pair(build, stem, options, readable=True)
     source = Path(sys.modules[type(gen).__module__].__file__).read_text()
     assert '_recompute(*K.within("' in source  # a block's recompute function is called
     for seed in range(2):  # gradients accumulate, running statistics move twice

@@ -555,7 +555,7 @@ def test_ipu_module_with_the_derivative_code_lints_clean(build):
     """The fewbit codec runs on the IPU: only operations PopTorch supports."""
     from unroller.lint import lint_paths
 
-    module = build(TOKENS, platform="ipu", scheme="quant")
+    module = build(TOKENS, platform="ipu", scheme="quant", readable=True)
     assert "CODEC_FEWBIT.decompress(" in open(module.__file__).read()
     report = lint_paths([module.__file__], "ipu")
     assert report.ok, report.format()

@@ -127,6 +127,7 @@ def test_stage_starts_from_the_user(build, emulation):
     module = build(
         model_path("resnet_like"),
         Options(platform="ipu", num_ipus=2, stage_starts=("layer2.0.conv1",)),
+        readable=True,
     )
     text = open(module.__file__).read()
     assert "IPU 1: layer2.0.conv1" in text
