@@ -70,7 +70,7 @@ def generated(tmp_path_factory):
         if name not in cache:
             directory = tmp_path_factory.mktemp(name)
             options = Options(resolution=TEST_RESOLUTION[name])
-            cache[name] = BENCHMARKS[name].model_class(options, directory)
+            cache[name] = BENCHMARKS[name].model_class(options, directory, readable=False)
         return cache[name]
 
     return get
@@ -286,7 +286,7 @@ def test_opticaldamage_native_keys_and_shapes(tmp_path):
     """At 200 x 200 the linear layers are 40000 x 512 and 512 x 40000 (41M parameters)."""
     bench = BENCHMARKS["opticaldamage"]
     ref = bench.build()
-    gen = bench.model_class(Options(), tmp_path)()
+    gen = bench.model_class(Options(), tmp_path, readable=False)()
     assert ref.decoder.fc.weight.shape == (16 * 50 * 50, 512)
     assert list(gen.state_dict()) == list(ref.state_dict())
     gen.load_state_dict(ref.state_dict(), strict=True)

@@ -164,10 +164,13 @@ class Benchmark:
         text = self.model_text(options.resolution)
         return generate_from_text(text, options, label=self.label)
 
-    def model_class(self, options: Options | None = None, directory: Path | None = None):
+    def model_class(
+        self, options: Options | None = None, directory: Path | None = None, readable: bool = True
+    ):
         """Generate, write to ``directory`` (a new temp dir by default) as
         ``NAME_PLATFORM_SCHEME_RESOLUTION.py``, import; returns the generated ``Model``
-        class."""
+        class. ``readable=False``: the file not laid out by black (most of a render's
+        time), for a module that is run and never read (``materialize``)."""
         options = options or Options()
         text = self.model_text(options.resolution)
         resolution = self.check_resolution(options.resolution)
@@ -179,6 +182,7 @@ class Benchmark:
             compression_config(options, graph),
             folder=directory,
             file_name=f"{self.name}_{options.platform}_{options.scheme}_{resolution}.py",
+            readable=readable,
         ).Model
 
 
