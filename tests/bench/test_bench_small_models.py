@@ -34,8 +34,14 @@ def test_the_suite_runs_the_spec_v2_models_by_default():
     assert set(V2) <= set(BENCHMARKS)
 
 
+#: the hooks' module, alive for the whole file: the hooks know its parameters by storage
+#: address, and a module freed after the hooks were made could hand a later tensor (the
+#: token ids below) one of those addresses, which the hooks would then take for a parameter
+MODULE = torch.nn.Linear(64, 64)
+
+
 def _hooks(scheme: str) -> peers.CompressingHooks:
-    return peers.CompressingHooks(builtin(scheme).default.instance(), torch.nn.Linear(64, 64))
+    return peers.CompressingHooks(builtin(scheme).default.instance(), MODULE)
 
 
 def test_hook_peers_on_tokens_ids_and_signals():
