@@ -80,7 +80,6 @@ from torch import Tensor
 
 from unroller.runtime import conventions, derived
 from unroller.runtime.attention import scaled_dot_product_attention as _sdpa_blocks
-from unroller.runtime.moe import moe_layer  # noqa: F401 (builds the layer; moe is refused)
 from unroller.runtime.attention import (
     scaled_dot_product_attention_backward as _sdpa_blocks_backward,
 )
@@ -103,6 +102,7 @@ from unroller.runtime.common import (
     linear,
     linear_backward,
 )
+from unroller.runtime.moe import moe_layer  # noqa: F401 (builds the layer; moe is refused)
 
 # Every kernel and helper the two platforms share (see shared's doc), exported from here as
 # ipu kernels (see __all__ at the end); the definitions below replace shared ones of the same
