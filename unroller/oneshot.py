@@ -295,15 +295,17 @@ def _refuse_quiet_dropouts(original) -> None:
     """Dropout follows the whole module's train/eval flag (batch norm follows each
     layer's): a dropout module put in eval mode alone while the module trains would still
     draw in the step, so it is refused here, with the fix, rather than trained silently."""
-    from unroller.analysis.verify import module_dropouts
+    from unroller.analysis.verify import module_dropouts, probability_attr
 
-    quiet = [path or "(root)" for path, sub in module_dropouts(original) if not sub.training]
+    quiet = [(path, sub) for path, sub in module_dropouts(original) if not sub.training]
     if quiet:
-        shown = ", ".join(quiet[:3]) + (f" (+{len(quiet) - 3} more)" if len(quiet) > 3 else "")
+        shown = ", ".join(path or "(root)" for path, _ in quiet[:3])
+        shown += f" (+{len(quiet) - 3} more)" if len(quiet) > 3 else ""
+        attr = probability_attr(quiet[0][1])
         raise ValueError(
             f"step: {shown} in eval mode while the module trains: the step's dropout follows "
             "the whole module's train/eval flag; set such a module's probability to 0 "
-            "instead (module.p = 0.0: followed at the next call)"
+            f"instead (module.{attr} = 0.0: followed at the next call)"
         )
 
 

@@ -14,6 +14,8 @@ torch's CPU (and the module's CUDA devices') random state come back as they were
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
@@ -88,18 +90,40 @@ def _plain(value: Any) -> bool:
     return isinstance(value, (*_PLAIN, torch.dtype, torch.Size))
 
 
+def _setting(value: Any) -> Any:
+    """What an attribute contributes to ``settings``: a plain value itself; a function, a
+    builtin or a ``functools.partial`` by its qualified name (and the partial's plain
+    arguments); an Enum by its repr; a tensor or a config (read through the Hugging Face
+    fingerprint) nothing; any other object its type and identity, so that a step is made
+    again rather than reused wrongly (a cache miss, never a stale hit)."""
+    if _plain(value):
+        return value
+    if isinstance(value, (torch.Tensor, torch.nn.Module)) or hasattr(value, "to_dict"):
+        return None
+    if isinstance(value, functools.partial):
+        return ("partial", _setting(value.func), _setting(value.args), _setting(value.keywords))
+    if isinstance(value, enum.Enum):
+        return repr(value)
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return (type(value).__qualname__, id(value))
+
+
 def settings(module: torch.nn.Module) -> str:
-    """Each submodule's plain attributes (a LayerNorm's eps, a convolution's stride and
-    padding, a dropout's p, a custom module's ``self.scale``): the traced code bakes them
+    """Each submodule's attributes (a LayerNorm's eps, a convolution's stride and padding,
+    a dropout's p, a custom module's ``self.scale`` or ``self.f = torch.tanh``; see
+    ``_setting``): the traced code bakes them
     in, so two modules that differ only there must not share a generated class, and a
     step must notice when one changes. The train/eval flag is left out (the step follows
     it at every call), as are nn.Module's own underscored fields (hooks, registries)."""
     found = []
     for path, sub in module.named_modules():
-        plain = [
-            (k, v) for k, v in vars(sub).items() if k[0] != "_" and k != "training" and _plain(v)
-        ]
-        found.append((path, plain))
+        found.append(
+            (
+                path,
+                [(k, _setting(v)) for k, v in vars(sub).items() if k[0] != "_" and k != "training"],
+            )
+        )
     return repr(found)  # a string: a nan compares equal to itself there
 
 

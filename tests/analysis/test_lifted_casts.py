@@ -69,3 +69,12 @@ def test_no_note_when_nothing_is_lifted():
     net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
     report = verify_module(net, (torch.randn(4, 8),))
     assert report.ok and not any("lifted" in n for n in report.notes)
+
+
+def test_a_cast_that_also_moves_the_tensor_is_not_lifted():
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True) * 2
+    with LiftedCasts() as lift:
+        moved = x.to("meta", torch.float32)
+        same_place = x.to("cpu", torch.float32)
+    assert moved.device.type == "meta" and moved.dtype == torch.float32
+    assert same_place is x and lift.lifted == 1

@@ -156,3 +156,11 @@ def test_batch_mode_and_unnamed_draws_stay_refused():
     (item,) = info.value.unmapped
     assert item.op == "stochastic depth" and item.module_path == "drop_path"
     assert "drop_path_rate=0.0" in item.reason and "StochasticDepth" in item.reason
+
+
+def test_a_probability_of_one_is_refused_as_such():
+    torch.manual_seed(0)
+    net = Residual(lambda: TimmDropPath(1.0))
+    with pytest.raises(ImportFailure) as info:
+        import_network("net", [SPEC], built=net, fallback=False)
+    assert "every sample dropped" in str(info.value)

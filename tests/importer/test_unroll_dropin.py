@@ -463,3 +463,25 @@ def test_a_dropout_in_eval_mode_alone_is_refused_while_the_module_trains(tmp_pat
     net.eval()  # the whole module in eval: followed (no dropout), not refused
     with torch.no_grad():
         step(x, y)
+
+
+def test_modules_holding_different_functions_do_not_share_a_step(tmp_path):
+    """An attribute holding a function (``self.f = torch.tanh``) is part of the step's key:
+    the same structure with ``torch.sigmoid`` is its own step, exact."""
+
+    class Act(nn.Module):
+        def __init__(self, f):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+            self.f = f
+
+        def forward(self, x):
+            return self.f(self.fc(x))
+
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    for f in (torch.tanh, torch.sigmoid):
+        torch.manual_seed(0)
+        net = Act(f)
+        twin = copy.deepcopy(net)
+        loss = unroller.unroll(net, x, directory=tmp_path)(x, y)
+        assert torch.equal(loss.detach(), F.cross_entropy(twin(x), y).detach()), f.__name__

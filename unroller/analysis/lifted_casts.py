@@ -27,17 +27,22 @@ _CASTS = (torch.Tensor.float, torch.Tensor.to, torch.Tensor.type)
 
 
 def _target(func: Any, args: tuple, kwargs: dict) -> Any:
-    """The dtype a cast call asks for, or None."""
+    """The dtype a cast call asks for, or None; None too when it also moves the tensor to
+    another device (that part must happen: only a pure cast is lifted)."""
     if func is torch.Tensor.float:
         return torch.float32
-    if "dtype" in kwargs:
-        return kwargs["dtype"]
+    tensor, dtype = args[0], kwargs.get("dtype")
+    devices = [kwargs["device"]] if kwargs.get("device") is not None else []
     for arg in args[1:]:
         if isinstance(arg, torch.dtype):
-            return arg
-        if func is torch.Tensor.to and isinstance(arg, torch.Tensor):
-            return arg.dtype
-    return None
+            dtype = arg
+        elif func is torch.Tensor.to and isinstance(arg, torch.Tensor):
+            dtype, devices = arg.dtype, [*devices, arg.device]
+        elif isinstance(arg, (str, torch.device)):
+            devices.append(arg)
+    if any(torch.device(d) != tensor.device for d in devices):
+        return None
+    return dtype
 
 
 class LiftedCasts(TorchFunctionMode):

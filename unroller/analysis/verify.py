@@ -381,14 +381,16 @@ def module_dropouts(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]
     return found
 
 
-def _dropout_attr(sub: Any) -> str:
+def probability_attr(sub: Any) -> str:
+    """The attribute holding a dropping module's probability (``p``, ``dropout`` of
+    nn.MultiheadAttention, ``drop_prob`` of a stochastic depth module)."""
     from unroller.importer.torch_nodes import stochastic_depth_attr
 
     return stochastic_depth_attr(sub) or ("p" if hasattr(sub, "p") else "dropout")
 
 
 def _module_dropout_text(name: str, sub: Any) -> str:
-    return f"{name or '(root)'} ({type(sub).__name__}, p={getattr(sub, _dropout_attr(sub)):g})"
+    return f"{name or '(root)'} ({type(sub).__name__}, p={getattr(sub, probability_attr(sub)):g})"
 
 
 def dropout_off(model: ModelAST) -> ModelAST:
@@ -409,7 +411,7 @@ def dropout_off(model: ModelAST) -> ModelAST:
 
 def _switch_off(modules: Sequence[tuple[str, Any]]) -> None:
     for _, sub in modules:
-        setattr(sub, _dropout_attr(sub), 0.0)
+        setattr(sub, probability_attr(sub), 0.0)
 
 
 def _dropout_notes(mode: str, text: list[str], original: list[str], seed: int) -> list[str]:

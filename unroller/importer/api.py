@@ -168,7 +168,7 @@ def check_text(text: str, state: dict[str, tuple[int, ...]], spec: str) -> Graph
         graph = graph_from_text(text, "<imported>")
     except ModelError as exc:
         line = text.splitlines()[exc.loc.line - 1] if exc.loc else ""
-        if "argument '" in exc.message:  # an attribute of the module, out of the op's range
+        if re.search(r": argument '\w+' must be ", exc.message):  # a module's value, out of range
             name, _, rest = line.strip().partition(" = ")
             module = rest.rpartition("# ")[2].split(" [")[0] if "# " in rest else ""
             where = f"{name} ({module})" if module else name

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ from unroller.importer.aten_ops import Refuse
 from unroller.importer.model import BATCH, Stmt, Unmapped, valid_path
 from unroller.importer.torch_nodes import (
     FILLED,
+    STOCHASTIC_DEPTH,
     VIEW_OPS,
     draws_random,
     qualname,
@@ -66,7 +66,7 @@ class _Checks:
                 continue
             if not per_sample(node) or node in sites:
                 continue
-            named = re.search(r"StochasticDepth|DropPath", self.where(node)[1])
+            named = STOCHASTIC_DEPTH.search(self.where(node)[1])
             if self.dim(node.meta["val"].shape[0]) != BATCH and not named:
                 continue  # one draw for the whole batch: stochastic depth only by name
             ident = self.order[node]
@@ -99,9 +99,9 @@ class _Checks:
         path, _ = self.where(draw)
         with contextlib.suppress(AttributeError):
             sub = self.module.get_submodule(path) if path else self.module
-            for attr in ("p", "drop_prob"):
-                if isinstance(getattr(sub, attr, None), float):
-                    return getattr(sub, attr)
+            attr = stochastic_depth_attr(sub)
+            if attr is not None:
+                return getattr(sub, attr)
         if short_name(draw) in ("bernoulli", "bernoulli_") and len(draw.args) > 1:
             with contextlib.suppress(TypeError, ValueError):
                 return 1.0 - float(draw.args[1])
@@ -204,11 +204,23 @@ class _Checks:
         draw = self.nodes[ident]
         prob = self._stochastic_depth_prob(ident)
         said = f" (drop probability {prob:g})" if prob is not None else ""
+        if prob is not None and not prob < 1.0:
+            self._fail(
+                draw,
+                "stochastic depth",
+                f"a random drop of a residual branch{said}: every sample dropped, which the "
+                "registry's drop_path does not take (p below 1); build the network with a "
+                "probability below 1",
+            )
+            for other, i in self.stochastic.items():
+                if i == ident:
+                    self._poison(other)
+            return
         self._fail(
             draw,
             "stochastic depth",
             f"a random drop of a residual branch{said}, which the registry's drop_path "
-            "takes only from a stochastic depth module (a class named *DropPath or "
+            "takes only from a stochastic depth module (a class whose name holds DropPath or "
             "StochasticDepth, one draw per sample: keep + rand floored, or bernoulli_ of "
             "keep, times the branch); build the network with its probability 0 "
             "(StochasticDepth(p=0.0), drop_path_rate=0.0), where it is the identity, as at "

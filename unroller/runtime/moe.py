@@ -1,7 +1,9 @@
 """The ``moe`` kernels (gpu platform): a sparse mixture of experts, as Mixtral's block.
 
 Each token (a row of x [N, ..., E]) is routed on its own: router logits x W_r^T, softmax over
-the experts (in float32 when ``router_float32``, as Qwen2-MoE's ``dtype=torch.float``), the
+the experts (in float32 when ``router_float32``, as Qwen2-MoE's ``dtype=torch.float``;
+Mixtral's ``router_logits.float()`` is a cast, the identity in the float32 step the
+importer reads, so its text computes in the model's dtype), the
 top_k experts with their probabilities as weights (renormalised to sum 1 when
 ``norm_topk``); each chosen expert's SwiGLU MLP, silu(x W_g^T) * (x W_u^T) W_d^T, scaled by
 its weight and summed, experts in index order, as Hugging Face's eager loop adds them
@@ -79,12 +81,18 @@ def moe(x, layer, *, top_k, norm_topk, router_float32):
     return out.reshape(x.shape), index.reshape(*x.shape[:-1], top_k)
 
 
-def _shared_forward(rows: Tensor, layer: Any) -> Tensor:
+def _shared_parts(rows: Tensor, layer: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The shared expert's (gate, up, MLP output, sigmoid gate) on ``rows``."""
     mlp = layer.shared_expert
-    h = F.silu(F.linear(rows, mlp.gate_proj.weight)) * F.linear(rows, mlp.up_proj.weight)
-    return torch.sigmoid(F.linear(rows, layer.shared_expert_gate.weight)) * F.linear(
-        h, mlp.down_proj.weight
-    )
+    gate = F.linear(rows, mlp.gate_proj.weight)
+    up = F.linear(rows, mlp.up_proj.weight)
+    mlp_out = F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+    return gate, up, mlp_out, torch.sigmoid(F.linear(rows, layer.shared_expert_gate.weight))
+
+
+def _shared_forward(rows: Tensor, layer: Any) -> Tensor:
+    _, _, mlp_out, scale = _shared_parts(rows, layer)
+    return scale * mlp_out
 
 
 def _swiglu_grads(
@@ -159,10 +167,7 @@ def _router_backward(
 def _shared_backward(g: Tensor, rows: Tensor, layer: Any) -> list[Tensor]:
     """(x's gradient, then gate_proj, up_proj, down_proj and shared_expert_gate weights')."""
     mlp = layer.shared_expert
-    gate = F.linear(rows, mlp.gate_proj.weight)
-    up = F.linear(rows, mlp.up_proj.weight)
-    mlp_out = F.linear(F.silu(gate) * up, mlp.down_proj.weight)
-    scale = torch.sigmoid(F.linear(rows, layer.shared_expert_gate.weight))
+    gate, up, mlp_out, scale = _shared_parts(rows, layer)
     g_scale = (g * mlp_out).sum(dim=-1, keepdim=True)
     g_scale_pre = torch.ops.aten.sigmoid_backward(g_scale, scale)
     g_gate, g_up, g_down = _swiglu_grads(g * scale, gate, up, mlp.down_proj.weight)
