@@ -93,6 +93,7 @@ def run_step(model: torch.nn.Module, step: Step, *inputs: Tensor) -> Tensor:
     stash log and the ``.grad`` writes inside it are side effects torch.compile replays
     after the graph. The batch dim of every input is marked dynamic, so that another batch
     size reuses the compiled graph instead of compiling a new one."""
+    _refuse_autocast(inputs)
     backend = getattr(model, "compile_step", False)
     handles = layers(model)
     if not backend:
@@ -103,6 +104,23 @@ def run_step(model: torch.nn.Module, step: Step, *inputs: Tensor) -> Tensor:
     return _compiled(step, "inductor" if backend is True else backend)(
         model, handles, model.stash_log, *inputs
     )
+
+
+def _refuse_autocast(inputs: Sequence[Tensor]) -> None:
+    """A step called under an ambient ``torch.autocast`` is refused in one line: autocast
+    would change the dtype of some of its forward's operations and none of its explicit
+    backward's, so the kernels would meet tensors of two dtypes (a raw RuntimeError deep
+    in a backward kernel) or compute other numbers than either precision would."""
+    devices = {"cpu"} | {t.device.type for t in inputs if isinstance(t, Tensor)}
+    for device in sorted(devices):
+        if torch.is_autocast_enabled(device):
+            dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+            raise RuntimeError(
+                f"the unrolled step was called under torch.autocast({device!r}, "
+                f"dtype=torch.{dtype}): it computes in its parameters' dtype with every "
+                "cast written out, and a mixed-precision step is not generated yet; call "
+                "it outside torch.autocast"
+            )
 
 
 def _compiled(step: Step, backend: str | Callable[..., Any]) -> Step:
