@@ -26,6 +26,7 @@ original, one float64 step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch
 
 from unroller import stepcache
 from unroller.cache import generated_dir
-from unroller.compiler.options import Options
+from unroller.compiler.options import LIST_FIELDS, Options
 from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
 from unroller.runtime.common import keep_predictions
@@ -390,6 +391,7 @@ def unroll(
     options: Options | None = None,
     name: str | None = None,
     directory: str | Path | None = None,
+    **settings: Any,
 ) -> Unrolled:
     """``module``'s training step, generated with ``scheme`` (or ``options``), sharing its
     parameters and buffers (see the module docstring). ``inputs``/``target``: an example
@@ -397,7 +399,10 @@ def unroll(
     with ``labels`` (no ``target``), whose loss is the model's own (``hf_batch``). The
     source is cached in ``directory`` (default ``cache_dir()``) under the hash of its text,
     and the generated class in-process, so a second call with the same network and
-    options costs no import. ``loss`` defaults to ``cross_entropy`` (or the model's)."""
+    options costs no import. ``loss`` defaults to ``cross_entropy`` (or the model's).
+    ``settings``: any generation option by its ``Options`` field name
+    (``recompute_segments="blocks"``, ``segment_pieces=2``, ``recompute=True``, ...),
+    validated as the command line validates its flags."""
     from unroller.importer.hf_batch import batch_plan
 
     if isinstance(inputs, torch.Tensor):
@@ -419,7 +424,7 @@ def unroll(
         named = {f"x{i}": t for i, t in enumerate(inputs)}
     how = _How(
         loss or "cross_entropy",
-        options or Options(scheme=scheme),
+        generation_options(options, scheme, settings),
         name,
         Path(directory) if directory is not None else None,
         isinstance(inputs, Mapping),
@@ -429,6 +434,29 @@ def unroll(
     spec = _make_spec(module, how, named, target, "train")  # the eval variant on demand
     key = (stepcache.signature(named, target), "train")
     return Unrolled(module, how, key, spec)
+
+
+def generation_options(options: Options | None, scheme: str, settings: dict) -> Options:
+    """``options`` (or the default ones with ``scheme``) with ``settings`` applied by field
+    name; ``dataclasses.replace`` validates them (``OptionValueError`` names the Python
+    argument). An unknown name or both ``scheme`` and ``options`` are refused."""
+    fields = sorted(f.name for f in dataclasses.fields(Options))
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise TypeError(
+            f"unroll() got unexpected keyword argument(s) {', '.join(unknown)}; the "
+            f"generation options are: {', '.join(fields)}"
+        )
+    if options is not None and scheme != "nocompress":
+        raise ValueError("unroll: give scheme= or options= (options.scheme), not both")
+    for key in LIST_FIELDS:  # "blocks" or "a,b" as on the command line, or a list
+        value = settings.get(key)
+        if isinstance(value, str):
+            settings[key] = tuple(part.strip() for part in value.split(",") if part.strip())
+        elif isinstance(value, list):
+            settings[key] = tuple(value)
+    base = options or Options(scheme=scheme)
+    return dataclasses.replace(base, **settings) if settings else base
 
 
 def verify(

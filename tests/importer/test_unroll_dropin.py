@@ -485,3 +485,51 @@ def test_modules_holding_different_functions_do_not_share_a_step(tmp_path):
         twin = copy.deepcopy(net)
         loss = unroller.unroll(net, x, directory=tmp_path)(x, y)
         assert torch.equal(loss.detach(), F.cross_entropy(twin(x), y).detach()), f.__name__
+
+
+class _TwoBlocks(nn.Module):
+    """Two residual blocks (each a segment with ``recompute_segments="blocks"``), the first
+    fed by the raw input, and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.b1 = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.b2 = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = x + self.b1(x)
+        return self.head(x + self.b2(x))
+
+
+def test_generation_options_are_keywords_of_unroll(tmp_path):
+    """``unroll(..., recompute_segments="blocks", segment_pieces=2)``: the options of the
+    command line by their Python names; the step recomputes segments in pieces (its header
+    says so) and stays exact, the first segment fed by the raw input."""
+    torch.manual_seed(0)
+    net = _TwoBlocks()
+    twin = copy.deepcopy(net)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    step = unroller.unroll(
+        net, x, directory=tmp_path, recompute_segments="blocks", segment_pieces=2
+    )
+    assert '"recompute_segments": ["blocks"]' in step.source
+    assert '"segment_pieces": 2' in step.source
+    loss = step(x, y)
+    ref = F.cross_entropy(twin(x), y)
+    assert torch.allclose(loss.detach(), ref.detach(), rtol=1e-6, atol=0)
+    ref.backward()
+    for (name, a), (_, b) in zip(net.named_parameters(), twin.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_option_keywords_are_validated_and_named_as_in_python(tmp_path):
+    from unroller.errors import OptionValueError
+
+    net, x = _TwoBlocks(), torch.randn(4, 8)
+    with pytest.raises(OptionValueError, match="segment_pieces=0"):
+        unroller.unroll(net, x, directory=tmp_path, segment_pieces=0)
+    with pytest.raises(TypeError, match="recompute_segmnts.*recompute_segments"):
+        unroller.unroll(net, x, directory=tmp_path, recompute_segmnts="blocks")
+    with pytest.raises(ValueError, match="not both"):
+        unroller.unroll(net, x, directory=tmp_path, scheme="quant", options=oneshot.Options())
