@@ -637,3 +637,38 @@ def test_an_entry_in_another_encoding_is_read_as_python_would(tmp_path):
 def test_the_checked_in_ipu_modules_stay_clean():
     report = lint_paths([ROOT / "generated" / "ipu" / "quick"], "ipu")
     assert report.errors == [], report.format()
+
+
+def test_a_kept_scan_is_reused_only_while_its_answers_hold(tmp_path, monkeypatch):
+    """A second run over unchanged files scans nothing again; a file whose star import now
+    binds another name is scanned again though its own text is the same."""
+    main = tmp_path / "main_mod.py"
+    main.write_text("from star_helper import *\n\n\ndef f(x):\n    return h(x)\n", "utf-8")
+    helper = tmp_path / "star_helper.py"
+    helper.write_text("import torch\n\n\ndef g(x):\n    return torch.relu(x)\n", "utf-8")
+    scanned: list[Path] = []
+
+    class Counting(lint_linter._ModuleScanner):
+        def scan(self):
+            scanned.append(self.path)
+            return super().scan()
+
+    monkeypatch.setattr(lint_linter, "_ModuleScanner", Counting)
+    first = lint_module(main, "ipu")
+    assert first.ok, first.format()
+    assert main.resolve() in scanned
+    scanned.clear()
+    again = lint_module(main, "ipu")
+    assert scanned == []
+    assert (again.calls, again.files, again.partial) == (first.calls, first.files, first.partial)
+    # h is now bound by the star import: main's scan (same text) must follow it
+    helper.write_text(
+        "import torch\n\n\ndef g(x):\n    return torch.relu(x)\n\n\n"
+        "def h(x):\n    return torch.ops.aten.hardtanh(x)\n",
+        "utf-8",
+    )
+    report = lint_module(main, "ipu")
+    assert main.resolve() in scanned
+    assert [(c.file, c.name) for c in report.errors] == [
+        (helper.resolve(), "torch.ops.aten.hardtanh")
+    ]

@@ -1,13 +1,21 @@
 """The run over many modules: scan the linted files whole, follow their imports (each module
 read and parsed once, rescanned when more of its names are asked for), and attach to each
-problem outside the linted files the chain of names that reaches it."""
+problem outside the linted files the chain of names that reaches it.
+
+A scan is a function of the module's source, where it is, what is asked of it, and the
+answers to the questions it asks on the way (where an imported module is, what a star
+import binds). Each process keeps the latest scans with those answers (``_SCANS``): a
+later run reuses one only when the source is the same text (by its digest) and every
+answer, asked again in that run, is the same, so a reused scan is the one the run would
+have made."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,7 +39,15 @@ from .scanner import _ModuleScanner, _Scan
 from .selection import _statement_at
 from .source import _read_source, _Unreadable
 from .stars import star_names
-from .supported import supported_ops
+from .supported import SupportedOps, supported_ops
+
+# (platform, file, its source's digest, module name, is a package, selection) -> the scan and the
+# answers it was given, in order: ("find", name, found) or ("star", found, names). The folder
+# its imports resolve from is not in the key: the answers, asked again from this run's
+# folder, stand for it.
+_ScanKey = tuple[str, Path, bytes, str | None, bool, frozenset[str] | None]
+_SCANS: OrderedDict[_ScanKey, tuple[SupportedOps, tuple[tuple, ...], _Scan]] = OrderedDict()
+_MAX_SCANS = 256
 
 
 class _Linter:
@@ -102,17 +118,51 @@ class _Linter:
             return _Scan([LintCall(path, 1, 1, "unreadable", READ, False, why)], [], [], None)
         module, is_package = self.module.get(path) or _module_name(path, self.roots)
         base = self.base.get(path, path.parent)
+        digest = hashlib.blake2b(source.encode("utf-8", "surrogatepass")).digest()
+        key: _ScanKey = (self.ops.platform, path, digest, module, is_package, selection)
+        reused = self._reused(key, base)
+        if reused is not None:
+            return reused
+        answers: list[tuple] = []
+
+        def resolve(name: str) -> _Found:
+            found = self.resolver.find(name, base)
+            answers.append(("find", name, found))
+            return found
+
+        def stars(found: _Found) -> frozenset[str] | None:
+            names = self._star_names(found, base)
+            answers.append(("star", found, names))
+            return names
+
         scanner = _ModuleScanner(
-            path,
-            source,
-            module,
-            is_package,
-            self.ops,
-            selection,
-            resolve=lambda name: self.resolver.find(name, base),
-            star_names=lambda found: self._star_names(found, base),
+            path, source, module, is_package, self.ops, selection, resolve, stars
         )
-        return scanner.scan()
+        result = scanner.scan()
+        _SCANS[key] = (self.ops, tuple(answers), result)
+        _SCANS.move_to_end(key)
+        while len(_SCANS) > _MAX_SCANS:
+            _SCANS.popitem(last=False)
+        return _copy(result)
+
+    def _reused(self, key: _ScanKey, base: Path) -> _Scan | None:
+        """An earlier scan of the same source asked the same of, when each of its questions
+        gets the same answer in this run (asked in the order the scan asked them)."""
+        kept = _SCANS.get(key)
+        if kept is None:
+            return None
+        ops, answers, result = kept
+        if ops is not self.ops:
+            return None
+        for kind, asked, answer in answers:
+            if kind == "find":
+                again = self.resolver.find(asked, base)
+            else:
+                again = self._star_names(asked, base)
+            if again != answer:
+                return None
+        _SCANS.move_to_end(key)
+        return _copy(result)
 
     def _star_names(self, found: _Found, base: Path) -> frozenset[str] | None:
         """What ``from <found> import *`` binds, imports resolved from ``base`` (once per
@@ -183,6 +233,18 @@ class _Linter:
             hops.append(origin)
             path, line = origin.file, origin.line
         return tuple(reversed(hops))
+
+
+def _copy(scan: _Scan) -> _Scan:
+    """A scan whose lists and maps are its own (a kept scan is never changed)."""
+    return dataclasses.replace(
+        scan,
+        calls=list(scan.calls),
+        host_only=list(scan.host_only),
+        imports=list(scan.imports),
+        spans=list(scan.spans),
+        reasons=None if scan.reasons is None else dict(scan.reasons),
+    )
 
 
 def _uniq_calls(calls: list[LintCall]) -> list[LintCall]:
