@@ -245,11 +245,18 @@ def run_source(
     return module
 
 
-def model_class(graph: Graph, label: str, config: CompressionConfig | None = None) -> type:
-    """The gpu ``Model`` of ``graph``, uncompressed or under ``config``, unformatted, from
-    a temporary folder removed right after the import, and out of ``sys.modules`` again:
-    the module verify and the planner step (run, never read)."""
-    options = Options(platform="gpu", scheme="nocompress")
+def model_class(
+    graph: Graph,
+    label: str,
+    config: CompressionConfig | None = None,
+    *,
+    options: Options | None = None,
+) -> type:
+    """The gpu ``Model`` of ``graph``, uncompressed or under ``config`` (and ``options``:
+    recompute, segments, pieces), unformatted, from a temporary folder removed right after
+    the import, and out of ``sys.modules`` again: the module verify and the planner step
+    (run, never read)."""
+    options = options or Options(platform="gpu", scheme="nocompress")
     loaded = materialize(
         graph,
         label,

@@ -26,7 +26,6 @@ original, one float64 step.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ import torch
 
 from unroller import stepcache
 from unroller.cache import generated_dir
-from unroller.compiler.options import LIST_FIELDS, Options
+from unroller.compiler.options import Options, from_keywords
 from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
 from unroller.runtime.common import keep_predictions
@@ -424,7 +423,7 @@ def unroll(
         named = {f"x{i}": t for i, t in enumerate(inputs)}
     how = _How(
         loss or "cross_entropy",
-        generation_options(options, scheme, settings),
+        from_keywords(options, scheme, settings),
         name,
         Path(directory) if directory is not None else None,
         isinstance(inputs, Mapping),
@@ -436,29 +435,6 @@ def unroll(
     return Unrolled(module, how, key, spec)
 
 
-def generation_options(options: Options | None, scheme: str, settings: dict) -> Options:
-    """``options`` (or the default ones with ``scheme``) with ``settings`` applied by field
-    name; ``dataclasses.replace`` validates them (``OptionValueError`` names the Python
-    argument). An unknown name or both ``scheme`` and ``options`` are refused."""
-    fields = sorted(f.name for f in dataclasses.fields(Options))
-    unknown = sorted(set(settings) - set(fields))
-    if unknown:
-        raise TypeError(
-            f"unroll() got unexpected keyword argument(s) {', '.join(unknown)}; the "
-            f"generation options are: {', '.join(fields)}"
-        )
-    if options is not None and scheme != "nocompress":
-        raise ValueError("unroll: give scheme= or options= (options.scheme), not both")
-    for key in LIST_FIELDS:  # "blocks" or "a,b" as on the command line, or a list
-        value = settings.get(key)
-        if isinstance(value, str):
-            settings[key] = tuple(part.strip() for part in value.split(",") if part.strip())
-        elif isinstance(value, list):
-            settings[key] = tuple(value)
-    base = options or Options(scheme=scheme)
-    return dataclasses.replace(base, **settings) if settings else base
-
-
 def verify(
     module: torch.nn.Module,
     inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor] | torch.Tensor,
@@ -466,11 +442,18 @@ def verify(
     *,
     loss: str | None = None,
     name: str | None = None,
+    scheme: str = "nocompress",
+    options: Options | None = None,
     **kwargs: Any,
 ):
     """One float64 step of the imported module against ``module`` (``unroll verify``): the
     report (``.ok``, ``.table()``). ``module`` itself is left as it is (a copy is stepped).
-    ``unroller.analysis.verify.verify_module``, where ``unroller.analysis.verify(...)`` calls it."""
+    ``unroller.analysis.verify.verify_module``, where ``unroller.analysis.verify(...)`` calls it.
+    Generation options are keywords as for ``unroll`` (``recompute_segments="blocks"``,
+    ``segment_pieces=2``): the step checked is the one they make; the other keywords are
+    verify's (``batch_size``, ``seed``, ``tolerance``, ``dropout``)."""
     from unroller.analysis.verify import verify_module
 
-    return verify_module(module, inputs, target, loss=loss, name=name, **kwargs)
+    return verify_module(
+        module, inputs, target, loss=loss, name=name, scheme=scheme, options=options, **kwargs
+    )

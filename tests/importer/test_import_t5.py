@@ -74,13 +74,19 @@ def test_t5_verifies_exactly(t5_text):
     assert "grad decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in names
 
 
+@pytest.fixture(scope="module")
+def t5_dropout_text() -> str:
+    """T5 at its default dropout (one import for both modes below)."""
+    return imported(dropout=0.1)
+
+
 @pytest.mark.parametrize("dropout_mode", ["seeded", "off"])
-def test_t5_at_its_default_dropout_verifies_exactly(dropout_mode):
+def test_t5_at_its_default_dropout_verifies_exactly(t5_dropout_text, dropout_mode):
     """T5's default dropout (0.1) everywhere, the attention probabilities included: the
     attentions keep dropout=0.1 beside their bias, and verify runs the original with the
     generated kernels' masks (or every dropout off)."""
     kwargs = {"dropout": 0.1}
-    text = imported(**kwargs)
+    text = t5_dropout_text
     attention = [line for line in text.splitlines() if "scaled_dot_product_attention(" in line]
     assert attention and all("dropout=0.1" in line for line in attention)
     report = verify_text(text, SPEC, kwargs, dropout=dropout_mode)

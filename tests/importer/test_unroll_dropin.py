@@ -533,3 +533,14 @@ def test_option_keywords_are_validated_and_named_as_in_python(tmp_path):
         unroller.unroll(net, x, directory=tmp_path, recompute_segmnts="blocks")
     with pytest.raises(ValueError, match="not both"):
         unroller.unroll(net, x, directory=tmp_path, scheme="quant", options=oneshot.Options())
+
+
+def test_verify_takes_the_generation_options_and_checks_that_step():
+    """``unroller.verify(..., recompute_segments="blocks", segment_pieces=2)`` checks the
+    step those options make (float64, 1e-10) and says which; a lossy scheme fails it."""
+    torch.manual_seed(0)
+    net, x = _TwoBlocks(), torch.randn(4, 8)
+    report = unroller.verify(net, x, recompute_segments="blocks", segment_pieces=2, batch_size=6)
+    assert report.ok, report.problems or report.table()
+    assert any("recompute_segments=('blocks',), segment_pieces=2" in n for n in report.notes)
+    assert not unroller.verify(net, x, scheme="quant").ok

@@ -44,6 +44,8 @@ from unroller.materialize import model_class
 if TYPE_CHECKING:
     import torch
 
+    from unroller.compiler.options import Options
+
 TOLERANCE = 1e-10  # float64, relative: the project's bound for "the same gradients"
 TINY = 1e-300  # the floor of the relative error's denominator (see ``relative_error``)
 #: Below this, a float64 reference is likely cancellation noise (a bias before batch norm
@@ -545,8 +547,10 @@ def verify_text(
     tolerance: float = TOLERANCE,
     dropout: str = "seeded",
     label: str = "<string>",
+    options: Options | None = None,
 ) -> VerifyReport:
-    """``verify`` for a model text held in memory."""
+    """``verify`` for a model text held in memory; ``options``: the generated side's
+    (gpu; recompute, segments, pieces, a scheme), by default uncompressed."""
     import torch
 
     from unroller.importer.source import user_code
@@ -557,17 +561,19 @@ def verify_text(
     report = VerifyReport(label, against, tolerance)
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         with user_code(against, "building or running it"):  # sys.exit in forward: exit 2
-            _run(report, setup, spec, kwargs, batch_size, seed, dropout)
+            _run(report, setup, spec, kwargs, batch_size, seed, dropout, options)
     return report
 
 
-def _run(report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dropout) -> None:
+def _run(
+    report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dropout, options=None
+) -> None:
     """Build both sides, check their keys, step them and compare, into ``report``."""
     import torch
 
     torch.manual_seed(seed)
     original = build_original(spec, kwargs).double()
-    generated = model_class(setup.run_graph, report.model)().double()
+    generated = _generated_class(setup, report.model, options)().double()
     report.problems = key_problems(original.state_dict(), generated.state_dict())
     if report.problems:
         return
@@ -575,12 +581,42 @@ def _run(report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dr
     report.problems = _load_both_ways(original, generated, fresh)
     if report.problems:
         return
+    if options is not None:
+        report.notes.append(options_note(options))
     _note_setup(report, setup, fresh, dropout, seed)
     _float64_twins(report, fresh)
     _float64_experts(report, fresh)
     inputs = make_inputs(setup.graph, batch_size, seed)
     _step_and_compare(report, setup, fresh, generated, inputs, seed, dropout)
     require_finite(report, fresh)
+
+
+def _generated_class(setup: _Setup, label: str, options: Options | None) -> type:
+    """The generated side: uncompressed, or as ``options`` make it (gpu only: verify
+    steps on this machine's PyTorch)."""
+    if options is None:
+        return model_class(setup.run_graph, label)
+    if options.platform != "gpu":
+        raise ValueError(f"verify: platform={options.platform!r}: verify steps the gpu platform")
+    from unroller.api import compression_config
+
+    config = compression_config(options, setup.run_graph)
+    return model_class(setup.run_graph, label, config, options=options)
+
+
+def options_note(options: Options) -> str:
+    """verify's note naming the generated side's options that differ from the defaults."""
+    import dataclasses
+
+    from unroller.compiler.options import Options as Defaults
+
+    default = Defaults()
+    changed = [
+        f"{f.name}={getattr(options, f.name)!r}"
+        for f in dataclasses.fields(options)
+        if getattr(options, f.name) != getattr(default, f.name)
+    ]
+    return f"the generated step was made with {', '.join(changed) or 'the default options'}"
 
 
 def _float64_twins(report: VerifyReport, original) -> None:
@@ -970,6 +1006,8 @@ def verify_module(
     *,
     loss: str | None = None,
     name: str | None = None,
+    scheme: str = "nocompress",
+    options: Options | None = None,
     **kwargs: Any,
 ) -> VerifyReport:
     """One float64 step of a built torch ``module``, imported on example ``inputs`` (and
@@ -977,11 +1015,18 @@ def verify_module(
     ``labels``, its loss the model's own: ``importer.hf_batch``), against the module itself:
     the report (``.ok``, ``.table()``). ``module``, its mode and buffers and torch's random
     state are left as they were (a copy is stepped). What ``unroller.analysis.verify(...)``
-    and ``unroller.oneshot.verify`` run."""
+    and ``unroller.oneshot.verify`` run. Generation options are keywords as for
+    ``unroller.unroll`` (``recompute_segments="blocks"``, ``segment_pieces=2``, ``scheme=``,
+    ``options=``): the step checked is the one they make; the rest are ``verify_text``'s."""
     from collections.abc import Mapping
 
+    from unroller.compiler.options import from_keywords, option_names
     from unroller.importer.api import module_text, python_words
     from unroller.stepcache import preserved
+
+    settings = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names()}
+    if settings or options is not None or scheme != "nocompress":
+        kwargs["options"] = from_keywords(options, scheme, settings, "verify")
 
     if isinstance(inputs, Mapping) and "labels" in inputs:
         from unroller.importer.hf_batch import batch_plan

@@ -418,3 +418,35 @@ def _check_planner(o: Options) -> OptionValueError | None:
             "unroll plan); otherwise name the block instances, or give 'blocks'",
         )
     return None
+
+
+def from_keywords(
+    options: Options | None, scheme: str, settings: dict[str, Any], caller: str = "unroll"
+) -> Options:
+    """``options`` (or the defaults with ``scheme``) with ``settings`` applied by field name,
+    as Python callers give them (``recompute_segments="blocks"`` or a list, as on the
+    command line); ``dataclasses.replace`` validates them (``OptionValueError`` names the
+    Python argument). An unknown name, or both ``scheme`` and ``options``, is refused."""
+    names = sorted(f.name for f in dataclasses.fields(Options))
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise TypeError(
+            f"{caller}() got unexpected keyword argument(s) {', '.join(unknown)}; the "
+            f"generation options are: {', '.join(names)}"
+        )
+    if options is not None and scheme != "nocompress":
+        raise ValueError(f"{caller}: give scheme= or options= (options.scheme), not both")
+    settings = dict(settings)
+    for key in LIST_FIELDS:  # "blocks" or "a,b" as on the command line, or a list
+        value = settings.get(key)
+        if isinstance(value, str):
+            settings[key] = tuple(part.strip() for part in value.split(",") if part.strip())
+        elif isinstance(value, list):
+            settings[key] = tuple(value)
+    base = options or Options(scheme=scheme)
+    return dataclasses.replace(base, **settings) if settings else base
+
+
+def option_names() -> frozenset[str]:
+    """The ``Options`` field names: the generation keywords of the Python API."""
+    return frozenset(f.name for f in dataclasses.fields(Options))
