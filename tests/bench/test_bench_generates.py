@@ -10,8 +10,9 @@ case here without editing this file. Nothing is timed or run: each module is gen
 render and only re-lays the lines) and, where the harness predicts memory, the memory
 model simulates it, as the harness does before measuring.
 
-Cases whose model text and options are the same in two runs (the spec-v2 models run at
-one size in both presets) are generated once. The groups only the full presets build (the
+The rows of a group share one parse of their model text. Cases whose model text and
+options are the same in two runs (the spec-v2 models run at one size in both presets) are
+generated once. The groups only the full presets build (the
 quick presets' models and rows at a larger resolution) run under ``make test-slow``, and so
 do the ``auto`` plans of the two models whose plan takes seconds (``STAND_IN_PLAN``): in
 ``make test`` their ``auto`` rows generate from a stand-in plan (``stand_in_plan``) that
@@ -26,6 +27,7 @@ import hashlib
 import pytest
 from conftest import SLOW, SLOW_MARK, fast_format
 
+from unroller import api
 from unroller.analysis import plan
 from unroller.bench import config, models, suite
 from unroller.bench.reference import BENCHMARKS
@@ -153,16 +155,39 @@ def test_the_stand_in_plan_compresses_in_every_form_that_fits():
     assert {"quant", "dct"} <= kinds, kinds
 
 
+def _parse_once(monkeypatch) -> dict:
+    """``api.graph_from_text`` parses and builds each (text, label, resolution) once: the
+    rows of a group (generation, the memory model at two batches, the harness's block
+    check) share the graph, which nothing changes (the returned dict: key -> (graph, its
+    repr when built), for the test to check that)."""
+    built: dict = {}
+    real = api.graph_from_text
+
+    def graph_from_text(source, filename="<string>", resolution=None):
+        key = (source, filename, resolution)
+        if key not in built:
+            graph = real(source, filename, resolution)
+            built[key] = (graph, repr(graph))
+        return built[key][0]
+
+    monkeypatch.setattr(api, "graph_from_text", graph_from_text)
+    return built
+
+
 @pytest.mark.parametrize("group", _group_params())
 def test_harness_builds_generate(monkeypatch, group):
     """Every harness row on one model text generates: the failures, if any, each named by
-    run, benchmark and row."""
+    run, benchmark and row. The rows share the graph of their text (``_parse_once``), which
+    is still as built at the end."""
     monkeypatch.setattr(codegen.black, "format_str", fast_format)
     if group in STAND_IN_PLAN and not SLOW:
         monkeypatch.setattr(plan, "auto_config", stand_in_plan)
+    built = _parse_once(monkeypatch)
     failures = [
         f"{label} {name} {build.name}: {problem}"
         for label, name, build in GROUPS[group]
         if (problem := _generates(name, build)) is not None
     ]
     assert not failures, "\n".join(failures)
+    changed = [key[1:] for key, (graph, was) in built.items() if repr(graph) != was]
+    assert built and not changed, f"a shared graph was changed: {changed}"
