@@ -189,6 +189,27 @@ def assert_grads_close(got, want, bound: float, floor: float = 1e-9) -> dict[str
     return errors
 
 
+def generated_text(
+    model: str | Path,
+    options: Options | None = None,
+    label: str | None = None,
+    readable: bool = False,
+) -> str:
+    """The module ``generate_source`` (a path) or ``generate_from_text`` (a text, labelled
+    ``label``, default ``<string>``) generates under ``options`` but, unless
+    ``readable=True``, not laid out by black (``render(readable=False)``): for a test that
+    runs the module and never reads it (black is most of a render's time)."""
+    from unroller.api import compression_config, graph_from_text, load_graph, render, source_label
+
+    options = options or Options()
+    if isinstance(model, Path):
+        graph, label = load_graph(model, options.resolution), label or source_label(model)
+    else:
+        label = label or "<string>"
+        graph = graph_from_text(model, label, options.resolution)
+    return render(graph, label, options, compression_config(options, graph), readable=readable)
+
+
 @pytest.fixture
 def build(tmp_path):
     """build(path_or_text, scheme=...) -> generated module, imported from a temp file. The
@@ -200,20 +221,8 @@ def build(tmp_path):
     counter = {"n": 0}
 
     def _build(model: str | Path, options: Options | None = None, readable: bool = False, **kwargs):
-        from unroller.api import (
-            compression_config,
-            graph_from_text,
-            load_graph,
-            render,
-            source_label,
-        )
-
         options = options or Options(**kwargs)
-        if isinstance(model, Path):
-            graph, label = load_graph(model, options.resolution), source_label(model)
-        else:
-            graph, label = graph_from_text(model, "<string>", options.resolution), "<string>"
-        text = render(graph, label, options, compression_config(options, graph), readable=readable)
+        text = generated_text(model, options, readable=readable)
         counter["n"] += 1
         out = tmp_path / f"gen_{counter['n']}.py"
         write_atomic(out, text)

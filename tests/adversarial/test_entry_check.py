@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from conftest import generated_text
 
 from unroller.compiler.options import Options
 from unroller.runtime import ipu_device, poptorch_emulation
@@ -31,10 +32,10 @@ model m {
 
 @pytest.fixture(scope="module")
 def gpu_module(tmp_path_factory):
-    from unroller.api import generate_from_text, import_generated, write_atomic
+    from unroller.api import import_generated, write_atomic
 
     path = tmp_path_factory.mktemp("entry") / "m.py"
-    write_atomic(path, generate_from_text(MODEL, Options(scheme="dct-dense")))
+    write_atomic(path, generated_text(MODEL, Options(scheme="dct-dense")))
     return import_generated(path, "entry_check_gpu")
 
 
@@ -86,10 +87,10 @@ def test_other_float_dtypes_follow_the_parameters(gpu_module):
 
 
 def test_the_ipu_module_checks_too(tmp_path):
-    from unroller.api import generate_from_text, import_generated, write_atomic
+    from unroller.api import import_generated, write_atomic
 
     path = tmp_path / "m_ipu.py"
-    write_atomic(path, generate_from_text(MODEL, Options(platform="ipu", num_ipus=2)))
+    write_atomic(path, generated_text(MODEL, Options(platform="ipu", num_ipus=2)))
     module = import_generated(path, "entry_check_ipu")
     ipu_device.use_emulation()
     try:

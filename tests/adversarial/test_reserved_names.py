@@ -13,7 +13,7 @@ import ast
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import generated_text, rel_err
 
 from unroller.api import generate_from_text
 from unroller.compiler.names import _RESERVED_PATTERN, RESERVED, TEMPLATE_NAMES
@@ -73,7 +73,7 @@ def _module(tmp_path, text: str, options: Options, tag: str):
     from unroller.api import import_generated, write_atomic
 
     path = tmp_path / f"{tag}.py"
-    write_atomic(path, generate_from_text(text, options, label="m.txt"))
+    write_atomic(path, generated_text(text, options, label="m.txt"))
     return import_generated(path, f"reserved_{tmp_path.name}_{tag}")
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import rel_err
+from conftest import generated_text, rel_err
 from torch import nn
 
 from unroller.api import generate_from_text, import_generated, write_atomic
@@ -70,7 +70,7 @@ def _data(seed: int = 0):
 
 
 def _module(folder: Path, text: str, name: str, **options):
-    source = generate_from_text(text, Options(data_parallel=True, **options), f"{name}.txt")
+    source = generated_text(text, Options(data_parallel=True, **options), f"{name}.txt")
     return import_generated(write_atomic(folder / f"{name}.py", source), f"dp_{name}_{os.getpid()}")
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import TESTS, assert_grads_close, rel_err
+from conftest import TESTS, assert_grads_close, generated_text, rel_err
 
 from unroller.api import generate_source, import_generated, load_graph, write_atomic
 from unroller.compiler.codegen import read_header, value_range
@@ -34,7 +34,7 @@ BATCH, MICRO = 8, 4
 
 
 def _module(tmp_path: Path, model: Path, tag: str, **options):
-    text = generate_source(model, Options(**options))
+    text = generated_text(model, Options(**options))
     path = write_atomic(tmp_path / f"{model.stem}_{tag}.py", text)
     return import_generated(path, f"pp_{model.stem}_{tag}_{os.getpid()}_{tmp_path.name}")
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from compressors.test_compressors import FAST_COMPRESSORS, FLOATS, randn, roundtrip
-from conftest import rel_err
+from conftest import generated_text, rel_err
 
 from tests.codec_agreement import assert_agree, native_dct, same_bits
-from unroller.api import generate_from_text, import_generated, write_atomic
+from unroller.api import import_generated, write_atomic
 from unroller.compiler.options import Options
 from unroller.compress import Bits, FewBit, Quant, base
 
@@ -47,7 +47,7 @@ model tiny {
 def _model_class(tmp_path, text: str, scheme: str, resolution: int | None = None):
     options = Options(scheme=scheme, resolution=resolution)
     path = tmp_path / f"m_{scheme.replace('-', '_')}_{resolution}.py"
-    write_atomic(path, generate_from_text(text, options, label="m.txt"))
+    write_atomic(path, generated_text(text, options, label="m.txt"))
     return import_generated(path, f"compile14_{tmp_path.name}_{path.stem}").Model
 
 
