@@ -27,7 +27,7 @@ import tomllib
 from conftest import time_limit as shared_time_limit
 from typer.testing import CliRunner
 
-from unroller.api import load_graph, render_graph
+from unroller.api import compression_config, load_graph, render
 from unroller.cli import app
 from unroller.compiler.options import Options
 from unroller.compiler.schemes import _Locator, load_config
@@ -577,12 +577,18 @@ def module_shape(source: str) -> list[str]:
     return shape
 
 
+def unformatted(graph, options: Options) -> str:
+    """``render_graph``'s module without black's layout (``module_shape`` reads its syntax
+    tree, which black keeps)."""
+    return render(
+        graph, "tiny_resnet.txt", options, compression_config(options, graph), readable=False
+    )
+
+
 def test_fuzzed_configs_are_refused_cleanly_or_generate_valid_code(tmp_path):
     graph = load_graph(MODEL)
     clean_path = write(tmp_path, CLEAN, "clean.toml")
-    clean = module_shape(
-        render_graph(graph, "tiny_resnet.txt", Options(compress_config=str(clean_path)))
-    )
+    clean = module_shape(unformatted(graph, Options(compress_config=str(clean_path))))
     rng = random.Random(20240531)
     generated: dict[tuple, list[str]] = {}  # configs that differ only in text share a module
     outcomes = {"refused": 0, "accepted": 0}
@@ -621,7 +627,7 @@ def test_fuzzed_configs_are_refused_cleanly_or_generate_valid_code(tmp_path):
             config.masks,
         )
         if key not in generated:
-            source = render_graph(graph, "tiny_resnet.txt", Options(compress_config=str(path)))
+            source = unformatted(graph, Options(compress_config=str(path)))
             generated[key] = module_shape(source)
         assert generated[key] == clean, (data, generated[key])
     # the generator explores both sides: neither outcome may be (nearly) absent
