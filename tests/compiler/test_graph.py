@@ -9,7 +9,7 @@ import torch
 
 import unroller.runtime.gpu as K
 from unroller.analysis.report import graph_report
-from unroller.api import graph_from_text, load_graph, load_model_class
+from unroller.api import graph_from_text, load_graph
 from unroller.bench.reference import SUITE_REFERENCES as REFERENCES
 from unroller.bench.reference import suite_model_path as model_path
 from unroller.compiler.lower import Lowering
@@ -82,10 +82,10 @@ def test_inferred_shape_equals_kernel_output(in_shape, call):
     assert (2, *node.output.type.shape[1:]) == tuple(out.shape)
 
 
-def test_parameter_counts_match_the_generated_module():
+def test_parameter_counts_match_the_generated_module(build):
     for stem in sorted(REFERENCES):
         graph = load_graph(model_path(stem))
-        model = load_model_class(model_path(stem))()
+        model = build(model_path(stem)).Model()
         report = graph_report(graph, 4)
         assert report["total_params"] == sum(p.numel() for p in model.parameters()), stem
 
