@@ -592,13 +592,18 @@ def _run(
 
 
 def _generated_class(setup: _Setup, label: str, options: Options | None) -> type:
-    """The generated side: uncompressed, or as ``options`` make it (gpu only: verify
-    steps on this machine's PyTorch)."""
+    """The generated side: uncompressed, or as ``options`` make it, on the default platform
+    (the one whose step runs on this machine's PyTorch, as verify steps it)."""
     if options is None:
         return model_class(setup.run_graph, label)
-    if options.platform != "gpu":
-        raise ValueError(f"verify: platform={options.platform!r}: verify steps the gpu platform")
     from unroller.api import compression_config
+    from unroller.compiler.options import Options as Defaults
+
+    if options.platform != Defaults().platform:
+        raise ValueError(
+            f"verify: platform={options.platform!r}: verify steps the default platform's "
+            f"step ({Defaults().platform!r})"
+        )
 
     config = compression_config(options, setup.run_graph)
     return model_class(setup.run_graph, label, config, options=options)
