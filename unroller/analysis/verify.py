@@ -527,14 +527,24 @@ def verify(
     seed: int = 0,
     tolerance: float = TOLERANCE,
     dropout: str = "seeded",
+    options: Options | None = None,
 ) -> VerifyReport:
     """Verify the model file at ``model_path`` against ``spec`` (``package.module:Name``,
     ``path/file.py:Name``, or a callable returning the module). ModelError (VerifyError)
     for a model text that cannot be verified, ImportFailure for a SPEC that does not load;
-    a mismatch is in the report (``ok`` False), never an exception."""
+    a mismatch is in the report (``ok`` False), never an exception. ``options``: the
+    generated step's (``verify_text``)."""
     text = read_source(model_path)
     return verify_text(
-        text, spec, kwargs, batch_size, seed, tolerance, dropout, label=source_label(model_path)
+        text,
+        spec,
+        kwargs,
+        batch_size,
+        seed,
+        tolerance,
+        dropout,
+        label=source_label(model_path),
+        options=options,
     )
 
 

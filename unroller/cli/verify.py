@@ -8,13 +8,25 @@ SPEC that does not load, a model text that is not ``prediction -> shape ops -> l
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from unroller.cli.errors import fail, model_error
-from unroller.cli.options import BatchOpt, KwargsOpt, ModelArg
+from unroller.cli.options import BatchOpt, KwargsOpt, ModelArg, with_options
 from unroller.errors import ModelError
+
+#: The generation options verify takes: the step they make is the one checked (on the
+#: default platform, the one that runs on this machine's PyTorch).
+VERIFY_OPTIONS = (
+    "scheme",
+    "compress_config",
+    "opt_level",
+    "recompute",
+    "recompute_segments",
+    "segment_pieces",
+    "segment_piece_size",
+)
 
 AgainstOpt = Annotated[
     str,
@@ -39,6 +51,7 @@ DropoutOpt = Annotated[
 ]
 
 
+@with_options(*VERIFY_OPTIONS)
 def verify(
     model: ModelArg,
     against: AgainstOpt,
@@ -47,10 +60,12 @@ def verify(
     seed: SeedOpt = 0,
     tolerance: ToleranceOpt = 1e-10,
     dropout: DropoutOpt = "seeded",
+    option_values: dict[str, Any] | None = None,
 ) -> None:
     """Check a model text against the torch.nn.Module it stands for, in float64.
 
-    Builds the original and the generated module (gpu, nocompress) with the same weights
+    Builds the original and the generated module (gpu, nocompress, or as the generation
+    options given make it: --recompute-segments, --segment-pieces, ...) with the same weights
     (state dicts loaded strict=True both ways), runs one training step on seeded inputs of
     the declared shapes, and compares the loss, every parameter's gradient, every buffer
     after the step and the evaluation-mode predictions, with a table per tensor. The loss
@@ -61,15 +76,26 @@ def verify(
     Exit status 0: everything within --tolerance; 1: a mismatch; 2: a user error.
     """
     import unroller.analysis.verify as verification
+    from unroller.cli.target import make_options
+    from unroller.compiler.options import Options
     from unroller.importer.model import ImportFailure
     from unroller.importer.source import parse_kwargs
+
+    options = make_options(option_values or {})
 
     if dropout not in verification.DROPOUT_MODES:
         known = ", ".join(verification.DROPOUT_MODES)
         raise fail(f"unknown --dropout '{dropout}' (known: {known})")
     try:
         report = verification.verify(
-            model, against, parse_kwargs(kwargs), batch_size, seed, tolerance, dropout
+            model,
+            against,
+            parse_kwargs(kwargs),
+            batch_size,
+            seed,
+            tolerance,
+            dropout,
+            options=None if options == Options() else options,
         )
     except ModelError as exc:
         raise model_error(exc, model) from None
