@@ -26,23 +26,28 @@ from unroller.importer.hf_norms import _copy_of
 _MIXTRAL = "mixtral.modeling_mixtral"
 _QWEN2_MOE = "qwen2_moe.modeling_qwen2_moe"
 
+#: family -> (its modeling module, its block class, its router class)
+_FAMILIES = {
+    "mixtral": (_MIXTRAL, "MixtralSparseMoeBlock", "MixtralTopKRouter"),
+    "qwen2_moe": (_QWEN2_MOE, "Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter"),
+}
+
 
 @functools.cache
+def _kind(cls: type, part: int) -> str | None:
+    """The family whose block (``part`` 1) or router (``part`` 2) ``cls`` is a copy of."""
+    for kind, classes in _FAMILIES.items():
+        if _copy_of(cls, classes[0], classes[part], ("forward", "__init__")):
+            return kind
+    return None
+
+
 def _block_kind(cls: type) -> str | None:
-    if _copy_of(cls, _MIXTRAL, "MixtralSparseMoeBlock", ("forward", "__init__")):
-        return "mixtral"
-    if _copy_of(cls, _QWEN2_MOE, "Qwen2MoeSparseMoeBlock", ("forward", "__init__")):
-        return "qwen2_moe"
-    return None
+    return _kind(cls, 1)
 
 
-@functools.cache
 def _router_kind(cls: type) -> str | None:
-    if _copy_of(cls, _MIXTRAL, "MixtralTopKRouter", ("forward", "__init__")):
-        return "mixtral"
-    if _copy_of(cls, _QWEN2_MOE, "Qwen2MoeTopKRouter", ("forward", "__init__")):
-        return "qwen2_moe"
-    return None
+    return _kind(cls, 2)
 
 
 @functools.cache

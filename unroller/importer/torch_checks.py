@@ -205,27 +205,19 @@ class _Checks:
         prob = self._stochastic_depth_prob(ident)
         said = f" (drop probability {prob:g})" if prob is not None else ""
         if prob is not None and not prob < 1.0:
-            self._fail(
-                draw,
-                "stochastic depth",
-                f"a random drop of a residual branch{said}: every sample dropped, which the "
-                "registry's drop_path does not take (p below 1); build the network with a "
-                "probability below 1",
+            why = (
+                ": every sample dropped, which the registry's drop_path does not take (p "
+                "below 1); build the network with a probability below 1"
             )
-            for other, i in self.stochastic.items():
-                if i == ident:
-                    self._poison(other)
-            return
-        self._fail(
-            draw,
-            "stochastic depth",
-            f"a random drop of a residual branch{said}, which the registry's drop_path "
-            "takes only from a stochastic depth module (a class whose name holds DropPath or "
-            "StochasticDepth, one draw per sample: keep + rand floored, or bernoulli_ of "
-            "keep, times the branch); build the network with its probability 0 "
-            "(StochasticDepth(p=0.0), drop_path_rate=0.0), where it is the identity, as at "
-            "inference",
-        )
+        else:
+            why = (
+                ", which the registry's drop_path takes only from a stochastic depth module (a "
+                "class whose name holds DropPath or StochasticDepth, one draw per sample: keep "
+                "+ rand floored, or bernoulli_ of keep, times the branch); build the network "
+                "with its probability 0 (StochasticDepth(p=0.0), drop_path_rate=0.0), where it "
+                "is the identity, as at inference"
+            )
+        self._fail(draw, "stochastic depth", f"a random drop of a residual branch{said}{why}")
         for other, i in self.stochastic.items():
             if i == ident:
                 self._poison(other)
