@@ -1589,6 +1589,21 @@ def _shape_case(label: str, shape: tuple[int, ...], kwargs: dict, derived: dict 
     return Case(label, make)
 
 
+_CAST_DTYPES = {"f32": F32, "f64": F64, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def _cast_case(target: str) -> Case:
+    """x.to(target): the backward casts the gradient back to the sample's dtype."""
+
+    def make(dtype: torch.dtype) -> Sample:
+        _seeded()
+        source = next(name for name, d in _CAST_DTYPES.items() if d == dtype)
+        x = randn(3, 5, dtype=dtype)
+        return Sample((x,), kwargs={"dtype": target}, derived={"source": source})
+
+    return Case(f"to-{target}", make)
+
+
 def _expand_case(label: str, shape: tuple[int, ...], size: tuple, input_shape: tuple) -> Case:
     """expand's N is the step's batch size (2 here, as check_inputs would record it)."""
 
@@ -1873,6 +1888,12 @@ ROWS: tuple[OpInfo, ...] = (
             _shape_case("3d", (2, 3, 4), {"factor": 0.5}),
             _shape_case("neg", (3, 5), {"factor": -3.0}),
         ),
+        **_SAME_OP,
+    ),
+    OpInfo(
+        "cast",
+        lambda s, ctx: s.inputs[0].to(_CAST_DTYPES[s.kwargs["dtype"]]),
+        tuple(_cast_case(target) for target in ("bf16", "f16", "f32", "f64")),
         **_SAME_OP,
     ),
     OpInfo(

@@ -68,7 +68,7 @@ def simulate(text: str, options: Options, batch_size: int, label: str = "<model>
     the ``auto`` scheme planned for the graph)."""
     from unroller.analysis.memory import simulate_graph
 
-    graph = graph_from_text(text, label, options.resolution)
+    graph = graph_from_text(text, label, options.resolution, options.precision)
     return simulate_graph(
         graph,
         compression_config(options, graph),
@@ -90,13 +90,14 @@ def generate_source(
 ) -> str:
     """The generated module for the model file at ``path``."""
     options = options or Options()
-    graph = load_graph(path, options.resolution)
+    graph = load_graph(path, options.resolution, options.precision)
     return render_graph(graph, label or source_label(path), options)
 
 
 def generate_from_text(source: str, options: Options | None = None, label: str = "<string>") -> str:
     options = options or Options()
-    return render_graph(graph_from_text(source, label, options.resolution), label, options)
+    graph = graph_from_text(source, label, options.resolution, options.precision)
+    return render_graph(graph, label, options)
 
 
 def load_model_class(
@@ -105,7 +106,7 @@ def load_model_class(
     """Generate, write to ``directory`` (a temp dir by default) as
     ``STEM_PLATFORM_SCHEME[_RESOLUTION].py`` and import; returns ``Model``."""
     options = options or Options()
-    graph = load_graph(path, options.resolution)
+    graph = load_graph(path, options.resolution, options.precision)
     suffix = f"_{options.resolution}" if options.resolution else ""
     return materialize(
         graph,

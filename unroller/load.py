@@ -40,16 +40,17 @@ def at_resolution(model: ModelAST, resolution: int) -> ModelAST:
 
 
 def graph_from_text(
-    source: str, filename: str = "<string>", resolution: int | None = None
+    source: str, filename: str = "<string>", resolution: int | None = None, precision: str = "fp32"
 ) -> Graph:
     """The checked graph of a model text (``filename`` labels its errors), with image
-    inputs resized to ``resolution`` rows when given (``at_resolution``)."""
+    inputs resized to ``resolution`` rows when given (``at_resolution``), built for
+    ``precision`` (a mixed one writes its casts: ``unroller.compiler.precision``)."""
     model = parse(source, filename)
     if resolution is not None:
         model = at_resolution(model, resolution)
-    return build_graph(model)
+    return build_graph(model, precision=precision)
 
 
-def load_graph(path: str | Path, resolution: int | None = None) -> Graph:
+def load_graph(path: str | Path, resolution: int | None = None, precision: str = "fp32") -> Graph:
     """``graph_from_text`` of the model file at ``path``."""
-    return graph_from_text(read_model_text(path), str(path), resolution)
+    return graph_from_text(read_model_text(path), str(path), resolution, precision)

@@ -180,7 +180,15 @@ class Unrolled(torch.nn.Module):
 
     # -- the step ----------------------------------------------------------------------
 
-    def forward(self, *args: Any, **batch: Any):
+    def forward(self, *args: Any, scaler: Any = None, **batch: Any):
+        """A training step on ``args`` (the inputs, then the target) or a keyword batch;
+        ``scaler``: a ``torch.amp.GradScaler`` seeding the backward of a mixed-precision
+        step (``precision="fp16-mixed"`` or ``"bf16-mixed"``)."""
+        if scaler is not None and not self._how.options.precision.endswith("-mixed"):
+            raise TypeError(
+                "step(..., scaler=): a GradScaler seeds a mixed-precision step; unroll with "
+                "precision='fp16-mixed' (or 'bf16-mixed')"
+            )
         if args and batch:
             raise TypeError(
                 "step(...): pass the inputs and target positionally, or a batch by keyword"
@@ -199,7 +207,7 @@ class Unrolled(torch.nn.Module):
                     f"got {len(args)} arguments"
                 )
             inputs, target = self._named(args[:-1]), args[-1]
-        loss, logits = self._run(inputs, target)
+        loss, logits = self._run(inputs, target, scaler)
         if not batch:
             return loss
         return StepOutput(loss, logits, self._how.plan.output)
@@ -207,7 +215,7 @@ class Unrolled(torch.nn.Module):
     def _named(self, values: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(zip(self._how.names, values))
 
-    def _run(self, inputs: dict, target):
+    def _run(self, inputs: dict, target, scaler: Any = None):
         """The loss (a training step, or a forward only where no gradient is asked) and the
         predictions."""
         values = list(inputs.values())
@@ -217,14 +225,15 @@ class Unrolled(torch.nn.Module):
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return self._forward_only(inputs, target, training)
         spec = self._spec_for(inputs, target, "train" if training else "eval")
-        return self._step_with_predictions(spec, values, target)
+        return self._step_with_predictions(spec, values, target, scaler)
 
     @staticmethod
-    def _step_with_predictions(spec: _Spec, values: list, target):
+    def _step_with_predictions(spec: _Spec, values: list, target, scaler: Any = None):
         """The training step's loss, and its predictions as its own forward made them
         (dropout drawn, batch statistics: what the original's output holds in train mode)."""
+        extra = {"scaler": scaler} if scaler is not None else {}
         with keep_predictions() as kept:
-            loss = spec.model(*values, target)
+            loss = spec.model(*values, target, **extra)
         return loss, kept[spec.built.graph.preds[0].name]
 
     def _forward_only(self, inputs: dict, target, training: bool):
@@ -362,10 +371,12 @@ def _build(
         batch = inputs if how.keywords else tuple(inputs.values())
         imported = python_words(module_import, original, batch, target, how.loss, how.name)
         graph, text = imported.graph, imported.text
+    precision = how.options.precision
     if mode == "eval":
-        graph = build_graph(dropout_off(parse(text, f"{label}.txt")))
-    elif graph is None or how.options.resolution is not None:  # inputs resized: another graph
-        graph = graph_from_text(text, f"{label}.txt", how.options.resolution)
+        graph = build_graph(dropout_off(parse(text, f"{label}.txt")), precision=precision)
+    elif graph is None or how.options.resolution is not None or graph.precision != precision:
+        # inputs resized, or a precision's casts: another graph
+        graph = graph_from_text(text, f"{label}.txt", how.options.resolution, precision)
     loaded = materialize(
         graph,
         f"{label}.txt",

@@ -163,10 +163,10 @@ def _parse_once(monkeypatch) -> dict:
     built: dict = {}
     real = api.graph_from_text
 
-    def graph_from_text(source, filename="<string>", resolution=None):
-        key = (source, filename, resolution)
+    def graph_from_text(source, filename="<string>", resolution=None, precision="fp32"):
+        key = (source, filename, resolution, precision)
         if key not in built:
-            graph = real(source, filename, resolution)
+            graph = real(source, filename, resolution, precision)
             built[key] = (graph, repr(graph))
         return built[key][0]
 

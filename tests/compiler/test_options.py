@@ -40,6 +40,7 @@ VALID: dict[str, dict[str, object]] = {
     "data_parallel": {"data_parallel": True, "bucket_bytes": 4096},
     "bucket_bytes": {"bucket_bytes": 1},
     "pipeline": {"pipeline": 8, "stage_starts": ("d",)},
+    "precision": {"precision": "bf16-mixed"},
 }
 
 

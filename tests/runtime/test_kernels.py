@@ -44,6 +44,7 @@ from unroller.runtime import (
     ipu,
     norms,
     positions,
+    precision,
     recurrent,
     shapeops,
     shared,
@@ -53,6 +54,8 @@ OPS = load_registry()
 KERNELS = {"gpu": gpu, "ipu": ipu}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {F64: (1e-12, 1e-10), F32: (1e-6, 1e-5)}  # (forward, backward) relative errors
+# a cast to a low dtype (the forward is exact: the same op as torch; its rounding is the dtype's)
+TOL[torch.bfloat16], TOL[torch.float16] = (2**-8, 2**-8), (2**-11, 2**-11)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -743,6 +746,7 @@ SHARED_KERNEL_MODULES = (
     "unroller.runtime.attention",
     "unroller.runtime.norms",
     "unroller.runtime.positions",
+    "unroller.runtime.precision",
     "unroller.runtime.recurrent",
 )
 
@@ -765,7 +769,7 @@ def _ipu_kernel_code() -> list[ast.AST]:
     todo += [name for name in shared.__all__ if name not in HOST_HELPERS | own]
     defs = {
         n.name: n
-        for module in (common, shapeops, attention, norms, positions, recurrent)
+        for module in (common, shapeops, attention, norms, positions, precision, recurrent)
         for n in ast.parse(Path(module.__file__).read_text()).body
         if isinstance(n, ast.FunctionDef)
     }

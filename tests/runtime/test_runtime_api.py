@@ -30,6 +30,7 @@ from unroller.runtime import (
     norms,
     opaque,
     positions,
+    precision,
     recurrent,
     shapeops,
 )
@@ -154,6 +155,7 @@ def test_all_is_every_public_function_and_nothing_else(platform):
             attention.__name__,
             norms.__name__,
             positions.__name__,
+            precision.__name__,
             recurrent.__name__,
             derived.__name__,
             opaque.__name__,  # the importer's fallback (aten)

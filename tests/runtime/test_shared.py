@@ -12,9 +12,19 @@ from pathlib import Path
 import pytest
 
 from unroller.lint import lint_module
-from unroller.runtime import common, gpu, ipu, norms, positions, recurrent, shapeops, shared
+from unroller.runtime import (
+    common,
+    gpu,
+    ipu,
+    norms,
+    positions,
+    precision,
+    recurrent,
+    shapeops,
+    shared,
+)
 
-FAMILIES = (common, shapeops, norms, positions, recurrent)
+FAMILIES = (common, shapeops, norms, positions, precision, recurrent)
 #: The shared names a platform defines again, its own formulation replacing the shared one.
 OWN = {"gpu": {"linear_backward", "transposed_linear_backward"}, "ipu": {"unsupported"}}
 PLATFORMS = {"gpu": gpu, "ipu": ipu}

@@ -27,6 +27,7 @@ import typer
 from unroller.cli.errors import fail
 from unroller.compiler.options import FLAGS, OPTION_FIELDS, check_field
 from unroller.compiler.platforms import PlatformName
+from unroller.compiler.precision import NAMES as PRECISION_NAMES
 from unroller.compiler.schemes import SCHEMES
 
 #: The scheme names as an Enum, for typer options (``Scheme("dct-dense")``).
@@ -62,6 +63,12 @@ def _choice_parser(enum: type[Enum], name: str) -> Callable[[object], str]:
 parse_platform = _choice_parser(PlatformName, "platform")
 parse_scheme = _choice_parser(Scheme, "scheme")
 
+#: The precision names as an Enum, for typer options (``PrecisionName("bf16-mixed")``).
+PrecisionName = Enum(
+    "PrecisionName", {n.upper().replace("-", "_"): n for n in PRECISION_NAMES}, type=str
+)
+parse_precision = _choice_parser(PrecisionName, "precision")
+
 
 def _metavar(enum: type[Enum]) -> str:
     """``[a|b|c]``: the choices, shown in --help by every typer release (older ones would
@@ -80,6 +87,7 @@ FIELDS = {f.name: f for f in OPTION_FIELDS}
 CLI_TYPES: dict[str, tuple[Any, dict[str, Any]]] = {
     "platform": (PlatformName, {"parser": parse_platform, "metavar": _metavar(PlatformName)}),
     "scheme": (Scheme, {"parser": parse_scheme, "metavar": _metavar(Scheme)}),
+    "precision": (PrecisionName, {"parser": parse_precision, "metavar": _metavar(PrecisionName)}),
     "compress_config": (Path | None, {}),
     "opt_level": (int, {}),
     "num_ipus": (int, {}),
@@ -96,12 +104,15 @@ CLI_TYPES: dict[str, tuple[Any, dict[str, Any]]] = {
 #: The defaults of --platform and --scheme where a command does not say otherwise.
 DEFAULT_PLATFORM = PlatformName(FIELDS["platform"].default)
 DEFAULT_SCHEME = Scheme(FIELDS["scheme"].default)
+DEFAULT_PRECISION = PrecisionName(FIELDS["precision"].default)
 
 #: Each field's default as the command line gives it (a list field: no text).
 CLI_DEFAULTS: dict[str, Any] = {
-    name: {"platform": DEFAULT_PLATFORM, "scheme": DEFAULT_SCHEME}.get(
-        name, None if isinstance(FIELDS[name].default, tuple) else FIELDS[name].default
-    )
+    name: {
+        "platform": DEFAULT_PLATFORM,
+        "scheme": DEFAULT_SCHEME,
+        "precision": DEFAULT_PRECISION,
+    }.get(name, None if isinstance(FIELDS[name].default, tuple) else FIELDS[name].default)
     for name in CLI_TYPES
 }
 
@@ -129,6 +140,7 @@ SchemesOpt = Annotated[
         help="A scheme; give two to compare schemes.",
     ),
 ]
+PrecisionOpt = field_option("precision")
 ConfigOpt = field_option("compress_config")
 RecomputeOpt = field_option("recompute")
 RecomputeSegmentsOpt = field_option("recompute_segments")
@@ -139,6 +151,7 @@ ResolutionOpt = field_option("resolution")
 TARGET_OPTIONS = (
     "platform",
     "scheme",
+    "precision",
     "compress_config",
     "opt_level",
     "num_ipus",

@@ -36,6 +36,7 @@ def _config_label(path: Path | None) -> str | None:
 FROM_CLI = {
     "platform": value_of,
     "scheme": value_of,
+    "precision": value_of,
     "compress_config": _config_label,
     "stage_starts": stage_starts_of,
     "recompute_segments": parse_segments,

@@ -20,6 +20,7 @@ from unroller.errors import ModelError
 #: default platform, the one that runs on this machine's PyTorch).
 VERIFY_OPTIONS = (
     "scheme",
+    "precision",
     "compress_config",
     "opt_level",
     "recompute",

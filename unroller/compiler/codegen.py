@@ -21,6 +21,7 @@ import jinja2
 
 from unroller import __version__
 from unroller.compiler import safe
+from unroller.compiler.dtypes import TORCH_DTYPE_NAMES
 from unroller.compiler.graph import Graph, Value, explicit_kwargs
 from unroller.compiler.ir import (
     RECOMPUTE_SECTION,
@@ -48,6 +49,8 @@ from unroller.compiler.pipeline import (
 )
 from unroller.compiler.platforms import Platform
 from unroller.compiler.platforms import platform as get_platform
+from unroller.compiler.precision import DEFAULT as PRECISION_DEFAULT
+from unroller.compiler.precision import get as get_precision
 from unroller.compiler.schemes import CompressionConfig
 from unroller.compiler.stash import StashPlan, plan_stash, wire_codec
 from unroller.errors import ModelError
@@ -184,6 +187,12 @@ def render(
     module only run, never read (verify's and the planner's probe modules): the same
     statements, and black is most of a render's time.
     """
+    if graph.precision != options.precision:
+        raise ValueError(
+            f"the graph was built for precision {graph.precision!r} and the options say "
+            f"{options.precision!r}: build it with precision={options.precision!r} "
+            "(unroller.api.graph_from_text, load_graph)"
+        )
     target = get_platform(options.platform)
     plan = plan_stash(graph, config, options.segment_pieces, options.segment_piece_size)
     _check_pieces(plan, target, options)
@@ -392,12 +401,31 @@ def _module_view(
         loss=safe.identifier(ctx.var(graph.loss).name),
         preds=[safe.identifier(ctx.var(v).name) for v in graph.preds],
         signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
+        **_precision_view(graph),
         input_specs=safe.literal(
             [
                 (v.name, v.kind, v.type.dtype, list(v.type.shape[1:]), value_range(v))
                 for v in graph.inputs
             ]
         ),
+    )
+
+
+def _precision_view(graph: Graph) -> dict[str, Any]:
+    """The template's fields of ``--precision``: its name and line for the docstring (none
+    for fp32), the low dtype of a mixed one (``K.run_step`` takes it, and the step a
+    GradScaler), and the dtype a plain low one moves the parameters to."""
+    chosen = get_precision(graph.precision)
+    if chosen.name == PRECISION_DEFAULT:
+        return dict(precision=None, precision_low=None, precision_params=None)
+
+    def torch_name(dtype: str | None) -> safe.Code | None:
+        return safe.dotted(f"torch.{TORCH_DTYPE_NAMES[dtype]}") if dtype else None
+
+    return dict(
+        precision=safe.doc_text(f"{chosen.name} ({chosen.doc})"),
+        precision_low=torch_name(chosen.low),
+        precision_params=torch_name(chosen.dtype),
     )
 
 

@@ -18,6 +18,16 @@ DTYPES: tuple[str, ...] = FLOAT_DTYPES + INT_DTYPES + MASK_DTYPES
 #: Bytes per element, including the bool of 1-bit masks before packing.
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i64": 8, "i32": 4}
 DTYPE_BYTES["bool"] = 1
+#: The attribute of ``torch`` each dtype is (``torch.bfloat16``), for generated code.
+TORCH_DTYPE_NAMES: dict[str, str] = {
+    "f32": "float32",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f64": "float64",
+    "i64": "int64",
+    "i32": "int32",
+    "bool": "bool",
+}
 
 
 def is_float(dtype: str) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unroller.compiler import safe
+from unroller.compiler.dtypes import TORCH_DTYPE_NAMES
 from unroller.compiler.graph import BlockCall
 
 
@@ -25,9 +26,12 @@ class Var:
 
 @dataclass(frozen=True)
 class Layer:
-    """The module holding one node's parameters and buffers: ``L["layer1.0.conv1"]``."""
+    """The module holding one node's parameters and buffers: ``L["layer1.0.conv1"]``; with a
+    ``dtype`` (a mixed precision's low-dtype op), its view with the float parameters in that
+    dtype, cast once per step: ``L.cast("layer1.0.conv1", torch.bfloat16)``."""
 
     path: str
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,9 @@ def render_expr(expr: Expr) -> str:
     if isinstance(expr, Var):
         return safe.identifier(expr.name)
     if isinstance(expr, Layer):
+        if expr.dtype:
+            dtype = safe.dotted(f"torch.{TORCH_DTYPE_NAMES[expr.dtype]}")
+            return f"{LAYERS}.cast({safe.literal(expr.path)}, {dtype})"
         return f"{LAYERS}[{safe.literal(expr.path)}]"
     if isinstance(expr, Const):
         return safe.literal(expr.value)

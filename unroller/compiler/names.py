@@ -17,7 +17,7 @@ import re
 TEMPLATE_NAMES = frozenset(
     {
         "self", "torch", "sys", "K", "P", "L", "C", "Model", "stash", "grads", "poptorch",
-        "surrogate", "run_main", "terms", "total", "NUM_IPUS", "INPUTS", "_",
+        "surrogate", "run_main", "terms", "total", "NUM_IPUS", "INPUTS", "_", "scaler",
     }
 )  # fmt: skip
 RESERVED = TEMPLATE_NAMES | frozenset(dir(builtins)) | frozenset(keyword.kwlist)

@@ -18,6 +18,7 @@ from typing import Any
 
 from unroller.compiler.graph import Graph
 from unroller.compiler.platforms import PLATFORMS
+from unroller.compiler.precision import NAMES as PRECISION_NAMES
 from unroller.compiler.schemes import AUTO, SCHEMES, CompressionConfig, resolve
 from unroller.compiler.stash import SEGMENT_AUTO
 from unroller.errors import ConfigError, OptionValueError
@@ -165,6 +166,16 @@ class Options:
         "(unroller.parallel.pipeline; stages split by --stage-starts or balanced); the file "
         "still trains in one process. 1: none.",
     )
+    #: the dtypes the step computes in (unroller.compiler.precision)
+    precision: str = option(
+        "fp32",
+        flag="--precision",
+        metavar="|".join(PRECISION_NAMES),
+        help="fp32; bf16-mixed / fp16-mixed: torch.autocast's policy with every cast written "
+        "out (float32 parameters and gradients; matmuls, convolutions and attention in the low "
+        "dtype; softmax, norms and losses in float32; fp16-mixed takes a GradScaler); bf16 / "
+        "fp16: parameters, activations and gradients in that dtype.",
+    )
     #: header keys this version does not know, recorded again as they were
     extra: dict[str, Any] = option(flag=None, factory=dict)
 
@@ -290,6 +301,8 @@ def _check_one(name: str, value: Any) -> OptionValueError | None:
         return _check_name(name, value, PLATFORMS, "platform")
     if name == "scheme":
         return _check_name(name, value, SCHEMES, "scheme")
+    if name == "precision":
+        return _check_name(name, value, PRECISION_NAMES, "precision")
     if name == "compress_config":
         ok = value is None or (
             isinstance(value, str) and value and "\0" not in value and len(value) <= MAX_PATH
@@ -372,6 +385,14 @@ def _check_combination(o: Options) -> OptionValueError | None:
         name = "num_ipus" if o.num_ipus != 1 else "stage_starts"
         return refused(
             name, f"{{num_ipus}} and {{stage_starts}} are for {pipelined} (or {{pipeline}})"
+        )
+    if o.precision not in target.precisions:
+        note = f": {target.precision_note}" if target.precision_note else ""
+        return refused(
+            "precision",
+            f"{{precision=}} is not for {{platform=}} (it takes {', '.join(target.precisions)})"
+            + note,
+            o,
         )
     if o.num_ipus not in target.stage_counts:
         return refused("num_ipus", f"{{num_ipus}} must be one of {_counts(target.stage_counts)}")

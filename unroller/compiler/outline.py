@@ -552,7 +552,7 @@ def _rename_step(step: Step, rename: _Renamer) -> Step:
         if isinstance(e, Var):
             return Var(rename(e.name))
         if isinstance(e, Layer):
-            return Layer(rename.model_name(e.path))
+            return Layer(rename.model_name(e.path), e.dtype)
         if isinstance(e, ModelName):
             return ModelName(rename.model_name(e.name))
         if isinstance(e, Attr):

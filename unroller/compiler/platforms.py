@@ -56,6 +56,10 @@ class Platform:
     #: the host sees none of its allocations, and the benchmark feeds it micro-batches and
     #: sets its backend up first. False: the host runs the step op by op (PyTorch eager).
     graph_compiled: bool = False
+    #: The ``--precision`` values it generates (``unroller.compiler.precision``), and why
+    #: the others are not (for the refusal)
+    precisions: tuple[str, ...] = ("fp32",)
+    precision_note: str = ""
 
     @property
     def pipelined(self) -> bool:
@@ -70,6 +74,7 @@ GPU = Platform(
     grads="accumulate",
     piece_bytes=1 << 20,
     process_stages=True,
+    precisions=("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16"),
 )
 
 IPU = Platform(
@@ -85,6 +90,7 @@ IPU = Platform(
     estimate="on_chip",
     call_list=True,
     graph_compiled=True,
+    precision_note="PopTorch's half precision (fp16-mixed, fp16) is not generated yet",
 )
 
 PLATFORMS: dict[str, Platform] = {p.name: p for p in (GPU, IPU)}

@@ -141,6 +141,12 @@ elements in a multiply-add (a transposed convolution spreads each input over the
 TARGETS = ("classes", "probabilities")
 """Values of a loss's ``target`` field: what its second input holds."""
 
+PRECISION_CLASSES = ("lower", "fp32", "promote")
+"""Values of an op's ``precision`` field, torch.autocast's three lists: ``lower`` runs in the
+low dtype under a mixed precision (its float inputs and parameters cast to it), ``fp32`` in
+float32 (its float inputs cast up), ``promote`` (the default) in the widest dtype of its
+float inputs and parameters."""
+
 
 @dataclass(frozen=True)
 class Workspace:
@@ -281,6 +287,8 @@ class OpSpec:
     workspace: WorkspaceSpec = field(default_factory=WorkspaceSpec)
     #: the output is a view of the input with its dims reordered (``reorders``)
     reorders: bool = False
+    #: what a mixed precision runs it in (``precision``): "lower", "fp32" or "promote"
+    precision: str = "promote"
 
     def params_for(self, args: dict[str, Any]) -> tuple[TensorSpec, ...]:
         """The parameters of a call with these arguments: ``params``, with the repeating
@@ -432,6 +440,7 @@ OP_FIELDS = frozenset(
         "target",
         "workspace",
         "reorders",
+        "precision",
     }
 )
 """The fields an ops.toml entry may have (anything else is a typo, refused)."""
@@ -485,6 +494,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         target=_choice(where, raw, "target", TARGETS),
         workspace=_workspace_spec(where, raw.get("workspace", {})),
         reorders=raw.get("reorders", False) is True,
+        precision=_choice(where, raw, "precision", PRECISION_CLASSES) or "promote",
     )
     _check_op_consistency(where, spec, raw)
     return spec

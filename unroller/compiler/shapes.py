@@ -189,6 +189,13 @@ def same_float(op: str, inputs: list[TensorType], args: dict[str, Any]) -> Shape
     return ShapeResult(x)
 
 
+def cast(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """A float tensor in another float dtype; ``source`` is the dtype its gradient goes back to."""
+    (x,) = inputs
+    _float(op, x)
+    return ShapeResult(TensorType(args["dtype"], x.shape), {"source": x.dtype})
+
+
 def pool2d(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     (x,) = inputs
     _, h, w = _image(op, x)

@@ -42,6 +42,8 @@ import torch
 from torch import Tensor
 
 from unroller.compiler.dtypes import is_float, torch_dtype
+from unroller.runtime.cast_cache import CastLayer
+from unroller.runtime.cast_cache import cast_layer as _cast_layer
 
 Pair = tuple[int, int]
 Needs = tuple[bool, ...]
@@ -662,6 +664,12 @@ class Layers(dict):
     def path(self, name: str) -> str:
         return name
 
+    def cast(self, name: str, dtype: torch.dtype) -> CastLayer:
+        """The layer with its float parameters in ``dtype``, cast once per step (a mixed
+        precision's low-dtype ops read their weights so: ``unroller.runtime.cast_cache``)."""
+        cache = self.__dict__.setdefault("cast_cache", {})
+        return _cast_layer(cache, self[name], dtype, name)
+
 
 class LayersView:
     """The layers under one prefix, by their names relative to it."""
@@ -676,6 +684,9 @@ class LayersView:
 
     def within(self, prefix: str) -> LayersView:
         return LayersView(self.root, self.path(prefix))
+
+    def cast(self, name: str, dtype: torch.dtype) -> CastLayer:
+        return self.root.cast(self.path(name), dtype)
 
     def path(self, name: str) -> str:
         return _join(self.prefix, name)

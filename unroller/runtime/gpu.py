@@ -18,6 +18,7 @@ sit side by side.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -85,42 +86,77 @@ Step = Callable[..., Tensor]
 _COMPILED: dict[tuple[Step, str | Callable[..., Any]], Step] = {}
 
 
-def run_step(model: torch.nn.Module, step: Step, *inputs: Tensor) -> Tensor:
+def run_step(
+    model: torch.nn.Module,
+    step: Step,
+    *inputs: Tensor,
+    scaler: Any = None,
+    low: torch.dtype | None = None,
+) -> Tensor:
     """``step(model, layers, model.stash_log, *inputs)``, the generated step's tensor work:
     eagerly, or under torch.compile when ``model.compile_step`` is True (the default
     backend, inductor), a backend's name or a backend function, so that the codec chains
     fuse. The input checks and the layer handles stay outside the compiled region; the
     stash log and the ``.grad`` writes inside it are side effects torch.compile replays
     after the graph. The batch dim of every input is marked dynamic, so that another batch
-    size reuses the compiled graph instead of compiling a new one."""
-    _refuse_autocast(inputs)
+    size reuses the compiled graph instead of compiling a new one.
+
+    ``low``: the low dtype of a mixed-precision step, which then takes ``scaler`` (a
+    ``torch.amp.GradScaler`` or None) after its inputs. Such a step writes its casts out,
+    so an ambient ``torch.autocast`` of that dtype is switched off while it runs (it would
+    cast again); any other ambient autocast is refused (``_autocast_refusal``)."""
+    ambient = _ambient_autocast(inputs)
+    if ambient is not None and ambient[1] != low:
+        raise RuntimeError(_autocast_refusal(*ambient, low))
     backend = getattr(model, "compile_step", False)
     handles = layers(model)
-    if not backend:
-        return step(model, handles, model.stash_log, *inputs)
-    for t in inputs:
-        if t.dim() > 0:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-    return _compiled(step, "inductor" if backend is True else backend)(
-        model, handles, model.stash_log, *inputs
-    )
+    extra = (scaler,) if low is not None else ()
+    with torch.autocast(ambient[0], enabled=False) if ambient else contextlib.nullcontext():
+        if not backend:
+            return step(model, handles, model.stash_log, *inputs, *extra)
+        for t in inputs:
+            if t.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return _compiled(step, "inductor" if backend is True else backend)(
+            model, handles, model.stash_log, *inputs, *extra
+        )
 
 
-def _refuse_autocast(inputs: Sequence[Tensor]) -> None:
-    """A step called under an ambient ``torch.autocast`` is refused in one line: autocast
-    would change the dtype of some of its forward's operations and none of its explicit
-    backward's, so the kernels would meet tensors of two dtypes (a raw RuntimeError deep
-    in a backward kernel) or compute other numbers than either precision would."""
+def loss_seed(loss: Tensor, scaler: Any = None) -> Tensor:
+    """d loss / d loss: ones, or with a ``torch.amp.GradScaler`` its scale, as
+    ``scaler.scale(loss).backward()`` seeds the backward (ones times the scale, float32)."""
+    ones = torch.ones_like(loss)
+    if scaler is None:
+        return ones
+    return scaler.scale(ones).reshape(loss.shape)
+
+
+def _ambient_autocast(inputs: Sequence[Tensor]) -> tuple[str, torch.dtype] | None:
+    """(device type, dtype) of a torch.autocast enabled around the call, or None."""
     devices = {"cpu"} | {t.device.type for t in inputs if isinstance(t, Tensor)}
     for device in sorted(devices):
         if torch.is_autocast_enabled(device):
-            dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
-            raise RuntimeError(
-                f"the unrolled step was called under torch.autocast({device!r}, "
-                f"dtype=torch.{dtype}): it computes in its parameters' dtype with every "
-                "cast written out, and a mixed-precision step is not generated yet; call "
-                "it outside torch.autocast"
-            )
+            return device, torch.get_autocast_dtype(device)
+    return None
+
+
+def _autocast_refusal(device: str, dtype: torch.dtype, low: torch.dtype | None) -> str:
+    """One line: the step computes in the precision it was generated for, every cast written
+    out; autocast would change the dtype of some forward ops and none of the explicit
+    backward's (a raw dtype error deep in a kernel, or numbers of neither precision)."""
+    name = str(dtype).removeprefix("torch.")
+    wanted = {"bfloat16": "bf16-mixed", "float16": "fp16-mixed"}.get(name)
+    made = "float32" if low is None else f"{str(low).removeprefix('torch.')} mixed precision"
+    fix = (
+        f"generate it with --precision {wanted} (unroller.unroll(..., precision={wanted!r})), "
+        "which computes what this autocast would, with its casts written out, "
+        if wanted
+        else ""
+    )
+    return (
+        f"the unrolled step was called under torch.autocast({device!r}, dtype=torch.{name}), "
+        f"but it was generated for {made}: {fix}or call it outside torch.autocast"
+    )
 
 
 def _compiled(step: Step, backend: str | Callable[..., Any]) -> Step:
@@ -1340,8 +1376,9 @@ def transposed_linear_backward(
 
 
 def _aten_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """May ATen's CPU flash-attention kernels take these? (CPU tensors of 4 dims, float32 or
-    float64, one head size for q, k and v, each head's entries adjacent: the kernel reads a
+    """May ATen's CPU flash-attention kernels take these? (CPU tensors of 4 dims, of one float
+    dtype (bfloat16 and float16 too: the kernels accumulate in float32, as F.sdpa under
+    torch.autocast runs them), one head size for q, k and v, each head's entries adjacent: the kernel reads a
     head dim of another stride as if it were 1 and returns garbage, where
     F.scaled_dot_product_attention checks the stride and runs another kernel; heads split
     from a transposed projection, (W @ x^T)^T, have such a stride.)"""
@@ -1349,7 +1386,7 @@ def _aten_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
         q.device.type == "cpu"
         and q.dim() == k.dim() == v.dim() == 4
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-        and q.dtype in (torch.float32, torch.float64)
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
         and q.dtype == k.dtype == v.dtype
         and q.shape[-1] == k.shape[-1] == v.shape[-1]
         and _flash_enabled()

@@ -5,7 +5,7 @@ own definitions (a platform's own definition of a name then replaces the shared 
 
 The kernels live in their family modules (``common``: the helpers generated code calls and
 the elementwise, linear and loss kernels; ``shapeops``: the shape and tensor ops; ``norms``;
-``positions``; ``recurrent``), each of which says in its ``__all__`` what it shares, so a
+``positions``; ``precision``; ``recurrent``), each of which says in its ``__all__`` what it shares, so a
 shared kernel is written and listed once: adding one touches only its family module (and
 this module's imports, for a new family), never the platform modules.
 
@@ -20,6 +20,7 @@ from unroller.runtime.common import *  # noqa: F403
 from unroller.runtime.common import _exports
 from unroller.runtime.norms import *  # noqa: F403
 from unroller.runtime.positions import *  # noqa: F403
+from unroller.runtime.precision import *  # noqa: F403
 from unroller.runtime.recurrent import *  # noqa: F403
 from unroller.runtime.shapeops import *  # noqa: F403
 

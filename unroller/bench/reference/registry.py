@@ -174,14 +174,14 @@ class Benchmark:
         options = options or Options()
         text = self.model_text(options.resolution)
         resolution = self.check_resolution(options.resolution)
-        graph = graph_from_text(text, self.label, options.resolution)
+        graph = graph_from_text(text, self.label, options.resolution, options.precision)
         return materialize(
             graph,
             self.label,
             options,
             compression_config(options, graph),
             folder=directory,
-            file_name=f"{self.name}_{options.platform}_{options.scheme}_{resolution}.py",
+            file_name=f"{self.name}_{options.platform}_{options.scheme}_{options.precision}_{resolution}.py",
             readable=readable,
         ).Model
 

@@ -55,6 +55,7 @@ from unroller.compiler.graph.model import (
 from unroller.compiler.graph.ops import OperatorCalls
 from unroller.compiler.graph.params import FROZEN, TIED_PREFIX, check_ties
 from unroller.compiler.graph.scope import Scope
+from unroller.compiler.precision import get as get_precision
 from unroller.compiler.registry import OpSpec, load_registry
 from unroller.compiler.shapes import TensorType, size_problem
 from unroller.errors import ModelError, did_you_mean
@@ -89,10 +90,15 @@ class GraphBuilder:
     """One build of one model: the declarations, then each statement in order (an
     operator call or a block call), then the checks that need the whole graph."""
 
-    def __init__(self, model: ModelAST, registry: dict[str, OpSpec] | None = None):
+    def __init__(
+        self, model: ModelAST, registry: dict[str, OpSpec] | None = None, precision: str = "fp32"
+    ):
         self.model = model
         self.ops = registry if registry is not None else load_registry()
-        self.calls = OperatorCalls(self.ops, _float_dtype(model))
+        self.precision = get_precision(precision)
+        self.calls = OperatorCalls(
+            self.ops, self.precision.dtype or _float_dtype(model), self.precision
+        )
         self.blocks = BlockCalls(self.ops, self._statement)
 
     def build(self) -> Graph:
@@ -104,6 +110,7 @@ class GraphBuilder:
         for stmt in model.stmts:
             self._statement(stmt, scope)
         check_ties(self.calls.nodes)
+        self.calls.casts.rename_clashes(self.calls.nodes)
         loss, preds = outputs(model, scope)
         graph = Graph(
             name=model.name,
@@ -114,6 +121,7 @@ class GraphBuilder:
             float_dtype=self.calls.float_dtype,
             filename=model.filename,
             source=model.source,
+            precision=self.precision.name,
         )
         analyse(graph)
         return graph
@@ -135,7 +143,10 @@ class GraphBuilder:
             problem = size_problem(tuple(decl.dims))
             if problem:
                 raise ModelError(f"{decl.kind} '{decl.name}' is too large: {problem}", decl.loc)
-            value = Value(decl.name, TensorType(decl.dtype, tuple(decl.dims)), decl.loc)
+            dtype = decl.dtype
+            if self.precision.dtype and dtype in FLOAT_DTYPES:  # a plain low precision's
+                dtype = self.precision.dtype
+            value = Value(decl.name, TensorType(dtype, tuple(decl.dims)), decl.loc)
             value.kind = decl.kind
             scope.define(decl.name, value, decl.loc)
             inputs.append(value)
@@ -162,6 +173,9 @@ def _float_dtype(model: ModelAST) -> str:
     return first_float.dtype if first_float else "f32"
 
 
-def build_graph(model: ModelAST, registry: dict[str, OpSpec] | None = None) -> Graph:
-    """The checked graph of a parsed model (see the module's docstring)."""
-    return GraphBuilder(model, registry).build()
+def build_graph(
+    model: ModelAST, registry: dict[str, OpSpec] | None = None, precision: str = "fp32"
+) -> Graph:
+    """The checked graph of a parsed model (see the module's docstring), built for a
+    ``--precision`` (``unroller.compiler.precision``: a mixed one writes its casts)."""
+    return GraphBuilder(model, registry, precision).build()

@@ -132,6 +132,9 @@ class Node:
     #: params and buffers are that node's (their keys, ties and trainable flags), so it
     #: adds no state-dict key; its parameter gradients add into the same ``.grad``
     shares: str = ""
+    #: a mixed precision's low dtype, which this ``lower`` op reads its parameters in
+    #: (through the step's cast cache, ``L.cast``); "" when it reads them as they are
+    cast_params: str = ""
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -183,6 +186,8 @@ class Graph:
     filename: str
     source: str
     warnings: list[ModelWarning] = field(default_factory=list)
+    #: the ``--precision`` it was built for (``unroller.compiler.precision``)
+    precision: str = "fp32"
 
     @property
     def sha256(self) -> str:

@@ -16,6 +16,7 @@ from unroller.compiler import shapes
 from unroller.compiler.ast import Call
 from unroller.compiler.dtypes import FLOAT_DTYPES
 from unroller.compiler.graph.args import check_args, render_const, statement_text
+from unroller.compiler.graph.casts import Casts
 from unroller.compiler.graph.model import MAX_NODES, Extra, Node, Value
 from unroller.compiler.graph.params import (
     ParameterBudget,
@@ -28,6 +29,7 @@ from unroller.compiler.graph.params import (
     tied_params,
 )
 from unroller.compiler.graph.scope import Scope
+from unroller.compiler.precision import DEFAULT, PRECISIONS, Precision
 from unroller.compiler.registry import OpSpec, eval_expr
 from unroller.compiler.shapes import ShapeError, TensorType, size_problem
 from unroller.errors import ModelError
@@ -41,9 +43,12 @@ class OperatorCalls:
     from integers (an embedding's output) take it.
     """
 
-    def __init__(self, ops: dict[str, OpSpec], float_dtype: str):
+    def __init__(
+        self, ops: dict[str, OpSpec], float_dtype: str, precision: Precision | None = None
+    ):
         self.ops = ops
         self.float_dtype = float_dtype
+        self.casts = Casts(precision or PRECISIONS[DEFAULT], ops.get("cast"), float_dtype)
         self.nodes: list[Node] = []
         self.by_name: dict[str, Node] = {}  # what a ``shares="NAME"`` looks up
         self.budget = ParameterBudget()
@@ -70,13 +75,17 @@ class OperatorCalls:
             if k not in ties.values() and k not in freezes and k != shares
         }
         args = check_args(op, stmt, plain)
+        has_params = bool(shares or op.params_for(args) or op.buffers)
+        inputs = self.casts.inputs(op, stmt, scope, inputs, has_params, self.nodes)
         result = self._output_of(op, stmt, full_name, inputs, args)
         env = {**args, **result.derived}
         float_dtype = next(
             (v.type.dtype for v in inputs if v.type.dtype in FLOAT_DTYPES), result.type.dtype
         )
-        params = param_tensors(op, op.params_for(args), True, full_name, result, args, float_dtype)
-        buffers = param_tensors(op, op.buffers, False, full_name, result, args, float_dtype)
+        # a mixed precision keeps every parameter in the model's float dtype (master weights)
+        held = self.float_dtype if self.casts.precision.mixed else float_dtype
+        params = param_tensors(op, op.params_for(args), True, full_name, result, args, held)
+        buffers = param_tensors(op, op.buffers, False, full_name, result, args, held)
         owner = None
         if shares:  # the earlier layer's own tensors: no new key, nothing more to count
             others = {*ties.values(), *freezes}
@@ -106,6 +115,7 @@ class OperatorCalls:
             index=len(self.nodes),
             ties=dict(owner.ties) if owner else tied_params(op, stmt, given, ties, params),
             shares=owner.name if owner else "",
+            cast_params=self.casts.param_dtype(op, has_params),
         )
         value.producer = node
         for position, v in enumerate(inputs):

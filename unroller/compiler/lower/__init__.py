@@ -71,7 +71,7 @@ Pass = Callable[[LoweringContext, list[Step]], list[Step]]
 
 def training_keep(ctx: LoweringContext) -> set[str]:
     """What the training step holds to its end: the loss it returns, and its own names."""
-    return {ctx.var(ctx.graph.loss).name, "grads", "stash", "L"}
+    return {ctx.var(ctx.graph.loss).name, "grads", "stash", "L", "scaler"}
 
 
 def release_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:

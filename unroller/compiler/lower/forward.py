@@ -39,7 +39,7 @@ def forward_step(ctx: LoweringContext, node: Node, eval_mode: bool = False) -> S
     evaluating = eval_mode and op.has_eval
     args: list[Expr] = [ctx.var(v) for v in node.inputs]
     if node.params or node.buffers:
-        args.append(Layer(node.layer))
+        args.append(Layer(node.layer, node.cast_params))
     call = CallExpr(
         ctx.kernel(node, f"{op.name}_eval" if evaluating else op.name),
         tuple(args),

@@ -23,6 +23,7 @@ from unroller.compiler.ir import (
     Step,
     Var,
 )
+from unroller.compiler.precision import get as get_precision
 
 from .context import LoweringContext, const_kwargs, defaults, off
 from .restore import saved_arg
@@ -46,7 +47,12 @@ def backward_step(
     """
     op = node.op
     lean = ctx.plan.lean
-    into_grad = pieces and op.backward_accumulates and ctx.platform.grads == "accumulate"
+    into_grad = (  # not through a cast view of the layer: its .grad is the layer's own
+        pieces
+        and op.backward_accumulates
+        and ctx.platform.grads == "accumulate"
+        and not node.cast_params
+    )
     in_place = (  # the input's gradient may overwrite g: g is ours, and dead after this
         lean
         and op.backward_in_place
@@ -148,12 +154,18 @@ def hand_param_grads(
 
 
 def seed_step(ctx: LoweringContext) -> Step:
-    """``grad_loss = torch.ones_like(loss)``: where the backward starts."""
+    """``grad_loss = torch.ones_like(loss)``: where the backward starts; under a mixed
+    precision ``K.loss_seed(loss, scaler)``, the GradScaler's scale when the caller gives
+    one (``scaler.scale(loss).backward()``'s seed)."""
     loss = ctx.graph.loss
-    seed = CallExpr(Global("torch.ones_like"), (ctx.var(loss),))
+    scaled = get_precision(ctx.graph.precision).mixed
+    if scaled:
+        seed = CallExpr(Global("K.loss_seed"), (ctx.var(loss), Var("scaler")))
+    else:
+        seed = CallExpr(Global("torch.ones_like"), (ctx.var(loss),))
     return Step(
         "backward",
         [Assign((ctx.grad(loss),), seed)],
-        comment="d loss / d loss = 1",
+        comment="d loss / d loss = 1" + (" (times a GradScaler's scale)" if scaled else ""),
         stage=ctx.stage(loss.producer),
     )

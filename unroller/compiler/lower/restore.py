@@ -18,7 +18,7 @@ from .resolved import Form, Stashed
 def saved_arg(ctx: LoweringContext, node: Node, arg: SavedArg) -> Expr:
     """The argument a backward call passes for one saved entry."""
     if arg.kind == "layer":
-        return Layer(node.layer)
+        return Layer(node.layer, node.cast_params)
     if arg.kind == "none":
         return Const(None)
     found = ctx.plan.node(node).saved.get(arg.entry)
@@ -108,7 +108,7 @@ def remade(
     assert op.recompute is not None, f"{name} is not recomputable"
     args: list[Expr] = [remade(ctx, v.name, reader, steps, False) for v in producer.inputs]
     if producer.params or producer.buffers:
-        args.append(Layer(producer.layer))
+        args.append(Layer(producer.layer, producer.cast_params))
     kwargs = const_kwargs(explicit_kwargs(op, producer.kernel_kwargs))
     call = CallExpr(
         ctx.kernel(producer, op.recompute.kernel),

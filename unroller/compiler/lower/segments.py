@@ -80,7 +80,7 @@ def segment_forward_step(ctx: LoweringContext, node: Node) -> Step:
     op = node.op
     assert op.recompute is not None, f"{node.name} cannot be recomputed"
     args: list[Expr] = [ctx.var(v) for v in node.inputs]
-    args.append(Layer(node.layer))
+    args.append(Layer(node.layer, node.cast_params))
     kwargs = const_kwargs(explicit_kwargs(op, node.kernel_kwargs))
     call = CallExpr(
         ctx.kernel(node, op.recompute.kernel), tuple(args), kwargs, defaults(op, node.kernel_kwargs)
