@@ -41,6 +41,7 @@ keeps what it needs), for callers that build many modules in one process.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.machinery
 import linecache
@@ -257,6 +258,8 @@ def model_class(
     the import, and out of ``sys.modules`` again: the module verify and the planner step
     (run, never read)."""
     options = options or Options(platform="gpu", scheme="nocompress")
+    if options.precision != graph.precision:  # the graph holds the precision's casts
+        options = dataclasses.replace(options, precision=graph.precision)
     loaded = materialize(
         graph,
         label,

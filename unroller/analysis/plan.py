@@ -577,7 +577,8 @@ def auto_config(
     (so the same model text always gives the same file); ``segments``: block instances to
     recompute in the backward (``("auto",)``: the plan chooses them); ``build``: what makes
     the probe's modules (``materialize.model_class``)."""
-    key = (graph.source, graph.float_dtype, tuple(str(v.type) for v in graph.inputs), segments)
+    types = tuple(str(v.type) for v in graph.inputs)
+    key = (graph.source, graph.float_dtype, graph.precision, types, segments)
     if key not in _AUTO_PLANS:
         probe = run_probe(graph, label=label, build=build)
         config = checked_plan(graph, probe, AUTO_MAX_ERROR, segments, label, build=build).config

@@ -395,9 +395,11 @@ def _module_view(
         ties=tie_lines(graph),
         frozen=frozen_lines(graph),
         train_args=[safe.identifier(ctx.var(v).name) for v in graph.inputs],
+        train_targets=_targets([safe.identifier(ctx.var(v).name) for v in graph.inputs]),
         train_checks=_input_checks(ctx, graph.inputs),
         predict_checks=_input_checks(ctx, graph.model_inputs),
         predict_args=[safe.identifier(ctx.var(v).name) for v in graph.model_inputs],
+        predict_targets=_targets([safe.identifier(ctx.var(v).name) for v in graph.model_inputs]),
         loss=safe.identifier(ctx.var(graph.loss).name),
         preds=[safe.identifier(ctx.var(v).name) for v in graph.preds],
         signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
@@ -409,6 +411,13 @@ def _module_view(
             ]
         ),
     )
+
+
+def _targets(names: list[safe.Code]) -> safe.Code:
+    """Assignment targets for these names: ``a, b`` (or ``(a,)`` for one)."""
+    if not names:
+        return safe.Code("")
+    return safe.Code(f"({names[0]},)" if len(names) == 1 else ", ".join(names))
 
 
 def _precision_view(graph: Graph) -> dict[str, Any]:

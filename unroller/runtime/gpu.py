@@ -131,6 +131,12 @@ def loss_seed(loss: Tensor, scaler: Any = None) -> Tensor:
     return scaler.scale(ones).reshape(loss.shape)
 
 
+def floats_in(dtype: torch.dtype, *inputs: Tensor) -> tuple[Tensor, ...]:
+    """The inputs with the floating-point ones in ``dtype`` (a step generated for a plain
+    low precision, ``--precision bf16``, takes float32 batches too), the others as they are."""
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+
+
 def _ambient_autocast(inputs: Sequence[Tensor]) -> tuple[str, torch.dtype] | None:
     """(device type, dtype) of a torch.autocast enabled around the call, or None."""
     devices = {"cpu"} | {t.device.type for t in inputs if isinstance(t, Tensor)}

@@ -12,6 +12,7 @@ model walks the body at a piece's batch.
 
 from __future__ import annotations
 
+from unroller.compiler.dtypes import TORCH_DTYPE_NAMES
 from unroller.compiler.graph import Node, Value
 from unroller.compiler.ir import (
     AddTo,
@@ -29,6 +30,7 @@ from unroller.compiler.ir import (
     called_name,
 )
 from unroller.compiler.outline import rename_vars
+from unroller.compiler.precision import get as get_precision
 from unroller.compiler.shapes import TensorType
 from unroller.errors import ModelError
 
@@ -175,6 +177,8 @@ def whole_batch_grads(
     by piece: new tensors sized from ``anchor``'s batch, or an output gradient's memory
     when ``reusable_output_grads`` found one free."""
     size = CallExpr(Attr(anchor, "size"), (Const(0),))
+    # a mixed precision's values differ in dtype: each gradient is its value's
+    typed = get_precision(ctx.graph.precision).mixed
     allocations: list[Statement] = [
         Assign(
             (full[v.name],),
@@ -184,6 +188,11 @@ def whole_batch_grads(
                 else CallExpr(
                     Attr(anchor, "new_empty"),
                     (TupleExpr((size, *(Const(d) for d in v.type.shape[1:]))),),
+                    (
+                        (("dtype", Global(f"torch.{TORCH_DTYPE_NAMES[v.type.dtype]}")),)
+                        if typed
+                        else ()
+                    ),
                 )
             ),
         )
