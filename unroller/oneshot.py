@@ -415,6 +415,7 @@ def unroll(
     validated as the command line validates its flags."""
     from unroller.importer.hf_batch import batch_plan
 
+    module = _peft_base(module)
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     plan = None
@@ -444,6 +445,26 @@ def unroll(
     spec = _make_spec(module, how, named, target, "train")  # the eval variant on demand
     key = (stepcache.signature(named, target), "train")
     return Unrolled(module, how, key, spec)
+
+
+def _peft_base(module: torch.nn.Module) -> torch.nn.Module:
+    """The model a peft adapter wrapper (``PeftModel``: LoRA, IA3, ...) runs: its adapters
+    are layers injected into that model in place, so its parameters (frozen base, trainable
+    adapters) are the wrapper's own tensors and its forward is the wrapper's; unrolled, the
+    step writes the same ``.grad``. Prompt learning (virtual tokens the wrapper prepends) is
+    refused with the reason."""
+    get_base = getattr(module, "get_base_model", None)
+    if not callable(get_base) or not hasattr(module, "peft_config"):
+        return module
+    if getattr(module, "active_peft_config", None) is not None and getattr(
+        module.active_peft_config, "is_prompt_learning", False
+    ):
+        raise ValueError(
+            "unroll: a peft prompt-learning model prepends virtual tokens in its wrapper's "
+            "forward, which is not imported; adapters injected into the layers (LoRA, IA3, "
+            "...) are"
+        )
+    return get_base()
 
 
 def verify(

@@ -13,10 +13,13 @@ import typer
 
 from unroller.cli.errors import config_error, fail, model_error
 from unroller.cli.options import (
+    DEFAULT_PRECISION,
     ConfigOpt,
     ModelArg,
+    PrecisionOpt,
     RecomputeOpt,
     ResolutionOpt,
+    value_of,
 )
 from unroller.cli.target import checked
 from unroller.compiler.platforms import platform as get_platform
@@ -101,6 +104,7 @@ def estimate(
     compress_config: ConfigOpt = None,
     recompute: RecomputeOpt = False,
     resolution: ResolutionOpt = None,
+    precision: PrecisionOpt = DEFAULT_PRECISION,
     fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
 ) -> None:
     """Estimate memory and speed on an IPU (GC200) or the largest batch on a GPU, per scheme.
@@ -129,11 +133,12 @@ def estimate(
         raise fail("--ipus must be 1, 2 or 4")
     names = _schemes(scheme)
     checked("resolution", resolution)
+    precision = checked("precision", value_of(precision))
     from unroller.api import load_graph, source_label
     from unroller.compiler.options import Options
 
     try:
-        graph = load_graph(model, resolution)
+        graph = load_graph(model, resolution, precision)
     except ModelError as exc:
         raise model_error(exc, model) from None
     config = source_label(compress_config) if compress_config else None
@@ -147,6 +152,7 @@ def estimate(
             num_ipus=k,
             resolution=resolution,
             recompute=recompute,
+            precision=precision,
         )
 
     if config is not None:

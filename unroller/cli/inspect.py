@@ -60,7 +60,7 @@ def graph(
         raise fail(f"unknown format '{fmt}' (table, json or dot)")
     try:
         read_model_text(model)
-        g = load_graph(model)
+        g = load_graph(model, precision=options.precision)
     except ModelError as exc:
         raise model_error(exc, model) from None
     for warning in g.warnings:

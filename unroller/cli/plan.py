@@ -15,13 +15,16 @@ import typer
 
 from unroller.cli.errors import config_error, fail, model_error
 from unroller.cli.options import (
+    DEFAULT_PRECISION,
     BatchOpt,
     ModelArg,
+    PrecisionOpt,
     RecomputeOpt,
     RecomputeSegmentsOpt,
     ResolutionOpt,
     SegmentPieceSizeOpt,
     parse_segments,
+    value_of,
 )
 from unroller.cli.output import prepare_output, write_output
 from unroller.cli.target import checked
@@ -95,6 +98,7 @@ def plan(
     probe_batch: ProbeBatchOpt = 4,
     seed: SeedOpt = 0,
     resolution: ResolutionOpt = None,
+    precision: PrecisionOpt = DEFAULT_PRECISION,
     measure: MeasureOpt = False,
     recompute: RecomputeOpt = False,
     recompute_segments: RecomputeSegmentsOpt = None,
@@ -123,6 +127,7 @@ def plan(
     segments = checked("recompute_segments", parse_segments(recompute_segments))
     checked("segment_piece_size", segment_piece_size)
     checked("resolution", resolution)
+    precision = checked("precision", value_of(precision))
     if segment_piece_size and not segments:
         raise fail("--segment-piece-size needs --recompute-segments (pieces of what?)")
     budget = None
@@ -137,7 +142,7 @@ def plan(
             output, force, mkdir, replaceable=_plan_file_problem, inputs=(model,)
         )
     try:
-        graph = load_graph(model, resolution)
+        graph = load_graph(model, resolution, precision)
         if segments and "auto" not in segments:  # refused before the probe step
             from unroller.compiler.stash import chosen_instances
 

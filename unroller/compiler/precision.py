@@ -9,7 +9,11 @@ the dtype its registry ``precision`` class says:
 - ``lower`` (linear, matmul, convolutions, attention): the low dtype; float inputs are cast
   to it and the parameters are read through the step's cast cache (``L.cast``), so each
   weight is cast once per step and its gradient comes back to the float32 ``.grad``;
-- ``fp32`` (softmax, log-softmax, the losses, norms, sums): the model's float dtype;
+- ``fp32`` (softmax, log-softmax, the losses, layer and group norms, sums): the model's
+  float dtype;
+- ``input`` (batch norm): its float inputs' dtype, its float32 parameters read as they are
+  (torch's batch norm kernels take a low-precision input with float32 weights and keep
+  their statistics in float32);
 - ``promote`` (everything else): the widest dtype of its float inputs and parameters, as
   torch's type promotion would give (float32 beside a float32 parameter).
 
@@ -20,8 +24,7 @@ op stays in one dtype: a cast's backward casts the gradient back, as autograd's
 ``_to_copy`` does. The loss (an ``fp32`` op) is float32 and so is every ``.grad``.
 
 Where this differs from torch.autocast on a CPU: the CPU lists keep layer norm, softmax and
-the norms in the low dtype; the CUDA lists, followed here, keep them in float32. Batch norm,
-which CUDA's autocast runs in its input's dtype, runs in float32 here.
+the norms in the low dtype; the CUDA lists, followed here, keep them in float32.
 """
 
 from __future__ import annotations
@@ -107,4 +110,6 @@ def compute_dtype(
         return precision.low
     if op_class == "fp32":
         return model_dtype if any(d in FLOAT_DTYPES for d in inputs) or has_params else None
+    if op_class == "input":
+        return promoted(inputs)
     return promoted([*inputs, *([model_dtype] if has_params else [])])

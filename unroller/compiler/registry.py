@@ -141,11 +141,12 @@ elements in a multiply-add (a transposed convolution spreads each input over the
 TARGETS = ("classes", "probabilities")
 """Values of a loss's ``target`` field: what its second input holds."""
 
-PRECISION_CLASSES = ("lower", "fp32", "promote")
-"""Values of an op's ``precision`` field, torch.autocast's three lists: ``lower`` runs in the
-low dtype under a mixed precision (its float inputs and parameters cast to it), ``fp32`` in
-float32 (its float inputs cast up), ``promote`` (the default) in the widest dtype of its
-float inputs and parameters."""
+PRECISION_CLASSES = ("lower", "fp32", "input", "promote")
+"""Values of an op's ``precision`` field, torch.autocast's lists: ``lower`` runs in the low
+dtype under a mixed precision (its float inputs and parameters cast to it), ``fp32`` in
+float32 (its float inputs cast up), ``input`` in its float inputs' dtype with its float32
+parameters as they are (batch norm, whose kernels take both), ``promote`` (the default) in
+the widest dtype of its float inputs and parameters."""
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,22 @@ def _packed(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
+def _work(t: Tensor) -> Tensor:
+    """A block's tile in the dtype the attention computes in: float32 for bfloat16 and
+    float16 inputs (as ATen's fused attention kernels accumulate), one tile at a time so
+    that no float32 copy of a whole q, k or v exists; other dtypes as they are."""
+    if t.dtype == torch.bfloat16 or t.dtype == torch.float16:
+        return t.to(torch.float32)
+    return t
+
+
+def _accumulator(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """Zeros to sum blocks' results into, in ``_work``'s dtype for ``t``."""
+    if t.dtype == torch.bfloat16 or t.dtype == torch.float16:
+        return t.new_zeros(shape, dtype=torch.float32)
+    return t.new_zeros(shape)
+
+
 def _scaled(t: Tensor, factor: float) -> Tensor:
     """t * factor in contiguous memory (see ``_packed``), with one allocation either way."""
     if t.is_contiguous():
@@ -211,13 +227,13 @@ def _forward_block(
     """One block's output and row logsumexp; the score tile is made once and then reused in
     place for exp(s - m), and the output is divided by the row sums rather than the tile
     (Ev numbers a row instead of S)."""
-    part = None if bias is None else _bias(bias, b)
-    s = _scores(_scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb), mask, part)
+    part = None if bias is None else _work(_bias(bias, b))
+    s = _scores(_scaled(_work(_rows(q, b)), qa), _scaled(_work(_keys(k, b)), kb), mask, part)
     m = s.amax(-1, keepdim=True)
     p = s.sub_(m).exp_()
     total = p.sum(-1, keepdim=True)
-    out = torch.matmul(p, _packed(_keys(v, b))).div_(total)
-    return out, m.add_(torch.log(total)).squeeze(-1)
+    out = torch.matmul(p, _packed(_work(_keys(v, b)))).div_(total)
+    return out.to(q.dtype), m.add_(torch.log(total)).squeeze(-1)
 
 
 def gqa_heads(t: Tensor, heads: int) -> Tensor:
@@ -278,7 +294,7 @@ def scaled_dot_product_attention(
         mask = _causal_mask(plan[0], q, masks) if is_causal else None
         return _forward_block(q, k, v, plan[0], qa, kb, mask, bias)
     out = q.new_zeros(n, heads, length, v.shape[-1])
-    lse = q.new_zeros(n, heads, length)
+    lse = _accumulator(q, (n, heads, length))  # float32 for a low-precision q, as ATen's
     for b in plan:
         mask = _causal_mask(b, q, masks) if is_causal else None
         part = _forward_block(q, k, v, b, qa, kb, mask, bias)
@@ -304,14 +320,14 @@ def _backward_block(
     block makes its own: a loop body's locals would live on into the next iteration."""
     qa, kb = scales
     need_q, need_k, need_v, need_bias = need
-    qs, ks = _scaled(_rows(q, b), qa), _scaled(_keys(k, b), kb)
-    g_rows, v_keys = _packed(_rows(g, b)), _packed(_keys(v, b))
-    bias_part = None if bias is None else _bias(bias, b)
-    p = _scores(qs, ks, mask, bias_part).sub_(_rows(lse, b).unsqueeze(-1)).exp_()
+    qs, ks = _scaled(_work(_rows(q, b)), qa), _scaled(_work(_keys(k, b)), kb)
+    g_rows, v_keys = _packed(_work(_rows(g, b))), _packed(_work(_keys(v, b)))
+    bias_part = None if bias is None else _work(_bias(bias, b))
+    p = _scores(qs, ks, mask, bias_part).sub_(_work(_rows(lse, b)).unsqueeze(-1)).exp_()
     part_v = torch.matmul(p.transpose(-2, -1), g_rows) if need_v else None
     if not (need_q or need_k or need_bias):
         return None, None, part_v, None
-    d = (g_rows * _rows(output, b)).sum(-1, keepdim=True)
+    d = (g_rows * _work(_rows(output, b))).sum(-1, keepdim=True)
     ds = torch.matmul(g_rows, v_keys.transpose(-2, -1)).sub_(d).mul_(p)
     part_q = torch.matmul(ds, ks).mul_(qa) if need_q else None
     part_k = torch.matmul(ds.transpose(-2, -1), qs).mul_(kb) if need_k else None
@@ -355,14 +371,23 @@ def scaled_dot_product_attention_backward(
     if _whole(plan, keys):
         mask = _causal_mask(plan[0], q, masks) if is_causal else None
         parts = _backward_block(g, q, k, v, output, lse, plan[0], scales, mask, need, bias)
-        return _fit(parts if need_bias else parts[:3], needs)
-    gq = q.new_zeros(q.shape) if need_q else None
-    gk = k.new_zeros(k.shape) if need_k else None
-    gv = v.new_zeros(v.shape) if need_v else None
-    gbias = bias.new_zeros(bias.shape) if need_bias else None
+        return _fit(_as_inputs(parts, (q, k, v, bias))[: 4 if need_bias else 3], needs)
+    gq = _accumulator(q, q.shape) if need_q else None
+    gk = _accumulator(k, k.shape) if need_k else None
+    gv = _accumulator(v, v.shape) if need_v else None
+    gbias = _accumulator(bias, bias.shape) if need_bias else None
     for b in plan:
         mask = _causal_mask(b, q, masks) if is_causal else None
         parts = _backward_block(g, q, k, v, output, lse, b, scales, mask, need, bias)
         _add_block((gq, gk, gv, gbias), parts, b, (_rows, _keys, _keys, _bias))
         del parts  # a loop variable would outlive the iteration: free it before the next tiles
-    return _fit((gq, gk, gv, gbias) if need_bias else (gq, gk, gv), needs)
+    grads = _as_inputs((gq, gk, gv, gbias), (q, k, v, bias))
+    return _fit(grads if need_bias else grads[:3], needs)
+
+
+def _as_inputs(grads: Sequence[Tensor | None], inputs: Sequence[Tensor | None]) -> Grads:
+    """Each gradient in its input's dtype (``_work`` may have computed it in float32)."""
+    return tuple(
+        None if g is None or t is None else g if g.dtype == t.dtype else g.to(t.dtype)
+        for g, t in zip(grads, inputs)
+    )

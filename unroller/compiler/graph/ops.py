@@ -107,7 +107,8 @@ class OperatorCalls:
             output=value,
             params=params,
             buffers=buffers,
-            extras=self._extras(op, inputs, result.type, env, float_dtype),
+            # statistics (a norm's mean, attention's lse) stay float32 under a mixed precision
+            extras=self._extras(op, inputs, result.type, env, held),
             loc=stmt.loc,
             text=f"{full_name} = {op.name}({', '.join(args_text + kw_text)})",
             local_text=statement_text(stmt),
