@@ -403,3 +403,38 @@ def test_an_empty_test_split_is_refused(tmp_path):
     config = TrainConfig(model=write_model(tmp_path, DENOISER), dataset=f"sciml:{data_dir}")
     with pytest.raises(DatasetError, match="empty test split"):
         train(config, tmp_path / "run", progress=False, log=quiet)
+
+
+def test_fp16_mixed_trains_with_a_loss_scaler_and_resumes_exactly(tmp_path):
+    """--precision fp16-mixed: the step takes a GradScaler, whose state (scale, growth
+    tracker) the checkpoint keeps, so a resumed run is the uninterrupted one."""
+    config = TrainConfig(
+        model=write_model(tmp_path, CLASSIFIER),
+        dataset="digits",
+        epochs=2,
+        batch_size=32,
+        lr=0.1,
+        train_size=64,
+        test_size=16,
+        precision="fp16-mixed",
+    )
+    full = train(config, tmp_path / "full", progress=False, log=quiet)
+    scaler = load_checkpoint(tmp_path / "full" / "checkpoint.pt")["scaler"]
+    assert scaler["scale"] > 1 and scaler["_growth_tracker"] == 4  # 2 steps per epoch
+    assert '"precision": "fp16-mixed"' in (tmp_path / "full" / "model.py").read_text()
+    with pytest.raises(Interrupt):
+        train(config, tmp_path / "cut", progress=False, log=stop_after_first_epoch)
+    resumed = train(
+        config,
+        tmp_path / "cut",
+        resume=tmp_path / "cut" / "checkpoint.pt",
+        progress=False,
+        log=quiet,
+    )
+    assert without_times(resumed.history) == without_times(full.history)
+
+
+def test_an_unknown_precision_is_a_training_error(tmp_path):
+    config = TrainConfig(model=write_model(tmp_path, CLASSIFIER), precision="fp8")
+    with pytest.raises(TrainError, match="unknown precision 'fp8'"):
+        config.validate()

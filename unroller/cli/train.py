@@ -21,6 +21,7 @@ import typer
 from unroller.api import PathError
 from unroller.cli.errors import config_error, fail, model_error, path_error, shown_path
 from unroller.cli.options import (
+    DEFAULT_PRECISION,
     DEFAULT_SCHEME,
     BatchOpt,
     ConfigOpt,
@@ -33,6 +34,7 @@ from unroller.cli.options import (
     ModelArg,
     MomentumOpt,
     OptimizerOpt,
+    PrecisionOpt,
     QuietOpt,
     ResolutionOpt,
     ScheduleOpt,
@@ -62,6 +64,7 @@ TRAINING = (
     "test_size",
     "resolution",
     "device",
+    "precision",
 )
 
 
@@ -69,7 +72,9 @@ def training_settings(values: dict[str, Any]) -> dict[str, Any]:
     """The shared training options out of a command's parameters (its ``locals()``); the
     resolution refused as ``Options`` refuses it (status 2)."""
     checked("resolution", values["resolution"])
-    return {name: values[name] for name in TRAINING}
+    settings = {name: values[name] for name in TRAINING}
+    settings["precision"] = checked("precision", value_of(values["precision"]))
+    return settings
 
 
 def _logger(quiet: bool):
@@ -125,6 +130,7 @@ def train(
     train_size: TrainSizeOpt = None,
     test_size: TestSizeOpt = None,
     resolution: ResolutionOpt = None,
+    precision: PrecisionOpt = DEFAULT_PRECISION,
     device: DeviceOpt = "cpu",
     out: Annotated[
         Path | None,
@@ -233,6 +239,8 @@ def _child_args(
         args += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
     for name in ("weight_decay", "schedule", "seed", "data_seed", "device", "nproc_per_node"):
         args += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
+    for name in ("precision",):
+        args += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
     for name in ("compress_config", "train_size", "test_size", "resolution"):
         if getattr(config, name) is not None:
             args += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
@@ -304,6 +312,7 @@ def accuracy(
     train_size: TrainSizeOpt = None,
     test_size: TestSizeOpt = None,
     resolution: ResolutionOpt = None,
+    precision: PrecisionOpt = DEFAULT_PRECISION,
     device: DeviceOpt = "cpu",
     out: Annotated[
         Path | None,

@@ -59,7 +59,7 @@ from unroller.api import (
     read_bounded,
     write_atomic,
 )
-from unroller.compiler.options import Options
+from unroller.compiler.options import Options, check_field
 from unroller.materialize import load_file
 from unroller.training.metrics import PRIMARY, MetricSet
 from unroller.training.run_folder import (
@@ -129,6 +129,7 @@ class TrainConfig:
     schedule_epochs: int | None = None  # the lr schedule's length (default: epochs)
     nproc_per_node: int = 1  # data parallel: processes, each on its share of every batch
     sync_bn: bool = False  # data parallel: batch norm over the whole distributed batch
+    precision: str = "fp32"  # --precision of the generated step (fp16-mixed: a GradScaler)
 
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -151,6 +152,9 @@ class TrainConfig:
                     f"--{flag} must be at least 0 and finite, got {getattr(self, name)}"
                 )
         self._validate_ranges()
+        problem = check_field("precision", self.precision)
+        if problem is not None:
+            raise TrainError(problem.render("cli"))
 
     def _validate_ranges(self) -> None:
         """Integers and texts within the bounds above (a checkpoint's config too)."""
@@ -170,7 +174,15 @@ class TrainConfig:
             if value is not None and not low <= value <= high:
                 flag = name.replace("_", "-")
                 raise TrainError(f"--{flag} must be between {low} and {high}, got {value}")
-        for name in ("model", "dataset", "scheme", "compress_config", "device", "init"):
+        for name in (
+            "model",
+            "dataset",
+            "scheme",
+            "compress_config",
+            "device",
+            "init",
+            "precision",
+        ):
             value = getattr(self, name)
             if value is not None and (len(value) > MAX_TEXT or not value.isprintable()):
                 raise TrainError(
@@ -647,6 +659,7 @@ def train_epoch(
     device: torch.device,
     advance: Callable[[float], None],
     reducer: Any = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, Any]:
     """One pass over the training split; the epoch's metrics record (without ``test``).
     Stops at the first loss that is not finite and marks the record ``diverged``.
@@ -672,12 +685,16 @@ def train_epoch(
         if split.targets is not None:
             args.append(split.targets[index].to(device))
         optimizer.zero_grad(set_to_none=True)
-        loss = model(*args).item()
+        loss = (model(*args) if scaler is None else model(*args, scaler=scaler)).item()
         if reducer is not None:
             loss = _whole_batch_loss(loss * len(index), whole)
         if not math.isfinite(loss):
             return {"epoch": epoch, "lr": lr, "diverged": True, "train_loss": None, "test": None}
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:  # unscales, skips a step whose gradients overflowed, adapts the scale
+            scaler.step(optimizer)
+            scaler.update()
         if stash is None:  # what the first step kept for backward
             stash = model.stash_report()
         loss_sum += loss * whole
@@ -811,8 +828,18 @@ def generate(config: TrainConfig) -> str:
         compress_config=config.compress_config,
         resolution=config.resolution,
         data_parallel=config.nproc_per_node > 1,
+        precision=config.precision,
     )
     return generate_source(config.model, options)
+
+
+def make_scaler(config: TrainConfig, device: torch.device) -> torch.amp.GradScaler | None:
+    """fp16-mixed trains with loss scaling (float16's range would underflow small
+    gradients): a ``torch.amp.GradScaler`` the step seeds its backward with, which skips
+    an update whose gradients overflowed and adapts its scale, as under autograd."""
+    if config.precision != "fp16-mixed":
+        return None
+    return torch.amp.GradScaler(device.type)
 
 
 def prepare(config: TrainConfig):
@@ -891,10 +918,13 @@ def train(
         _check_checkpoint_fits(checkpoint, resume, source_sha, data.task)
     model, reducer = _start_model(config, out, source, rank, world, device, checkpoint is None)
     optimizer = make_optimizer(config, model.parameters())
+    scaler = make_scaler(config, device)
     history: list[dict[str, Any]] = []
     start = 1
     if checkpoint is not None:
         history, start = _restore(checkpoint, resume, model, optimizer, device, rank)
+        if scaler is not None and isinstance(checkpoint.get("scaler"), dict):
+            scaler.load_state_dict(checkpoint["scaler"])
     run = Run(config, out, data.task, data.description, data.synthetic, history)
     if rank == 0:
         info = _run_info(config, data, run, source_sha)
@@ -917,13 +947,14 @@ def train(
                 device,
                 lambda loss, t=task_id: bar.advance(t, loss),
                 reducer,
+                scaler,
             )
             if reducer is not None and not config.sync_bn:
                 _share_buffers(model)  # rank 0's running statistics, as DDP broadcasts them
             if not record.get("diverged"):
                 record["test"] = _timed_evaluation(model, data, sig, config, device, record)
             history.append(record)
-            _save_epoch(config, out, epoch, source_sha, model, optimizer, device, history)
+            _save_epoch(config, out, epoch, source_sha, (model, optimizer, scaler), device, history)
             if record.get("diverged"):
                 bar.done(task_id, f"{label}: loss is not finite; stopped")
                 break
@@ -1101,13 +1132,14 @@ def _save_epoch(
     out: Path,
     epoch: int,
     source_sha: str,
-    model: Any,
-    optimizer: torch.optim.Optimizer,
+    state: tuple[Any, torch.optim.Optimizer, torch.amp.GradScaler | None],
     device: torch.device,
     history: list[dict[str, Any]],
 ) -> None:
     """Write the epoch's checkpoint, then its metrics line (rank 0), every process's
-    random generators included so that a resume draws what it would have."""
+    random generators included so that a resume draws what it would have; ``state``: the
+    model, the optimizer and the loss scaler (fp16-mixed) whose states it holds."""
+    model, optimizer, scaler = state
     rank, world = _world()
     payload = {
         "format": FORMAT,
@@ -1119,6 +1151,8 @@ def _save_epoch(
         "rng": rng_state(device),
         "history": history,
     }
+    if scaler is not None:
+        payload["scaler"] = scaler.state_dict()
     if world > 1:  # every process's generators, so a resume draws what it would have
         payload["rng_ranks"] = _gathered(rng_state(device), world)
     if rank == 0:  # the checkpoint first: no metrics line without its checkpoint
