@@ -318,3 +318,12 @@ def test_unroll_takes_precision_and_a_scaler():
     plain = unroller.unroll(net, x, y)
     with pytest.raises(TypeError, match="mixed-precision"):
         plain(x, y, scaler=scaler)
+
+
+def test_the_memory_model_counts_the_cast_cache_and_the_low_precision_activations():
+    from unroller.api import simulate
+
+    fp32, mixed = (simulate(NET, Options(precision=p), 8) for p in ("fp32", "bf16-mixed"))
+    lower_weights = (16 * 32 + 32) + (32 * 16 + 16) + (16 * 5 + 5)  # fc1, fc2, head
+    assert mixed.param_grad_bytes - fp32.param_grad_bytes == 2 * lower_weights
+    assert mixed.stash_bytes < fp32.stash_bytes

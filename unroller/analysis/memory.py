@@ -44,12 +44,13 @@ under ``Options`` is ``unroller.api.simulate``, above the planner that imports t
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from unroller.compiler.dtypes import DTYPE_BYTES, torch_dtype
+from unroller.compiler.dtypes import DTYPE_BYTES, FLOAT_DTYPES, torch_dtype
 from unroller.compiler.graph import Graph, Node
 from unroller.compiler.ir import (
     ACCUMULATORS,
@@ -60,7 +61,10 @@ from unroller.compiler.ir import (
     CallExpr,
     Const,
     Do,
+    Layer,
+    ListExpr,
     Step,
+    TupleExpr,
     Var,
     called_name,
 )
@@ -336,6 +340,7 @@ def _run(
                 else -(-batch // segment.pieces)
             )
     deferred: dict[int, list[str]] = {}  # releases held until a loop's end
+    cast_bytes = _cast_cache_bytes(lowering.graph)
     for i, step in enumerate(steps):
         node = made.get(id(step))
         during = heap.live
@@ -349,6 +354,7 @@ def _run(
             )
             continue
         for statement in step.statements:
+            param_grads += _cast_layers(statement, heap, cast_bytes)
             reads = Step(step.section, [statement]).reads()
             touched = {  # storages this statement reads or makes, with their bytes
                 heap.storage_of[n]: heap.size[heap.storage_of[n]]
@@ -395,6 +401,46 @@ def _run(
         param_grad_bytes=param_grads,
         floor_bytes=floor,
     )
+
+
+def _cast_cache_bytes(graph: Graph) -> dict[tuple[str, str], int]:
+    """A mixed precision's cast cache (``L.cast``): per (layer, dtype) a ``lower`` op reads
+    its weights in, the bytes of its float parameters and buffers in that dtype."""
+    found: dict[tuple[str, str], int] = {}
+    for node in graph.nodes:
+        if node.cast_params:
+            tensors = [t for t in (*node.params, *node.buffers) if t.present]
+            elements = sum(math.prod(t.shape) for t in tensors if t.dtype in FLOAT_DTYPES)
+            found[(node.layer, node.cast_params)] = elements * DTYPE_BYTES[node.cast_params]
+    return found
+
+
+def _cast_layers(statement: Any, heap: _Heap, cast_bytes: dict[tuple[str, str], int]) -> int:
+    """The cast copies of weights a statement makes first (``L.cast``): held to the step's
+    end, like a parameter gradient, so counted with them (their bytes returned)."""
+    added = 0
+    for layer in _layers_in(statement):
+        name = f"cast cache:{layer.path}:{layer.dtype}"
+        if layer.dtype and name not in heap.storage_of:
+            size = cast_bytes.get((layer.path, layer.dtype), 0)
+            heap.bind(name, heap.new(size))
+            added += size
+    return added
+
+
+def _layers_in(statement: Any) -> list[Layer]:
+    """Every layer handle a statement's expressions name."""
+    out: list[Layer] = []
+    todo = [getattr(statement, "value", None)]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, Layer):
+            out.append(e)
+        elif isinstance(e, CallExpr):
+            todo += [*e.args, *(v for _, v in e.kwargs)]
+        elif isinstance(e, (TupleExpr, ListExpr)):
+            todo += list(e.items)
+    return out
 
 
 def _bind_pieces(header: Step, heap: _Heap) -> None:
