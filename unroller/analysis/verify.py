@@ -18,6 +18,11 @@ draw orders differ, that mode fails although the gradients may be right; ``dropo
 then sets every dropout probability to 0 on both sides (the text's ``dropout`` statements,
 the original's dropout modules) and checks everything except the masks. Either way the
 report says what was done.
+
+A step generated for a low ``--precision`` (bf16-mixed, fp16-mixed, bf16, fp16) cannot
+match float64: verify then checks its accuracy contract instead, against the float64
+original and torch's own step in that precision (``unroller.analysis.verify_precision``,
+``_contract_step``), with dropout off on every side.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from unroller.materialize import model_class
 if TYPE_CHECKING:
     import torch
 
+    from unroller.analysis.verify_precision import ContractReport
     from unroller.compiler.options import Options
 
 TOLERANCE = 1e-10  # float64, relative: the project's bound for "the same gradients"
@@ -507,15 +513,18 @@ class _Setup:
     plan: LossPlan
 
 
-def _setup(text: str, label: str, dropout: str) -> _Setup:
+def _setup(text: str, label: str, dropout: str, precision: str = "fp32") -> _Setup:
+    """The text's graph as written, and as generated: dropout off (``dropout="off"``, and
+    always under a low ``precision``), built for ``precision`` (its casts written)."""
     if dropout not in DROPOUT_MODES:
         raise VerifyError(f"unknown dropout mode {dropout!r} (known: {', '.join(DROPOUT_MODES)})")
     model = parse(text, label)
     graph = build_graph(model)
     plan = loss_plan(graph)
     run_graph = graph
-    if dropout == "off" and text_dropouts(graph):
-        run_graph = build_graph(dropout_off(model))
+    off = (dropout == "off" or precision != "fp32") and text_dropouts(graph)
+    if off or precision != "fp32":
+        run_graph = build_graph(dropout_off(model) if off else model, precision=precision)
     return _Setup(graph, run_graph, plan)
 
 
@@ -528,12 +537,12 @@ def verify(
     tolerance: float = TOLERANCE,
     dropout: str = "seeded",
     options: Options | None = None,
-) -> VerifyReport:
+) -> VerifyReport | ContractReport:
     """Verify the model file at ``model_path`` against ``spec`` (``package.module:Name``,
     ``path/file.py:Name``, or a callable returning the module). ModelError (VerifyError)
     for a model text that cannot be verified, ImportFailure for a SPEC that does not load;
     a mismatch is in the report (``ok`` False), never an exception. ``options``: the
-    generated step's (``verify_text``)."""
+    generated step's (``verify_text``; a low precision: the accuracy contract's report)."""
     text = read_source(model_path)
     return verify_text(
         text,
@@ -558,47 +567,161 @@ def verify_text(
     dropout: str = "seeded",
     label: str = "<string>",
     options: Options | None = None,
-) -> VerifyReport:
+) -> VerifyReport | ContractReport:
     """``verify`` for a model text held in memory; ``options``: the generated side's
-    (gpu; recompute, segments, pieces, a scheme), by default uncompressed."""
+    (gpu; recompute, segments, pieces, a scheme, a precision), by default uncompressed.
+
+    A low ``options.precision`` (not ``fp32``) checks the accuracy contract instead of
+    float64 equality (``unroller.analysis.verify_precision``): the report is a
+    ``ContractReport``, dropout is off on every side, and ``tolerance`` (the float64
+    check's bound) is not used; another value than the default is refused."""
     import torch
 
+    from unroller.analysis.verify_precision import ContractReport, contract_precision
     from unroller.importer.source import user_code
 
-    setup = _setup(text, label, dropout)
+    precision = contract_precision(options)
+    if precision is not None and tolerance != TOLERANCE:
+        raise VerifyError(
+            f"tolerance={tolerance:g} is the float64 check's bound; under precision="
+            f"{precision.name!r} the accuracy contract decides (ours <= 2 x the error of "
+            "torch's own step in that precision + a floor): leave tolerance out"
+        )
+    setup = _setup(text, label, dropout, precision.name if precision else "fp32")
     check_input_size(setup.graph, batch_size)
     against = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
-    report = VerifyReport(label, against, tolerance)
+    report: VerifyReport | ContractReport = (
+        VerifyReport(label, against, tolerance)
+        if precision is None
+        else ContractReport(label, against, precision)
+    )
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         with user_code(against, "building or running it"):  # sys.exit in forward: exit 2
             _run(report, setup, spec, kwargs, batch_size, seed, dropout, options)
     return report
 
 
-def _run(
-    report: VerifyReport, setup: _Setup, spec, kwargs, batch_size, seed, dropout, options=None
-) -> None:
-    """Build both sides, check their keys, step them and compare, into ``report``."""
+def _run(report, setup: _Setup, spec, kwargs, batch_size, seed, dropout, options=None) -> None:
+    """Build both sides, check their keys, step them and compare, into ``report``: in
+    float64, or under a low precision its accuracy contract (``_contract_step``: the
+    original and the generated module in float32, the generated one holding the
+    precision's parameters, so all sides start from the weights it holds)."""
     import torch
 
+    from unroller.analysis.verify_precision import contract_precision, criterion
+
+    precision = contract_precision(options)
     torch.manual_seed(seed)
-    original = build_original(spec, kwargs).double()
-    generated = _generated_class(setup, report.model, options)().double()
+    original = _in_dtype(build_original(spec, kwargs), precision)
+    generated = _generated_class(setup, report.model, options)()
+    if precision is None:
+        generated = generated.double()
     report.problems = key_problems(original.state_dict(), generated.state_dict())
     if report.problems:
         return
-    fresh = build_original(spec, kwargs).double()
+    fresh = _in_dtype(build_original(spec, kwargs), precision)
     report.problems = _load_both_ways(original, generated, fresh)
     if report.problems:
         return
+    if precision is not None:
+        report.notes.append(criterion(precision))
     if options is not None:
         report.notes.append(options_note(options))
+    if precision is not None:
+        _note_setup(report, setup, fresh, "off", seed)
+        inputs = make_inputs(setup.graph, batch_size, seed)
+        _contract_step(report, setup, fresh, generated, inputs, precision, seed)
+        return
     _note_setup(report, setup, fresh, dropout, seed)
     _float64_twins(report, fresh)
     _float64_experts(report, fresh)
     inputs = make_inputs(setup.graph, batch_size, seed)
     _step_and_compare(report, setup, fresh, generated, inputs, seed, dropout)
     require_finite(report, fresh)
+
+
+def _in_dtype(module, precision):
+    """The original in float64 for the float64 check, in float32 for a precision's."""
+    return module.double() if precision is None else module.float()
+
+
+def _contract_step(report, setup: _Setup, original, generated, inputs, precision, seed) -> None:
+    """The accuracy contract's three steps (``verify_precision``) and its rows, into
+    ``report``: ours (the generated step), the reference (``original`` in float64, as the
+    float64 check steps it) and the peer (``original`` as torch runs it in ``precision``),
+    each on the seeded ``inputs`` in its own dtype, torch's stream seeded before each."""
+    import torch
+
+    from unroller.analysis import verify_precision as vp
+    from unroller.analysis.lifted_casts import LiftedCasts, lifted_note
+    from unroller.importer.hf_moe import eager_experts
+
+    ref, peer = copy.deepcopy(original).double(), vp.peer_module(original, precision)
+    _float64_twins(report, ref)
+    _float64_experts(report, ref)
+    eager_experts(peer)  # the same arithmetic per token, as the reference's
+    low = vp.side_inputs(inputs, precision)
+    try:
+        torch.manual_seed(seed)
+        loss = generated(*low)
+    except Exception as exc:  # noqa: BLE001 - a generator bug: reported, not raised
+        report.problems.append(f"the generated module's step failed: {exc!r}")
+        return
+    lift, what = LiftedCasts(), "the reference, in float64"
+    try:
+        torch.manual_seed(seed)
+        with attention_dropout_as_generated("off"), lift:
+            ref_loss = _original_loss(ref, setup.plan, *_split_inputs(setup, inputs))
+            ref_loss.backward()
+        what = f"the peer, {vp.peer_text(precision)}"
+        torch.manual_seed(seed)
+        with attention_dropout_as_generated("off"), vp.peer_context(precision):
+            peer_loss = _original_loss(peer, setup.plan, *_split_inputs(setup, low))
+        peer_loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the user's module on the declared inputs
+        report.problems.append(
+            f"the original's step on inputs of the declared shapes failed ({what}): {exc!r}"
+        )
+        return
+    compare_row = vp.PeerComparer(peer, precision, vp.largest_gradient_norm(ref))
+    compare_row.add("loss", peer_loss)
+    replayed = f"replayed: {setup.plan.describe()}"
+    report.rows.append(compare_row("loss", loss, ref_loss, None, replayed))
+    report.rows += map(vp.as_contract_row, _state_rows(ref, generated, None, compare_row))
+    report.rows.append(_contract_predictions(ref, peer, generated, setup, inputs, compare_row))
+    if lift.lifted:
+        report.notes.append(lifted_note(lift.lifted))
+    require_finite(report, ref)
+
+
+def _split_inputs(setup: _Setup, inputs) -> tuple[Any, Any]:
+    """(the model inputs, named, in the text's order; the tensor the loss compares with)."""
+    graph = setup.graph
+    model_inputs = _NamedInputs(t for t, v in zip(inputs, graph.inputs) if v.kind == "input")
+    model_inputs.names = [v.name for v in graph.inputs if v.kind == "input"]
+    return model_inputs, inputs[graph.inputs.index(setup.plan.other)]
+
+
+def _contract_predictions(ref, peer, generated, setup, inputs, compare_row):
+    """The evaluation-mode predictions' contract row (the peer's in its precision)."""
+    import torch
+
+    from unroller.analysis import verify_precision as vp
+    from unroller.importer.source import call_with_inputs, predictions
+
+    low, _ = _split_inputs(setup, vp.side_inputs(inputs, compare_row.precision))
+    peer.eval()
+    try:  # with autograd on, as the reference's eval forward runs
+        with torch.enable_grad(), vp.peer_context(compare_row.precision):
+            found = predictions(call_with_inputs(peer, low.names, low))
+    except Exception as exc:  # noqa: BLE001 - the user's module in eval mode
+        nan = float("nan")
+        why = f"the peer's eval forward failed: {exc!r}"
+        return vp.ContractRow("predictions (eval)", (), nan, nan, nan, nan, nan, False, why)
+    compare_row.add("predictions (eval)", found.detach())
+    model_inputs, _ = _split_inputs(setup, inputs)
+    row = _prediction_row(ref, generated, model_inputs, None, compare_row, low)
+    return vp.as_contract_row(row)
 
 
 def _generated_class(setup: _Setup, label: str, options: Options | None) -> type:
@@ -700,10 +823,8 @@ def _step_and_compare(
 
     from unroller.analysis.lifted_casts import LiftedCasts, lifted_note
 
-    graph, plan = setup.graph, setup.plan
-    model_inputs = _NamedInputs(t for t, v in zip(inputs, graph.inputs) if v.kind == "input")
-    model_inputs.names = [v.name for v in graph.inputs if v.kind == "input"]
-    other = inputs[graph.inputs.index(plan.other)]
+    plan = setup.plan
+    model_inputs, other = _split_inputs(setup, inputs)
     try:
         torch.manual_seed(seed)
         loss = generated(*inputs)
@@ -942,9 +1063,10 @@ def _original_loss(original, plan: LossPlan, model_inputs, other):
     return replay_loss(plan, prediction, other)
 
 
-def _state_rows(original, generated, tolerance: float) -> list[Row]:
+def _state_rows(original, generated, tolerance, compare_row: Callable = compare) -> list:
     """A gradient row per parameter and a buffer row per buffer, by state-dict key, in the
-    original's order. A missing gradient counts as zeros (what it means), and says so."""
+    original's order. A missing gradient counts as zeros (what it means), and says so.
+    ``compare_row``: ``compare`` or the accuracy contract's (``PeerComparer``)."""
     import torch
 
     params = dict(original.named_parameters(remove_duplicate=False))
@@ -954,7 +1076,7 @@ def _state_rows(original, generated, tolerance: float) -> list[Row]:
     for key, value in original.state_dict().items():
         if key not in params and key in gen_params and not gen_params[key].requires_grad:
             # a buffer read as data is a frozen parameter there: compared as a buffer
-            rows.append(compare(f"buffer {key}", gen_state[key], value, tolerance))
+            rows.append(compare_row(f"buffer {key}", gen_state[key], value, tolerance))
         elif key in params or key in gen_params:
             if key not in params or key not in gen_params:
                 where = "the original" if key in params else "the generated module"
@@ -969,13 +1091,17 @@ def _state_rows(original, generated, tolerance: float) -> list[Row]:
             )
             zeros = torch.zeros_like(params[key])
             got, ref = (zeros if g is None else g for g in (got, ref))
-            rows.append(compare(f"grad {key}", got, ref, tolerance, note))
+            rows.append(compare_row(f"grad {key}", got, ref, tolerance, note))
         else:
-            rows.append(compare(f"buffer {key}", gen_state[key], value, tolerance))
+            rows.append(compare_row(f"buffer {key}", gen_state[key], value, tolerance))
     return rows
 
 
-def _prediction_row(original, generated, model_inputs, tolerance: float) -> Row:
+def _prediction_row(
+    original, generated, model_inputs, tolerance, compare_row: Callable = compare, here=None
+) -> Any:
+    """The evaluation-mode predictions' row; ``here``: the generated side's inputs when they
+    are not ``model_inputs`` (the accuracy contract's, in the precision's dtype)."""
     import torch
 
     from unroller.analysis import lifted_casts
@@ -998,7 +1124,7 @@ def _prediction_row(original, generated, model_inputs, tolerance: float) -> Row:
             f"the original's eval forward failed: {exc!r}",
         )
     try:
-        got = generated.predict(*model_inputs)
+        got = generated.predict(*(model_inputs if here is None else here))
     except Exception as exc:  # noqa: BLE001 - a generator bug: a row, not a traceback
         return Row(
             "predictions (eval)",
@@ -1011,7 +1137,7 @@ def _prediction_row(original, generated, model_inputs, tolerance: float) -> Row:
         )
     if isinstance(got, (tuple, list)):
         got = got[0]
-    return compare("predictions (eval)", got, ref, tolerance)
+    return compare_row("predictions (eval)", got, ref, tolerance)
 
 
 def verify_module(
@@ -1024,7 +1150,7 @@ def verify_module(
     scheme: str = "nocompress",
     options: Options | None = None,
     **kwargs: Any,
-) -> VerifyReport:
+) -> VerifyReport | ContractReport:
     """One float64 step of a built torch ``module``, imported on example ``inputs`` (and
     ``target``: ``importer.api.module_text``; or a Hugging Face keyword batch with
     ``labels``, its loss the model's own: ``importer.hf_batch``), against the module itself:

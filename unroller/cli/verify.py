@@ -4,6 +4,8 @@ The work is ``unroller.analysis.verify`` (it imports torch, so it is imported on
 runs); this module turns its report into output and an exit status: 0 every value
 matches, 1 a mismatch (keys, shapes or numbers), 2 a user error (a broken model file, a
 SPEC that does not load, a model text that is not ``prediction -> shape ops -> loss``).
+With a low ``--precision`` the numbers are judged by the accuracy contract
+(``unroller.analysis.verify_precision``) instead of float64 equality.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ AgainstOpt = Annotated[
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds the weights, inputs and dropout.")]
 ToleranceOpt = Annotated[
     float,
-    typer.Option("--tolerance", min=0.0, help="Largest relative error that passes (float64)."),
+    typer.Option(
+        "--tolerance",
+        min=0.0,
+        help="Largest relative error that passes (float64; with --precision fp32 only).",
+    ),
 ]
 DropoutOpt = Annotated[
     str,
@@ -72,9 +78,17 @@ def verify(
     after the step and the evaluation-mode predictions, with a table per tensor. The loss
     the model text applies is replayed on the original's predictions.
 
+    With a low --precision (bf16-mixed, fp16-mixed, bf16, fp16) the step cannot match
+    float64, and the accuracy contract is checked instead: per tensor, the relative error
+    ||x - ref|| / ||ref|| against the original in float64, ours (the generated step) at most
+    2 x that of torch's own step in the precision (torch.autocast on the CPU for a mixed
+    one, the module moved to the low dtype for a plain one) + 1e-3 (bf16) or 2.5e-4 (fp16);
+    dropout off on every side.
+
     Example: unroll verify models/net.txt --against mynet.py:Net --kwargs '{"num_classes": 10}'
 
-    Exit status 0: everything within --tolerance; 1: a mismatch; 2: a user error.
+    Exit status 0: everything within --tolerance (or the contract); 1: a mismatch; 2: a
+    user error.
     """
     import unroller.analysis.verify as verification
     from unroller.cli.target import make_options
@@ -87,6 +101,12 @@ def verify(
     if dropout not in verification.DROPOUT_MODES:
         known = ", ".join(verification.DROPOUT_MODES)
         raise fail(f"unknown --dropout '{dropout}' (known: {known})")
+    if options.precision != Options().precision and tolerance != verification.TOLERANCE:
+        raise fail(
+            f"--tolerance is the float64 check's bound; --precision {options.precision} is "
+            "judged by its accuracy contract (ours <= 2 x torch's own error in that precision "
+            "+ a floor): leave --tolerance out"
+        )
     try:
         report = verification.verify(
             model,
