@@ -19,6 +19,7 @@ from unroller.cli.options import (
     GENERATED,
     TARGET_OPTIONS,
     ModelArg,
+    PrecisionsOpt,
     SchemesOpt,
     value_of,
     with_options,
@@ -28,6 +29,7 @@ from unroller.cli.stdout import write_stdout
 from unroller.cli.target import make_options
 from unroller.compiler.codegen import read_header
 from unroller.compiler.options import Options
+from unroller.compiler.precision import DEFAULT as PRECISION_DEFAULT
 from unroller.errors import ConfigError, ModelError
 
 
@@ -90,9 +92,12 @@ def generate(
 
 
 def find_checked_in(model: Path, options: Options, root: Path = GENERATED) -> Path | None:
-    """The file under generated/ whose header records this model, platform and scheme."""
+    """The file under generated/ whose header records this model, platform, scheme and
+    precision (``SCHEME.py``, or ``SCHEME-PRECISION.py`` for another than fp32)."""
     label = source_label(model)
-    conventional = root / options.platform / model.stem / f"{options.scheme}.py"
+    precision = options.precision
+    stem = options.scheme if precision == PRECISION_DEFAULT else f"{options.scheme}-{precision}"
+    conventional = root / options.platform / model.stem / f"{stem}.py"
     if conventional.exists():
         return conventional
     for path in sorted(root.rglob("*.py")) if root.is_dir() else []:
@@ -105,6 +110,7 @@ def find_checked_in(model: Path, options: Options, root: Path = GENERATED) -> Pa
             and header.get("source") == label
             and header.get("platform") == options.platform
             and header.get("scheme") == options.scheme
+            and header.get("precision", PRECISION_DEFAULT) == precision
         ):
             return path
     return None
@@ -118,33 +124,43 @@ def unified(a: str, b: str, name_a: str, name_b: str) -> str:
     )
 
 
-@with_options(*(name for name in TARGET_OPTIONS if name != "scheme"))
+@with_options(*(name for name in TARGET_OPTIONS if name not in ("scheme", "precision")))
 def diff(
     model: ModelArg,
     scheme: SchemesOpt = None,
+    precision: PrecisionsOpt = None,
     option_values: dict[str, Any] | None = None,
     against: Annotated[
         Path | None, typer.Option(help="The file to compare with (default: the checked-in one).")
     ] = None,
 ) -> None:
-    """Show what would change: emitted code against the checked-in file, or scheme against scheme.
+    """Show what would change: emitted code against the checked-in file, scheme against
+    scheme, or precision against precision.
 
     Examples: unroll diff models/quick.txt --platform gpu;
     unroll diff models/quick.txt --scheme nocompress --scheme dct-dense;
+    unroll diff models/gpt_tiny.txt --precision fp32 --precision bf16-mixed (the casts);
     unroll diff models/gpt_tiny.txt --scheme quant --recompute-segments blocks --against
     gpt_quant.py (what segment recompute changes in a module generated without it).
     Exit status 1 when there are differences, 0 when none.
     """
     schemes = [value_of(s) for s in scheme or ["nocompress"]]
-    if len(schemes) > 2:
-        raise fail("give one --scheme (against a file) or two (scheme against scheme)")
+    precisions = [value_of(p) for p in precision or [PRECISION_DEFAULT]]
+    if len(schemes) > 2 or len(precisions) > 2 or len(schemes) + len(precisions) > 3:
+        raise fail(
+            "give one --scheme and one --precision (against a file), two schemes (scheme "
+            "against scheme) or two precisions (precision against precision)"
+        )
 
-    def options_for(name: str) -> Options:
-        return make_options(option_values or {}, scheme=name)
+    def options_for(name: str, chosen: str = precisions[0]) -> Options:
+        return make_options(option_values or {}, scheme=name, precision=chosen)
 
     if len(schemes) == 2:
         a, b = (emit(model, options_for(s)) for s in schemes)
         text = unified(a, b, f"{model} ({schemes[0]})", f"{model} ({schemes[1]})")
+    elif len(precisions) == 2:
+        a, b = (emit(model, options_for(schemes[0], p)) for p in precisions)
+        text = unified(a, b, f"{model} ({precisions[0]})", f"{model} ({precisions[1]})")
     else:
         options = options_for(schemes[0])
         target = against or find_checked_in(model, options)
@@ -152,7 +168,8 @@ def diff(
             raise fail(f"{against} does not exist or is not a regular file")
         if target is None or not target.exists():
             raise fail(
-                f"no checked-in file for {model} ({options.platform}, {schemes[0]}) under "
+                f"no checked-in file for {model} ({options.platform}, {schemes[0]}, "
+                f"{options.precision}) under "
                 f"{GENERATED}/; name one with --against FILE"
             )
         try:

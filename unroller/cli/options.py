@@ -141,6 +141,15 @@ SchemesOpt = Annotated[
     ),
 ]
 PrecisionOpt = field_option("precision")
+PrecisionsOpt = Annotated[
+    list[PrecisionName] | None,
+    typer.Option(
+        "--precision",
+        parser=parse_precision,
+        metavar=_metavar(PrecisionName),
+        help="A precision; give two to compare precisions.",
+    ),
+]
 ConfigOpt = field_option("compress_config")
 RecomputeOpt = field_option("recompute")
 RecomputeSegmentsOpt = field_option("recompute_segments")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -413,6 +414,10 @@ def _module_view(
     )
 
 
+GENERATED_DOC_WIDTH = 88
+"""The width a generated docstring's own lines are wrapped to (black leaves docstrings)."""
+
+
 def _targets(names: list[safe.Code]) -> safe.Code:
     """Assignment targets for these names: ``a, b`` (or ``(a,)`` for one)."""
     if not names:
@@ -431,8 +436,9 @@ def _precision_view(graph: Graph) -> dict[str, Any]:
     def torch_name(dtype: str | None) -> safe.Code | None:
         return safe.dotted(f"torch.{TORCH_DTYPE_NAMES[dtype]}") if dtype else None
 
+    lines = textwrap.wrap(f"Precision: {chosen.name}: {chosen.doc}.", GENERATED_DOC_WIDTH)
     return dict(
-        precision=safe.doc_text(f"{chosen.name} ({chosen.doc})"),
+        precision=[safe.doc_text(line) for line in lines],
         precision_low=torch_name(chosen.low),
         precision_params=torch_name(chosen.dtype),
     )

@@ -58,14 +58,16 @@ PRECISIONS: dict[str, Precision] = {
             "bf16-mixed",
             None,
             "bf16",
-            "torch.autocast(dtype=torch.bfloat16)'s policy: float32 parameters, matmuls, "
-            "convolutions and attention in bfloat16, softmax, norms and losses in float32",
+            "torch.autocast(dtype=torch.bfloat16)'s policy with every cast written out: float32 "
+            "parameters, gradients and loss; matmuls, convolutions and attention in bfloat16; "
+            "softmax, norms and losses in float32",
         ),
         Precision(
             "fp16-mixed",
             None,
             "f16",
-            "as bf16-mixed in float16; pass a torch.amp.GradScaler (scaler=) against underflow",
+            "as bf16-mixed in float16; a torch.amp.GradScaler (scaler=) keeps small gradients "
+            "from underflowing",
         ),
         Precision("bf16", "bf16", None, "parameters, activations and gradients in bfloat16"),
         Precision("fp16", "f16", None, "parameters, activations and gradients in float16"),
