@@ -120,3 +120,17 @@ def test_hugging_face_models_keep_the_contract_in_bf16_mixed(tmp_path, kind):
         {"loss": out.loss, **ours}, {"loss": peer_loss, **theirs}, {"loss": ref_loss, **want}
     )
     assert not bad, bad
+
+
+def test_a_peft_prompt_learning_model_is_refused_with_the_reason():
+    class PromptTuned(torch.nn.Module):
+        """What unroll reads of a peft wrapper: a base model, a config, prompt learning."""
+
+        peft_config = {"default": None}
+        active_peft_config = type("Config", (), {"is_prompt_learning": True})()
+
+        def get_base_model(self):
+            return torch.nn.Linear(4, 2)
+
+    with pytest.raises(ValueError, match="prompt-learning"):
+        unroller.unroll(PromptTuned(), torch.randn(2, 4), torch.tensor([0, 1]))
