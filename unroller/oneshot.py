@@ -26,6 +26,7 @@ original, one float64 step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ def cache_dir() -> Path:
 
 #: The model text of a module on example inputs, as ``unroll import`` writes it.
 import_text = module_text
+
+#: The mixed precision that computes what ``torch.autocast`` of each dtype would.
+AUTOCAST_PRECISIONS = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,8 @@ class Unrolled(torch.nn.Module):
         """A training step on ``args`` (the inputs, then the target) or a keyword batch;
         ``scaler``: a ``torch.amp.GradScaler`` seeding the backward of a mixed-precision
         step (``precision="fp16-mixed"`` or ``"bf16-mixed"``)."""
-        if scaler is not None and not self._how.options.precision.endswith("-mixed"):
+        how = self._under_autocast(args or tuple(batch.values()))
+        if scaler is not None and not how.options.precision.endswith("-mixed"):
             raise TypeError(
                 "step(..., scaler=): a GradScaler seeds a mixed-precision step; unroll with "
                 "precision='fp16-mixed' (or 'bf16-mixed')"
@@ -207,7 +212,7 @@ class Unrolled(torch.nn.Module):
                     f"got {len(args)} arguments"
                 )
             inputs, target = self._named(args[:-1]), args[-1]
-        loss, logits = self._run(inputs, target, scaler)
+        loss, logits = self._run(inputs, target, scaler, how)
         if not batch:
             return loss
         return StepOutput(loss, logits, self._how.plan.output)
@@ -215,16 +220,36 @@ class Unrolled(torch.nn.Module):
     def _named(self, values: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(zip(self._how.names, values))
 
-    def _run(self, inputs: dict, target, scaler: Any = None):
+    def _under_autocast(self, values: Sequence[Any]) -> _How:
+        """How this call's step is generated: as unrolled, or, for a step unrolled in fp32
+        and called under ``torch.autocast`` of bfloat16 or float16, with the mixed precision
+        that computes what that autocast would (``precision="bf16-mixed"``), every cast
+        written out; any other autocast is left to the step to refuse."""
+        how = self._how
+        if how.options.precision != "fp32":
+            return how
+        devices = {"cpu"} | {v.device.type for v in values if isinstance(v, torch.Tensor)}
+        for device in sorted(devices):
+            if torch.is_autocast_enabled(device):
+                matching = AUTOCAST_PRECISIONS.get(torch.get_autocast_dtype(device))
+                if matching is None:
+                    return how
+                return dataclasses.replace(
+                    how, options=dataclasses.replace(how.options, precision=matching)
+                )
+        return how
+
+    def _run(self, inputs: dict, target, scaler: Any = None, how: _How | None = None):
         """The loss (a training step, or a forward only where no gradient is asked) and the
-        predictions."""
+        predictions; ``how``: this call's generation (``_under_autocast``)."""
+        how = how or self._how
         values = list(inputs.values())
         training = self._original.training
         if training:
             _refuse_quiet_dropouts(self._original)
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            return self._forward_only(inputs, target, training)
-        spec = self._spec_for(inputs, target, "train" if training else "eval")
+            return self._forward_only(inputs, target, training, how)
+        spec = self._spec_for(inputs, target, "train" if training else "eval", how)
         return self._step_with_predictions(spec, values, target, scaler)
 
     @staticmethod
@@ -236,7 +261,7 @@ class Unrolled(torch.nn.Module):
             loss = spec.model(*values, target, **extra)
         return loss, kept[spec.built.graph.preds[0].name]
 
-    def _forward_only(self, inputs: dict, target, training: bool):
+    def _forward_only(self, inputs: dict, target, training: bool, how: _How):
         """Under ``no_grad``/``inference_mode``: the loss without any ``.grad`` written. In
         eval mode (or a text without dropout or batch norm) ``predict`` and the text's loss
         replayed on it; in train mode with either, the training step itself, the gradients
@@ -244,7 +269,7 @@ class Unrolled(torch.nn.Module):
         as the original's forward does)."""
         from unroller.analysis.verify import loss_plan, replay_loss
 
-        spec = self._spec_for(inputs, target, "train")
+        spec = self._spec_for(inputs, target, "train", how)
         if training and _train_only(spec.built.graph):
             with torch.inference_mode(False), torch.no_grad():
                 params = [p for p in self._original.parameters()]
@@ -264,14 +289,15 @@ class Unrolled(torch.nn.Module):
 
     # -- specialisations -----------------------------------------------------------------
 
-    def _spec_for(self, inputs: dict, target, mode: str) -> _Spec:
+    def _spec_for(self, inputs: dict, target, mode: str, how: _How | None = None) -> _Spec:
         """The specialisation for this batch's shapes and the mode, made on demand (LRU of
         ``stepcache.MAX_SHAPES``), after following changes to the module (``_follow``)."""
         self._follow()
-        key = (stepcache.signature(inputs, target), mode)
+        how = how or self._how
+        key = (stepcache.signature(inputs, target), mode, how.options.precision)
         spec = self._specs.get(key)
         if spec is None:
-            spec = _make_spec(self._original, self._how, inputs, target, mode)
+            spec = _make_spec(self._original, how, inputs, target, mode)
             self._specs[key] = spec
             while len(self._specs) > stepcache.MAX_SHAPES:
                 self._specs.popitem(last=False)
@@ -443,7 +469,7 @@ def unroll(
         plan,
     )
     spec = _make_spec(module, how, named, target, "train")  # the eval variant on demand
-    key = (stepcache.signature(named, target), "train")
+    key = (stepcache.signature(named, target), "train", how.options.precision)
     return Unrolled(module, how, key, spec)
 
 

@@ -43,9 +43,23 @@ def test_a_step_under_autocast_is_refused_in_one_line(tmp_path, dtype):
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
 
 
-def test_unroll_refuses_under_autocast_too():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unroll_under_autocast_computes_the_matching_mixed_precision(dtype):
+    """unroll's step, unrolled in fp32 and called under torch.autocast, is generated with
+    the mixed precision that computes what that autocast would: the same numbers as a step
+    unrolled with that precision, and the fp32 step again outside autocast."""
+    torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3))
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
     step = unroller.unroll(net, x)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="autocast"):
-        step(x, y)
+    with torch.autocast("cpu", dtype=dtype):
+        loss = step(x, y)
+    grads = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    name = "bf16-mixed" if dtype == torch.bfloat16 else "fp16-mixed"
+    assert torch.equal(loss, unroller.unroll(net, x, precision=name)(x, y))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters()))
+    net.zero_grad(set_to_none=True)
+    plain = step(x, y)  # outside autocast: the fp32 step
+    assert '"precision"' not in step.source.splitlines()[0]
+    assert plain.dtype == torch.float32 and not torch.equal(plain, loss)
