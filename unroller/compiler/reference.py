@@ -63,13 +63,20 @@ def _cell(text: str) -> str:
 def operator_table() -> str:
     """The markdown table of every registry operator, in registry order."""
     rows = [
-        "| operator | tensor inputs ([optional]) | arguments (defaults) | parameters, buffers | what it computes |",
-        "|---|---|---|---|---|",
+        "| operator | tensor inputs ([optional]) | arguments (defaults) | parameters, buffers | mixed precision | what it computes |",
+        "|---|---|---|---|---|---|",
     ]
     for name, spec in load_registry().items():
         args = ", ".join(_argument(a) for a in spec.args.values()) or "none"
         tensors = _tensors(spec.params) + [f"{t} (buffer)" for t in _tensors(spec.buffers)]
-        cells = (f"`{name}`", _inputs(spec), args, ", ".join(tensors) or "", spec.doc)
+        cells = (
+            f"`{name}`",
+            _inputs(spec),
+            args,
+            ", ".join(tensors) or "",
+            spec.precision,
+            spec.doc,
+        )
         rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(rows) + "\n"
 
