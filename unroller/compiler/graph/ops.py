@@ -107,8 +107,7 @@ class OperatorCalls:
             output=value,
             params=params,
             buffers=buffers,
-            # statistics (a norm's mean, attention's lse) stay float32 under a mixed precision
-            extras=self._extras(op, inputs, result.type, env, held),
+            extras=self._extras(op, inputs, result.type, env, (float_dtype, held)),
             loc=stmt.loc,
             text=f"{full_name} = {op.name}({', '.join(args_text + kw_text)})",
             local_text=statement_text(stmt),
@@ -198,10 +197,14 @@ class OperatorCalls:
         inputs: list[Value],
         output: TensorType,
         env: dict[str, Any],
-        float_dtype: str,
+        dtypes: tuple[str, str],
     ) -> list[Extra]:
         """The call's extra tensors (saved statistics, masks), each shaped like the output,
-        like an input, or by its own expression."""
+        like an input, or by its own expression; ``dtypes``: (the call's float dtype, its
+        parameters'): an activation extra (a recurrent layer's gates) has the first,
+        statistics (a norm's mean, attention's lse) the second, float32 under a mixed
+        precision as the kernels keep them."""
+        float_dtype, statistics = dtypes
         extras = []
         input_types = dict(zip(op.input_names(len(inputs)), (v.type for v in inputs)))
         for extra in op.extras:
@@ -210,7 +213,8 @@ class OperatorCalls:
                 etype = TensorType(extra.dtype or like.dtype, like.shape)
             else:
                 shape = tuple(eval_expr(extra.shape or "()", env))
-                etype = TensorType(extra.dtype or float_dtype, shape)
+                default = float_dtype if extra.name in op.activations else statistics
+                etype = TensorType(extra.dtype or default, shape)
             present = extra.when is None or bool(eval_expr(extra.when, env))
             extras.append(Extra(extra.name, etype, present))
         return extras
