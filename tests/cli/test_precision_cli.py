@@ -29,7 +29,7 @@ def test_generate_records_the_precision_in_the_header(tmp_path):
     "args",
     [
         ["generate", GPT, "--precision", "bf17"],
-        ["generate", GPT, "--precision", "fp16-mixed", "--platform", "ipu"],
+        ["generate", GPT, "--precision", "bf16-mixed", "--platform", "ipu"],
         ["diff", GPT, "--precision", "fp32", "--precision", "bf16", "--precision", "fp16"],
         ["graph", GPT, "--precision", "half"],
     ],
