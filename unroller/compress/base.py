@@ -49,6 +49,11 @@ __all__ = [
     "ParamSpec",
     "packed_nbytes",
     "work_dtype",
+    "LOW_PRECISION",
+    "WIDEN_ELEMENTS",
+    "is_low_precision",
+    "widen_elements",
+    "widen_spans",
     "pack_codes",
     "unpack_codes",
     "packed_code_bytes",
@@ -269,6 +274,50 @@ def packed_nbytes(packed: tuple[Tensor, ...]) -> int:
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype compressors compute in: float64 for float64 data, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+"""The 2-byte float dtypes (``--precision bf16-mixed`` and the like save activations in
+them). Their work dtype is float32; the codecs never widen a whole tensor of them to it."""
+
+WIDEN_ELEMENTS = 1 << 20
+"""Elements of a float16 / bfloat16 tensor that a codec widens to float32 at once, where its
+arithmetic must run in float32: the native kernels read and write float32, and the DCT's
+matrix products run in float32 (in bfloat16 every partial transform would be rounded to 8
+bits, far more than the input's own rounding). Such work goes a span of at most this many
+elements at a time (4 MiB of float32; times the threads a native kernel runs, each of which
+gets about this many), so no float32 copy of a whole large activation is ever alive: the
+low-precision tensor is read where it lies. A span never splits a DCT plane (one larger
+than this is widened alone) nor a quantisation group (a group larger than this skips the
+native kernel: the PyTorch fast path reads it as it is, min and max first, then blocks).
+Read at each call (the tests make it small); the results do not depend on it (the DCT's
+products are taken per span, whose sizes all formulations share)."""
+
+
+def widen_elements() -> int:
+    """``WIDEN_ELEMENTS`` as it is now (read at each call, so that tests can make it small)."""
+    return WIDEN_ELEMENTS
+
+
+def is_low_precision(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is float16 or bfloat16 (see ``LOW_PRECISION``)."""
+    return dtype in LOW_PRECISION
+
+
+def widen_spans(  # unroller-lint: host-only (native path)
+    n: int, m: int, step: int, budget: int
+) -> list[tuple[int, int, int, int]]:
+    """(i0, i1, j0, j1): spans of an [n, m] tensor (samples i0..i1, elements j0..j1 of each)
+    of at most ``budget`` elements each, in row-major order, to widen to float32 one at a
+    time. Whole samples while one fits the budget; else pieces of one sample whose lengths
+    are multiples of ``step`` (a whole number of groups and of code bytes: every span's
+    codes start at a byte of the packed form), only the last piece shorter. ``step`` must
+    be at most ``budget``."""
+    if m <= budget:
+        rows = max(1, budget // max(m, 1))
+        return [(i, min(n, i + rows), 0, m) for i in range(0, n, rows)]
+    width = budget // step * step
+    return [(i, i + 1, j, min(m, j + width)) for i in range(n) for j in range(0, m, width)]
 
 
 _CONSTANTS: dict[Hashable, Tensor] = {}

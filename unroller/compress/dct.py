@@ -16,6 +16,7 @@ from .base import (
     cached_constant,
     float_constant_compiled,
     is_compiling,
+    is_low_precision,
     itemsize,
     native_library,
     native_threads,
@@ -24,6 +25,7 @@ from .base import (
     skip_checks,
     use_compiled_path,
     use_fast_path,
+    widen_elements,
     work_dtype,
     zero_nan_compiled,
 )
@@ -156,6 +158,15 @@ class Dct(Compressor):
     (sample, channel) scale amax|stored coeffs| / 127 (float32, or float64 for float64
     inputs; 1 for an all-zero channel); otherwise (coeffs,) in bf16 / f16 / f32. Coefficient
     tensors are [N, C, Hb, keep, Wb, keep], or [N, C, Hb, Wb, keep*(keep+1)/2] with ``fold``.
+
+    float16 / bfloat16 inputs and outputs: the transforms run in float32 (in bfloat16 each
+    partial product would be rounded to 8 bits), on spans of planes of at most
+    ``base.WIDEN_ELEMENTS`` elements (``_plane_spans``; the native kernel widens its own
+    spans), so no float32 copy of a whole large tensor is made, and the output is written
+    in its dtype span by span. The packed form is the one the float32 input with the same
+    values gives (and the same bytes on every formulation, which share the spans), and the
+    output is the float32 decompression rounded to the dtype: the round trip errs by at
+    most the float32 codec's error plus the dtype's rounding of the result.
 
     Zero-size inputs (N, C, H or W of 0) round-trip: the packed tensors have the same shapes as
     for any other input (zero-size coefficient tensors; with int8 a scale [N, C] of ones) and
@@ -303,15 +314,67 @@ class Dct(Compressor):
             raise ValueError(
                 f"{self!r}: expected a 4-D tensor [N, C, H, W], got shape {tuple(t.shape)}"
             )
-        b, k = self.params["block"], self.params["keep"]
+        b = self.params["block"]
         n, c, h, w = t.shape
         hb, wb = self._geometry(c, h, w)
         wd = work_dtype(t.dtype)
         if n * c * h * w == 0:  # same on both paths: a shape-only branch
             return self._empty_packed(n, c, hb, wb, wd, t.device)
         compiled = use_compiled_path(t)
-        if not compiled and use_fast_path(t):
+        fast = not compiled and use_fast_path(t)
+        spans = self._plane_spans(n * c, hb * wb * b * b, t.dtype)
+        if len(spans) > 1 and not (fast and self._native_compresses(t, wd)):
+            return self._compress_spans(t, spans, hb, wb, wd, compiled, fast)
+        if fast:
             return self._compress_fast(t, hb, wb, wd)
+        return self._compress_safe(t, hb, wb, wd, compiled)
+
+    def _plane_spans(self, planes: int, plane: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """(p0, p1): the planes a formulation transforms together, ``plane`` elements each
+        once padded. All of them for float32 / float64 data; for float16 / bfloat16 data,
+        whose float32 work would otherwise be a float32 copy of the whole tensor (and its
+        transforms), spans of at most ``base.WIDEN_ELEMENTS`` elements (one plane at least).
+        A shape-only choice shared by every formulation, so their matrix products have the
+        same shapes (BLAS results can depend on them) and they stay bit-identical."""
+        if not is_low_precision(dtype):
+            return [(0, planes)]
+        per = max(1, widen_elements() // plane)
+        return [(p, min(planes, p + per)) for p in range(0, planes, per)]
+
+    def _compress_spans(
+        self,
+        t: Tensor,
+        spans: list[tuple[int, int]],
+        hb: int,
+        wb: int,
+        wd: torch.dtype,
+        compiled: bool,
+        fast: bool,
+    ) -> tuple[Tensor, ...]:
+        """``compress`` of a float16 / bfloat16 tensor a span of planes at a time (each plane
+        is transformed, chopped and scaled on its own): at most a span is widened to float32
+        at once, and the packed pieces (a fraction of the input's size) are joined."""
+        n, c, h, w = t.shape
+        planes = t.reshape(n * c, 1, h, w)
+        parts = []
+        for p0, p1 in spans:
+            piece = planes[p0:p1]
+            if fast:
+                parts.append(self._compress_fast(piece, hb, wb, wd))
+            else:
+                parts.append(self._compress_safe(piece, hb, wb, wd, compiled))
+        return tuple(
+            torch.cat([part[i] for part in parts]).reshape(n, c, *parts[0][i].shape[2:])
+            for i in range(len(parts[0]))
+        )
+
+    def _compress_safe(
+        self, t: Tensor, hb: int, wb: int, wd: torch.dtype, compiled: bool
+    ) -> tuple[Tensor, ...]:
+        """``compress``'s IPU-safe formulation (and, while torch.compile traces, the compiled
+        one) of a non-empty [N, C, H, W] tensor."""
+        b, k = self.params["block"], self.params["keep"]
+        n, c, h, w = t.shape
         x = self._pad(t.to(wd), hb, wb)
         if self._one_tile(hb, wb):  # [N*C, b*b] @ [b*b, kept]: the kept coefficients / 2**e
             y = self._tile_product(x.reshape(n * c, b * b), wd, inverse=False)
@@ -360,14 +423,40 @@ class Dct(Compressor):
     ) -> Tensor:
         self._float_dtype(dtype)
         n = self._check_packed(packed, tuple(shape))
-        b, k = self.params["block"], self.params["keep"]
+        b = self.params["block"]
         c, h, w = shape
         hb, wb = self._geometry(c, h, w)
         wd = work_dtype(dtype)
         if n * c * h * w == 0:  # same on both paths: a shape-only branch
             return torch.zeros((n, c, h, w), dtype=dtype, device=packed[0].device)
-        if use_fast_path(*packed):
+        fast = use_fast_path(*packed)
+        spans = self._plane_spans(n * c, hb * wb * b * b, dtype)
+        if len(spans) > 1:  # a float16 / bfloat16 output: a span of planes at a time
+            if fast:
+                return self._decompress_spans_fast(packed, (c, h, w), hb, wb, wd, dtype, spans)
+            views = tuple(p.reshape(n * c, 1, *p.shape[2:]) for p in packed)
+            parts = [
+                self._decompress_safe(tuple(v[p0:p1] for v in views), (1, h, w), hb, wb, wd, dtype)
+                for p0, p1 in spans
+            ]
+            return torch.cat(parts).reshape(n, c, h, w)
+        if fast:
             return self._decompress_fast(packed, (c, h, w), hb, wb, wd, dtype)
+        return self._decompress_safe(packed, (c, h, w), hb, wb, wd, dtype)
+
+    def _decompress_safe(
+        self,
+        packed: tuple[Tensor, ...],
+        shape: tuple[int, int, int],
+        hb: int,
+        wb: int,
+        wd: torch.dtype,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """``decompress``'s IPU-safe formulation, for a non-empty shape."""
+        b, k = self.params["block"], self.params["keep"]
+        c, h, w = shape
+        n = packed[0].shape[0]
         if self.params["storage"] == "int8":
             q, scale = packed
             y = q.to(wd) * scale.to(wd).reshape(n, c, *([1] * (q.dim() - 2)))
@@ -392,7 +481,8 @@ class Dct(Compressor):
 
     # fast cpu/cuda path ------------------------------------------------------------------
     # The matmuls are exactly the IPU-safe formulation's (same shapes and layouts: BLAS results
-    # can depend on the matrix sizes, so they are never split); the work around them is not.
+    # can depend on the matrix sizes, so they are never split otherwise than in the spans of
+    # planes that every formulation shares, ``_plane_spans``); the work around them is not.
 
     def _fold_positions(  # unroller-lint: host-only (fast cpu/cuda path)
         self, device: torch.device
@@ -403,6 +493,41 @@ class Dct(Compressor):
             ("dct_fold_rc", k, device),
             lambda: torch.stack([fold_index(k, device) // k, fold_index(k, device) % k]),
         ).unbind(0)
+
+    def _native_compresses(  # unroller-lint: host-only (fast cpu/cuda path)
+        self, t: Tensor, wd: torch.dtype
+    ) -> bool:
+        """Whether ``_compress_fast`` hands ``t`` to the native kernel (int8 storage, float32
+        work, the kernels at hand), which widens a float16 / bfloat16 input a span of planes
+        at a time itself."""
+        return (
+            self.params["storage"] == "int8"
+            and wd == torch.float32
+            and native_library(t) is not None
+        )
+
+    def _decompress_spans_fast(  # unroller-lint: host-only (fast cpu/cuda path)
+        self,
+        packed: tuple[Tensor, ...],
+        shape: tuple[int, int, int],
+        hb: int,
+        wb: int,
+        wd: torch.dtype,
+        dtype: torch.dtype,
+        spans: list[tuple[int, int]],
+    ) -> Tensor:
+        """``_decompress_fast`` a span of planes at a time into one output tensor of
+        ``dtype`` (float16 / bfloat16): each span's float32 work is cast into its place, so
+        no float32 tensor of the whole output is made."""
+        c, h, w = shape
+        n = packed[0].shape[0]
+        out = torch.empty((n, c, h, w), dtype=dtype, device=packed[0].device)
+        flat = out.view(n * c, 1, h, w)
+        views = tuple(p.reshape(n * c, 1, *p.shape[2:]) for p in packed)
+        for p0, p1 in spans:
+            piece = tuple(v[p0:p1] for v in views)
+            flat[p0:p1].copy_(self._decompress_fast(piece, (1, h, w), hb, wb, wd, dtype))
+        return out
 
     def _compress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
         self, t: Tensor, hb: int, wb: int, wd: torch.dtype
@@ -419,6 +544,9 @@ class Dct(Compressor):
                 packed = self._compress_native(lib, t, hb, wb)
                 if packed is not None:
                     return packed
+                spans = self._plane_spans(n * c, hb * wb * b * b, t.dtype)
+                if len(spans) > 1:  # the kernel got no scratch memory: spans here too
+                    return self._compress_spans(t, spans, hb, wb, wd, False, True)
         x = self._pad(t.to(wd), hb, wb)
         if self._one_tile(hb, wb):
             y = self._tile_product(x.reshape(n * c, b * b), wd, inverse=False)
@@ -519,28 +647,48 @@ class Dct(Compressor):
         self, lib, t: Tensor, hb: int, wb: int
     ) -> tuple[Tensor, Tensor] | None:
         """``compress`` through the native kernel; None when it could not get scratch memory
-        (the PyTorch formulation then runs)."""
+        (the PyTorch formulation then runs). The kernel reads float32 planes: a float16 /
+        bfloat16 input is widened a span of planes at a time (``base.WIDEN_ELEMENTS`` per
+        thread) into one reused buffer, each plane being coded on its own, so the codes
+        are those of one call on the whole widened tensor."""
         b, k = self.params["block"], self.params["keep"]
         n, c, h, w = t.shape
-        x = t.to(torch.float32).contiguous()
+        planes = n * c
         q = torch.empty(self._coeff_shape(n, c, hb, wb), dtype=torch.int8)
         scale = torch.empty((n, c), dtype=torch.float32)
-        tk, tk_down, _ = self._matrices(torch.float32, x.device)
-        failed = lib.ud_compress_f32(
-            x.data_ptr(),
-            n * c,
-            h,
-            w,
-            b,
-            k,
-            int(self.params["fold"]),
-            tk_down.contiguous().data_ptr(),
-            tk.contiguous().data_ptr(),
-            q.data_ptr(),
-            scale.data_ptr(),
-            native_threads(x.numel()),
-        )
-        return None if failed else (q, scale)
+        tk, tk_down, _ = self._matrices(torch.float32, t.device)
+        threads = native_threads(t.numel())
+        if t.dtype == torch.float32:
+            step, src, buf = planes, t.contiguous().view(planes, h, w), None
+        else:
+            step = max(1, widen_elements() * threads // (h * w))
+            src = t.reshape(planes, h, w)
+            buf = torch.empty(min(step, planes) * h * w, dtype=torch.float32)
+        per_plane = q.numel() // planes  # int8 codes of one plane
+        for p0 in range(0, planes, step):
+            p1 = min(planes, p0 + step)
+            if buf is None:
+                x = src
+            else:
+                x = buf[: (p1 - p0) * h * w].view(p1 - p0, h, w)
+                x.copy_(src[p0:p1])
+            failed = lib.ud_compress_f32(
+                x.data_ptr(),
+                p1 - p0,
+                h,
+                w,
+                b,
+                k,
+                int(self.params["fold"]),
+                tk_down.contiguous().data_ptr(),
+                tk.contiguous().data_ptr(),
+                q.data_ptr() + p0 * per_plane,
+                scale.data_ptr() + p0 * scale.element_size(),
+                threads,
+            )
+            if failed:
+                return None
+        return q, scale
 
     def _decompress_native(  # unroller-lint: host-only (native cpu path)
         self, lib, packed: tuple[Tensor, ...], full: tuple[int, int, int, int]

@@ -43,8 +43,10 @@ from .base import (
     ParamSpec,
     cached_constant,
     float_constant_compiled,
+    host_checks,
     host_constant,
     is_compiling,
+    is_low_precision,
     native_path,
     native_threads,
     pack_codes,
@@ -58,6 +60,8 @@ from .base import (
     unpack_codes_fast,
     use_compiled_path,
     use_fast_path,
+    widen_elements,
+    widen_spans,
     work_dtype,
 )
 
@@ -241,6 +245,12 @@ class FewBit(Compressor):
     backward of the activation named by ``function`` (the stash planner uses it only there).
     Error of the gradient: |g| * |f'(x) - level(x)| per element, bounded per interval; the
     tests measure the mean-square error against the exact backward.
+
+    float16 / bfloat16 inputs get the float32 input's codes without a float32 copy: the fast
+    path compares them as they are with the edges rounded down to their dtype (``_low_edges``:
+    the same outcome for every value), the native kernel is fed a span of
+    ``base.WIDEN_ELEMENTS`` elements at a time; a float16 / bfloat16 output is looked up in
+    the representatives of its dtype, a span at a time on the CPU.
     """
 
     name: ClassVar[str] = "fewbit"
@@ -260,6 +270,24 @@ class FewBit(Compressor):
     def _table(self, which: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """Edges (which=0) or representatives (which=2) as a cached tensor."""
         return _level_table(self.params["function"], self.params["bits"], which, dtype, device)
+
+    def _low_edges(  # unroller-lint: host-only (fast cpu/cuda path)
+        self, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """The float32 edges rounded down to ``dtype`` (float16 / bfloat16): each the largest
+        ``dtype`` value at or below its float32 edge e, so that for every ``dtype`` value x
+        (NaN and infinities included) x <= edge in ``dtype`` exactly when float32(x) <= e.
+        The fast path then compares the low-precision input as it is, with the float32
+        path's codes, and no float32 copy of it."""
+
+        def build() -> Tensor:
+            e32 = self._table(0, torch.float32, device)
+            low = e32.to(dtype)
+            below = torch.nextafter(low, torch.full_like(low, -math.inf))
+            return torch.where(low.to(torch.float32) > e32, below, low)
+
+        key = ("fewbit_low", self.params["function"], self.params["bits"], dtype, device)
+        return cached_constant(key, build)
 
     def stored_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         self._float_dtype(dtype)
@@ -291,10 +319,13 @@ class FewBit(Compressor):
         if lib is not None:
             if t.dtype == wd and n * m > 0:
                 remember_plan(self._encode_plans, (t.shape, t.dtype), (n, m, edges.contiguous()))
-            return self._compress_native(lib, t.reshape(n, m).to(wd), edges)
+            # a float16 / bfloat16 input is widened there, a span at a time
+            return self._compress_native(lib, t.reshape(n, m), edges)
         compiled = use_compiled_path(t)
         fast = not compiled and use_fast_path(t)
-        if fast:
+        if fast and is_low_precision(t.dtype):  # compared as it is, with the edges rounded
+            codes = _interval_codes(t.reshape(n, m), self._low_edges(t.dtype, t.device))
+        elif fast:
             codes = _interval_codes(t.reshape(n, m).to(wd), edges)
         else:
             codes = torch.bucketize(t.reshape(n, m).to(wd), edges)  # edges[c-1] < x <= edges[c]
@@ -340,6 +371,8 @@ class FewBit(Compressor):
             return self._decompress_native(lib, packed, n, m, shape, dtype)
         compiled = use_compiled_path(*packed)
         fast = not compiled and use_fast_path(*packed)
+        if fast and host_checks(packed[0]) and n * m > 0:
+            return self._decompress_blocks(packed, n, m, shape, dtype)
         unpack = unpack_codes_compiled if compiled else unpack_codes_fast if fast else unpack_codes
         codes = None
         shift = 0
@@ -351,6 +384,43 @@ class FewBit(Compressor):
         x = torch.index_select(reps, 0, codes.reshape(-1))
         return x.reshape(n, *shape)
 
+    def _decompress_blocks(  # unroller-lint: host-only (fast cpu path)
+        self,
+        packed: tuple[Tensor, ...],
+        n: int,
+        m: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """The fast path's ``decompress`` on the CPU, a span of ``base.WIDEN_ELEMENTS``
+        elements at a time (whole bytes of every plane): the codes of a span gathered from
+        its planes and looked up in the representatives of ``dtype``, written into their
+        place in the output. The same values as one lookup of the whole tensor (what runs on
+        CUDA), without its int32 index tensors (4 bytes an element, as large as a float32
+        copy): an index is a span's."""
+        planes = _PLANES[self.params["bits"]]
+        for p, plane in zip(planes, packed):  # the planes' sizes, as unpacking checks them
+            if plane.dim() != 2 or plane.shape != (n, packed_code_bytes(m, p)):
+                raise ValueError(
+                    f"{self!r}: a {p}-bit plane of {n} samples of {m} codes holds "
+                    f"{packed_code_bytes(m, p)} bytes a sample, got shape {tuple(plane.shape)}"
+                )
+        reps = self._table(2, dtype, packed[0].device)
+        out = torch.empty((n, m), dtype=dtype, device=packed[0].device)
+        for i0, i1, j0, j1 in widen_spans(n, m, 8, max(8, widen_elements())):
+            codes = None
+            shift = 0
+            for p, plane in zip(planes, packed):
+                part = plane[i0:i1, j0 * p // 8 : j0 * p // 8 + packed_code_bytes(j1 - j0, p)]
+                part = unpack_codes_fast(part, p, j1 - j0)
+                if codes is None:
+                    codes = part.to(torch.int32)
+                else:
+                    codes.add_(part.to(torch.int32).bitwise_left_shift_(shift))
+                shift += p
+            torch.index_select(reps, 0, codes.view(-1), out=out[i0:i1, j0:j1].view(-1))
+        return out.view(n, *shape)
+
     # native cpu path ---------------------------------------------------------------------
     # ``native/fewbit_kernels.cpp``: the codes and their planes in one pass per chunk of a
     # sample, and back through the representatives' table; bit-identical (no arithmetic
@@ -359,9 +429,47 @@ class FewBit(Compressor):
     def _compress_native(  # unroller-lint: host-only (native cpu path)
         self, lib, x: Tensor, edges: Tensor
     ) -> tuple[Tensor, ...]:
-        """``compress`` of ``x`` [N, M] (in the work dtype) through the kernel."""
+        """``compress`` of ``x`` [N, M] through the kernel: in the work dtype, or float16 /
+        bfloat16, widened to float32 (exact) a span at a time, never as a whole."""
         n, m = x.shape
+        if x.dtype != edges.dtype:
+            return self._encode_widened(lib, x, n, m, edges.contiguous())
         return self._encode_planned(lib, x.contiguous(), n, m, edges.contiguous())
+
+    def _encode_widened(  # unroller-lint: host-only (native cpu path)
+        self, lib: Any, x: Tensor, n: int, m: int, edges: Tensor
+    ) -> tuple[Tensor, ...]:
+        """``_encode_planned`` of a float16 / bfloat16 ``x`` [n, m]: each span of
+        ``base.WIDEN_ELEMENTS`` elements per thread (whole samples, or pieces of one whose
+        lengths are multiples of 8: whole bytes of every plane) copied into one reused
+        float32 buffer and coded into its place. Each element is coded on its own, so the
+        bytes are those of one call on the whole widened tensor."""
+        planes = _PLANES[self.params["bits"]]
+        threads = native_threads(n * m)
+        spans = widen_spans(n, m, 8, max(8, widen_elements() * threads))
+        outs = [x.new_empty((n, packed_code_bytes(m, p)), dtype=torch.uint8) for p in planes]
+        if n * m == 0:
+            return tuple(outs)
+        i0, i1, j0, j1 = spans[0]  # the largest span
+        buf = x.new_empty((i1 - i0) * (j1 - j0), dtype=edges.dtype)
+        for i0, i1, j0, j1 in spans:
+            rows, width = i1 - i0, j1 - j0
+            xb = buf[: rows * width].view(rows, width)
+            xb.copy_(x[i0:i1, j0:j1])
+            at = [o.data_ptr() + i0 * o.shape[1] + j0 * p // 8 for o, p in zip(outs, planes)]
+            lib.ufb_encode_f32(
+                xb.data_ptr(),
+                rows,
+                width,
+                edges.data_ptr(),
+                edges.numel(),
+                planes[0],
+                planes[1] if len(planes) > 1 else 0,
+                at[0],
+                at[1] if len(planes) > 1 else None,
+                threads,
+            )
+        return tuple(outs)
 
     def _encode_planned(  # unroller-lint: host-only (native cpu path)
         self, lib: Any, t: Tensor, n: int, m: int, edges: Tensor

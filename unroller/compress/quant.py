@@ -56,6 +56,15 @@ class Quant(_NativeQuant, Compressor):
     kernels of ``compress/native`` run when they can be built (``base.NATIVE``), with the same
     bytes.
 
+    float16 / bfloat16 inputs and outputs: on the CPU they are read and written as they are,
+    never widened to float32 as a whole: min and max per group on the input itself (exact),
+    the float32 arithmetic on blocks, and the native kernels (which read and write float32)
+    fed a span of ``base.WIDEN_ELEMENTS`` elements at a time. The codes are those of the
+    float32 input with the same values, and the decompressed tensor is the float32 one cast
+    to the dtype: the round trip errs by at most the float32 codec's error plus the dtype's
+    rounding of the result (half a unit in the last place). The IPU-safe and compiled
+    formulations (whole-tensor expressions by design) still compute on a float32 tensor.
+
     Zero-size inputs round-trip: N = 0 gives packed tensors with N = 0; empty samples (M = 0,
     e.g. C, H or W of 0) have no groups (codes [N, 0], mn and scale [N, 0]).
 
@@ -312,7 +321,8 @@ class Quant(_NativeQuant, Compressor):
         mn_out = torch.empty((rows, 1), dtype=wd, device=t.device)
         scale_out = torch.empty((rows, 1), dtype=wd, device=t.device)
         noise = None
-        if self.params["stochastic"]:  # one draw, as in the IPU-safe formulation
+        stochastic = self.params["stochastic"]
+        if stochastic and len(blocks) == 1:  # one draw, as in the IPU-safe formulation
             noise = torch.rand((rows, g), dtype=wd, device=t.device, generator=generator)
         direct = not padded and g % per == 0  # whole bytes per row: pack block by block
         if direct:
@@ -336,8 +346,15 @@ class Quant(_NativeQuant, Compressor):
                 torch.sub(xb, mn, out=v).div_(safe)
             else:  # v = (x * s - mn * s) / (safe * s), as in the IPU-safe formulation
                 torch.mul(xb, s, out=v).sub_(mn * s).div_(safe * s)
-            if noise is not None:
-                v.add_(noise[r0:r1, c0:c1]).floor_()
+            if stochastic:
+                # blocks on the CPU: the noise drawn block by block, in row-major order, is
+                # the one draw piece by piece (the CPU generator's stream is consumed element
+                # by element; the tests compare), without a full-size float32 noise tensor
+                if noise is not None:
+                    nb = noise[r0:r1, c0:c1]
+                else:
+                    nb = torch.rand(v.shape, dtype=wd, device=t.device, generator=generator)
+                v.add_(nb).floor_()
             else:
                 v.round_()
             v.clamp_(0.0, levels)
@@ -407,8 +424,9 @@ class Quant(_NativeQuant, Compressor):
             if padded:
                 q_all = torch.nn.functional.pad(q_all, (0, groups * g - m))
             q_all = q_all.reshape(rows, g)
-        out_dtype = dtype if not padded else wd
-        out = torch.empty((rows, g), dtype=out_dtype, device=codes.device)
+        # written in the output dtype block by block, also where the groups are padded (then
+        # cropped in that dtype): a float16 / bfloat16 output never has a float32 copy
+        out = torch.empty((rows, g), dtype=dtype, device=codes.device)
         buf = None
         for r0, r1, c0, c1 in row_blocks(rows, g, host_checks(codes), multiple=per):
             if q_all is None:
@@ -418,7 +436,7 @@ class Quant(_NativeQuant, Compressor):
             else:
                 qb = q_all[r0:r1, c0:c1]
             ob = out[r0:r1, c0:c1]
-            if out_dtype == wd:
+            if dtype == wd:
                 xb = ob
             else:
                 if buf is None or buf.numel() < qb.numel():
@@ -435,5 +453,5 @@ class Quant(_NativeQuant, Compressor):
             if xb is not ob:
                 ob.copy_(xb)
         if padded:
-            return out.view(n, groups * g)[:, :m].reshape(full).to(dtype).contiguous()
+            return out.view(n, groups * g)[:, :m].reshape(full).contiguous()
         return out.view(full)
