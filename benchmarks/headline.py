@@ -1,14 +1,19 @@
 """The headline table: bytes each extra sample costs, ours against what users pick instead.
 
-Read from a benchmark run's ``bench.jsonl`` (``python -m benchmarks.run ... --out-dir
-DIR``): per network, autograd's step-peak slope between two batch sizes (MiB per sample),
-and how many times less the best of ours keeps at a step time within ``--time-limit`` of
-autograd's, against activation checkpointing (``torch.utils.checkpoint`` per block) and
-the best hook-based compressor (``saved_tensors_hooks``) at any time. Written to
-``DIR/headline.md`` with the command that measured the run, so README quotes it through
-``benchmarks.doc_tables`` and never by hand.
+Read from benchmark runs' ``bench.jsonl`` (``python -m benchmarks.run ... --out-dir DIR``;
+a lora_llama run's ``lora.jsonl``): per network and precision, autograd's step-peak slope
+between two batch sizes (MiB per sample), and how many times less the best of ours keeps
+at a step time within ``--time-limit`` of autograd's, against activation checkpointing
+(``torch.utils.checkpoint`` per block, or Hugging Face's gradient checkpointing) and the
+best hook-based compressor (``saved_tensors_hooks``) at any time. In a run of a mixed
+``--precision`` every peer ran under ``torch.autocast``: its rows say so, and where it ran
+on a CPU, that its times are not GPU times. Written to ``headline.md`` of the first folder
+with each run's command, so README quotes it through ``benchmarks.doc_tables`` and never
+by hand.
 
     python -m benchmarks.headline benchmarks/results/per_sample
+    python -m benchmarks.headline benchmarks/results/per_sample \
+        benchmarks/results/precision/bf16_mixed benchmarks/results/precision/lora_llama
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ def _runs(path: Path) -> tuple[dict, list[dict]]:
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
     meta = next(r for r in rows if r.get("type") == "meta")
     return meta, [r for r in rows if r.get("type") == "run"]
+
+
+def results_file(folder: Path) -> Path:
+    """A run folder's records: the suite's ``bench.jsonl`` or the lora_llama preset's."""
+    for name in ("bench.jsonl", "lora.jsonl"):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"{folder}: no bench.jsonl or lora.jsonl")
 
 
 def _slope(run: dict) -> float | None:
@@ -48,14 +61,22 @@ def _cell(run: dict | None, autograd: float) -> str:
     return f"{autograd / _slope(run):.1f}x less at {_time(run):.2f}x time (`{run['method']}`)"
 
 
-def headline(path: Path, limit: float = 1.3) -> str:
-    """The table for the run in ``path`` (a bench.jsonl), with its command."""
-    meta, runs = _runs(path)
-    lines = [
-        "| network | autograd, MiB per sample | ours, best at <= "
-        f"{limit:g}x autograd's time | activation checkpointing | best hook compressor |",
-        "|---|---:|---|---|---|",
-    ]
+HEADER = (
+    "| network | precision | autograd, MiB per sample | ours, best at <= {limit:g}x autograd's "
+    "time | activation checkpointing | best hook compressor |"
+)
+
+
+def _precision_cell(meta: dict, runs: list[dict]) -> str:
+    precision = meta.get("precision") or "fp32"
+    if precision != "fp32" and any(r.get("device") == "cpu" for r in runs):
+        return f"{precision} (CPU)"
+    return precision
+
+
+def _rows(meta: dict, runs: list[dict], limit: float) -> list[str]:
+    lines = []
+    precision = _precision_cell(meta, runs)
     for name in dict.fromkeys(r["benchmark"] for r in runs):
         mine = [r for r in runs if r["benchmark"] == name]
         autograd = next((r for r in mine if r["kind"] == "autograd"), None)
@@ -65,31 +86,72 @@ def headline(path: Path, limit: float = 1.3) -> str:
         ours = _best([r for r in mine if r["kind"] == "ours"], limit)
         checkpoint = _best([r for r in mine if r["kind"] == "checkpoint"], None)
         hooks = _best([r for r in mine if r["kind"] == "hooks"], None)
-        cells = (name, f"{base / MIB:.3f}", *(_cell(r, base) for r in (ours, checkpoint, hooks)))
+        cells = (name, precision, f"{base / MIB:.3f}")
+        cells += tuple(_cell(r, base) for r in (ours, checkpoint, hooks))
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _footer(meta: dict, runs: list[dict]) -> list[str]:
     batches = next((r["per_sample"]["batches"] for r in runs if r.get("per_sample")), [])
-    lines += [
+    precision = meta.get("precision") or "fp32"
+    what = "Bytes per sample"
+    if precision != "fp32":
+        what = f"{precision} rows"
+    lines = [
         "",
         (
-            f"Bytes per sample: the step peak's slope between batch {batches[0]} and {batches[-1]}"
+            f"{what}: the step peak's slope between batch {batches[0]} and {batches[-1]}"
             if len(batches) > 1
-            else "Bytes per sample: the step peak's slope between two batches"
+            else f"{what}: the step peak's slope between two batches"
         ),
+    ]
+    if precision.endswith("-mixed"):
+        lines[-1] += (
+            "; ours generated in that precision, autograd and checkpointing with their "
+            "forward under torch.autocast"
+        )
+        if any(r.get("device") == "cpu" for r in runs):
+            lines[-1] += (
+                "; measured on a CPU, whose low-precision kernels are not a GPU's: the step "
+                "times are CPU times, not GPU times"
+            )
+    lines += [
         f"({meta.get('cpu_model') or meta.get('machine')}, {meta.get('cpu_count')} CPUs, "
         f"torch {meta.get('torch')}, {meta.get('date', '')[:10]}). Measured by:",
         "",
         f"    {meta['command']}",
     ]
+    return lines
+
+
+def headline(path: Path, limit: float = 1.3) -> str:
+    """The table for the run in ``path`` (a bench.jsonl), with its command."""
+    meta, runs = _runs(path)
+    lines = [HEADER.format(limit=limit), "|---|---|---:|---|---|---|", *_rows(meta, runs, limit)]
+    return "\n".join(lines + _footer(meta, runs)) + "\n"
+
+
+def headline_of(folders: list[Path], limit: float = 1.3) -> str:
+    """One table of the runs in ``folders`` (their rows in order), each run's footer after."""
+    found = [_runs(results_file(folder)) for folder in folders]
+    lines = [HEADER.format(limit=limit), "|---|---|---:|---|---|---|"]
+    for meta, runs in found:
+        lines += _rows(meta, runs, limit)
+    for meta, runs in found:
+        lines += _footer(meta, runs)
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, help="a benchmark run's --out-dir")
+    parser.add_argument(
+        "run_dirs", type=Path, nargs="+", help="benchmark runs' --out-dir (rows in this order)"
+    )
     parser.add_argument("--time-limit", type=float, default=1.3)
     args = parser.parse_args(argv)
-    table = headline(args.run_dir / "bench.jsonl", args.time_limit)
-    (args.run_dir / "headline.md").write_text(table, encoding="utf-8")
+    table = headline_of(args.run_dirs, args.time_limit)
+    (args.run_dirs[0] / "headline.md").write_text(table, encoding="utf-8")
     print(table, end="")
     return 0
 

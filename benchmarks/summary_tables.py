@@ -77,7 +77,7 @@ def per_sample_matrix(path: Path) -> str:
     lines = [
         "| method | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
-        "| autograd, MiB per sample | "
+        f"| {_baseline(meta)}, MiB per sample | "
         + " | ".join(f"{base[n] / MIB:.3g}" if base[n] else "n/a" for n in names)
         + " |",
     ]
@@ -96,10 +96,42 @@ def per_sample_matrix(path: Path) -> str:
     lines += [
         "",
         f"Per cell: bytes per extra sample (the step peak's slope between {between}) as how",
-        "many times less than autograd's, and the median step time against autograd's.",
+        f"many times less than {_baseline(meta)}'s, and the median step time against "
+        f"{_baseline(meta)}'s.",
+        *_precision_note(meta),
         *_footer(meta),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _precision(meta: dict) -> str:
+    return meta.get("precision") or "fp32"
+
+
+def _baseline(meta: dict) -> str:
+    """What the run's autograd row ran: plain, or under torch.autocast."""
+    precision = _precision(meta)
+    if precision.endswith("-mixed"):
+        dtype = "bfloat16" if precision.startswith("bf16") else "float16"
+        return f"autograd under torch.autocast({dtype})"
+    return "autograd" if precision == "fp32" else f"autograd in {precision}"
+
+
+def _precision_note(meta: dict) -> list[str]:
+    """For a run in another precision than fp32: what ran, and where."""
+    precision = _precision(meta)
+    if precision == "fp32":
+        return []
+    return [
+        "",
+        f"Precision {precision}: ours generated with --precision {precision}, every peer "
+        + (
+            "with its forward under torch.autocast"
+            if precision.endswith("-mixed")
+            else f"cast to {precision}"
+        )
+        + ". Measured on a CPU: the step times are CPU times, not GPU times.",
+    ]
 
 
 def _mark(run: dict) -> str:
@@ -209,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         args.core.with_suffix(".md").write_text(core_table(args.core), "utf-8")
     for run_dir in args.run_dirs:
         path = run_dir / "bench.jsonl"
+        if not path.is_file() and (run_dir / "lora.jsonl").is_file():
+            path = run_dir / "lora.jsonl"  # the lora_llama preset's run
         _, runs = _runs(path)
         if any(_slope(r) for r in runs):
             (run_dir / "per_sample_matrix.md").write_text(per_sample_matrix(path), "utf-8")

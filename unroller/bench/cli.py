@@ -1,4 +1,5 @@
-"""One command line for every preset: the suite by default, ``core``, ``compress``, ``scaling``.
+"""One command line for every preset: the suite by default, ``core``, ``compress``,
+``scaling``, ``lora_llama``.
 
 ``unroll bench ARGS``, ``make bench`` and the ``python -m benchmarks.X`` scripts all come
 here, so each preset has one parser and one set of defaults whichever way it is called.
@@ -35,6 +36,12 @@ def _compress(argv: Sequence[str], prog: str) -> int:
     return compress.main(argv, prog)
 
 
+def _lora(argv: Sequence[str], prog: str) -> int:
+    from unroller.bench import lora
+
+    return lora.main(argv, prog)
+
+
 def _scaling(argv: Sequence[str], prog: str) -> int:
     from unroller.bench import scaling
 
@@ -52,6 +59,7 @@ PRESETS: dict[str, Callable[[Sequence[str], str], int]] = {
     "core": _core,
     "compress": _compress,
     "scaling": _scaling,
+    "lora_llama": _lora,
 }
 
 

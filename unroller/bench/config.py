@@ -17,7 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from unroller.bench.options import add_common, choose, non_negative, pair, parse_bytes, positive
+from unroller.bench import precision as bench_precision
+from unroller.bench.options import (
+    Parser,
+    add_common,
+    choose,
+    non_negative,
+    pair,
+    parse_bytes,
+    positive,
+)
 from unroller.bench.paths import default_results_dir
 from unroller.bench.reference import BENCHMARKS
 from unroller.compiler.platforms import platform as get_platform
@@ -48,6 +57,10 @@ NONE = "none"
 QUARTER = "quarter"
 COMPILED_PEERS = ("compiled", "compiled-budget-0.5", "compiled-budget-0.1")
 PEERS = ("checkpoint", "hooks", *COMPILED_PEERS)  # besides autograd, always run
+#: the peers a user picks instead under a mixed --precision (all under torch.autocast):
+#: checkpointing, and in the full preset the compiler's activation budget; the hook
+#: compressors (the ActNN/GACT kind) run there only when --peers names them
+MIXED_PEERS = {"quick": ("checkpoint",), "full": ("checkpoint", *COMPILED_PEERS)}
 
 
 @dataclass(frozen=True)
@@ -101,7 +114,7 @@ def _budget(text: str) -> int | str:
 
 
 def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=prog,
         description=(
             "Benchmark the generated unrolled training step, per compression scheme, against "
@@ -128,6 +141,12 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         "default)",
     )
     add("--scheme", default="all", help=f"one of {', '.join(SCHEMES)}, a comma list, or 'all'")
+    add(
+        "--precision",
+        type=_precision,
+        default=bench_precision.DEFAULT,
+        help=bench_precision.HELP,
+    )
     add("--platform", choices=("gpu", "ipu"), default="gpu")
     add("--device", choices=("cpu", "cuda"), default="cpu", help="where gpu-platform steps run")
     add("--full", action="store_true", help="published sizes: paper batch, native resolution")
@@ -232,6 +251,13 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
     return parser
 
 
+def _precision(text: str) -> str:
+    try:
+        return bench_precision.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -242,7 +268,11 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _peers(text: str | None, preset: Preset, parser: argparse.ArgumentParser) -> list[str]:
+def _peers(
+    text: str | None, preset: Preset, parser: argparse.ArgumentParser, precision: str = "fp32"
+) -> list[str]:
+    if text is None and bench_precision.of(precision).autocast is not None:
+        return list(MIXED_PEERS["full" if preset.full_size else "quick"])
     if text is None:
         return list(preset.peers)
     if text.strip() == NONE:
@@ -262,7 +292,7 @@ def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argpar
     args.out_dir = args.out_dir or default_results_dir()
     args.iterations = args.iterations or preset.iterations
     args.warmup = preset.warmup if args.warmup is None else args.warmup
-    args.peers = _peers(args.peers, preset, parser)
+    args.peers = _peers(args.peers, preset, parser, args.precision)
     args.max_batch_rounds = args.max_batch_rounds or preset.max_batch_rounds
     if args.recompute is None:
         args.recompute = preset.recompute
@@ -276,6 +306,13 @@ def parse_args(argv: Sequence[str] | None, prog: str = "unroll bench") -> argpar
         args.memory_budget = QUARTER
     elif args.memory_budget == NONE:
         args.memory_budget = None
+    target = get_platform(args.platform)
+    if args.precision not in target.precisions:
+        note = f": {target.precision_note}" if target.precision_note else ""
+        parser.error(
+            f"--precision {args.precision} is not for --platform {args.platform} (it takes "
+            f"{', '.join(target.precisions)}){note}"
+        )
     ipu_only = ("device_batch_size", "profile")
     if not get_platform(args.platform).graph_compiled:  # the options of a PopTorch run
         given = [f"--{n.replace('_', '-')}" for n in ipu_only if getattr(args, n) is not None]

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from unroller.bench.paths import ModelsNotFound, default_results_dir
 from unroller.bench.reference import BENCHMARKS, Benchmark
@@ -32,6 +34,20 @@ _UNITS = {
     "tb": 1000**4,
     "tib": 1024**4,
 }
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on standard error, exit status 2, as
+    the rest of ``unroll`` reports a bad argument: ``PROG: error: MESSAGE`` (``--help``
+    prints the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            sys.stderr.write(message if message.endswith("\n") else message + "\n")
+        raise SystemExit(status)
 
 
 def parse_bytes(text: str) -> int:

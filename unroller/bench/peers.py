@@ -14,8 +14,10 @@ must run at least one untimed step before timing or profiling them.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,16 @@ from unroller.compress import Compressor, packed_nbytes
 
 HOOK_MIN_HW = 8
 COMPILE_BUDGETS = (0.5, 0.1)  # torch._functorch.config.activation_memory_budget
+#: what a peer's forward runs in: a factory of a context manager (``torch.autocast`` under a
+#: mixed --precision, ``unroller.bench.precision``); the backward runs after it
+Context = Callable[[], AbstractContextManager]
+
+
+def plain() -> AbstractContextManager:
+    """No context: the peers' forward as it is (float32)."""
+    return contextlib.nullcontext()
+
+
 METHODS = {
     "ours": "the generated module: model.zero_grad(set_to_none=True); loss = model(*batch) "
     "(unroller.bench.steps.step_ours; forward and unrolled backward, gradients in .grad). --platform "
@@ -51,6 +63,11 @@ METHODS = {
     "activation_memory_budget = B (set around every compilation of this peer, which has "
     "its own compiled graphs): AOTAutograd's min-cut partitioner saves at most about B of "
     "the activations the default partition saves and recomputes the rest in the backward",
+    "autocast": "under a mixed --precision every peer above runs its forward (the hooks' "
+    "pack calls included) under torch.autocast(device_type, dtype) and loss.backward() after "
+    "it (the PyTorch AMP recipe); the checkpointed peers recompute under the autocast state "
+    "their forward recorded. Under a plain low precision (bf16, fp16) the reference and the "
+    "batch's floating inputs are cast to the dtype",
     "hooks": "the reference under torch.autograd.graph.saved_tensors_hooks whose pack hook "
     "compresses, with the scheme's own compressor (dct-dense: dct block 8 keep 4 int8; "
     "quant: 8 bits), every floating tensor that is not a parameter and that the compressor "
@@ -109,11 +126,19 @@ def _stash_report(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _ours(scheme: str, model: nn.Module, run: Callable[[list[Tensor], bool], Tensor]) -> Method:
+def _ours(
+    scheme: str,
+    model: nn.Module,
+    run: Callable[[list[Tensor], bool], Tensor],
+    owner: nn.Module | None = None,
+) -> Method:
     """Ours: ``stash`` runs one step and reads ``model.stash_report()``; the first time,
     that step runs under the profiler to find where the backward pass begins (the first
-    aten op named '...backward...', profiling.backward_marker) for the memory phase."""
-    method = Method(f"ours:{scheme}", "ours", scheme, model, run, lambda batch: {})
+    aten op named '...backward...', profiling.backward_marker) for the memory phase.
+    ``owner``: the module whose parameters the step trains, when ``model`` shares them
+    without holding them (``unroller.unroll``'s step)."""
+    held = model if owner is None else owner
+    method = Method(f"ours:{scheme}", "ours", scheme, held, run, lambda batch: {})
 
     def stash(batch: list[Tensor]) -> dict[str, Any]:
         if method.backward_mark is None:
@@ -128,6 +153,21 @@ def _ours(scheme: str, model: nn.Module, run: Callable[[list[Tensor], bool], Ten
 
 def ours_gpu(scheme: str, model: nn.Module) -> Method:
     return _ours(scheme, model, lambda batch, mark: step_ours(model, batch))
+
+
+def ours_unrolled(
+    scheme: str, step: nn.Module, owner: nn.Module, keywords: Sequence[str]
+) -> Method:
+    """An ``unroller.unroll`` step of ``owner`` called with the batch by keyword
+    (``step(**dict(zip(keywords, batch)))``, a Hugging Face batch with ``labels``): the
+    gradients go to ``owner``'s ``.grad``, reset to None before each step."""
+
+    def run(batch: list[Tensor], mark: bool) -> Tensor:
+        owner.zero_grad(set_to_none=True)
+        out = step(**dict(zip(keywords, batch)))
+        return getattr(out, "loss", out)
+
+    return _ours(scheme, step, run, owner)
 
 
 def ours_ipu(scheme: str, model: nn.Module, poptorch: Any, args: Any) -> Method:
@@ -171,26 +211,45 @@ def _counted(module: nn.Module, batch: list[Tensor]) -> dict[str, Any]:
     return {"raw_bytes": n, "stored_bytes": n, "rows": None, "counted": saved}
 
 
-def autograd(ref: nn.Module) -> Method:
+def _in(context: Context, method: Method) -> Method:
+    """``method`` whose stash count runs in ``context`` too (its step does already)."""
+    if context is plain:
+        return method
+    count = method.stash
+
+    def stash(batch: list[Tensor]) -> dict[str, Any]:
+        with context():
+            return count(batch)
+
+    method.stash = stash
+    return method
+
+
+def autograd(ref: nn.Module, context: Context = plain) -> Method:
+    """Plain autograd: ``loss = ref(*batch)[0]`` (in ``context``), ``loss.backward()``."""
+
     def run(batch: list[Tensor], mark: bool) -> Tensor:
-        return step_autograd(ref, batch, mark)
+        return step_autograd(ref, batch, mark, context)
 
-    return Method("autograd", "autograd", None, ref, run, lambda b: _counted(ref, b), BACKWARD_MARK)
+    stash = lambda b: _counted(ref, b)  # noqa: E731
+    return _in(context, Method("autograd", "autograd", None, ref, run, stash, BACKWARD_MARK))
 
 
-def checkpointed(ref: nn.Module) -> Method:
+def checkpointed(ref: nn.Module, context: Context = plain, name: str = "checkpoint") -> Method:
+    """``ref.forward_checkpointed`` (in ``context``): torch.utils.checkpoint per stage."""
     wrapper = _Checkpointed(ref)
 
     def run(batch: list[Tensor], mark: bool) -> Tensor:
         ref.zero_grad(set_to_none=True)
-        loss = ref.forward_checkpointed(*batch)[0]
+        with context():
+            loss = ref.forward_checkpointed(*batch)[0]
         backward(loss, mark)
         return loss
 
     def stash(batch: list[Tensor]) -> dict[str, Any]:
         return _counted(wrapper, batch)
 
-    return Method("checkpoint", "checkpoint", None, ref, run, stash, BACKWARD_MARK)
+    return _in(context, Method(name, "checkpoint", None, ref, run, stash, BACKWARD_MARK))
 
 
 class CompressingHooks:
@@ -251,14 +310,14 @@ class CompressingHooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-def hooks(scheme: str, ref: nn.Module) -> Method:
+def hooks(scheme: str, ref: nn.Module, context: Context = plain) -> Method:
     codec = builtin(scheme).default.instance()
     hk = CompressingHooks(codec, ref)
 
     def run(batch: list[Tensor], mark: bool) -> Tensor:
         ref.zero_grad(set_to_none=True)
         hk.reset()
-        with hk.context():
+        with hk.context(), context():
             loss = ref(*batch)[0]
         backward(loss, mark)
         return loss
@@ -331,7 +390,12 @@ class _CompiledStep(nn.Module):
 
 
 def _compiled_method(
-    ref: nn.Module, name: str, backend: Any, dynamic_batch: bool, note: str
+    ref: nn.Module,
+    name: str,
+    backend: Any,
+    dynamic_batch: bool,
+    note: str,
+    context: Context = plain,
 ) -> Method:
     """A peer stepping ``ref`` under ``torch.compile(backend=backend)``, with compiled
     graphs of its own (``_own_code``)."""
@@ -346,24 +410,32 @@ def _compiled_method(
 
     def run(batch: list[Tensor], mark: bool) -> Tensor:
         ref.zero_grad(set_to_none=True)
-        loss = step(*batch)[0]
+        with context():
+            loss = step(*batch)[0]
         backward(loss, mark)
         return loss
 
     method = Method(name, "compiled", None, ref, run, lambda b: _counted(step, b), BACKWARD_MARK)
     method.compiles = True
     method.notes.append(note)
-    return method
+    return _in(context, method)
 
 
-def compiled(ref: nn.Module, backend: Any = "inductor", dynamic_batch: bool = True) -> Method:
+def compiled(
+    ref: nn.Module, backend: Any = "inductor", dynamic_batch: bool = True, context: Context = plain
+) -> Method:
     """Autograd on ``torch.compile``'d ``ref`` ("compiled"); ``backend`` is torch.compile's
     (tests use a cheap one)."""
-    return _compiled_method(ref, "compiled", backend, dynamic_batch, f"torch.compile({backend})")
+    note = f"torch.compile({backend})"
+    return _compiled_method(ref, "compiled", backend, dynamic_batch, note, context)
 
 
 def compiled_budget(
-    ref: nn.Module, budget: float, backend: Any = "inductor", dynamic_batch: bool = True
+    ref: nn.Module,
+    budget: float,
+    backend: Any = "inductor",
+    dynamic_batch: bool = True,
+    context: Context = plain,
 ) -> Method:
     """The same, compiled under ``activation_memory_budget = budget``
     ("compiled-budget-B")."""
@@ -373,6 +445,7 @@ def compiled_budget(
         _budget_backend(budget, backend),
         dynamic_batch,
         f"torch.compile({backend}), activation_memory_budget {budget:g}",
+        context,
     )
 
 
@@ -381,7 +454,8 @@ def compiled_peers(
     budgets: Sequence[float] = COMPILE_BUDGETS,
     backend: Any = "inductor",
     dynamic_batch: bool = True,
+    context: Context = plain,
 ) -> list[Method]:
     """ "compiled" and one "compiled-budget-B" per budget, each with its own graphs."""
-    found = [compiled(ref, backend, dynamic_batch)]
-    return found + [compiled_budget(ref, b, backend, dynamic_batch) for b in budgets]
+    found = [compiled(ref, backend, dynamic_batch, context)]
+    return found + [compiled_budget(ref, b, backend, dynamic_batch, context) for b in budgets]

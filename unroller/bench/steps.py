@@ -7,7 +7,8 @@ thing in every report: gradients reset to None, forward, backward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from torch import Tensor, nn
 from torch.profiler import record_function
@@ -27,9 +28,16 @@ def backward(loss: Tensor, mark: bool) -> None:
         loss.backward()
 
 
-def step_autograd(ref: nn.Module, batch: Sequence[Tensor], mark: bool = False) -> Tensor:
-    """The reference's step: ``loss = ref(*batch)[0]; loss.backward()``."""
+def step_autograd(
+    ref: nn.Module,
+    batch: Sequence[Tensor],
+    mark: bool = False,
+    context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+) -> Tensor:
+    """The reference's step: ``loss = ref(*batch)[0]; loss.backward()``; the forward in
+    ``context()`` (``torch.autocast`` under a mixed precision), the backward after it."""
     ref.zero_grad(set_to_none=True)
-    loss = ref(*batch)[0]
+    with context():
+        loss = ref(*batch)[0]
     backward(loss, mark)
     return loss

@@ -50,6 +50,7 @@ from unroller.bench import (  # noqa: E402
     plots,
     targets,
 )
+from unroller.bench import precision as bench_precision  # noqa: E402
 from unroller.bench.paths import ModelsNotFound  # noqa: E402
 from unroller.bench.peers import STASH_METHODS, Method  # noqa: E402
 from unroller.bench.stats import summary  # noqa: E402
@@ -67,8 +68,17 @@ EMULATION_NOTE = (
 
 def _options(args: argparse.Namespace, scheme: str, resolution: int) -> Options:
     return Options(
-        platform=args.platform, scheme=scheme, num_ipus=args.num_ipus, resolution=resolution
+        platform=args.platform,
+        scheme=scheme,
+        num_ipus=args.num_ipus,
+        resolution=resolution,
+        precision=_precision_name(args),
     )
+
+
+def _precision_name(args: argparse.Namespace) -> str:
+    """--precision (namespaces made before the flag existed: the default)."""
+    return getattr(args, "precision", bench_precision.DEFAULT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +186,12 @@ def _ours_methods(
     return found
 
 
-def _compiled_peers(ref: torch.nn.Module, wanted: list[str], notes: list[str]) -> list[Method]:
+def _compiled_peers(
+    ref: torch.nn.Module,
+    wanted: list[str],
+    notes: list[str],
+    context: peers.Context = peers.plain,
+) -> list[Method]:
     """The torch.compile'd autograd peers of ``wanted`` (peers.compiled_peers), or none
     with a note where this tree has no such peers."""
     make = getattr(peers, "compiled_peers", None)
@@ -188,7 +203,8 @@ def _compiled_peers(ref: torch.nn.Module, wanted: list[str], notes: list[str]) -
         return []
     prefix = "compiled-budget-"
     budgets = tuple(float(p[len(prefix) :]) for p in wanted if p.startswith(prefix))
-    return [m for m in make(ref, budgets=budgets) if m.name in wanted]
+    extra = {} if context is peers.plain else {"context": context}  # an older tree: plain
+    return [m for m in make(ref, budgets=budgets, **extra) if m.name in wanted]
 
 
 def _methods(
@@ -200,17 +216,19 @@ def _methods(
     directory: Path,
     notes: list[str],
 ) -> list[Method]:
-    """Ours (``ours_builds``), autograd, and the peers of --peers; what could not be built
-    goes into ``notes``."""
+    """Ours (``ours_builds``), autograd, and the peers of --peers, each peer's forward in
+    the context --precision gives it (``torch.autocast`` for a mixed one); what could not
+    be built goes into ``notes``."""
     found = _ours_methods(bench, args, resolution, ref, device, directory, notes)
-    found.append(peers.autograd(ref))
+    context = bench_precision.of(_precision_name(args)).contexts(device)
+    found.append(peers.autograd(ref, context))
     if "checkpoint" in args.peers and hasattr(ref, "forward_checkpointed"):
-        found.append(peers.checkpointed(ref))
+        found.append(peers.checkpointed(ref, context))
     if "hooks" in args.peers:
-        found += [peers.hooks(s, ref) for s in args.schemes if s in config.HOOK_SCHEMES]
+        found += [peers.hooks(s, ref, context) for s in args.schemes if s in config.HOOK_SCHEMES]
     compiled = [p for p in args.peers if p in config.COMPILED_PEERS]
     if compiled:
-        found += _compiled_peers(ref, compiled, notes)
+        found += _compiled_peers(ref, compiled, notes, context)
     return found
 
 
@@ -249,7 +267,9 @@ class _Run:
         self.label = f"{bench.name} b{self.batch_size}@{self.resolution}"
 
     def make_batch(self, n: int) -> list[torch.Tensor]:
-        return models.batch_on(self.bench, n, self.resolution, self.args.seed, self.device)
+        """``n`` samples on the device, in --precision (a plain low one casts the floats)."""
+        found = models.batch_on(self.bench, n, self.resolution, self.args.seed, self.device)
+        return bench_precision.of(_precision_name(self.args)).batch(found)
 
 
 def _budget(
@@ -500,6 +520,7 @@ def bench_one(
     label, batch_size = run.label, run.batch_size
     bar.note(f"{label}: generating")
     ref = models.build_reference(bench, run.resolution, args.seed, device)
+    ref = bench_precision.of(_precision_name(args)).module(ref)
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="unroller-bench-") as tmp:
         methods = _methods(bench, args, run.resolution, ref, device, Path(tmp), notes)
@@ -661,6 +682,7 @@ def _method_record(
         "method": m.name,
         "kind": m.kind,
         "scheme": m.scheme,
+        "precision": _precision_name(args),
         "compiled": getattr(m, "compiles", False),
         "first_step_s": found.compile_s.get(m.name),
         "platform": args.platform,
@@ -723,6 +745,11 @@ def _meta(args: argparse.Namespace, argv: Sequence[str], prog: str) -> dict[str,
     ]
     if args.memory_budget is not None:
         meta["about"].append(_budget_about(args))
+    precision_line = bench_precision.about(_precision_name(args), args.device)
+    if precision_line:
+        meta["about"].insert(0, precision_line)
+        meta["title"] += f", precision {_precision_name(args)}"
+    meta["precision"] = _precision_name(args)
     if _compiled(args) and args.emulate:
         meta["about"].insert(0, EMULATION_NOTE)
         if args.profile:

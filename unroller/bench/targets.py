@@ -27,6 +27,7 @@ command that measured them (``command``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from unroller.bench.stashed import same_activations
@@ -48,6 +49,12 @@ TRANSFORMERS = ("vit_tiny", "gpt_tiny", "gpt_small", "bert_encoder")
 PER_SAMPLE_LESS = 8.0  # autograd's bytes per sample / the best ours:*'s
 PER_SAMPLE_TIME = 1.3  # the best is picked among ours:* at most this step time vs autograd
 PER_SAMPLE_CNN = ("resnet34",)
+#: under a mixed precision (every peer under torch.autocast): the best ours:* at
+#: PER_SAMPLE_TIME keeps PER_SAMPLE_LESS_MIXED times less per sample than autograd under
+#: autocast on these models (the imported LoRA Llama of the lora_llama preset included),
+#: and less than every checkpointing peer under autocast
+PER_SAMPLE_LESS_MIXED = 16.0
+MIXED_GOAL_MODELS = ("vit_tiny", "gpt_small", "bert_encoder", "lora_llama")
 MIB = 2**20
 
 TEXTS = {
@@ -73,6 +80,15 @@ TEXTS = {
     "per_sample_best": f"bytes per sample: the best ours:* at step time <= {PER_SAMPLE_TIME:g}x "
     f"autograd's keeps >= {PER_SAMPLE_LESS:g}x less than autograd, and less than "
     "checkpointing (transformers)",
+    "per_sample_best_mixed": "bytes per sample, {precision}: the best ours:* at step time <= "
+    f"{PER_SAMPLE_TIME:g}x autograd's under torch.autocast keeps >= {PER_SAMPLE_LESS_MIXED:g}x "
+    "less than autograd under torch.autocast, and less than every checkpointing peer under "
+    "torch.autocast",
+    "per_sample_best_imported": "bytes per sample: the best ours:* at step time <= "
+    f"{PER_SAMPLE_TIME:g}x autograd's keeps >= {PER_SAMPLE_LESS:g}x less than autograd, and "
+    "less than every checkpointing peer (Hugging Face gradient checkpointing included)",
+    "max_batch_imported": "max batch under the budget: the largest of ours:* at step time <= "
+    f"{PER_SAMPLE_TIME:g}x autograd's ahead of autograd's and of every checkpointing peer's",
     "per_sample_best_cnn": "bytes per sample: the best ours:* at step time <= "
     f"{PER_SAMPLE_TIME:g}x autograd's keeps >= {PER_SAMPLE_LESS:g}x less than autograd "
     "(ResNet-34)",
@@ -271,10 +287,14 @@ def _per_sample_nocompress(noc: dict | None, ag: dict | None) -> tuple:
     return a <= b, f"{a / b:.3f}x", figures
 
 
-def _per_sample_best(runs: dict[str, dict], against_checkpoint: bool) -> tuple:
+def _per_sample_best(
+    runs: dict[str, dict], against_checkpoint: bool, less: float = PER_SAMPLE_LESS
+) -> tuple:
     """The ours:* row with the least bytes per sample among those whose step time is at
-    most PER_SAMPLE_TIME x autograd's: >= PER_SAMPLE_LESS x less than autograd's, and
-    (``against_checkpoint``) less than checkpointing's."""
+    most PER_SAMPLE_TIME x autograd's: >= ``less`` x less than autograd's, and
+    (``against_checkpoint``) less than every checkpointing peer's (``checkpoint``, and
+    the lora_llama preset's Hugging Face gradient checkpointing)."""
+    goal = less
     ag = runs.get("autograd")
     base = _slope(ag)
     if base is None:
@@ -300,17 +320,20 @@ def _per_sample_best(runs: dict[str, dict], against_checkpoint: bool) -> tuple:
         return False, f"no ours:* within {PER_SAMPLE_TIME:g}x time", "; ".join(parts)
     best = min(within, key=lambda k: _slope(within[k]))
     less = base / _slope(within[best])
-    met: bool | None = less >= PER_SAMPLE_LESS
+    met: bool | None = less >= goal
     value = f"{less:.2f}x less ({best}, {_time_ratio(within[best]):.3f}x time)"
     if against_checkpoint:
-        ck = runs.get("checkpoint")
-        rival = _slope(ck)
-        if rival is None:
-            parts.append(_why_no_slope("checkpoint", ck))
-            met = False if not met else None
-        else:
-            parts.append(f"checkpoint {base / rival:.2f}x less")
-            met = met and _slope(within[best]) < rival
+        rivals = {k: v for k, v in runs.items() if v["kind"] == "checkpoint"} or {
+            "checkpoint": None
+        }
+        for name, ck in rivals.items():
+            rival = _slope(ck)
+            if rival is None:
+                parts.append(_why_no_slope(name, ck))
+                met = False if not met else None
+            else:
+                parts.append(f"{name} {base / rival:.2f}x less")
+                met = met and _slope(within[best]) < rival
     return met, value, "; ".join(parts)
 
 
@@ -320,12 +343,13 @@ def _entry(
     found: tuple,
     scheme: str | None = None,
     command: str | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     met, value, figures = found
     entry = {
         "benchmark": bench,
         "goal": GOAL_KEYS.get((key, scheme), key if scheme is None else f"{key}:{scheme}"),
-        "text": TEXTS[key].format(scheme=scheme),
+        "text": TEXTS[key].format(scheme=scheme, precision=precision),
         "met": met,
         "value": value,
         "figures": figures,
@@ -350,10 +374,24 @@ def _budget_goals(bench: str, runs: dict[str, dict[str, Any]]) -> list[dict[str,
     return found
 
 
+def _precision(runs: dict[str, dict[str, Any]]) -> str:
+    """The --precision the records were measured in (records before the flag: fp32)."""
+    return next((r.get("precision") or "fp32" for r in runs.values()), "fp32")
+
+
 def _per_sample_goals(
     bench: str, runs: dict[str, dict[str, Any]], command: str | None
 ) -> list[dict[str, Any]]:
-    """The bytes-per-sample targets of ``bench``: the transformers' two, ResNet-34's one."""
+    """The bytes-per-sample targets of ``bench``: the transformers' two, ResNet-34's one;
+    under a mixed precision on ``MIXED_GOAL_MODELS``, nocompress's and the mixed one."""
+    precision = _precision(runs)
+    if precision.endswith("-mixed") and bench in MIXED_GOAL_MODELS:
+        noc = _per_sample_nocompress(runs.get("ours:nocompress"), runs.get("autograd"))
+        best = _per_sample_best(runs, True, PER_SAMPLE_LESS_MIXED)
+        return [
+            _entry(bench, "per_sample_nocompress", noc, command=command),
+            _entry(bench, "per_sample_best_mixed", best, command=command, precision=precision),
+        ]
     if bench in TRANSFORMERS:
         noc = _per_sample_nocompress(runs.get("ours:nocompress"), runs.get("autograd"))
         return [
@@ -393,17 +431,70 @@ def evaluate_benchmark(
     return entries
 
 
+def _max_batch_imported(runs: dict[str, dict[str, Any]]) -> tuple:
+    """The largest max batch of the ours:* rows within PER_SAMPLE_TIME of autograd's time
+    against autograd's and every checkpointing peer's (ahead: strictly more)."""
+    searched = {k: v for k, v in runs.items() if v["kind"] == "ours" and _batch_of(v) is not None}
+    ours = {k: v for k, v in searched.items() if (_time_ratio(v) or math.inf) <= PER_SAMPLE_TIME}
+    rivals = {k: _batch_of(v) for k, v in runs.items() if v["kind"] in ("autograd", "checkpoint")}
+    if not searched or "autograd" not in rivals or None in rivals.values():
+        return None, None, "needs ours:*, autograd and --memory-budget"
+    if not ours:
+        return False, f"no ours:* within {PER_SAMPLE_TIME:g}x time", ""
+    best = max(ours, key=lambda k: _batch_of(ours[k]))
+    n = _batch_of(ours[best])
+    marks = {
+        k: "" if (v.get("max_batch") or {}).get("confirmed") else " (predicted)"
+        for k, v in runs.items()
+        if v.get("max_batch")
+    }
+    figures = ", ".join(f"{k} {_batch_of(v)}{marks.get(k, '')}" for k, v in runs.items())
+    base = rivals["autograd"]
+    value = f"{n}{marks.get(best, '')} ({best})" + (f", {n / base:.2f}x autograd's" if base else "")
+    return all(n > r for r in rivals.values()), value, figures
+
+
+def evaluate_imported(
+    bench: str, runs: dict[str, dict[str, Any]], command: str | None = None
+) -> list[dict[str, Any]]:
+    """The targets of an imported network (the lora_llama preset, ``NAME@SEQUENCE``):
+    nocompress's bytes per sample, the best ours:* against autograd and every
+    checkpointing peer (the mixed-precision goal too under a mixed precision), and the
+    max batch under the budget where it was searched."""
+    precision = _precision(runs)
+    noc = _per_sample_nocompress(runs.get("ours:nocompress"), runs.get("autograd"))
+    found = [
+        _entry(bench, "per_sample_nocompress", noc, command=command),
+        _entry(bench, "per_sample_best_imported", _per_sample_best(runs, True), command=command),
+    ]
+    if precision.endswith("-mixed") and bench.split("@")[0] in MIXED_GOAL_MODELS:
+        best = _per_sample_best(runs, True, PER_SAMPLE_LESS_MIXED)
+        found.append(
+            _entry(bench, "per_sample_best_mixed", best, command=command, precision=precision)
+        )
+    if any(r.get("max_batch") for r in runs.values()):
+        found.append(
+            _entry(bench, "max_batch_imported", _max_batch_imported(runs), command=command)
+        )
+    return found
+
+
 def evaluate(
     records: list[dict[str, Any]], device: str | None = None, command: str | None = None
 ) -> list[dict[str, Any]]:
-    """Every target checked on a run's records (grouped by benchmark, then method)."""
+    """Every target checked on a run's records (grouped by benchmark, then method); an
+    imported network's records (``NAME@SEQUENCE``) get ``evaluate_imported``'s."""
     by_bench: dict[str, dict[str, dict[str, Any]]] = {}
     for rec in records:
         by_bench.setdefault(rec["benchmark"], {})[rec["method"]] = rec
     return [
         g
         for bench, runs in by_bench.items()
-        for g in evaluate_benchmark(bench, runs, device, command)
+        for g in (
+            evaluate_imported(bench, runs, command)
+            if "@" in bench
+            else evaluate_benchmark(bench, runs, device, command)
+        )
     ]
 
 
