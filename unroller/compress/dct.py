@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 import torch
@@ -13,136 +12,30 @@ from .base import (
     Compressor,
     ParamError,
     ParamSpec,
-    cached_constant,
-    float_constant_compiled,
-    is_compiling,
     is_low_precision,
     itemsize,
-    native_library,
-    native_threads,
     saturate,
-    saturate_fast,
-    skip_checks,
     use_compiled_path,
     use_fast_path,
     widen_elements,
     work_dtype,
     zero_nan_compiled,
 )
+from .dct_host import DctHostPaths
+from .dct_tables import (
+    _STORAGE_DTYPES,
+    MAX_BLOCK,
+    ONE_TILE_MAX_BLOCK,
+    dct_matrix,
+    fold_index,
+    prescale_exponent,
+    tile_matrix,
+)
 
 __all__ = ["MAX_BLOCK", "Dct", "dct_matrix", "fold_index", "prescale_exponent"]
 
-_STORAGE_DTYPES = {
-    "int8": torch.int8,
-    "bf16": torch.bfloat16,
-    "f16": torch.float16,
-    "f32": torch.float32,
-}
 
-
-MAX_BLOCK = 64
-"""Largest ``block`` (and so ``keep``): the tiles of one plane are padded to multiples of it."""
-
-ONE_TILE_MAX_BLOCK = 8
-"""Largest ``block`` whose single-tile planes go through ``tile_matrix`` (a [64, kept] table
-at most); larger blocks keep the separable form on every plane."""
-
-
-def dct_matrix(
-    block: int, keep: int, dtype: torch.dtype, device: torch.device | str, exponent: int = 0
-) -> Tensor:
-    """The first ``keep`` rows of the orthonormal DCT-II matrix of size ``block`` (keep x block),
-    times ``2**exponent``.
-
-    T[0, j] = 1/sqrt(block); T[i, j] = sqrt(2/block) cos((2j+1) i pi / (2 block)). Computed
-    in float64 on the host (Python's math, so that under torch.compile, where it is a
-    constant of the graph, the values are the same), then cast and moved; cached per
-    (block, keep, dtype, device, exponent). Multiplying by a power of two is exact, so a product with the scaled
-    matrix is the product with T scaled exactly (barring underflow to subnormals)."""
-    device = torch.device(device)
-    if is_compiling():  # one constant in the graph, no guard on the cache
-        return float_constant_compiled(_dct_rows(block, keep, exponent), dtype, device)
-
-    def build() -> Tensor:
-        rows = _dct_rows(block, keep, exponent)
-        full = [[torch.full((), v, dtype=torch.float64, device=device) for v in r] for r in rows]
-        return torch.stack([torch.stack(r) for r in full]).to(dtype)
-
-    return cached_constant(("dct", block, keep, dtype, device, exponent), build)
-
-
-def _dct_rows(block: int, keep: int, exponent: int) -> list[list[float]]:
-    """The first ``keep`` rows of the DCT-II matrix of size ``block`` times 2**exponent, as
-    Python floats (float64), in the operation order of the former tensor build."""
-    factor = 2.0**exponent
-    step = math.pi / (2 * block)
-    norm = math.sqrt(2.0 / block)
-    rows = [[1.0 / math.sqrt(block) * factor] * block]
-    for i in range(1, keep):
-        rows.append([math.cos((2 * j + 1) * i * step) * norm * factor for j in range(block)])
-    return rows[:keep]
-
-
-def prescale_exponent(block: int) -> int:
-    """e = ceil(log2(block)): coefficients are stored divided by 2**e >= block, so that none
-    exceeds the largest |input| of its tile (|T B T^T|_ij <= block * max|B|)."""
-    return (block - 1).bit_length()
-
-
-def fold_index(keep: int, device: torch.device | str) -> Tensor:
-    """int64 positions ``i * keep + j`` with ``i + j < keep`` in a flattened keep x keep corner,
-    in row-major order: keep * (keep + 1) / 2 of them."""
-    device = torch.device(device)
-
-    def build() -> Tensor:
-        idx = [i * keep + j for i in range(keep) for j in range(keep) if i + j < keep]
-        return torch.stack([torch.full((), i, dtype=torch.int64, device=device) for i in idx])
-
-    return cached_constant(("dct_fold", keep, device), build)
-
-
-def tile_matrix(
-    block: int, keep: int, fold: bool, dtype: torch.dtype, device: torch.device | str, inverse: bool
-) -> Tensor:
-    """The 2-D transform of a whole tile as one matrix, so that every tile of a tensor goes
-    through one matrix product (a tile a row of block * block values, p * block + q).
-
-    Forward (``inverse`` False): [block**2, kept], column (i, j) holding T[i, p] T[j, q] /
-    2**e: a tile row times it gives the kept coefficients (Tk B Tk^T) / 2**e, all keep x keep
-    of them in row-major order, or with ``fold`` those with i + j < keep in ``fold_index``
-    order. Inverse: [kept, block**2], row (i, j) holding T[i, p] T[j, q] * 2**e: coefficient
-    rows times it give the tiles Tk^T C Tk * 2**e. The products are taken in float64 on the
-    host (Python floats, as ``dct_matrix``) and cast once; cached per arguments.
-
-    Used where every plane is one tile (H, W <= block: ResNet-34's 8 x 8 maps at 32 x 32
-    input), whose rows are then a view of the input: one product of [N*C, block**2] by
-    [block**2, kept], where the separable form (two products with the keep x block rows)
-    broadcasts a small matrix over every plane, a batched product of thousands of tiny
-    matrices (3x slower at batch 32; larger maps keep the separable form, whose tiles would
-    need a permuted copy)."""
-    device = torch.device(device)
-    e = prescale_exponent(block)
-    left = _dct_rows(block, keep, e if inverse else -e)
-    right = _dct_rows(block, keep, 0)
-    if inverse:
-        left, right = right, left  # T[i, p] * (T * 2**e)[j, q]
-    pairs = [(i, j) for i in range(keep) for j in range(keep) if not fold or i + j < keep]
-    rows = [
-        [left[i][p] * right[j][q] for p in range(block) for q in range(block)] for i, j in pairs
-    ]
-    if is_compiling():
-        table = float_constant_compiled(rows, dtype, device)
-        return table if inverse else table.t()
-
-    def build() -> Tensor:  # as dct_matrix builds its rows: ops PopTorch has
-        full = [[torch.full((), v, dtype=torch.float64, device=device) for v in r] for r in rows]
-        table = torch.stack([torch.stack(r) for r in full]).to(dtype)
-        return table if inverse else table.t().contiguous()
-
-    return cached_constant(("dct_tile", block, keep, fold, dtype, device, inverse), build)
-
-
-class Dct(Compressor):
+class Dct(DctHostPaths, Compressor):
     """DCT+Chop for 4-D activations [N, C, H, W].
 
     Each H x W plane is padded to multiples of ``block`` by replicating its last row and last
@@ -478,239 +371,3 @@ class Dct(Compressor):
         x = torch.matmul(x.reshape(n, c, hb, b, wb, k), tk_up)
         x = x.reshape(n, c, hb * b, wb * b)[:, :, :h, :w]
         return saturate(x, dtype).to(dtype).contiguous()
-
-    # fast cpu/cuda path ------------------------------------------------------------------
-    # The matmuls are exactly the IPU-safe formulation's (same shapes and layouts: BLAS results
-    # can depend on the matrix sizes, so they are never split otherwise than in the spans of
-    # planes that every formulation shares, ``_plane_spans``); the work around them is not.
-
-    def _fold_positions(  # unroller-lint: host-only (fast cpu/cuda path)
-        self, device: torch.device
-    ) -> tuple[Tensor, Tensor]:
-        """(rows, cols) of the kept coefficients i + j < keep, in ``fold_index`` order."""
-        k = self.params["keep"]
-        return cached_constant(
-            ("dct_fold_rc", k, device),
-            lambda: torch.stack([fold_index(k, device) // k, fold_index(k, device) % k]),
-        ).unbind(0)
-
-    def _native_compresses(  # unroller-lint: host-only (fast cpu/cuda path)
-        self, t: Tensor, wd: torch.dtype
-    ) -> bool:
-        """Whether ``_compress_fast`` hands ``t`` to the native kernel (int8 storage, float32
-        work, the kernels at hand), which widens a float16 / bfloat16 input a span of planes
-        at a time itself."""
-        return (
-            self.params["storage"] == "int8"
-            and wd == torch.float32
-            and native_library(t) is not None
-        )
-
-    def _decompress_spans_fast(  # unroller-lint: host-only (fast cpu/cuda path)
-        self,
-        packed: tuple[Tensor, ...],
-        shape: tuple[int, int, int],
-        hb: int,
-        wb: int,
-        wd: torch.dtype,
-        dtype: torch.dtype,
-        spans: list[tuple[int, int]],
-    ) -> Tensor:
-        """``_decompress_fast`` a span of planes at a time into one output tensor of
-        ``dtype`` (float16 / bfloat16): each span's float32 work is cast into its place, so
-        no float32 tensor of the whole output is made."""
-        c, h, w = shape
-        n = packed[0].shape[0]
-        out = torch.empty((n, c, h, w), dtype=dtype, device=packed[0].device)
-        flat = out.view(n * c, 1, h, w)
-        views = tuple(p.reshape(n * c, 1, *p.shape[2:]) for p in packed)
-        for p0, p1 in spans:
-            piece = tuple(v[p0:p1] for v in views)
-            flat[p0:p1].copy_(self._decompress_fast(piece, (1, h, w), hb, wb, wd, dtype))
-        return out
-
-    def _compress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
-        self, t: Tensor, hb: int, wb: int, wd: torch.dtype
-    ) -> tuple[Tensor, ...]:
-        """``compress`` with the same packed tensors: the same padding and two matmuls, the
-        fold as one gather from the un-permuted coefficients, the int8 scale from amax/amin
-        (no |y| temporary) and the quantisation in place."""
-        b, k = self.params["block"], self.params["keep"]
-        storage = self.params["storage"]
-        n, c, h, w = t.shape
-        if storage == "int8" and wd == torch.float32:
-            lib = native_library(t)
-            if lib is not None:
-                packed = self._compress_native(lib, t, hb, wb)
-                if packed is not None:
-                    return packed
-                spans = self._plane_spans(n * c, hb * wb * b * b, t.dtype)
-                if len(spans) > 1:  # the kernel got no scratch memory: spans here too
-                    return self._compress_spans(t, spans, hb, wb, wd, False, True)
-        x = self._pad(t.to(wd), hb, wb)
-        if self._one_tile(hb, wb):
-            y = self._tile_product(x.reshape(n * c, b * b), wd, inverse=False)
-            y = y.reshape(self._coeff_shape(n, c, hb, wb))
-        else:
-            tk, tk_down, _ = self._matrices(wd, x.device)
-            y = torch.matmul(tk_down, x.reshape(n, c, hb, b, wb * b))
-            y = torch.matmul(y.reshape(n, c, hb, k, wb, b), tk.t())
-        if self.params["fold"] and not self._one_tile(hb, wb):
-            rows, cols = self._fold_positions(y.device)
-            y = y.permute(0, 1, 2, 4, 3, 5)[..., rows, cols]  # [N, C, Hb, Wb, kept]
-        if storage != "int8":
-            return (y.to(_STORAGE_DTYPES[storage]),)
-        flat = y.reshape(n, c, -1)
-        checks = skip_checks(y)
-        if checks:  # max |y| = max(amax, -amin) without a |y| temporary; abs() gives
-            # amax(|y|)'s +0.0 for all-zero channels
-            amax = torch.maximum(torch.amax(flat, dim=-1), torch.amin(flat, dim=-1).neg_()).abs_()
-        else:
-            amax = torch.amax(torch.abs(flat), dim=-1)
-        scale = torch.where(amax == 0, 1.0, amax / 127.0)
-        y.div_(scale.reshape(n, c, *([1] * (y.dim() - 2)))).round_().clamp_(-127.0, 127.0)
-        # y / scale is NaN only for a non-finite channel, or where amax / 127 underflowed to 0
-        if not checks or not bool(((scale > 0) & torch.isfinite(scale)).all()):
-            y.nan_to_num_(0.0)  # defined cast; the channel's scale is NaN, inf or 0
-        return y.to(torch.int8), scale
-
-    def _decompress_fast(  # unroller-lint: host-only (fast cpu/cuda path)
-        self,
-        packed: tuple[Tensor, ...],
-        shape: tuple[int, int, int],
-        hb: int,
-        wb: int,
-        wd: torch.dtype,
-        dtype: torch.dtype,
-    ) -> Tensor:
-        """``decompress`` with bit-identical output: dequantisation in one multiply, the folded
-        coefficients put straight into the layout the matmul reads, the same two matmuls,
-        the second one writing into the output when nothing is cropped or cast, and the
-        saturation to a narrower output dtype only when the cast made an inf (on the CPU;
-        on CUDA always)."""
-        b, k = self.params["block"], self.params["keep"]
-        c, h, w = shape
-        coeffs = packed[0]
-        n = coeffs.shape[0]
-        if len(packed) == 2 and wd == torch.float32 and dtype == torch.float32:
-            lib = native_library(*packed)
-            if lib is not None and self._native_packed_ok(packed, n, c, hb, wb):
-                out = self._decompress_native(lib, packed, (n, c, h, w))
-                if out is not None:
-                    return out
-        if len(packed) == 2:
-            scale = packed[1].to(wd).reshape(n, c, *([1] * (coeffs.dim() - 2)))
-            y = torch.mul(coeffs, scale)  # int8 * float: the codes are cast exactly
-        else:
-            y = coeffs.to(wd)
-        if self._one_tile(hb, wb):
-            x = self._tile_product(y.reshape(n * c, -1), wd, inverse=True).reshape(n, c, b, b)
-            if b == h and b == w and dtype == wd:
-                return x
-            return saturate_fast(x[:, :, :h, :w], dtype)
-        if self.params["fold"]:
-            rows, cols = self._fold_positions(y.device)
-            full = torch.zeros((n, c, hb, k, wb, k), dtype=wd, device=y.device)
-            full.permute(0, 1, 2, 4, 3, 5)[..., rows, cols] = y
-            y = full
-        tk, _, tk_up = self._matrices(wd, y.device)
-        x = torch.matmul(tk.t(), y.reshape(n, c, hb, k, wb * k))
-        x = x.reshape(n, c, hb, b, wb, k)
-        if hb * b == h and wb * b == w and dtype == wd:
-            out = torch.empty((n, c, h, w), dtype=wd, device=y.device)
-            torch.matmul(x, tk_up, out=out.view(n, c, hb, b, wb, b))
-            return out
-        x = torch.matmul(x, tk_up).reshape(n, c, hb * b, wb * b)[:, :, :h, :w]
-        return saturate_fast(x, dtype)
-
-    # native cpu path ---------------------------------------------------------------------
-    # int8 storage, float32 work: ``native/dct_kernels.cpp`` does a plane at a time (pad,
-    # transform, chop, scale, codes; and back) in one call. Its products are not BLAS's, so
-    # it equals the PyTorch formulations up to float rounding, not bit for bit (coefficients
-    # within a few ulps; a code may differ by one next to a half-integer).
-
-    def _native_packed_ok(  # unroller-lint: host-only (native cpu path)
-        self, packed: tuple[Tensor, ...], n: int, c: int, hb: int, wb: int
-    ) -> bool:
-        """Packed tensors the kernel can read as they are: int8 codes of this layout and a
-        float32 scale [N, C] (anything else goes through the PyTorch formulation, which says
-        what is wrong)."""
-        q, scale = packed
-        return (
-            q.dtype == torch.int8
-            and tuple(q.shape) == self._coeff_shape(n, c, hb, wb)
-            and scale.dtype == torch.float32
-            and tuple(scale.shape) == (n, c)
-        )
-
-    def _compress_native(  # unroller-lint: host-only (native cpu path)
-        self, lib, t: Tensor, hb: int, wb: int
-    ) -> tuple[Tensor, Tensor] | None:
-        """``compress`` through the native kernel; None when it could not get scratch memory
-        (the PyTorch formulation then runs). The kernel reads float32 planes: a float16 /
-        bfloat16 input is widened a span of planes at a time (``base.WIDEN_ELEMENTS`` per
-        thread) into one reused buffer, each plane being coded on its own, so the codes
-        are those of one call on the whole widened tensor."""
-        b, k = self.params["block"], self.params["keep"]
-        n, c, h, w = t.shape
-        planes = n * c
-        q = torch.empty(self._coeff_shape(n, c, hb, wb), dtype=torch.int8)
-        scale = torch.empty((n, c), dtype=torch.float32)
-        tk, tk_down, _ = self._matrices(torch.float32, t.device)
-        threads = native_threads(t.numel())
-        if t.dtype == torch.float32:
-            step, src, buf = planes, t.contiguous().view(planes, h, w), None
-        else:
-            step = max(1, widen_elements() * threads // (h * w))
-            src = t.reshape(planes, h, w)
-            buf = torch.empty(min(step, planes) * h * w, dtype=torch.float32)
-        per_plane = q.numel() // planes  # int8 codes of one plane
-        for p0 in range(0, planes, step):
-            p1 = min(planes, p0 + step)
-            if buf is None:
-                x = src
-            else:
-                x = buf[: (p1 - p0) * h * w].view(p1 - p0, h, w)
-                x.copy_(src[p0:p1])
-            failed = lib.ud_compress_f32(
-                x.data_ptr(),
-                p1 - p0,
-                h,
-                w,
-                b,
-                k,
-                int(self.params["fold"]),
-                tk_down.contiguous().data_ptr(),
-                tk.contiguous().data_ptr(),
-                q.data_ptr() + p0 * per_plane,
-                scale.data_ptr() + p0 * scale.element_size(),
-                threads,
-            )
-            if failed:
-                return None
-        return q, scale
-
-    def _decompress_native(  # unroller-lint: host-only (native cpu path)
-        self, lib, packed: tuple[Tensor, ...], full: tuple[int, int, int, int]
-    ) -> Tensor | None:
-        """``decompress`` through the native kernel (float32 out); None as above."""
-        b, k = self.params["block"], self.params["keep"]
-        n, c, h, w = full
-        q, scale = (p.contiguous() for p in packed)
-        out = torch.empty(full, dtype=torch.float32)
-        tk, _, tk_up = self._matrices(torch.float32, q.device)
-        failed = lib.ud_decompress_f32(
-            q.data_ptr(),
-            scale.data_ptr(),
-            n * c,
-            h,
-            w,
-            b,
-            k,
-            int(self.params["fold"]),
-            tk.contiguous().data_ptr(),
-            tk_up.contiguous().data_ptr(),
-            out.data_ptr(),
-            native_threads(out.numel()),
-        )
-        return None if failed else out
