@@ -10,7 +10,7 @@ LOCK   := requirements.lock
 # pytest worker processes (pytest-xdist): the suite is mostly single-threaded Python
 WORKERS ?= 2
 
-.PHONY: venv lock test test-slow test-all bench accuracy generate check lint format clean
+.PHONY: venv lock test test-slow test-all bench bench-precision accuracy generate check lint format clean
 
 venv: $(STAMP)
 
@@ -65,11 +65,36 @@ test-slow: $(STAMP)
 	SLOW=1 $(PY) -m pytest -q -n $(WORKERS)
 
 # The benchmark suite (unroller.bench, as `unroll bench`): its quick preset, or with FULL=1
-# the published sizes; writes benchmarks/results/bench.*. The two other reports of the same
-# harness: `unroll bench core` (python -m benchmarks.core_bench) and `unroll bench compress`
-# (python -m benchmarks.compress_bench).
+# the published sizes, with PRECISION=bf16-mixed (or any --precision) in that precision (the
+# peers under torch.autocast); writes benchmarks/results/bench.*. The two other reports of
+# the same harness: `unroll bench core` (python -m benchmarks.core_bench) and `unroll bench
+# compress` (python -m benchmarks.compress_bench).
 bench: $(STAMP)
-	$(PY) -m benchmarks.run $(if $(FULL),--full,)
+	$(PY) -m benchmarks.run $(if $(FULL),--full,) $(if $(PRECISION),--precision $(PRECISION),)
+
+# Mixed precision (docs/benchmarks.md, "Mixed precision"): the four transformers in
+# bf16-mixed against autograd and checkpointing under torch.autocast (quick sizes, bytes per
+# sample between batch 4 and 8, and 16 and 32), and the lora_llama preset (a peft LoRA Llama
+# through unroller.unroll against autocast, per-layer checkpointing and Hugging Face gradient
+# checkpointing) at sequence 512 and 2048 (the max batch under 1 GiB there); then their
+# tables and the headline. Hours on a 2-core CPU, most of it the 2048-token steps.
+PRECISION_RUNS := benchmarks/results/precision
+PRECISION_SUITE := --benchmark vit_tiny,gpt_tiny,gpt_small,bert_encoder --precision bf16-mixed \
+	--scheme nocompress,dct-dense,quant,auto --threads 1 --memory-budget none --no-recompute \
+	--no-progress
+bench-precision: $(STAMP)
+	$(PY) -m benchmarks.run $(PRECISION_SUITE) --out-dir $(PRECISION_RUNS)/bf16_mixed
+	$(PY) -m benchmarks.run $(PRECISION_SUITE) --per-sample-batches 16,32 \
+		--out-dir $(PRECISION_RUNS)/bf16_mixed_16_32
+	$(PY) -m benchmarks.run lora_llama --sequence 512 --threads 1 \
+		--out-dir $(PRECISION_RUNS)/lora_llama_512
+	$(PY) -m benchmarks.run lora_llama --sequence 2048 --threads 1 \
+		--out-dir $(PRECISION_RUNS)/lora_llama_2048
+	$(PY) -m benchmarks.summary_tables $(PRECISION_RUNS)/bf16_mixed \
+		$(PRECISION_RUNS)/bf16_mixed_16_32 $(PRECISION_RUNS)/lora_llama_512 \
+		$(PRECISION_RUNS)/lora_llama_2048
+	$(PY) -m benchmarks.headline benchmarks/results/per_sample $(PRECISION_RUNS)/bf16_mixed \
+		$(PRECISION_RUNS)/lora_llama_512 $(PRECISION_RUNS)/lora_llama_2048
 
 # Accuracy by scheme (docs/accuracy.md): about 40 minutes on an idle
 # 2-core CPU (25 for the first three). Finished runs under each --out are reused, so an

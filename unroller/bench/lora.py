@@ -17,8 +17,9 @@ Per sequence length, every method on the same weights and batch:
 
 - ``ours:SCHEME``: ``step = unroller.unroll(model, {"input_ids": ids, "labels": ids},
   precision=P, scheme=SCHEME)``, one step ``step(input_ids=ids, labels=ids)``; and
-  ``ours:SCHEME+blocks+pieces`` (``recompute_segments="blocks", segment_piece_size=4``:
-  each decoder layer keeps its input and runs again in its backward);
+  ``ours:SCHEME+blocks+pieces`` (``recompute_segments="blocks", segment_piece_size=1``:
+  each decoder layer keeps its input and runs again in its backward, one sample at a
+  time);
 - ``autograd``: ``model(input_ids=ids, labels=ids).loss.backward()``, the forward under
   ``torch.autocast`` for a mixed precision;
 - ``checkpoint``: the same with ``torch.utils.checkpoint(use_reentrant=False)`` around
@@ -65,13 +66,15 @@ from unroller.compiler.schemes import SCHEMES
 NAME = "lora_llama"
 DEFAULT_SCHEMES = ("nocompress", "quant", "auto")
 SEGMENT_SCHEMES = ("nocompress", "quant")
-SEGMENT_PIECE_SIZE = 4
+#: the +blocks+pieces rows' piece size: one sample, since the batches measured here are 1
+#: and 2 (the suite's 4 would never split them: the recompute would hold the whole batch)
+SEGMENT_PIECE_SIZE = 1
 PEERS = ("checkpoint", "hf-checkpoint")
 KEYWORDS = ("input_ids", "labels")
 OUT_NAME = "lora"
 METHODS = {
     "ours": "step = unroller.unroll(model, {'input_ids': ids, 'labels': ids}, precision=P, "
-    "scheme=S[, recompute_segments='blocks', segment_piece_size=4]), each row on its own "
+    "scheme=S[, recompute_segments='blocks', segment_piece_size=P]), each row on its own "
     "copy of the model (same weights); per step "
     "model.zero_grad(set_to_none=True); step(input_ids=ids, labels=ids) (forward and "
     "unrolled backward; the LoRA gradients in the model's .grad). Its first step at a new "
@@ -223,11 +226,13 @@ def _copy(model: nn.Module) -> nn.Module:
     return found
 
 
-def ours_rows(schemes: Sequence[str], segments: bool) -> list[tuple[str, str, dict[str, Any]]]:
+def ours_rows(
+    schemes: Sequence[str], segments: bool, piece_size: int = SEGMENT_PIECE_SIZE
+) -> list[tuple[str, str, dict[str, Any]]]:
     """(row name, scheme, unroll keywords) of every ours row, in table order."""
     rows = [(f"ours:{s}", s, {}) for s in schemes]
     if segments:
-        fields = {"recompute_segments": "blocks", "segment_piece_size": SEGMENT_PIECE_SIZE}
+        fields = {"recompute_segments": "blocks", "segment_piece_size": piece_size}
         rows += [(f"ours:{s}+blocks+pieces", s, fields) for s in schemes if s in SEGMENT_SCHEMES]
     return rows
 
@@ -245,7 +250,7 @@ def methods(
 
     found = []
     batch = dict(zip(KEYWORDS, example))
-    for name, scheme, fields in ours_rows(args.schemes, args.segments):
+    for name, scheme, fields in ours_rows(args.schemes, args.segments, args.segment_piece_size):
         # a copy per row: two unroll steps of one peft model, called in turn, would each
         # import again at every call (torch.export replaces the model's peft_config and
         # LoRA kwargs dicts with equal copies, which the step's settings check sees)
@@ -320,7 +325,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--segments",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also run ours:SCHEME+blocks+pieces for nocompress and quant (default: on)",
+        help="also run ours:SCHEME+blocks+pieces for nocompress and quant: every decoder layer "
+        "recomputed in its backward, in pieces of --segment-piece-size samples (default: on)",
+    )
+    add(
+        "--segment-piece-size",
+        type=options.positive,
+        default=SEGMENT_PIECE_SIZE,
+        help="samples per piece of the +blocks+pieces rows' recompute (default: %(default)s, "
+        "the batches measured being small)",
     )
     add(
         "--peers",
