@@ -60,6 +60,12 @@ class Platform:
     #: the others are not (for the refusal)
     precisions: tuple[str, ...] = ("fp32",)
     precision_note: str = ""
+    #: What scales the loss under a low precision, so that float16 gradients do not
+    #: underflow: "grad_scaler", a ``torch.amp.GradScaler`` the caller gives a mixed step
+    #: (it unscales float32 gradients only, so a plain low precision is not scaled);
+    #: "optimizer", the optimizer's loss scaling (PopTorch's ``loss_scaling``), which the
+    #: step seeds its backward with under every low precision, a half model's too.
+    loss_scaler: str = "grad_scaler"
 
     @property
     def pipelined(self) -> bool:
@@ -90,7 +96,9 @@ IPU = Platform(
     estimate="on_chip",
     call_list=True,
     graph_compiled=True,
-    precision_note="PopTorch's half precision (fp16-mixed, fp16) is not generated yet",
+    precisions=("fp32", "fp16-mixed", "fp16"),
+    precision_note="the IPU's arithmetic is float16 and float32, it has no bfloat16",
+    loss_scaler="optimizer",
 )
 
 PLATFORMS: dict[str, Platform] = {p.name: p for p in (GPU, IPU)}

@@ -5,7 +5,9 @@ A mixed-precision step reads the parameters of an op that runs in the low dtype 
 made on first use and kept by the step's layer handles until the step ends, as
 torch.autocast's cast cache keeps a weight's low-precision copy for its context. A weight
 read by the forward and by the backward is so cast once. This module needs nothing of the
-kernels, so the layer handles and the kernels can both import it.
+kernels, so the layer handles and the kernels can both import it. It runs on both platforms:
+on the IPU the casts are traced into PopTorch's graph (``Tensor.to``, on its list), and
+``unroll lint --platform ipu`` checks them.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ class CastLayer:
         self._layer, self._dtype, self._cache, self._path = layer, dtype, cache, path
         self._cast: dict[str, Any] = {}
 
-    def __getattr__(self, name: str) -> Any:  # unroller-lint: host-only (no IPU mixed precision)
+    def __getattr__(self, name: str) -> Any:
         cast = self._cast
         if name in cast:
             return cast[name]
-        found = getattr(self._layer, name)
+        found = _attribute(self._layer, name)
         if name in ("_parameters", "_buffers"):  # what kernels read directly, cast alike
             found = {k: self._tensor(k, t) for k, t in found.items()}
         elif isinstance(found, Tensor):
@@ -55,6 +57,15 @@ class CastLayer:
 
     def __repr__(self) -> str:
         return f"CastLayer({self._path or '<model>'}, {self._dtype})"
+
+
+def _attribute(layer: torch.nn.Module, name: str) -> Any:  # unroller-lint: host-only
+    """``layer.<name>``, the attribute a kernel reads through the view (``weight``, ``eps``,
+    ``training``, a submodule): a lookup by a computed name, so the linter leaves it out.
+    It runs while PopTorch traces the step and makes no tensor operation: what a kernel then
+    computes with the value is checked where the kernel's code says it, and the casts the
+    view makes (``_tensor``) are checked with the rest of this class."""
+    return getattr(layer, name)
 
 
 def cast_layer(cache: dict, layer: torch.nn.Module, dtype: torch.dtype, path: str) -> CastLayer:

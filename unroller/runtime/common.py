@@ -543,10 +543,19 @@ def collect(
     (state-dict names; ``layers`` may be a block's scoped view): the ipu step returns them
     through its surrogate loss instead of writing .grad, because PopTorch owns the
     optimizer step. A layer called more than once (``shares=``) collects into the same
-    name: the calls' gradients add up, as they do in ``.grad``."""
+    name: the calls' gradients add up, as they do in ``.grad``.
+
+    Each gradient is stored in its parameter's dtype: a mixed precision's low-dtype op reads
+    its float32 weights through the cast cache (``L.cast``) and gives float16 gradients,
+    which come back to float32 here (the cast's backward) before they add up, as autograd
+    adds them into a float32 ``.grad``."""
     path = layers.path(name)
+    own = layers[name]._parameters
     for param, grad in named.items():
         if grad is not None:
+            weight = own.get(param)
+            if weight is not None and grad.dtype != weight.dtype:
+                grad = grad.to(weight.dtype)
             key = _join(path, param)
             grads[key] = grads[key] + grad if key in grads else grad
 

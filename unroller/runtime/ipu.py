@@ -11,7 +11,9 @@ defines only what PopTorch needs done differently (each under ``@conventions.imp
 its parameters and defaults are ``unroller.runtime.conventions``' stub, written once for
 both platforms; the kernels made from these, the 1-D pools and more, come from
 ``unroller.runtime.derived``), and ``collect`` (not ``accumulate``) hands parameter
-gradients to PopTorch.
+gradients to PopTorch. Under ``--precision fp16-mixed`` / ``fp16`` the backward starts from
+``loss_seed`` (PopTorch's loss scaling) and a half model's inputs go through ``floats_in``;
+the casts are the shared ``cast`` kernels and the cast cache (``L.cast``).
 
 Every kernel uses only operations PopTorch runs on the IPU (see PopTorch's list of supported
 operations): no aten backward kernels, no autograd, no max-pool indices, no bilinear
@@ -240,6 +242,25 @@ def scaled_dot_product_attention_backward(
     )
 
 
+# ---------------------------------------------------------------- half precision
+
+
+def loss_seed(loss: Tensor, scale: float = 1.0) -> Tensor:
+    """d loss / d loss times PopTorch's loss scaling ``scale`` (``--precision fp16-mixed``,
+    ``fp16``: the module's ``loss_scaling``, the value its optimizer is built with), what
+    PopTorch seeds its own backward with, so that float16 gradients in the explicit backward
+    do not underflow. ``ipu_device.surrogate`` hands the scaled gradients on divided by the
+    same factor, which PopTorch's scaling multiplies back and its optimizer divides out.
+    In the loss's dtype: a half model's seed above 65504 is already an overflow."""
+    return torch.ones_like(loss) * scale
+
+
+def floats_in(dtype: torch.dtype, *inputs: Tensor) -> tuple[Tensor, ...]:
+    """The inputs with the floating-point ones in ``dtype`` (a half model, ``--precision
+    fp16``, takes float32 batches too), the others as they are."""
+    return tuple(t.to(dtype) if t.dtype.is_floating_point else t for t in inputs)
+
+
 # ---------------------------------------------------------------- convolutions
 
 
@@ -391,6 +412,18 @@ def _per_channel(t: Tensor) -> Tensor:
     return t.reshape(1, -1, 1, 1)
 
 
+def _bn_dtypes(x: Tensor, weight: Tensor | None, running_mean: Tensor | None):
+    """(compute, held): batch norm computes in float32 when x is a 16-bit float, in x's
+    dtype otherwise, as torch's kernels accumulate; its statistics and parameter gradients
+    are in the dtype of the layer's tensors (its weights', else its running statistics',
+    else x's): float32 under a mixed precision, where a float16 input meets float32 weights,
+    float16 in a half model. Output and input gradient stay in x's dtype. Under fp32 (and
+    float64) all three are x's dtype, and nothing is cast."""
+    held = weight if weight is not None else running_mean
+    compute = torch.float32 if x.dtype.itemsize < 4 else x.dtype
+    return compute, (held.dtype if held is not None else x.dtype)
+
+
 def _normalised(
     centered: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None
 ) -> Tensor:
@@ -406,25 +439,27 @@ def batchnorm2d(x, layer, *, eps, momentum):
     the layer's running_mean / running_var (unbiased var) with the momentum in place and adds
     1 to its num_batches_tracked; momentum None: cumulative average. Returns (y, mean, invstd).
     The layer in eval mode (with running stats), as nn.BatchNorm2d.eval(): the running
-    mean and rsqrt(running_var + eps) in their place, nothing updated."""
+    mean and rsqrt(running_var + eps) in their place, nothing updated. Dtypes: ``_bn_dtypes``."""
     weight, bias, running_mean, running_var, num_batches_tracked = _norm_tensors(layer)
+    compute, held = _bn_dtypes(x, weight, running_mean)
+    out, x = x.dtype, x.to(compute)
     if _running_stats_used(layer, running_mean, running_var):
-        invstd = torch.rsqrt(running_var + eps)
-        y = _normalised(x - _per_channel(running_mean), invstd, weight, bias)
-        return y, running_mean, invstd
+        invstd = torch.rsqrt(running_var.to(compute) + eps)
+        y = _normalised(x - _per_channel(running_mean.to(compute)), invstd, weight, bias)
+        return y.to(out), running_mean, invstd.to(held)
     dims = (0, 2, 3)
     mean = x.mean(dims)
     centered = x - _per_channel(mean)
     sq = centered.square()
     invstd = torch.rsqrt(sq.mean(dims) + eps)
     y = _normalised(centered, invstd, weight, bias)
-    factor = _momentum_factor(num_batches_tracked, momentum, x.dtype)
+    factor = _momentum_factor(num_batches_tracked, momentum, compute)
     if running_mean is not None:
         running_mean.mul_(1 - factor).add_(mean * factor)
     if running_var is not None:
         unbiased = sq.sum(dims) / (x.numel() // x.shape[1] - 1)  # inf / nan for one value
         running_var.mul_(1 - factor).add_(unbiased * factor)
-    return y, mean, invstd
+    return y.to(out), mean.to(held), invstd.to(held)
 
 
 @conventions.implements
@@ -434,11 +469,13 @@ def batchnorm2d_recompute(x, layer, *, eps, momentum):
     weight, bias, running_mean, running_var, _ = _norm_tensors(layer)
     if _running_stats_used(layer, running_mean, running_var):
         return batchnorm2d_eval(x, layer, eps=eps, momentum=momentum)
+    compute, _ = _bn_dtypes(x, weight, running_mean)
+    out, x = x.dtype, x.to(compute)
     dims = (0, 2, 3)
     mean = x.mean(dims)
     centered = x - _per_channel(mean)
     invstd = torch.rsqrt(centered.square().mean(dims) + eps)
-    return _normalised(centered, invstd, weight, bias)
+    return _normalised(centered, invstd, weight, bias).to(out)
 
 
 def _momentum_factor(
@@ -459,11 +496,14 @@ def batchnorm2d_backward(g, x, layer, save_mean, save_invstd, *, eps, momentum, 
     """Closed form: with xhat = (x - mean) * invstd, gb = sum(g), gW = sum(g * xhat),
     gx = (g - gb/M - xhat * gW/M) * invstd * W (sums over N, H, W; M their count). The
     layer in eval mode (with running stats; mean and invstd the forward's from them): the
-    statistics are constants, so gx = g * invstd * W."""
+    statistics are constants, so gx = g * invstd * W. Dtypes: ``_bn_dtypes``."""
     if not any(_need(needs, i) for i in range(3)):
         return _fit((), needs)
-    _, _, running_mean, running_var, _ = _norm_tensors(layer)
+    weight, _, running_mean, running_var, _ = _norm_tensors(layer)
     frozen = _running_stats_used(layer, running_mean, running_var)
+    compute, held = _bn_dtypes(x, weight, running_mean)
+    out, g, x = x.dtype, g.to(compute), x.to(compute)
+    save_mean, save_invstd = save_mean.to(compute), save_invstd.to(compute)
     dims = (0, 2, 3)
     count = x.numel() // x.shape[1]
     gb = g.sum(dims)
@@ -473,25 +513,28 @@ def batchnorm2d_backward(g, x, layer, save_mean, save_invstd, *, eps, momentum, 
         gw = (g * xhat).sum(dims)
     gx = None
     if _need(needs, 0):
-        weight = getattr(layer, "weight", None)
         scale = _per_channel(save_invstd if weight is None else save_invstd * weight)
         if frozen:
             gx = g * scale
         else:
             gx = (g - _per_channel(gb / count) - xhat * _per_channel(gw / count)) * scale
-    return _fit((gx, gw, gb), needs)
+        gx = gx.to(out)
+    gw = gw.to(held) if gw is not None else None
+    return _fit((gx, gw, gb.to(held)), needs)
 
 
 @conventions.implements
 def batchnorm2d_eval(x, layer, *, eps, momentum):
     """As nn.BatchNorm2d.eval(): normalizes with the running statistics, changes nothing."""
     weight, bias, running_mean, running_var, _ = _norm_tensors(layer)
+    compute, _ = _bn_dtypes(x, weight, running_mean)
+    out, x = x.dtype, x.to(compute)
     if running_mean is None or running_var is None:  # no running stats: batch statistics
         mean = x.mean((0, 2, 3))
         var = (x - _per_channel(mean)).square().mean((0, 2, 3))
     else:
-        mean, var = running_mean, running_var
-    return _normalised(x - _per_channel(mean), torch.rsqrt(var + eps), weight, bias)
+        mean, var = running_mean.to(compute), running_var.to(compute)
+    return _normalised(x - _per_channel(mean), torch.rsqrt(var + eps), weight, bias).to(out)
 
 
 # ---------------------------------------------------------------- activations

@@ -64,17 +64,35 @@ class _Proxy:
 poptorch = _Proxy()
 
 
-def surrogate(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], keys=None):
+def surrogate(
+    params: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    keys=None,
+    loss_scaling: float = 1.0,
+):
     """sum(p * g) over parameters, g detached: its gradient with respect to each p is
     exactly the unrolled gradient g, so PopTorch's optimizer, replica reduction and
-    gradient accumulation apply our gradients while its autodiff saves nothing large."""
+    gradient accumulation apply our gradients while its autodiff saves nothing large.
+
+    Under PopTorch's loss scaling S (``--precision fp16-mixed`` / ``fp16``) the unrolled
+    backward was seeded with S (``K.loss_seed``), so g = S * dL/dp, and PopTorch
+    differentiates S * (what this returns) and its optimizer divides the result by S. So
+    this returns sum(p * g) / S: PopTorch's autodiff gives S * (1 / S) * g = g (exactly,
+    S a power of two), the scaled gradient in the parameter's dtype, which is what it
+    would have computed itself, and the optimizer's update uses g / S = dL/dp. The 1 / S
+    multiplies the float32 total, never a float16 gradient (which would underflow), and a
+    half parameter's term is summed in float32 (its value is never read, but must not
+    overflow: S * g * p in float16 would)."""
     total = None
     for key in keys if keys is not None else grads:
-        term = (params[key] * grads[key].detach()).sum()
+        p, g = params[key], grads[key].detach()
+        if p.dtype == torch.float16:
+            p, g = p.to(torch.float32), g.to(torch.float32)
+        term = (p * g).sum()
         total = term if total is None else total + term
     if total is None:
         raise ValueError("no parameter gradients to apply")
-    return total
+    return total if loss_scaling == 1.0 else total / loss_scaling
 
 
 def synthetic_batch(inputs: list, batch: int, seed: int = 0) -> list[torch.Tensor]:
@@ -117,6 +135,12 @@ def run_main(  # unroller-lint: host-only
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--profile", metavar="DIR", help="write a PopVision report to DIR")
+    parser.add_argument(
+        "--loss-scaling",
+        type=float,
+        default=None,
+        help="PopTorch's loss scaling (--precision fp16-mixed / fp16; default: the module's)",
+    )
     args = parser.parse_args(argv)
     if args.emulate:
         use_emulation()
@@ -139,13 +163,27 @@ def run_main(  # unroller-lint: host-only
     opts.Training.accumulationAndReplicationReductionType(poptorch.ReductionType.Mean)
     torch.manual_seed(args.random_seed)
     model = model_class()
-    optimizer = poptorch.optim.SGD(
-        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
-    )
+    sgd = dict(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    scaling = getattr(model, "loss_scaling", None)  # a module generated for float16
+    if scaling is None and args.loss_scaling is not None:
+        parser.error("--loss-scaling is for a module generated with --precision fp16-mixed or fp16")
+    if scaling is not None:
+        # One value for both: the module seeds its backward with it and divides it out of
+        # the surrogate; the optimizer scales the loss by it and divides it out again.
+        # Gradient accumulation and velocity in float32 (PopTorch's defaults, named): a half
+        # model's weights are float16, its optimizer state float32.
+        if args.loss_scaling is not None:
+            model.loss_scaling = scaling = float(args.loss_scaling)
+        float32 = torch.float32
+        sgd.update(loss_scaling=scaling, accum_type=float32, velocity_accum_type=float32)
+    optimizer = poptorch.optim.SGD(model.parameters(), **sgd)
     training = poptorch.trainingModel(model, opts, optimizer)
     batch = args.device_batch_size * args.device_iterations * args.replication_factor * accum
     mode = "CPU emulation of PopTorch" if args.emulate else "PopTorch"
-    print(f"{mode}: {num_ipus} IPU(s) x {args.replication_factor} replica(s), batch {batch}")
+    scaled = f", loss scaling {scaling:g}" if scaling is not None else ""
+    print(
+        f"{mode}: {num_ipus} IPU(s) x {args.replication_factor} replica(s), batch {batch}{scaled}"
+    )
     for step in range(args.steps):
         out = training(*synthetic_batch(inputs, batch, seed=step))
         loss = out[1] if isinstance(out, tuple) else out

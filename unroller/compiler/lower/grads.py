@@ -153,12 +153,20 @@ def hand_param_grads(
     return CallExpr(Global("K.collect"), (Var("grads"), Var("L"), ModelName(owner)), grads)
 
 
+# What multiplies the seed, by ``Platform.loss_scaler`` (the seed step's comment)
+_LOSS_SCALERS = {"grad_scaler": "a GradScaler's scale", "optimizer": "the optimizer's loss scaling"}
+
+
 def seed_step(ctx: LoweringContext) -> Step:
     """``grad_loss = torch.ones_like(loss)``: where the backward starts; under a mixed
     precision ``K.loss_seed(loss, scaler)``, the GradScaler's scale when the caller gives
-    one (``scaler.scale(loss).backward()``'s seed)."""
+    one (``scaler.scale(loss).backward()``'s seed). Where the optimizer scales the loss
+    (``Platform.loss_scaler``, PopTorch's ``loss_scaling``) a plain low precision's seed is
+    ``K.loss_seed`` too: a half model's gradients underflow as a mixed one's do."""
     loss = ctx.graph.loss
-    scaled = get_precision(ctx.graph.precision).mixed
+    chosen = get_precision(ctx.graph.precision)
+    by = ctx.platform.loss_scaler
+    scaled = chosen.mixed or (by == "optimizer" and chosen.dtype is not None)
     if scaled:
         seed = CallExpr(Global("K.loss_seed"), (ctx.var(loss), Var("scaler")))
     else:
@@ -166,6 +174,6 @@ def seed_step(ctx: LoweringContext) -> Step:
     return Step(
         "backward",
         [Assign((ctx.grad(loss),), seed)],
-        comment="d loss / d loss = 1" + (" (times a GradScaler's scale)" if scaled else ""),
+        comment="d loss / d loss = 1" + (f" (times {_LOSS_SCALERS[by]})" if scaled else ""),
         stage=ctx.stage(loss.producer),
     )
