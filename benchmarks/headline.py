@@ -92,44 +92,54 @@ def _rows(meta: dict, runs: list[dict], limit: float) -> list[str]:
     return lines
 
 
-def _footer(meta: dict, runs: list[dict]) -> list[str]:
+def _footer(meta: dict, runs: list[dict], label: str = "Bytes per sample") -> list[str]:
     batches = next((r["per_sample"]["batches"] for r in runs if r.get("per_sample")), [])
-    precision = meta.get("precision") or "fp32"
-    what = "Bytes per sample"
-    if precision != "fp32":
-        what = f"{precision} rows"
-    lines = [
+    return [
         "",
         (
-            f"{what}: the step peak's slope between batch {batches[0]} and {batches[-1]}"
+            f"{label}: the step peak's slope between batch {batches[0]} and {batches[-1]}"
             if len(batches) > 1
-            else f"{what}: the step peak's slope between two batches"
+            else f"{label}: the step peak's slope between two batches"
         ),
-    ]
-    if precision.endswith("-mixed"):
-        lines[-1] += (
-            "; ours generated in that precision, autograd and checkpointing with their "
-            "forward under torch.autocast"
-        )
-        if any(r.get("device") == "cpu" for r in runs):
-            lines[-1] += (
-                "; measured on a CPU, whose low-precision kernels are not a GPU's: the step "
-                "times are CPU times, not GPU times"
-            )
-    lines += [
         f"({meta.get('cpu_model') or meta.get('machine')}, {meta.get('cpu_count')} CPUs, "
         f"torch {meta.get('torch')}, {meta.get('date', '')[:10]}). Measured by:",
         "",
         f"    {meta['command']}",
     ]
-    return lines
+
+
+def _label(meta: dict, runs: list[dict]) -> str:
+    """A run's rows, as a footer names them: its precision and networks."""
+    names = ", ".join(dict.fromkeys(r["benchmark"] for r in runs))
+    return f"{meta.get('precision') or 'fp32'} rows ({names})"
+
+
+def _mixed_note(found: list[tuple[dict, list[dict]]]) -> list[str]:
+    """What the mixed-precision rows ran, and where: said once, after the footers."""
+    mixed = sorted({m["precision"] for m, _ in found if str(m.get("precision")).endswith("-mixed")})
+    if not mixed:
+        return []
+    on_cpu = any(
+        r.get("device") == "cpu" for m, runs in found for r in runs if m.get("precision") in mixed
+    )
+    note = (
+        f"{' and '.join(mixed)} rows: ours generated with that --precision; autograd and "
+        "checkpointing (torch.utils.checkpoint per block or decoder layer, or Hugging Face's "
+        "gradient checkpointing) with their forward under torch.autocast"
+    )
+    if on_cpu:
+        note += (
+            "; measured on a CPU, whose low-precision kernels are not a GPU's: the step times "
+            "are CPU times, not GPU times"
+        )
+    return ["", note + "."]
 
 
 def headline(path: Path, limit: float = 1.3) -> str:
     """The table for the run in ``path`` (a bench.jsonl), with its command."""
     meta, runs = _runs(path)
     lines = [HEADER.format(limit=limit), "|---|---|---:|---|---|---|", *_rows(meta, runs, limit)]
-    return "\n".join(lines + _footer(meta, runs)) + "\n"
+    return "\n".join(lines + _footer(meta, runs) + _mixed_note([(meta, runs)])) + "\n"
 
 
 def headline_of(folders: list[Path], limit: float = 1.3) -> str:
@@ -139,8 +149,8 @@ def headline_of(folders: list[Path], limit: float = 1.3) -> str:
     for meta, runs in found:
         lines += _rows(meta, runs, limit)
     for meta, runs in found:
-        lines += _footer(meta, runs)
-    return "\n".join(lines) + "\n"
+        lines += _footer(meta, runs, _label(meta, runs) if len(found) > 1 else "Bytes per sample")
+    return "\n".join(lines + _mixed_note(found)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -235,7 +235,7 @@ def autograd(ref: nn.Module, context: Context = plain) -> Method:
     return _in(context, Method("autograd", "autograd", None, ref, run, stash, BACKWARD_MARK))
 
 
-def checkpointed(ref: nn.Module, context: Context = plain, name: str = "checkpoint") -> Method:
+def checkpointed(ref: nn.Module, context: Context = plain) -> Method:
     """``ref.forward_checkpointed`` (in ``context``): torch.utils.checkpoint per stage."""
     wrapper = _Checkpointed(ref)
 
@@ -249,7 +249,7 @@ def checkpointed(ref: nn.Module, context: Context = plain, name: str = "checkpoi
     def stash(batch: list[Tensor]) -> dict[str, Any]:
         return _counted(wrapper, batch)
 
-    return _in(context, Method(name, "checkpoint", None, ref, run, stash, BACKWARD_MARK))
+    return _in(context, Method("checkpoint", "checkpoint", None, ref, run, stash, BACKWARD_MARK))
 
 
 class CompressingHooks:
