@@ -12,7 +12,9 @@ Slow (SLOW=1): every module the bf16-mixed quick run of the transformers generat
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,10 @@ TRANSFORMERS = "vit_tiny,gpt_tiny,gpt_small,bert_encoder"
 TINY_LLAMA = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2"]
 TINY_LLAMA += ["--intermediate", "64", "--vocab", "64", "--rank", "4"]
 
-peft = pytest.importorskip("peft")
+needs_peft = pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None,
+    reason="the lora_llama preset needs peft and transformers (the dev extra)",
+)
 
 
 # --------------------------------------------------------------------------- the flag
@@ -40,6 +45,7 @@ peft = pytest.importorskip("peft")
 
 @pytest.mark.parametrize("preset", [[], ["lora_llama"]])
 def test_a_bad_precision_is_one_line_and_exit_2(preset):
+    """The suite's and the lora_llama preset's flags fail alike: one line, status 2."""
     result = CliRunner().invoke(app, ["bench", *preset, "--precision", "nonsense"])
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
@@ -162,6 +168,7 @@ def _tiny_lora(dropout: float = 0.0):
     return args, model
 
 
+@needs_peft
 def test_peft_lora_through_unroll_in_bf16_mixed(tmp_path: Path):
     import unroller
 
@@ -192,6 +199,7 @@ def test_peft_lora_through_unroll_in_bf16_mixed(tmp_path: Path):
         assert float((grad - other).norm()) <= 0.1 * float(other.norm()) + 1e-6, name
 
 
+@needs_peft
 def test_lora_methods_step_and_only_lora_weights_train(tmp_path: Path):
     args, model = _tiny_lora()
     args.schemes, args.peers = ["nocompress"], list(lora.PEERS)
@@ -224,6 +232,7 @@ def test_lora_methods_step_and_only_lora_weights_train(tmp_path: Path):
     assert any("gradient checkpointing" in n for n in found[-1].notes)
 
 
+@needs_peft
 def test_lora_preset_end_to_end(tmp_path: Path):
     argv = [*TINY_LLAMA, "--sequence", "16", "--budget-sequence", "16"]
     argv += ["--scheme", "nocompress", "--no-segments", "--iterations", "1", "--warmup", "1"]
@@ -242,6 +251,13 @@ def test_lora_preset_end_to_end(tmp_path: Path):
     goals = {g["goal"] for g in lines if g["type"] == "goal"}
     assert {"per_sample_nocompress", "per_sample_best_mixed", "max_batch_imported"} <= goals
     assert "lora_llama@16" in (tmp_path / "lora.md").read_text()
+
+
+def test_lora_preset_without_peft_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    assert lora.main(["--sequence", "16", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "peft" in err[0] and "pip install" in err[0]
 
 
 def test_lora_preset_flags():
