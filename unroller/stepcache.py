@@ -90,14 +90,24 @@ def _plain(value: Any) -> bool:
     return isinstance(value, (*_PLAIN, torch.dtype, torch.Size))
 
 
-def _setting(value: Any) -> Any:
+#: How deep ``_setting`` reads nested containers (deeper: by identity, as a cycle would be)
+_MAX_DEPTH = 4
+
+
+def _setting(value: Any, depth: int = 0) -> Any:
     """What an attribute contributes to ``settings``: a plain value itself; a function, a
     builtin or a ``functools.partial`` by its qualified name (and the partial's plain
     arguments); an Enum by its repr; a tensor or a config (read through the Hugging Face
-    fingerprint) nothing; any other object its type and identity, so that a step is made
-    again rather than reused wrongly (a cache miss, never a stale hit)."""
+    fingerprint) nothing; a dict, list or tuple what its items contribute (an equal copy
+    of one, as ``torch.export`` leaves a peft model's ``peft_config``, is the same setting);
+    any other object its type and identity, so that a step is made again rather than
+    reused wrongly (a cache miss, never a stale hit)."""
     if _plain(value):
         return value
+    if depth < _MAX_DEPTH and isinstance(value, dict) and all(_plain(k) for k in value):
+        return ("dict", tuple((k, _setting(v, depth + 1)) for k, v in value.items()))
+    if depth < _MAX_DEPTH and isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_setting(v, depth + 1) for v in value))
     if isinstance(value, (torch.Tensor, torch.nn.Module)) or hasattr(value, "to_dict"):
         return None
     if isinstance(value, functools.partial):

@@ -134,3 +134,21 @@ def test_a_peft_prompt_learning_model_is_refused_with_the_reason():
 
     with pytest.raises(ValueError, match="prompt-learning"):
         unroller.unroll(PromptTuned(), torch.randn(2, 4), torch.tensor([0, 1]))
+
+
+def test_a_peft_model_keeps_its_settings_across_an_import(tmp_path):
+    """Importing a peft model (torch.export) leaves equal copies of its config dicts: the
+    step's settings compare them by value, so the next call reuses the generated step
+    instead of importing again (a second or more per call before)."""
+    from unroller import stepcache
+
+    torch.manual_seed(0)
+    net = _lora_llama()
+    batch = _lm_batch()
+    step = unroller.unroll(net, batch, directory=tmp_path)
+    before = stepcache.settings(net)
+    step(**batch)
+    assert stepcache.settings(net) == before
+    spec = step._last
+    step(**batch)
+    assert step._last is spec  # the same specialisation, not a new import
