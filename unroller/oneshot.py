@@ -68,6 +68,7 @@ class _How:
     keywords: bool  # inputs named by a dict (they reach forward by keyword)
     names: tuple[str, ...]  # the first import's input names, for positional calls
     plan: Any = None  # hf_batch.BatchPlan of a keyword batch with labels
+    logits: bool = True  # a keyword batch's step hands out its logits (StepOutput.logits)
 
 
 @dataclass
@@ -212,7 +213,9 @@ class Unrolled(torch.nn.Module):
                     f"got {len(args)} arguments"
                 )
             inputs, target = self._named(args[:-1]), args[-1]
-        loss, logits = self._run(inputs, target, scaler, how)
+        # predictions are held through the backward only where the call returns them
+        keep = bool(batch) and how.logits
+        loss, logits = self._run(inputs, target, scaler, how, keep)
         if not batch:
             return loss
         return StepOutput(loss, logits, self._how.plan.output)
@@ -239,9 +242,17 @@ class Unrolled(torch.nn.Module):
                 )
         return how
 
-    def _run(self, inputs: dict, target, scaler: Any = None, how: _How | None = None):
+    def _run(
+        self,
+        inputs: dict,
+        target,
+        scaler: Any = None,
+        how: _How | None = None,
+        keep: bool = True,
+    ):
         """The loss (a training step, or a forward only where no gradient is asked) and the
-        predictions; ``how``: this call's generation (``_under_autocast``)."""
+        predictions (None from a training step where ``keep`` is False: nothing holds them
+        through its backward); ``how``: this call's generation (``_under_autocast``)."""
         how = how or self._how
         values = list(inputs.values())
         training = self._original.training
@@ -250,13 +261,19 @@ class Unrolled(torch.nn.Module):
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return self._forward_only(inputs, target, training, how)
         spec = self._spec_for(inputs, target, "train" if training else "eval", how)
-        return self._step_with_predictions(spec, values, target, scaler)
+        return self._step_with_predictions(spec, values, target, scaler, keep)
 
     @staticmethod
-    def _step_with_predictions(spec: _Spec, values: list, target, scaler: Any = None):
+    def _step_with_predictions(
+        spec: _Spec, values: list, target, scaler: Any = None, keep: bool = True
+    ):
         """The training step's loss, and its predictions as its own forward made them
-        (dropout drawn, batch statistics: what the original's output holds in train mode)."""
+        (dropout drawn, batch statistics: what the original's output holds in train mode),
+        or None unless ``keep``: a prediction handed out is held until the step returns,
+        through its whole backward (a causal LM's logits: vocabulary x tokens per sample)."""
         extra = {"scaler": scaler} if scaler is not None else {}
+        if not keep:
+            return spec.model(*values, target, **extra), None
         with keep_predictions() as kept:
             loss = spec.model(*values, target, **extra)
         return loss, kept[spec.built.graph.preds[0].name]
@@ -427,6 +444,7 @@ def unroll(
     options: Options | None = None,
     name: str | None = None,
     directory: str | Path | None = None,
+    logits: bool = True,
     **settings: Any,
 ) -> Unrolled:
     """``module``'s training step, generated with ``scheme`` (or ``options``), sharing its
@@ -438,7 +456,10 @@ def unroll(
     options costs no import. ``loss`` defaults to ``cross_entropy`` (or the model's).
     ``settings``: any generation option by its ``Options`` field name
     (``recompute_segments="blocks"``, ``segment_pieces=2``, ``recompute=True``, ...),
-    validated as the command line validates its flags."""
+    validated as the command line validates its flags. ``logits=False``: ``step(**batch)``
+    returns ``.logits`` None, and the step holds no prediction through its backward (what a
+    training loop that reads the loss alone wants: a causal LM's logits are vocabulary x
+    tokens per sample); a positional call, which returns the loss alone, never holds one."""
     from unroller.importer.hf_batch import batch_plan
 
     module = _peft_base(module)
@@ -467,6 +488,7 @@ def unroll(
         isinstance(inputs, Mapping),
         tuple(named),
         plan,
+        logits,
     )
     spec = _make_spec(module, how, named, target, "train")  # the eval variant on demand
     key = (stepcache.signature(named, target), "train", how.options.precision)
