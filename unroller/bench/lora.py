@@ -16,7 +16,8 @@ model's own causal-LM loss.
 Per sequence length, every method on the same weights and batch:
 
 - ``ours:SCHEME``: ``step = unroller.unroll(model, {"input_ids": ids, "labels": ids},
-  precision=P, scheme=SCHEME)``, one step ``step(input_ids=ids, labels=ids)``; and
+  precision=P, scheme=SCHEME, logits=False)`` (the loss alone, as the peers' loops read it:
+  no logits held through the backward), one step ``step(input_ids=ids, labels=ids)``; and
   ``ours:SCHEME+blocks+pieces`` (``recompute_segments="blocks", segment_piece_size=1``:
   each decoder layer keeps its input and runs again in its backward, one sample at a
   time);
@@ -74,7 +75,8 @@ KEYWORDS = ("input_ids", "labels")
 OUT_NAME = "lora"
 METHODS = {
     "ours": "step = unroller.unroll(model, {'input_ids': ids, 'labels': ids}, precision=P, "
-    "scheme=S[, recompute_segments='blocks', segment_piece_size=P]), each row on its own "
+    "scheme=S, logits=False[, recompute_segments='blocks', segment_piece_size=P]) (the loss "
+    "alone, as the peers read it: no logits held through the backward), each row on its own "
     "copy of the model (same weights); per step "
     "model.zero_grad(set_to_none=True); step(input_ids=ids, labels=ids) (forward and "
     "unrolled backward; the LoRA gradients in the model's .grad). Its first step at a new "
@@ -261,6 +263,7 @@ def methods(
             precision=args.precision,
             scheme=scheme,
             directory=directory,
+            logits=False,  # the loss alone, as the peers' loops read it
             **fields,
         )
         method = peers.ours_unrolled(scheme, step, owner, KEYWORDS)
