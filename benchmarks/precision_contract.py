@@ -25,9 +25,16 @@ from pathlib import Path
 
 import torch
 
-from unroller.analysis.verify_precision import FACTOR, FLOORS, NOISE_FRACTION
+from unroller.analysis.verify_precision import (
+    FACTOR,
+    FLOORS,
+    ContractRow,
+    contract_row,
+    largest_norm,
+)
 from unroller.bench.reference.registry import BENCHMARKS
 from unroller.compiler.options import Options
+from unroller.compiler.precision import get as get_precision
 
 NOTE = """A largest ratio of 1.00 means the generated step computed autocast's numbers on every
 tensor (the CNNs: convolutions and batch norm follow the same policy and kernels); the
@@ -37,25 +44,15 @@ sides are batch norm over two samples at the quick input size, which amplifies a
 rounding: the comparison, not the size, is the point."""
 
 DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-LOW = {"bf16-mixed": "bf16", "fp16-mixed": "f16"}
 
 
 def _tensors(loss, net) -> dict:
     return {"loss": loss, **{k: p.grad for k, p in net.named_parameters()}}
 
 
-def _errors(side: dict, truth: dict) -> dict[str, float]:
-    norms = {k: float(t.detach().double().norm()) for k, t in truth.items()}
-    largest = max(norms.values())
-    out = {}
-    for k, t in truth.items():
-        scale = norms[k] if norms[k] >= NOISE_FRACTION * largest else largest
-        out[k] = float((side[k].detach().double() - t.detach().double()).norm()) / scale
-    return out
-
-
-def measure(name: str, precision: str, batch: int, seed: int) -> tuple[dict, dict]:
-    """(ours, autocast's) relative errors per tensor for one model, precision and seed."""
+def measure(name: str, precision: str, batch: int, seed: int) -> list[ContractRow]:
+    """The contract's row of each tensor (ours' and autocast's errors, the verdict) for one
+    model, precision and seed."""
     bench = BENCHMARKS[name]
     resolution = bench.quick_resolution
     torch.manual_seed(seed)
@@ -76,18 +73,19 @@ def measure(name: str, precision: str, batch: int, seed: int) -> tuple[dict, dic
         peer_loss = peer(*inputs)[0]
     peer_loss.backward()
     truth = _tensors(loss64, ref64)
-    return _errors(ours, truth), _errors(_tensors(peer_loss, peer), truth)
+    theirs, scale = _tensors(peer_loss, peer), largest_norm(truth.values())
+    chosen = get_precision(precision)
+    return [contract_row(k, ours[k], theirs[k], t, chosen, scale) for k, t in truth.items()]
 
 
 def row(name: str, precision: str, batch: int, seeds: int) -> str:
     ours_all, peer_all, ratios, broken = [], [], [], 0
     for seed in range(seeds):
-        ours, peer = measure(name, precision, batch, seed)
-        for k in ours:
-            ours_all.append(ours[k])
-            peer_all.append(peer[k])
-            ratios.append(ours[k] / max(peer[k], 1e-30))
-            broken += ours[k] > FACTOR * peer[k] + FLOORS[LOW[precision]]
+        for r in measure(name, precision, batch, seed):
+            ours_all.append(r.ours)
+            peer_all.append(r.peer)
+            ratios.append(r.ours / max(r.peer, 1e-30))
+            broken += not r.ok
     return (
         f"| {name} | {precision} | {len(ours_all)} | {statistics.median(ours_all):.2e} | "
         f"{statistics.median(peer_all):.2e} | {max(ratios):.2f} | {broken} |"

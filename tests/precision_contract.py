@@ -1,6 +1,6 @@
-"""The accuracy contract of a low-precision step, as the tests check it: the criterion of
-``unroll verify --precision`` (unroller.analysis.verify_precision), on tensors the tests
-made themselves.
+"""The accuracy contract of a low-precision step, as the tests check it: the rows of
+``unroll verify --precision`` (``unroller.analysis.verify_precision.contract_row``), on
+tensors the tests made themselves.
 
 Against a float64 reference, each tensor (the loss, every parameter gradient) of our step
 has a relative error of at most ``FACTOR`` times that of torch's own step in the precision
@@ -17,11 +17,11 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from unroller.analysis.verify_precision import FACTOR, FLOORS, NOISE_FRACTION
+from unroller.analysis.verify_precision import contract_row, largest_norm
+from unroller.compiler.precision import get as get_precision
 
-
-def _diff(a: Tensor, ref: Tensor) -> float:
-    return float((a.detach().double() - ref.detach().double()).norm())
+#: The plain precision of each low dtype: its floor is the contract's
+_OF_LOW = {"bf16": "bf16", "f16": "fp16"}
 
 
 def violations(
@@ -32,13 +32,10 @@ def violations(
 ) -> list[str]:
     """The tensors on which ``ours`` breaks the contract (empty: kept), each with its
     errors and bound, for the assertion message; ``low``: the low dtype (its floor)."""
-    floor = FLOORS[low]
-    norms = {k: float(r.detach().double().norm()) for k, r in reference.items()}
-    largest = max(norms.values())
-    bad = []
-    for name, ref in reference.items():
-        scale = norms[name] if norms[name] >= NOISE_FRACTION * largest else largest
-        mine, theirs = _diff(ours[name], ref) / scale, _diff(peer[name], ref) / scale
-        if mine > FACTOR * theirs + floor:
-            bad.append(f"{name}: {mine:.2e} > {FACTOR} x {theirs:.2e} + {floor:.1e}")
-    return bad
+    precision = get_precision(_OF_LOW[low])
+    scale = largest_norm(reference.values())
+    rows = (
+        contract_row(name, ours[name], peer[name], ref, precision, scale)
+        for name, ref in reference.items()
+    )
+    return [f"{r.name}: {r.ours:.2e} > {r.bound:.2e} ({r.peer:.2e} peer)" for r in rows if not r.ok]

@@ -199,3 +199,16 @@ def format_dot(graph: Graph) -> str:
 
 def json_str(text: str) -> str:
     return json.dumps(text)
+
+
+def value_table(head: tuple[str, ...], body: list[tuple[str, ...]]) -> str:
+    """Rows of compared values as a fixed-width table: the name and shape columns
+    left-aligned, the numbers right-aligned, the last column (the verdict) as it is."""
+    numbers = len(head) - 1
+    widths = [max(len(line[i]) for line in (head, *body)) for i in range(numbers)]
+    lines = []
+    for line in (head, *body):
+        cells = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
+        cells += [cell.rjust(width) for cell, width in zip(line[2:numbers], widths[2:])]
+        lines.append("  ".join([*cells, line[numbers]]).rstrip())
+    return "\n".join(lines)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unroller.analysis.inputs import make_inputs
+from unroller.analysis.report import value_table
 from unroller.compiler.ast import Call, Const, KwArg, ModelAST
 from unroller.compiler.graph import Graph, Node, Value, build_graph
 from unroller.compiler.parser import parse, read_source
@@ -121,13 +122,7 @@ class VerifyReport:
             )
             for row in self.rows
         ]
-        widths = [max(len(line[i]) for line in (head, *body)) for i in range(5)]
-        lines = []
-        for line in (head, *body):
-            cells = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
-            cells += [cell.rjust(width) for cell, width in zip(line[2:5], widths[2:5])]
-            lines.append("  ".join([*cells, line[5]]).rstrip())
-        return "\n".join(lines)
+        return value_table(head, body)
 
     def summary(self) -> str:
         """One line: ok or FAIL, how many values, the worst or the failing ones."""

@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from unroller.analysis.report import value_table
 from unroller.compiler.precision import DEFAULT, Precision
 from unroller.compiler.precision import get as get_precision
 
@@ -255,16 +257,17 @@ class PeerComparer:
         return contract_row(name, got, peer.detach(), ref, self.precision, scale, note)
 
 
-def largest_gradient_norm(module: torch.nn.Module) -> float:
-    """The largest float64 norm among ``module``'s parameter gradients (0 without any)."""
+def largest_norm(tensors: Iterable[torch.Tensor | None]) -> float:
+    """The largest float64 norm among ``tensors`` (None skipped; 0 without any)."""
     import torch
 
-    norms = [
-        float(torch.linalg.vector_norm(p.grad.detach().double()))
-        for p in module.parameters()
-        if p.grad is not None
-    ]
+    norms = [float(torch.linalg.vector_norm(t.detach().double())) for t in tensors if t is not None]
     return max(norms, default=0.0)
+
+
+def largest_gradient_norm(module: torch.nn.Module) -> float:
+    """The largest float64 norm among ``module``'s parameter gradients (0 without any)."""
+    return largest_norm(p.grad for p in module.parameters())
 
 
 # ---------------------------------------------------------------------------- the report
@@ -311,13 +314,7 @@ class ContractReport:
             )
             for row in self.rows
         ]
-        widths = [max(len(line[i]) for line in (head, *body)) for i in range(6)]
-        lines = []
-        for line in (head, *body):
-            cells = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
-            cells += [cell.rjust(width) for cell, width in zip(line[2:6], widths[2:6])]
-            lines.append("  ".join([*cells, line[6]]).rstrip())
-        return "\n".join(lines)
+        return value_table(head, body)
 
     def summary(self) -> str:
         """One line: ok or FAIL, how many values, the tightest or the failing ones."""
