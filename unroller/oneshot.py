@@ -38,6 +38,7 @@ import torch
 from unroller import stepcache
 from unroller.cache import generated_dir
 from unroller.compiler.options import Options, from_keywords
+from unroller.compiler.precision import AUTOCAST_MATCH
 from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
 from unroller.runtime.common import keep_predictions
@@ -52,9 +53,6 @@ def cache_dir() -> Path:
 
 #: The model text of a module on example inputs, as ``unroll import`` writes it.
 import_text = module_text
-
-#: The mixed precision that computes what ``torch.autocast`` of each dtype would.
-AUTOCAST_PRECISIONS = {torch.bfloat16: "bf16-mixed", torch.float16: "fp16-mixed"}
 
 
 @dataclass(frozen=True)
@@ -234,7 +232,8 @@ class Unrolled(torch.nn.Module):
         devices = {"cpu"} | {v.device.type for v in values if isinstance(v, torch.Tensor)}
         for device in sorted(devices):
             if torch.is_autocast_enabled(device):
-                matching = AUTOCAST_PRECISIONS.get(torch.get_autocast_dtype(device))
+                dtype = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+                matching = AUTOCAST_MATCH.get(dtype)
                 if matching is None:
                     return how
                 return dataclasses.replace(

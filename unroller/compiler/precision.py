@@ -75,6 +75,8 @@ PRECISIONS: dict[str, Precision] = {
 }
 DEFAULT = "fp32"
 NAMES: tuple[str, ...] = tuple(PRECISIONS)
+#: The precision that computes what ``torch.autocast`` of a dtype (by its torch name) would.
+AUTOCAST_MATCH = {"bfloat16": "bf16-mixed", "float16": "fp16-mixed"}
 
 # torch's type promotion among float dtypes: a wider one wins; bf16 with f16 gives f32
 _RANK = {"bf16": 1, "f16": 1, "f32": 2, "f64": 3}

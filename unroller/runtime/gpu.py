@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 # Data parallel: the gradient reducer and synchronised batch norm (not kernels themselves).
+from unroller.compiler.precision import AUTOCAST_MATCH
 from unroller.parallel.data import (
     SYNC_ATTR,
     reducer_of,
@@ -151,7 +152,7 @@ def _autocast_refusal(device: str, dtype: torch.dtype, low: torch.dtype | None) 
     out; autocast would change the dtype of some forward ops and none of the explicit
     backward's (a raw dtype error deep in a kernel, or numbers of neither precision)."""
     name = str(dtype).removeprefix("torch.")
-    wanted = {"bfloat16": "bf16-mixed", "float16": "fp16-mixed"}.get(name)
+    wanted = AUTOCAST_MATCH.get(name)
     made = "float32" if low is None else f"{str(low).removeprefix('torch.')} mixed precision"
     fix = (
         f"generate it with --precision {wanted} (unroller.unroll(..., precision={wanted!r})), "
