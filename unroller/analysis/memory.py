@@ -62,11 +62,10 @@ from unroller.compiler.ir import (
     Const,
     Do,
     Layer,
-    ListExpr,
     Step,
-    TupleExpr,
     Var,
     called_name,
+    walk,
 )
 from unroller.compiler.lower import Lowering
 from unroller.compiler.platforms import platform as get_platform
@@ -429,18 +428,9 @@ def _cast_layers(statement: Any, heap: _Heap, cast_bytes: dict[tuple[str, str], 
 
 
 def _layers_in(statement: Any) -> list[Layer]:
-    """Every layer handle a statement's expressions name."""
-    out: list[Layer] = []
-    todo = [getattr(statement, "value", None)]
-    while todo:
-        e = todo.pop()
-        if isinstance(e, Layer):
-            out.append(e)
-        elif isinstance(e, CallExpr):
-            todo += [*e.args, *(v for _, v in e.kwargs)]
-        elif isinstance(e, (TupleExpr, ListExpr)):
-            todo += list(e.items)
-    return out
+    """Every layer handle a statement's expression names."""
+    value = getattr(statement, "value", None)
+    return [] if value is None else [e for e in walk(value) if isinstance(e, Layer)]
 
 
 def _bind_pieces(header: Step, heap: _Heap) -> None:

@@ -8,7 +8,7 @@ is ``render_*`` below, from validated identifiers and ``repr()``'d literals.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,6 +231,22 @@ def _vars(expr: Expr) -> list[str]:
     if isinstance(expr, Starred):
         return _vars(expr.value)
     return []
+
+
+def walk(expr: Expr) -> Iterator[Expr]:
+    """``expr`` and every expression inside it (arguments, items, keyword values)."""
+    yield expr
+    if isinstance(expr, CallExpr):
+        for inner in (expr.func, *expr.args, *(v for _, v in expr.kwargs)):
+            yield from walk(inner)
+    elif isinstance(expr, (TupleExpr, ListExpr)):
+        for inner in expr.items:
+            yield from walk(inner)
+    elif isinstance(expr, DictExpr):
+        for _, inner in expr.items:
+            yield from walk(inner)
+    elif isinstance(expr, Starred):
+        yield from walk(expr.value)
 
 
 def release_dead(steps: list[Step], keep: set[str]) -> None:
