@@ -4,8 +4,9 @@ from tiny configs with their default settings (no downloads).
 What makes them importable: their RMSNorm class, recognised by its source
 (``unroller.importer.hf_norms``), is one ``rmsnorm`` statement; rotary position embeddings
 (``unroller.importer.rotary``) are one ``rotary`` statement whose tables equal the traced
-ones bit for bit; grouped-query attention is ``repeat_kv`` (expand and reshape) or SDPA's
-``enable_gqa``; the SiLU-gated MLP and ``neg`` map op by op. Each verifies exactly (float64,
+ones bit for bit; grouped-query attention, whether ``repeat_kv`` (expand and reshape) or SDPA's
+``enable_gqa``, is one ``scaled_dot_product_attention(..., enable_gqa=true)`` on the key
+and value heads before repeating (the step keeps those); the SiLU-gated MLP and ``neg`` map op by op. Each verifies exactly (float64,
 1e-10) against the original, whose RMSNorms are compared as ``torch.nn.RMSNorm`` (they cast
 to float32 inside; the two agree bit for bit in float32, tested here).
 """
@@ -54,6 +55,19 @@ def test_decoder_family_imports_and_verifies_exactly(family, layers):
     report = verify_text(text, SPEC, kwargs)
     assert report.ok, report.problems or report.table()
     assert any("Hugging Face RMSNorm" in note for note in report.notes)
+
+
+def test_repeat_kv_is_undone_into_enable_gqa():
+    """Hugging Face repeats k and v per query head (``repeat_kv``) when it passes a mask,
+    as under export: the attention reads the two heads before the repeat, with enable_gqa,
+    and the repeat's expand and reshape are not statements (the step never keeps a copy
+    of k and v per query head)."""
+    text = imported()
+    line = next(x for x in text.splitlines() if "= scaled_dot_product_attention(" in x)
+    assert "enable_gqa=true" in line, line
+    assert "expand(" not in text
+    keys = line.split("(", 1)[1].split(",")[1].strip()
+    assert f"{keys} = rotary(" in text  # the key after rotary, [N, 2, 16, 8]: not repeated
 
 
 def test_grouped_query_attention_through_sdpa_enable_gqa(monkeypatch):

@@ -871,6 +871,12 @@ def sdpa(view):
         causal, bias = view.attention_bias(a["attn_mask"], causal)
     scale = a.get("scale")
     gqa = {"enable_gqa": True} if a.get("enable_gqa") else {}  # grouped-query attention
+    repeated = getattr(view.m, "repeated_kv", {}).get(view.node)  # repeat_kv undone
+    if repeated is not None:
+        key, value = (view.value_of(n) for n in repeated)
+        gqa["enable_gqa"] = True
+    else:
+        key, value = view.value("key"), view.value("value")
     q_shape, k_shape = view.in_shape("query"), view.in_shape("key")
     if len(q_shape) == len(k_shape) == 4 and k_shape[1] == 1 and q_shape[1] != 1:
         # multi-query attention written as a broadcast of one key/value head (Falcon):
@@ -880,8 +886,7 @@ def sdpa(view):
         gqa["dropout"] = float(a["dropout_p"])
     return view.stmt(
         "scaled_dot_product_attention",
-        [view.value("query"), view.value("key"), view.value("value")]
-        + ([bias] if bias is not None else []),
+        [view.value("query"), key, value] + ([bias] if bias is not None else []),
         is_causal=causal,
         scale=None if scale is None else float(scale),
         **gqa,

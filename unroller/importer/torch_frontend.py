@@ -257,6 +257,7 @@ class _Mapper(_Collapse, _Patterns, _Checks):
         # mask input (and a size it is expanded to) -> its padding_mask statement
         self.padding_values: dict[object, str] = {}
         self._absorb_masked_biases()
+        self.repeated_kv = self._repeated_kv_patterns()
         self._find_stochastic_depth()
         self.merged = batch_merge.find(self, target_name)
 

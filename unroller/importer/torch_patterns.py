@@ -24,6 +24,8 @@ from unroller.importer.torch_nodes import (
 from unroller.importer.torch_view import NodeView
 from unroller.runtime.positions import relative_buckets
 
+_RESHAPES = ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default")
+
 
 class _Patterns:
     """The torch mapper's multi-node patterns: found once in ``__init__``, mapped
@@ -167,6 +169,68 @@ class _Patterns:
                 inside = set(chain) | {node}
                 if all(u in inside for n in chain for u in n.users if u in self.live):
                     self.absorbed |= set(chain)
+
+    def _repeated_kv_patterns(self) -> dict[fx.Node, tuple[fx.Node, fx.Node]]:
+        """Grouped-query attention written with Hugging Face's ``repeat_kv`` (each key and
+        value head unsqueezed, expanded over its group of query heads and reshaped to the
+        query's head count) -> the attention node: (the key, the value) before repeating.
+        The attention then reads them with ``enable_gqa``: the same sums, and the step keeps
+        the Hkv heads for the backward instead of a copy per query head (as autograd does
+        when Hugging Face passes ``enable_gqa`` to SDPA, which it does without a mask). The
+        repeat's nodes are not mapped when nothing else reads them."""
+        found: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+        for node in self.nodes:
+            if node not in self.live or node in self.groups:
+                continue
+            if target_name(node) != "aten.scaled_dot_product_attention.default":
+                continue
+            if node.kwargs.get("enable_gqa") or (len(node.args) > 7 and node.args[7]):
+                continue
+            hits = [self._repeat_source(node.args[i]) for i in (1, 2)]
+            if any(hit is None for hit in hits):
+                continue
+            (key, key_chain), (value, value_chain) = hits
+            chain = set(key_chain) | set(value_chain)
+            if any(u not in chain | {node} for n in chain for u in n.users if u in self.live):
+                continue  # the repeated heads are read elsewhere too
+            found[node] = (key, value)
+            self.absorbed |= chain
+        return found
+
+    def _repeat_source(self, node: object) -> tuple[fx.Node, list[fx.Node]] | None:
+        """(x, the nodes from x's unsqueeze to ``node``) when ``node`` is ``repeat_kv(x)``:
+        x [N, Hkv, S, D] unsqueezed at dim 2, expanded to [N, Hkv, R, S, D] (R > 1) and
+        reshaped to [N, Hkv * R, S, D]; else None."""
+        if not isinstance(node, fx.Node):
+            return None
+        chain = []
+        current = node
+        while target_name(current) in COPIES:
+            chain.append(current)
+            current = current.args[0]
+        if target_name(current) not in _RESHAPES:
+            return None
+        reshape = current
+        expand = reshape.args[0]
+        if not isinstance(expand, fx.Node) or target_name(expand) != "aten.expand.default":
+            return None
+        unsqueeze = expand.args[0]
+        if not isinstance(unsqueeze, fx.Node) or target_name(unsqueeze) != "aten.unsqueeze.default":
+            return None
+        source = unsqueeze.args[0]
+        try:
+            shapes = [self.shape(n) for n in (source, expand, node)]
+        except Refuse:
+            return None
+        src, big, out = shapes
+        if len(src) != 4 or len(big) != 5 or int(unsqueeze.args[1]) not in (2, -3):
+            return None
+        groups = big[2]
+        if not isinstance(groups, int) or groups < 2 or big[:2] + big[3:] != src:
+            return None
+        if not isinstance(src[1], int) or out != (src[0], src[1] * groups, *src[2:]):
+            return None
+        return source, [*chain, reshape, expand, unsqueeze]
 
     def _bucket_kwargs(self, embedding: fx.Node, ids: fx.Node) -> dict | None:
         try:
