@@ -53,14 +53,31 @@ def compression_config(options: Options, graph: Graph | None = None) -> Compress
     """The resolved compression config of ``options`` for ``graph``: a built-in scheme or a
     config file (``Options.compression``), or the ``auto`` scheme planned for the graph
     (``plan.auto_config``: one probe step of the uncompressed module). ``codegen.render``
-    takes the result: generation stays a pure function of a graph and a config."""
-    if not options.planned:
-        return options.compression(graph)
-    if graph is None:
-        raise ValueError("the auto scheme is planned per model: pass the graph")
-    from unroller.analysis.plan import auto_config
+    takes the result: generation stays a pure function of a graph and a config.
 
-    return options.with_flags(auto_config(graph, segments=options.recompute_segments))
+    With ``recompute``, the tensors whose remaking would raise the step's predicted peak
+    or bytes per sample are kept instead (``recompute_guard.guard_recompute``: the memory
+    model at a few batch sizes), so ``--recompute`` never makes a step keep more."""
+    if graph is None and (options.planned or options.recompute):
+        what = "the auto scheme" if options.planned else "--recompute"
+        raise ValueError(f"{what} is planned per model: pass the graph")
+    if options.planned:
+        from unroller.analysis.plan import auto_config
+
+        config = options.with_flags(auto_config(graph, segments=options.recompute_segments))
+    else:
+        config = options.compression(graph)
+    if not config.recompute or graph is None:
+        return config
+    from unroller.analysis.recompute_guard import guard_recompute
+
+    return guard_recompute(
+        graph,
+        config,
+        options.platform,
+        segment_pieces=options.segment_pieces,
+        segment_piece_size=options.segment_piece_size,
+    )
 
 
 def simulate(text: str, options: Options, batch_size: int, label: str = "<model>") -> Simulation:

@@ -189,12 +189,15 @@ def run_cli(args: list[str]) -> int:
 def test_cli_generate_records_it_and_check_regenerates_it(tmp_path):
     out = tmp_path / "quick_recompute.py"
     model = "benchmarks/models/quick.txt"
-    code = run_cli(["generate", model, "--scheme", "dct-dense", "--recompute", "-o", str(out)])
+    code = run_cli(["generate", model, "--scheme", "quant", "--recompute", "-o", str(out)])
     assert code == 0
     text = out.read_text()
     assert read_header(text)["recompute"] is True
-    assert "recompute layer1.0.r1 = relu(layer1.0.bn1)" in text  # says what it remakes
+    assert "recompute layer3.0.out = relu(layer3.0.s)" in text  # says what it remakes
     assert "K.batchnorm2d_recompute(" in text
+    # what the guard keeps (remaking it would raise the peak) is named in the docstring
+    assert "kept instead, as remaking would raise the peak: r, " in text
+    assert "# recompute r = " not in text
     assert run_cli(["check", str(tmp_path)]) == 0
     plain = run_cli(["generate", model, "--scheme", "dct-dense", "-o", str(tmp_path / "p.py")])
     assert plain == 0 and "recompute" not in (tmp_path / "p.py").read_text()

@@ -124,8 +124,18 @@ def resolved(options: Options, graph: Graph, config: CompressionConfig | None) -
     which plans the ``auto`` scheme), else the built-in scheme or config file of
     ``options``. The ``auto`` scheme is planned from a probe step, which the caller runs
     (or has run) once for everything it asks of the model; ``auto`` without ``config`` is
-    a ConfigError naming the resolver."""
-    return options.compression(graph) if config is None else config
+    a ConfigError naming the resolver. ``--recompute`` is guarded here as the resolver
+    guards it (``recompute_guard``), so the estimate is of the step generate emits."""
+    if config is not None:
+        return config
+    found = options.compression(graph)
+    if not found.recompute:
+        return found
+    from unroller.analysis.recompute_guard import guard_recompute
+
+    return guard_recompute(
+        graph, found, options.platform, options.segment_pieces, options.segment_piece_size
+    )
 
 
 # -- per op -------------------------------------------------------------------------------

@@ -382,7 +382,7 @@ def _module_view(
             (safe.identifier(name), safe.literal(codec.name), safe.kwargs(codec.kwargs))
             for codec, name in ctx.codec_names.items()
         ],
-        compression=safe.doc_text(_describe(config) + _segments_note(plan)),
+        compression=safe.doc_text(_describe(config) + _segments_note(plan) + _remade_note(plan)),
         version=safe.doc_text(__version__),
         source_path=safe.doc_text(source_path),
         model_name=safe.doc_text(graph.name),
@@ -627,6 +627,23 @@ def _segments_note(plan: StashPlan) -> str:
         )
     if plan.unpieced_segments:
         note += f" ({len(plan.unpieced_segments)} whole: see unroll graph)"
+    return note
+
+
+def _remade_note(plan: StashPlan) -> str:
+    """The docstring's words on ``recompute`` ("" without it): how many saved tensors the
+    backward remakes, and which the config keeps instead (``recompute_keep``: where
+    remaking would raise the step's peak)."""
+    if not plan.config.recompute:
+        return ""
+    remade = sum(1 for s in plan.entries if any(f.kind == "recompute" for f in s.forms))
+    note = f"; cheap ops' outputs remade in the backward: {remade}"
+    keep = plan.config.recompute_keep
+    if keep == ("*",):
+        note += " (remaking any would raise the peak: all kept)"
+    elif keep:
+        shown = ", ".join(keep[:6]) + (f" and {len(keep) - 6} more" if len(keep) > 6 else "")
+        note += f" (kept instead, as remaking would raise the peak: {shown})"
     return note
 
 

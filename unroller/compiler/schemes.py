@@ -8,6 +8,7 @@ configs too; ``--compress-config FILE`` reads one from TOML:
     masks = true                  # optional, default true
     derivatives = false           # optional: few-bit derivative codes (gelu, silu), default false
     recompute = false             # optional: remake cheap ops' outputs in the backward
+    recompute_keep = ["bn1"]      # optional: saved tensors (globs) recompute keeps instead
     recompute_segments = "blocks" # optional: block instances re-run in the backward
                                   # ("blocks": all that can be; or a list of name globs)
     [default]
@@ -190,6 +191,10 @@ class CompressionConfig:
     #: remake the outputs of cheap ops (registry ``recompute``) in the backward from what is
     #: kept anyway, instead of keeping them (unroller.compiler.stash.plan_recompute)
     recompute: bool = False
+    #: saved tensors (globs on their names) that ``recompute`` keeps as the scheme says
+    #: instead of remaking them: those whose remaking would raise the step's predicted peak
+    #: (``unroller.analysis.recompute_guard`` chooses them), or what a config file names
+    recompute_keep: tuple[str, ...] = ()
     #: segment recompute: the top-level block instances whose forward runs again in the
     #: backward, keeping only their inputs from the forward pass (``"blocks"``: all that
     #: can be; else globs on instance names; unroller.compiler.stash.plan_segments)
@@ -277,6 +282,7 @@ _TOP_KEYS = (
     "masks",
     "derivatives",
     "recompute",
+    "recompute_keep",
     "recompute_segments",
     "segment_piece_size",
     "default",
@@ -656,6 +662,7 @@ class _Checker:
                 ("recompute",), f"'recompute' must be true or false, not {_kind(recompute)}"
             )
         segments = self.segments(data.get("recompute_segments", []))
+        keep = self.globs(data.get("recompute_keep", []), "recompute_keep", "saved tensor")
         piece_size = data.get("segment_piece_size", 0)
         if isinstance(piece_size, bool) or not isinstance(piece_size, int):
             raise self.at_value(
@@ -693,6 +700,7 @@ class _Checker:
             masks=masks,
             derivatives=derivatives,
             recompute=recompute,
+            recompute_keep=keep,
             segments=segments,
             segment_piece_size=piece_size,
             source=self.label,
@@ -725,6 +733,25 @@ class _Checker:
                     f"{MAX_NAME} letters, digits and _ . * ? [ ] ! -",
                 )
         return tuple(dict.fromkeys(items))
+
+    def globs(self, value: Any, key: str, what: str) -> tuple[str, ...]:
+        """A list of name globs (``recompute_keep``): at most ``MAX_RULES``, each a glob of
+        the characters a rule's ``name`` may hold."""
+        path = (key,)
+        if not isinstance(value, list) or not all(isinstance(i, str) for i in value):
+            raise self.at_value(
+                path, f"'{key}' must be a list of {what} names (globs), not {_kind(value)}"
+            )
+        if len(value) > MAX_RULES:
+            raise self.at_value(path, f"too many names: {len(value)} (at most {MAX_RULES})")
+        for item in value:
+            if not item or len(item) > MAX_NAME or not set(item) <= _GLOB_CHARS:
+                raise self.at_value(
+                    path,
+                    f"bad {what} name {_show(item)}: a name or glob of at most {MAX_NAME} "
+                    "letters, digits and _ . * ? [ ] ! -",
+                )
+        return tuple(dict.fromkeys(value))
 
     def rule(self, table: Any, path: tuple) -> Rule:
         if not isinstance(table, dict):

@@ -291,7 +291,7 @@ def plan_stash(
     split = pieces > 1 or piece_size > 0
     unpieced = plan_pieces(graph, ordered, segments, pieces, piece_size) if split else {}
     if config.recompute:
-        plan_recompute(graph, ordered, segments)
+        plan_recompute(graph, ordered, segments, config.recompute_keep)
     return StashPlan(ordered, config, segments, skipped, unpieced)
 
 
@@ -328,7 +328,12 @@ def value_producers(graph: Graph) -> dict[str, Node | None]:
     return found
 
 
-def plan_recompute(graph: Graph, ordered: list[Stashed], segments: list[Segment] = ()) -> None:
+def plan_recompute(
+    graph: Graph,
+    ordered: list[Stashed],
+    segments: list[Segment] = (),
+    keep: tuple[str, ...] = (),
+) -> None:
     """Remake in the backward, instead of keeping, every saved tensor that a short chain of
     cheap ops (registry ``recompute``: activations, pooling, resampling, concatenation, batch
     norm with its batch statistics) makes from tensors kept anyway.
@@ -346,6 +351,9 @@ def plan_recompute(graph: Graph, ordered: list[Stashed], segments: list[Segment]
     left to it, and the inputs kept for a segment stay kept; a chain never reads a value
     made inside a segment unless the forward keeps it (the recompute comes after every
     reader outside the segment).
+
+    ``keep``: globs on saved tensor names that stay kept as the scheme says (the config's
+    ``recompute_keep``: where remaking would raise the step's peak).
     """
     by_key = {s.key: s for s in ordered}
     producers = value_producers(graph)
@@ -381,6 +389,9 @@ def plan_recompute(graph: Graph, ordered: list[Stashed], segments: list[Segment]
         if ":" in stashed.key or stashed.producer < 0:
             continue
         if stashed.segment is not None or stashed.key in kept_for_segments:
+            continue
+        if any(fnmatch.fnmatchcase(stashed.key, pattern) for pattern in keep):
+            ops[stashed.key] = 0
             continue
         value_forms = [f for f in stashed.forms if f.kind == "raw" or _is_value_codec(f)]
         reads_value = [r for r in stashed.readers if r[2] in value_forms]
