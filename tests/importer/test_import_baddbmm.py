@@ -10,7 +10,10 @@ stays refused, with the reason (the language holds no other constant tensor).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +28,16 @@ HEADS, LENGTH = 2, 5
 INPUTS = [f"x: f32[N, {LENGTH}, 8]"]
 
 
+def _bloom():
+    """BLOOM's module, imported before any trace reaches ``_bloom_slopes``: its import
+    defines transformers' ModelOutput classes, which register as pytree nodes only when
+    not imported under torch.export (``MergedBaddbmm.__init__`` calls this eagerly)."""
+    return pytest.importorskip("transformers.models.bloom.modeling_bloom")
+
+
 def _bloom_slopes(heads: int) -> torch.Tensor:
     """BLOOM's slopes as Hugging Face makes them (``_get_alibi_slopes``)."""
-    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
-    return bloom._get_alibi_slopes(heads, torch.device("cpu"))
+    return _bloom()._get_alibi_slopes(heads, torch.device("cpu"))
 
 
 class MergedBaddbmm(nn.Module):
@@ -46,6 +55,8 @@ class MergedBaddbmm(nn.Module):
         self.table = nn.Parameter(torch.randn(LENGTH, LENGTH))
         self.out = nn.Linear(8, 3)
         self.bias, self.beta = bias, beta
+        if bias == "alibi":
+            _bloom()  # here, not first in the exported forward
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         n, length, _ = x.shape
@@ -88,6 +99,40 @@ def test_baddbmm_on_merged_heads_imports_and_verifies_exactly(bias, beta, op):
     assert "matmul(" in text and "scale(" in text and op in text
     report = verify_text(text, MergedBaddbmm, {"bias": bias, "beta": beta}, batch_size=3)
     assert report.ok, report.problems or report.table()
+
+
+#: A fresh interpreter (transformers not imported yet) imports the ALiBi model, then asks
+#: whether Hugging Face's ModelOutput classes are pytree nodes.
+_FRESH_IMPORT = """
+import sys
+import torch.utils._pytree as pytree
+from importer.test_import_baddbmm import INPUTS, MergedBaddbmm
+from unroller.importer.api import import_network
+assert "transformers.modeling_outputs" not in sys.modules, "imported too early to tell"
+import_network("merged_baddbmm", INPUTS, loss="mse_loss", built=MergedBaddbmm("alibi"))
+from transformers.modeling_outputs import SequenceClassifierOutput
+assert SequenceClassifierOutput in pytree.SUPPORTED_NODES, "not a pytree node"
+"""
+
+
+def test_importing_the_alibi_model_leaves_hugging_face_outputs_pytree_nodes():
+    """transformers registers each ModelOutput class as a pytree node when its module is
+    imported, but not while ``torch.compiler.is_compiling()`` (as under torch.export), and
+    retries only when an output is built outside a trace. A first import of BLOOM's module
+    inside the exported forward left every output class of ``modeling_outputs`` unknown to
+    torch.export for the rest of the process: a later ``torch.onnx.export`` of a Hugging
+    Face classifier in the same pytest worker failed on ``SequenceClassifierOutput``. Run
+    in its own interpreter: in this one transformers may have been imported already."""
+    pytest.importorskip("transformers")
+    tests = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_IMPORT],
+        cwd=tests,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize(
