@@ -1960,6 +1960,16 @@ ROWS: tuple[OpInfo, ...] = (
         + CROSS_ENTROPY_V2_CASES,
         check_extras=_cross_entropy_extras,
     ),
+    OpInfo(
+        # the low-precision logits' path of a mixed precision: checked here in float32 and
+        # float64 against F.cross_entropy (its chunked sums round in another order: not bit
+        # for bit); on bf16 logits in tests/runtime/test_cross_entropy_low.py
+        "cross_entropy_low",
+        lambda s, ctx: F.cross_entropy(*s.inputs, **s.kwargs),
+        (_cross_entropy_case(()), _cross_entropy_case((2, 4))) + CROSS_ENTROPY_V2_CASES,
+        exact_forward=(),
+        exact_grads=(),
+    ),
     OpInfo("mse_loss", _two_inputs(F.mse_loss), (Case("normal", _two_normal),)),
     OpInfo("l1_loss", _two_inputs(F.l1_loss), (Case("normal", _two_normal),), **_SAME_FORWARD),
     OpInfo(

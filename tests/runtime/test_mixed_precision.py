@@ -68,7 +68,8 @@ def test_mixed_precision_casts_follow_the_registry_classes():
     assert types["act"] == ("gelu", "bf16", "")  # promote: its input's dtype
     assert types["fc2.f32"] == ("cast", "f32", "")  # add(f32, bf16) promotes to float32
     assert types["norm"] == ("layernorm", "f32", "")  # fp32 class
-    assert types["loss"] == ("cross_entropy", "f32", "")
+    # the loss on bf16 logits: cross_entropy's low_precision op, float32 inside, no cast
+    assert types["loss"] == ("cross_entropy_low", "f32", "")
     params = [p.dtype for n in graph.nodes for p in n.params]
     assert params and set(params) == {"f32"}  # master weights
     assert graph.precision == "bf16-mixed"

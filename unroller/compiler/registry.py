@@ -290,6 +290,10 @@ class OpSpec:
     reorders: bool = False
     #: what a mixed precision runs it in (``precision``): "lower", "fp32" or "promote"
     precision: str = "promote"
+    #: the op a mixed precision calls instead when the first input arrives in its low dtype
+    #: (``low_precision``: the same inputs and arguments, computing in float32 inside
+    #: without a float32 copy of that input): cross entropy on bf16 logits
+    low_precision: str | None = None
 
     def params_for(self, args: dict[str, Any]) -> tuple[TensorSpec, ...]:
         """The parameters of a call with these arguments: ``params``, with the repeating
@@ -442,6 +446,7 @@ OP_FIELDS = frozenset(
         "workspace",
         "reorders",
         "precision",
+        "low_precision",
     }
 )
 """The fields an ops.toml entry may have (anything else is a typo, refused)."""
@@ -496,6 +501,7 @@ def _op_spec(name: str, raw: dict[str, Any], source: Path) -> OpSpec:
         workspace=_workspace_spec(where, raw.get("workspace", {})),
         reorders=raw.get("reorders", False) is True,
         precision=_choice(where, raw, "precision", PRECISION_CLASSES) or "promote",
+        low_precision=raw.get("low_precision"),
     )
     _check_op_consistency(where, spec, raw)
     return spec
@@ -713,7 +719,26 @@ def _load(paths: tuple[str, ...]) -> dict[str, OpSpec]:
     ops: dict[str, OpSpec] = {}
     for path in paths:
         ops.update(_read(Path(path)))
+    for spec in ops.values():
+        _check_low_precision(spec, ops)
     return ops
+
+
+def _check_low_precision(spec: OpSpec, ops: dict[str, OpSpec]) -> None:
+    """An op's ``low_precision`` names an op that takes the same inputs and arguments (the
+    graph builder swaps one for the other) and has none of its own."""
+    other = ops.get(spec.low_precision) if spec.low_precision is not None else None
+    if spec.low_precision is None:
+        return
+    where = f"[{spec.name}] low_precision"
+    if other is None:
+        raise RegistryError(f"{where}: no op named {spec.low_precision!r}")
+    same = other.inputs == spec.inputs and list(other.args) == list(spec.args)
+    if not same or other.kind != spec.kind or other.low_precision is not None:
+        raise RegistryError(
+            f"{where}: {other.name} must take the same inputs and arguments, be a "
+            f"{spec.kind} too and have no low_precision of its own"
+        )
 
 
 def load_registry(extra: tuple[str, ...] | list[str] = ()) -> dict[str, OpSpec]:

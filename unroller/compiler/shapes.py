@@ -363,6 +363,13 @@ def cross_entropy(op: str, inputs: list[TensorType], args: dict[str, Any]) -> Sh
     return ShapeResult(TensorType(scores.dtype, ()), {"num_classes": scores.shape[1]})
 
 
+def cross_entropy_widened(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
+    """As cross_entropy, the loss in the model's float dtype whatever the logits' float
+    dtype: a mixed precision's loss on low-precision logits."""
+    result = cross_entropy(op, inputs, args)
+    return ShapeResult(TensorType(MODEL_FLOAT, ()), result.derived)
+
+
 def nll_loss(op: str, inputs: list[TensorType], args: dict[str, Any]) -> ShapeResult:
     """As cross_entropy: log-probabilities [N, C, d1, ...], class indices i64[N, d1, ...]."""
     return cross_entropy(op, inputs, args)

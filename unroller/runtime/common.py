@@ -74,6 +74,12 @@ def _need_mask(needs: Needs | None, n: int = 3) -> list[bool]:
     return [_need(needs, i) for i in range(n)]
 
 
+def _widened(t: Tensor) -> Tensor:
+    """``t`` in float32 (float64 stays float64): what a low-precision input is computed in
+    where a mixed precision keeps an op in float32 (cross_entropy_low)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float32)
+
+
 def _fit(grads: Iterable[Tensor | None], needs: Needs | None) -> Grads:
     """One entry per element of ``needs``: the gradient where needed, else None, so a kernel
     never hands back a gradient nobody asked for (the caller would accumulate it); with

@@ -336,6 +336,26 @@ def cross_entropy_backward(
 ) -> Grads: ...
 
 
+def cross_entropy_low(
+    logits: Tensor,
+    target: Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> Tensor: ...
+
+
+def cross_entropy_low_backward(
+    g: Tensor,
+    logits: Tensor,
+    target: Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+    needs: Needs | None = None,
+) -> Grads: ...
+
+
 def mse_loss(a: Tensor, b: Tensor) -> Tensor: ...
 
 

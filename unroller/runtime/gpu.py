@@ -54,6 +54,7 @@ from unroller.runtime.common import (
     _norm_tensors,
     _running_stats_used,
     _weight_bias,
+    _widened,
     layers,
 )
 from unroller.runtime.moe import moe, moe_backward, moe_layer  # noqa: F401 (gpu only)
@@ -1212,17 +1213,93 @@ def cross_entropy_backward(
     return _fit((_aten._log_softmax_backward_data(glp, log_probs, 1, log_probs.dtype),), needs)
 
 
+CROSS_ENTROPY_CHUNK_BYTES = 1 << 22
+"""cross_entropy_low's float32 log-probabilities are made this many bytes of rows at a time
+(at least one row)."""
+
+
+def _class_rows(logits: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """``logits`` [N, C, d1, ...] as rows [R, C] (the classes innermost: a view of a token
+    model's [N, L, C] head seen as [N, C, L]), and what puts a [R, C] tensor back in
+    ``logits``' shape (a view of it, the classes innermost in memory)."""
+    if logits.dim() == 2:
+        return logits, lambda rows: rows
+    moved = logits.movedim(1, -1)
+    return moved.reshape(-1, logits.shape[1]), lambda rows: rows.view(moved.shape).movedim(-1, 1)
+
+
+def _row_chunks(rows: Tensor) -> list[tuple[int, int]]:
+    step = max(1, CROSS_ENTROPY_CHUNK_BYTES // (4 * max(1, rows.shape[1])))
+    return [(i, min(i + step, rows.shape[0])) for i in range(0, rows.shape[0], step)]
+
+
+@conventions.implements
+def cross_entropy_low(logits, target, *, label_smoothing, ignore_index):
+    """cross_entropy of low-precision logits, computed in float32 a chunk of rows at a time
+    (``CROSS_ENTROPY_CHUNK_BYTES``): each chunk's log-probabilities are aten's
+    _log_softmax of its rows cast to float32, the bits cross_entropy makes after a float32
+    cast of all the logits; the loss sums the chunks' kept rows (-log p of the target,
+    with label smoothing -sum_c log p too) over the count of kept rows. No float32 copy of
+    the logits, nor their log-probabilities, exists at once."""
+    rows, _ = _class_rows(logits)
+    flat = target.reshape(-1)
+    kept = flat.ne(ignore_index)
+    index = torch.where(kept, flat, flat.new_zeros(())).unsqueeze(1)
+    nll = smooth = None
+    for start, stop in _row_chunks(rows):
+        log_probs = _aten._log_softmax(_widened(rows[start:stop]), -1, False)
+        keep = kept[start:stop]
+        part = log_probs.gather(1, index[start:stop]).squeeze(1).masked_fill(~keep, 0.0).sum()
+        nll = part if nll is None else nll + part
+        if label_smoothing != 0.0:
+            every = log_probs.sum(1).masked_fill(~keep, 0.0).sum()
+            smooth = every if smooth is None else smooth + every
+    count = kept.sum()
+    loss = nll.neg() / count
+    if label_smoothing == 0.0:
+        return loss
+    classes = logits.shape[1]
+    return (1 - label_smoothing) * loss + smooth.neg() / count * (label_smoothing / classes)
+
+
+@conventions.implements
+def cross_entropy_low_backward(g, logits, target, *, label_smoothing, ignore_index, needs):
+    """The logits' gradient in their dtype, chunk by chunk: the chunk's log-probabilities
+    made again (the forward's bits), the gradient of cross_entropy's consume path
+    (``_cross_entropy_grad_into``) in float32 over all kept rows' count, then rounded to the
+    logits' dtype as autograd's cast backward rounds the float32 gradient."""
+    if not _need(needs, 0):
+        return _fit((), needs)
+    rows, back = _class_rows(logits)
+    flat = target.reshape(-1)
+    total = flat.ne(ignore_index).sum().to(g.dtype)
+    grad = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
+    for start, stop in _row_chunks(rows):
+        log_probs = _aten._log_softmax(_widened(rows[start:stop]), -1, False)
+        part = flat[start:stop]
+        grad[start:stop] = _cross_entropy_grad_into(
+            g, log_probs, part, ignore_index, label_smoothing, total
+        )
+    return _fit((back(grad),), needs)
+
+
 def _cross_entropy_grad_into(
-    g: Tensor, log_probs: Tensor, target: Tensor, ignore_index: int, label_smoothing: float
+    g: Tensor,
+    log_probs: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    total: Tensor | None = None,
 ) -> Tensor:
     """The logits' gradient made in ``log_probs``' storage: exp(log_probs) * s - w_smooth -
     one_hot(target) * w_nll per kept row, where w_nll = g (1 - ls) / count, w_smooth =
     g ls / C / count and s = w_nll + C w_smooth (what _log_softmax_backward_data sums
     over the classes); zero on ignored rows (all ignored: zero, as aten's kernels give).
     aten's kernels compute the same products in another order, so the results differ
-    only where their exp or a fused multiply-add rounds differently."""
+    only where their exp or a fused multiply-add rounds differently. ``total``: the count
+    of kept rows (default: those of ``target``; cross_entropy_low's chunks pass all's)."""
     kept = target.ne(ignore_index)
-    total = kept.sum().to(g.dtype)
+    total = kept.sum().to(g.dtype) if total is None else total
     zero = g.new_zeros(())
     classes = log_probs.shape[1]
     w_nll = torch.where(kept, g * (1 - label_smoothing) / total, zero).unsqueeze(1)

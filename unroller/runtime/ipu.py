@@ -99,6 +99,7 @@ from unroller.runtime.common import (
     _norm_tensors,
     _running_stats_used,
     _weight_bias,
+    _widened,
     hardsigmoid_mask,
     hardtanh_mask,
     linear,
@@ -1151,6 +1152,28 @@ def cross_entropy_backward(g, log_probs, target, *, label_smoothing, ignore_inde
         return _fit(((torch.exp(log_probs) - one_hot) * row,), needs)
     smoothed = one_hot * (1 - label_smoothing) + label_smoothing / classes
     return _fit(((torch.exp(log_probs) - smoothed) * row,), needs)
+
+
+@conventions.implements
+def cross_entropy_low(logits, target, *, label_smoothing, ignore_index):
+    """cross_entropy of the low-precision logits cast to float32 whole: the IPU's graph
+    compiler plans the step's memory itself, so no chunks."""
+    loss, _ = cross_entropy(
+        _widened(logits), target, label_smoothing=label_smoothing, ignore_index=ignore_index
+    )
+    return loss
+
+
+@conventions.implements
+def cross_entropy_low_backward(g, logits, target, *, label_smoothing, ignore_index, needs):
+    """cross_entropy's gradient from the log-probabilities made again, in the logits' dtype."""
+    if not _need(needs, 0):
+        return _fit((), needs)
+    log_probs = F.log_softmax(_widened(logits), 1)
+    (found,) = cross_entropy_backward(
+        g, log_probs, target, label_smoothing=label_smoothing, ignore_index=ignore_index, needs=None
+    )
+    return _fit((found.to(logits.dtype),), needs)
 
 
 @conventions.implements

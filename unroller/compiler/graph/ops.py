@@ -76,6 +76,7 @@ class OperatorCalls:
         }
         args = check_args(op, stmt, plain)
         has_params = bool(shares or op.params_for(args) or op.buffers)
+        op = self._low_precision_variant(op, inputs)
         inputs = self.casts.inputs(op, stmt, scope, inputs, has_params, self.nodes)
         result = self._output_of(op, stmt, full_name, inputs, args)
         env = {**args, **result.derived}
@@ -123,6 +124,15 @@ class OperatorCalls:
         self.nodes.append(node)
         self.by_name[full_name] = node
         return value
+
+    def _low_precision_variant(self, op: OpSpec, inputs: list[Value]) -> OpSpec:
+        """The registry's ``low_precision`` op in place of ``op`` when a mixed precision
+        hands it its first input in the low dtype (cross entropy on bf16 logits computes in
+        float32 itself, chunk by chunk, instead of after a float32 cast of them all)."""
+        low = self.casts.precision.low
+        if op.low_precision is None or low is None or not inputs:
+            return op
+        return self.ops[op.low_precision] if inputs[0].type.dtype == low else op
 
     @staticmethod
     def _check_arity(op: OpSpec, stmt: Call) -> None:
