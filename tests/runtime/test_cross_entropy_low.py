@@ -70,9 +70,11 @@ def test_chunks_change_nothing_but_the_order_of_the_loss_sums(monkeypatch, smoot
     target = target.masked_fill(target == -100, ignore)
     kwargs = {"label_smoothing": smoothing, "ignore_index": ignore}
     g = torch.tensor(0.75)
+    monkeypatch.setattr(gpu, "CROSS_ENTROPY_CHUNKS", 1)
+    assert len(gpu._row_chunks(logits.movedim(1, -1).reshape(-1, 11))) == 1
     whole = gpu.cross_entropy_low(logits, target, **kwargs)
     (whole_grad,) = gpu.cross_entropy_low_backward(g, logits, target, needs=(True,), **kwargs)
-    monkeypatch.setattr(gpu, "CROSS_ENTROPY_CHUNK_BYTES", 4 * 11 * 5)  # five rows a chunk
+    monkeypatch.setattr(gpu, "CROSS_ENTROPY_CHUNKS", 8)  # 36 rows: chunks of 5, the last 1
     assert len(gpu._row_chunks(logits.movedim(1, -1).reshape(-1, 11))) == 8
     chunked = gpu.cross_entropy_low(logits, target, **kwargs)
     (chunked_grad,) = gpu.cross_entropy_low_backward(g, logits, target, needs=(True,), **kwargs)

@@ -1213,9 +1213,10 @@ def cross_entropy_backward(
     return _fit((_aten._log_softmax_backward_data(glp, log_probs, 1, log_probs.dtype),), needs)
 
 
-CROSS_ENTROPY_CHUNK_BYTES = 1 << 22
-"""cross_entropy_low's float32 log-probabilities are made this many bytes of rows at a time
-(at least one row)."""
+CROSS_ENTROPY_CHUNKS = 16
+"""cross_entropy_low makes its float32 log-probabilities this many chunks of rows at a time
+(each at least one row): its working memory is two float32 chunks, a quarter of bf16
+logits' bytes (the registry's workspace), whatever the batch."""
 
 
 def _class_rows(logits: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
@@ -1229,14 +1230,14 @@ def _class_rows(logits: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
 
 
 def _row_chunks(rows: Tensor) -> list[tuple[int, int]]:
-    step = max(1, CROSS_ENTROPY_CHUNK_BYTES // (4 * max(1, rows.shape[1])))
+    step = max(1, -(-rows.shape[0] // CROSS_ENTROPY_CHUNKS))
     return [(i, min(i + step, rows.shape[0])) for i in range(0, rows.shape[0], step)]
 
 
 @conventions.implements
 def cross_entropy_low(logits, target, *, label_smoothing, ignore_index):
     """cross_entropy of low-precision logits, computed in float32 a chunk of rows at a time
-    (``CROSS_ENTROPY_CHUNK_BYTES``): each chunk's log-probabilities are aten's
+    (``CROSS_ENTROPY_CHUNKS``): each chunk's log-probabilities are aten's
     _log_softmax of its rows cast to float32, the bits cross_entropy makes after a float32
     cast of all the logits; the loss sums the chunks' kept rows (-log p of the target,
     with label smoothing -sum_c log p too) over the count of kept rows. No float32 copy of
