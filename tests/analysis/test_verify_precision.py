@@ -220,3 +220,21 @@ def test_the_contracts_errors_are_float64_norms():
     assert "reference 0" in row.note
     inf = torch.full((2,), math.inf)
     assert contract_row("o", ref, inf, ref, get("fp16")).bound == math.inf
+
+
+def test_overflow_counts_against_ours_only_where_float16_could_hold_the_reference():
+    """The peer overflowing does not excuse ours overflowing, unless the reference itself
+    is beyond float16's range (a gradient of 1e7 without a GradScaler: mobilenet_v2 at batch
+    2), where no step computing in float16 can hold it."""
+    from unroller.analysis.verify_precision import contract_row
+    from unroller.compiler.precision import get as get_precision
+
+    fp16 = get_precision("fp16-mixed")
+    inf = torch.full((3,), math.inf)
+    big = torch.tensor([1.0e7, 2.0, 3.0], dtype=torch.float64)
+    small = torch.tensor([1.0e3, 2.0, 3.0], dtype=torch.float64)
+    assert contract_row("w", inf, inf, big, fp16).ok
+    assert not contract_row("w", inf, inf, small, fp16).ok
+    assert contract_row("w", small.float(), inf, small, fp16).ok
+    assert not contract_row("w", inf, big.float(), big, fp16).ok  # the peer held it: ours must
+    assert not contract_row("w", inf, inf, big, get_precision("bf16-mixed")).ok  # bf16 holds 1e7
