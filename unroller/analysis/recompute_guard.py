@@ -89,11 +89,12 @@ def _guard(
     for _ in range(MAX_ROUNDS):
         found = dataclasses.replace(config, recompute_keep=tuple(keep))
         sims: list[Simulation] = []
+        at = None
         for batch in batches:  # up to the first batch where it is worse
             sims.append(simulate(found, batch))
-            if worse_at(sims, base) is not None:
+            at = worse_at(sims, base)
+            if at is not None:
                 break
-        at = worse_at(sims, base)
         if at is None:
             return found
         remade = _remade_keys(graph, found, pieces, piece_size)

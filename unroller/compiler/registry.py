@@ -727,9 +727,9 @@ def _load(paths: tuple[str, ...]) -> dict[str, OpSpec]:
 def _check_low_precision(spec: OpSpec, ops: dict[str, OpSpec]) -> None:
     """An op's ``low_precision`` names an op that takes the same inputs and arguments (the
     graph builder swaps one for the other) and has none of its own."""
-    other = ops.get(spec.low_precision) if spec.low_precision is not None else None
     if spec.low_precision is None:
         return
+    other = ops.get(spec.low_precision)
     where = f"[{spec.name}] low_precision"
     if other is None:
         raise RegistryError(f"{where}: no op named {spec.low_precision!r}")
