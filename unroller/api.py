@@ -12,11 +12,12 @@ re-exported, so a caller needs one import.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from unroller.compiler.codegen import render
 from unroller.compiler.graph import Graph
 from unroller.compiler.options import Options
+from unroller.compiler.platforms import platform as get_platform
 from unroller.compiler.schemes import CompressionConfig
 from unroller.files import (  # noqa: F401  (re-exported: the library's file helpers)
     MAX_READ_BYTES,
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 def compression_config(options: Options, graph: Graph | None = None) -> CompressionConfig:
     """The resolved compression config of ``options`` for ``graph``: a built-in scheme or a
     config file (``Options.compression``), or the ``auto`` scheme planned for the graph
-    (``plan.auto_config``: one probe step of the uncompressed module). ``codegen.render``
+    (``search.auto_config``: a probe step of the uncompressed module and the search). ``codegen.render``
     takes the result: generation stays a pure function of a graph and a config.
 
     With ``recompute``, the tensors whose remaking would raise the step's predicted peak
@@ -62,9 +63,9 @@ def compression_config(options: Options, graph: Graph | None = None) -> Compress
         what = "the auto scheme" if options.planned else "--recompute"
         raise ValueError(f"{what} is planned per model: pass the graph")
     if options.planned:
-        from unroller.analysis.plan import auto_config
+        from unroller.analysis.search import auto_config
 
-        config = options.with_flags(auto_config(graph, segments=options.recompute_segments))
+        config = options.with_flags(auto_config(graph, **_auto_moves(options)))
     else:
         config = options.compression(graph)
     if not config.recompute or graph is None:
@@ -78,6 +79,23 @@ def compression_config(options: Options, graph: Graph | None = None) -> Compress
         segment_pieces=options.segment_pieces,
         segment_piece_size=options.segment_piece_size,
     )
+
+
+def _auto_moves(options: Options) -> dict[str, Any]:
+    """What the ``auto`` search may choose under ``options``: segments unless the step is
+    pipelined, pieces only where gradients accumulate in one process and the options do not
+    split segments themselves, ``--recompute`` fixed on when asked for."""
+    target = get_platform(options.platform)
+    staged = options.num_ipus != 1 or options.pipeline != 1 or target.pipelined
+    pieces = target.grads == "accumulate" and not options.data_parallel and not staged
+    pieces = pieces and options.segment_pieces == 1 and not options.segment_piece_size
+    return {
+        "segments": None if staged else options.recompute_segments,
+        "platform": options.platform,
+        "recompute": True if options.recompute else None,
+        "max_time_ratio": options.max_time_ratio,
+        "pieces": pieces,
+    }
 
 
 def simulate(text: str, options: Options, batch_size: int, label: str = "<model>") -> Simulation:

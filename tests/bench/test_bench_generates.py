@@ -28,7 +28,7 @@ import pytest
 from conftest import SLOW, SLOW_MARK, fast_format
 
 from unroller import api
-from unroller.analysis import plan
+from unroller.analysis import plan, search
 from unroller.bench import config, models, suite
 from unroller.bench.reference import BENCHMARKS
 from unroller.compiler import codegen
@@ -47,7 +47,7 @@ def _cases() -> dict[str, list[tuple[str, str, suite.OursBuild]]]:
     """The distinct builds of every run, grouped by model text: (run label, benchmark,
     OursBuild) per build, under a key naming the benchmark and its resolution. One group
     runs in one process, so an ``auto`` plan (a probe step of the model) is made once per
-    text (``plan.auto_config`` remembers it) and serves ``auto``, ``auto+recompute``, the
+    text (``search.auto_config`` remembers it) and serves ``auto``, ``auto+recompute``, the
     ipu module and the memory model."""
     seen: set[tuple[str, str]] = set()
     groups: dict[str, list[tuple[str, str, suite.OursBuild]]] = {}
@@ -129,7 +129,7 @@ QUICK = {"quick", "ipu-quick"}
 STAND_IN_PLAN = {"resnet34@32", "mobilenet_v2@32"}
 
 
-def stand_in_plan(graph, label="<model>", segments=(), build=None):
+def stand_in_plan(graph, label="<model>", segments=(), build=None, **moves):
     """A config of the ``auto`` plan's form (one ``tensor`` rule per compressed saved
     tensor) without its probe steps: the plannable tensors take the planner's candidates
     in turn, raw included, so every codec form that fits some tensor of the model is
@@ -138,7 +138,7 @@ def stand_in_plan(graph, label="<model>", segments=(), build=None):
     for i, stashed in enumerate(plan.plannable(graph)):
         choices = plan.candidates(stashed)
         assign[stashed.key] = choices[i % len(choices)]
-    return plan.config_of(assign, segments=segments)
+    return plan.config_of(assign, segments=segments or ())
 
 
 def test_the_stand_in_plan_compresses_in_every_form_that_fits():
@@ -181,7 +181,7 @@ def test_harness_builds_generate(monkeypatch, group):
     is still as built at the end."""
     monkeypatch.setattr(codegen.black, "format_str", fast_format)
     if group in STAND_IN_PLAN and not SLOW:
-        monkeypatch.setattr(plan, "auto_config", stand_in_plan)
+        monkeypatch.setattr(search, "auto_config", stand_in_plan)
     built = _parse_once(monkeypatch)
     failures = [
         f"{label} {name} {build.name}: {problem}"

@@ -41,6 +41,7 @@ VALID: dict[str, dict[str, object]] = {
     "bucket_bytes": {"bucket_bytes": 1},
     "pipeline": {"pipeline": 8, "stage_starts": ("d",)},
     "precision": {"precision": "bf16-mixed"},
+    "max_time_ratio": {"scheme": "auto", "max_time_ratio": 1.5},
 }
 
 
@@ -215,6 +216,19 @@ REFUSED = [
         ["--platform", "ipu", "--data-parallel"],
         "data_parallel= is for platform='gpu'",
     ),
+    (
+        dict(max_time_ratio=1.5),
+        ["--max-time-ratio", "1.5"],
+        "max_time_ratio= limits the plan of scheme='auto'; scheme='nocompress' is not planned",
+    ),
+    (
+        dict(scheme="auto", max_time_ratio=0.5),
+        ["--scheme", "auto", "--max-time-ratio", "0.5"],
+        "max_time_ratio=0.5: not a number from 1.0 to 100.0",
+    ),
+    (dict(scheme="auto", max_time_ratio=float("nan")), None, "max_time_ratio=nan: not a number"),
+    (dict(scheme="auto", max_time_ratio=True), None, "max_time_ratio=True: not a number"),
+    (dict(scheme="auto", max_time_ratio="2"), None, "max_time_ratio='2': not a number"),
     (dict(stage_starts="ab"), None, "stage_starts='ab': not node names"),
     (dict(recompute_segments="blocks"), None, "recompute_segments='blocks': not a tuple"),
     (dict(recompute=1), None, "recompute=1: not True or False"),

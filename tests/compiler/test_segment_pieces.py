@@ -27,6 +27,7 @@ from unroller.cli import app
 from unroller.compiler.codegen import read_header
 from unroller.compiler.options import Options
 from unroller.compiler.registry import load_registry
+from unroller.compiler.schemes import CompressionConfig, Rule, make_codec
 from unroller.compiler.stash import plan_stash
 
 TOL = 1e-10
@@ -259,6 +260,20 @@ def test_batch_norm_couples_the_batch():
         "resnet_like.txt",
     )
     assert "tensor_split" not in text
+
+
+def test_a_mask_kept_for_a_segment_from_outside_keeps_it_whole():
+    """Under a lossy config the forward keeps a 1-bit mask of a raw ReLU output; a segment
+    whose backward reads such a mask of a tensor it does not make itself (its own output,
+    kept by the forward) cannot slice it: the segment stays whole, and says why, where the
+    lowering used to fail (the auto search met it on slstrcloud)."""
+    text = (Path("benchmarks") / "models" / "slstrcloud.txt").read_text()
+    graph = graph_from_text(text, "slstrcloud.txt", 16)
+    rule = Rule(make_codec("quant", {"bits": 8}), tensor="enc1.c1.act")
+    config = CompressionConfig(rules=[rule], segments=("dec6",), segment_piece_size=2)
+    plan = plan_stash(graph, config)
+    assert "1-bit mask of dec6" in plan.unpieced_segments["dec6"]
+    assert simulate_graph(graph, config, 4).peak_bytes > 0  # lowers
 
 
 def test_default_code_is_unchanged():

@@ -28,6 +28,7 @@ from unroller.analysis.plan import (
 )
 from unroller.analysis.plan import parameter_errors as parameter_errors_of_plan
 from unroller.api import (
+    compression_config,
     generate_source,
     graph_from_text,
     import_generated,
@@ -146,9 +147,11 @@ def gradients(stem: str, scheme: str) -> dict[str, torch.Tensor]:
     """Parameter gradients of one float64 step (``step``) of the module generated under
     ``scheme`` (lossy ones in pieces of PIECE_BYTES), computed once per process."""
     gpu = dataclasses.replace(platforms.GPU, piece_bytes=PIECE_BYTES)
+    options = Options(scheme=scheme)
     with mock.patch.dict(platforms.PLATFORMS, {"gpu": gpu}):
-        source = generate_source(model_path(stem), Options(scheme=scheme))
-    if scheme != "nocompress":
+        source = generate_source(model_path(stem), options)
+        lossy = compression_config(options, load_graph(model_path(stem))).lossy
+    if lossy:  # auto may choose an exact plan (segments, --recompute): no pieces then
         assert f"piece_bytes={PIECE_BYTES}" in source
     name = f"compression_models_{stem}_{scheme.replace('-', '_')}"
     module = import_generated(write_atomic(_BUILT / f"{name}.py", source), name)

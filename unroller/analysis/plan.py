@@ -37,7 +37,6 @@ editable, diffable, and ``unroll generate --compress-config`` takes it as it is.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,12 +69,12 @@ __all__ = [
     "Choice",
     "MemoryPlan",
     "Probe",
-    "auto_config",
     "candidates",
     "checked_plan",
     "make_plan",
     "parameter_errors",
     "run_probe",
+    "segment_pool",
     "to_toml",
 ]
 
@@ -353,10 +352,10 @@ def make_plan(
     chooses them, see the module's docstring); ``segment_piece_size``: those segments run in
     pieces of at most that many samples (``--segment-piece-size``), planned so;
     ``ceilings``: per tensor, candidates whose round trip is at or above this are ruled out
-    (what ``auto_config`` sets for a tensor that gave a parameter too large an error)."""
+    (what ``checked_plan`` sets for a tensor that gave a parameter too large an error)."""
     ceilings = ceilings or {}
     choosing = SEGMENT_AUTO in segments
-    pool = _segment_pool(graph, batch_size) if choosing else []
+    pool = segment_pool(graph, batch_size) if choosing else []
     chosen: list[str] = []  # of the pool, recomputed so far
     fixed = () if choosing else tuple(segments)
 
@@ -478,7 +477,7 @@ def _labels(assign: dict[str, tuple[Choice, int, float]]) -> dict[str, Choice]:
     return {k: v[0] for k, v in assign.items()}
 
 
-def _segment_pool(graph: Graph, batch: int) -> list[tuple[str, float, list[str]]]:
+def segment_pool(graph: Graph, batch: int) -> list[tuple[str, float, list[str]]]:
     """The block instances the planner may recompute: (name, FLOPs of its forward at
     ``batch``, the saved tensors only its recompute would make), in graph order."""
     picked, _ = chosen_instances(graph, (SEGMENT_BLOCKS,))
@@ -565,39 +564,6 @@ def measured_error(
     return math.sqrt(num / den) if den > 0 else 0.0
 
 
-def auto_config(
-    graph: Graph,
-    label: str = "<model>",
-    segments: tuple[str, ...] = (),
-    build: ModelBuilder = materialized_class,
-) -> CompressionConfig:
-    """The ``auto`` scheme: a plan at ``AUTO_BATCH`` whose peak is within ``AUTO_SLACK`` of
-    the least any plan reaches, candidates limited to round-trip errors of at most
-    ``AUTO_MAX_ERROR``, calibrated on a seeded synthetic batch and seeded initial weights
-    (so the same model text always gives the same file); ``segments``: block instances to
-    recompute in the backward (``("auto",)``: the plan chooses them); ``build``: what makes
-    the probe's modules (``materialize.model_class``)."""
-    types = tuple(str(v.type) for v in graph.inputs)
-    key = (graph.source, graph.float_dtype, graph.precision, types, segments)
-    if key not in _AUTO_PLANS:
-        probe = run_probe(graph, label=label, build=build)
-        config = checked_plan(graph, probe, AUTO_MAX_ERROR, segments, label, build=build).config
-        while len(_AUTO_PLANS) >= AUTO_PLANS_KEPT:
-            del _AUTO_PLANS[next(iter(_AUTO_PLANS))]
-        _AUTO_PLANS[key] = config
-    return copy.deepcopy(_AUTO_PLANS[key])
-
-
-AUTO_PLANS_KEPT = 32
-"""How many ``auto`` plans one process remembers. A plan is a function of the model text,
-its input shapes and the segments alone (seeded probe batch and weights), and one process
-often plans the same model again: ``auto`` and ``auto --recompute`` and the ipu module
-share a plan, the benchmark harness generates and then predicts memory at two batches, a
-test suite builds a model more than once. Each plan costs a probe step and a checked
-step of the model (tens of seconds for a U-Net at 256 x 256 on a CPU)."""
-_AUTO_PLANS: dict[tuple[Any, ...], CompressionConfig] = {}
-
-
 def checked_plan(
     graph: Graph,
     probe: Probe,
@@ -607,8 +573,11 @@ def checked_plan(
     limit: float = AUTO_PARAM_ERROR,
     budget: int | None = None,
     build: ModelBuilder = materialized_class,
+    recompute: bool = False,
+    segment_piece_size: int = 0,
 ) -> MemoryPlan:
-    """``make_plan`` at ``AUTO_BATCH`` (``budget``; None: least peak + slack), then checked per parameter: one
+    """``make_plan`` at ``AUTO_BATCH`` (``budget``; None: least peak + slack; ``recompute``,
+    ``segments`` and ``segment_piece_size`` as there), then checked per parameter: one
     step of the planned module on the probe's batch and weights; while some parameter's
     gradient error (``parameter_errors``) is at or above ``limit``, every lossy tensor that
     reaches it (``_reach``) gives up its form and every form at least as lossy
@@ -625,7 +594,15 @@ def checked_plan(
 
     def plan() -> MemoryPlan:
         return make_plan(
-            graph, AUTO_BATCH, budget, probe, max_error, segments=segments, ceilings=ceilings
+            graph,
+            AUTO_BATCH,
+            budget,
+            probe,
+            max_error,
+            recompute=recompute,
+            segments=segments,
+            segment_piece_size=segment_piece_size,
+            ceilings=ceilings,
         )
 
     def blamed(found: MemoryPlan) -> list[Row]:

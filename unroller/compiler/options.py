@@ -36,6 +36,10 @@ SEGMENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0
 MAX_SEGMENT_NAME = 200  # characters of one segment pattern
 MAX_SEGMENTS = 1000  # segment patterns (as a config's rules)
 MAX_RESOLUTION = 65536  # rows of an image input
+#: ``--max-time-ratio``: its default (``search.AUTO_TIME_RATIO`` says it again, for the
+#: library's callers) and the range taken (1: no slower than the uncompressed step)
+DEFAULT_TIME_RATIO = 1.2
+MIN_TIME_RATIO, MAX_TIME_RATIO = 1.0, 100.0
 MAX_BUCKET_BYTES = 2**40  # bytes of one data-parallel gradient bucket
 MAX_PATH = 4096  # characters of a compression config's path
 
@@ -149,6 +153,16 @@ class Options:
         "every batch size (what each extra sample costs is then its kept inputs and "
         "gradients). 0: by --segment-pieces.",
     )
+    #: the auto scheme: the least bytes per sample whose predicted step time is at most
+    #: this many times the uncompressed step's (unroller.analysis.search)
+    max_time_ratio: float = option(
+        DEFAULT_TIME_RATIO,
+        flag="--max-time-ratio",
+        metavar="R",
+        help="--scheme auto: choose, among compressed forms, --recompute, segment recompute "
+        "and pieces, the plan with the least memory per sample whose predicted step takes at "
+        "most R times the uncompressed step's time (1.2: at most 20% slower).",
+    )
     #: all-reduce gradient buckets in the backward (distributed.py)
     data_parallel: bool = option(
         False,
@@ -208,7 +222,7 @@ class Options:
 
     @property
     def planned(self) -> bool:
-        """Does the ``auto`` scheme plan the config per model (``plan.auto_config``)?"""
+        """Does the ``auto`` scheme plan the config per model (``search.auto_config``)?"""
         return self.scheme == AUTO and self.compress_config is None and self.opt_level == 1
 
     def compression(self, graph: Graph | None = None) -> CompressionConfig:
@@ -337,6 +351,11 @@ def _check_count(name: str, value: Any) -> OptionValueError | None:
         return _check_number(name, value, 1, MAX_RESOLUTION, none=True)
     if name == "segment_pieces":
         return _check_number(name, value, 1, MAX_SEGMENT_PIECES)
+    if name == "max_time_ratio":
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = number and MIN_TIME_RATIO <= value <= MAX_TIME_RATIO  # nan compares False
+        message = f"{{{name}=}}: not a number from {MIN_TIME_RATIO} to {MAX_TIME_RATIO}"
+        return None if ok else refused(name, message, **{name: value})
     if name == "segment_piece_size":
         return _check_number(name, value, 0, MAX_SEGMENT_PIECES)
     if name == "bucket_bytes":
@@ -431,7 +450,14 @@ def _check_pieces(o: Options, target: Any) -> OptionValueError | None:
 
 
 def _check_planner(o: Options) -> OptionValueError | None:
-    """``--recompute-segments auto`` is the planner's: only with the planned scheme."""
+    """``--recompute-segments auto`` and ``--max-time-ratio`` are the planner's: only with
+    the planned scheme."""
+    if o.max_time_ratio != DEFAULT_TIME_RATIO and not o.planned:
+        return refused(
+            "max_time_ratio",
+            "{max_time_ratio} limits the plan of {scheme=auto}; {scheme=} is not planned",
+            o,
+        )
     if SEGMENT_AUTO in o.recompute_segments and not o.planned:
         return refused(
             "recompute_segments",

@@ -58,7 +58,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 SCHEMES = ("nocompress", "dct-first", "dct-dense", "quant", "auto")
-AUTO = "auto"  # planned per model (unroller.analysis.plan.auto_config): needs the graph
+AUTO = "auto"  # planned per model (unroller.analysis.search.auto_config): needs the graph
 
 
 MAP = "map"
@@ -249,7 +249,7 @@ def builtin(scheme: str) -> CompressionConfig:
     if scheme == AUTO:
         raise ConfigError(
             "the auto scheme is planned per model: "
-            "unroller.api.compression_config(options, graph) or unroller.analysis.plan.auto_config(graph)"
+            "unroller.api.compression_config(options, graph) or unroller.analysis.search.auto_config(graph)"
         )
     raise ConfigError(f"unknown scheme '{scheme}' (known: {', '.join(SCHEMES)})")
 

@@ -625,9 +625,15 @@ def pieces_problem(graph: Graph, segment: Segment, ordered: list[Stashed]) -> st
                 return f"{value.name} has no batch dimension first ({value.type})"
         if any(always_there(producers, v.name) and producers[v.name] for v in node.inputs):
             return f"{node.name} reads a free parameter made outside it"
+    inside = {id(n) for n in segment.nodes}
     for stashed in ordered:
-        if stashed.segment == segment.name and stashed.segment_keeps:
-            return f"the forward keeps {stashed.key} for it, packed for the whole batch"
+        if stashed.segment == segment.name:
+            if stashed.segment_keeps:
+                return f"the forward keeps {stashed.key} for it, packed for the whole batch"
+            continue
+        masked = any(f.kind == "mask" for f in stashed.forms)
+        if masked and any(id(reader) in inside for reader, _, _ in stashed.readers):
+            return f"it reads the 1-bit mask of {stashed.key}, packed for the whole batch"
     return ""
 
 

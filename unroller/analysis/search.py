@@ -1,0 +1,428 @@
+"""The ``auto`` scheme as a search: the plan with the least bytes per sample within a time limit.
+
+Every move the generator has changes both memory and time: compressed forms (codec time),
+``--recompute`` (cheap ops again), segment recompute (a block's forward again) and pieces
+(a statement's overhead per extra piece). The search builds the plans these moves make
+together and keeps the one predicted to keep the least per added sample while its step
+takes at most ``max_time_ratio`` times the uncompressed step's (``AUTO_TIME_RATIO`` by
+default):
+
+- **structures**: ``--recompute`` off and on; segments none, every block instance that can
+  be recomputed, and the blocks that fit the time limit (most bytes of own stash per
+  recompute FLOP first, ``plan.segment_pool``); with segments, whole or in pieces of
+  ``PIECE_SIZES`` samples. A structure whose step is over the limit with no codec at all
+  is dropped before any forms are planned (codecs only add time).
+- **forms** per structure: none (exact), 8-bit-accurate forms only (the planner at
+  ``plan.LIGHT_ERROR``) and the full planner (``plan.AUTO_MAX_ERROR``), each at the least
+  peak reachable + 10% (``plan.make_plan``); ``--recompute`` plans go through
+  ``recompute_guard``.
+- **scores**: bytes per sample, the slope of the predicted peak (``memory.simulate_graph``)
+  between the two ``batches``; time, the predicted ratio (``step_time.predict_time``) at
+  the larger. Among the plans within the limit, the least bytes per sample wins; plans
+  within ``TIE`` of it count as equal, and then the least lossy forms, then the fastest.
+- **checked**: the winner's lossy forms are checked per parameter on the probe step
+  (``plan.checked_plan``: forms that gave a parameter too large an error give way); its
+  scores are then taken again, and the search settles on the best of what is left.
+
+A prediction of time is checked against a measured step by ``unroll plan --measure``
+(``measure`` here): while the measured ratio is over the limit, the next plan is tried.
+The result keeps every plan considered, so ``unroll plan`` can say what was chosen and why.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from unroller.analysis.memory import simulate_graph
+from unroller.analysis.plan import (
+    AUTO_BATCH,
+    AUTO_MAX_ERROR,
+    LIGHT_ERROR,
+    Probe,
+    checked_plan,
+    config_of,
+    make_plan,
+    run_probe,
+    segment_pool,
+)
+from unroller.analysis.recompute_guard import guard_recompute
+from unroller.analysis.step_time import StepTime, predict_time
+from unroller.compiler.graph import Graph
+from unroller.compiler.options import DEFAULT_TIME_RATIO
+from unroller.compiler.schemes import CompressionConfig
+from unroller.compiler.stash import SEGMENT_AUTO, SEGMENT_BLOCKS, chosen_instances, plan_stash
+from unroller.materialize import ModelBuilder
+from unroller.materialize import model_class as materialized_class
+
+__all__ = [
+    "AUTO_TIME_RATIO",
+    "auto_config",
+    "Candidate",
+    "PIECE_SIZES",
+    "SEARCH_BATCHES",
+    "Search",
+    "search",
+]
+
+AUTO_TIME_RATIO = DEFAULT_TIME_RATIO
+"""``auto``'s default limit: a step at most 1.2 times the uncompressed step's time."""
+SEARCH_BATCHES = (8, 16)
+"""The batches whose predicted peaks give the bytes per sample a plan is scored by."""
+PIECE_SIZES = (1, 2, 4, 8)
+TIE = 0.01  # bytes per sample within 1% of the least count as the least
+FORMS = ("none", "8-bit", "planned")  # the forms a structure is tried with, least lossy first
+MEASURED_TRIES = 4  # unroll plan --measure: at most this many plans timed
+
+
+@dataclass
+class Candidate:
+    """One plan the search considered, with its scores."""
+
+    forms: str  # one of FORMS
+    recompute: bool
+    segments: tuple[str, ...]  # block instances recomputed, in graph order
+    segments_label: str  # "none", "every block (4)", "3 of 4 blocks"
+    piece_size: int  # 0: segments whole
+    config: CompressionConfig
+    bytes_per_sample: float
+    time: StepTime
+    checked: bool = False  # its forms passed the per-parameter check
+    measured_ratio: float | None = None  # unroll plan --measure
+    note: str = ""  # why it was not chosen, when that is not its scores
+
+    @property
+    def label(self) -> str:
+        return _label(self.forms, self.recompute, self.segments_label, self.piece_size)
+
+    @property
+    def ratio(self) -> float:
+        return self.time.ratio
+
+
+@dataclass
+class Search:
+    """What the search considered and chose."""
+
+    max_time_ratio: float
+    batches: tuple[int, int]
+    candidates: list[Candidate]  # every plan scored, best first
+    chosen: Candidate
+    dropped: list[str] = field(default_factory=list)  # structures over the limit unplanned
+    notes: list[str] = field(default_factory=list)
+
+    def why(self) -> str:
+        """One sentence: why the chosen plan won."""
+        c = self.chosen
+        within = [x for x in self.candidates if x.ratio <= self.max_time_ratio]
+        return (
+            f"least predicted bytes per sample ({c.bytes_per_sample:,.0f}) of the "
+            f"{len(within)} plans predicted within {self.max_time_ratio}x the uncompressed "
+            f"step's time (this one {c.ratio:.2f}x), of {len(self.candidates)} scored"
+        )
+
+
+def _label(forms: str, recompute: bool, segments: str, piece_size: int) -> str:
+    parts = [f"forms {forms}"]
+    if recompute:
+        parts.append("--recompute")
+    if segments != "none":
+        pieces = f" in pieces of {piece_size}" if piece_size else ""
+        parts.append(f"segments {segments}{pieces}")
+    return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class _Structure:
+    recompute: bool
+    segments: tuple[str, ...]
+    segments_label: str
+    piece_size: int
+
+
+def search(
+    graph: Graph,
+    probe: Probe,
+    max_time_ratio: float = AUTO_TIME_RATIO,
+    batches: Sequence[int] = SEARCH_BATCHES,
+    platform: str = "gpu",
+    recompute: bool | None = None,
+    segments: tuple[str, ...] | None = None,
+    pieces: bool = True,
+    label: str = "<model>",
+    build: ModelBuilder = materialized_class,
+    measure: Callable[[CompressionConfig], float] | None = None,
+) -> Search:
+    """The plan with the least predicted bytes per sample whose predicted step time is at
+    most ``max_time_ratio`` times the uncompressed step's (see the module's docstring).
+
+    ``recompute``: None tries both, else fixed; ``segments``: None chooses, else these
+    block instance patterns are fixed (``()``: none); ``pieces``: segments may run in
+    pieces (not on platforms that collect gradients); ``measure``: the measured time ratio
+    of a config's step, tried on the best plans in turn until one is within the limit."""
+    b1, b2 = sorted(batches)[:2]
+    structures, dropped = _structures(graph, max_time_ratio, b2, recompute, segments, pieces)
+    scored: list[Candidate] = []
+    seen: set[str] = set()
+    for s in structures:
+        for forms in FORMS:
+            config = _config(graph, probe, s, forms, platform)
+            if repr(config) in seen:
+                continue
+            seen.add(repr(config))
+            scored.append(_score(graph, config, s, forms, (b1, b2), platform))
+    if not scored:  # nothing within the limit, even exact: the uncompressed step
+        s = _Structure(False, (), "none", 0)
+        scored.append(_score(graph, config_of({}), s, "none", (b1, b2), platform))
+    _rank(scored, max_time_ratio)
+    chosen = _settle(graph, probe, scored, max_time_ratio, (b1, b2), platform, label, build)
+    result = Search(max_time_ratio, (b1, b2), scored, chosen, dropped)
+    if measure is not None:
+        _measured(result, measure)
+    return result
+
+
+def _structures(
+    graph: Graph,
+    limit: float,
+    batch: int,
+    recompute: bool | None,
+    segments: tuple[str, ...] | None,
+    pieces: bool,
+) -> tuple[list[_Structure], list[str]]:
+    """The structures to plan forms for, and those dropped as over ``limit`` already."""
+    options = [False, True] if recompute is None else [recompute]
+    segment_sets = _segment_sets(graph, limit, batch, segments)
+    found, dropped = [], []
+    for r in options:
+        for names, what in segment_sets:
+            sizes = [0, *PIECE_SIZES] if names and pieces else [0]
+            for size in sizes:
+                s = _Structure(r, names, what, size)
+                config = config_of({}, r, names, size)
+                if size and not any(seg.in_pieces for seg in plan_stash(graph, config).segments):
+                    continue  # no segment can run in pieces: the same step as whole
+                ratio = predict_time(graph, config, batch).ratio
+                if ratio > limit:
+                    dropped.append(f"{_label('none', r, what, size)}: {ratio:.2f}x with no codec")
+                    continue
+                found.append(s)
+    return found, dropped
+
+
+def _segment_sets(
+    graph: Graph, limit: float, batch: int, segments: tuple[str, ...] | None
+) -> list[tuple[tuple[str, ...], str]]:
+    """The segment sets to try: (instance names, how to call them)."""
+    if segments is not None:
+        if not segments:
+            return [((), "none")]
+        picked, _ = chosen_instances(graph, segments)
+        names = tuple(call.name for call, _ in picked)
+        return [(names, ", ".join(segments))]
+    try:
+        pool = segment_pool(graph, batch)
+    except Exception:  # noqa: BLE001 - a model without blocks has no segments to try
+        pool = []
+    every = tuple(name for name, _, _ in pool)
+    sets = [((), "none")]
+    if every:
+        sets.append((every, f"every block ({len(every)})"))
+        within = _within_time(graph, pool, limit, batch)
+        if within and within != every:
+            sets.append((within, f"{len(within)} of {len(every)} blocks"))
+    return sets
+
+
+def _within_time(graph: Graph, pool, limit: float, batch: int) -> tuple[str, ...]:
+    """Block instances, most own-stash bytes per recompute FLOP first, while the step with
+    them recomputed (no codec) stays within ``limit``; in graph order."""
+    own = plan_stash(graph, CompressionConfig(segments=(SEGMENT_BLOCKS,))).by_key()
+    gain = {name: sum(own[k].raw_bytes(batch) for k in keys if k in own) for name, _, keys in pool}
+    order = sorted(pool, key=lambda p: -gain[p[0]] / p[1])
+    taken: list[str] = []
+    for name, _, _ in order:
+        trial = [n for n, _, _ in pool if n in taken or n == name]
+        if predict_time(graph, config_of({}, False, tuple(trial)), batch).ratio <= limit:
+            taken = trial
+    return tuple(taken)
+
+
+def _config(
+    graph: Graph, probe: Probe, s: _Structure, forms: str, platform: str
+) -> CompressionConfig:
+    if forms == "none":
+        config = config_of({}, s.recompute, s.segments, s.piece_size)
+    else:
+        max_error = LIGHT_ERROR if forms == "8-bit" else AUTO_MAX_ERROR
+        config = make_plan(
+            graph,
+            AUTO_BATCH,
+            None,
+            probe,
+            max_error,
+            platform,
+            recompute=s.recompute,
+            segments=s.segments,
+            segment_piece_size=s.piece_size,
+        ).config
+    return guard_recompute(graph, config, platform) if s.recompute else config
+
+
+def _score(
+    graph: Graph,
+    config: CompressionConfig,
+    s: _Structure,
+    forms: str,
+    batches: tuple[int, int],
+    platform: str,
+) -> Candidate:
+    b1, b2 = batches
+    p1 = simulate_graph(graph, config, b1, platform).peak_bytes
+    p2 = simulate_graph(graph, config, b2, platform).peak_bytes
+    per_sample = (p2 - p1) / (b2 - b1)
+    time = predict_time(graph, config, b2)
+    if forms != "none" and not any(r.codec is not None for r in config.rules):
+        forms = "none"  # the planner found nothing worth compressing
+    return Candidate(
+        forms, s.recompute, s.segments, s.segments_label, s.piece_size, config, per_sample, time
+    )
+
+
+def _rank(scored: list[Candidate], limit: float) -> None:
+    """Best first: within the limit before over it; then the least bytes per sample (within
+    ``TIE`` counts as equal), the least lossy forms, the fastest."""
+    within = [c for c in scored if c.ratio <= limit]
+    least = min((c.bytes_per_sample for c in within), default=math.inf)
+
+    def key(c: Candidate) -> tuple:
+        over = c.ratio > limit
+        tied = not over and c.bytes_per_sample <= least * (1 + TIE) + 1
+        return (
+            over,
+            not tied,
+            c.bytes_per_sample if not tied else 0.0,
+            FORMS.index(c.forms),
+            c.ratio,
+        )
+
+    scored.sort(key=key)
+
+
+def _settle(
+    graph: Graph,
+    probe: Probe,
+    scored: list[Candidate],
+    limit: float,
+    batches: tuple[int, int],
+    platform: str,
+    label: str,
+    build: ModelBuilder,
+) -> Candidate:
+    """The best plan once its lossy forms are checked: the top plan is checked (and
+    rescored when the check changed its forms) until the top is a checked one."""
+    for _ in range(len(scored)):
+        top = scored[0]
+        if top.checked or top.forms == "none":
+            top.checked = True
+            return top
+        max_error = LIGHT_ERROR if top.forms == "8-bit" else AUTO_MAX_ERROR
+        found = checked_plan(
+            graph,
+            probe,
+            max_error,
+            top.segments,
+            label,
+            build=build,
+            recompute=top.recompute,
+            segment_piece_size=top.piece_size,
+        ).config
+        if top.recompute:
+            found = guard_recompute(graph, found, platform)
+        s = _Structure(top.recompute, top.segments, top.segments_label, top.piece_size)
+        redone = _score(graph, found, s, top.forms, batches, platform)
+        redone.checked = True
+        scored[0] = redone
+        _rank(scored, limit)
+    return scored[0]
+
+
+def _measured(result: Search, measure: Callable[[CompressionConfig], float]) -> None:
+    """Time the best plans in turn until one is measured within the limit; that one is
+    chosen (else the fastest measured)."""
+    tried: list[Candidate] = []
+    for c in [c for c in result.candidates if c.ratio <= result.max_time_ratio][:MEASURED_TRIES]:
+        c.measured_ratio = measure(c.config)
+        tried.append(c)
+        if c.measured_ratio <= result.max_time_ratio:
+            if c is not result.chosen:
+                result.notes.append(
+                    f"the predicted best ({result.chosen.label}) measured "
+                    f"{result.chosen.measured_ratio:.2f}x, over the limit: took the next"
+                )
+            result.chosen = c
+            return
+        c.note = f"measured {c.measured_ratio:.2f}x, over the limit"
+    if tried:
+        result.chosen = min(tried, key=lambda c: c.measured_ratio)
+        result.notes.append(
+            f"no plan tried was measured within {result.max_time_ratio}x: chose the fastest"
+        )
+
+
+def auto_config(
+    graph: Graph,
+    label: str = "<model>",
+    segments: tuple[str, ...] | None = (),
+    build: ModelBuilder = materialized_class,
+    platform: str = "gpu",
+    recompute: bool | None = None,
+    max_time_ratio: float = AUTO_TIME_RATIO,
+    pieces: bool = True,
+) -> CompressionConfig:
+    """The ``auto`` scheme: the chosen plan of ``search`` on a probe step with a seeded
+    synthetic batch and seeded initial weights (so the same model text always gives the
+    same file). ``segments``: ``()`` or ``("auto",)`` lets the search choose, names fix
+    them, ``None`` rules segments out (pipelined steps); ``recompute``: None lets it
+    choose; ``pieces``: segments may run in pieces; ``build``: what makes the probe's
+    modules (``materialize.model_class``)."""
+    fixed: tuple[str, ...] | None
+    if segments is None:
+        fixed = ()  # ruled out
+    elif not segments or SEGMENT_AUTO in segments:
+        fixed = None  # the search chooses
+    else:
+        fixed = tuple(segments)
+    types = tuple(str(v.type) for v in graph.inputs)
+    key = (graph.source, graph.float_dtype, graph.precision, types, fixed, platform)
+    key += (recompute, max_time_ratio, pieces)
+    if key not in _AUTO_PLANS:
+        probe = run_probe(graph, label=label, build=build)
+        found = search(
+            graph,
+            probe,
+            max_time_ratio,
+            platform=platform,
+            recompute=recompute,
+            segments=fixed,
+            pieces=pieces,
+            label=label,
+            build=build,
+        )
+        while len(_AUTO_PLANS) >= AUTO_PLANS_KEPT:
+            del _AUTO_PLANS[next(iter(_AUTO_PLANS))]
+        _AUTO_PLANS[key] = found.chosen.config
+    return copy.deepcopy(_AUTO_PLANS[key])
+
+
+AUTO_PLANS_KEPT = 32
+"""How many ``auto`` plans one process remembers. A plan is a function of the model text,
+its input shapes and the moves allowed alone (seeded probe batch and weights), and one
+process often plans the same model again: ``auto`` and ``auto --recompute`` and the ipu
+module share a probe, the benchmark harness generates and then predicts memory at two
+batches, a test suite builds a model more than once. Each plan costs a probe step, the
+search (a few seconds to tens of seconds of the memory model) and a checked step."""
+_AUTO_PLANS: dict[tuple[Any, ...], CompressionConfig] = {}
