@@ -71,6 +71,7 @@ __all__ = [
     "Probe",
     "candidates",
     "checked_plan",
+    "config_toml",
     "make_plan",
     "parameter_errors",
     "run_probe",
@@ -672,15 +673,7 @@ def _toml_value(value: Any) -> str:
 
 def to_toml(plan: MemoryPlan, header: list[str]) -> str:
     """The plan as a compression config file, with ``header`` lines as comments."""
-    lines = [f"# {_comment(line)}" if line else "#" for line in header]
-    if plan.config.recompute:
-        lines += ["", "recompute = true"]
-    if plan.config.segments:
-        names = ", ".join(_toml_string(name) for name in plan.config.segments)
-        lines += ["", f"recompute_segments = [{names}]"]
-        if plan.config.segment_piece_size:
-            lines.append(f"segment_piece_size = {int(plan.config.segment_piece_size)}")
-    lines += ["", "[default]", 'compressor = "none"']
+    lines = _structure_lines(plan.config, header)
     for row in plan.rows:
         if row.choice.codec is None:
             continue
@@ -692,6 +685,39 @@ def to_toml(plan: MemoryPlan, header: list[str]) -> str:
                 lines.append(f"{key} = {_toml_value(value)}")
         if row.choice.codec.min_size:
             lines.append(f"min_size = {row.choice.codec.min_size}")
+    return "\n".join(lines) + "\n"
+
+
+def _structure_lines(config: CompressionConfig, header: list[str]) -> list[str]:
+    """The header comments, the recompute and segment keys, and a default of no codec."""
+    lines = [f"# {_comment(line)}" if line else "#" for line in header]
+    if config.recompute:
+        lines += ["", "recompute = true"]
+        if config.recompute_keep:
+            kept = ", ".join(_toml_string(glob) for glob in config.recompute_keep)
+            lines.append(f"recompute_keep = [{kept}]")
+    if config.segments:
+        names = ", ".join(_toml_string(name) for name in config.segments)
+        lines += ["", f"recompute_segments = [{names}]"]
+        if config.segment_piece_size:
+            lines.append(f"segment_piece_size = {int(config.segment_piece_size)}")
+    return lines + ["", "[default]", 'compressor = "none"']
+
+
+def config_toml(config: CompressionConfig, header: list[str]) -> str:
+    """A planned config (one ``tensor`` rule per compressed tensor) as a compression config
+    file, with ``header`` lines as comments: what ``unroll plan --max-time-ratio`` writes."""
+    lines = _structure_lines(config, header)
+    for rule in config.rules:
+        if rule.codec is None or rule.tensor is None:
+            continue
+        lines += ["", "[[rule]]", f"tensor = {_toml_string(rule.tensor)}"]
+        lines.append(f"compressor = {_toml_string(rule.codec.name)}")
+        for key, value in rule.codec.params:
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        if rule.codec.min_size:
+            lines.append(f"min_size = {rule.codec.min_size}")
     return "\n".join(lines) + "\n"
 
 

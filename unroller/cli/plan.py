@@ -85,6 +85,18 @@ ForceOpt = Annotated[
 MkdirOpt = Annotated[
     bool, typer.Option("--mkdir", help="Create the -o file's folder (and its parents) if missing.")
 ]
+MaxTimeRatioOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--max-time-ratio",
+        metavar="R",
+        help="Search as --scheme auto does, instead of fitting a budget: every plan of "
+        "forms, --recompute, segments and pieces, the least predicted bytes per sample "
+        "whose predicted step takes at most R times the uncompressed step's; prints every "
+        "plan scored and why one won. With --measure, the best plans are timed on this "
+        "machine and one measured over R gives way to the next.",
+    ),
+]
 #: The first words of every config unroll plan writes: such a file may be replaced.
 PLAN_MARK = "Written by unroll plan"
 
@@ -103,6 +115,7 @@ def plan(
     recompute: RecomputeOpt = False,
     recompute_segments: RecomputeSegmentsOpt = None,
     segment_piece_size: SegmentPieceSizeOpt = 0,
+    max_time_ratio: MaxTimeRatioOpt = None,
     output: OutOpt = None,
     force: ForceOpt = False,
     mkdir: MkdirOpt = False,
@@ -120,6 +133,9 @@ def plan(
     With --recompute-segments the plan counts those blocks as recomputed (auto: the search
     picks them); --segment-piece-size P plans them run in pieces of at most P samples, and
     the config it writes says so (segment_piece_size).
+
+    With --max-time-ratio R it searches as --scheme auto does (--batch-size B: bytes per
+    sample between B/2 and B) and writes the chosen plan's config.
     """
     from unroller.api import load_graph, source_label
     from unroller.bench.options import parse_bytes
@@ -130,6 +146,9 @@ def plan(
     precision = checked("precision", value_of(precision))
     if segment_piece_size and not segments:
         raise fail("--segment-piece-size needs --recompute-segments (pieces of what?)")
+    if max_time_ratio is not None:
+        checked("max_time_ratio", max_time_ratio)
+        _refuse_with_search(memory_budget, max_error, segment_piece_size)
     budget = None
     if memory_budget.strip().lower() != "min":
         try:
@@ -157,6 +176,21 @@ def plan(
         raise config_error(exc) from None
     label = source_label(model)
     probe = planner.run_probe(graph, batch, probe_batch, seed, label=label)
+    if max_time_ratio is not None:
+        from unroller.cli import plan_search
+
+        moves = {"recompute": True if recompute else None, "segments": _fixed(segments)}
+        found = plan_search.run_search(
+            graph, probe, label, batch_size, max_time_ratio, moves, measure
+        )
+        per_sample = (
+            plan_search.measured_per_sample(graph, probe, label, found) if measure else None
+        )
+        plan_search.echo(found, per_sample)
+        if output is not None and target is not None:
+            head = plan_search.header(model, batch_size, found, per_sample)
+            write_output(output, target, planner.config_toml(found.chosen.config, head), mkdir)
+        return
     try:
         found = planner.make_plan(
             graph,
@@ -180,6 +214,21 @@ def plan(
         raise typer.Exit(1)
     header = _header(model, batch_size, memory_budget, max_error, found, measured)
     write_output(output, target, planner.to_toml(found, header), mkdir)
+
+
+def _refuse_with_search(memory_budget: str, max_error: float | None, piece_size: int) -> None:
+    """What --max-time-ratio chooses itself cannot be given beside it."""
+    if memory_budget.strip().lower() != "min":
+        raise fail("--max-time-ratio searches for the least memory per sample: no --memory-budget")
+    if max_error is not None:
+        raise fail("--max-time-ratio plans forms as --scheme auto does: no --max-error")
+    if piece_size:
+        raise fail("--max-time-ratio chooses the piece size: no --segment-piece-size")
+
+
+def _fixed(segments: tuple[str, ...]) -> tuple[str, ...] | None:
+    """--recompute-segments for the search: none given or auto, the search chooses."""
+    return None if not segments or "auto" in segments else segments
 
 
 def _plan_file_problem(existing: str, output: Path) -> str | None:
