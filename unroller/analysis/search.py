@@ -70,9 +70,11 @@ __all__ = [
 
 AUTO_TIME_RATIO = DEFAULT_TIME_RATIO
 """``auto``'s default limit: a step at most 1.2 times the uncompressed step's time."""
-SEARCH_BATCHES = (8, 16)
-"""The batches whose predicted peaks give the bytes per sample a plan is scored by."""
-PIECE_SIZES = (1, 2, 4, 8)
+SEARCH_BATCHES = (4, 8)
+"""The batches whose predicted peaks give the bytes per sample a plan is scored by: small
+batches, where fine-tuning at long context sits and pieces of a few samples already pay;
+the time ratio is predicted at the larger."""
+PIECE_SIZES = (1, 2, 4)
 TIE = 0.01  # bytes per sample within 1% of the least count as the least
 FORMS = ("none", "8-bit", "planned")  # the forms a structure is tried with, least lossy first
 MEASURED_TRIES = 4  # unroll plan --measure: at most this many plans timed

@@ -9,9 +9,8 @@ from the graph's shapes and the resolved stash plan (``plan_stash``):
   bytes: its inputs and output; ``o``: the cost of one generated statement, the Python
   call and the kernel's dispatch), and its backward, ``BACKWARD`` times that;
 - a recomputed segment: its ops' forward once more; in pieces, each piece after the first
-  adds the statement overhead of its forward, recompute and backward again
-  (``PIECE_CALLS`` per op) for every extra piece, the cost that makes pieces of one sample
-  slow on small models;
+  adds ``p`` per op of the segment (its forward, recompute and backward statements run once
+  more, on a smaller piece), the cost that makes pieces of one sample slow on small models;
 - ``--recompute``: the forward of each op whose output is remade;
 - a compressed tensor: its compress and decompress, per element by codec, plus ``o`` each.
 
@@ -45,17 +44,17 @@ __all__ = ["StepCosts", "StepTime", "costs", "predict_time"]
 
 COSTS_FILE = Path(__file__).with_name("step_costs.toml")
 BACKWARD = 2.5  # an op's backward against its forward (two products per weighted layer, and more memory traffic)
-PIECE_CALLS = 4  # statements per op and extra piece: forward, recompute, backward (2)
 
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds per FLOP, per byte moved and per statement; per codec, seconds per element
-    of a compress and a decompress together."""
+    """Seconds per FLOP, per byte moved, per statement and per op and extra piece; per
+    codec, seconds per element of a compress and a decompress together."""
 
     flop_s: float
     byte_s: float
     statement_s: float
+    piece_op_s: float
     codec_element_s: dict[str, float] = field(default_factory=dict)
 
     def codec_s(self, label: str) -> float:
@@ -74,6 +73,7 @@ def costs() -> StepCosts:
         flop_s=1.0 / float(data["flops_per_s"]),
         byte_s=1.0 / float(data["bytes_per_s"]),
         statement_s=float(data["statement_us"]) * 1e-6,
+        piece_op_s=float(data["piece_op_us"]) * 1e-6,
         codec_element_s={k: float(v) * 1e-9 for k, v in data["codec_ns_per_element"].items()},
     )
 
@@ -125,7 +125,7 @@ def predict_time(
     for segment in plan.segments:
         recompute += sum(forward[n.name] for n in segment.nodes)
         extra = _pieces(segment, batch) - 1
-        pieces += extra * len(segment.nodes) * PIECE_CALLS * c.statement_s
+        pieces += extra * len(segment.nodes) * c.piece_op_s
     made_by = {node.output.name: node.name for node in graph.nodes}
     recompute += sum(forward[made_by[v]] for v in _remade(plan) if v in made_by)
     return StepTime(base, recompute, pieces, _codec_s(plan, batch, c))

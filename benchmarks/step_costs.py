@@ -1,0 +1,256 @@
+"""The constants of the step time model (``unroller/analysis/step_time.py``), measured, and
+its predictions checked against measured steps.
+
+Constants (one CPU thread):
+
+- ``flops_per_s``: a 512 x 512 float32 matrix product, median of 30;
+- ``bytes_per_s``: ``x + x`` on 4M floats (three arrays moved), median of 30;
+- ``codec_ns_per_element``: compress + decompress of a [16, 64, 32, 32] map, per codec;
+- ``statement_us``: what one generated statement costs beyond its FLOPs and bytes: the
+  uncompressed step of gpt_tiny at batch 1 (its ops are tiny) less the model's FLOP and
+  byte time, over its ops and their backward (``1 + BACKWARD`` per op);
+- ``piece_op_us``: gpt_tiny at batch 16 with every block recomputed, in pieces of one
+  sample against whole: the extra time over the extra pieces and the pieced segments' ops.
+
+The check: per model and plan, the predicted time ratio against the uncompressed step's
+beside the measured one (the two steps taking turns, ``--rounds`` timed rounds after one
+warm-up, the median of the per-round ratios).
+
+    python -m benchmarks.step_costs [--rounds 7] [--write]
+        [--out benchmarks/results/step_costs.md]
+
+``--write`` also rewrites ``unroller/analysis/step_costs.toml`` with the constants measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from unroller.analysis.inputs import make_inputs
+from unroller.analysis.step_time import (
+    BACKWARD,
+    COSTS_FILE,
+    StepCosts,
+    codec_label,
+    node_forward_s,
+    predict_time,
+)
+from unroller.api import compression_config, load_graph
+from unroller.bench.timing import time_interleaved
+from unroller.compiler.options import Options
+from unroller.compiler.schemes import CompressionConfig, make_codec
+from unroller.compiler.stash import plan_stash
+from unroller.materialize import model_class
+
+CODECS = {
+    "quant": make_codec("quant", {"bits": 8}),
+    "dct": make_codec("dct", {}, min_size=8),
+    "dct-k6": make_codec("dct", {"keep": 6}, min_size=8),
+}
+#: (model, resolution, batch, plans): each plan (label, scheme, segments, piece size, recompute)
+CHECKS = (
+    (
+        "gpt_tiny",
+        None,
+        16,
+        (
+            ("quant", "quant", (), 0, False),
+            ("blocks", "nocompress", ("blocks",), 0, False),
+            ("blocks in pieces of 4", "nocompress", ("blocks",), 4, False),
+            ("blocks in pieces of 1", "nocompress", ("blocks",), 1, False),
+            ("quant + blocks in pieces of 4", "quant", ("blocks",), 4, False),
+            ("--recompute", "nocompress", (), 0, True),
+        ),
+    ),
+    (
+        "resnet34",
+        32,
+        16,
+        (
+            ("dct-dense", "dct-dense", (), 0, False),
+            ("quant", "quant", (), 0, False),
+            ("dct-dense --recompute", "dct-dense", (), 0, True),
+            ("blocks", "nocompress", ("blocks",), 0, False),
+        ),
+    ),
+)
+
+
+def _median(fn, n: int = 30) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _codec_s(codec, m: torch.Tensor) -> float:
+    """Seconds of one compress and one decompress of ``m``."""
+    instance = codec.instance()
+    packed = instance.compress(m)
+    squeeze = _median(lambda: instance.compress(m))
+    return squeeze + _median(lambda: instance.decompress(packed, tuple(m.shape[1:]), m.dtype))
+
+
+def micro() -> dict[str, float]:
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    x = torch.randn(4_000_000)
+    found = {
+        "flops_per_s": 2 * 512**3 / _median(lambda: a @ b),
+        "bytes_per_s": 3 * 4 * x.numel() / _median(lambda: x + x),
+    }
+    m = torch.randn(16, 64, 32, 32)
+    for label, codec in CODECS.items():
+        found[f"codec:{label}"] = _codec_s(codec, m) / m.numel() * 1e9
+        assert codec_label(codec) == label
+    return found
+
+
+def _config(graph, scheme: str, segments, piece_size: int, recompute: bool):
+    options = Options(scheme=scheme, recompute=recompute, recompute_segments=segments)
+    return dataclasses.replace(compression_config(options, graph), segment_piece_size=piece_size)
+
+
+def _step(graph, config, batch: int):
+    torch.manual_seed(0)
+    model = model_class(graph, "step_costs", config)()
+    model.train()
+    inputs = [t.float() if t.is_floating_point() else t for t in make_inputs(graph, batch, 1)]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        return model(*inputs)
+
+    return step
+
+
+def _ratios(graph, configs: dict[str, CompressionConfig], batch: int, rounds: int):
+    sides = {"base": _step(graph, CompressionConfig(), batch)}
+    sides.update({label: _step(graph, c, batch) for label, c in configs.items()})
+    found = time_interleaved(sides, 1, rounds, "base")
+    return found
+
+
+def fit_overheads(constants: dict[str, float], rounds: int) -> dict[str, float]:
+    """``statement_us`` and ``piece_op_us`` from gpt_tiny's steps (module docstring)."""
+    graph = load_graph("benchmarks/models/gpt_tiny.txt", None, "fp32")
+    partial = StepCosts(1 / constants["flops_per_s"], 1 / constants["bytes_per_s"], 0.0, 0.0)
+    base_one = time_interleaved({"base": _step(graph, CompressionConfig(), 1)}, 2, rounds, None)
+    measured = base_one["base"]["time_ms"]["median"] * 1e-3
+    work = sum(node_forward_s(n, 1, partial) for n in graph.nodes) * (1 + BACKWARD)
+    statement = max(0.0, measured - work) / (len(graph.nodes) * (1 + BACKWARD))
+    whole = _config(graph, "nocompress", ("blocks",), 0, False)
+    ones = _config(graph, "nocompress", ("blocks",), 1, False)
+    found = _ratios(graph, {"whole": whole, "ones": ones}, 16, rounds)
+    extra = (found["ones"]["time_ms"]["median"] - found["whole"]["time_ms"]["median"]) * 1e-3
+    pieced = sum(len(s.nodes) for s in plan_stash(graph, ones).segments if s.in_pieces)
+    return {"statement_us": statement * 1e6, "piece_op_us": extra / (15 * pieced) * 1e6}
+
+
+def check(costs: StepCosts, rounds: int) -> list[tuple[str, str, float, float]]:
+    rows = []
+    for model, resolution, batch, plans in CHECKS:
+        graph = load_graph(f"benchmarks/models/{model}.txt", resolution, "fp32")
+        configs = {label: _config(graph, *rest) for label, *rest in plans}
+        found = _ratios(graph, configs, batch, rounds)
+        for label, config in configs.items():
+            predicted = predict_time(graph, config, batch, step_costs=costs).ratio
+            measured = found[label]["ratio"]["median"]
+            at = f"{model}@{resolution}" if resolution else model
+            rows.append((f"{at}, batch {batch}", label, predicted, measured))
+    return rows
+
+
+def toml_text(c: dict[str, float], when: str, machine: str) -> str:
+    codecs = "\n".join(
+        f'"{k.split(":", 1)[1]}" = {v:.3g}' if "-" in k else f"{k.split(':', 1)[1]} = {v:.3g}"
+        for k, v in c.items()
+        if k.startswith("codec:")
+    )
+    return (
+        "# The step time model's constants (unroller/analysis/step_time.py), measured by\n"
+        "# python -m benchmarks.step_costs --write\n"
+        f"# on {machine}, {when}, one CPU thread.\n"
+        f"flops_per_s = {c['flops_per_s']:.3g}\n"
+        f"bytes_per_s = {c['bytes_per_s']:.3g}\n"
+        f"statement_us = {c['statement_us']:.3g}\n"
+        f"piece_op_us = {c['piece_op_us']:.3g}\n\n"
+        "[codec_ns_per_element]\n"
+        f"{codecs}\n"
+    )
+
+
+def report(c: dict[str, float], rows, when: str, machine: str, command: str) -> str:
+    lines = [
+        "# The step time model: constants and predicted against measured time",
+        "",
+        f"Measured {when} on {machine}, one CPU thread: `{command}`.",
+        "",
+        "| constant | value |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {v:.3g} |" for k, v in c.items()]
+    lines += [
+        "",
+        "Time of a step against the uncompressed step's (the two taking turns, median of "
+        "the per-round ratios):",
+        "",
+        "| model | plan | predicted | measured |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [f"| {m} | {p} | {a:.2f}x | {b:.2f}x |" for m, p, a, b in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _cpu() -> str:
+    """The CPU's model name where Linux says it, else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_costs.md"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    constants = micro()
+    constants.update(fit_overheads(constants, args.rounds))
+    costs = StepCosts(
+        1 / constants["flops_per_s"],
+        1 / constants["bytes_per_s"],
+        constants["statement_us"] * 1e-6,
+        constants["piece_op_us"] * 1e-6,
+        {k.split(":", 1)[1]: v * 1e-9 for k, v in constants.items() if k.startswith("codec:")},
+    )
+    rows = check(costs, args.rounds)
+    when = datetime.date.today().isoformat()
+    machine = f"{_cpu()}, torch {torch.__version__}"
+    command = "python -m benchmarks.step_costs" + (" --write" if args.write else "")
+    text = report(constants, rows, when, machine, command)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    if args.write:
+        COSTS_FILE.write_text(toml_text(constants, when, machine))
+
+
+if __name__ == "__main__":
+    main()
