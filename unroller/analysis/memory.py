@@ -435,12 +435,14 @@ def _layers_in(statement: Any) -> list[Layer]:
 
 def _bind_pieces(header: Step, heap: _Heap) -> None:
     """A pieces loop's header (``a_piece, b_slot = zip(a.tensor_split(K), ...)``): each
-    target is a view of its whole-batch tensor, sharing its storage."""
+    target is a view of its whole-batch tensor (or packed form), sharing its storage."""
     assign = header.statements[0]
     assert isinstance(assign, Assign) and isinstance(assign.value, CallExpr)
     for target, split in zip(assign.targets, assign.value.args):
         assert target is not None and isinstance(split, CallExpr)
-        source = split.func.var.name if isinstance(split.func, Attr) else ""
+        # ``a.split(P)`` / ``a.tensor_split(K)``, or ``K.packed_split(a_quant, size=P)``
+        whole = split.func.var if isinstance(split.func, Attr) else split.args[0]
+        source = whole.name if isinstance(whole, Var) else ""
         storage = heap.storage_of.get(source)
         heap.bind(target.name, storage if storage is not None else heap.new(0))
 

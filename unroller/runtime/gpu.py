@@ -279,6 +279,18 @@ class RestoredInPieces:
         return self.codec.decompress(self.packed, self.sample_shape, self.dtype)
 
 
+def packed_split(
+    packed: Sequence[Tensor], size: int | None = None, pieces: int | None = None
+) -> list[tuple[Tensor, ...]]:
+    """A compressed tensor's packed form in pieces of the batch, as ``x.split(size)`` or
+    ``x.tensor_split(pieces)`` splits the tensor itself (views): every compressor packs each
+    sample on its own, so rows of each packed tensor are samples. A segment run in pieces
+    restores each piece of its compressed input from these, never the whole batch."""
+    if size is not None:
+        return list(zip(*(p.split(size) for p in packed)))
+    return list(zip(*(p.tensor_split(pieces) for p in packed)))
+
+
 def restore_in_pieces(
     codec: Any, packed: Sequence[Tensor], shape: Sequence[int], dtype: torch.dtype
 ) -> RestoredInPieces | Tensor:

@@ -12,6 +12,8 @@ model walks the body at a piece's batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from unroller.compiler.dtypes import TORCH_DTYPE_NAMES
 from unroller.compiler.graph import Node, Value
 from unroller.compiler.ir import (
@@ -54,22 +56,28 @@ def pieced_steps(
 ) -> list[Step]:
     """The segment's recompute and backward in pieces of the batch.
 
-    Its inputs kept compressed are restored once for the whole batch. The parameter
+    Its inputs kept compressed are restored a piece at a time, at the top of the loop, from
+    the piece's rows of their packed form (every compressor packs each sample on its own):
+    the whole restored input never exists. The parameter
     gradients accumulate into ``.grad`` piece after piece (summed in another order than
     one whole-batch kernel: equal to rounding, not bit for bit); each input's gradient is
     copied into its slice of one whole-batch tensor, added to what the input had from
     elsewhere when it had some. ``owned``: as ``grads.backward_step`` keeps it."""
     segment = plan.segment
     outside = _outside_values(segment)
-    steps = restore_segment_inputs(ctx, plan, reader)
+    steps: list[Step] = []
     before = {id(v): owned.pop(id(v)) for v in outside if id(v) in owned}
-    body = segment_steps(ctx, plan, reader, restore_inputs=False)
+    body = restore_piece_inputs(ctx, plan, reader)
+    restored = [name for step in body for name, kind in step.events() if kind == "w"]
+    body += segment_steps(ctx, plan, reader, restore_inputs=False)
     for node in plan.backward:
         body += restore_steps(ctx, node)
         body.append(backward_step(ctx, node, owned, pieces=True))
+    for stashed, form in plan.whole_batch:  # restored in the loop only, a piece at a time
+        ctx.restored.pop((stashed.key, form), None)
     graded = [v for v in outside if id(v) in owned]
     free = _free_reads(body)
-    mapping = piece_names(ctx, segment, free, graded)
+    mapping = piece_names(ctx, segment, free, graded, restored)
     for step in body:  # in place: the memory model knows the steps by identity
         step.statements = rename_vars(step, mapping).statements
     anchor = Var(next(n for n in free if ctx.key_of[n][0] == "grad"))
@@ -110,7 +118,10 @@ def _backward_loop(
     slots = {v.name: ctx.name("slot", *ctx.key_of[ctx.grad(v).name]) for v in graded}
     targets = tuple(Var(mapping[n]) for n in free) + tuple(slots[v.name] for v in graded)
     splits = [Var(n) for n in free] + [full[v.name] for v in graded]
-    split = tuple(split_batch(t, segment) for t in splits)
+    split = tuple(
+        split_packed(t, segment) if ctx.key_of[t.name][0] == "packed" else split_batch(t, segment)
+        for t in splits
+    )
     header = Step(
         "backward",
         [Assign(targets, CallExpr(Global("zip"), split))],
@@ -130,15 +141,23 @@ def _backward_loop(
     return steps
 
 
-def restore_segment_inputs(ctx: LoweringContext, plan: SegmentPlan, reader: Node) -> list[Step]:
-    """Steps restoring, once for the whole batch, the segment's inputs that are kept
-    compressed and read by its recompute or its backward."""
+def split_packed(packed: Var, segment: Segment) -> CallExpr:
+    """A compressed tensor's packed form split along the batch as ``segment`` runs
+    (``K.packed_split``: the same rows per piece as ``split_batch`` gives a tensor)."""
+    how = ("size", segment.piece_size) if segment.piece_size else ("pieces", segment.pieces)
+    return CallExpr(Global("K.packed_split"), (packed,), ((how[0], Const(how[1])),))
+
+
+def restore_piece_inputs(ctx: LoweringContext, plan: SegmentPlan, reader: Node) -> list[Step]:
+    """Steps restoring, for one piece, the segment's inputs that are kept compressed and
+    read by its recompute or its backward (the first steps of the loop's body; the loop
+    renames the packed form and the restored tensor to the piece's)."""
     steps: list[Step] = []
     for stashed, form in plan.whole_batch:
         step = restore_input(ctx, stashed, form, reader, plan.segment)
         step.section, step.calls = "backward", ()
         step.comment = (
-            f"restore {stashed.key}: {form.label()} (input of {plan.segment.name}, whole batch)"
+            f"restore {stashed.key}: {form.label()} (input of {plan.segment.name}, this piece)"
         )
         steps.append(step)
         ctx.restored[(stashed.key, form)] = ctx.raw_var(stashed.key)
@@ -146,13 +165,21 @@ def restore_segment_inputs(ctx: LoweringContext, plan: SegmentPlan, reader: Node
 
 
 def piece_names(
-    ctx: LoweringContext, segment: Segment, free: list[str], graded: list[Value]
+    ctx: LoweringContext,
+    segment: Segment,
+    free: list[str],
+    graded: list[Value],
+    restored: Sequence[str] = (),
 ) -> dict[str, str]:
     """Whole-batch variable -> the name of its piece, for the values a pieced segment
-    reads from outside (each must have the batch dim first) and the gradients of its
-    inputs."""
+    reads from outside (each must have the batch dim first; a packed form has its samples
+    as rows), the gradients of its inputs and the inputs it restores itself."""
     mapping: dict[str, str] = {}
+    for name in [*restored, *(n for n in free if ctx.key_of[n][0] == "packed")]:
+        mapping[name] = ctx.name("piece", *ctx.key_of[name]).name
     for name in free:
+        if name in mapping:
+            continue
         found = key_type(ctx, name)
         if found is None or not found.shape or found.shape[0] != "N":
             raise ModelError(
