@@ -5,7 +5,10 @@ Constants (one CPU thread):
 
 - ``flops_per_s``: a 512 x 512 float32 matrix product, median of 30;
 - ``bytes_per_s``: ``x + x`` on 4M floats (three arrays moved), median of 30;
-- ``codec_ns_per_element``: compress + decompress of a [16, 64, 32, 32] map, per codec;
+- ``codec_ns_per_element``: compress + decompress of a [16, 64, 32, 32] map, per codec, less
+  the per-call cost, over its elements;
+- ``codec_us_per_call``: compress + decompress of a [2, 4, 8, 8] map (its elements are few),
+  median of 200;
 - ``statement_us``: what one generated statement costs beyond its FLOPs and bytes: the
   uncompressed step of gpt_tiny at batch 1 (its ops are tiny) less the model's FLOP and
   byte time, over its ops and their backward (``1 + BACKWARD`` per op);
@@ -95,12 +98,12 @@ def _median(fn, n: int = 30) -> float:
     return statistics.median(times)
 
 
-def _codec_s(codec, m: torch.Tensor) -> float:
+def _codec_s(codec, m: torch.Tensor, n: int = 30) -> float:
     """Seconds of one compress and one decompress of ``m``."""
     instance = codec.instance()
     packed = instance.compress(m)
-    squeeze = _median(lambda: instance.compress(m))
-    return squeeze + _median(lambda: instance.decompress(packed, tuple(m.shape[1:]), m.dtype))
+    squeeze = _median(lambda: instance.compress(m), n)
+    return squeeze + _median(lambda: instance.decompress(packed, tuple(m.shape[1:]), m.dtype), n)
 
 
 def micro() -> dict[str, float]:
@@ -110,9 +113,11 @@ def micro() -> dict[str, float]:
         "flops_per_s": 2 * 512**3 / _median(lambda: a @ b),
         "bytes_per_s": 3 * 4 * x.numel() / _median(lambda: x + x),
     }
-    m = torch.randn(16, 64, 32, 32)
+    m, tiny = torch.randn(16, 64, 32, 32), torch.randn(2, 4, 8, 8)
     for label, codec in CODECS.items():
-        found[f"codec:{label}"] = _codec_s(codec, m) / m.numel() * 1e9
+        call = _codec_s(codec, tiny, 200)
+        found[f"call:{label}"] = call * 1e6
+        found[f"codec:{label}"] = max(0.0, _codec_s(codec, m) - call) / m.numel() * 1e9
         assert codec_label(codec) == label
     return found
 
@@ -173,11 +178,11 @@ def check(costs: StepCosts, rounds: int) -> list[tuple[str, str, float, float]]:
 
 
 def toml_text(c: dict[str, float], when: str, machine: str) -> str:
-    codecs = "\n".join(
-        f'"{k.split(":", 1)[1]}" = {v:.3g}' if "-" in k else f"{k.split(':', 1)[1]} = {v:.3g}"
-        for k, v in c.items()
-        if k.startswith("codec:")
-    )
+    def table(prefix: str) -> str:
+        return "\n".join(
+            f'"{k.split(":", 1)[1]}" = {v:.3g}' for k, v in c.items() if k.startswith(prefix)
+        )
+
     return (
         "# The step time model's constants (unroller/analysis/step_time.py), measured by\n"
         "# python -m benchmarks.step_costs --write\n"
@@ -187,7 +192,9 @@ def toml_text(c: dict[str, float], when: str, machine: str) -> str:
         f"statement_us = {c['statement_us']:.3g}\n"
         f"piece_op_us = {c['piece_op_us']:.3g}\n\n"
         "[codec_ns_per_element]\n"
-        f"{codecs}\n"
+        f"{table('codec:')}\n\n"
+        "[codec_us_per_call]\n"
+        f"{table('call:')}\n"
     )
 
 
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         constants["statement_us"] * 1e-6,
         constants["piece_op_us"] * 1e-6,
         {k.split(":", 1)[1]: v * 1e-9 for k, v in constants.items() if k.startswith("codec:")},
+        {k.split(":", 1)[1]: v * 1e-6 for k, v in constants.items() if k.startswith("call:")},
     )
     rows = check(costs, args.rounds)
     when = datetime.date.today().isoformat()

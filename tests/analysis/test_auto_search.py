@@ -244,7 +244,7 @@ def test_choice_is_the_least_within_the_limit(name, limit):
     assert chosen is found.candidates[0]
     assert chosen.checked
     assert chosen.ratio <= limit
-    assert chosen.ratio == predict_time(_graph(name), chosen.config, found.batches[1]).ratio
+    assert chosen.ratio == search_module.time_ratio(_graph(name), chosen.config, found.batches[1])
     least = min(c.bytes_per_sample for c in within)
     assert chosen.bytes_per_sample <= least * (1 + TIE) + 1, (chosen.label, least)
     assert f"{chosen.bytes_per_sample:,.0f}" in found.why()
@@ -321,7 +321,7 @@ def test_dropped_structures_are_over_the_limit(name, limit):
     assert found.dropped
     for text in found.dropped:
         config, stated = _dropped_config(found, graph, text)
-        ratio = predict_time(graph, config, found.batches[1]).ratio
+        ratio = search_module.time_ratio(graph, config, found.batches[1])
         assert ratio > limit, text
         assert ratio == pytest.approx(stated, abs=0.005), text
     for c in found.candidates:
@@ -359,7 +359,7 @@ def test_measured_over_the_limit_takes_the_next():
     assert found.chosen.measured_ratio == 1.0
     assert found.candidates[0].measured_ratio == 9.9
     assert "over the limit" in found.candidates[0].note
-    assert any("9.90x, over the limit: took the next" in note for note in found.notes)
+    assert any("9.90x, over the limit: took" in note for note in found.notes)
 
 
 def test_all_measured_over_takes_the_fastest_measured():
@@ -371,17 +371,10 @@ def test_all_measured_over_takes_the_fastest_measured():
     assert found.chosen.measured_ratio == 2.5
     measured = [c.measured_ratio for c in found.candidates if c.measured_ratio is not None]
     assert sorted(measured) == [2.5, 5.0, 7.0, 9.9]
-    assert any("no plan tried was measured within 1.2x" in note for note in found.notes)
+    assert any("no plan timed was measured within 1.2x" in note for note in found.notes)
 
 
 @pytest.mark.skipif(not REJECTS, reason="the search rules out no plan by its gradients")
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="search._measured times every plan predicted within the limit, also those "
-    "rejected by their gradient check: fanout's dct-dense (b.bias's gradient error 1.5) is "
-    "chosen when it alone is measured within",
-)
 def test_measurement_never_chooses_a_rejected_plan():
     """A built-in scheme ruled out by its gradient errors stays out when the plans that are
     left are all measured over the limit: the fastest of those is chosen, never it."""
@@ -401,43 +394,30 @@ def test_measurement_never_chooses_a_rejected_plan():
     assert not getattr(found.chosen, "rejected", False), found.chosen.label
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="search._measured takes the next plan as scored, without the per-parameter check "
-    "(plan.checked_plan) that _settle gives the predicted winner: a lossy plan chosen by "
-    "measurement is unchecked",
-)
 def test_a_plan_chosen_by_measurement_is_checked():
     """When measurement moves the choice to a plan with the planner's lossy forms, that
     plan's forms have passed the per-parameter check too, as the predicted winner's have."""
     within = _within(_search("mlp", 1.2))
-    lossy = [i for i, c in enumerate(within) if i and c.forms in ("8-bit", "planned")]
+    lossy = [i for i, c in enumerate(within) if i and c.forms != "none"]
     _premise(bool(lossy) and lossy[0] < search_module.MEASURED_TRIES, "a lossy plan tried")
     target = lossy[0]
     within, found = _measured({i: 9.9 for i in range(target)}, 1.0)
-    assert repr(found.chosen.config) == repr(within[target].config)
+    assert found.chosen.forms == within[target].forms  # its forms may change in the check
+    assert found.chosen.measured_ratio == 1.0
     assert found.chosen.checked
 
 
 # --- auto_config and --scheme auto ----------------------------------------------------------
 
-OVER_AT_16 = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the search predicts times at its larger batch only (SEARCH_BATCHES[1] = 8): "
-    "gpt_tiny at 1.5 gets every block in pieces of 4, one extra piece at batch 8 but three "
-    "at 16, predicted over 1.5x there",
-)
-
 
 @pytest.mark.parametrize(
     "limit,batch",
-    [(1.0, 16), (1.2, 16), (1.5, SEARCH_BATCHES[1]), pytest.param(1.5, 16, marks=OVER_AT_16)],
+    [(1.0, 16), (1.2, 16), (1.5, SEARCH_BATCHES[1]), (1.5, 16), (1.2, 64)],
 )
 def test_scheme_auto_honours_the_limit(limit, batch):
     """``--scheme auto --max-time-ratio R`` on gpt_tiny: the config it resolves to is
-    predicted within R, at the batch the search predicts at and at batch 16."""
+    predicted within R, at the batch the search predicts at, at batch 16 and at 64 (pieces
+    of a fixed size cost more per sample at a larger batch)."""
     graph = _graph("gpt_tiny")
     config = compression_config(Options(scheme="auto", max_time_ratio=limit), graph)
     assert predict_time(graph, config, batch).ratio <= limit

@@ -71,6 +71,7 @@ __all__ = [
     "Probe",
     "candidates",
     "checked_plan",
+    "config_parameter_errors",
     "config_toml",
     "make_plan",
     "parameter_errors",
@@ -526,17 +527,17 @@ def _segment_moves(
 
 def _planned_step(
     graph: Graph,
-    plan: MemoryPlan,
+    config: CompressionConfig,
     probe: Probe,
     label: str,
     planned: type | None = None,
     build: ModelBuilder = materialized_class,
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """One step of the module planned by ``plan`` on the probe's batch and weights: per
-    parameter with a gradient on both sides, (name, its gradient, the probe's uncompressed
-    one); ``planned``: the planned module's class, when the caller has it already, else
-    ``build`` makes it."""
-    model = (planned or build(graph, label, plan.config))()
+    """One step of the module generated under ``config`` on the probe's batch and weights:
+    per parameter with a gradient on both sides, (name, its gradient, the probe's
+    uncompressed one); ``planned``: the module's class, when the caller has it already,
+    else ``build`` makes it."""
+    model = (planned or build(graph, label, config))()
     model.load_state_dict(probe.state, strict=True)
     model.train()
     model(*probe.inputs)
@@ -559,7 +560,7 @@ def measured_error(
     probe's uncompressed step (same weights, same batch); ``model_class``: the planned
     module's class, when the caller has generated it already (else ``build`` makes it)."""
     num = den = 0.0
-    for _, got, ref in _planned_step(graph, plan, probe, label, model_class, build):
+    for _, got, ref in _planned_step(graph, plan.config, probe, label, model_class, build):
         num += float(torch.linalg.vector_norm((got - ref).double())) ** 2
         den += float(torch.linalg.vector_norm(ref.double())) ** 2
     return math.sqrt(num / den) if den > 0 else 0.0
@@ -641,9 +642,24 @@ def parameter_errors(
     gradient is at most ``NEGLIGIBLE`` of all gradients together is left out: at float32
     rounding (a convolution's bias right before a batch norm, exactly 0 in exact
     arithmetic), any change is a large relative error and means nothing."""
-    floor = NEGLIGIBLE * plan.grad_norm
+    return config_parameter_errors(graph, plan.config, probe, label, build)
+
+
+def config_parameter_errors(
+    graph: Graph,
+    config: CompressionConfig,
+    probe: Probe,
+    label: str = "<model>",
+    build: ModelBuilder = materialized_class,
+) -> dict[str, float]:
+    """``parameter_errors`` of the module generated under any ``config`` (a built-in
+    scheme's too), against the probe's uncompressed step."""
+    grad_norm = math.sqrt(
+        sum(float(torch.linalg.vector_norm(g.double())) ** 2 for g in probe.grads.values())
+    )
+    floor = NEGLIGIBLE * grad_norm
     found = {}
-    for name, got, ref in _planned_step(graph, plan, probe, label, build=build):
+    for name, got, ref in _planned_step(graph, config, probe, label, build=build):
         norm = float(torch.linalg.vector_norm(ref.double()))
         if norm > floor:
             found[name] = float(torch.linalg.vector_norm((got - ref).double())) / norm

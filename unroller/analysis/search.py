@@ -12,17 +12,20 @@ default):
   recompute FLOP first, ``plan.segment_pool``); with segments, whole or in pieces of
   ``PIECE_SIZES`` samples. A structure whose step is over the limit with no codec at all
   is dropped before any forms are planned (codecs only add time).
-- **forms** per structure: none (exact), 8-bit-accurate forms only (the planner at
-  ``plan.LIGHT_ERROR``) and the full planner (``plan.AUTO_MAX_ERROR``), each at the least
-  peak reachable + 10% (``plan.make_plan``); ``--recompute`` plans go through
-  ``recompute_guard``.
+- **forms** per structure: none (exact), the planner's (``plan.AUTO_MAX_ERROR``) at the
+  least peak reachable + 10% (``plan.make_plan``), and the built-in schemes ``quant`` and
+  ``dct-dense`` as they are (the planner aims at the least peak at a large batch, where a
+  scheme that compresses everything can keep less per sample at a small one);
+  ``--recompute`` plans go through ``recompute_guard``.
 - **scores**: bytes per sample, the slope of the predicted peak (``memory.simulate_graph``)
   between the two ``batches``; time, the predicted ratio (``step_time.predict_time``) at
   the larger. Among the plans within the limit, the least bytes per sample wins; plans
   within ``TIE`` of it count as equal, and then the least lossy forms, then the fastest.
 - **checked**: the winner's lossy forms are checked per parameter on the probe step
-  (``plan.checked_plan``: forms that gave a parameter too large an error give way); its
-  scores are then taken again, and the search settles on the best of what is left.
+  (``plan.checked_plan``: forms that gave a parameter too large an error give way; its
+  scores are then taken again); a built-in scheme that gives some parameter a gradient
+  error of ``plan.AUTO_PARAM_ERROR`` or more is ruled out. The search settles on the best
+  of what is left.
 
 A prediction of time is checked against a measured step by ``unroll plan --measure``
 (``measure`` here): while the measured ratio is over the limit, the next plan is tried.
@@ -32,6 +35,7 @@ The result keeps every plan considered, so ``unroll plan`` can say what was chos
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,10 +45,11 @@ from unroller.analysis.memory import simulate_graph
 from unroller.analysis.plan import (
     AUTO_BATCH,
     AUTO_MAX_ERROR,
-    LIGHT_ERROR,
+    AUTO_PARAM_ERROR,
     Probe,
     checked_plan,
     config_of,
+    config_parameter_errors,
     make_plan,
     run_probe,
     segment_pool,
@@ -53,7 +58,7 @@ from unroller.analysis.recompute_guard import guard_recompute
 from unroller.analysis.step_time import StepTime, predict_time
 from unroller.compiler.graph import Graph
 from unroller.compiler.options import DEFAULT_TIME_RATIO
-from unroller.compiler.schemes import CompressionConfig
+from unroller.compiler.schemes import CompressionConfig, resolve
 from unroller.compiler.stash import SEGMENT_AUTO, SEGMENT_BLOCKS, chosen_instances, plan_stash
 from unroller.materialize import ModelBuilder
 from unroller.materialize import model_class as materialized_class
@@ -75,8 +80,15 @@ SEARCH_BATCHES = (4, 8)
 batches, where fine-tuning at long context sits and pieces of a few samples already pay;
 the time ratio is predicted at the larger."""
 PIECE_SIZES = (1, 2, 4)
+LARGE_BATCH = 64
+"""The time ratio a plan is held to is the larger of the two predicted at the search's
+larger batch and at this one: pieces of a fixed size cost more per sample as the batch
+grows (more pieces), towards a bound a batch of 64 nearly reaches."""
 TIE = 0.01  # bytes per sample within 1% of the least count as the least
-FORMS = ("none", "8-bit", "planned")  # the forms a structure is tried with, least lossy first
+#: the forms a structure is tried with, least lossy first: none, the planner's, and the
+#: built-in schemes' (what a user picking a scheme by hand gets)
+FORMS = ("none", "planned", "quant", "dct-dense")
+SCHEME_FORMS = ("quant", "dct-dense")
 MEASURED_TRIES = 4  # unroll plan --measure: at most this many plans timed
 
 
@@ -91,18 +103,16 @@ class Candidate:
     piece_size: int  # 0: segments whole
     config: CompressionConfig
     bytes_per_sample: float
-    time: StepTime
+    time: StepTime  # at the search's larger batch
+    ratio: float  # the time ratio held to the limit: the larger at that batch and LARGE_BATCH
     checked: bool = False  # its forms passed the per-parameter check
+    rejected: bool = False  # its forms failed it (a built-in scheme's)
     measured_ratio: float | None = None  # unroll plan --measure
     note: str = ""  # why it was not chosen, when that is not its scores
 
     @property
     def label(self) -> str:
         return _label(self.forms, self.recompute, self.segments_label, self.piece_size)
-
-    @property
-    def ratio(self) -> float:
-        return self.time.ratio
 
 
 @dataclass
@@ -179,12 +189,10 @@ def search(
     if not scored:  # nothing within the limit, even exact: the uncompressed step
         s = _Structure(False, (), "none", 0)
         scored.append(_score(graph, config_of({}), s, "none", (b1, b2), platform))
+    check = _Check(graph, probe, (b1, b2), platform, label, build)
+    chosen, notes = _choose(check, scored, max_time_ratio, measure)
     _rank(scored, max_time_ratio)
-    chosen = _settle(graph, probe, scored, max_time_ratio, (b1, b2), platform, label, build)
-    result = Search(max_time_ratio, (b1, b2), scored, chosen, dropped)
-    if measure is not None:
-        _measured(result, measure)
-    return result
+    return Search(max_time_ratio, (b1, b2), scored, chosen, dropped, notes)
 
 
 def _structures(
@@ -207,7 +215,7 @@ def _structures(
                 config = config_of({}, r, names, size)
                 if size and not any(seg.in_pieces for seg in plan_stash(graph, config).segments):
                     continue  # no segment can run in pieces: the same step as whole
-                ratio = predict_time(graph, config, batch).ratio
+                ratio = time_ratio(graph, config, batch)
                 if ratio > limit:
                     dropped.append(f"{_label('none', r, what, size)}: {ratio:.2f}x with no codec")
                     continue
@@ -248,7 +256,7 @@ def _within_time(graph: Graph, pool, limit: float, batch: int) -> tuple[str, ...
     taken: list[str] = []
     for name, _, _ in order:
         trial = [n for n, _, _ in pool if n in taken or n == name]
-        if predict_time(graph, config_of({}, False, tuple(trial)), batch).ratio <= limit:
+        if time_ratio(graph, config_of({}, False, tuple(trial)), batch) <= limit:
             taken = trial
     return tuple(taken)
 
@@ -258,14 +266,20 @@ def _config(
 ) -> CompressionConfig:
     if forms == "none":
         config = config_of({}, s.recompute, s.segments, s.piece_size)
+    elif forms in SCHEME_FORMS:
+        config = dataclasses.replace(
+            resolve(forms),
+            recompute=s.recompute,
+            segments=s.segments,
+            segment_piece_size=s.piece_size if s.segments else 0,
+        )
     else:
-        max_error = LIGHT_ERROR if forms == "8-bit" else AUTO_MAX_ERROR
         config = make_plan(
             graph,
             AUTO_BATCH,
             None,
             probe,
-            max_error,
+            AUTO_MAX_ERROR,
             platform,
             recompute=s.recompute,
             segments=s.segments,
@@ -287,92 +301,128 @@ def _score(
     p2 = simulate_graph(graph, config, b2, platform).peak_bytes
     per_sample = (p2 - p1) / (b2 - b1)
     time = predict_time(graph, config, b2)
-    if forms != "none" and not any(r.codec is not None for r in config.rules):
+    ratio = max(time.ratio, predict_time(graph, config, LARGE_BATCH).ratio)
+    if forms == "planned" and not any(r.codec is not None for r in config.rules):
         forms = "none"  # the planner found nothing worth compressing
     return Candidate(
-        forms, s.recompute, s.segments, s.segments_label, s.piece_size, config, per_sample, time
+        forms,
+        s.recompute,
+        s.segments,
+        s.segments_label,
+        s.piece_size,
+        config,
+        per_sample,
+        time,
+        ratio,
     )
 
 
+def time_ratio(graph: Graph, config: CompressionConfig, batch: int) -> float:
+    """The predicted time ratio a plan is held to (``LARGE_BATCH``)."""
+    return max(predict_time(graph, config, b).ratio for b in (batch, LARGE_BATCH))
+
+
 def _rank(scored: list[Candidate], limit: float) -> None:
-    """Best first: within the limit before over it; then the least bytes per sample (within
-    ``TIE`` counts as equal), the least lossy forms, the fastest."""
-    within = [c for c in scored if c.ratio <= limit]
+    """Best first: not ruled out, then within the limit before over it; within it, the
+    least bytes per sample (within ``TIE`` counts as equal), the least lossy forms, the
+    fastest; over it, the fastest."""
+    within = [c for c in scored if c.ratio <= limit and not c.rejected]
     least = min((c.bytes_per_sample for c in within), default=math.inf)
 
     def key(c: Candidate) -> tuple:
-        over = c.ratio > limit
-        tied = not over and c.bytes_per_sample <= least * (1 + TIE) + 1
+        if c.ratio > limit:
+            return (c.rejected, True, c.ratio)
+        tied = c.bytes_per_sample <= least * (1 + TIE) + 1
         return (
-            over,
-            not tied,
-            c.bytes_per_sample if not tied else 0.0,
-            FORMS.index(c.forms),
-            c.ratio,
+            c.rejected,
+            False,
+            (not tied, c.bytes_per_sample if not tied else 0.0, FORMS.index(c.forms), c.ratio),
         )
 
     scored.sort(key=key)
 
 
-def _settle(
-    graph: Graph,
-    probe: Probe,
+@dataclass
+class _Check:
+    """The per-parameter check of a plan's lossy forms on the probe step."""
+
+    graph: Graph
+    probe: Probe
+    batches: tuple[int, int]
+    platform: str
+    label: str
+    build: ModelBuilder
+
+    def __call__(self, c: Candidate) -> Candidate:
+        """``c`` checked: itself (``rejected`` where a built-in scheme gives a parameter
+        too large an error), or the plan rescored with the forms ``checked_plan`` left."""
+        c.checked = True
+        if c.forms == "none":
+            return c
+        if c.forms in SCHEME_FORMS:
+            errors = config_parameter_errors(
+                self.graph, c.config, self.probe, self.label, self.build
+            )
+            worst = max(errors.items(), key=lambda e: e[1], default=("", 0.0))
+            if worst[1] >= AUTO_PARAM_ERROR:
+                c.rejected = True
+                c.note = f"ruled out: {worst[0]}'s gradient error {worst[1]:.2f} on the probe"
+            return c
+        found = checked_plan(
+            self.graph,
+            self.probe,
+            AUTO_MAX_ERROR,
+            c.segments,
+            self.label,
+            build=self.build,
+            recompute=c.recompute,
+            segment_piece_size=c.piece_size,
+        ).config
+        if c.recompute:
+            found = guard_recompute(self.graph, found, self.platform)
+        s = _Structure(c.recompute, c.segments, c.segments_label, c.piece_size)
+        redone = _score(self.graph, found, s, c.forms, self.batches, self.platform)
+        redone.checked = True
+        return redone
+
+
+def _choose(
+    check: _Check,
     scored: list[Candidate],
     limit: float,
-    batches: tuple[int, int],
-    platform: str,
-    label: str,
-    build: ModelBuilder,
-) -> Candidate:
-    """The best plan once its lossy forms are checked: the top plan is checked (and
-    rescored when the check changed its forms) until the top is a checked one."""
-    for _ in range(len(scored)):
-        top = scored[0]
-        if top.checked or top.forms == "none":
-            top.checked = True
-            return top
-        max_error = LIGHT_ERROR if top.forms == "8-bit" else AUTO_MAX_ERROR
-        found = checked_plan(
-            graph,
-            probe,
-            max_error,
-            top.segments,
-            label,
-            build=build,
-            recompute=top.recompute,
-            segment_piece_size=top.piece_size,
-        ).config
-        if top.recompute:
-            found = guard_recompute(graph, found, platform)
-        s = _Structure(top.recompute, top.segments, top.segments_label, top.piece_size)
-        redone = _score(graph, found, s, top.forms, batches, platform)
-        redone.checked = True
-        scored[0] = redone
+    measure: Callable[[CompressionConfig], float] | None,
+) -> tuple[Candidate, list[str]]:
+    """The best plan whose lossy forms pass the check and, with ``measure``, whose measured
+    time is within the limit (at most ``MEASURED_TRIES`` timed; none within: the fastest
+    timed), with notes on what gave way."""
+    notes: list[str] = []
+    timed: list[Candidate] = []
+    for _ in range(3 * len(scored) + MEASURED_TRIES):
         _rank(scored, limit)
-    return scored[0]
-
-
-def _measured(result: Search, measure: Callable[[CompressionConfig], float]) -> None:
-    """Time the best plans in turn until one is measured within the limit; that one is
-    chosen (else the fastest measured)."""
-    tried: list[Candidate] = []
-    for c in [c for c in result.candidates if c.ratio <= result.max_time_ratio][:MEASURED_TRIES]:
-        c.measured_ratio = measure(c.config)
-        tried.append(c)
-        if c.measured_ratio <= result.max_time_ratio:
-            if c is not result.chosen:
-                result.notes.append(
-                    f"the predicted best ({result.chosen.label}) measured "
-                    f"{result.chosen.measured_ratio:.2f}x, over the limit: took the next"
+        left = [c for c in scored if not c.rejected and c.measured_ratio is None]
+        if not left:
+            break
+        top = left[0]
+        if not top.checked:
+            scored[scored.index(top)] = check(top)
+            continue
+        if measure is None or top.ratio > limit or len(timed) >= MEASURED_TRIES:
+            break
+        top.measured_ratio = measure(top.config)
+        timed.append(top)
+        if top.measured_ratio <= limit:
+            if len(timed) > 1:
+                notes.append(
+                    f"the predicted best ({timed[0].label}) measured "
+                    f"{timed[0].measured_ratio:.2f}x, over the limit: took {top.label}"
                 )
-            result.chosen = c
-            return
-        c.note = f"measured {c.measured_ratio:.2f}x, over the limit"
-    if tried:
-        result.chosen = min(tried, key=lambda c: c.measured_ratio)
-        result.notes.append(
-            f"no plan tried was measured within {result.max_time_ratio}x: chose the fastest"
-        )
+            return top, notes
+        top.note = f"measured {top.measured_ratio:.2f}x, over the limit"
+    if timed:
+        notes.append(f"no plan timed was measured within {limit}x: chose the fastest timed")
+        return min(timed, key=lambda c: c.measured_ratio), notes
+    left = [c for c in scored if not c.rejected]
+    return (left or scored)[0], notes
 
 
 def auto_config(

@@ -12,7 +12,7 @@ from the graph's shapes and the resolved stash plan (``plan_stash``):
   adds ``p`` per op of the segment (its forward, recompute and backward statements run once
   more, on a smaller piece), the cost that makes pieces of one sample slow on small models;
 - ``--recompute``: the forward of each op whose output is remade;
-- a compressed tensor: its compress and decompress, per element by codec, plus ``o`` each.
+- a compressed tensor: its compress and decompress, per element and per call by codec.
 
 The constants (``StepCosts``) are data, ``step_costs.toml`` beside this module, written by
 ``python -m benchmarks.step_costs --write`` from micro-benchmarks and whole steps on the
@@ -49,20 +49,22 @@ BACKWARD = 2.5  # an op's backward against its forward (two products per weighte
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds per FLOP, per byte moved, per statement and per op and extra piece; per
-    codec, seconds per element of a compress and a decompress together."""
+    codec, seconds per element and per call of a compress and a decompress together."""
 
     flop_s: float
     byte_s: float
     statement_s: float
     piece_op_s: float
     codec_element_s: dict[str, float] = field(default_factory=dict)
+    codec_call_s: dict[str, float] = field(default_factory=dict)
 
-    def codec_s(self, label: str) -> float:
-        """Per element, the codec ``label`` ("quant", "dct", "dct-k6"); an unknown codec
-        costs what the dearest known one does, so the model never calls it free."""
-        if label in self.codec_element_s:
-            return self.codec_element_s[label]
-        return max(self.codec_element_s.values(), default=self.byte_s * 8)
+    def codec_s(self, label: str, elements: int) -> float:
+        """A compress and a decompress of ``elements`` by the codec ``label`` ("quant",
+        "dct", "dct-k6"); an unknown codec costs what the dearest known one does, so the
+        model never calls it free."""
+        per = self.codec_element_s.get(label, max(self.codec_element_s.values(), default=0.0))
+        call = self.codec_call_s.get(label, max(self.codec_call_s.values(), default=0.0))
+        return elements * per + call
 
 
 @functools.cache
@@ -75,6 +77,7 @@ def costs() -> StepCosts:
         statement_s=float(data["statement_us"]) * 1e-6,
         piece_op_s=float(data["piece_op_us"]) * 1e-6,
         codec_element_s={k: float(v) * 1e-9 for k, v in data["codec_ns_per_element"].items()},
+        codec_call_s={k: float(v) * 1e-6 for k, v in data["codec_us_per_call"].items()},
     )
 
 
@@ -160,6 +163,5 @@ def _codec_s(plan: StashPlan, batch: int, c: StepCosts) -> float:
     for stashed in plan.entries:
         for form in stashed.forms:
             if form.kind == "codec" and form.codec is not None:
-                elements = stashed.type.numel(batch)
-                total += elements * c.codec_s(codec_label(form.codec)) + 2 * c.statement_s
+                total += c.codec_s(codec_label(form.codec), stashed.type.numel(batch))
     return total

@@ -87,6 +87,8 @@ def measured_per_sample(graph: Any, probe: Any, label: str, found: Any) -> float
 
 def render(found: Any, measured_bytes: float | None) -> str:
     """Every plan scored, best first, then the choice and why."""
+    from unroller.analysis.search import LARGE_BATCH
+
     head = ("plan", "bytes/sample", "time (predicted)", "time (measured)", "")
     rows = [head]
     for c in found.candidates:
@@ -104,7 +106,8 @@ def render(found: Any, measured_bytes: float | None) -> str:
     b1, b2 = found.batches
     lines.append(
         f"bytes per sample: the predicted step peak's slope between batch {b1} and {b2}; "
-        f"time: against the uncompressed step at batch {b2}"
+        f"time: against the uncompressed step, predicted the larger at batch {b2} and "
+        f"{LARGE_BATCH}, measured at {b2}"
     )
     if found.dropped:
         lines.append(
