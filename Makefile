@@ -104,6 +104,8 @@ ACCURACY := $(UNROLL) accuracy --schemes all --seeds 3 --quiet
 # Transformers (vit_digits, gpt_tiny): every saved tensor is a token tensor, attention map or
 # feature vector, which dct leaves raw, so dct-first/dct-dense would repeat nocompress; one seed.
 ACCURACY_V2 := $(UNROLL) accuracy --schemes nocompress,quant-8bit,quant-4bit,quant-2bit --seeds 1 --quiet
+# What --scheme auto chooses at its default --max-time-ratio, beside nocompress, one seed.
+ACCURACY_AUTO := $(UNROLL) accuracy --schemes nocompress,auto --seeds 1 --quiet
 accuracy: $(STAMP)
 	$(ACCURACY) benchmarks/models/quick.txt --dataset digits --epochs 15 \
 		--out benchmarks/results/accuracy/digits
@@ -115,6 +117,13 @@ accuracy: $(STAMP)
 		--optimizer adam --lr 0.003 --batch-size 32 --out benchmarks/results/accuracy/vit_digits
 	$(ACCURACY_V2) benchmarks/models/gpt_tiny.txt --dataset pysource --epochs 2 --train-size 2048 \
 		--test-size 512 --optimizer adam --lr 0.003 --batch-size 32 --out benchmarks/results/accuracy/gpt_pysource
+	$(ACCURACY_AUTO) benchmarks/models/quick.txt --dataset digits --epochs 15 \
+		--out benchmarks/results/accuracy/digits_auto
+	$(ACCURACY_AUTO) benchmarks/models/vit_digits.txt --dataset digits --epochs 12 \
+		--optimizer adam --lr 0.003 --batch-size 32 --out benchmarks/results/accuracy/vit_digits_auto
+	$(ACCURACY_AUTO) benchmarks/models/gpt_tiny.txt --dataset pysource --epochs 2 --train-size 2048 \
+		--test-size 512 --optimizer adam --lr 0.003 --batch-size 32 \
+		--out benchmarks/results/accuracy/gpt_pysource_auto
 	$(PY) -m benchmarks.accuracy_goals
 	$(PY) -m benchmarks.stash_per_token
 

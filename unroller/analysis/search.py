@@ -60,6 +60,7 @@ from unroller.compiler.graph import Graph
 from unroller.compiler.options import DEFAULT_TIME_RATIO
 from unroller.compiler.schemes import CompressionConfig, resolve
 from unroller.compiler.stash import SEGMENT_AUTO, SEGMENT_BLOCKS, chosen_instances, plan_stash
+from unroller.errors import ModelError
 from unroller.materialize import ModelBuilder
 from unroller.materialize import model_class as materialized_class
 
@@ -129,7 +130,7 @@ class Search:
     def why(self) -> str:
         """One sentence: why the chosen plan won."""
         c = self.chosen
-        within = [x for x in self.candidates if x.ratio <= self.max_time_ratio]
+        within = [x for x in self.candidates if x.ratio <= self.max_time_ratio and not x.rejected]
         return (
             f"least predicted bytes per sample ({c.bytes_per_sample:,.0f}) of the "
             f"{len(within)} plans predicted within {self.max_time_ratio}x the uncompressed "
@@ -235,7 +236,7 @@ def _segment_sets(
         return [(names, ", ".join(segments))]
     try:
         pool = segment_pool(graph, batch)
-    except Exception:  # noqa: BLE001 - a model without blocks has no segments to try
+    except ModelError:  # the model has no block instance: no segments to try
         pool = []
     every = tuple(name for name, _, _ in pool)
     sets = [((), "none")]
