@@ -186,7 +186,9 @@ def search(
             if repr(config) in seen:
                 continue
             seen.add(repr(config))
-            scored.append(_score(graph, config, s, forms, (b1, b2), platform))
+            found = _score(graph, config, s, forms, (b1, b2), platform)
+            if not any(_same(found, c) for c in scored):  # forms that came out exact
+                scored.append(found)
     if not scored:  # nothing within the limit, even exact: the uncompressed step
         s = _Structure(False, (), "none", 0)
         scored.append(_score(graph, config_of({}), s, "none", (b1, b2), platform))
@@ -321,6 +323,16 @@ def _score(
 def time_ratio(graph: Graph, config: CompressionConfig, batch: int) -> float:
     """The predicted time ratio a plan is held to (``LARGE_BATCH``)."""
     return max(predict_time(graph, config, b).ratio for b in (batch, LARGE_BATCH))
+
+
+def _same(a: Candidate, b: Candidate) -> bool:
+    """Two plans that emit the same step: the planner's forms that came out exact and no
+    forms at all, say (their configs differ only in where they came from)."""
+    return (
+        a.label == b.label
+        and repr(a.config.rules) == repr(b.config.rules)
+        and (a.config.recompute_keep == b.config.recompute_keep)
+    )
 
 
 def _rank(scored: list[Candidate], limit: float) -> None:

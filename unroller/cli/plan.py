@@ -188,7 +188,7 @@ def plan(
         )
         plan_search.echo(found, per_sample)
         if output is not None and target is not None:
-            head = plan_search.header(model, batch_size, found, per_sample)
+            head = plan_search.header(PLAN_MARK, model, batch_size, found, per_sample)
             write_output(output, target, planner.config_toml(found.chosen.config, head), mkdir)
         return
     try:

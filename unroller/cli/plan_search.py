@@ -127,13 +127,14 @@ def render(found: Any, measured_bytes: float | None) -> str:
     return "\n".join(lines)
 
 
-def header(model: Path, batch: int, found: Any, measured_bytes: float | None) -> list[str]:
-    """Comment lines of the config written; user text only as ascii()."""
-    from unroller.cli.plan import PLAN_MARK
-
+def header(
+    mark: str, model: Path, batch: int, found: Any, measured_bytes: float | None
+) -> list[str]:
+    """Comment lines of the config written, the first starting with ``mark`` (what tells
+    unroll plan the file is its own); user text only as ascii()."""
     c = found.chosen
     lines = [
-        f"{PLAN_MARK} --max-time-ratio {found.max_time_ratio:g}: the plan with the least",
+        f"{mark} --max-time-ratio {found.max_time_ratio:g}: the plan with the least",
         "predicted bytes per sample within that many times the uncompressed step's time.",
         f"model {ascii(str(model))}, batches {found.batches[0]} and {batch}",
         f"chosen: {c.label}",
