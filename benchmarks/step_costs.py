@@ -8,9 +8,8 @@ Constants (one CPU thread):
 - ``codec_ns_per_element``: compress + decompress of a [16, 64, 32, 32] map, per codec, less
   the per-call cost, over its elements;
 - ``codec_us_per_call``: compress + decompress of a [2, 4, 8, 8] map (its elements are few),
-  median of 200; then both scaled to what whole steps pay: the quant scheme's extra time
-  on gpt_tiny (many small tensors) and resnet34 at 32 x 32 (few large maps), batch 16,
-  solved for quant's cost per call and per element, every codec scaled alike;
+  median of 200 (fitting these two to whole steps instead was tried: a step of gpt_tiny
+  is too short for the fit to stay put between runs);
 - ``statement_us``: what one generated statement costs beyond its FLOPs and bytes: the
   uncompressed step of gpt_tiny at batch 1 (its ops are tiny) less the model's FLOP and
   byte time, over its ops and their backward (``1 + BACKWARD`` per op);
@@ -165,44 +164,6 @@ def fit_overheads(constants: dict[str, float], rounds: int) -> dict[str, float]:
     return {"statement_us": statement * 1e6, "piece_op_us": extra / (15 * pieced) * 1e6}
 
 
-def _codec_load(graph, config, batch: int) -> tuple[int, int]:
-    """(compressed tensors, their elements) of a step at ``batch``."""
-    calls = elements = 0
-    for stashed in plan_stash(graph, config).entries:
-        for form in stashed.forms:
-            if form.kind == "codec":
-                calls += 1
-                elements += stashed.type.numel(batch)
-    return calls, elements
-
-
-def fit_codecs(constants: dict[str, float], rounds: int) -> dict[str, float]:
-    """Codec costs as whole steps pay them: the quant scheme's extra time over the
-    uncompressed step on gpt_tiny at batch 16 (many small tensors) and resnet34 at 32 x 32,
-    batch 16 (few large maps) gives quant's cost per call and per element (two equations,
-    two unknowns); the other codecs keep their micro-benchmarks' ratio to quant's."""
-    rows = []
-    for model, resolution in (("gpt_tiny", None), ("resnet34", 32)):
-        graph = load_graph(f"benchmarks/models/{model}.txt", resolution, "fp32")
-        config = _config(graph, "quant", (), 0, False)
-        found = _ratios(graph, {"quant": config}, 16, rounds)
-        extra = (found["quant"]["time_ms"]["median"] - found["base"]["time_ms"]["median"]) * 1e-3
-        rows.append((*_codec_load(graph, config, 16), max(0.0, extra)))
-    (c1, e1, t1), (c2, e2, t2) = rows
-    det = c1 * e2 - c2 * e1
-    call = max(0.0, (t1 * e2 - t2 * e1) / det) if det else constants["call:quant"] * 1e-6
-    element = max(0.0, (t1 - call * c1) / e1) if e1 else constants["codec:quant"] * 1e-9
-    call_scale = call * 1e6 / constants["call:quant"]
-    element_scale = element * 1e9 / max(constants["codec:quant"], 1e-12)
-    fitted = {}
-    for key, value in constants.items():
-        if key.startswith("call:"):
-            fitted[key] = value * call_scale
-        elif key.startswith("codec:"):
-            fitted[key] = value * element_scale
-    return fitted
-
-
 def check(costs: StepCosts, rounds: int) -> list[tuple[str, str, float, float]]:
     rows = []
     for model, resolution, batch, plans in CHECKS:
@@ -280,7 +241,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     constants = micro()
     constants.update(fit_overheads(constants, args.rounds))
-    constants.update(fit_codecs(constants, args.rounds))
     costs = StepCosts(
         1 / constants["flops_per_s"],
         1 / constants["bytes_per_s"],
