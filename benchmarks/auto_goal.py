@@ -98,10 +98,10 @@ def report(run: Path, limit: float, slack: float) -> str:
         "limit | its bytes/sample (less than autograd), time | auto / best | goal |",
         "|---|---|---|---|---:|---|",
     ]
-    for name, rows in found.items():
-        v = judge(rows, limit, slack)
-        if v is None:
-            continue
+    verdicts = {
+        name: v for name, rows in found.items() if (v := judge(rows, limit, slack)) is not None
+    }
+    for name, v in verdicts.items():
         auto, best, scores, ag = v["auto"], v["best"], v["best_scores"], v["autograd"]
         a = f"{auto[0]:,.0f} ({_x(ag, auto[0])}), {auto[1]:.2f}x" if auto else "-"
         b = f"{scores[0]:,.0f} ({_x(ag, scores[0])}), {scores[1]:.2f}x" if scores else "-"
@@ -114,10 +114,7 @@ def report(run: Path, limit: float, slack: float) -> str:
         "fixed option's. Every row scored, per benchmark (bytes per sample, time):",
         "",
     ]
-    for name, rows in found.items():
-        v = judge(rows, limit, slack)
-        if v is None:
-            continue
+    for name, v in verdicts.items():
         cells = ", ".join(
             f"{m.split(':', 1)[1]} {s[0]:,.0f} at {s[1]:.2f}x" for m, s in v["scored"].items()
         )

@@ -37,7 +37,9 @@ def run_search(
     return search(graph, probe, limit, batches, label=label, measure=timer, **moves)
 
 
-def _modules(graph: Any, probe: Any, label: str, config: Any, batch: int):
+def _stepper(graph: Any, probe: Any, label: str, config: Any, batch: int):
+    """One training step of the module generated under ``config``, on the probe's weights
+    and a seeded batch, as a function."""
     import torch
 
     from unroller.analysis.inputs import make_inputs
@@ -61,10 +63,10 @@ def _step_ratio(graph: Any, probe: Any, label: str, batch: int):
     from unroller.bench.timing import time_interleaved
     from unroller.compiler.schemes import CompressionConfig
 
-    base = _modules(graph, probe, label, CompressionConfig(), batch)
+    base = _stepper(graph, probe, label, CompressionConfig(), batch)
 
     def ratio(config: Any) -> float:
-        sides = {"plan": _modules(graph, probe, label, config, batch), "nocompress": base}
+        sides = {"plan": _stepper(graph, probe, label, config, batch), "nocompress": base}
         found = time_interleaved(sides, WARMUP, ROUNDS, "nocompress")
         return float(found["plan"]["ratio"]["median"])
 
@@ -78,7 +80,7 @@ def measured_per_sample(graph: Any, probe: Any, label: str, found: Any) -> float
 
     peaks = []
     for batch in found.batches:
-        step = _modules(graph, probe, label, found.chosen.config, batch)
+        step = _stepper(graph, probe, label, found.chosen.config, batch)
         step()  # warm: codec constants, allocator
         peaks.append(profile_step(step, "")["peak_bytes"])
     b1, b2 = found.batches
