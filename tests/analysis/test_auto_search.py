@@ -22,6 +22,7 @@ import torch
 from conftest import ROOT, assert_grads_close, rel_err
 
 from unroller.analysis import search as search_module
+from unroller.analysis.flops import forward_flops
 from unroller.analysis.inputs import make_inputs
 from unroller.analysis.plan import config_of, run_probe, segment_pool
 from unroller.analysis.search import SEARCH_BATCHES, TIE, Candidate, Search, auto_config, search
@@ -29,7 +30,7 @@ from unroller.analysis.step_time import StepTime, costs, node_forward_s, predict
 from unroller.api import compression_config, graph_from_text, load_graph
 from unroller.compiler.options import Options
 from unroller.compiler.schemes import CompressionConfig, builtin
-from unroller.compiler.stash import plan_stash
+from unroller.compiler.stash import block_instances, plan_stash, rerun_nodes
 from unroller.materialize import model_class
 
 MODELS = {
@@ -134,14 +135,20 @@ def test_prediction_is_deterministic():
 
 @pytest.mark.parametrize("name", WITH_BLOCKS)
 def test_segments_add_their_forward(name):
-    """Recomputing every block adds the forward of every op inside a block once, counted
-    from the graph (``Node.blocks``), and nothing else: the base is the uncompressed step's."""
+    """Recomputing every block adds the forward of the ops its recompute runs again, once:
+    ops inside blocks (``Node.blocks``), not a transformer block's last residual sum (the
+    rest of the graph reads it, the forward made it); nothing else: the base is the
+    uncompressed step's."""
     graph = _graph(name)
     in_blocks = [n for n in graph.nodes if n.blocks]
-    assert in_blocks
+    rerun = _rerun(graph, BLOCKS)
+    assert rerun and set(map(id, rerun)) < set(map(id, in_blocks))
+    if name == "gpt_tiny":  # out = add(r1, linear2): the next block reads it, not its own stash
+        last = {nodes[-1].name for _, nodes in block_instances(graph)}
+        assert not last & {n.name for n in rerun}
     time = predict_time(graph, BLOCKS, BATCH)
     base = predict_time(graph, CompressionConfig(), BATCH)
-    assert time.recompute_s == pytest.approx(_forward(graph, in_blocks), rel=1e-12)
+    assert time.recompute_s == pytest.approx(_forward(graph, rerun), rel=1e-12)
     assert time.base_s == base.base_s
     assert (time.pieces_s, time.codec_s) == (0.0, 0.0)
     assert time.ratio > 1.0
@@ -223,8 +230,41 @@ def test_recompute_and_segments_count_each_op_once(name):
     config = CompressionConfig(recompute=True, segments=("blocks",))
     remade = _remade_nodes(graph, config)
     assert not any(n.blocks for n in remade)
-    expected = _forward(graph, [n for n in graph.nodes if n.blocks]) + _forward(graph, remade)
+    expected = _forward(graph, _rerun(graph, config)) + _forward(graph, remade)
     assert predict_time(graph, config, BATCH).recompute_s == pytest.approx(expected, rel=1e-12)
+
+
+def _rerun(graph, config) -> list:
+    """The statements the segments' recomputes run again (``stash.rerun_nodes``)."""
+    plan = plan_stash(graph, config)
+    by_key = plan.by_key()
+    return [
+        node
+        for s in plan.segments
+        for node in rerun_nodes(s, [by_key[key].producer for key in s.internal])
+    ]
+
+
+@pytest.mark.parametrize("name", WITH_BLOCKS)
+def test_selective_segments_remake_no_matrix_product(name):
+    """Keeping the matrix products (``segment_keep = "matmuls"``): the recompute runs no
+    weighted layer or attention of 16 or more multiply-adds per output again (a 1x1
+    convolution of 8 channels, as cheap as a norm, may be), costs less than whole
+    segments' and more than nothing (norms and activations are remade)."""
+    graph = _graph(name)
+    config = CompressionConfig(segments=("blocks",), segment_keep=("matmuls",))
+    rerun = _rerun(graph, config)
+    assert rerun
+    heavy = [
+        n.name
+        for n in rerun
+        if (n.op.weighted or "attention" in n.op.name)
+        and forward_flops(n, 1) >= 32 * n.output.type.numel(1)
+    ]
+    assert not heavy, heavy
+    selective = predict_time(graph, config, BATCH).recompute_s
+    assert 0 < selective < predict_time(graph, BLOCKS, BATCH).recompute_s
+    assert selective == pytest.approx(_forward(graph, rerun), rel=1e-12)
 
 
 # --- the search -----------------------------------------------------------------------------
@@ -298,7 +338,9 @@ def _dropped_config(found: Search, graph, text: str) -> tuple[CompressionConfig,
     """The no-codec config of a ``dropped`` line and the ratio the line states."""
     label, stated = text.rsplit(": ", 1)
     match = re.fullmatch(
-        r"forms none(, --recompute)?(?:, segments (.+?))?(?: in pieces of (\d+))?", label
+        r"forms none(, --recompute)?(?:, segments (.+?))?(?: in pieces of (\d+))?"
+        r"(?:, (keeping .+))?",
+        label,
     )
     assert match, text
     recompute, what, size = bool(match[1]), match[2] or "none", int(match[3] or 0)
@@ -308,7 +350,10 @@ def _dropped_config(found: Search, graph, text: str) -> tuple[CompressionConfig,
         names = tuple(name for name, _, _ in segment_pool(graph, found.batches[1]))
     else:  # "k of n blocks": the set the candidates of that label recompute
         names = next(c.segments for c in found.candidates if c.segments_label == what)
-    return config_of({}, recompute, names, size), float(stated.split("x")[0])
+    keep = dict((said, kept) for kept, said in search_module._keep_sets(graph, names))[
+        match[4] or ""
+    ]
+    return config_of({}, recompute, names, size, keep), float(stated.split("x")[0])
 
 
 @pytest.mark.parametrize("name,limit", [("gpt_tiny", 1.0), ("gpt_tiny", 1.2), ("nonsquare", 1.0)])

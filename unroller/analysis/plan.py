@@ -138,11 +138,12 @@ def config_of(
     recompute: bool = False,
     segments: tuple[str, ...] = (),
     piece_size: int = 0,
+    keep: tuple[str, ...] = (),
 ) -> CompressionConfig:
     """The compression config of an assignment: one ``tensor`` rule per compressed tensor
     (``recompute``: cheap ops' outputs remade in the backward, too; ``segments``: the block
     instances recomputed in the backward; ``piece_size``: in pieces of at most that many
-    samples)."""
+    samples; ``keep``: their statements not run again, ``segment_keep``)."""
     rules = [
         Rule(choice.codec, tensor=key) for key, choice in assign.items() if choice.codec is not None
     ]
@@ -153,6 +154,7 @@ def config_of(
         recompute=recompute,
         segments=segments,
         segment_piece_size=piece_size if segments else 0,
+        segment_keep=keep if segments else (),
     )
 
 
@@ -346,15 +348,17 @@ def make_plan(
     segments: tuple[str, ...] = (),
     segment_piece_size: int = 0,
     ceilings: dict[str, float] | None = None,
+    segment_keep: tuple[str, ...] = (),
 ) -> MemoryPlan:
     """The least-error assignment whose predicted peak fits ``budget`` (None: the least
     peak reachable, then the least error at that peak + ``AUTO_SLACK``); ``recompute``: the
     step remakes cheap ops' outputs in the backward (``--recompute``), planned with it;
     ``segments``: block instances recomputed in the backward (``("auto",)``: the search
     chooses them, see the module's docstring); ``segment_piece_size``: those segments run in
-    pieces of at most that many samples (``--segment-piece-size``), planned so;
-    ``ceilings``: per tensor, candidates whose round trip is at or above this are ruled out
-    (what ``checked_plan`` sets for a tensor that gave a parameter too large an error)."""
+    pieces of at most that many samples (``--segment-piece-size``), planned so, and
+    ``segment_keep`` their statements not run again; ``ceilings``: per tensor, candidates
+    whose round trip is at or above this are ruled out (what ``checked_plan`` sets for a
+    tensor that gave a parameter too large an error)."""
     ceilings = ceilings or {}
     choosing = SEGMENT_AUTO in segments
     pool = segment_pool(graph, batch_size) if choosing else []
@@ -363,7 +367,7 @@ def make_plan(
 
     def config_now(assign_now: dict[str, Choice]) -> CompressionConfig:
         picked = tuple(name for name, _, _ in pool if name in chosen) if choosing else fixed
-        return config_of(assign_now, recompute, picked, segment_piece_size)
+        return config_of(assign_now, recompute, picked, segment_piece_size, segment_keep)
 
     units = plannable(graph)
     norms = {k: float(torch.linalg.vector_norm(g.double())) ** 2 for k, g in probe.grads.items()}
@@ -390,7 +394,7 @@ def make_plan(
     if budget is None:
         smallest = {k: min(o, key=lambda c: c[1])[0] for k, o in options.items()}
         every = tuple(name for name, _, _ in pool) if choosing else fixed
-        least_config = config_of(smallest, recompute, every, segment_piece_size)
+        least_config = config_of(smallest, recompute, every, segment_piece_size, segment_keep)
         least = simulate_graph(graph, least_config, batch_size, platform)
         budget_used = int(least.peak_bytes * AUTO_SLACK)
         notes.append(
@@ -577,9 +581,10 @@ def checked_plan(
     build: ModelBuilder = materialized_class,
     recompute: bool = False,
     segment_piece_size: int = 0,
+    segment_keep: tuple[str, ...] = (),
 ) -> MemoryPlan:
     """``make_plan`` at ``AUTO_BATCH`` (``budget``; None: least peak + slack; ``recompute``,
-    ``segments`` and ``segment_piece_size`` as there), then checked per parameter: one
+    ``segments``, ``segment_piece_size`` and ``segment_keep`` as there), then checked per parameter: one
     step of the planned module on the probe's batch and weights; while some parameter's
     gradient error (``parameter_errors``) is at or above ``limit``, every lossy tensor that
     reaches it (``_reach``) gives up its form and every form at least as lossy
@@ -605,6 +610,7 @@ def checked_plan(
             segments=segments,
             segment_piece_size=segment_piece_size,
             ceilings=ceilings,
+            segment_keep=segment_keep,
         )
 
     def blamed(found: MemoryPlan) -> list[Row]:
@@ -717,6 +723,9 @@ def _structure_lines(config: CompressionConfig, header: list[str]) -> list[str]:
         lines += ["", f"recompute_segments = [{names}]"]
         if config.segment_piece_size:
             lines.append(f"segment_piece_size = {int(config.segment_piece_size)}")
+        if config.segment_keep:
+            kept = ", ".join(_toml_string(glob) for glob in config.segment_keep)
+            lines.append(f"segment_keep = [{kept}]")
     return lines + ["", "[default]", 'compressor = "none"']
 
 

@@ -10,7 +10,10 @@ default):
 - **structures**: ``--recompute`` off and on; segments none, every block instance that can
   be recomputed, and the blocks that fit the time limit (most bytes of own stash per
   recompute FLOP first, ``plan.segment_pool``); with segments, whole or in pieces of
-  ``PIECE_SIZES`` samples. A structure whose step is over the limit with no codec at all
+  ``PIECE_SIZES`` samples; and selective: the segments' matrix products of one op (their
+  attention, say), or all of them, kept by the forward and not run again
+  (``segment_keep``), so that the recompute remakes only the cheap statements between
+  them. A structure whose step is over the limit with no codec at all
   is dropped before any forms are planned (codecs only add time).
 - **forms** per structure: none (exact), the planner's (``plan.AUTO_MAX_ERROR``) at the
   least peak reachable + 10% (``plan.make_plan``), and the built-in schemes ``quant`` and
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +63,15 @@ from unroller.analysis.step_time import StepTime, predict_time
 from unroller.compiler.graph import Graph
 from unroller.compiler.options import DEFAULT_TIME_RATIO
 from unroller.compiler.schemes import CompressionConfig, resolve
-from unroller.compiler.stash import SEGMENT_AUTO, SEGMENT_BLOCKS, chosen_instances, plan_stash
+from unroller.compiler.stash import (
+    SEGMENT_AUTO,
+    SEGMENT_BLOCKS,
+    SEGMENT_KEEP_MATMULS,
+    block_instances,
+    chosen_instances,
+    kept_statement,
+    plan_stash,
+)
 from unroller.errors import ModelError
 from unroller.materialize import ModelBuilder
 from unroller.materialize import model_class as materialized_class
@@ -110,10 +122,13 @@ class Candidate:
     rejected: bool = False  # its forms failed it (a built-in scheme's)
     measured_ratio: float | None = None  # unroll plan --measure
     note: str = ""  # why it was not chosen, when that is not its scores
+    keep: tuple[str, ...] = ()  # the segments' statements kept (``segment_keep``) ...
+    keep_label: str = ""  # ... in words
 
     @property
     def label(self) -> str:
-        return _label(self.forms, self.recompute, self.segments_label, self.piece_size)
+        label = _label(self.forms, self.recompute, self.segments_label, self.piece_size)
+        return f"{label}, {self.keep_label}" if self.keep_label else label
 
 
 @dataclass
@@ -154,6 +169,8 @@ class _Structure:
     segments: tuple[str, ...]
     segments_label: str
     piece_size: int
+    keep: tuple[str, ...] = ()  # segment_keep
+    keep_label: str = ""
 
 
 def search(
@@ -213,17 +230,38 @@ def _structures(
     for r in options:
         for names, what in segment_sets:
             sizes = [0, *PIECE_SIZES] if names and pieces else [0]
-            for size in sizes:
-                s = _Structure(r, names, what, size)
-                config = config_of({}, r, names, size)
+            for size, (keep, kept) in itertools.product(sizes, _keep_sets(graph, names)):
+                s = _Structure(r, names, what, size, keep, kept)
+                config = config_of({}, r, names, size, keep)
                 if size and not any(seg.in_pieces for seg in plan_stash(graph, config).segments):
                     continue  # no segment can run in pieces: the same step as whole
                 ratio = time_ratio(graph, config, batch)
                 if ratio > limit:
-                    dropped.append(f"{_label('none', r, what, size)}: {ratio:.2f}x with no codec")
+                    label = _label("none", r, what, size) + (f", {kept}" if kept else "")
+                    dropped.append(f"{label}: {ratio:.2f}x with no codec")
                     continue
                 found.append(s)
     return found, dropped
+
+
+def _keep_sets(graph: Graph, segments: tuple[str, ...]) -> list[tuple[tuple[str, ...], str]]:
+    """What selective recompute may keep of ``segments``: nothing, the matrix products of
+    one op (named, ``segment_keep``), and all of them when there are several ops; with
+    how to say it."""
+    sets: list[tuple[tuple[str, ...], str]] = [((), "")]
+    if not segments:
+        return sets
+    by_op: dict[str, list[str]] = {}
+    for call, nodes in block_instances(graph):
+        if call.name in segments:
+            for node in nodes:
+                if kept_statement(node, (SEGMENT_KEEP_MATMULS,)):
+                    by_op.setdefault(node.op.name, []).append(node.name)
+    for op, names in sorted(by_op.items()):
+        sets.append((tuple(names), f"keeping {op} ({len(names)})"))
+    if len(by_op) > 1:
+        sets.append(((SEGMENT_KEEP_MATMULS,), "keeping every matrix product"))
+    return sets
 
 
 def _segment_sets(
@@ -268,13 +306,14 @@ def _config(
     graph: Graph, probe: Probe, s: _Structure, forms: str, platform: str
 ) -> CompressionConfig:
     if forms == "none":
-        config = config_of({}, s.recompute, s.segments, s.piece_size)
+        config = config_of({}, s.recompute, s.segments, s.piece_size, s.keep)
     elif forms in SCHEME_FORMS:
         config = dataclasses.replace(
             resolve(forms),
             recompute=s.recompute,
             segments=s.segments,
             segment_piece_size=s.piece_size if s.segments else 0,
+            segment_keep=s.keep if s.segments else (),
         )
     else:
         config = make_plan(
@@ -287,6 +326,7 @@ def _config(
             recompute=s.recompute,
             segments=s.segments,
             segment_piece_size=s.piece_size,
+            segment_keep=s.keep,
         ).config
     return guard_recompute(graph, config, platform) if s.recompute else config
 
@@ -317,6 +357,8 @@ def _score(
         per_sample,
         time,
         ratio,
+        keep=s.keep,
+        keep_label=s.keep_label,
     )
 
 
@@ -390,10 +432,13 @@ class _Check:
             build=self.build,
             recompute=c.recompute,
             segment_piece_size=c.piece_size,
+            segment_keep=c.keep,
         ).config
         if c.recompute:
             found = guard_recompute(self.graph, found, self.platform)
-        s = _Structure(c.recompute, c.segments, c.segments_label, c.piece_size)
+        s = _Structure(
+            c.recompute, c.segments, c.segments_label, c.piece_size, c.keep, c.keep_label
+        )
         redone = _score(self.graph, found, s, c.forms, self.batches, self.platform)
         redone.checked = True
         return redone

@@ -8,7 +8,8 @@ from the graph's shapes and the resolved stash plan (``plan_stash``):
 - every op: its forward, ``flops / F + bytes / B + o`` (FLOPs from ``flops.forward_flops``;
   bytes: its inputs and output; ``o``: the cost of one generated statement, the Python
   call and the kernel's dispatch), and its backward, ``BACKWARD`` times that;
-- a recomputed segment: its ops' forward once more; in pieces, each piece after the first
+- a recomputed segment: the forward of the ops its recompute runs again (``rerun_nodes``:
+  what its own stash depends on, less the statements ``segment_keep`` keeps); in pieces, each piece after the first
   adds ``p`` per op of the segment (its forward, recompute and backward statements run once
   more, on a smaller piece), the cost that makes pieces of one sample slow on small models;
 - ``--recompute``: the forward of each op whose output is remade;
@@ -33,7 +34,7 @@ from unroller.analysis.flops import forward_flops
 from unroller.compiler.dtypes import DTYPE_BYTES
 from unroller.compiler.graph import Graph, Node
 from unroller.compiler.schemes import CompressionConfig
-from unroller.compiler.stash import StashPlan, plan_stash
+from unroller.compiler.stash import StashPlan, plan_stash, rerun_nodes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -125,8 +126,10 @@ def predict_time(
     forward = {node.name: node_forward_s(node, batch, c) for node in graph.nodes}
     base = sum(forward.values()) * (1.0 + BACKWARD)
     recompute = pieces = 0.0
+    by_key = plan.by_key()
     for segment in plan.segments:
-        recompute += sum(forward[n.name] for n in segment.nodes)
+        rerun = rerun_nodes(segment, [by_key[key].producer for key in segment.internal])
+        recompute += sum(forward[n.name] for n in rerun)
         extra = _pieces(segment, batch) - 1
         pieces += extra * len(segment.nodes) * c.piece_op_s
     made_by = {node.output.name: node.name for node in graph.nodes}

@@ -202,6 +202,11 @@ class CompressionConfig:
     #: the recomputed segments run in pieces of at most this many samples (0: whole, or
     #: as --segment-pieces / --segment-piece-size say; those win over the config)
     segment_piece_size: int = 0
+    #: selective segment recompute: statements of the recomputed segments whose forward is
+    #: not run again (``"matmuls"``: the matrix products, ``stash.MATMUL_FLOPS``; else globs
+    #: on node names): the forward keeps what they make in the scheme's forms, and the
+    #: recompute starts from it (unroller.compiler.stash.kept_statements)
+    segment_keep: tuple[str, ...] = ()
 
     @property
     def lossy(self) -> bool:
@@ -285,6 +290,7 @@ _TOP_KEYS = (
     "recompute_keep",
     "recompute_segments",
     "segment_piece_size",
+    "segment_keep",
     "default",
     "rule",
 )
@@ -675,6 +681,7 @@ class _Checker:
                 f"'segment_piece_size' is {piece_size}: from 1 to 4096 samples, with "
                 "recompute_segments (0: whole segments)",
             )
+        segment_keep = self.segment_keep(data.get("segment_keep", []), segments)
         default = None
         if "default" in data:
             table = data["default"]
@@ -703,6 +710,7 @@ class _Checker:
             recompute_keep=keep,
             segments=segments,
             segment_piece_size=piece_size,
+            segment_keep=segment_keep,
             source=self.label,
             sha256=hashlib.sha256(self.text.encode("utf-8")).hexdigest(),
         )
@@ -733,6 +741,18 @@ class _Checker:
                     f"{MAX_NAME} letters, digits and _ . * ? [ ] ! -",
                 )
         return tuple(dict.fromkeys(items))
+
+    def segment_keep(self, value: Any, segments: tuple[str, ...]) -> tuple[str, ...]:
+        """``segment_keep``: "matmuls", or a list of globs on node names (which may hold
+        "matmuls"), only beside ``recompute_segments``."""
+        items = self.globs([value] if isinstance(value, str) else value, "segment_keep", "node")
+        if items and not segments:
+            raise self.at_key(
+                ("segment_keep",),
+                "'segment_keep' names statements inside recomputed segments: it needs "
+                "recompute_segments",
+            )
+        return items
 
     def globs(self, value: Any, key: str, what: str) -> tuple[str, ...]:
         """A list of name globs (``recompute_keep``): at most ``MAX_RULES``, each a glob of

@@ -22,7 +22,10 @@ Segment recompute (``recompute_segments`` in the config): a top-level block inst
 chosen as a segment keeps only its inputs from the forward pass (each in its value form:
 the scheme's codec for it, or raw), and its own stash (``Stashed.segment``) is made again
 when its backward begins, by its forward statements re-run from those inputs
-(``plan_segments``).
+(``plan_segments``). Selective segment recompute (``segment_keep``): the statements it names
+inside a segment (the matrix products, say) are not run again; the forward keeps what they
+make in the scheme's forms, and the recompute starts from that as from an input, remaking
+only the cheap statements between them (layer norms, activations, residual sums).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from unroller.analysis.flops import forward_flops
 from unroller.analysis.report import SavedTensor, saved_tensors
 from unroller.compiler.dtypes import DTYPE_BYTES, is_float, torch_dtype
 from unroller.compiler.graph import BlockCall, Graph, Node, Value
@@ -114,6 +118,9 @@ class Segment:
     #: or, when not 0, in pieces of at most this many samples: the working set is then the
     #: same at every batch size, so it drops out of the bytes each extra sample costs
     piece_size: int = 0
+    #: names of its statements the recompute does not run again (``segment_keep``): the
+    #: forward keeps their outputs and saved extras, and the recompute starts from them
+    kept: list[str] = field(default_factory=list)
 
     @property
     def in_pieces(self) -> bool:
@@ -410,6 +417,27 @@ def plan_recompute(
         stashed.why = f"remade in the backward from kept tensors ({count} op{'s' * (count > 1)})"
 
 
+SEGMENT_KEEP_MATMULS = "matmuls"
+"""``segment_keep`` pattern: every statement of a segment that is a matrix product."""
+MATMUL_FLOPS = 32
+"""A statement is a matrix product (``segment_keep = "matmuls"``) when its forward costs at
+least this many FLOPs per output element (``flops.forward_flops``): a linear layer or
+convolution with 16 or more inputs per output, attention. Norms, activations and sums cost
+a handful: those are what a selective recompute remakes."""
+
+
+def kept_statement(node: Node, patterns: tuple[str, ...]) -> bool:
+    """Does ``segment_keep`` (``patterns``) keep ``node`` inside a recomputed segment?"""
+    for pattern in patterns:
+        if pattern == SEGMENT_KEEP_MATMULS:
+            out = node.output.type.numel(1)
+            if out and forward_flops(node, 1) >= MATMUL_FLOPS * out:
+                return True
+        elif fnmatch.fnmatchcase(node.name, pattern):
+            return True
+    return False
+
+
 SEGMENT_BLOCKS = "blocks"
 """``recompute_segments`` pattern: every top-level block instance that can be recomputed."""
 SEGMENT_AUTO = "auto"
@@ -540,7 +568,8 @@ def plan_segments(
                 name = value.name
                 if name not in made and name not in inputs and not always_there(producers, name):
                     inputs.append(name)
-        segments.append(Segment(call, nodes, inputs))
+        kept = [n.name for n in nodes if kept_statement(n, config.segment_keep)]
+        segments.append(Segment(call, nodes, inputs, kept=kept))
     own = _own_stash(graph, ordered, segments, config)
     if any(not own[s.name] for s in segments):
         # a segment none of whose saved tensors is its own would re-run for nothing: drop
@@ -552,6 +581,7 @@ def plan_segments(
         own = _own_stash(graph, ordered, segments, config)
     by_key = {s.key: s for s in ordered}
     for segment in segments:
+        _kept_inputs(segment, [s.producer for s, _ in own[segment.name]])
         for stashed, keeps in own[segment.name]:
             stashed.segment = segment.name
             stashed.segment_keeps = keeps
@@ -582,17 +612,33 @@ def plan_segments(
     return segments, skipped
 
 
+def _kept_inputs(segment: Segment, producers: list[int]) -> None:
+    """Selective recompute: the outputs of the segment's kept statements that the statements
+    it runs again read (``rerun_nodes`` stops at them) join its inputs, restored from what
+    the forward keeps like any input. Mutates ``segment.inputs``."""
+    if not segment.kept:
+        return
+    kept = set(segment.kept)
+    made_by_kept = {n.output.name for n in segment.nodes if n.name in kept}
+    for node in rerun_nodes(segment, producers):
+        for value in node.inputs:
+            if value.name in made_by_kept and value.name not in segment.inputs:
+                segment.inputs.append(value.name)
+
+
 def _own_stash(
     graph: Graph, ordered: list[Stashed], segments: list[Segment], config: CompressionConfig
 ) -> dict[str, list[tuple[Stashed, list[Form]]]]:
     """Per segment, the saved tensors only its recompute would make, each with the forms the
-    forward keeps all the same (``plan_segments`` says which and why)."""
+    forward keeps all the same (``plan_segments`` says which and why). What a kept statement
+    (``segment_keep``) makes, its output and saved extras, the forward keeps."""
     segment_of = {n.index: segment for segment in segments for n in segment.nodes}
     needed = {name for segment in segments for name in segment.inputs}
+    kept = {n.index for segment in segments for n in segment.nodes if n.name in segment.kept}
     found: dict[str, list[tuple[Stashed, list[Form]]]] = {s.name: [] for s in segments}
     for stashed in ordered:
         segment = segment_of.get(stashed.producer)
-        if segment is None or stashed.key in needed:
+        if segment is None or stashed.key in needed or stashed.producer in kept:
             continue
         if not all(segment_of.get(n.index) is segment for n, _, _ in stashed.readers):
             continue
@@ -668,8 +714,10 @@ def plan_pieces(
 
 def rerun_nodes(segment: Segment, producers: list[int]) -> list[Node]:
     """The statements of ``segment`` that the nodes at ``producers`` (graph indices) depend
-    on, themselves included, in order: what its recompute runs again."""
-    inside = {n.output.name: n for n in segment.nodes}
+    on, themselves included, in order: what its recompute runs again. A kept statement
+    (``Segment.kept``) is not run again: its output is restored instead."""
+    kept = set(segment.kept)
+    inside = {n.output.name: n for n in segment.nodes if n.name not in kept}
     wanted = set(producers)
     found: set[int] = set()
     stack = [n for n in segment.nodes if n.index in wanted]

@@ -269,9 +269,11 @@ def reusable_output_grads(
 
 
 def pieced_forward_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
-    """Pass: the forward of each segment run in pieces, in pieces as well."""
+    """Pass: the forward of each segment run in pieces, in pieces as well; whole where the
+    forward keeps what some of its statements make (``segment_keep``): in pieces, those
+    would be made whole-batch and raw before being kept."""
     for plan in ctx.plan.segments:
-        if plan.segment.in_pieces:
+        if plan.segment.in_pieces and not plan.segment.kept:
             steps = pieced_forward(ctx, plan.segment, steps)
     return steps
 
