@@ -209,3 +209,33 @@ def test_config_key_round_trips_and_refuses_misuse(tmp_path):
         with pytest.raises(ConfigError) as info:
             load_config(bad)
         assert message in str(info.value), str(info.value)
+
+
+def test_cli_records_it_and_check_regenerates(tmp_path):
+    """``--segment-keep`` on the command line: the header records it, ``unroll check``
+    regenerates the same bytes, and the file is the one a config file with the key gives."""
+    from typer.testing import CliRunner
+
+    from unroller.cli import app
+    from unroller.compiler.codegen import read_header
+
+    runner = CliRunner()
+    out = tmp_path / "gen" / "m.py"
+    args = ["generate", str(GPT), "--recompute-segments", "blocks"]
+    args += ["--segment-keep", "matmuls,layers.0.norm1", "-o", str(out), "--mkdir"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    header = read_header(out.read_text())
+    assert header["segment_keep"] == ["matmuls", "layers.0.norm1"]
+    assert "not run again (selective recompute)" in out.read_text()
+    checked = runner.invoke(app, ["check", str(out.parent)])
+    assert checked.exit_code == 0, checked.output
+    assert "1 up to date" in checked.output
+    path = _config(tmp_path, '["matmuls", "layers.0.norm1"]')
+    from_file = tmp_path / "file.py"
+    result = runner.invoke(
+        app, ["generate", str(GPT), "--compress-config", str(path), "-o", str(from_file)]
+    )
+    assert result.exit_code == 0, result.output
+    same = _recompute_functions(from_file.read_text())
+    assert same and _recompute_functions(out.read_text()) == same

@@ -63,6 +63,13 @@ def header_problem(header: object) -> str | None:
         or len(segments) > 1000
     ):
         return f"'recompute_segments' is {short(segments)}, not a list of block instance globs"
+    kept = header.get("segment_keep", [])
+    if (
+        not isinstance(kept, list)
+        or not all(isinstance(x, str) and x and set(x) <= SEGMENT_CHARS for x in kept)
+        or len(kept) > 1000
+    ):
+        return f"'segment_keep' is {short(kept)}, not a list of node names or globs"
     pieces = header.get("segment_pieces", 1)
     if isinstance(pieces, bool) or not isinstance(pieces, int) or not 1 <= pieces <= 4096:
         return f"'segment_pieces' is {short(pieces)}, not a whole number from 1 to 4096"

@@ -97,6 +97,7 @@ CLI_TYPES: dict[str, tuple[Any, dict[str, Any]]] = {
     "recompute_segments": (str | None, {}),
     "segment_pieces": (int, {}),
     "segment_piece_size": (int, {}),
+    "segment_keep": (str | None, {}),
     "max_time_ratio": (float, {}),
     "data_parallel": (bool, {}),
     "pipeline": (int, {}),
@@ -170,6 +171,7 @@ TARGET_OPTIONS = (
     "recompute_segments",
     "segment_pieces",
     "segment_piece_size",
+    "segment_keep",
     "max_time_ratio",
 )
 """What generate, diff and graph take (generate also --data-parallel and --pipeline)."""

@@ -40,6 +40,7 @@ FROM_CLI = {
     "compress_config": _config_label,
     "stage_starts": stage_starts_of,
     "recompute_segments": parse_segments,
+    "segment_keep": parse_segments,
 }
 
 

@@ -29,6 +29,7 @@ VERIFY_OPTIONS = (
     "recompute_segments",
     "segment_pieces",
     "segment_piece_size",
+    "segment_keep",
 )
 
 AgainstOpt = Annotated[

@@ -621,12 +621,16 @@ def _segments_note(plan: StashPlan) -> str:
         note += f" ({len(plan.skipped_segments)} not recomputable: see unroll graph)"
     pieced = [s for s in plan.segments if s.in_pieces]
     if pieced:
-        note += (
-            f", {len(pieced)} of them run in {pieced[0].pieces_text()} (forward, "
-            "recompute and backward)"
-        )
+        runs = "recompute and backward" if pieced[0].kept else "forward, recompute and backward"
+        note += f", {len(pieced)} of them run in {pieced[0].pieces_text()} ({runs})"
     if plan.unpieced_segments:
         note += f" ({len(plan.unpieced_segments)} whole: see unroll graph)"
+    kept = sum(len(s.kept) for s in plan.segments)
+    if kept:
+        note += (
+            f"; {kept} of their statements kept by the forward, not run again (selective "
+            "recompute)"
+        )
     return note
 
 

@@ -43,7 +43,8 @@ MIN_TIME_RATIO, MAX_TIME_RATIO = 1.0, 100.0
 MAX_BUCKET_BYTES = 2**40  # bytes of one data-parallel gradient bucket
 MAX_PATH = 4096  # characters of a compression config's path
 
-LIST_FIELDS = ("stage_starts", "recompute_segments")  # tuples; lists taken, headers' lists
+#: tuples; lists taken, headers' lists
+LIST_FIELDS = ("stage_starts", "recompute_segments", "segment_keep")
 
 #: Header keys that are not options: what the generator records about the source.
 HEADER_ONLY = ("generator", "source", "sha256", "compress_config_sha256")
@@ -153,6 +154,18 @@ class Options:
         "every batch size (what each extra sample costs is then its kept inputs and "
         "gradients). 0: by --segment-pieces.",
     )
+    #: selective segment recompute (stash.kept_statement): statements of the recomputed
+    #: segments not run again, "matmuls" or globs on node names
+    segment_keep: tuple[str, ...] = option(
+        (),
+        flag="--segment-keep",
+        metavar="matmuls|NAMES",
+        help="With --recompute-segments: these statements of the recomputed segments are "
+        "not run again; the forward keeps what they make (as the scheme compresses it) and "
+        "the recompute starts from it, remaking only the cheap statements between them. "
+        "'matmuls': every matrix product (linear layers, convolutions, attention); NAMES: "
+        "comma-separated node names or globs ('layers.*.self_attn').",
+    )
     #: the auto scheme: the least bytes per sample whose predicted step time is at most
     #: this many times the uncompressed step's (unroller.analysis.search)
     max_time_ratio: float = option(
@@ -239,7 +252,12 @@ class Options:
             )
         config = self.with_flags(resolve(self.scheme, self.compress_config, self.opt_level))
         extra = tuple(s for s in self.recompute_segments if s not in config.segments)
-        return dataclasses.replace(config, segments=config.segments + extra) if extra else config
+        kept = tuple(s for s in self.segment_keep if s not in config.segment_keep)
+        if not extra and not kept:
+            return config
+        return dataclasses.replace(
+            config, segments=config.segments + extra, segment_keep=config.segment_keep + kept
+        )
 
     def with_flags(self, config: CompressionConfig) -> CompressionConfig:
         """``config`` with ``--recompute`` applied: a planned config gets it too (its
@@ -302,6 +320,26 @@ def _check_segments(value: Any) -> OptionValueError | None:
     return None
 
 
+def _check_keep(value: Any) -> OptionValueError | None:
+    """``segment_keep``: "matmuls" or node names / globs."""
+    name = "segment_keep"
+    if not isinstance(value, tuple) or not all(isinstance(part, str) for part in value):
+        return refused(name, "{segment_keep=}: not a tuple of names", **{name: value})
+    if len(value) > MAX_SEGMENTS:
+        return refused(
+            name, f"{{{name}}}: {len(value)} names (at most {MAX_SEGMENTS})", **{name: value}
+        )
+    for part in value:
+        if not part or len(part) > MAX_SEGMENT_NAME or not set(part) <= SEGMENT_CHARS:
+            return refused(
+                name,
+                "{segment_keep}: bad name {node!} (matmuls, or node names / globs of "
+                "letters, digits and _ . * ? [ ] ! -, comma-separated)",
+                node=part,
+            )
+    return None
+
+
 def _check_number(name: str, value: Any, low: int, high: int, none: bool = False):
     """A whole number from ``low`` to ``high`` (or None, where ``none``)."""
     if (value is None and none) or (_whole(value) and low <= value <= high):
@@ -334,6 +372,8 @@ def _check_one(name: str, value: Any) -> OptionValueError | None:
         return None if ok else refused(name, f"{{{name}=}}: not True or False", **{name: value})
     if name == "recompute_segments":
         return _check_segments(value)
+    if name == "segment_keep":
+        return _check_keep(value)
     return _check_count(name, value)
 
 
@@ -457,6 +497,17 @@ def _check_planner(o: Options) -> OptionValueError | None:
             "max_time_ratio",
             "{max_time_ratio} limits the plan of {scheme=auto}; {scheme=} is not planned",
             o,
+        )
+    if o.segment_keep and o.planned:
+        return refused(
+            "segment_keep",
+            "{segment_keep} is the planner's choice with {scheme=auto}: it tries keeping the "
+            "matrix products itself",
+        )
+    if o.segment_keep and not o.recompute_segments and o.compress_config is None:
+        return refused(
+            "segment_keep",
+            "{segment_keep} keeps statements of recomputed segments: give {recompute_segments}",
         )
     if SEGMENT_AUTO in o.recompute_segments and not o.planned:
         return refused(
