@@ -82,6 +82,8 @@ def test_the_list_covers_every_model_scheme_and_variant():
         assert f"ours:{scheme}+recompute" in rows
     for scheme in config.SEGMENT_SCHEMES:
         assert f"ours:{scheme}+blocks+pieces" in rows
+    for scheme in config.SELECTIVE_SCHEMES:
+        assert f"ours:{scheme}+blocks+keep" in rows
     assert {label for label, _, _ in CASES} == {label for label, _ in RUNS}
     platforms = {build.options.platform for _, _, build in CASES}
     assert platforms == {"gpu", "ipu"}

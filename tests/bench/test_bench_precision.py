@@ -121,6 +121,7 @@ def test_one_bf16_mixed_step_of_every_suite_method(tmp_path: Path):
         "ours:quant",
         "ours:nocompress+blocks+pieces",
         "ours:quant+blocks+pieces",
+        "ours:quant+blocks+keep",
         "autograd",
         "checkpoint",
     }

@@ -52,6 +52,10 @@ RECOMPUTE_SCHEMES = ("nocompress", "dct-dense", "auto")
 # at both batches of the bytes-per-sample slope); none and the token codec
 SEGMENT_SCHEMES = ("nocompress", "quant")
 SEGMENT_PIECE_SIZE = 4
+# schemes with an ours:SCHEME+blocks+keep row (--segments): the same segments, selective
+# (--segment-keep matmuls: the matrix products kept by the forward, compressed, and not run
+# again); the token codec, which compresses what is kept
+SELECTIVE_SCHEMES = ("quant",)
 AUTO = "auto"
 NONE = "none"
 QUARTER = "quarter"
@@ -213,7 +217,9 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         help="also run ours:SCHEME+blocks+pieces for nocompress and quant (those run; default: "
         f"on in both presets): every block instance recomputed in pieces of at most "
         f"{SEGMENT_PIECE_SIZE} samples (unroll generate --recompute-segments blocks "
-        f"--segment-piece-size {SEGMENT_PIECE_SIZE}) on models with blocks",
+        f"--segment-piece-size {SEGMENT_PIECE_SIZE}) on models with blocks; and "
+        "ours:quant+blocks+keep, the same keeping the matrix products (--segment-keep "
+        "matmuls)",
     )
     add(
         "--timeline",

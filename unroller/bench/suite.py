@@ -116,6 +116,18 @@ inputs from the forward and runs its forward again when its backward begins, in 
 at most ``config.SEGMENT_PIECE_SIZE`` samples where no op couples the samples."""
 
 
+SELECTIVE_VARIANT = (
+    config.SELECTIVE_SCHEMES,
+    "blocks+keep",
+    {**SEGMENT_VARIANT[2], "segment_keep": ("matmuls",)},
+    f"--recompute-segments blocks --segment-piece-size {config.SEGMENT_PIECE_SIZE} "
+    "--segment-keep matmuls: every block instance recomputed in pieces of the batch, its "
+    "matrix products kept by the forward and not run again",
+)
+"""ours:SCHEME+blocks+keep: selective segment recompute, what the segments' recompute costs
+when only the cheap statements between the kept matrix products run again."""
+
+
 def ours_builds(bench: Any, args: argparse.Namespace, resolution: int) -> list[OursBuild]:
     """Every generated module the suite runs on ``bench`` at ``resolution`` under the parsed
     flags ``args``, in the order of its rows: ours per scheme, +compile per scheme
@@ -134,7 +146,7 @@ def ours_builds(bench: Any, args: argparse.Namespace, resolution: int) -> list[O
     if getattr(args, "recompute", False) and not _compiled(args):
         variants.append(RECOMPUTE_VARIANT)
     if getattr(args, "segments", False) and not _compiled(args) and _has_blocks(bench, resolution):
-        variants.append(SEGMENT_VARIANT)
+        variants += [SEGMENT_VARIANT, SELECTIVE_VARIANT]
     for schemes, suffix, fields, note in variants:
         for scheme in [s for s in args.schemes if s in schemes]:
             options = dataclasses.replace(_options(args, scheme, resolution), **fields)

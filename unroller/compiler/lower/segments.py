@@ -8,6 +8,7 @@ call of the block's recompute function, rendered inside the backward.
 
 from __future__ import annotations
 
+from unroller.compiler.dtypes import TORCH_DTYPE_NAMES
 from unroller.compiler.graph import Node, explicit_kwargs
 from unroller.compiler.ir import (
     RECOMPUTE_SECTION,
@@ -20,6 +21,7 @@ from unroller.compiler.ir import (
     Layer,
     Step,
 )
+from unroller.compiler.precision import get as get_precision
 
 from .context import LoweringContext, const_kwargs, defaults, in_block
 from .forward import forward_step, forward_with_stash
@@ -50,14 +52,15 @@ def restore_input(
     ctx: LoweringContext, stashed: Stashed, form: Form, reader: Node, segment: Segment
 ) -> Step:
     """A segment input decompressed into its own variable for the recompute: the
-    forward's statements read it by that name, and the forward's tensor is long gone."""
+    forward's statements read it by that name, and the forward's tensor is long gone. In
+    the step's dtype (its output gradient's), or under a mixed precision, whose values
+    differ in dtype, in the value's own (a kept matrix product's output in bf16)."""
+    dtype: Expr = Attr(ctx.grad(reader.output), "dtype")
+    if get_precision(ctx.graph.precision).mixed:
+        dtype = Global(f"torch.{TORCH_DTYPE_NAMES[stashed.type.dtype]}")
     call = CallExpr(
         Global(f"{ctx.codec(form)}.decompress"),
-        (
-            ctx.packed_var(stashed.key, form),
-            Const(tuple(stashed.type.shape[1:])),
-            Attr(ctx.grad(reader.output), "dtype"),
-        ),
+        (ctx.packed_var(stashed.key, form), Const(tuple(stashed.type.shape[1:])), dtype),
     )
     calls = (segment.call,)
     return Step(
