@@ -29,7 +29,7 @@ from unroller.analysis.search import SEARCH_BATCHES, TIE, Candidate, Search, aut
 from unroller.analysis.step_time import StepTime, costs, node_forward_s, predict_time
 from unroller.api import compression_config, graph_from_text, load_graph
 from unroller.compiler.options import Options
-from unroller.compiler.schemes import CompressionConfig, builtin
+from unroller.compiler.schemes import CompressionConfig, Rule, builtin
 from unroller.compiler.stash import block_instances, plan_stash, rerun_nodes
 from unroller.materialize import model_class
 
@@ -507,3 +507,49 @@ def test_exact_plan_in_pieces_keeps_the_gradients():
     inputs = [t.double() if t.is_floating_point() else t for t in make_inputs(graph, batch, 0)]
     assert rel_err(pieced(*inputs), reference(*inputs)) <= 1e-10
     assert_grads_close(pieced, reference, 1e-10)
+
+
+# --- the config unroll plan writes ----------------------------------------------------------
+
+
+def _forms(graph, config) -> list:
+    return [(s.key, s.forms, s.segment) for s in plan_stash(graph, config).entries]
+
+
+@pytest.mark.parametrize("forms", ["quant", "dct-dense", "planned"])
+def test_the_written_config_loads_as_the_chosen_one(tmp_path, forms):
+    """``plan.config_toml`` writes every key of a searched config: a built-in scheme's
+    default codec and derivative codes (``quant``'s 3-bit GELU codes), the planner's tensor
+    rules, ``--recompute`` and selective segments in pieces; loaded back, the stash plan is
+    the same tensor for tensor."""
+    from unroller.analysis.plan import config_toml
+    from unroller.compiler.schemes import load_config
+
+    graph = _graph("gpt_tiny")
+    moves = {
+        "recompute": True,
+        "segments": ("layers.0", "layers.1"),
+        "segment_piece_size": 2,
+        "segment_keep": ("layers.*.self_attn",),
+    }
+    if forms == "planned":  # one tensor rule, as config_of writes them
+        rule = Rule(builtin("quant").default, tensor="layers.0.self_attn")
+        config = dataclasses.replace(config_of({}), rules=[rule], **moves)
+    else:
+        config = dataclasses.replace(builtin(forms), **moves)
+    path = tmp_path / "plan.toml"
+    path.write_text(config_toml(config, ["written by a test", "a\nb"]))
+    loaded = load_config(path)
+    assert (loaded.default, loaded.derivatives, loaded.recompute) == (
+        config.default,
+        config.derivatives,
+        config.recompute,
+    )
+    assert (loaded.segments, loaded.segment_piece_size, loaded.segment_keep) == (
+        config.segments,
+        config.segment_piece_size,
+        config.segment_keep,
+    )
+    assert _forms(graph, loaded) == _forms(graph, config)
+    kinds = {f.kind for _, found, _ in _forms(graph, loaded) for f in found}
+    assert ("codec" in kinds) == (forms != "dct-dense")  # dct keeps token tensors raw

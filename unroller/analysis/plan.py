@@ -711,8 +711,14 @@ def to_toml(plan: MemoryPlan, header: list[str]) -> str:
 
 
 def _structure_lines(config: CompressionConfig, header: list[str]) -> list[str]:
-    """The header comments, the recompute and segment keys, and a default of no codec."""
+    """The header comments, the top-level keys (masks, derivative codes, recompute and
+    segments) and the default: the config's own codec (a built-in scheme's the search
+    chose), else none."""
     lines = [f"# {_comment(line)}" if line else "#" for line in header]
+    if not config.masks:
+        lines += ["", "masks = false"]
+    if config.derivatives:
+        lines += ["", "derivatives = true"]
     if config.recompute:
         lines += ["", "recompute = true"]
         if config.recompute_keep:
@@ -726,23 +732,33 @@ def _structure_lines(config: CompressionConfig, header: list[str]) -> list[str]:
         if config.segment_keep:
             kept = ", ".join(_toml_string(glob) for glob in config.segment_keep)
             lines.append(f"segment_keep = [{kept}]")
-    return lines + ["", "[default]", 'compressor = "none"']
+    if config.default is None:
+        return lines + ["", "[default]", 'compressor = "none"']
+    return lines + ["", "[default]", *_codec_lines(config.default, config.default.params)]
+
+
+def _codec_lines(codec: Codec, params: tuple[tuple[str, Any], ...]) -> list[str]:
+    """A codec's keys in a ``[default]`` or ``[[rule]]`` table."""
+    lines = [f"compressor = {_toml_string(codec.name)}"]
+    lines += [f"{key} = {_toml_value(value)}" for key, value in params if value is not None]
+    if codec.min_size:
+        lines.append(f"min_size = {codec.min_size}")
+    return lines
 
 
 def config_toml(config: CompressionConfig, header: list[str]) -> str:
-    """A planned config (one ``tensor`` rule per compressed tensor) as a compression config
-    file, with ``header`` lines as comments: what ``unroll plan --max-time-ratio`` writes."""
+    """A searched config as a compression config file, with ``header`` lines as comments:
+    what ``unroll plan --max-time-ratio`` writes. Every key the config sets is written
+    (a planned config: one ``tensor`` rule per compressed tensor; a built-in scheme's: its
+    default codec and derivative codes), so loading the file gives the same config."""
     lines = _structure_lines(config, header)
     for rule in config.rules:
-        if rule.codec is None or rule.tensor is None:
-            continue
+        if rule.tensor is None or rule.op is not None or rule.name is not None:
+            raise ValueError(f"cannot write rule {rule!r}: only tensor rules are planned")
         lines += ["", "[[rule]]", f"tensor = {_toml_string(rule.tensor)}"]
-        lines.append(f"compressor = {_toml_string(rule.codec.name)}")
-        for key, value in rule.codec.params:
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
-        if rule.codec.min_size:
-            lines.append(f"min_size = {rule.codec.min_size}")
+        lines += (
+            _codec_lines(rule.codec, rule.codec.params) if rule.codec else ['compressor = "none"']
+        )
     return "\n".join(lines) + "\n"
 
 

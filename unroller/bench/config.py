@@ -29,6 +29,7 @@ from unroller.bench.options import (
 )
 from unroller.bench.paths import default_results_dir
 from unroller.bench.reference import BENCHMARKS
+from unroller.compiler.options import DEFAULT_TIME_RATIO
 from unroller.compiler.platforms import platform as get_platform
 from unroller.compiler.schemes import SCHEMES
 
@@ -202,6 +203,14 @@ def build_parser(prog: str = "unroll bench") -> argparse.ArgumentParser:
         action="store_true",
         help="also run ours:SCHEME+compile, the generated module built with "
         "Model(compile=True) (torch.compile of the step)",
+    )
+    add(
+        "--max-time-ratio",
+        type=float,
+        default=DEFAULT_TIME_RATIO,
+        help="the auto rows' time limit: the least bytes per sample whose predicted step "
+        "takes at most this many times the uncompressed step's (unroll generate --scheme auto "
+        "--max-time-ratio; default: %(default)s)",
     )
     add(
         "--recompute",

@@ -55,8 +55,9 @@ from unroller.bench.paths import ModelsNotFound  # noqa: E402
 from unroller.bench.peers import STASH_METHODS, Method  # noqa: E402
 from unroller.bench.stats import summary  # noqa: E402
 from unroller.bench.timing import time_interleaved  # noqa: E402
-from unroller.compiler.options import Options  # noqa: E402
+from unroller.compiler.options import DEFAULT_TIME_RATIO, Options  # noqa: E402
 from unroller.compiler.platforms import platform as get_platform  # noqa: E402
+from unroller.compiler.schemes import AUTO  # noqa: E402
 from unroller.runtime import ipu_device  # noqa: E402
 
 EMULATION_NOTE = (
@@ -67,12 +68,14 @@ EMULATION_NOTE = (
 
 
 def _options(args: argparse.Namespace, scheme: str, resolution: int) -> Options:
+    limit = getattr(args, "max_time_ratio", DEFAULT_TIME_RATIO) if scheme == AUTO else None
     return Options(
         platform=args.platform,
         scheme=scheme,
         num_ipus=args.num_ipus,
         resolution=resolution,
         precision=_precision_name(args),
+        max_time_ratio=limit or DEFAULT_TIME_RATIO,
     )
 
 

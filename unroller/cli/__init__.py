@@ -8,10 +8,16 @@ meet; a command module needs neither.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
-import typer
+# Before torch loads: the profiler (kernel working memory in the memory model, measured
+# peaks) would print two "USDT: ... profiler_start / profiler_stop" lines per profiled
+# call on stderr, hundreds in one `unroll plan`.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import typer  # noqa: E402
 
 from unroller import __version__, crash
 from unroller.cli import (
