@@ -347,6 +347,9 @@ def _run(
         sizes.batch = piece_batch.get(i, batch)
         if i in loop_end:  # the loop header: views of the whole-batch tensors, kept to its end
             _bind_pieces(step, heap)
+            if _piece_count(lowering, step, batch) > 1:
+                body = [(s, made.get(id(s))) for s in steps[i + 1 : loop_end[i] + 1]]
+                param_grads += _grads_before_the_second_piece(body, heap, first_grad)
             deferred[loop_end[i]] = list(step.release)
             events.append(
                 Event(i, step.section, step.comment, heap.live, heap.live, heap.stash_live)
@@ -431,6 +434,49 @@ def _layers_in(statement: Any) -> list[Layer]:
     """Every layer handle a statement's expression names."""
     value = getattr(statement, "value", None)
     return [] if value is None else [e for e in walk(value) if isinstance(e, Layer)]
+
+
+def _piece_count(lowering: Lowering, header: Step, batch: int) -> int:
+    """How many pieces the loop of ``header`` runs at ``batch``."""
+    segment = next(loop.segment for loop in lowering.piece_loops if loop.header is header)
+    if segment.piece_size:
+        return -(-batch // segment.piece_size)
+    return min(segment.pieces, batch)
+
+
+def _grads_before_the_second_piece(
+    body: list[tuple[Step, Node | None]], heap: _Heap, first_grad: set[str]
+) -> int:
+    """The parameter gradients a pieces loop's body makes the first time (``.grad``, made
+    by the first piece and kept): from the second piece on they are there at every
+    statement of the body, so the body is walked as the second piece sees it, with them
+    made at the loop's start (a piece after the first is never smaller than the second:
+    the walk is the largest piece's). Returns their bytes; the statements then find them
+    made (``first_grad``)."""
+    added = 0
+    for step, node in body:
+        if node is None:
+            continue
+        for statement in step.statements:
+            value = getattr(statement, "value", None)
+            if not isinstance(value, CallExpr):
+                continue
+            kwargs = dict(value.kwargs)
+            accumulate = kwargs.get("accumulate")
+            in_kernel = isinstance(accumulate, Const) and accumulate.value is True
+            if isinstance(statement, Assign) and in_kernel:
+                params = [p for p in node.params if p.present]
+            elif isinstance(statement, Do) and called_name(value) in ACCUMULATORS:
+                params = [p for p in node.params if p.name in kwargs]
+            else:
+                continue
+            for param in params:
+                key = node.ties.get(param.name, param.key)
+                if param.trainable and key not in first_grad:
+                    first_grad.add(key)
+                    heap.new(param.nbytes())
+                    added += param.nbytes()
+    return added
 
 
 def _bind_pieces(header: Step, heap: _Heap) -> None:
