@@ -13,6 +13,7 @@ other step (tests/analysis/test_memory_plan.py), on a small transformer and a sm
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -382,10 +383,12 @@ def test_planner_chooses_segments_and_writes_them(tmp_path):
 # -- the ipu platform, one IPU -----------------------------------------------------------------
 
 
-def test_emulated_ipu_step_with_segments_equals_the_gpu_step(build):
+@pytest.mark.parametrize("keep", [(), ("matmuls",)])
+def test_emulated_ipu_step_with_segments_equals_the_gpu_step(build, keep):
     """On one IPU the whole step runs in the module's forward: the recomputes run there as
-    on the gpu. Under the CPU emulation of PopTorch, loss and weights after one SGD step
-    equal the gpu module's with torch.optim.SGD (1e-9, float64, as tests/runtime/test_ipu_emulated_step.py).
+    on the gpu, selective ones too (``keep``: the convolutions kept, not run again). Under
+    the CPU emulation of PopTorch, loss and weights after one SGD step equal the gpu
+    module's with torch.optim.SGD (1e-9, float64, as tests/runtime/test_ipu_emulated_step.py).
     """
     from unroller.runtime import ipu_device, poptorch_emulation
 
@@ -393,8 +396,9 @@ def test_emulated_ipu_step_with_segments_equals_the_gpu_step(build):
     stem = "resnet_like"
     torch.manual_seed(0)
     ref = REFERENCES[stem]()
-    gpu = build(model_path(stem), Options(recompute_segments=BLOCKS)).Model().double()
-    options = Options(platform="ipu", recompute_segments=BLOCKS)
+    segments = Options(recompute_segments=BLOCKS, segment_keep=keep)
+    gpu = build(model_path(stem), segments).Model().double()
+    options = dataclasses.replace(segments, platform="ipu")
     ipu = build(model_path(stem), options).Model()
     gpu.load_state_dict(ref.state_dict())
     ipu.load_state_dict(ref.state_dict())
