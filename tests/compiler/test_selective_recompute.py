@@ -228,6 +228,7 @@ def test_cli_records_it_and_check_regenerates(tmp_path):
     header = read_header(out.read_text())
     assert header["segment_keep"] == ["matmuls", "layers.0.norm1"]
     assert "not run again (selective recompute)" in out.read_text()
+    assert "Keeps for its own backward only what its kept statements make" in out.read_text()
     checked = runner.invoke(app, ["check", str(out.parent)])
     assert checked.exit_code == 0, checked.output
     assert "1 up to date" in checked.output

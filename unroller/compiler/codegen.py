@@ -250,8 +250,9 @@ def _programs(
             process_stages.append(_stage_view(ctx, graph, pipeline, crossing, k, steps))
         pipeline_meta = _pipeline_meta(graph, ctx.plan.config, pipeline, crossing)
     recomputed = {s.segment.name for s in ctx.plan.segments}
+    selective = {s.segment.name for s in ctx.plan.segments if s.segment.kept}
     return dict(
-        functions=[_function_view(f, recomputed) for f in outliner.functions],
+        functions=[_function_view(f, recomputed, selective) for f in outliner.functions],
         training=render_training(training_steps, loops, stage_block),
         predict=render_steps(predict_steps) or [safe.Code("pass")],
         process_stages=process_stages,
@@ -529,10 +530,11 @@ def _pipeline_meta(
 
 
 def _function_view(
-    function: Function, recomputed: set[str] = frozenset()
+    function: Function, recomputed: set[str] = frozenset(), selective: set[str] = frozenset()
 ) -> tuple[safe.Code, list[safe.Code], safe.Code, list]:
     """(name, parameters, docstring, body lines) of one block function, for the template;
-    ``recomputed``: the block instances recomputed in the backward (segment recompute)."""
+    ``recomputed``: the block instances recomputed in the backward (segment recompute),
+    ``selective`` those of them with kept statements (``segment_keep``)."""
     shown = function.instances[:4]
     more = len(function.instances) - len(shown)
     where = ", ".join(shown) + (f" and {more} more" if more else "")
@@ -545,7 +547,12 @@ def _function_view(
     else:
         what = {"forward": "Forward", "backward": "Backward", "predict": "Prediction"}
         doc = f"{what[function.section]} of block `{function.block}`, for {where}."
-        if function.section == "forward" and set(function.instances) <= recomputed:
+        if function.section == "forward" and set(function.instances) <= selective:
+            doc += (
+                " Keeps for its own backward only what its kept statements make (selective "
+                "recompute): the recompute remakes the rest from those and its inputs."
+            )
+        elif function.section == "forward" and set(function.instances) <= recomputed:
             doc += " Keeps nothing for its own backward: that recomputes it from its inputs."
     return (
         safe.identifier(function.name),
