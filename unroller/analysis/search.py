@@ -21,8 +21,9 @@ default):
   scheme that compresses everything can keep less per sample at a small one);
   ``--recompute`` plans go through ``recompute_guard``.
 - **scores**: bytes per sample, the slope of the predicted peak (``memory.simulate_graph``)
-  between the two ``batches``; time, the predicted ratio (``step_time.predict_time``) at
-  the larger. Among the plans within the limit, the least bytes per sample wins; plans
+  between the batches of each pair of ``batches``, the largest (``SEARCH_BATCHES``: 4 -> 8
+  and 16 -> 32); time, the predicted ratio (``step_time.predict_time``) at the first
+  pair's larger batch. Among the plans within the limit, the least bytes per sample wins; plans
   within ``TIE`` of it count as equal, and then the least lossy forms, then the fastest.
 - **checked**: the winner's lossy forms are checked per parameter on the probe step
   (``plan.checked_plan``: forms that gave a parameter too large an error give way; its
@@ -88,10 +89,13 @@ __all__ = [
 
 AUTO_TIME_RATIO = DEFAULT_TIME_RATIO
 """``auto``'s default limit: a step at most 1.2 times the uncompressed step's time."""
-SEARCH_BATCHES = (4, 8)
-"""The batches whose predicted peaks give the bytes per sample a plan is scored by: small
-batches, where fine-tuning at long context sits and pieces of a few samples already pay;
-the time ratio is predicted at the larger."""
+SEARCH_BATCHES = (4, 8, 16, 32)
+"""The pairs of batches whose predicted peaks give the bytes per sample a plan is scored by,
+the larger of the two slopes: small batches, where fine-tuning at long context sits and
+pieces of a few samples already pay, and larger ones, where what the step holds for the
+whole batch outside the pieces (a selective segment's forward, say) shows; the time ratio
+is predicted at the first pair's larger batch (and ``LARGE_BATCH``). ``unroll plan
+--batch-size B`` scores at B/2 and B alone."""
 PIECE_SIZES = (1, 2, 4)
 LARGE_BATCH = 64
 """The time ratio a plan is held to is the larger of the two predicted at the search's
@@ -136,7 +140,7 @@ class Search:
     """What the search considered and chose."""
 
     max_time_ratio: float
-    batches: tuple[int, int]
+    batches: tuple[int, ...]  # pairs: bytes per sample is the largest slope between them
     candidates: list[Candidate]  # every plan scored, best first
     chosen: Candidate
     dropped: list[str] = field(default_factory=list)  # structures over the limit unplanned
@@ -193,7 +197,8 @@ def search(
     block instance patterns are fixed (``()``: none); ``pieces``: segments may run in
     pieces (not on platforms that collect gradients); ``measure``: the measured time ratio
     of a config's step, tried on the best plans in turn until one is within the limit."""
-    b1, b2 = sorted(batches)[:2]
+    batches = tuple(batches)
+    b2 = batches[1]
     structures, dropped = _structures(graph, max_time_ratio, b2, recompute, segments, pieces)
     scored: list[Candidate] = []
     seen: set[str] = set()
@@ -203,16 +208,16 @@ def search(
             if repr(config) in seen:
                 continue
             seen.add(repr(config))
-            found = _score(graph, config, s, forms, (b1, b2), platform)
+            found = _score(graph, config, s, forms, batches, platform)
             if not any(_same(found, c) for c in scored):  # forms that came out exact
                 scored.append(found)
     if not scored:  # nothing within the limit, even exact: the uncompressed step
         s = _Structure(False, (), "none", 0)
-        scored.append(_score(graph, config_of({}), s, "none", (b1, b2), platform))
-    check = _Check(graph, probe, (b1, b2), platform, label, build)
+        scored.append(_score(graph, config_of({}), s, "none", batches, platform))
+    check = _Check(graph, probe, batches, platform, label, build)
     chosen, notes = _choose(check, scored, max_time_ratio, measure)
     _rank(scored, max_time_ratio)
-    return Search(max_time_ratio, (b1, b2), scored, chosen, dropped, notes)
+    return Search(max_time_ratio, batches, scored, chosen, dropped, notes)
 
 
 def _structures(
@@ -336,14 +341,17 @@ def _score(
     config: CompressionConfig,
     s: _Structure,
     forms: str,
-    batches: tuple[int, int],
+    batches: tuple[int, ...],
     platform: str,
 ) -> Candidate:
-    b1, b2 = batches
-    p1 = simulate_graph(graph, config, b1, platform).peak_bytes
-    p2 = simulate_graph(graph, config, b2, platform).peak_bytes
-    per_sample = (p2 - p1) / (b2 - b1)
-    time = predict_time(graph, config, b2)
+    """``config`` scored: the largest slope of the predicted peak over the pairs of
+    ``batches`` (bytes per sample), and the time ratio at the first pair's larger batch."""
+    per_sample = 0.0
+    for b1, b2 in zip(batches[0::2], batches[1::2]):
+        p1 = simulate_graph(graph, config, b1, platform).peak_bytes
+        p2 = simulate_graph(graph, config, b2, platform).peak_bytes
+        per_sample = max(per_sample, (p2 - p1) / (b2 - b1))
+    time = predict_time(graph, config, batches[1])
     ratio = max(time.ratio, predict_time(graph, config, LARGE_BATCH).ratio)
     if forms == "planned" and not any(r.codec is not None for r in config.rules):
         forms = "none"  # the planner found nothing worth compressing
@@ -403,7 +411,7 @@ class _Check:
 
     graph: Graph
     probe: Probe
-    batches: tuple[int, int]
+    batches: tuple[int, ...]
     platform: str
     label: str
     build: ModelBuilder

@@ -79,11 +79,11 @@ def measured_per_sample(graph: Any, probe: Any, label: str, found: Any) -> float
     from unroller.bench.profiling import profile_step
 
     peaks = []
-    for batch in found.batches:
+    b1, b2 = found.batches[:2]
+    for batch in (b1, b2):
         step = _stepper(graph, probe, label, found.chosen.config, batch)
         step()  # warm: codec constants, allocator
         peaks.append(profile_step(step, "")["peak_bytes"])
-    b1, b2 = found.batches
     return (peaks[1] - peaks[0]) / (b2 - b1)
 
 
@@ -105,9 +105,13 @@ def render(found: Any, measured_bytes: float | None) -> str:
         ).rstrip()
         for row in rows
     ]
-    b1, b2 = found.batches
+    b1, b2 = found.batches[:2]
+    more = "".join(
+        f", or between {a} and {b} where larger"
+        for a, b in zip(found.batches[2::2], found.batches[3::2])
+    )
     lines.append(
-        f"bytes per sample: the predicted step peak's slope between batch {b1} and {b2}; "
+        f"bytes per sample: the predicted step peak's slope between batch {b1} and {b2}{more}; "
         f"time: against the uncompressed step, predicted the larger at batch {b2} and "
         f"{LARGE_BATCH}, measured at {b2}"
     )
