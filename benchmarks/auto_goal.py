@@ -117,6 +117,13 @@ def _absolute_lines(found: dict[str, dict[str, dict[str, Any]]], limit: float, l
     return lines
 
 
+def _flags(limit: float, slack: float, least: float | None) -> str:
+    """The judge's flags that differ from their defaults, as typed."""
+    flags = f" --limit {limit:g}" if limit != 1.2 else ""
+    flags += f" --slack {slack:g}" if slack != 1.10 else ""
+    return flags + (f" --least {least:g}" if least is not None else "")
+
+
 def _x(autograd: float | None, per_sample: float) -> str:
     return f"{autograd / per_sample:.1f}x" if autograd and per_sample else "-"
 
@@ -128,7 +135,8 @@ def report(run: Path, limit: float, slack: float, least: float | None = None) ->
         "",
         f"From `{meta.get('command', '?')}` ({meta.get('date', '?')}, {meta.get('cpu_model', '?')},"
         f" {meta.get('num_threads', '?')} thread(s), load {meta.get('loadavg_start', '?')}),"
-        f" judged by `python -m benchmarks.auto_goal {run}`. Bytes per sample: the slope "
+        f" judged by `python -m benchmarks.auto_goal {run}{_flags(limit, slack, least)}`."
+        " Bytes per sample: the slope "
         "of the measured step peak; less than autograd: autograd's bytes per sample over "
         "the row's; time: against ours:nocompress, the median of per-round ratios.",
         "",
