@@ -4,12 +4,11 @@ the `auto` scheme: predictions against measured peaks, plans that fit, configs t
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import tomllib
-import torch
+from suite_steps import measured_peak
 from typer.testing import CliRunner
 
 from unroller.analysis.memory import simulate_graph
@@ -21,11 +20,9 @@ from unroller.analysis.plan import (
     run_probe,
     to_toml,
 )
-from unroller.api import graph_from_text, import_generated, render_graph, simulate, write_atomic
-from unroller.bench.profiling import profile_step
+from unroller.api import graph_from_text, render_graph, simulate
 from unroller.bench.reference import BENCHMARKS
 from unroller.cli import app
-from unroller.compiler.codegen import render
 from unroller.compiler.options import Options
 from unroller.compiler.schemes import CompressionConfig, ConfigError, load_config
 
@@ -72,20 +69,6 @@ def _tiny():
     return graph_from_text(TINY, "tiny.txt")
 
 
-def _measured_peak(graph, config: CompressionConfig, batch: int) -> int:
-    from unroller.analysis.inputs import make_inputs
-
-    source = render(graph, "m.txt", Options(scheme="nocompress"), config=config)
-    with tempfile.TemporaryDirectory() as folder:
-        module = import_generated(write_atomic(Path(folder) / "m.py", source), "mem_plan_m")
-    torch.manual_seed(0)
-    model = module.Model()
-    inputs = [t.float() if t.is_floating_point() else t for t in make_inputs(graph, batch, 0)]
-    model(*inputs)
-    model.zero_grad(set_to_none=True)
-    return profile_step(lambda: model(*inputs), "")["peak_bytes"]
-
-
 def assert_model_brackets_the_measured_peak(graph, config: CompressionConfig, batch: int) -> int:
     """The measured peak of one step lies between the memory model's predictions with no
     kernel scratch memory and with twice its tables' (``kernel_scale`` 0 and 2), each within
@@ -96,7 +79,7 @@ def assert_model_brackets_the_measured_peak(graph, config: CompressionConfig, ba
     count at all: scalars, the loss, index tensors. Returns the measured peak."""
     low = simulate_graph(graph, config, batch, kernel_scale=0.0).peak_bytes
     high = simulate_graph(graph, config, batch, kernel_scale=2.0).peak_bytes
-    measured = _measured_peak(graph, config, batch)
+    measured = measured_peak(graph, config, batch)
     assert 0.94 * low <= measured <= 1.06 * high, (low, measured, high)
     return measured
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_grads_close, grad_errors, rel_err
+from suite_steps import bench_step, measured_peak
 from typer.testing import CliRunner
 
 from unroller.analysis.memory import simulate_graph
 from unroller.api import generate_from_text, graph_from_text
-from unroller.bench.reference import BENCHMARKS
 from unroller.bench.reference import suite_model_path as model_path
 from unroller.cli import app
 from unroller.compiler.codegen import read_header
@@ -58,21 +58,6 @@ FANIN = """model fanin {
 """
 
 
-def _bench_step(tmp_path: Path, name: str, options: Options, batch: int):
-    """One float64 step of a benchmark's generated module and of its torch.nn reference
-    (same weights, same batch): (loss, module, reference loss, reference, source)."""
-    bench = BENCHMARKS[name]
-    torch.manual_seed(0)
-    ref = bench.build().double()
-    inputs = [t.double() if t.is_floating_point() else t for t in bench.make_batch(batch)]
-    ref_loss = ref(*inputs)[0]
-    ref_loss.backward()
-    gen = bench.model_class(options, tmp_path)().double()
-    gen.load_state_dict(ref.state_dict())
-    source = Path(sys.modules[type(gen).__module__].__file__).read_text()
-    return gen(*inputs), gen, ref_loss, ref, source
-
-
 @pytest.mark.parametrize(
     "name,batch,pieces", [("gpt_tiny", 4, 4), ("gpt_tiny", 5, 2), ("vit_tiny", 3, 2)]
 )
@@ -80,7 +65,7 @@ def test_pieces_are_exact_without_compression(tmp_path, name, batch, pieces):
     """gpt_tiny (batch 4 in pieces of 1; batch 5 in pieces of 3 and 2) and a small vision
     transformer: the loss and every gradient as autograd's to 1e-10."""
     options = Options(recompute_segments=BLOCKS, segment_pieces=pieces)
-    loss, gen, ref_loss, ref, source = _bench_step(tmp_path, name, options, batch)
+    loss, gen, ref_loss, ref, source = bench_step(tmp_path, name, options, batch)
     assert f"in {pieces} pieces of the batch" in source
     assert f".tensor_split({pieces})" in source
     assert rel_err(loss, ref_loss) <= TOL
@@ -90,7 +75,7 @@ def test_pieces_are_exact_without_compression(tmp_path, name, batch, pieces):
 def test_more_pieces_than_samples(tmp_path):
     """Batch 2 in 4 pieces: two of them are empty, and change nothing."""
     options = Options(recompute_segments=BLOCKS, segment_pieces=4)
-    loss, gen, ref_loss, ref, _ = _bench_step(tmp_path, "gpt_tiny", options, 2)
+    loss, gen, ref_loss, ref, _ = bench_step(tmp_path, "gpt_tiny", options, 2)
     assert rel_err(loss, ref_loss) <= TOL
     assert_grads_close(gen, ref, TOL)
 
@@ -223,10 +208,10 @@ def test_pieces_add_parameter_gradients_in_the_kernels():
 def test_quant_pieces_keep_the_scheme_error(tmp_path):
     """Under quant the pieces' own stash is raw (consumed right away): the error is at most
     that of quant with whole segments (which compresses that stash too)."""
-    whole = _bench_step(
+    whole = bench_step(
         tmp_path / "whole", "gpt_tiny", Options("gpu", "quant", recompute_segments=BLOCKS), 4
     )
-    pieced = _bench_step(
+    pieced = bench_step(
         tmp_path / "pieced",
         "gpt_tiny",
         Options("gpu", "quant", recompute_segments=BLOCKS, segment_pieces=2),
@@ -334,28 +319,6 @@ def test_memory_model_runs_a_piece_at_a_time():
     assert slope(2) < 0.6 * slope(None)
 
 
-def _measured_peak(graph, config, batch: int, pieces: int) -> int:
-    """The measured step peak of the module generated with ``pieces`` (as
-    tests/analysis/test_memory_plan.py measures it)."""
-    import tempfile
-
-    from unroller.analysis.inputs import make_inputs
-    from unroller.api import import_generated, write_atomic
-    from unroller.bench.measure import profile_step
-    from unroller.compiler.codegen import render
-
-    options = Options(recompute_segments=BLOCKS, segment_pieces=pieces)
-    source = render(graph, "m.txt", options, config=config)
-    with tempfile.TemporaryDirectory() as folder:
-        module = import_generated(write_atomic(Path(folder) / "m.py", source), "pieces_m")
-    torch.manual_seed(0)
-    model = module.Model()
-    inputs = [t.float() if t.is_floating_point() else t for t in make_inputs(graph, batch, 0)]
-    model(*inputs)
-    model.zero_grad(set_to_none=True)
-    return profile_step(lambda: model(*inputs), "")["peak_bytes"]
-
-
 @pytest.mark.parametrize("scheme", ["nocompress", "quant"])
 def test_memory_model_brackets_the_measured_peak_with_pieces(scheme):
     """gpt_tiny at batch 8 in 4 pieces: the measured peak lies between the model's with no
@@ -366,7 +329,7 @@ def test_memory_model_brackets_the_measured_peak_with_pieces(scheme):
         simulate_graph(graph, config, 8, kernel_scale=k, segment_pieces=4).peak_bytes
         for k in (0.0, 2.0)
     )
-    measured = _measured_peak(graph, config, 8, 4)
+    measured = measured_peak(graph, config, 8, Options(recompute_segments=BLOCKS, segment_pieces=4))
     assert 0.94 * low <= measured <= 1.06 * high, (low, measured, high)
 
 
@@ -393,7 +356,7 @@ def test_piece_size_is_exact_without_compression(tmp_path, name, batch, size):
     """--segment-piece-size P: pieces of P samples (the last one smaller; one piece when the
     batch is at most P), the loss and every gradient as autograd's to 1e-10."""
     options = Options(recompute_segments=BLOCKS, segment_piece_size=size)
-    loss, gen, ref_loss, ref, source = _bench_step(tmp_path, name, options, batch)
+    loss, gen, ref_loss, ref, source = bench_step(tmp_path, name, options, batch)
     assert f"in pieces of {size} samples" in source and f".split({size})" in source
     assert rel_err(loss, ref_loss) <= TOL
     assert_grads_close(gen, ref, TOL)
@@ -523,25 +486,5 @@ def test_memory_model_counts_the_grads_the_first_piece_made():
     config = CompressionConfig(segments=BLOCKS, segment_piece_size=4)
     for batch in (4, 8):
         predicted = simulate_graph(graph, config, batch).peak_bytes
-        measured = _measured_peak_of(graph, config, batch)
+        measured = measured_peak(graph, config, batch)
         assert abs(predicted - measured) <= 0.01 * measured, (batch, predicted, measured)
-
-
-def _measured_peak_of(graph, config: CompressionConfig, batch: int) -> int:
-    """The measured step peak of the module generated under ``config``."""
-    import tempfile
-
-    from unroller.analysis.inputs import make_inputs
-    from unroller.api import import_generated, write_atomic
-    from unroller.bench.measure import profile_step
-    from unroller.compiler.codegen import render
-
-    source = render(graph, "m.txt", Options(), config=config)
-    with tempfile.TemporaryDirectory() as folder:
-        module = import_generated(write_atomic(Path(folder) / "m.py", source), "grads_m")
-    torch.manual_seed(0)
-    model = module.Model()
-    inputs = [t.float() if t.is_floating_point() else t for t in make_inputs(graph, batch, 0)]
-    model(*inputs)
-    model.zero_grad(set_to_none=True)
-    return profile_step(lambda: model(*inputs), "")["peak_bytes"]

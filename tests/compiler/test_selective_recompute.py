@@ -9,18 +9,16 @@ misuses the key is refused at its line and column."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_grads_close, grad_errors, rel_err
-from suite_steps import suite_pair, suite_step
+from suite_steps import bench_step, measured_peak, suite_pair, suite_step
 
 from unroller.analysis.memory import simulate_graph
 from unroller.analysis.plan import config_toml
 from unroller.api import graph_from_text
-from unroller.bench.reference import BENCHMARKS
 from unroller.compiler.options import Options
 from unroller.compiler.schemes import CompressionConfig, load_config
 from unroller.compiler.stash import plan_stash, rerun_nodes
@@ -41,21 +39,6 @@ def _config(tmp_path: Path, keep: str, piece_size: int = 0, body: str = "") -> P
     return path
 
 
-def _bench_step(tmp_path: Path, name: str, options: Options, batch: int):
-    """One float64 step of a benchmark's generated module and of its torch.nn reference
-    (same weights, same batch): (loss, module, reference loss, reference, source)."""
-    bench = BENCHMARKS[name]
-    torch.manual_seed(0)
-    ref = bench.build().double()
-    inputs = [t.double() if t.is_floating_point() else t for t in bench.make_batch(batch)]
-    ref_loss = ref(*inputs)[0]
-    ref_loss.backward()
-    gen = bench.model_class(options, tmp_path)().double()
-    gen.load_state_dict(ref.state_dict())
-    source = Path(sys.modules[type(gen).__module__].__file__).read_text()
-    return gen(*inputs), gen, ref_loss, ref, source
-
-
 def _recompute_functions(source: str) -> str:
     """The bodies of the generated ``*_recompute`` functions, together."""
     chunks = source.split("\ndef ")
@@ -71,7 +54,7 @@ def test_exact_without_compression(tmp_path, name, batch, piece_size):
     and in pieces (batch 5 in pieces of 2: the last one smaller), and the recompute
     functions call no linear layer or attention, only the cheap statements."""
     options = Options(compress_config=str(_config(tmp_path, '"matmuls"', piece_size)))
-    loss, gen, ref_loss, ref, source = _bench_step(tmp_path, name, options, batch)
+    loss, gen, ref_loss, ref, source = bench_step(tmp_path, name, options, batch)
     assert rel_err(loss, ref_loss) <= TOL
     assert_grads_close(gen, ref, TOL)
     recompute = _recompute_functions(source)
@@ -133,38 +116,18 @@ def test_quant_keeps_the_scheme_error(tmp_path):
     loss is the forward's, the same bits."""
     whole_config = tmp_path / "whole.toml"
     whole_config.write_text('recompute_segments = "blocks"\nderivatives = true\n' + QUANT)
-    whole = _bench_step(
+    whole = bench_step(
         tmp_path / "whole", "gpt_tiny", Options(compress_config=str(whole_config)), 4
     )
     body = "derivatives = true\n" + QUANT
     path = _config(tmp_path, '"matmuls"', 2, body)
-    selective = _bench_step(tmp_path / "sel", "gpt_tiny", Options(compress_config=str(path)), 4)
+    selective = bench_step(tmp_path / "sel", "gpt_tiny", Options(compress_config=str(path)), 4)
     assert torch.equal(whole[0], selective[0])
     errors = assert_grads_close(selective[1], selective[3], 0.1)
     assert max(errors.values()) > 1e-6  # something is compressed
     plain = grad_errors(whole[1], whole[3])
     over = {p: (e, plain[p]) for p, e in errors.items() if e > 2.5 * plain[p] + 1e-9}
     assert not over, over
-
-
-def _measured_peak(graph, config: CompressionConfig, batch: int) -> int:
-    """The measured step peak of the module generated under ``config``."""
-    import tempfile
-
-    from unroller.analysis.inputs import make_inputs
-    from unroller.api import import_generated, write_atomic
-    from unroller.bench.measure import profile_step
-    from unroller.compiler.codegen import render
-
-    source = render(graph, "m.txt", Options(), config=config)
-    with tempfile.TemporaryDirectory() as folder:
-        module = import_generated(write_atomic(Path(folder) / "m.py", source), "selective_m")
-    torch.manual_seed(0)
-    model = module.Model()
-    inputs = [t.float() if t.is_floating_point() else t for t in make_inputs(graph, batch, 0)]
-    model(*inputs)
-    model.zero_grad(set_to_none=True)
-    return profile_step(lambda: model(*inputs), "")["peak_bytes"]
 
 
 def test_memory_model_brackets_the_measured_peak():
@@ -181,7 +144,7 @@ def test_memory_model_brackets_the_measured_peak():
         segment_keep=("matmuls",),
     )
     low, high = (simulate_graph(graph, config, 8, kernel_scale=k).peak_bytes for k in (0.0, 2.0))
-    measured = _measured_peak(graph, config, 8)
+    measured = measured_peak(graph, config, 8)
     assert 0.94 * low <= measured <= 1.06 * high, (low, measured, high)
 
 

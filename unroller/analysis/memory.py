@@ -464,30 +464,12 @@ def _grads_before_the_second_piece(
     made at the loop's start (a piece after the first is never smaller than the second:
     the walk is the largest piece's). Returns their bytes; the statements then find them
     made (``first_grad``)."""
-    added = 0
-    for step, node in body:
-        if node is None:
-            continue
-        for statement in step.statements:
-            value = getattr(statement, "value", None)
-            if not isinstance(value, CallExpr):
-                continue
-            kwargs = dict(value.kwargs)
-            accumulate = kwargs.get("accumulate")
-            in_kernel = isinstance(accumulate, Const) and accumulate.value is True
-            if isinstance(statement, Assign) and in_kernel:
-                params = [p for p in node.params if p.present]
-            elif isinstance(statement, Do) and called_name(value) in ACCUMULATORS:
-                params = [p for p in node.params if p.name in kwargs]
-            else:
-                continue
-            for param in params:
-                key = node.ties.get(param.name, param.key)
-                if param.trainable and key not in first_grad:
-                    first_grad.add(key)
-                    heap.new(param.nbytes())
-                    added += param.nbytes()
-    return added
+    return sum(
+        _new_grads(_grad_params(statement, node), node, heap, first_grad)
+        for step, node in body
+        if node is not None
+        for statement in step.statements
+    )
 
 
 def _bind_pieces(header: Step, heap: _Heap) -> None:
@@ -578,15 +560,33 @@ def _grads_in_kernel(
     """A backward kernel called with ``accumulate=True`` adds its parameter gradients into
     ``.grad`` itself: the first time a parameter's ``.grad`` is made (it lives past the
     step), later calls add in place. Returns the parameter-gradient bytes made."""
-    if node is None or not isinstance(statement.value, CallExpr):
+    if node is None:
         return 0
-    accumulate = dict(statement.value.kwargs).get("accumulate")
-    if not (isinstance(accumulate, Const) and accumulate.value is True):
-        return 0
+    return _new_grads(_grad_params(statement, node), node, heap, first_grad)
+
+
+def _grad_params(statement: Any, node: Node) -> list:
+    """The parameters of ``node`` whose ``.grad`` ``statement`` adds to: all present ones for
+    a kernel called with ``accumulate=True``, the named ones for ``K.accumulate``."""
+    value = getattr(statement, "value", None)
+    if not isinstance(value, CallExpr):
+        return []
+    kwargs = dict(value.kwargs)
+    accumulate = kwargs.get("accumulate")
+    if isinstance(statement, Assign) and isinstance(accumulate, Const) and accumulate.value is True:
+        return [p for p in node.params if p.present]
+    if isinstance(statement, Do) and called_name(value) in ACCUMULATORS:
+        return [p for p in node.params if p.name in kwargs]
+    return []
+
+
+def _new_grads(params: list, node: Node, heap: _Heap, first_grad: set[str]) -> int:
+    """Make the ``.grad`` of each trainable one of ``params`` that has none yet (a tied
+    parameter has one ``.grad``); its bytes."""
     added = 0
-    for param in node.params:
-        key = node.ties.get(param.name, param.key)  # a tied parameter has one .grad
-        if param.present and param.trainable and key not in first_grad:
+    for param in params:
+        key = node.ties.get(param.name, param.key)
+        if param.trainable and key not in first_grad:
             first_grad.add(key)
             heap.new(param.nbytes())
             added += param.nbytes()

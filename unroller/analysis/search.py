@@ -131,8 +131,9 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        label = _label(self.forms, self.recompute, self.segments_label, self.piece_size)
-        return f"{label}, {self.keep_label}" if self.keep_label else label
+        return _label(
+            self.forms, self.recompute, self.segments_label, self.piece_size, self.keep_label
+        )
 
 
 @dataclass
@@ -157,13 +158,17 @@ class Search:
         )
 
 
-def _label(forms: str, recompute: bool, segments: str, piece_size: int) -> str:
+def _label(
+    forms: str, recompute: bool, segments: str, piece_size: int, keep_label: str = ""
+) -> str:
     parts = [f"forms {forms}"]
     if recompute:
         parts.append("--recompute")
     if segments != "none":
         pieces = f" in pieces of {piece_size}" if piece_size else ""
         parts.append(f"segments {segments}{pieces}")
+    if keep_label:
+        parts.append(keep_label)
     return ", ".join(parts)
 
 
@@ -242,7 +247,7 @@ def _structures(
                     continue  # no segment can run in pieces: the same step as whole
                 ratio = time_ratio(graph, config, batch)
                 if ratio > limit:
-                    label = _label("none", r, what, size) + (f", {kept}" if kept else "")
+                    label = _label("none", r, what, size, kept)
                     dropped.append(f"{label}: {ratio:.2f}x with no codec")
                     continue
                 found.append(s)

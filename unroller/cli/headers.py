@@ -56,20 +56,17 @@ def header_problem(header: object) -> str | None:
     starts = header.get("stage_starts", [])
     if not isinstance(starts, list) or not all(isinstance(x, str) for x in starts):
         return f"'stage_starts' is {short(starts)}, not a list of node names"
-    segments = header.get("recompute_segments", [])
-    if (
-        not isinstance(segments, list)
-        or not all(isinstance(x, str) and x and set(x) <= SEGMENT_CHARS for x in segments)
-        or len(segments) > 1000
+    for key, what in (
+        ("recompute_segments", "block instance globs"),
+        ("segment_keep", "node names or globs"),
     ):
-        return f"'recompute_segments' is {short(segments)}, not a list of block instance globs"
-    kept = header.get("segment_keep", [])
-    if (
-        not isinstance(kept, list)
-        or not all(isinstance(x, str) and x and set(x) <= SEGMENT_CHARS for x in kept)
-        or len(kept) > 1000
-    ):
-        return f"'segment_keep' is {short(kept)}, not a list of node names or globs"
+        globs = header.get(key, [])
+        if (
+            not isinstance(globs, list)
+            or not all(isinstance(x, str) and x and set(x) <= SEGMENT_CHARS for x in globs)
+            or len(globs) > 1000
+        ):
+            return f"'{key}' is {short(globs)}, not a list of {what}"
     pieces = header.get("segment_pieces", 1)
     if isinstance(pieces, bool) or not isinstance(pieces, int) or not 1 <= pieces <= 4096:
         return f"'segment_pieces' is {short(pieces)}, not a whole number from 1 to 4096"

@@ -300,42 +300,40 @@ def _check_name(name: str, value: Any, known: Any, noun: str) -> OptionValueErro
 def _check_segments(value: Any) -> OptionValueError | None:
     """``recompute_segments``: "blocks", "auto" alone, or block instance names / globs."""
     name = "recompute_segments"
-    if not isinstance(value, tuple) or not all(isinstance(part, str) for part in value):
-        return refused(name, "{recompute_segments=}: not a tuple of names", **{name: value})
-    if len(value) > MAX_SEGMENTS:
-        return refused(
-            name, f"{{{name}}}: {len(value)} segments (at most {MAX_SEGMENTS})", **{name: value}
-        )
-    for part in value:
-        if not part or len(part) > MAX_SEGMENT_NAME or not set(part) <= SEGMENT_CHARS:
-            return refused(
-                name,
-                "{recompute_segments}: bad segment {segment!} (blocks, auto, or block "
-                "instance names / globs of letters, digits and _ . * ? [ ] ! -, "
-                "comma-separated)",
-                segment=part,
-            )
-    if SEGMENT_AUTO in value and len(value) > 1:
+    problem = _check_globs(
+        name,
+        value,
+        "segments",
+        "bad segment {part!} (blocks, auto, or block instance names / globs",
+    )
+    if problem is None and SEGMENT_AUTO in value and len(value) > 1:
         return refused(name, "{recompute_segments}: auto stands alone (the planner chooses)")
-    return None
+    return problem
 
 
 def _check_keep(value: Any) -> OptionValueError | None:
     """``segment_keep``: "matmuls" or node names / globs."""
-    name = "segment_keep"
+    return _check_globs(
+        "segment_keep", value, "names", "bad name {part!} (matmuls, or node names / globs"
+    )
+
+
+def _check_globs(name: str, value: Any, plural: str, bad: str) -> OptionValueError | None:
+    """A tuple of at most ``MAX_SEGMENTS`` name globs of ``SEGMENT_CHARS`` (field ``name``,
+    counted as ``plural``; ``bad``: the start of the message for a refused one, which
+    names it as ``{part!}``)."""
     if not isinstance(value, tuple) or not all(isinstance(part, str) for part in value):
-        return refused(name, "{segment_keep=}: not a tuple of names", **{name: value})
+        return refused(name, f"{{{name}=}}: not a tuple of names", **{name: value})
     if len(value) > MAX_SEGMENTS:
         return refused(
-            name, f"{{{name}}}: {len(value)} names (at most {MAX_SEGMENTS})", **{name: value}
+            name, f"{{{name}}}: {len(value)} {plural} (at most {MAX_SEGMENTS})", **{name: value}
         )
     for part in value:
         if not part or len(part) > MAX_SEGMENT_NAME or not set(part) <= SEGMENT_CHARS:
             return refused(
                 name,
-                "{segment_keep}: bad name {node!} (matmuls, or node names / globs of "
-                "letters, digits and _ . * ? [ ] ! -, comma-separated)",
-                node=part,
+                f"{{{name}}}: {bad} of letters, digits and _ . * ? [ ] ! -, comma-separated)",
+                part=part,
             )
     return None
 
