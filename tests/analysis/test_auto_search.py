@@ -61,8 +61,6 @@ BLOCKS = CompressionConfig(segments=("blocks",))
 #: the limits each model is searched at (resnet_like and autoencoder, slower to plan, are
 #: left to the time model)
 SEARCHED = {"gpt_tiny": (1.0, 1.2, 3.0), "nonsquare": (1.0, 1.2, 3.0)}
-#: the search rules out built-in schemes whose gradient errors are too large
-REJECTS = "rejected" in {f.name for f in dataclasses.fields(Candidate)}
 
 
 @functools.cache
@@ -419,14 +417,19 @@ def test_all_measured_over_takes_the_fastest_measured():
     assert any("no plan timed was measured within 1.2x" in note for note in found.notes)
 
 
-@pytest.mark.skipif(not REJECTS, reason="the search rules out no plan by its gradients")
-def test_measurement_never_chooses_a_rejected_plan():
-    """A built-in scheme ruled out by its gradient errors stays out when the plans that are
-    left are all measured over the limit: the fastest of those is chosen, never it."""
+def test_measurement_never_chooses_a_rejected_plan(monkeypatch):
+    """A built-in scheme ruled out by the check (here: every one, whatever its errors)
+    stays out when the plans that are left are all measured over the limit: the fastest of
+    those is chosen, never it."""
+    from unroller.analysis.plan import CheckedScheme
+
+    ruled_out = CheckedScheme(None, (), "a parameter's gradient error (stand-in)")
+    monkeypatch.setattr(search_module, "checked_scheme", lambda *args, **kw: ruled_out)
     moves = {"recompute": False, "segments": ()}
-    free = _search("fanout", 3.0, **moves)
-    rejected = [c for c in free.candidates if getattr(c, "rejected", False)]
+    free = search(_graph("fanout"), _probe("fanout"), 3.0, **moves)
+    rejected = [c for c in free.candidates if c.rejected]
     _premise(bool(rejected), "a built-in scheme rejected")
+    assert all("stand-in" in c.note for c in rejected)
     _premise(all(c.ratio <= 3.0 for c in rejected), "rejected plans predicted within")
     ratios = {repr(c.config): 1.0 for c in rejected}
     found = search(
@@ -436,7 +439,8 @@ def test_measurement_never_chooses_a_rejected_plan():
         measure=lambda config: ratios.get(repr(config), 9.9),
         **moves,
     )
-    assert not getattr(found.chosen, "rejected", False), found.chosen.label
+    assert not found.chosen.rejected, found.chosen.label
+    assert found.chosen.measured_ratio == 9.9
 
 
 def test_a_plan_chosen_by_measurement_is_checked():

@@ -37,16 +37,24 @@ editable, diffable, and ``unroll generate --compress-config`` takes it as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from unroller.analysis.flops import forward_flops
-from unroller.analysis.inputs import make_inputs
 from unroller.analysis.memory import Simulation, packed_bytes, simulate_graph
+from unroller.analysis.probe import (
+    AUTO_PARAM_ERROR,
+    Probe,
+    config_parameter_errors,
+    parameters_over,
+    planned_step,
+    run_probe,
+)
 from unroller.compiler.graph import Graph, Node
 from unroller.compiler.schemes import Codec, CompressionConfig, Rule, make_codec
 from unroller.compiler.stash import (
@@ -60,7 +68,6 @@ from unroller.compiler.stash import (
 )
 from unroller.materialize import ModelBuilder
 from unroller.materialize import model_class as materialized_class
-from unroller.runtime.common import observe_stash
 
 __all__ = [
     "AUTO_BATCH",
@@ -69,12 +76,16 @@ __all__ = [
     "Choice",
     "MemoryPlan",
     "Probe",
+    "blame",
     "candidates",
+    "CheckedScheme",
     "checked_plan",
+    "checked_scheme",
     "config_parameter_errors",
     "config_toml",
     "make_plan",
     "parameter_errors",
+    "parameters_over",
     "run_probe",
     "segment_pool",
     "to_toml",
@@ -82,13 +93,8 @@ __all__ = [
 
 AUTO_BATCH = 256  # the batch the auto scheme plans for: activations, not weights, dominate
 AUTO_MAX_ERROR = 0.2  # auto: no candidate whose round trip is worse than this on the probe
-#: auto: no parameter whose gradient error on the probe step, under the plan, is at or above
-#: this (1 is what a zero gradient scores; half of it leaves room for other batches)
-AUTO_PARAM_ERROR = 0.5
-NEGLIGIBLE = 1e-5  # a parameter gradient this small against all of them is not checked
 AUTO_ROUNDS = 8  # auto: at most this many plans, each giving up one tensor's codec
 AUTO_SLACK = 1.10  # auto's budget: the least peak reachable under its candidates, + 10%
-PROBE_BATCH = 4
 LIGHT_ERROR = 0.02  # segment planning: forms this accurate on the probe are tried first
 ERROR_SAMPLES = 2  # round-trip errors are measured on the probe's first samples
 
@@ -165,62 +171,6 @@ def _bytes(stashed: Stashed, choice: Choice, batch: int) -> int:
 
 
 # -- the probe step ----------------------------------------------------------------------
-
-
-@dataclass
-class Probe:
-    """What one uncompressed step on a batch shows: the saved tensors as the forward made
-    them, and the parameter gradients."""
-
-    inputs: list[torch.Tensor]
-    state: dict[str, torch.Tensor]
-    tensors: dict[str, torch.Tensor]
-    grads: dict[str, torch.Tensor]
-    source: str  # where the batch came from, for the report
-
-
-def _capture(found: dict[str, torch.Tensor]):
-    """A stash observer (``runtime.common.observe_stash``) recording a copy of every tensor
-    the generated step keeps for backward, by full name, as the forward made it."""
-
-    def on_stash(key: str, tensor: torch.Tensor) -> None:
-        found[key] = tensor.detach().clone()
-
-    return on_stash
-
-
-def run_probe(
-    graph: Graph,
-    batch: Sequence[torch.Tensor] | None = None,
-    batch_size: int = PROBE_BATCH,
-    seed: int = 0,
-    state: dict[str, torch.Tensor] | None = None,
-    label: str = "<model>",
-    build: ModelBuilder = materialized_class,
-) -> Probe:
-    """One float32 step of the uncompressed module: seeded initial weights (or ``state``),
-    on ``batch`` or seeded synthetic inputs of the declared shapes; ``build`` makes the
-    module's class (``materialize.model_class``; a test or a caller with its own module
-    passes its own)."""
-    source = "the batch given"
-    if batch is None:
-        batch = [
-            t.float() if t.is_floating_point() else t for t in make_inputs(graph, batch_size, seed)
-        ]
-        source = f"seeded synthetic inputs (batch {batch_size}, seed {seed})"
-    torch.manual_seed(seed)
-    model = build(graph, label, None)()
-    if state is not None:
-        model.load_state_dict(state, strict=True)
-    model.train()
-    tensors: dict[str, torch.Tensor] = {}
-    with observe_stash(_capture(tensors)):
-        model(*batch)
-    grads = {
-        name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
-    }
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return Probe(list(batch), weights, tensors, grads, source)
 
 
 def round_trip_error(codec: Codec, x: torch.Tensor) -> float:
@@ -529,29 +479,6 @@ def _segment_moves(
     return moves
 
 
-def _planned_step(
-    graph: Graph,
-    config: CompressionConfig,
-    probe: Probe,
-    label: str,
-    planned: type | None = None,
-    build: ModelBuilder = materialized_class,
-) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """One step of the module generated under ``config`` on the probe's batch and weights:
-    per parameter with a gradient on both sides, (name, its gradient, the probe's
-    uncompressed one); ``planned``: the module's class, when the caller has it already,
-    else ``build`` makes it."""
-    model = (planned or build(graph, label, config))()
-    model.load_state_dict(probe.state, strict=True)
-    model.train()
-    model(*probe.inputs)
-    return [
-        (name, p.grad, probe.grads[name])
-        for name, p in model.named_parameters()
-        if p.grad is not None and probe.grads.get(name) is not None
-    ]
-
-
 def measured_error(
     graph: Graph,
     plan: MemoryPlan,
@@ -564,7 +491,7 @@ def measured_error(
     probe's uncompressed step (same weights, same batch); ``model_class``: the planned
     module's class, when the caller has generated it already (else ``build`` makes it)."""
     num = den = 0.0
-    for _, got, ref in _planned_step(graph, plan.config, probe, label, model_class, build):
+    for _, got, ref in planned_step(graph, plan.config, probe, label, model_class, build):
         num += float(torch.linalg.vector_norm((got - ref).double())) ** 2
         den += float(torch.linalg.vector_norm(ref.double())) ** 2
     return math.sqrt(num / den) if den > 0 else 0.0
@@ -585,11 +512,12 @@ def checked_plan(
 ) -> MemoryPlan:
     """``make_plan`` at ``AUTO_BATCH`` (``budget``; None: least peak + slack; ``recompute``,
     ``segments``, ``segment_piece_size`` and ``segment_keep`` as there), then checked per parameter: one
-    step of the planned module on the probe's batch and weights; while some parameter's
-    gradient error (``parameter_errors``) is at or above ``limit``, every lossy tensor that
-    reaches it (``_reach``) gives up its form and every form at least as lossy
-    (``ceilings``), and the search runs again (``AUTO_ROUNDS`` at most; then those tensors
-    stay raw). The planner's error model scales each round
+    step of the planned module on the probe's batch and weights; while some parameter fails
+    (``probe.parameters_over``: its gradient error at or above ``limit`` and over its
+    sampling noise), the lossy tensors ``blame`` names (those its node reads, else every
+    one that reaches it) give up their form and every form at least as lossy
+    (``ceilings``), and the search runs again (``AUTO_ROUNDS`` at most; then every tensor
+    that reaches one stays raw). The planner's error model scales each round
     trip by the norm of the gradients it reaches, which misses a parameter whose exact
     gradient nearly cancels (a batch norm's input gradient is the output gradient less its
     mean and its projection on the normalised input: an error in the saved input survives
@@ -613,27 +541,100 @@ def checked_plan(
             segment_keep=segment_keep,
         )
 
-    def blamed(found: MemoryPlan) -> list[Row]:
-        """The lossy rows that reach a parameter at or over ``limit`` (all lossy rows
-        when none reaches one); none when no parameter is over."""
+    def blamed(found: MemoryPlan, last: bool) -> list[Row]:
+        """The lossy rows to step down (``blame``); none when no parameter fails."""
         lossy = [r for r in found.rows if r.choice.codec is not None]
         if not lossy:
             return []
-        errors = parameter_errors(graph, found, probe, label, build)
-        over = {n for n, e in errors.items() if e >= limit}
+        over = set(parameters_over(graph, found.config, probe, limit, label, build))
         if not over:
             return []
-        return [r for r in lossy if _reach(units[r.tensor], upstream) & over] or lossy
+        keys = blame([units[r.tensor] for r in lossy], over, upstream, direct=not last)
+        return [r for r in lossy if r.tensor in keys]
 
     for attempt in range(AUTO_ROUNDS + 1):
         found = plan()
-        culprits = blamed(found)
+        culprits = blamed(found, attempt == AUTO_ROUNDS)
         if not culprits:
             return found
         for row in culprits:  # the last round: every tensor that reaches them stays raw
             ceiling = 0.0 if attempt == AUTO_ROUNDS else row.round_trip_error
             ceilings[row.tensor] = min(ceiling, ceilings.get(row.tensor, math.inf))
     return plan()
+
+
+@dataclass
+class CheckedScheme:
+    """A built-in scheme's config after the per-parameter check (``checked_scheme``)."""
+
+    config: CompressionConfig | None  # None: ruled out
+    stepped: tuple[str, ...]  # the saved tensors stepped down (8-bit quant, else raw)
+    why: str  # ruled out: the parameter still failing, and why
+
+
+def checked_scheme(
+    graph: Graph,
+    config: CompressionConfig,
+    probe: Probe,
+    label: str = "<model>",
+    build: ModelBuilder = materialized_class,
+    finish: Callable[[CompressionConfig], CompressionConfig] = lambda c: c,
+) -> CheckedScheme:
+    """A built-in scheme's ``config`` checked per parameter like ``checked_plan``'s plans:
+    while some parameter fails (``parameters_over``), the tensors ``blame`` names are
+    stepped down, first to 8-bit quant (a 0.01 round trip) and then to raw, by one
+    ``tensor`` rule each after the scheme's own (``finish`` redoes what the caller derives
+    from the rules: the ``--recompute`` guard). Ruled out when a parameter still fails after
+    ``AUTO_ROUNDS``."""
+    upstream = _upstream_keys(graph)
+    quant8 = make_codec("quant", {"bits": 8})
+    stepped: dict[str, Codec | None] = {}
+    found = config
+    for attempt in range(AUTO_ROUNDS + 1):
+        over = parameters_over(graph, found, probe, AUTO_PARAM_ERROR, label, build)
+        if not over:
+            return CheckedScheme(found, tuple(stepped), "")
+        if attempt == AUTO_ROUNDS:
+            break
+        lossy = [s for s in plan_stash(graph, found).entries if _codec_of(s) is not None]
+        keys = blame(lossy, set(over), upstream, direct=attempt < AUTO_ROUNDS - 1)
+        for s in lossy:
+            if s.key in keys:
+                codec = _codec_of(s)
+                mild = codec.name == "quant" and codec.kwargs.get("bits", 8) >= 8
+                stepped[s.key] = None if s.key in stepped or mild else quant8
+        rules = [Rule(codec, tensor=key) for key, codec in stepped.items()]
+        found = finish(dataclasses.replace(config, rules=[*config.rules, *rules]))
+    name, why = next(iter(over.items()))
+    return CheckedScheme(None, tuple(stepped), f"{name}'s {why} on the probe")
+
+
+def _codec_of(stashed: Stashed) -> Codec | None:
+    return next((f.codec for f in stashed.forms if f.kind == "codec"), None)
+
+
+def blame(
+    lossy: list[Stashed],
+    over: set[str],
+    upstream: dict[str, frozenset[str]],
+    direct: bool = True,
+) -> set[str]:
+    """The keys of the ``lossy`` tensors to step down for the failing parameters ``over``:
+    with ``direct``, those read by a node that owns one of them (a batch norm's saved input
+    for its weight), when there are any; else every one whose error reaches one of them
+    (``_reach``: through input gradients, too); else all of them."""
+    if direct:
+        owned = {
+            s.key
+            for s in lossy
+            if any(
+                form.kind != "mask" and {p.key for p in reader.params if p.present} & over
+                for reader, _, form in s.readers
+            )
+        }
+        if owned:
+            return owned
+    return {s.key for s in lossy if _reach(s, upstream) & over} or {s.key for s in lossy}
 
 
 def parameter_errors(
@@ -649,27 +650,6 @@ def parameter_errors(
     rounding (a convolution's bias right before a batch norm, exactly 0 in exact
     arithmetic), any change is a large relative error and means nothing."""
     return config_parameter_errors(graph, plan.config, probe, label, build)
-
-
-def config_parameter_errors(
-    graph: Graph,
-    config: CompressionConfig,
-    probe: Probe,
-    label: str = "<model>",
-    build: ModelBuilder = materialized_class,
-) -> dict[str, float]:
-    """``parameter_errors`` of the module generated under any ``config`` (a built-in
-    scheme's too), against the probe's uncompressed step."""
-    grad_norm = math.sqrt(
-        sum(float(torch.linalg.vector_norm(g.double())) ** 2 for g in probe.grads.values())
-    )
-    floor = NEGLIGIBLE * grad_norm
-    found = {}
-    for name, got, ref in _planned_step(graph, config, probe, label, build=build):
-        norm = float(torch.linalg.vector_norm(ref.double()))
-        if norm > floor:
-            found[name] = float(torch.linalg.vector_norm((got - ref).double())) / norm
-    return found
 
 
 # -- output ------------------------------------------------------------------------------

@@ -26,9 +26,11 @@ default):
   pair's larger batch. Among the plans within the limit, the least bytes per sample wins; plans
   within ``TIE`` of it count as equal, and then the least lossy forms, then the fastest.
 - **checked**: the winner's lossy forms are checked per parameter on the probe step
-  (``plan.checked_plan``: forms that gave a parameter too large an error give way; its
-  scores are then taken again); a built-in scheme that gives some parameter a gradient
-  error of ``plan.AUTO_PARAM_ERROR`` or more is ruled out. The search settles on the best
+  (``probe.parameters_over``: a gradient error of ``AUTO_PARAM_ERROR`` or more that is
+  also over the gradient's sampling noise at the probe's batch). The planner's forms that
+  fail give way (``plan.checked_plan``); a built-in scheme's tensors that fail are stepped
+  down to 8-bit quant, then raw (``plan.checked_scheme``), and the scheme is ruled out
+  when that does not do. Scores are then taken again, and the search settles on the best
   of what is left.
 
 A prediction of time is checked against a measured step by ``unroll plan --measure``
@@ -50,11 +52,10 @@ from unroller.analysis.memory import simulate_graph
 from unroller.analysis.plan import (
     AUTO_BATCH,
     AUTO_MAX_ERROR,
-    AUTO_PARAM_ERROR,
     Probe,
     checked_plan,
+    checked_scheme,
     config_of,
-    config_parameter_errors,
     make_plan,
     run_probe,
     segment_pool,
@@ -128,12 +129,16 @@ class Candidate:
     note: str = ""  # why it was not chosen, when that is not its scores
     keep: tuple[str, ...] = ()  # the segments' statements kept (``segment_keep``) ...
     keep_label: str = ""  # ... in words
+    stepped: int = 0  # a built-in scheme's tensors the check stepped down
 
     @property
     def label(self) -> str:
-        return _label(
+        found = _label(
             self.forms, self.recompute, self.segments_label, self.piece_size, self.keep_label
         )
+        if self.stepped:
+            found += f", {self.stepped} tensors stepped down by the check"
+        return found
 
 
 @dataclass
@@ -428,14 +433,7 @@ class _Check:
         if c.forms == "none":
             return c
         if c.forms in SCHEME_FORMS:
-            errors = config_parameter_errors(
-                self.graph, c.config, self.probe, self.label, self.build
-            )
-            worst = max(errors.items(), key=lambda e: e[1], default=("", 0.0))
-            if worst[1] >= AUTO_PARAM_ERROR:
-                c.rejected = True
-                c.note = f"ruled out: {worst[0]}'s gradient error {worst[1]:.2f} on the probe"
-            return c
+            return self._scheme(c)
         found = checked_plan(
             self.graph,
             self.probe,
@@ -455,6 +453,31 @@ class _Check:
         redone = _score(self.graph, found, s, c.forms, self.batches, self.platform)
         redone.checked = True
         return redone
+
+    def _scheme(self, c: Candidate) -> Candidate:
+        """A built-in scheme's candidate checked (``plan.checked_scheme``): itself, rescored
+        with the tensors the check stepped down, or ``rejected``."""
+        checked = checked_scheme(
+            self.graph, c.config, self.probe, self.label, self.build, self._guard(c.recompute)
+        )
+        if checked.config is None:
+            c.rejected = True
+            c.note = f"ruled out: {checked.why}"
+            return c
+        if not checked.stepped:
+            return c
+        s = _Structure(
+            c.recompute, c.segments, c.segments_label, c.piece_size, c.keep, c.keep_label
+        )
+        redone = _score(self.graph, checked.config, s, c.forms, self.batches, self.platform)
+        redone.checked = True
+        redone.stepped = len(checked.stepped)
+        return redone
+
+    def _guard(self, recompute: bool) -> Callable[[CompressionConfig], CompressionConfig]:
+        if not recompute:
+            return lambda config: config
+        return lambda config: guard_recompute(self.graph, config, self.platform)
 
 
 def _choose(
