@@ -82,6 +82,7 @@ __all__ = [
     "AUTO_TIME_RATIO",
     "auto_config",
     "Candidate",
+    "fixed_plans",
     "PIECE_SIZES",
     "SEARCH_BATCHES",
     "Search",
@@ -257,6 +258,23 @@ def _structures(
                     continue
                 found.append(s)
     return found, dropped
+
+
+def fixed_plans(
+    graph: Graph, batch: int = SEARCH_BATCHES[1], platform: str = "gpu"
+) -> list[tuple[str, CompressionConfig]]:
+    """Every structure the search has (no time limit) with the forms that need no probe
+    (none and the built-in schemes), each with its label: what ``working_set_bound`` is
+    taken over to say how little any plan of these moves can keep."""
+    structures, _ = _structures(graph, math.inf, batch, None, None, platform != "ipu")
+    found = []
+    for s in structures:
+        for forms in ("none", *SCHEME_FORMS):
+            config = _config(graph, None, s, forms, platform)  # type: ignore[arg-type]
+            found.append(
+                (_label(forms, s.recompute, s.segments_label, s.piece_size, s.keep_label), config)
+            )
+    return found
 
 
 def _keep_sets(graph: Graph, segments: tuple[str, ...]) -> list[tuple[tuple[str, ...], str]]:

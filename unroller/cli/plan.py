@@ -186,7 +186,7 @@ def plan(
         per_sample = (
             plan_search.measured_per_sample(graph, probe, label, found) if measure else None
         )
-        plan_search.echo(found, per_sample)
+        plan_search.echo(graph, found, per_sample)
         if output is not None and target is not None:
             head = plan_search.header(PLAN_MARK, model, batch_size, found, per_sample)
             write_output(output, target, planner.config_toml(found.chosen.config, head), mkdir)

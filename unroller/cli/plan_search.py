@@ -87,8 +87,9 @@ def measured_per_sample(graph: Any, probe: Any, label: str, found: Any) -> float
     return (peaks[1] - peaks[0]) / (b2 - b1)
 
 
-def render(found: Any, measured_bytes: float | None) -> str:
-    """Every plan scored, best first, then the choice and why."""
+def render(found: Any, measured_bytes: float | None, bound: Any = None) -> str:
+    """Every plan scored, best first, then the choice and why; ``bound``: the chosen
+    plan's ``working_set.WorkingSetBound``."""
     from unroller.analysis.search import LARGE_BATCH
 
     head = ("plan", "bytes/sample", "time (predicted)", "time (measured)", "")
@@ -121,6 +122,12 @@ def render(found: Any, measured_bytes: float | None) -> str:
             f"codec already (e.g. {found.dropped[0]})"
         )
     lines.append(f"chosen: {found.chosen.label}: {found.why()}")
+    if bound is not None:
+        statement = bound.at.split(" = ")[0]
+        lines.append(
+            f"of which its working set: {bound.per_sample:,.0f} bytes per sample (the "
+            f"{bound.section} of {statement}), which no forms for this structure go below"
+        )
     if measured_bytes is not None:
         predicted = found.chosen.bytes_per_sample
         lines.append(
@@ -153,5 +160,10 @@ def header(
     return lines
 
 
-def echo(found: Any, measured_bytes: float | None) -> None:
-    typer.echo(render(found, measured_bytes))
+def echo(graph: Any, found: Any, measured_bytes: float | None) -> None:
+    """The search's table and choice, with the chosen plan's working set per sample."""
+    from unroller.analysis.working_set import working_set_bound
+
+    batches = (found.batches[0], found.batches[1])
+    bound = working_set_bound(graph, found.chosen.config, batches)
+    typer.echo(render(found, measured_bytes, bound))
