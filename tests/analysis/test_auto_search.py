@@ -22,11 +22,11 @@ import torch
 from conftest import ROOT, assert_grads_close, rel_err
 
 from unroller.analysis import search as search_module
-from unroller.analysis.flops import forward_flops
+from unroller.analysis.flops import forward_flops, is_thin
 from unroller.analysis.inputs import make_inputs
 from unroller.analysis.plan import config_of, run_probe, segment_pool
 from unroller.analysis.search import SEARCH_BATCHES, TIE, Candidate, Search, auto_config, search
-from unroller.analysis.step_time import StepTime, costs, node_forward_s, predict_time
+from unroller.analysis.step_time import StepCosts, StepTime, costs, node_forward_s, predict_time
 from unroller.api import compression_config, graph_from_text, load_graph
 from unroller.compiler.options import Options
 from unroller.compiler.schemes import CompressionConfig, Rule, builtin
@@ -121,6 +121,38 @@ def test_uncompressed_step_is_the_base(name):
     assert time.ratio == 1.0
 
 
+THIN = """model thin {
+    input x: f32[N, 16, 8, 8]
+    target y: i64[N]
+    dw = conv2d(x, out_channels=16, kernel_size=3, padding=1, groups=16, bias=false)
+    pw = conv2d(dw, out_channels=64, kernel_size=3, padding=1, bias=false)
+    r = relu(pw)
+    p = adaptive_avgpool2d(r, output_size=1)
+    f = flatten(p)
+    out = linear(f, out_features=10)
+    loss = cross_entropy(out, y)
+    return loss
+}
+"""
+
+
+def test_thin_ops_take_their_own_flop_rate():
+    """A depthwise convolution (9 multiply-adds per output element) is thin and is charged
+    at the thin FLOP rate; a full convolution, a linear layer and an elementwise op at the
+    dense one; without a thin rate every op takes the dense one."""
+    graph = graph_from_text(THIN, "thin.txt")
+    nodes = {n.name: n for n in graph.nodes}
+    assert [name for name, n in nodes.items() if is_thin(n)] == ["dw"]
+    dense = StepCosts(1e-9, 0.0, 0.0, 0.0)
+    slow = dataclasses.replace(dense, thin_flop_s=1e-8)
+    for name, node in nodes.items():
+        flops = forward_flops(node, 4)
+        expected = flops * (1e-8 if name == "dw" else 1e-9)
+        assert node_forward_s(node, 4, slow) == pytest.approx(expected, rel=1e-12)
+        assert node_forward_s(node, 4, dense) == pytest.approx(flops * 1e-9, rel=1e-12)
+    assert costs().thin_flop_s is not None and costs().thin_flop_s > costs().flop_s
+
+
 def test_prediction_is_deterministic():
     """The same graph and config give the same prediction, part for part, also from the
     model text loaded again: a plan must not depend on when or how often it is made."""
@@ -191,7 +223,7 @@ def test_codec_time_is_linear_in_the_batch(name):
 
     assert codec(8) > 0
     assert codec(32) - codec(16) == pytest.approx(2 * (codec(16) - codec(8)), rel=1e-9)
-    assert codec(2048) / codec(1024) == pytest.approx(2.0, rel=0.03)
+    assert codec(2**16) / codec(2**15) == pytest.approx(2.0, rel=0.03)
     assert predict_time(graph, quant, BATCH).base_s == predict_time(graph, BLOCKS, BATCH).base_s
 
 

@@ -11,6 +11,20 @@ import math
 
 from unroller.compiler.graph import Node
 
+#: a weighted op whose output elements each reduce fewer inputs than this (a depthwise 3 x 3
+#: convolution: 9) is "thin": memory-bound kernels that run far below the machine's dense
+#: FLOP rate, which the step time model charges at a rate of their own
+THIN_REDUCTION = 64
+
+
+def is_thin(node: Node) -> bool:
+    """Whether ``node`` is a weighted op with fewer than ``THIN_REDUCTION`` multiply-adds
+    per output element (see ``THIN_REDUCTION``)."""
+    weight = next((p for p in node.params if p.name == "weight" and p.present), None)
+    if node.op.weighted is None or weight is None:
+        return False
+    return math.prod(weight.shape[1:]) < THIN_REDUCTION
+
 
 def forward_flops(node: Node, batch: int) -> float:
     """FLOPs of one forward op: 2 x multiply-adds for convolutions, linear layers, matrix

@@ -5,19 +5,24 @@ of a step under a config relative to the uncompressed step, before any code runs
 same on every machine (a model text gives the same file everywhere). The model counts,
 from the graph's shapes and the resolved stash plan (``plan_stash``):
 
-- every op: its forward, ``flops / F + bytes / B + o`` (FLOPs from ``flops.forward_flops``;
-  bytes: its inputs and output; ``o``: the cost of one generated statement, the Python
-  call and the kernel's dispatch), and its backward, ``BACKWARD`` times that;
+- every op: its forward, ``flops / F + bytes / B + o`` (FLOPs from ``flops.forward_flops``,
+  at ``F`` the dense rate, or the thin rate for a weighted op with few multiply-adds per
+  output element, a depthwise convolution's, ``flops.is_thin``; bytes: its inputs and
+  output; ``o``: the cost of one generated statement, the Python call and the kernel's
+  dispatch), and its backward, ``BACKWARD`` times that;
 - a recomputed segment: the forward of the ops its recompute runs again (``rerun_nodes``:
   what its own stash depends on, less the statements ``segment_keep`` keeps); in pieces, each piece after the first
   adds ``p`` per op of the segment (its forward, recompute and backward statements run once
   more, on a smaller piece), the cost that makes pieces of one sample slow on small models;
 - ``--recompute``: the forward of each op whose output is remade;
-- a compressed tensor: its compress and decompress, per element and per call by codec.
+- a compressed tensor: its compress and decompress, per element and per call by codec,
+  and the two statements that call them.
 
 The constants (``StepCosts``) are data, ``step_costs.toml`` beside this module, written by
 ``python -m benchmarks.step_costs --write`` from micro-benchmarks and whole steps on the
-machine it runs on (the file names the machine and the date). A prediction is checked
+machine it runs on (the file names the machine and the date): the two FLOP rates and the
+statement cost are fitted to the uncompressed steps of the benchmark models, so the base a
+move's cost is set against is the step's as measured, not a matrix product's. A prediction is checked
 against a measured step where it decides something: ``unroll plan --measure`` times the
 chosen plan against the uncompressed step, and the benchmark reports predicted beside
 measured ratios.
@@ -30,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from unroller.analysis.flops import forward_flops
+from unroller.analysis.flops import forward_flops, is_thin
 from unroller.compiler.dtypes import DTYPE_BYTES
 from unroller.compiler.graph import Graph, Node
 from unroller.compiler.schemes import CompressionConfig
@@ -58,6 +63,7 @@ class StepCosts:
     piece_op_s: float
     codec_element_s: dict[str, float] = field(default_factory=dict)
     codec_call_s: dict[str, float] = field(default_factory=dict)
+    thin_flop_s: float | None = None  # a thin op's FLOP (``flops.is_thin``); None: flop_s
 
     def codec_s(self, label: str, elements: int) -> float:
         """A compress and a decompress of ``elements`` by the codec ``label`` ("quant",
@@ -79,6 +85,7 @@ def costs() -> StepCosts:
         piece_op_s=float(data["piece_op_us"]) * 1e-6,
         codec_element_s={k: float(v) * 1e-9 for k, v in data["codec_ns_per_element"].items()},
         codec_call_s={k: float(v) * 1e-6 for k, v in data["codec_us_per_call"].items()},
+        thin_flop_s=1.0 / float(data["thin_flops_per_s"]) if "thin_flops_per_s" in data else None,
     )
 
 
@@ -104,7 +111,8 @@ class StepTime:
 def node_forward_s(node: Node, batch: int, c: StepCosts) -> float:
     """Predicted seconds of one op's forward at ``batch``."""
     moved = sum(_bytes(v.type, batch) for v in node.inputs) + _bytes(node.output.type, batch)
-    return forward_flops(node, batch) * c.flop_s + moved * c.byte_s + c.statement_s
+    rate = c.thin_flop_s if c.thin_flop_s is not None and is_thin(node) else c.flop_s
+    return forward_flops(node, batch) * rate + moved * c.byte_s + c.statement_s
 
 
 def _bytes(t, batch: int) -> int:
@@ -162,9 +170,12 @@ def codec_label(codec) -> str:
 
 
 def _codec_s(plan: StashPlan, batch: int, c: StepCosts) -> float:
+    """Each compressed form: its codec's compress and decompress, and the two generated
+    statements that call them (keep it, restore it)."""
     total = 0.0
     for stashed in plan.entries:
         for form in stashed.forms:
             if form.kind == "codec" and form.codec is not None:
                 total += c.codec_s(codec_label(form.codec), stashed.type.numel(batch))
+                total += 2 * c.statement_s
     return total
