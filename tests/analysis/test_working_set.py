@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from conftest import ROOT
 from typer.testing import CliRunner
 
@@ -84,3 +85,26 @@ def test_plan_search_prints_the_chosen_plans_working_set():
     assert found, result.output
     per_sample = float(re.findall(r"  ([\d,]+)  ", chosen.group(1))[0].replace(",", ""))
     assert 0 < float(found.group(1).replace(",", "")) <= per_sample
+
+
+def test_codec_working_memory_is_measured_per_codec_path(monkeypatch):
+    """A codec's working memory is measured for the CPU path its calls take: with the
+    native kernels switched off (as the native kernels' tests do) the PyTorch formulation's
+    buffers, with them on, none; a figure taken in one state is never handed out in the
+    other (a process that measured with them off once predicted other peaks, and the
+    --recompute guard chose otherwise, for the rest of its life)."""
+    from unroller.analysis.memory import codec_transients
+    from unroller.compiler.schemes import make_codec
+    from unroller.compress import base
+
+    codec = make_codec("quant", {"bits": 8})
+    shape = (8, 9, 10)  # a shape no other test measures
+    monkeypatch.setattr(base, "NATIVE", False)
+    formulation = codec_transients(codec, shape, "f32")
+    assert formulation[0] > 0
+    monkeypatch.setattr(base, "NATIVE", True)
+    if base.native_path(torch.empty(0)) is None:
+        pytest.skip("no native kernels here (no C++ compiler)")
+    assert codec_transients(codec, shape, "f32") == (0.0, 0.0)
+    monkeypatch.setattr(base, "NATIVE", False)
+    assert codec_transients(codec, shape, "f32") == formulation

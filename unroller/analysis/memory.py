@@ -190,15 +190,26 @@ def restored_bytes(stashed: Stashed, form: Form, batch: int) -> int:
     return t.numel(batch) * DTYPE_BYTES["bool" if form.kind == "mask" else t.dtype]
 
 
-@functools.cache
 def codec_transients(codec: Codec, shape: tuple[int, ...], dtype: str) -> tuple[float, float]:
     """Working memory of one compress and one decompress call beyond what each returns, as
-    a multiple of the raw tensor's bytes: measured once per codec and sample shape on a
-    batch-2 tensor of random normal values (the profiler's CPU allocation events), so that
-    fusing or rewriting a codec shows up in the model without editing it. The least of
-    ``TRANSIENT_TRIES`` calls each: the profiler records every thread of the process, and
-    one left running by a caller (a data loader, a process group) must not pass for the
-    codec's."""
+    a multiple of the raw tensor's bytes: measured once per codec, sample shape and the
+    codecs' CPU path (``compress.base.cpu_path_state``: the native kernels allocate nothing
+    beyond what they return, the PyTorch formulation does; a test that switches the native
+    kernels off, or a process whose kernels are still being built, must not leave its
+    figure to every later prediction) on a batch-2 tensor of random normal values (the
+    profiler's CPU allocation events), so that fusing or rewriting a codec shows up in the
+    model without editing it. The least of ``TRANSIENT_TRIES`` calls each: the profiler
+    records every thread of the process, and one left running by a caller (a data loader,
+    a process group) must not pass for the codec's."""
+    from unroller.compress.base import cpu_path_state
+
+    return _codec_transients(codec, shape, dtype, cpu_path_state())
+
+
+@functools.cache
+def _codec_transients(
+    codec: Codec, shape: tuple[int, ...], dtype: str, state: tuple
+) -> tuple[float, float]:
     instance = codec.instance()
     x = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
     x = x.to(torch_dtype(dtype)) if dtype != "bool" else x > 0

@@ -526,6 +526,15 @@ the call by a scheduling slice: measured on 2 cores, 2 threads on [8, 64, 32, 32
 ms against 0.5-1.2 ms on one. Below 2**21 elements (8 MiB of float32) one thread runs."""
 
 
+def cpu_path_state() -> tuple[bool, bool, bool, int]:  # unroller-lint: host-only (dispatch)
+    """What decides which implementation a codec call on the CPU runs, and so what it
+    allocates: the native kernels available and on, host shortcuts, the IPU-safe
+    formulation, torch's thread count. A measurement of a codec (its working memory) holds
+    for the state it was taken in."""
+    native = native_path(torch.empty(0)) is not None
+    return native, _HOST_SHORTCUTS, IPU_SAFE, torch.get_num_threads()
+
+
 def native_threads(elements: int) -> int:  # unroller-lint: host-only (native path)
     """Threads a native kernel uses on ``elements`` elements (see ``THREAD_ELEMENTS``)."""
     if elements < 2 * THREAD_ELEMENTS:  # the common case, without asking torch
