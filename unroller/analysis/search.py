@@ -64,6 +64,7 @@ from unroller.analysis.recompute_guard import guard_recompute
 from unroller.analysis.step_time import StepTime, predict_time
 from unroller.compiler.graph import Graph
 from unroller.compiler.options import DEFAULT_TIME_RATIO
+from unroller.compiler.platforms import platform as get_platform
 from unroller.compiler.schemes import CompressionConfig, resolve
 from unroller.compiler.stash import (
     SEGMENT_AUTO,
@@ -266,7 +267,8 @@ def fixed_plans(
     """Every structure the search has (no time limit) with the forms that need no probe
     (none and the built-in schemes), each with its label: what ``working_set_bound`` is
     taken over to say how little any plan of these moves can keep."""
-    structures, _ = _structures(graph, math.inf, batch, None, None, platform != "ipu")
+    pieces = get_platform(platform).grads == "accumulate"  # as the api's auto moves say
+    structures, _ = _structures(graph, math.inf, batch, None, None, pieces)
     found = []
     for s in structures:
         for forms in ("none", *SCHEME_FORMS):
