@@ -20,8 +20,9 @@ Constants (one CPU thread):
 - ``codec_us_per_call``: compress + decompress of a [2, 4, 8, 8] map (its elements are few),
   median of 200 (fitting these two to whole steps instead was tried: a step of gpt_tiny
   is too short for the fit to stay put between runs);
-- ``piece_op_us``: gpt_tiny at batch 16 with every block recomputed, in pieces of one
-  sample against whole: the extra time over the extra pieces and the pieced segments' ops.
+- ``piece_op_us_by_size``: gpt_tiny at batch 32 with every block recomputed, in pieces of
+  1, 2 and 4 samples against whole: the extra time over the extra pieces and the pieced
+  segments' ops, per piece size (``piece_op_us``: 4's).
 
 The check: per model and plan, the predicted time ratio against the uncompressed step's
 beside the measured one (the two steps taking turns, ``--rounds`` timed rounds after one
@@ -120,6 +121,7 @@ CHECKS = (
         (
             ("quant", "quant", (), 0, False),
             ("blocks", "nocompress", ("blocks",), 0, False),
+            ("blocks in pieces of 4", "nocompress", ("blocks",), 4, False),
         ),
     ),
 )
@@ -241,17 +243,30 @@ def fit_rates(constants: dict[str, float], rounds: int) -> dict[str, float]:
     }
 
 
+PIECE_SIZES = (1, 2, 4)
+PIECE_BATCH = 32
+
+
 def fit_pieces(rounds: int) -> dict[str, float]:
-    """``piece_op_us``: gpt_tiny at batch 16 with every block recomputed, in pieces of one
-    sample against whole: the extra time over the extra pieces and the pieced segments'
-    ops."""
+    """``piece_op_us`` per piece size: gpt_tiny at batch ``PIECE_BATCH`` with every block
+    recomputed, in pieces of each of ``PIECE_SIZES`` samples against whole: the extra time
+    over the extra pieces and the pieced segments' ops (``piece_op_us`` itself: pieces of
+    4's)."""
     graph = load_graph("benchmarks/models/gpt_tiny.txt", None, "fp32")
-    whole = _config(graph, "nocompress", ("blocks",), 0, False)
-    ones = _config(graph, "nocompress", ("blocks",), 1, False)
-    found = _ratios(graph, {"whole": whole, "ones": ones}, 16, rounds)
-    extra = (found["ones"]["time_ms"]["median"] - found["whole"]["time_ms"]["median"]) * 1e-3
-    pieced = sum(len(s.nodes) for s in plan_stash(graph, ones).segments if s.in_pieces)
-    return {"piece_op_us": extra / (15 * pieced) * 1e6}
+    configs = {"whole": _config(graph, "nocompress", ("blocks",), 0, False)}
+    for size in PIECE_SIZES:
+        configs[str(size)] = _config(graph, "nocompress", ("blocks",), size, False)
+    found = _ratios(graph, configs, PIECE_BATCH, rounds)
+    whole = found["whole"]["time_ms"]["median"]
+    result = {}
+    for size in PIECE_SIZES:
+        extra = max(0.0, found[str(size)]["time_ms"]["median"] - whole) * 1e-3
+        config = configs[str(size)]
+        pieced = sum(len(s.nodes) for s in plan_stash(graph, config).segments if s.in_pieces)
+        extra_pieces = -(-PIECE_BATCH // size) - 1
+        result[f"piece:{size}"] = extra / (extra_pieces * pieced) * 1e6
+    result["piece_op_us"] = result[f"piece:{PIECE_SIZES[-1]}"]
+    return result
 
 
 def check(costs: StepCosts, rounds: int) -> list[tuple[str, str, float, float]]:
@@ -283,6 +298,8 @@ def toml_text(c: dict[str, float], when: str, machine: str) -> str:
         f"bytes_per_s = {c['bytes_per_s']:.3g}\n"
         f"statement_us = {c['statement_us']:.3g}\n"
         f"piece_op_us = {c['piece_op_us']:.3g}\n\n"
+        "[piece_op_us_by_size]\n"
+        f"{table('piece:')}\n\n"
         "[codec_ns_per_element]\n"
         f"{table('codec:')}\n\n"
         "[codec_us_per_call]\n"
@@ -341,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         {k.split(":", 1)[1]: v * 1e-9 for k, v in constants.items() if k.startswith("codec:")},
         {k.split(":", 1)[1]: v * 1e-6 for k, v in constants.items() if k.startswith("call:")},
         1 / constants["thin_flops_per_s"],
+        {int(k.split(":", 1)[1]): v * 1e-6 for k, v in constants.items() if k.startswith("piece:")},
     )
     rows = check(costs, args.rounds)
     when = datetime.date.today().isoformat()

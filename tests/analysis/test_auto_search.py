@@ -153,6 +153,29 @@ def test_thin_ops_take_their_own_flop_rate():
     assert costs().thin_flop_s is not None and costs().thin_flop_s > costs().flop_s
 
 
+def test_piece_cost_is_taken_per_piece_size():
+    """Pieces of a measured size cost that size's figure; another size the largest measured
+    size below it (else the smallest measured); none measured, ``piece_op_s``."""
+    c = StepCosts(1e-9, 0.0, 0.0, 5.0, piece_op_by_size={1: 3.0, 4: 1.0})
+    assert [c.piece_op(n) for n in (1, 2, 3, 4, 8)] == [3.0, 3.0, 3.0, 1.0, 1.0]
+    assert StepCosts(1e-9, 0.0, 0.0, 5.0, piece_op_by_size={2: 2.0}).piece_op(1) == 2.0
+    assert StepCosts(1e-9, 0.0, 0.0, 5.0).piece_op(1) == 5.0
+
+
+def test_pieces_time_follows_the_piece_size():
+    """gpt_tiny's blocks in pieces: the pieces' time is (pieces - 1) x the pieced ops x that
+    size's cost, for pieces given by size and by count."""
+    graph = _graph("gpt_tiny")
+    ops = sum(len(s.nodes) for s in plan_stash(graph, BLOCKS).segments)
+    c = StepCosts(1e-9, 0.0, 0.0, 5.0, piece_op_by_size={1: 3.0, 4: 1.0})
+    sized = dataclasses.replace(BLOCKS, segment_piece_size=4)
+    assert predict_time(graph, sized, 16, step_costs=c).pieces_s == pytest.approx(3 * ops * 1.0)
+    ones = dataclasses.replace(BLOCKS, segment_piece_size=1)
+    assert predict_time(graph, ones, 16, step_costs=c).pieces_s == pytest.approx(15 * ops * 3.0)
+    counted = predict_time(graph, BLOCKS, 16, segment_pieces=4, step_costs=c)
+    assert counted.pieces_s == pytest.approx(3 * ops * 1.0)  # 4 pieces of 4
+
+
 def test_prediction_is_deterministic():
     """The same graph and config give the same prediction, part for part, also from the
     model text loaded again: a plan must not depend on when or how often it is made."""
@@ -186,7 +209,8 @@ def test_segments_add_their_forward(name):
 
 def test_smaller_pieces_cost_more():
     """At the same batch, pieces of 1 sample cost more than pieces of 4: the overhead grows
-    with the extra pieces (15 against 3 at batch 16), the recompute does not change, and
+    with the extra pieces (15 against 3 at batch 16, each at its size's measured cost), the
+    recompute does not change, and
     ``segment_pieces=4`` (four pieces of the batch) costs what pieces of 4 samples do."""
     graph = _graph("gpt_tiny")
 
@@ -198,7 +222,9 @@ def test_smaller_pieces_cost_more():
     assert one.pieces_s > four.pieces_s > whole.pieces_s == 0.0
     assert one.ratio > four.ratio > whole.ratio
     assert one.recompute_s == four.recompute_s == whole.recompute_s
-    assert one.pieces_s / four.pieces_s == pytest.approx((BATCH - 1) / (BATCH // 4 - 1))
+    c = costs()
+    per_piece = (BATCH - 1) * c.piece_op(1) / ((BATCH // 4 - 1) * c.piece_op(4))
+    assert one.pieces_s / four.pieces_s == pytest.approx(per_piece)
     assert predict_time(graph, BLOCKS, BATCH, segment_pieces=4) == four
 
 

@@ -14,6 +14,8 @@ from the graph's shapes and the resolved stash plan (``plan_stash``):
   what its own stash depends on, less the statements ``segment_keep`` keeps); in pieces, each piece after the first
   adds ``p`` per op of the segment (its forward, recompute and backward statements run once
   more, on a smaller piece), the cost that makes pieces of one sample slow on small models;
+  ``p`` is measured per piece size (pieces of one sample also run their kernels on the
+  least work per call);
 - ``--recompute``: the forward of each op whose output is remade;
 - a compressed tensor: its compress and decompress, per element and per call by codec,
   and the two statements that call them.
@@ -64,6 +66,19 @@ class StepCosts:
     codec_element_s: dict[str, float] = field(default_factory=dict)
     codec_call_s: dict[str, float] = field(default_factory=dict)
     thin_flop_s: float | None = None  # a thin op's FLOP (``flops.is_thin``); None: flop_s
+    #: per piece size measured, the seconds per op and extra piece (``piece_op_s`` where
+    #: none): small pieces run their kernels less efficiently as well as more often
+    piece_op_by_size: dict[int, float] = field(default_factory=dict)
+
+    def piece_op(self, size: int) -> float:
+        """Seconds per op and extra piece for pieces of ``size`` samples: the measured
+        size's, else the largest measured size below it, else the smallest measured one's,
+        else ``piece_op_s``."""
+        if not self.piece_op_by_size:
+            return self.piece_op_s
+        below = [k for k in self.piece_op_by_size if k <= size]
+        key = max(below) if below else min(self.piece_op_by_size)
+        return self.piece_op_by_size[key]
 
     def codec_s(self, label: str, elements: int) -> float:
         """A compress and a decompress of ``elements`` by the codec ``label`` ("quant",
@@ -86,6 +101,9 @@ def costs() -> StepCosts:
         codec_element_s={k: float(v) * 1e-9 for k, v in data["codec_ns_per_element"].items()},
         codec_call_s={k: float(v) * 1e-6 for k, v in data["codec_us_per_call"].items()},
         thin_flop_s=1.0 / float(data["thin_flops_per_s"]) if "thin_flops_per_s" in data else None,
+        piece_op_by_size={
+            int(k): float(v) * 1e-6 for k, v in data.get("piece_op_us_by_size", {}).items()
+        },
     )
 
 
@@ -138,8 +156,9 @@ def predict_time(
     for segment in plan.segments:
         rerun = rerun_nodes(segment, [by_key[key].producer for key in segment.internal])
         recompute += sum(forward[n.name] for n in rerun)
-        extra = _pieces(segment, batch) - 1
-        pieces += extra * len(segment.nodes) * c.piece_op_s
+        count = _pieces(segment, batch)
+        size = segment.piece_size or -(-batch // count)
+        pieces += (count - 1) * len(segment.nodes) * c.piece_op(size)
     made_by = {node.output.name: node.name for node in graph.nodes}
     recompute += sum(forward[made_by[v]] for v in _remade(plan) if v in made_by)
     return StepTime(base, recompute, pieces, _codec_s(plan, batch, c))
