@@ -205,13 +205,14 @@ def step_features(graph, batch: int, byte_s: float) -> tuple[float, float, float
     """A step's (dense FLOPs, thin FLOPs, statements) times ``1 + BACKWARD``, and its
     byte time, as ``step_time.predict_time`` counts them."""
     dense = thin = moved = 0.0
+    bytes_only = StepCosts(0.0, byte_s, 0.0, 0.0)
     for node in graph.nodes:
         flops = forward_flops(node, batch)
         if is_thin(node):
             thin += flops
         else:
             dense += flops
-        moved += node_forward_s(node, batch, StepCosts(0.0, byte_s, 0.0, 0.0))
+        moved += node_forward_s(node, batch, bytes_only)
     k = 1 + BACKWARD
     return k * dense, k * thin, k * len(graph.nodes), k * moved
 

@@ -1,4 +1,5 @@
-"""Tiny model files for the training tests: one per task, fast on a CPU."""
+"""Tiny model files for the tests: one per training task, fast on a CPU, and models the
+compression checks share."""
 
 CLASSIFIER = """
 model tiny_classifier {
@@ -51,5 +52,23 @@ model tiny_autoencoder {
     conv2 = conv2d(up, out_channels=1, kernel_size=3, padding=1)
     loss = mse_loss(conv2, x)
     return loss, conv2
+}
+"""
+
+# Batch norms after ReLUs on noise-like maps: DCT's round trip (about 0.87 here) gives a
+# batch norm's weight and the bias before it gradient errors of 1 or more.
+BN_CANCEL = """
+model cancel {
+    input x: f32[N, 2, 16, 16]
+    target y: f32[N, 4, 16, 16]
+    c1 = conv2d(x, out_channels=4, kernel_size=3, padding=1)
+    r1 = relu(c1)
+    b1 = batchnorm2d(r1)
+    c2 = conv2d(b1, out_channels=4, kernel_size=3, padding=1)
+    r2 = relu(c2)
+    b2 = batchnorm2d(r2)
+    c3 = conv2d(b2, out_channels=4, kernel_size=1)
+    loss = mse_loss(c3, y)
+    return loss, c3
 }
 """

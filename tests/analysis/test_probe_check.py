@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from tests.train_models import BN_CANCEL
 from unroller.analysis.plan import blame, checked_scheme
 from unroller.analysis.probe import (
     AUTO_PARAM_ERROR,
@@ -31,24 +32,6 @@ model lin {
     out = linear(x, out_features=2)
     loss = mse_loss(out, y)
     return loss, out
-}
-"""
-
-# Batch norms after ReLUs on noise-like maps: DCT's round trip (about 0.87 here) gives a
-# batch norm's weight and the bias before it gradient errors of 1 or more.
-CANCEL = """
-model cancel {
-    input x: f32[N, 2, 16, 16]
-    target y: f32[N, 4, 16, 16]
-    c1 = conv2d(x, out_channels=4, kernel_size=3, padding=1)
-    r1 = relu(c1)
-    b1 = batchnorm2d(r1)
-    c2 = conv2d(b1, out_channels=4, kernel_size=3, padding=1)
-    r2 = relu(c2)
-    b2 = batchnorm2d(r2)
-    c3 = conv2d(b2, out_channels=4, kernel_size=1)
-    loss = mse_loss(c3, y)
-    return loss, c3
 }
 """
 
@@ -88,7 +71,7 @@ def test_sampling_noise_is_the_spread_of_half_batch_gradients():
 
 
 def test_probe_carries_the_noise_and_splits_are_distinct():
-    graph = graph_from_text(CANCEL, "cancel.txt")
+    graph = graph_from_text(BN_CANCEL, "cancel.txt")
     probe = run_probe(graph)
     assert set(probe.noise) == set(probe.grads)
     assert all(v > 0 and math.isfinite(v) for v in probe.noise.values())
@@ -98,7 +81,7 @@ def test_probe_carries_the_noise_and_splits_are_distinct():
 
 
 def test_parameters_over_needs_both_a_large_error_and_one_over_the_noise():
-    graph = graph_from_text(CANCEL, "cancel.txt")
+    graph = graph_from_text(BN_CANCEL, "cancel.txt")
     probe = run_probe(graph)
     config = resolve("dct-dense")
     errors = config_parameter_errors(graph, config, probe)
@@ -122,7 +105,7 @@ def test_parameters_over_needs_both_a_large_error_and_one_over_the_noise():
 def test_blame_names_the_tensor_a_failing_parameter_reads_first():
     """A failing batch norm weight: its node's saved input, not everything downstream whose
     error reaches it through input gradients (unless asked for everything)."""
-    graph = graph_from_text(CANCEL, "cancel.txt")
+    graph = graph_from_text(BN_CANCEL, "cancel.txt")
     lossy = [
         s
         for s in plan_stash(graph, resolve("dct-dense")).entries
@@ -140,7 +123,7 @@ def test_checked_scheme_steps_down_until_no_parameter_fails():
     """dct-dense on noise-like maps with the noise left out (every large error fails): the
     failing tensors go to 8-bit quant, then raw, until no parameter fails; the tensors not
     blamed keep DCT."""
-    graph = graph_from_text(CANCEL, "cancel.txt")
+    graph = graph_from_text(BN_CANCEL, "cancel.txt")
     probe = dataclasses.replace(run_probe(graph), noise={})
     checked = checked_scheme(graph, resolve("dct-dense"), probe)
     assert checked.config is not None and checked.stepped

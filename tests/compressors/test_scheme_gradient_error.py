@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import fast_subset, rel_err
 
+from tests.train_models import BN_CANCEL as CANCEL_MODEL
 from unroller.analysis.plan import (
     AUTO_BATCH,
     AUTO_PARAM_ERROR,
@@ -270,23 +271,6 @@ def test_stash_report_equals_prediction_in_float32(build, scheme):
     by_tensor = {r["tensor"]: r["stored_bytes"] for r in measured["rows"]}
     for row in want["rows"]:
         assert by_tensor[row["tensor"]] == row["stored_bytes"], row["tensor"]
-
-
-CANCEL_MODEL = """
-model cancel {
-    input x: f32[N, 2, 16, 16]
-    target y: f32[N, 4, 16, 16]
-    c1 = conv2d(x, out_channels=4, kernel_size=3, padding=1)
-    r1 = relu(c1)
-    b1 = batchnorm2d(r1)
-    c2 = conv2d(b1, out_channels=4, kernel_size=3, padding=1)
-    r2 = relu(c2)
-    b2 = batchnorm2d(r2)
-    c3 = conv2d(b2, out_channels=4, kernel_size=1)
-    loss = mse_loss(c3, y)
-    return loss, c3
-}
-"""
 
 
 def test_auto_check_refuses_codecs_that_make_a_parameter_worse_than_no_gradient(build, tmp_path):

@@ -228,10 +228,15 @@ def _reach(stashed: Stashed, upstream: dict[str, frozenset[str]]) -> set[str]:
     for reader, saved, form in stashed.readers:
         if form.kind == "mask":
             continue
-        found |= {p.key for p in reader.params if p.present}
+        found |= _own(reader)
         if not (reader.op.weighted is not None and saved.entry == "x"):
             found |= upstream.get(reader.name, frozenset())
     return found
+
+
+def _own(node: Node) -> set[str]:
+    """The keys of ``node``'s own parameters."""
+    return {p.key for p in node.params if p.present}
 
 
 def _node_norm2(node: Node, norms: dict[str, float]) -> float:
@@ -627,10 +632,7 @@ def blame(
         owned = {
             s.key
             for s in lossy
-            if any(
-                form.kind != "mask" and {p.key for p in reader.params if p.present} & over
-                for reader, _, form in s.readers
-            )
+            if any(form.kind != "mask" and _own(reader) & over for reader, _, form in s.readers)
         }
         if owned:
             return owned

@@ -465,14 +465,7 @@ class _Check:
             segment_piece_size=c.piece_size,
             segment_keep=c.keep,
         ).config
-        if c.recompute:
-            found = guard_recompute(self.graph, found, self.platform)
-        s = _Structure(
-            c.recompute, c.segments, c.segments_label, c.piece_size, c.keep, c.keep_label
-        )
-        redone = _score(self.graph, found, s, c.forms, self.batches, self.platform)
-        redone.checked = True
-        return redone
+        return self._rescored(c, self._guard(c.recompute)(found))
 
     def _scheme(self, c: Candidate) -> Candidate:
         """A built-in scheme's candidate checked (``plan.checked_scheme``): itself, rescored
@@ -486,12 +479,16 @@ class _Check:
             return c
         if not checked.stepped:
             return c
+        return self._rescored(c, checked.config, len(checked.stepped))
+
+    def _rescored(self, c: Candidate, config: CompressionConfig, stepped: int = 0) -> Candidate:
+        """``c``'s structure and forms with the checked ``config``, scored again."""
         s = _Structure(
             c.recompute, c.segments, c.segments_label, c.piece_size, c.keep, c.keep_label
         )
-        redone = _score(self.graph, checked.config, s, c.forms, self.batches, self.platform)
+        redone = _score(self.graph, config, s, c.forms, self.batches, self.platform)
         redone.checked = True
-        redone.stepped = len(checked.stepped)
+        redone.stepped = stepped
         return redone
 
     def _guard(self, recompute: bool) -> Callable[[CompressionConfig], CompressionConfig]:

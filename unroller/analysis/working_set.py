@@ -14,6 +14,7 @@ go before another move (segments in pieces, which shrink the working set itself)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 from unroller.analysis.memory import Event, Simulation, simulate_graph
 from unroller.compiler.graph import Graph
@@ -35,11 +36,7 @@ class WorkingSetBound:
 
 def _most(simulation: Simulation) -> tuple[int, Event]:
     """The most any statement holds beside the stash, and that statement."""
-    return max(((e.during_bytes - e.stash_bytes, e) for e in simulation.events), key=_first)
-
-
-def _first(item: tuple[int, Event]) -> int:
-    return item[0]
+    return max(((e.during_bytes - e.stash_bytes, e) for e in simulation.events), key=itemgetter(0))
 
 
 def working_set_bound(

@@ -531,7 +531,7 @@ def cpu_path_state() -> tuple[bool, bool, bool, int]:  # unroller-lint: host-onl
     allocates: the native kernels available and on, host shortcuts, the IPU-safe
     formulation, torch's thread count. A measurement of a codec (its working memory) holds
     for the state it was taken in."""
-    native = native_path(torch.empty(0)) is not None
+    native = native_path() is not None
     return native, _HOST_SHORTCUTS, IPU_SAFE, torch.get_num_threads()
 
 
