@@ -25,6 +25,9 @@ default):
   and 16 -> 32); time, the predicted ratio (``step_time.predict_time``) at the first
   pair's larger batch. Among the plans within the limit, the least bytes per sample wins; plans
   within ``TIE`` of it count as equal, and then the least lossy forms, then the fastest.
+  "Within the limit" keeps the time model's margin (``StepCosts.margin``, its median
+  under-prediction on measured steps) under it: the plan that wins is the one nearest the
+  limit among hundreds, so an error of a few hundredths decides whether it measures over.
 - **checked**: the winner's lossy forms are checked per parameter on the probe step
   (``probe.parameters_over``: a gradient error of ``AUTO_PARAM_ERROR`` or more that is
   also over the gradient's sampling noise at the probe's batch). The planner's forms that
@@ -61,7 +64,7 @@ from unroller.analysis.plan import (
     segment_pool,
 )
 from unroller.analysis.recompute_guard import guard_recompute
-from unroller.analysis.step_time import StepTime, predict_time
+from unroller.analysis.step_time import StepTime, costs, predict_time
 from unroller.compiler.graph import Graph
 from unroller.compiler.options import DEFAULT_TIME_RATIO
 from unroller.compiler.platforms import platform as get_platform
@@ -153,15 +156,20 @@ class Search:
     chosen: Candidate
     dropped: list[str] = field(default_factory=list)  # structures over the limit unplanned
     notes: list[str] = field(default_factory=list)
+    held: float | None = None  # the predicted ratio plans are held to (the limit less margin)
 
     def why(self) -> str:
         """One sentence: why the chosen plan won."""
         c = self.chosen
-        within = [x for x in self.candidates if x.ratio <= self.max_time_ratio and not x.rejected]
+        held = self.max_time_ratio if self.held is None else self.held
+        within = [x for x in self.candidates if x.ratio <= held and not x.rejected]
+        margin = ""
+        if held < self.max_time_ratio:
+            margin = f" (predicted at most {held:.2f}x: the time model's margin kept)"
         return (
             f"least predicted bytes per sample ({c.bytes_per_sample:,.0f}) of the "
             f"{len(within)} plans predicted within {self.max_time_ratio}x the uncompressed "
-            f"step's time (this one {c.ratio:.2f}x), of {len(self.candidates)} scored"
+            f"step's time{margin} (this one {c.ratio:.2f}x), of {len(self.candidates)} scored"
         )
 
 
@@ -211,7 +219,8 @@ def search(
     of a config's step, tried on the best plans in turn until one is within the limit."""
     batches = tuple(batches)
     b2 = batches[1]
-    structures, dropped = _structures(graph, max_time_ratio, b2, recompute, segments, pieces)
+    held = held_ratio(max_time_ratio)
+    structures, dropped = _structures(graph, held, b2, recompute, segments, pieces)
     scored: list[Candidate] = []
     seen: set[str] = set()
     for s in structures:
@@ -227,9 +236,17 @@ def search(
         s = _Structure(False, (), "none", 0)
         scored.append(_score(graph, config_of({}), s, "none", batches, platform))
     check = _Check(graph, probe, batches, platform, label, build)
-    chosen, notes = _choose(check, scored, max_time_ratio, measure)
-    _rank(scored, max_time_ratio)
-    return Search(max_time_ratio, batches, scored, chosen, dropped, notes)
+    chosen, notes = _choose(check, scored, held, max_time_ratio, measure)
+    _rank(scored, held)
+    return Search(max_time_ratio, batches, scored, chosen, dropped, notes, held)
+
+
+def held_ratio(limit: float, margin: float | None = None) -> float:
+    """The predicted time ratio plans are held to under ``limit``: the limit less the time
+    model's margin (``step_time.costs().margin``), but never below 1 where the limit is
+    not (the uncompressed step's structures stay within)."""
+    margin = costs().margin if margin is None else margin
+    return max(min(limit, 1.0), limit - margin)
 
 
 def _structures(
@@ -500,16 +517,17 @@ class _Check:
 def _choose(
     check: _Check,
     scored: list[Candidate],
+    held: float,
     limit: float,
     measure: Callable[[CompressionConfig], float] | None,
 ) -> tuple[Candidate, list[str]]:
-    """The best plan whose lossy forms pass the check and, with ``measure``, whose measured
-    time is within the limit (at most ``MEASURED_TRIES`` timed; none within: the fastest
-    timed), with notes on what gave way."""
+    """The best plan (predicted within ``held``) whose lossy forms pass the check and, with
+    ``measure``, whose measured time is within ``limit`` (at most ``MEASURED_TRIES``
+    timed; none within: the fastest timed), with notes on what gave way."""
     notes: list[str] = []
     timed: list[Candidate] = []
     for _ in range(3 * len(scored) + MEASURED_TRIES):
-        _rank(scored, limit)
+        _rank(scored, held)
         left = [c for c in scored if not c.rejected and c.measured_ratio is None]
         if not left:
             break
@@ -517,7 +535,7 @@ def _choose(
         if not top.checked:
             scored[scored.index(top)] = check(top)
             continue
-        if measure is None or top.ratio > limit or len(timed) >= MEASURED_TRIES:
+        if measure is None or top.ratio > held or len(timed) >= MEASURED_TRIES:
             break
         top.measured_ratio = measure(top.config)
         timed.append(top)

@@ -69,6 +69,9 @@ class StepCosts:
     #: per piece size measured, the seconds per op and extra piece (``piece_op_s`` where
     #: none): small pieces run their kernels less efficiently as well as more often
     piece_op_by_size: dict[int, float] = field(default_factory=dict)
+    #: the model's typical under-prediction of a time ratio, measured against steps
+    #: (``benchmarks.step_costs``): the headroom ``auto`` keeps under its limit
+    margin: float = 0.0
 
     def piece_op(self, size: int) -> float:
         """Seconds per op and extra piece for pieces of ``size`` samples: the measured
@@ -104,6 +107,7 @@ def costs() -> StepCosts:
         piece_op_by_size={
             int(k): float(v) * 1e-6 for k, v in data.get("piece_op_us_by_size", {}).items()
         },
+        margin=float(data.get("time_margin", 0.0)),
     )
 
 

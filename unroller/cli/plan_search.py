@@ -118,7 +118,7 @@ def render(found: Any, measured_bytes: float | None, bound: Any = None) -> str:
     )
     if found.dropped:
         lines.append(
-            f"not planned: {len(found.dropped)} more, over {found.max_time_ratio}x with no "
+            f"not planned: {len(found.dropped)} more, over {found.held:.2f}x with no "
             f"codec already (e.g. {found.dropped[0]})"
         )
     lines.append(f"chosen: {found.chosen.label}: {found.why()}")
