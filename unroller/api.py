@@ -111,6 +111,7 @@ def simulate(text: str, options: Options, batch_size: int, label: str = "<model>
         options.platform,
         segment_pieces=options.segment_pieces,
         segment_piece_size=options.segment_piece_size,
+        update_in_backward=options.update_in_backward,
     )
 
 

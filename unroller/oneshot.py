@@ -16,6 +16,15 @@ original's parameters trains both.
     step = unroller.unroll(hf_model, batch)        # batch = dict(input_ids=..., labels=...)
     out = step(**batch)                            # the model's own loss: out.loss, out.logits
 
+    step = unroller.unroll(net, (x,), y, optimizer=opt)  # the optimizer steps in the backward
+    for x, y in batches:
+        loss = step(x, y)                          # parameters updated, no .grad left
+
+With ``optimizer=`` (``unroller.runtime.in_backward``) each parameter is updated as soon
+as its gradient is final and the gradient freed, so the whole network's gradients are
+never alive at once; the result is ``loss.backward(); opt.step(); opt.zero_grad()``'s,
+and ``accumulate=k`` updates in every k-th step's backward.
+
 The step follows the module as a drop-in would: its train/eval mode (and each batch norm's
 own flag: a frozen-BN fine-tune, the model in train mode with its batch norms in eval, gets
 eval-mode batch norm's gradient), ``torch.no_grad``, parameters replaced or frozen after
@@ -26,6 +35,7 @@ original, one float64 step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -42,6 +52,7 @@ from unroller.compiler.precision import AUTOCAST_MATCH
 from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
 from unroller.runtime.common import keep_predictions
+from unroller.runtime.in_backward import UPDATER_ATTR, InBackward, InBackwardError
 
 
 def cache_dir() -> Path:
@@ -148,9 +159,17 @@ class Unrolled(torch.nn.Module):
     with ``labels``) returns a ``StepOutput``; ``predict(*inputs)`` evaluates. ``model``,
     ``source``, ``source_path`` and ``text`` are those of the last specialisation used."""
 
-    def __init__(self, original: torch.nn.Module, how: _How, key: tuple, spec: _Spec):
+    def __init__(
+        self,
+        original: torch.nn.Module,
+        how: _How,
+        key: tuple,
+        spec: _Spec,
+        updater: InBackward | None = None,
+    ):
         super().__init__()
         object.__setattr__(self, "_original", original)  # not a submodule: no second state
+        object.__setattr__(self, "_updater", updater)  # the optimizer in the backward
         self._how = how
         self._specs: OrderedDict[tuple, _Spec] = OrderedDict({key: spec})
         self._last = spec
@@ -177,6 +196,12 @@ class Unrolled(torch.nn.Module):
 
     def stash_report(self) -> dict:
         return self.model.stash_report()
+
+    @property
+    def optimizer_in_backward(self) -> InBackward | None:
+        """The updater of ``unroll(..., optimizer=)`` (its ``updates`` counts the optimizer
+        steps taken in backwards), or None."""
+        return self._updater
 
     def predict(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self._spec_for(self._named(inputs), None, "train").model.predict(*inputs)
@@ -287,7 +312,8 @@ class Unrolled(torch.nn.Module):
 
         spec = self._spec_for(inputs, target, "train", how)
         if training and _train_only(spec.built.graph):
-            with torch.inference_mode(False), torch.no_grad():
+            paused = self._updater.paused() if self._updater else contextlib.nullcontext()
+            with torch.inference_mode(False), torch.no_grad(), paused:
                 params = [p for p in self._original.parameters()]
                 grads = [p.grad for p in params]
                 for p in params:
@@ -322,6 +348,8 @@ class Unrolled(torch.nn.Module):
             stepcache.share(spec.model, self._original)
             spec.shared = self._snap
         spec.follow_modes(self._original)
+        if self._updater is not None:
+            object.__setattr__(spec.model, UPDATER_ATTR, self._updater)
         self._last = spec
         return spec
 
@@ -444,6 +472,10 @@ def unroll(
     name: str | None = None,
     directory: str | Path | None = None,
     logits: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    accumulate: int = 1,
+    clip_grad_value: float | None = None,
+    clip_grad_norm: float | None = None,
     **settings: Any,
 ) -> Unrolled:
     """``module``'s training step, generated with ``scheme`` (or ``options``), sharing its
@@ -458,9 +490,28 @@ def unroll(
     validated as the command line validates its flags. ``logits=False``: ``step(**batch)``
     returns ``.logits`` None, and the step holds no prediction through its backward (what a
     training loop that reads the loss alone wants: a causal LM's logits are vocabulary x
-    tokens per sample); a positional call, which returns the loss alone, never holds one."""
+    tokens per sample); a positional call, which returns the loss alone, never holds one.
+
+    ``optimizer``: a ``torch.optim`` optimizer over the module's parameters, stepped in the
+    backward (``unroller.runtime.in_backward``): each parameter updated once its gradient
+    is final, the gradient freed; ``accumulate``: steps (micro-batches) per update;
+    ``clip_grad_value``: each gradient clamped to that value before its update;
+    ``clip_grad_norm`` (global-norm clipping) is refused with ``optimizer=``: it needs every
+    gradient before the first update."""
     from unroller.importer.hf_batch import batch_plan
 
+    if clip_grad_norm is not None:
+        raise InBackwardError(
+            "unroll: clip_grad_norm= scales every gradient by the norm of all of them, which "
+            "is known only once the whole backward has run, after the updates in it; use "
+            "clip_grad_value= (each gradient clamped alone before its update), or leave "
+            "optimizer= out and clip before opt.step() as usual"
+        )
+    if optimizer is None and (accumulate != 1 or clip_grad_value is not None):
+        raise InBackwardError(
+            "unroll: accumulate= and clip_grad_value= are for the optimizer in the backward: "
+            "give optimizer= (without it, accumulate gradients in .grad as usual)"
+        )
     module = _peft_base(module)
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
@@ -479,6 +530,13 @@ def unroll(
         named = dict(inputs)
     else:
         named = {f"x{i}": t for i, t in enumerate(inputs)}
+    updater = None
+    if optimizer is not None:
+        updater = InBackward(module, optimizer, accumulate, clip_grad_value)
+        if options is not None:
+            options = dataclasses.replace(options, update_in_backward=True)
+        else:
+            settings["update_in_backward"] = True
     how = _How(
         loss or "cross_entropy",
         from_keywords(options, scheme, settings),
@@ -489,9 +547,17 @@ def unroll(
         plan,
         logits,
     )
+    if updater is not None and how.options.precision == "fp16-mixed":
+        raise InBackwardError(
+            "unroll: optimizer= with precision='fp16-mixed': a GradScaler's step checks every "
+            "gradient for infs before any update; use 'bf16-mixed', or step as usual"
+        )
     spec = _make_spec(module, how, named, target, "train")  # the eval variant on demand
     key = (stepcache.signature(named, target), "train", how.options.precision)
-    return Unrolled(module, how, key, spec)
+    unrolled = Unrolled(module, how, key, spec, updater)
+    if updater is not None:
+        object.__setattr__(spec.model, UPDATER_ATTR, updater)
+    return unrolled
 
 
 def _peft_base(module: torch.nn.Module) -> torch.nn.Module:

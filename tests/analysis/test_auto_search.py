@@ -85,9 +85,7 @@ def _within(found: Search) -> list[Candidate]:
     """The plans the search may choose from, in its order: within the limit, and not ruled
     out by their gradient errors (``rejected``: a built-in scheme's forms that failed)."""
     return [
-        c
-        for c in found.candidates
-        if c.ratio <= found.held and not getattr(c, "rejected", False)
+        c for c in found.candidates if c.ratio <= found.held and not getattr(c, "rejected", False)
     ]
 
 
@@ -367,9 +365,7 @@ def test_a_margin_moves_the_choice_under_the_limit(monkeypatch):
     plain = search(_graph("gpt_tiny"), _probe("gpt_tiny"), 1.2)
     _premise(plain.chosen.ratio > 1.02, "without a margin the choice is slower than 1.02")
     margin = 1.2 - plain.chosen.ratio + 0.01
-    monkeypatch.setattr(
-        search_module, "costs", lambda: dataclasses.replace(costs(), margin=margin)
-    )
+    monkeypatch.setattr(search_module, "costs", lambda: dataclasses.replace(costs(), margin=margin))
     found = search(_graph("gpt_tiny"), _probe("gpt_tiny"), 1.2)
     assert found.held == pytest.approx(1.2 - margin)
     assert found.chosen.ratio <= found.held < plain.chosen.ratio

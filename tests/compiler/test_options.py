@@ -39,6 +39,7 @@ VALID: dict[str, dict[str, object]] = {
     "segment_piece_size": {"recompute_segments": ("u1",), "segment_piece_size": 2},
     "segment_keep": {"recompute_segments": ("blocks",), "segment_keep": ("matmuls", "u1.*")},
     "data_parallel": {"data_parallel": True, "bucket_bytes": 4096},
+    "update_in_backward": {"update_in_backward": True},
     "bucket_bytes": {"bucket_bytes": 1},
     "pipeline": {"pipeline": 8, "stage_starts": ("d",)},
     "precision": {"precision": "bf16-mixed"},

@@ -438,3 +438,42 @@ def test_an_unknown_precision_is_a_training_error(tmp_path):
     config = TrainConfig(model=write_model(tmp_path, CLASSIFIER), precision="fp8")
     with pytest.raises(TrainError, match="unknown precision 'fp8'"):
         config.validate()
+
+
+def test_update_in_backward_trains_as_the_plain_run_and_resumes_exactly(tmp_path):
+    """``--update-in-backward``: the optimizer (SGD with momentum and weight decay) steps
+    inside the backward; two epochs give the plain run's metrics and weights (the same
+    updates, in float32 bit for bit), the generated file says so, and a run cut after its
+    first epoch resumes to the same end (the optimizer's checkpointed state is the plain
+    run's)."""
+    config = stochastic_config(tmp_path, epochs=2)
+    plain = train(config, tmp_path / "plain", progress=False, log=quiet)
+    updating = TrainConfig(**{**config.to_dict(), "update_in_backward": True})
+    full = train(updating, tmp_path / "full", progress=False, log=quiet)
+    assert "K.update_params" in (tmp_path / "full" / "model.py").read_text()
+    assert without_times(full.history) == without_times(plain.history)
+    a = load_checkpoint(tmp_path / "plain" / "checkpoint.pt")
+    b = load_checkpoint(tmp_path / "full" / "checkpoint.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    with pytest.raises(Interrupt):
+        train(updating, tmp_path / "cut", progress=False, log=stop_after_first_epoch)
+    resumed = train(
+        updating,
+        tmp_path / "cut",
+        resume=tmp_path / "cut" / "checkpoint.pt",
+        progress=False,
+        log=quiet,
+    )
+    assert without_times(resumed.history) == without_times(full.history)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [("nproc_per_node", 2, "--nproc-per-node"), ("precision", "fp16-mixed", "GradScaler")],
+)
+def test_update_in_backward_refuses_what_it_cannot_combine_with(tmp_path, field, value, message):
+    config = TrainConfig(
+        model=write_model(tmp_path, CLASSIFIER), update_in_backward=True, **{field: value}
+    )
+    with pytest.raises(TrainError, match=message):
+        config.validate()

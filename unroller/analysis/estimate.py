@@ -331,8 +331,10 @@ class GpuEstimate:
         return asdict(self)
 
 
-def _gpu_total(graph: Graph, config: Any, batch: int, state: int) -> tuple[int, int]:
-    sim = simulate_graph(graph, config, batch, "gpu")
+def _gpu_total(
+    graph: Graph, config: Any, batch: int, state: int, update_in_backward: bool = False
+) -> tuple[int, int]:
+    sim = simulate_graph(graph, config, batch, "gpu", update_in_backward=update_in_backward)
     inputs = sum(_bytes(v.type, batch) for v in graph.inputs)
     return state + inputs + sim.peak_bytes, sim.peak_bytes
 
@@ -347,7 +349,8 @@ def estimate_gpu(
 ) -> GpuEstimate:
     """The largest batch whose predicted total fits ``device_bytes``: the weights and
     buffers, ``optimizer_states`` buffers per parameter (SGD momentum 1, Adam 2), the batch,
-    and the memory model's step peak (activations, stash, gradients, ``.grad``). Searched
+    and the memory model's step peak (activations, stash, gradients, ``.grad``; with
+    ``options.update_in_backward`` each ``.grad`` freed at its update). Searched
     up to ``limit`` (default ``SEARCH_CEILING``); reaching it sets ``max_batch_at_least``.
     ``config``: see ``resolved``."""
     limit = SEARCH_CEILING if limit is None else limit
@@ -364,6 +367,7 @@ def estimate_gpu(
     )
     buffers = sum(p.nbytes() for n in owners for p in n.buffers if p.present)
     state = params + buffers + optimizer_states * trained
-    lo = _largest(lambda b: _gpu_total(graph, config, b, state)[0] <= device_bytes, limit)
-    total, peak = _gpu_total(graph, config, lo, state) if lo else (state, 0)
+    updates = options.update_in_backward
+    lo = _largest(lambda b: _gpu_total(graph, config, b, state, updates)[0] <= device_bytes, limit)
+    total, peak = _gpu_total(graph, config, lo, state, updates) if lo else (state, 0)
     return GpuEstimate(options.scheme, device_bytes, state, lo, total, peak, lo >= limit)

@@ -63,6 +63,7 @@ from unroller.compiler.ir import (
     Do,
     Layer,
     Step,
+    TupleExpr,
     Var,
     called_name,
     walk,
@@ -306,10 +307,14 @@ def simulate_graph(
     kernel_scale: float = 1.0,
     segment_pieces: int = 1,
     segment_piece_size: int = 0,
+    update_in_backward: bool = False,
 ) -> Simulation:
     """The memory model of the step the code generator emits for ``graph`` and ``config``
     (``segment_pieces``: the recomputed segments in that many pieces of the batch;
-    ``segment_piece_size``: in pieces of at most that many samples instead).
+    ``segment_piece_size``: in pieces of at most that many samples instead;
+    ``update_in_backward``: the step of ``--update-in-backward`` with an optimizer attached,
+    each ``.grad`` freed at its update, which holds ``UPDATE_BUFFERS`` parameter-sized
+    buffers while it runs).
 
     ``kernel_scale`` multiplies the kernels' working memory (the registry's ``workspace``:
     measured on one CPU, where another CPU's oneDNN may pick another algorithm with other
@@ -321,7 +326,13 @@ def simulate_graph(
     def observe(step: Step, node: Node) -> None:
         made[id(step)] = node
 
-    lowering = Lowering(graph, plan, get_platform(platform), observer=observe)
+    lowering = Lowering(
+        graph,
+        plan,
+        get_platform(platform),
+        observer=observe,
+        update_in_backward=update_in_backward,
+    )
     steps = lowering.training_steps()
     return _run(steps, made, lowering, batch_size, kernel_scale)
 
@@ -528,6 +539,8 @@ def _statement(
         return 0, 0
     if isinstance(statement, Do):
         func = called_name(statement.value)
+        if func == UPDATE_CALL:
+            return _updated(statement.value, heap, first_grad)
         if func not in ACCUMULATORS or node is None:
             return 0, 0
         added = 0
@@ -538,9 +551,9 @@ def _statement(
                 first_grad.add(key)  # a tied parameter has one .grad
                 grad = heap.storage_of.get(value.name) if isinstance(value, Var) else None
                 if func == "K.accumulate_fresh" and grad is not None:
-                    heap.bind(f".grad:{param.key}", grad)  # the gradient itself: lives on
+                    heap.bind(f".grad:{key}", grad)  # the gradient itself: lives on
                 else:
-                    heap.new(param.nbytes())  # .grad, a copy: lives past the step
+                    heap.bind(f".grad:{key}", heap.new(param.nbytes()))  # a copy: lives on
                 added += param.nbytes()
         return added, 0
     if not isinstance(statement, Assign):
@@ -599,9 +612,38 @@ def _new_grads(params: list, node: Node, heap: _Heap, first_grad: set[str]) -> i
         key = node.ties.get(param.name, param.key)
         if param.trainable and key not in first_grad:
             first_grad.add(key)
-            heap.new(param.nbytes())
+            heap.bind(f".grad:{key}", heap.new(param.nbytes()))
             added += param.nbytes()
     return added
+
+
+UPDATE_CALL = "K.update_params"
+UPDATE_BUFFERS = 2
+"""Parameter-sized buffers an optimizer's update holds while it runs, of the largest
+parameter it updates: AdamW's single-tensor step (the CPU default) makes two for its
+denominator, one parameter at a time (measured: a step of three 512 x 512 layers); plain
+SGD makes none, SGD with momentum or weight decay one, Adam with weight decay three, and a
+``foreach`` step (the CUDA default) these for all the parameters of the call at once."""
+
+
+def _updated(call: CallExpr, heap: _Heap, first_grad: set[str]) -> tuple[int, int]:
+    """``K.update_params(L, names)``: each named ``.grad`` freed (minus its bytes from the
+    parameter gradients held) and its name forgotten, so that a later step's first
+    gradient makes it again; while the update runs, those gradients (freed after the
+    optimizer's step) and its buffers."""
+    freed = largest = 0
+    names = call.args[1].items if isinstance(call.args[1], TupleExpr) else ()
+    for name in names:
+        key = name.name
+        storage = heap.storage_of.get(f".grad:{key}")
+        if storage is None:
+            continue
+        size = heap.size[storage]
+        largest = max(largest, size)
+        heap.unbind(f".grad:{key}")
+        first_grad.discard(key)
+        freed += size
+    return -freed, freed + UPDATE_BUFFERS * largest
 
 
 def _transient_of(

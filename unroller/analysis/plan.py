@@ -304,6 +304,7 @@ def make_plan(
     segment_piece_size: int = 0,
     ceilings: dict[str, float] | None = None,
     segment_keep: tuple[str, ...] = (),
+    update_in_backward: bool = False,
 ) -> MemoryPlan:
     """The least-error assignment whose predicted peak fits ``budget`` (None: the least
     peak reachable, then the least error at that peak + ``AUTO_SLACK``); ``recompute``: the
@@ -313,12 +314,19 @@ def make_plan(
     pieces of at most that many samples (``--segment-piece-size``), planned so, and
     ``segment_keep`` their statements not run again; ``ceilings``: per tensor, candidates
     whose round trip is at or above this are ruled out (what ``checked_plan`` sets for a
-    tensor that gave a parameter too large an error)."""
+    tensor that gave a parameter too large an error); ``update_in_backward``: the peaks
+    are those of the step that updates each parameter in its backward and frees its
+    gradient (``--update-in-backward``, an optimizer attached)."""
     ceilings = ceilings or {}
     choosing = SEGMENT_AUTO in segments
     pool = segment_pool(graph, batch_size) if choosing else []
     chosen: list[str] = []  # of the pool, recomputed so far
     fixed = () if choosing else tuple(segments)
+
+    def simulate(config: CompressionConfig):
+        return simulate_graph(
+            graph, config, batch_size, platform, update_in_backward=update_in_backward
+        )
 
     def config_now(assign_now: dict[str, Choice]) -> CompressionConfig:
         picked = tuple(name for name, _, _ in pool if name in chosen) if choosing else fixed
@@ -344,13 +352,13 @@ def make_plan(
         options[s.key] = sorted(found, key=lambda o: -o[1])  # largest (raw) first
         sens[s.key] = _sensitivity(graph, s, norms, upstream)
     by_key = {s.key: s for s in units}
-    nocompress = simulate_graph(graph, CompressionConfig(), batch_size, platform)
+    nocompress = simulate(CompressionConfig())
     notes = []
     if budget is None:
         smallest = {k: min(o, key=lambda c: c[1])[0] for k, o in options.items()}
         every = tuple(name for name, _, _ in pool) if choosing else fixed
         least_config = config_of(smallest, recompute, every, segment_piece_size, segment_keep)
-        least = simulate_graph(graph, least_config, batch_size, platform)
+        least = simulate(least_config)
         budget_used = int(least.peak_bytes * AUTO_SLACK)
         notes.append(
             f"budget: the least peak any plan reaches ({least.peak_bytes} bytes) " f"x {AUTO_SLACK}"
@@ -360,7 +368,7 @@ def make_plan(
     assign = {k: options[k][0] for k in options}  # raw
     sim = nocompress
     if recompute or fixed:
-        sim = simulate_graph(graph, config_now({}), batch_size, platform)
+        sim = simulate(config_now({}))
     while sim.peak_bytes > budget_used:
         excess = sim.peak_bytes - budget_used
         moves = []  # (tier, cost, key or segment, new form or None, bytes saved)
@@ -390,7 +398,7 @@ def make_plan(
             saved += gain
             if saved >= excess:
                 break
-        sim = simulate_graph(graph, config_now(_labels(assign)), batch_size, platform)
+        sim = simulate(config_now(_labels(assign)))
     fits = sim.peak_bytes <= budget_used
     if not fits:
         notes.append(

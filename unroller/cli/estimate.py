@@ -19,9 +19,10 @@ from unroller.cli.options import (
     PrecisionOpt,
     RecomputeOpt,
     ResolutionOpt,
+    UpdateInBackwardOpt,
     value_of,
 )
-from unroller.cli.target import checked
+from unroller.cli.target import checked, make_options
 from unroller.compiler.platforms import platform as get_platform
 from unroller.compiler.schemes import SCHEMES
 from unroller.errors import ConfigError, ModelError
@@ -103,6 +104,7 @@ def estimate(
     ] = "sgd",
     compress_config: ConfigOpt = None,
     recompute: RecomputeOpt = False,
+    update_in_backward: UpdateInBackwardOpt = False,
     resolution: ResolutionOpt = None,
     precision: PrecisionOpt = DEFAULT_PRECISION,
     fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
@@ -115,7 +117,8 @@ def estimate(
     roofline of FLOPs and bytes with the bandwidths as named parameters (unroller/analysis/estimate.py);
     the ratios against nocompress, on the same IPUs and on one, are the figures to read.
     GPU: the largest batch whose predicted total (weights, optimizer state, batch, the memory
-    model's step peak) fits --device-memory.
+    model's step peak) fits --device-memory; with --update-in-backward the step frees each
+    gradient at its update (no full gradient set).
 
     Examples: unroll estimate benchmarks/models/emdenoise.txt --platform ipu --ipus 2
     --batch-size 8 --scheme dct-dense;
@@ -129,6 +132,8 @@ def estimate(
         raise fail(f"unknown format '{fmt}' (table or json)")
     if optimizer not in ("sgd", "adam"):
         raise fail(f"unknown optimizer '{optimizer}' (sgd or adam)")
+    if update_in_backward:  # refused where the platform's step cannot update (status 2)
+        make_options({"platform": platform, "update_in_backward": True})
     if ipus not in (1, 2, 4):
         raise fail("--ipus must be 1, 2 or 4")
     names = _schemes(scheme)
@@ -152,6 +157,7 @@ def estimate(
             num_ipus=k,
             resolution=resolution,
             recompute=recompute,
+            update_in_backward=update_in_backward,
             precision=precision,
         )
 

@@ -100,6 +100,7 @@ CLI_TYPES: dict[str, tuple[Any, dict[str, Any]]] = {
     "segment_keep": (str | None, {}),
     "max_time_ratio": (float, {}),
     "data_parallel": (bool, {}),
+    "update_in_backward": (bool, {}),
     "pipeline": (int, {}),
 }
 
@@ -154,6 +155,7 @@ PrecisionsOpt = Annotated[
 ]
 ConfigOpt = field_option("compress_config")
 RecomputeOpt = field_option("recompute")
+UpdateInBackwardOpt = field_option("update_in_backward")
 RecomputeSegmentsOpt = field_option("recompute_segments")
 SegmentPieceSizeOpt = field_option("segment_piece_size")
 ResolutionOpt = field_option("resolution")

@@ -23,6 +23,7 @@ from unroller.cli.options import (
     RecomputeSegmentsOpt,
     ResolutionOpt,
     SegmentPieceSizeOpt,
+    UpdateInBackwardOpt,
     parse_segments,
     value_of,
 )
@@ -116,6 +117,7 @@ def plan(
     recompute_segments: RecomputeSegmentsOpt = None,
     segment_piece_size: SegmentPieceSizeOpt = 0,
     max_time_ratio: MaxTimeRatioOpt = None,
+    update_in_backward: UpdateInBackwardOpt = False,
     output: OutOpt = None,
     force: ForceOpt = False,
     mkdir: MkdirOpt = False,
@@ -136,6 +138,9 @@ def plan(
 
     With --max-time-ratio R it searches as --scheme auto does (--batch-size B: bytes per
     sample between B/2 and B) and writes the chosen plan's config.
+
+    With --update-in-backward the peaks are those of the step that updates each parameter
+    in its backward and frees its gradient (generate with --update-in-backward too).
     """
     from unroller.api import load_graph, source_label
     from unroller.bench.options import parse_bytes
@@ -149,6 +154,16 @@ def plan(
     if max_time_ratio is not None:
         checked("max_time_ratio", max_time_ratio)
         _refuse_with_search(memory_budget, max_error, segment_piece_size)
+        if update_in_backward:
+            raise fail(
+                "--max-time-ratio scores bytes per sample, which gradients do not add to: "
+                "--update-in-backward changes nothing there (give a --memory-budget instead)"
+            )
+    if update_in_backward and measure:
+        raise fail(
+            "--measure times the planned module without an optimizer attached: not with "
+            "--update-in-backward yet"
+        )
     budget = None
     if memory_budget.strip().lower() != "min":
         try:
@@ -201,6 +216,7 @@ def plan(
             recompute=recompute,
             segments=segments,
             segment_piece_size=segment_piece_size,
+            update_in_backward=update_in_backward,
         )
     except ModelError as exc:  # a segment the model does not have, or cannot recompute
         raise model_error(exc, model) from None

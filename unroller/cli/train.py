@@ -155,6 +155,14 @@ def train(
         bool,
         typer.Option("--sync-bn", help="Data parallel: batch norm over the whole batch."),
     ] = False,
+    update_in_backward: Annotated[
+        bool,
+        typer.Option(
+            "--update-in-backward",
+            help="Step the optimizer inside the backward, each parameter as soon as its "
+            "gradient is final, freeing the gradient (one process; not with fp16-mixed).",
+        ),
+    ] = False,
     force: Annotated[
         bool,
         typer.Option(
@@ -183,6 +191,7 @@ def train(
         seed=seed,
         nproc_per_node=nproc_per_node,
         sync_bn=sync_bn,
+        update_in_backward=update_in_backward,
     )
     if out is None and resume is not None:
         out = resume.parent

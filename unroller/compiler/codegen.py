@@ -200,7 +200,15 @@ def render(
     pipeline = _split_stages(graph, plan, target, options)
     staged = pipeline is not None and pipeline.num_ipus > 1
     _check_staged(plan, target, options, staged)
-    lowering = Lowering(graph, plan, target, pipeline, options.data_parallel, options.bucket_bytes)
+    lowering = Lowering(
+        graph,
+        plan,
+        target,
+        pipeline,
+        options.data_parallel,
+        options.bucket_bytes,
+        update_in_backward=options.update_in_backward,
+    )
     programs = _programs(lowering, options, pipeline, target.stage_block if staged else None)
     text = _template(target).render(
         **_module_view(graph, lowering.context, source_path, options, config, plan),
@@ -403,6 +411,7 @@ def _module_view(
         predict_args=[safe.identifier(ctx.var(v).name) for v in graph.model_inputs],
         predict_targets=_targets([safe.identifier(ctx.var(v).name) for v in graph.model_inputs]),
         loss=safe.identifier(ctx.var(graph.loss).name),
+        updates_in_backward=ctx.update_in_backward,
         preds=[safe.identifier(ctx.var(v).name) for v in graph.preds],
         signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
         **_precision_view(graph),

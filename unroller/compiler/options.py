@@ -183,6 +183,15 @@ class Options:
         help="gpu: all-reduce gradient buckets during the backward (unroller.parallel.data); "
         "the file still trains in one process.",
     )
+    #: the optimizer step inside the backward (unroller.training.in_backward)
+    update_in_backward: bool = option(
+        False,
+        flag="--update-in-backward",
+        help="gpu: after the backward statement that makes a parameter's gradient final, "
+        "hand it to the optimizer attached to the module (unroller.training.in_backward), "
+        "which updates the parameter and frees the gradient, so the gradients of the whole "
+        "network are never alive at once; with none attached the file trains as usual.",
+    )
     #: data parallel: bucket size (None: BUCKET_BYTES, 25 MiB); not a command-line option
     bucket_bytes: int | None = option(None, flag=None)
     #: gpu: stages over processes (unroller.parallel.pipeline); 1: none
@@ -365,7 +374,7 @@ def _check_one(name: str, value: Any) -> OptionValueError | None:
         ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
         ok = ok and len(value) <= MAX_SEGMENTS
         return None if ok else refused(name, "{stage_starts=}: not node names", **{name: value})
-    if name in ("recompute", "data_parallel"):
+    if name in ("recompute", "data_parallel", "update_in_backward"):
         ok = isinstance(value, bool)
         return None if ok else refused(name, f"{{{name}=}}: not True or False", **{name: value})
     if name == "recompute_segments":
@@ -479,11 +488,31 @@ def _check_pieces(o: Options, target: Any) -> OptionValueError | None:
             return refused(name, f"{{{name}}} is not for {{platform=}}", o)
         if o.data_parallel:
             return refused(name, f"{{{name}}} and {{data_parallel}} do not combine yet")
+    if o.update_in_backward:
+        problem = _check_update(o, target)
+        if problem is not None:
+            return problem
     if o.data_parallel and target.pipelined:
         replicated = " or ".join(
             f"{{platform={p.name}}}" for p in PLATFORMS.values() if not p.pipelined
         )
         return refused("data_parallel", f"{{data_parallel}} is for {replicated}")
+    return None
+
+
+def _check_update(o: Options, target: Any) -> OptionValueError | None:
+    """The optimizer step in the backward: on a platform whose gradients accumulate into
+    ``.grad``, in one program (not with pipeline stages or data parallel, yet)."""
+    if target.grads != "accumulate" or target.pipelined:
+        return refused("update_in_backward", "{update_in_backward} is not for {platform=}", o)
+    if o.data_parallel:
+        return refused(
+            "update_in_backward", "{update_in_backward} and {data_parallel} do not combine yet"
+        )
+    if o.pipeline != 1:
+        return refused(
+            "update_in_backward", "{update_in_backward} and {pipeline} do not combine yet"
+        )
     return None
 
 

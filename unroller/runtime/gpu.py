@@ -57,6 +57,7 @@ from unroller.runtime.common import (
     _widened,
     layers,
 )
+from unroller.runtime.in_backward import updater_of as _updater_of
 from unroller.runtime.moe import moe, moe_backward, moe_layer  # noqa: F401 (gpu only)
 from unroller.runtime.opaque import aten, aten_backward  # noqa: F401, E402 (the fallback)
 
@@ -111,11 +112,23 @@ def run_step(
     if ambient is not None and ambient[1] != low:
         raise RuntimeError(_autocast_refusal(*ambient, low))
     backend = getattr(model, "compile_step", False)
+    updater = _updater_of(model)
+    if updater is not None:
+        if backend:
+            raise RuntimeError(
+                "compile=True and an optimizer in the backward do not combine yet "
+                "(unroller.runtime.in_backward): the updates would run inside the compiled graph"
+            )
+        updater.begin(scaler)
     handles = layers(model)
     extra = (scaler,) if low is not None else ()
     with torch.autocast(ambient[0], enabled=False) if ambient else contextlib.nullcontext():
         if not backend:
-            return step(model, handles, model.stash_log, *inputs, *extra)
+            try:
+                return step(model, handles, model.stash_log, *inputs, *extra)
+            finally:
+                if updater is not None:
+                    updater.end()
         for t in inputs:
             if t.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -701,6 +714,15 @@ def reduce_bucket(layers: Layers, index: int, names: tuple[str, ...]) -> None:
     reducer = reducer_of(layers)
     if reducer is not None:
         reducer.launch(index, names)
+
+
+def update_params(layers: Layers, names: tuple[str, ...]) -> None:
+    """``--update-in-backward``: the gradients of ``names`` (state-dict names) are final;
+    the optimizer attached to the model (``unroller.runtime.in_backward.attach``) updates
+    those parameters and frees the gradients. None attached: nothing."""
+    updater = _updater_of(layers[""])
+    if updater is not None:
+        updater.update(names)
 
 
 def reduce_wait(layers: Layers) -> None:

@@ -61,6 +61,7 @@ from unroller.api import (
 )
 from unroller.compiler.options import Options, check_field
 from unroller.materialize import load_file
+from unroller.runtime.in_backward import attach, updater_of
 from unroller.training.metrics import PRIMARY, MetricSet
 from unroller.training.run_folder import (
     CHECKPOINT,
@@ -130,6 +131,8 @@ class TrainConfig:
     nproc_per_node: int = 1  # data parallel: processes, each on its share of every batch
     sync_bn: bool = False  # data parallel: batch norm over the whole distributed batch
     precision: str = "fp32"  # --precision of the generated step (fp16-mixed: a GradScaler)
+    #: the optimizer stepped inside the backward (unroller.runtime.in_backward)
+    update_in_backward: bool = False
 
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -155,6 +158,16 @@ class TrainConfig:
         problem = check_field("precision", self.precision)
         if problem is not None:
             raise TrainError(problem.render("cli"))
+        if self.update_in_backward and (self.nproc_per_node > 1 or self.precision == "fp16-mixed"):
+            other = "--nproc-per-node" if self.nproc_per_node > 1 else "--precision fp16-mixed"
+            raise TrainError(
+                f"--update-in-backward and {other} do not combine: "
+                + (
+                    "the gradients are all-reduced after the backward"
+                    if self.nproc_per_node > 1
+                    else "a GradScaler's step checks every gradient before any update"
+                )
+            )
 
     def _validate_ranges(self) -> None:
         """Integers and texts within the bounds above (a checkpoint's config too)."""
@@ -690,7 +703,9 @@ def train_epoch(
             loss = _whole_batch_loss(loss * len(index), whole)
         if not math.isfinite(loss):
             return {"epoch": epoch, "lr": lr, "diverged": True, "train_loss": None, "test": None}
-        if scaler is None:
+        if updater_of(model) is not None:
+            pass  # stepped inside the backward, each parameter as its gradient was final
+        elif scaler is None:
             optimizer.step()
         else:  # unscales, skips a step whose gradients overflowed, adapts the scale
             scaler.step(optimizer)
@@ -829,6 +844,7 @@ def generate(config: TrainConfig) -> str:
         resolution=config.resolution,
         data_parallel=config.nproc_per_node > 1,
         precision=config.precision,
+        update_in_backward=config.update_in_backward,
     )
     return generate_source(config.model, options)
 
@@ -918,6 +934,8 @@ def train(
         _check_checkpoint_fits(checkpoint, resume, source_sha, data.task)
     model, reducer = _start_model(config, out, source, rank, world, device, checkpoint is None)
     optimizer = make_optimizer(config, model.parameters())
+    if config.update_in_backward:
+        attach(model, optimizer)
     scaler = make_scaler(config, device)
     history: list[dict[str, Any]] = []
     start = 1

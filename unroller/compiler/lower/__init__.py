@@ -15,6 +15,8 @@ pass a module that reads on its own:
   (``restore``), gradient sums and parameter gradients (``grads``), and a recomputed
   segment's forward again where its backward begins (``segments``);
 - ``reductions``: data-parallel gradient buckets, all-reduced as they become final;
+- ``updates``: the optimizer step in the backward (``--update-in-backward``), after the
+  run in which gradients became final (``finals`` says where each becomes final);
 - ``stages``: one program per pipeline stage (``--pipeline``), from the same pieces;
 - liveness last (``ir.release_dead``): each variable released right after its last use.
 
@@ -51,6 +53,7 @@ from .pieces import pieced_forward_pass
 from .reductions import reductions_pass
 from .resolved import ResolvedPlan, resolve
 from .stages import stage_program
+from .updates import updates_pass
 
 __all__ = [
     "Lowering",
@@ -87,6 +90,7 @@ TRAINING_PASSES: tuple[Pass, ...] = (
     hand_out_pass,
     backward_pass,
     reductions_pass,
+    updates_pass,
     release_pass,
 )
 """The training step's passes, in order."""
@@ -119,6 +123,7 @@ class Lowering:
         data_parallel: bool = False,
         bucket_bytes: int | None = None,
         observer: StepObserver | None = None,
+        update_in_backward: bool = False,
     ):
         target = get_platform(platform) if isinstance(platform, str) else platform
         plan = plan if plan is not None else plan_stash(graph, builtin("nocompress"))
@@ -130,6 +135,7 @@ class Lowering:
             data_parallel,
             bucket_bytes,
             observer,
+            update_in_backward,
         )
 
     @property

@@ -57,8 +57,10 @@ class LoweringContext:
         data_parallel: bool = False,
         bucket_bytes: int | None = None,
         observer: StepObserver | None = None,
+        update_in_backward: bool = False,
     ):
         self.graph = graph
+        self.update_in_backward = update_in_backward
         self.plan = plan
         self.platform = platform
         self.pipeline = pipeline or Pipeline(1, {})

@@ -1,0 +1,74 @@
+"""The optimizer step inside the backward (``--update-in-backward``): ``K.update_params``
+after the run of steps in which parameters' gradients became final.
+
+A run is one top-level statement, or a top-level block instance's steps (a block's
+backward is one function call in the generated code, so nothing can go between its
+statements), or a pieces loop. After the run, ``K.update_params(L, names)`` hands the
+gradients that became final in it to the optimizer attached to the module
+(``unroller.training.in_backward``), which updates those parameters and frees their
+gradients: at most one run's gradients and the not-yet-final ones are alive at once,
+never the whole network's. Without an optimizer attached the call does nothing.
+"""
+
+from __future__ import annotations
+
+from unroller.compiler.ir import CallExpr, Do, Global, ModelName, Step, TupleExpr, Var
+
+from .context import LoweringContext
+from .finals import final_after
+
+
+def updates_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
+    """Pass: ``steps`` with the updates, when the step updates in its backward."""
+    if not ctx.update_in_backward:
+        return steps
+    final = final_after(ctx, steps)
+    inside = _inside_loops(ctx, steps)
+    out: list[Step] = []
+    ready: list[str] = []
+    for i, step in enumerate(steps):
+        out.append(step)
+        ready += final.get(i, [])
+        following = steps[i + 1] if i + 1 < len(steps) else None
+        boundary = (
+            following is None
+            or i not in inside
+            and (not step.calls or following.calls[:1] != step.calls[:1])
+        )
+        if ready and boundary:
+            out.append(update_step(ready))
+            ready = []
+    return out
+
+
+def _inside_loops(ctx: LoweringContext, steps: list[Step]) -> set[int]:
+    """Indices of the steps of a pieces loop but its last: no run ends there."""
+    at = {id(step): i for i, step in enumerate(steps)}
+    found: set[int] = set()
+    for loop in ctx.piece_loops:
+        if id(loop.header) in at and id(loop.last) in at:
+            found.update(range(at[id(loop.header)], at[id(loop.last)]))
+    return found
+
+
+def update_step(keys: list[str]) -> Step:
+    names = tuple(ModelName(k) for k in keys)
+    return Step(
+        "backward",
+        [Do(CallExpr(Global("K.update_params"), (Var("L"), TupleExpr(names))))],
+        comment=f"update in the backward: {_shown(keys)}",
+    )
+
+
+def _shown(keys: list[str]) -> str:
+    """The keys in a comment: one or two by name, more by the block they share
+    (``layers.1.* (12 parameters)``)."""
+    if len(keys) <= 2:
+        return ", ".join(keys)
+    common = []
+    for parts in zip(*(k.split(".")[:-1] for k in keys)):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    where = ".".join(common) + ".*" if common else "the model"
+    return f"{where} ({len(keys)} parameters)"
