@@ -40,6 +40,7 @@ VALID: dict[str, dict[str, object]] = {
     "segment_keep": {"recompute_segments": ("blocks",), "segment_keep": ("matmuls", "u1.*")},
     "data_parallel": {"data_parallel": True, "bucket_bytes": 4096},
     "update_in_backward": {"update_in_backward": True},
+    "shard": {"shard": True},
     "bucket_bytes": {"bucket_bytes": 1},
     "pipeline": {"pipeline": 8, "stage_starts": ("d",)},
     "precision": {"precision": "bf16-mixed"},

@@ -43,7 +43,7 @@ def emit(model: Path, options: Options, label: str | None = None) -> str:
         raise config_error(exc) from None
 
 
-@with_options(*TARGET_OPTIONS, "data_parallel", "update_in_backward", "pipeline")
+@with_options(*TARGET_OPTIONS, "data_parallel", "update_in_backward", "shard", "pipeline")
 def generate(
     model: ModelArg,
     output: Annotated[

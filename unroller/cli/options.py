@@ -101,6 +101,7 @@ CLI_TYPES: dict[str, tuple[Any, dict[str, Any]]] = {
     "max_time_ratio": (float, {}),
     "data_parallel": (bool, {}),
     "update_in_backward": (bool, {}),
+    "shard": (bool, {}),
     "pipeline": (int, {}),
 }
 

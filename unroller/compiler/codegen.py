@@ -53,7 +53,7 @@ from unroller.compiler.platforms import platform as get_platform
 from unroller.compiler.precision import DEFAULT as PRECISION_DEFAULT
 from unroller.compiler.precision import get as get_precision
 from unroller.compiler.schemes import CompressionConfig
-from unroller.compiler.stash import StashPlan, plan_stash, wire_codec
+from unroller.compiler.stash import StashPlan, block_instances, plan_stash, wire_codec
 from unroller.errors import ModelError
 from unroller.resources import resource_dir
 
@@ -208,6 +208,7 @@ def render(
         options.data_parallel,
         options.bucket_bytes,
         update_in_backward=options.update_in_backward,
+        shard=options.shard,
     )
     programs = _programs(lowering, options, pipeline, target.stage_block if staged else None)
     text = _template(target).render(
@@ -412,6 +413,11 @@ def _module_view(
         predict_targets=_targets([safe.identifier(ctx.var(v).name) for v in graph.model_inputs]),
         loss=safe.identifier(ctx.var(graph.loss).name),
         updates_in_backward=ctx.update_in_backward,
+        shard_units=(
+            safe.literal(tuple(call.name for call, _ in block_instances(graph)))
+            if ctx.shard
+            else None
+        ),
         preds=[safe.identifier(ctx.var(v).name) for v in graph.preds],
         signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
         **_precision_view(graph),

@@ -192,6 +192,15 @@ class Options:
         "which updates the parameter and frees the gradient, so the gradients of the whole "
         "network are never alive at once; with none attached the file trains as usual.",
     )
+    #: sharded data parallel over FSDP2 (unroller.parallel.shard)
+    shard: bool = option(
+        False,
+        flag="--shard",
+        help="gpu: gather each top-level block instance's parameters before its statements "
+        "and release them after, and reduce-scatter each gradient once final, for a model "
+        "whose blocks unroller.parallel.shard.attach shards with FSDP2's fully_shard; "
+        "without a mesh attached the file trains as usual in one process.",
+    )
     #: data parallel: bucket size (None: BUCKET_BYTES, 25 MiB); not a command-line option
     bucket_bytes: int | None = option(None, flag=None)
     #: gpu: stages over processes (unroller.parallel.pipeline); 1: none
@@ -374,7 +383,7 @@ def _check_one(name: str, value: Any) -> OptionValueError | None:
         ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
         ok = ok and len(value) <= MAX_SEGMENTS
         return None if ok else refused(name, "{stage_starts=}: not node names", **{name: value})
-    if name in ("recompute", "data_parallel", "update_in_backward"):
+    if name in ("recompute", "data_parallel", "update_in_backward", "shard"):
         ok = isinstance(value, bool)
         return None if ok else refused(name, f"{{{name}=}}: not True or False", **{name: value})
     if name == "recompute_segments":
@@ -488,7 +497,7 @@ def _check_pieces(o: Options, target: Any) -> OptionValueError | None:
             return refused(name, f"{{{name}}} is not for {{platform=}}", o)
         if o.data_parallel:
             return refused(name, f"{{{name}}} and {{data_parallel}} do not combine yet")
-    if o.update_in_backward:
+    if o.update_in_backward or o.shard:
         problem = _check_update(o, target)
         if problem is not None:
             return problem
@@ -501,18 +510,16 @@ def _check_pieces(o: Options, target: Any) -> OptionValueError | None:
 
 
 def _check_update(o: Options, target: Any) -> OptionValueError | None:
-    """The optimizer step in the backward: on a platform whose gradients accumulate into
-    ``.grad``, in one program (not with pipeline stages or data parallel, yet)."""
+    """The optimizer step in the backward and sharding: on a platform whose gradients
+    accumulate into ``.grad``, in one program (not with pipeline stages or replicated data
+    parallel, yet)."""
+    name = "shard" if o.shard else "update_in_backward"
     if target.grads != "accumulate" or target.pipelined:
-        return refused("update_in_backward", "{update_in_backward} is not for {platform=}", o)
+        return refused(name, f"{{{name}}} is not for {{platform=}}", o)
     if o.data_parallel:
-        return refused(
-            "update_in_backward", "{update_in_backward} and {data_parallel} do not combine yet"
-        )
+        return refused(name, f"{{{name}}} and {{data_parallel}} do not combine yet")
     if o.pipeline != 1:
-        return refused(
-            "update_in_backward", "{update_in_backward} and {pipeline} do not combine yet"
-        )
+        return refused(name, f"{{{name}}} and {{pipeline}} do not combine yet")
     return None
 
 

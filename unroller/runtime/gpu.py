@@ -129,6 +129,9 @@ def run_step(
             finally:
                 if updater is not None:
                     updater.end()
+                sharder = _sharder_of(handles)
+                if sharder is not None:
+                    sharder.finish()
         for t in inputs:
             if t.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -723,6 +726,34 @@ def update_params(layers: Layers, names: tuple[str, ...]) -> None:
     updater = _updater_of(layers[""])
     if updater is not None:
         updater.update(names)
+
+
+def gather(layers: Layers, name: str) -> None:
+    """``--shard``: block instance ``name``'s parameters all-gathered into the full tensors
+    its statements read (``unroller.parallel.shard``); no mesh attached: nothing."""
+    sharder = _sharder_of(layers)
+    if sharder is not None:
+        sharder.gather(name)
+
+
+def release(layers: Layers, name: str) -> None:
+    """``--shard``: block instance ``name``'s full parameters freed, its shards kept."""
+    sharder = _sharder_of(layers)
+    if sharder is not None:
+        sharder.release(name)
+
+
+def scatter_grads(layers: Layers, names: tuple[str, ...]) -> None:
+    """``--shard``: the final gradients of ``names`` reduce-scattered to their shards."""
+    sharder = _sharder_of(layers)
+    if sharder is not None:
+        sharder.scatter_grads(names)
+
+
+def _sharder_of(layers: Layers) -> Any:
+    """The model's ``unroller.parallel.shard.Sharder`` (its ``SHARDER_ATTR``), or None;
+    read without importing torch.distributed into every generated module."""
+    return layers[""].__dict__.get("gradient_sharder")
 
 
 def reduce_wait(layers: Layers) -> None:

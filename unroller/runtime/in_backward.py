@@ -75,7 +75,11 @@ class InBackward:
                 "the optimizer (unroller.runtime.in_backward.detach) and step as usual"
             )
         self.micro += 1
-        self._names = dict(self.model.named_parameters(remove_duplicate=False))
+        sharder = self.model.__dict__.get("gradient_sharder")  # unroller.parallel.shard
+        if sharder is not None:  # the shards, which the optimizer holds, hold the gradients
+            self._names = dict(sharder.sharded)
+        else:
+            self._names = dict(self.model.named_parameters(remove_duplicate=False))
 
     def end(self) -> None:
         """A step ended (or failed): after an updating step the count starts again."""

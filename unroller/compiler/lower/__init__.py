@@ -15,8 +15,11 @@ pass a module that reads on its own:
   (``restore``), gradient sums and parameter gradients (``grads``), and a recomputed
   segment's forward again where its backward begins (``segments``);
 - ``reductions``: data-parallel gradient buckets, all-reduced as they become final;
-- ``updates``: the optimizer step in the backward (``--update-in-backward``), after the
-  run in which gradients became final (``finals`` says where each becomes final);
+- ``updates``: after the run in which gradients became final (``finals`` says where each
+  becomes final), their reduce-scatter (``--shard``) and the optimizer step in the
+  backward (``--update-in-backward``);
+- ``shards``: each sharded block instance's parameters gathered before its forward and
+  its backward, released after (``--shard``);
 - ``stages``: one program per pipeline stage (``--pipeline``), from the same pieces;
 - liveness last (``ir.release_dead``): each variable released right after its last use.
 
@@ -52,6 +55,7 @@ from .forward import forward_pass, hand_out_pass, predict_keep, predict_pass
 from .pieces import pieced_forward_pass
 from .reductions import reductions_pass
 from .resolved import ResolvedPlan, resolve
+from .shards import shards_pass
 from .stages import stage_program
 from .updates import updates_pass
 
@@ -91,6 +95,7 @@ TRAINING_PASSES: tuple[Pass, ...] = (
     backward_pass,
     reductions_pass,
     updates_pass,
+    shards_pass,
     release_pass,
 )
 """The training step's passes, in order."""
@@ -124,6 +129,7 @@ class Lowering:
         bucket_bytes: int | None = None,
         observer: StepObserver | None = None,
         update_in_backward: bool = False,
+        shard: bool = False,
     ):
         target = get_platform(platform) if isinstance(platform, str) else platform
         plan = plan if plan is not None else plan_stash(graph, builtin("nocompress"))
@@ -136,6 +142,7 @@ class Lowering:
             bucket_bytes,
             observer,
             update_in_backward,
+            shard,
         )
 
     @property

@@ -58,9 +58,11 @@ class LoweringContext:
         bucket_bytes: int | None = None,
         observer: StepObserver | None = None,
         update_in_backward: bool = False,
+        shard: bool = False,
     ):
         self.graph = graph
         self.update_in_backward = update_in_backward
+        self.shard = shard
         self.plan = plan
         self.platform = platform
         self.pipeline = pipeline or Pipeline(1, {})

@@ -1,5 +1,6 @@
-"""The optimizer step inside the backward (``--update-in-backward``): ``K.update_params``
-after the run of steps in which parameters' gradients became final.
+"""What follows the run of steps in which parameters' gradients became final: their
+reduce-scatter to the ranks that own their shards (``--shard``, ``K.scatter_grads``) and
+the optimizer step inside the backward (``--update-in-backward``, ``K.update_params``).
 
 A run is one top-level statement, or a top-level block instance's steps (a block's
 backward is one function call in the generated code, so nothing can go between its
@@ -19,8 +20,9 @@ from .finals import final_after
 
 
 def updates_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
-    """Pass: ``steps`` with the updates, when the step updates in its backward."""
-    if not ctx.update_in_backward:
+    """Pass: ``steps`` with the reduce-scatters and the updates, when the step shards or
+    updates in its backward."""
+    if not (ctx.update_in_backward or ctx.shard):
         return steps
     final = final_after(ctx, steps)
     inside = _inside_loops(ctx, steps)
@@ -36,7 +38,7 @@ def updates_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
             and (not step.calls or following.calls[:1] != step.calls[:1])
         )
         if ready and boundary:
-            out.append(update_step(ready))
+            out.append(update_step(ready, ctx.shard, ctx.update_in_backward))
             ready = []
     return out
 
@@ -51,12 +53,21 @@ def _inside_loops(ctx: LoweringContext, steps: list[Step]) -> set[int]:
     return found
 
 
-def update_step(keys: list[str]) -> Step:
-    names = tuple(ModelName(k) for k in keys)
+FINAL_CALLS = ("K.scatter_grads", "K.update_params")
+"""The calls of the steps this pass adds (``shards`` places a release after them)."""
+
+
+def update_step(keys: list[str], scatter: bool = False, update: bool = True) -> Step:
+    names = TupleExpr(tuple(ModelName(k) for k in keys))
+    calls = [name for name, wanted in zip(FINAL_CALLS, (scatter, update)) if wanted]
+    what = " and ".join(
+        {"K.scatter_grads": "reduce-scatter", "K.update_params": "update in the backward"}[c]
+        for c in calls
+    )
     return Step(
         "backward",
-        [Do(CallExpr(Global("K.update_params"), (Var("L"), TupleExpr(names))))],
-        comment=f"update in the backward: {_shown(keys)}",
+        [Do(CallExpr(Global(call), (Var("L"), names))) for call in calls],
+        comment=f"{what}: {_shown(keys)}",
     )
 
 

@@ -1,0 +1,166 @@
+"""Sharded data parallel on FSDP2 (``--shard``, ``unroller.parallel.shard``), gloo, two
+processes this test starts itself.
+
+- Where: ``K.gather``/``K.release`` around each block instance's forward and backward (a
+  release before the next gather), ``K.scatter_grads`` after the run in which gradients
+  became final and before the release; nothing of it without the option; one process
+  without a mesh trains as the plain file.
+- What: two processes, each on half the batch, end three AdamW steps with the parameters
+  one process reaches on the whole batch (float64, 1e-10), for gpt_tiny whole, with its
+  blocks recomputed in pieces of one sample, and with the optimizer stepped inside the
+  backward; between steps every parameter is a ``Shard(0)`` DTensor again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import ROOT, generated_text, rel_err
+
+from unroller.api import import_generated, write_atomic
+from unroller.compiler.options import Options, OptionValueError
+
+GPT_TINY = ROOT / "benchmarks/models/gpt_tiny.txt"
+WORLD, BATCH, STEPS = 2, 4, 3
+CASES = {
+    "whole": {},
+    "pieces": {"recompute_segments": ("blocks",), "segment_piece_size": 1},
+    "in_backward": {"update_in_backward": True},
+}
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randint(0, 128, (BATCH, 64), generator=g),
+            torch.randint(0, 128, (BATCH, 64), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, rank: int = 0, world: int = 1, in_backward: bool = False) -> None:
+    from unroller.runtime.in_backward import attach
+
+    opt = _adamw(model.parameters())
+    if in_backward:
+        attach(model, opt)
+    n = BATCH // world
+    for ids, y in _data():
+        model(ids[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
+        if not in_backward:
+            opt.step()
+            opt.zero_grad()
+
+
+def _worker(rank: int, folder: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from unroller.parallel.shard import attach
+
+    path = Path(folder)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{path / 'store'}", rank=rank, world_size=WORLD
+    )
+    torch.set_num_threads(1)
+    found = {}
+    for case in CASES:
+        module = import_generated(path / f"{case}.py", f"shard_{case}_{rank}")
+        torch.manual_seed(0)
+        model = module.Model().double()
+        sharder = attach(model)
+        _train(model, rank, WORLD, in_backward=case == "in_backward")
+        found[case] = {
+            "state": {k: p.full_tensor().clone() for k, p in sharder.sharded.items()},
+            "all_sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+            "grads_left": sum(p.grad is not None for p in model.parameters()),
+            "scattered": sharder.scattered_bytes,
+        }
+    torch.save(found, path / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_processes_equal_one_on_the_whole_batch(tmp_path):
+    single = {}
+    for case, fields in CASES.items():
+        source = generated_text(GPT_TINY, Options(shard=True, **fields))
+        module = import_generated(write_atomic(tmp_path / f"{case}.py", source), f"one_{case}")
+        torch.manual_seed(0)
+        model = module.Model().double()
+        _train(model, in_backward=case == "in_backward")  # one process: no mesh, no-ops
+        single[case] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        found = torch.load(tmp_path / f"rank{rank}.pt")
+        for case in CASES:
+            got, want = found[case]["state"], single[case]
+            assert got.keys() == want.keys()
+            worst = max(rel_err(got[k], want[k]) for k in want)
+            assert worst <= 1e-10, (case, worst)
+            assert found[case]["all_sharded"], case
+            assert found[case]["scattered"] > 0
+        assert found["in_backward"]["grads_left"] == 0
+        assert found["whole"]["grads_left"] == 0  # zero_grad after each step
+
+
+def test_gathers_releases_and_scatters_are_where_the_step_needs_them():
+    """Per block instance: in the forward a gather right before its statements and a
+    release right after (the next block's gather after it); in the backward the gather
+    before its recompute or backward, the reduce-scatter of its gradients, then the
+    release; none of it without the option."""
+    for fields in CASES.values():
+        text = generated_text(GPT_TINY, Options(shard=True, **fields), readable=True)
+        calls = re.findall(r'K\.(gather|release)\(L, "([^"]+)"\)', text)
+        assert calls == [
+            ("gather", "layers.0"),
+            ("release", "layers.0"),
+            ("gather", "layers.1"),
+            ("release", "layers.1"),
+            ("gather", "layers.1"),
+            ("release", "layers.1"),
+            ("gather", "layers.0"),
+            ("release", "layers.0"),
+        ]
+        lines = text.splitlines()
+        gather = [i for i, line in enumerate(lines) if 'K.gather(L, "layers.1")' in line][1]
+        release = [i for i, line in enumerate(lines) if 'K.release(L, "layers.1")' in line][1]
+        scatter = max(i for i, line in enumerate(lines[:release]) if "K.scatter_grads(" in line)
+        assert gather < scatter < release
+        assert '"layers.1.linear1.weight"' in "".join(lines[scatter:release])
+        assert 'SHARD_UNITS = ("layers.0", "layers.1")' in text
+    plain = generated_text(GPT_TINY, Options(), readable=True)
+    assert not re.search(r"K\.(gather|release|scatter_grads)\(", plain)
+
+
+@pytest.mark.parametrize(
+    "fields,words",
+    [
+        ({"platform": "ipu"}, "not for"),
+        ({"data_parallel": True}, "do not combine"),
+        ({"pipeline": 2}, "do not combine"),
+    ],
+)
+def test_shard_is_refused_where_it_cannot_run(fields, words):
+    with pytest.raises(OptionValueError, match=words):
+        Options(shard=True, **fields)
+
+
+def test_attach_refuses_a_module_generated_without_the_option(tmp_path):
+    from unroller.parallel.shard import ShardError, attach
+
+    source = generated_text(GPT_TINY, Options())
+    module = import_generated(write_atomic(tmp_path / "plain.py", source), f"plain_{os.getpid()}")
+    with pytest.raises(ShardError, match="--shard"):
+        attach(module.Model())

@@ -1,0 +1,77 @@
+"""Sharded parameters (``--shard``): each top-level block instance's parameters gathered
+before the steps that read them and released after, once in the forward and once in the
+backward (its recompute, pieces loop and backward together).
+
+Under FSDP2 (``unroller.parallel.shard``) a block instance is one ``fully_shard`` unit:
+each rank holds a shard of its parameters, ``K.gather(L, "layers.0")`` all-gathers them
+into the full tensors its statements read (``unshard``), ``K.release`` frees those again
+(``reshard``). In the backward the release follows the reduce-scatter of the gradients
+that became final in the unit's run (``updates``), so every full gradient has gone to its
+shard first. Without a mesh attached both calls do nothing.
+"""
+
+from __future__ import annotations
+
+from unroller.compiler.ir import CallExpr, Const, Do, Global, Step, Var, called_name
+from unroller.compiler.stash import block_instances
+
+from .context import LoweringContext
+from .updates import FINAL_CALLS
+
+
+def shards_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
+    """Pass: ``steps`` with the gathers and releases, when the step is sharded."""
+    if not ctx.shard:
+        return steps
+    inserts: list[tuple[int, Step]] = []  # (index to insert before, step)
+    for call, _ in block_instances(ctx.graph):
+        for phase in ("forward", "backward"):
+            span = _span(ctx, steps, call.name, phase)
+            if span is None:
+                continue
+            first, last = span
+            while last + 1 < len(steps) and _is_final_step(steps[last + 1]):
+                last += 1
+            inserts.append((first, _call_step("K.gather", call.name, phase)))
+            inserts.append((last + 1, _call_step("K.release", call.name, phase)))
+    out = list(steps)
+    # from the end; where a release and a gather meet, the release first (inserted last)
+    for index, step in sorted(inserts, key=lambda x: (x[0], _is_gather(x[1])), reverse=True):
+        out.insert(index, step)
+    return out
+
+
+def _is_gather(step: Step) -> bool:
+    return called_name(step.statements[0].value) == "K.gather"
+
+
+def _span(ctx: LoweringContext, steps: list[Step], name: str, phase: str) -> tuple[int, int] | None:
+    """The first and last index of the steps of block instance ``name`` in ``phase``
+    ("forward"; "backward": its recompute too), a pieces loop of it included whole."""
+    sections = ("forward",) if phase == "forward" else ("backward", "recompute")
+    found = [
+        i
+        for i, step in enumerate(steps)
+        if step.section in sections and step.calls and step.calls[0].name == name
+    ]
+    at = {id(step): i for i, step in enumerate(steps)}
+    for loop in ctx.piece_loops:
+        if loop.segment.name == name and loop.header.section in sections:
+            if id(loop.header) in at and id(loop.last) in at:
+                found += [at[id(loop.header)], at[id(loop.last)]]
+    return (min(found), max(found)) if found else None
+
+
+def _is_final_step(step: Step) -> bool:
+    return bool(step.statements) and all(
+        isinstance(s, Do) and called_name(s.value) in FINAL_CALLS for s in step.statements
+    )
+
+
+def _call_step(func: str, name: str, phase: str) -> Step:
+    what = "gather" if func == "K.gather" else "release"
+    return Step(
+        phase,
+        [Do(CallExpr(Global(func), (Var("L"), Const(name))))],
+        comment=f"{what} {name}'s parameters ({phase})",
+    )
