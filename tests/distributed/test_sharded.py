@@ -8,7 +8,8 @@ processes this test starts itself.
 - What: two processes, each on half the batch, end three AdamW steps with the parameters
   one process reaches on the whole batch (float64, 1e-10), for gpt_tiny whole, with its
   blocks recomputed in pieces of one sample, and with the optimizer stepped inside the
-  backward; between steps every parameter is a ``Shard(0)`` DTensor again.
+  backward; between steps every parameter is a ``Shard(0)`` DTensor again; from the second
+  step on each gather starts the next unit's (in the last step's order) ahead of time.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def _worker(rank: int, folder: str) -> None:
             "all_sharded": all(isinstance(p, DTensor) for p in model.parameters()),
             "grads_left": sum(p.grad is not None for p in model.parameters()),
             "scattered": sharder.scattered_bytes,
+            "prefetched": sharder.prefetched,
         }
     torch.save(found, path / f"rank{rank}.pt")
     dist.barrier()
@@ -111,6 +113,9 @@ def test_two_processes_equal_one_on_the_whole_batch(tmp_path):
             assert worst <= 1e-10, (case, worst)
             assert found[case]["all_sharded"], case
             assert found[case]["scattered"] > 0
+            # from the second step on, each gather starts the next but where the next is
+            # the same unit again (forward's last, backward's first) or none (the last)
+            assert found[case]["prefetched"] == (STEPS - 1) * 2
         assert found["in_backward"]["grads_left"] == 0
         assert found["whole"]["grads_left"] == 0  # zero_grad after each step
 

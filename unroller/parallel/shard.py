@@ -26,6 +26,7 @@ and the file trains in one process.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,20 +48,48 @@ class Sharder:
     mesh: Any
     units: dict[str, Any] = field(default_factory=dict)  # name -> FSDPModule
     sharded: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    prefetch: bool = True  # start the next unit's gather as soon as one is gathered
     gathered_bytes: int = 0  # all-gathered by gather(), in all
     scattered_bytes: int = 0  # reduce-scattered by scatter_grads(), in all
+    wait_seconds: float = 0.0  # time gather() spent waiting for all-gathers, in all
+    prefetched: int = 0  # gathers started ahead of their unit's statements, in all
+    #: the order of the units' gathers in this step and in the last (what prefetch follows)
+    order: list[str] = field(default_factory=list)
+    last_order: list[str] = field(default_factory=list)
+    pending: dict[str, Any] = field(default_factory=dict)  # name -> unshard handle
+    unit_bytes: dict[str, int] = field(default_factory=dict)  # the full parameters' bytes
+
+    def __post_init__(self) -> None:
+        for name, unit in self.units.items():
+            self.unit_bytes[name] = sum(
+                p.numel() * p.element_size()
+                for key, p in self.sharded.items()
+                if key.startswith(name + ".") and _owned_by(key, name, self.units)
+            )
 
     def gather(self, name: str) -> None:
-        unit = self.units[name]
-        unit.unshard()
-        self.gathered_bytes += sum(
-            p.numel() * p.element_size() for p in unit.parameters(recurse=False)
-        ) + sum(
-            p.numel() * p.element_size()
-            for m in unit.modules()
-            if m is not unit
-            for p in m.parameters(recurse=False)
-        )
+        """Unit ``name`` all-gathered (waiting for it where ``prefetch`` started it), and
+        the gather of the unit that came after it in the last step started (FSDP2's
+        ``unshard(async_op=True)``), so that it runs while this one computes."""
+        started = time.perf_counter()
+        handle = self.pending.pop(name, None)
+        if handle is not None:
+            handle.wait()
+        else:
+            self.units[name].unshard()
+        self.wait_seconds += time.perf_counter() - started
+        self.gathered_bytes += self.unit_bytes[name]
+        self.order.append(name)
+        if self.prefetch:
+            self._prefetch(len(self.order))
+
+    def _prefetch(self, position: int) -> None:
+        """Start the gather of the unit the last step gathered at ``position``, if any."""
+        if position < len(self.last_order):
+            following = self.last_order[position]
+            if following not in self.pending and following != self.order[-1]:
+                self.pending[following] = self.units[following].unshard(async_op=True)
+                self.prefetched += 1
 
     def release(self, name: str) -> None:
         self.units[name].reshard()
@@ -69,8 +98,12 @@ class Sharder:
         """The step has returned: the model's own parameters, which FSDP's root pre-forward
         hook gathered (and, with no autograd backward to wait for, leaves gathered), are
         released too, so that between steps every rank holds its shards only."""
+        for handle in self.pending.values():  # a prefetch no gather took (the step failed)
+            handle.wait()
+        self.pending.clear()
         state = self.model._get_fsdp_state()  # FSDP2's own end of a backward (private)
         state._root_post_backward_final_callback()
+        self.last_order, self.order = self.order, []
 
     def scatter_grads(self, names: tuple[str, ...]) -> None:
         """Each full ``.grad`` of ``names`` reduce-scattered into its shard's ``.grad``."""
@@ -89,6 +122,14 @@ class Sharder:
             self.scattered_bytes += grad.numel() * grad.element_size()
             full.grad = None
             shard.grad = local if shard.grad is None else shard.grad + local
+
+
+def _owned_by(key: str, name: str, units: dict[str, Any]) -> bool:
+    """Is parameter ``key`` unit ``name``'s own (not a unit nested inside it)?"""
+    return not any(
+        other != name and other.startswith(name + ".") and key.startswith(other + ".")
+        for other in units
+    )
 
 
 def _reduce_scatter(grad: torch.Tensor, shard: torch.nn.Parameter) -> Any:
