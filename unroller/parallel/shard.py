@@ -15,8 +15,8 @@ parameter. Then:
   when the step is called, and released after it returns;
 - ``scatter_grads`` reduce-scatters each full gradient the unrolled backward wrote into
   ``.grad`` (each rank's of its own share of the batch) to the shards, averaged over the
-  ranks as FSDP2 averages (DTensor's ``Partial`` -> ``Shard(0)`` redistribution), adds it
-  into the sharded parameter's ``.grad`` and frees the full one; an optimizer over
+  ranks as FSDP2 averages, one collective per call laid out as FSDP2 lays its own, adds
+  it into the sharded parameter's ``.grad`` and frees the full one; an optimizer over
   ``model.parameters()`` then steps the shards.
 
 Each rank computes its share's mean loss; the average of the ranks' gradients is the
@@ -48,7 +48,7 @@ class Sharder:
     mesh: Any
     units: dict[str, Any] = field(default_factory=dict)  # name -> FSDPModule
     sharded: dict[str, torch.nn.Parameter] = field(default_factory=dict)
-    prefetch: bool = True  # start the next unit's gather as soon as one is gathered
+    prefetch: bool = True  # in the backward, start the next unit's gather with this one's
     gathered_bytes: int = 0  # all-gathered by gather(), in all
     scattered_bytes: int = 0  # reduce-scattered by scatter_grads(), in all
     wait_seconds: float = 0.0  # time gather() spent waiting for all-gathers, in all
@@ -58,9 +58,12 @@ class Sharder:
     last_order: list[str] = field(default_factory=list)
     pending: dict[str, Any] = field(default_factory=dict)  # name -> unshard handle
     unit_bytes: dict[str, int] = field(default_factory=dict)  # the full parameters' bytes
+    #: each unit's unsharded parameter objects (FSDP2 keeps them from one gather to the
+    #: next), whose ``.grad`` the backward writes: read after the unit's release too
+    full: dict[str, torch.nn.Parameter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, unit in self.units.items():
+        for name in self.units:
             self.unit_bytes[name] = sum(
                 p.numel() * p.element_size()
                 for key, p in self.sharded.items()
@@ -73,10 +76,13 @@ class Sharder:
         ``unshard(async_op=True)``), so that it runs while this one computes."""
         started = time.perf_counter()
         handle = self.pending.pop(name, None)
+        unit = self.units[name]
         if handle is not None:
             handle.wait()
         else:
-            self.units[name].unshard()
+            unit.unshard()
+        for key, param in unit.named_parameters():  # the full ones, while gathered
+            self.full[f"{name}.{key}"] = param
         self.wait_seconds += time.perf_counter() - started
         self.gathered_bytes += self.unit_bytes[name]
         self.order.append(name)
@@ -84,10 +90,13 @@ class Sharder:
             self._prefetch(len(self.order))
 
     def _prefetch(self, position: int) -> None:
-        """Start the gather of the unit the last step gathered at ``position``, if any."""
+        """Start the gather of the unit the last step gathered at ``position``, if it is a
+        backward gather (its unit gathered before in the step: FSDP2's default, which
+        prefetches in the backward only, so that the forward holds one unit at a time)."""
         if position < len(self.last_order):
             following = self.last_order[position]
-            if following not in self.pending and following != self.order[-1]:
+            backward = following in self.last_order[:position]
+            if backward and following not in self.pending and following != self.order[-1]:
                 self.pending[following] = self.units[following].unshard(async_op=True)
                 self.prefetched += 1
 
@@ -106,22 +115,66 @@ class Sharder:
         self.last_order, self.order = self.order, []
 
     def scatter_grads(self, names: tuple[str, ...]) -> None:
-        """Each full ``.grad`` of ``names`` reduce-scattered into its shard's ``.grad``."""
+        """The full ``.grad`` of each of ``names`` reduce-scattered into its shard's
+        ``.grad``, all of them in one collective (``scatter_into``), the full ones freed."""
         current = dict(self.model.named_parameters(remove_duplicate=False))
         done: set[int] = set()
+        pairs = []
         for name in names:
-            full = current.get(name)
+            full = self.full.get(name, current.get(name))
             shard = self.sharded.get(name)
             if full is None or shard is None or id(shard) in done:
                 continue
-            done.add(id(shard))
-            grad = full.grad
-            if grad is None or full is shard:  # nothing made, or not gathered (one process)
+            if full.grad is None or full is shard:  # nothing made, or not gathered
                 continue
-            local = _reduce_scatter(grad, shard)
-            self.scattered_bytes += grad.numel() * grad.element_size()
-            full.grad = None
-            shard.grad = local if shard.grad is None else shard.grad + local
+            done.add(id(shard))
+            pairs.append((full, shard))
+        if not pairs:
+            return
+        self.scattered_bytes += scatter_into(pairs, self.mesh)
+
+
+def scatter_into(pairs: list, mesh: Any) -> int:
+    """Reduce-scatter each ``(full, shard)`` pair's ``full.grad`` (each rank's) so that
+    ``shard.grad`` gains the average over the ranks of its rows, in one collective: each
+    gradient padded along dim 0 to a multiple of the ranks (``fully_shard``'s chunks: rank
+    r owns rows [r*c, (r+1)*c)), the ranks' chunks of all of them laid side by side, as
+    FSDP2's own reduce-scatter lays them; each full ``.grad`` freed once copied. Returns
+    the bytes reduce-scattered (the padded gradients')."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world = mesh.size()
+    rank = mesh.get_local_rank()
+    group = mesh.get_group()
+    sizes = []
+    for full, _ in pairs:
+        rows = full.grad.shape[0]
+        sizes.append(-(-rows // world) * (full.grad.numel() // max(rows, 1)))
+    first = pairs[0][0].grad
+    stacked = first.new_zeros((world, sum(sizes)))  # rank r's chunks in row r
+    offset = 0
+    for (full, _), size in zip(pairs, sizes):
+        flat = full.grad.reshape(-1)
+        for r in range(world):  # rank r's rows of this gradient (the last ones padded)
+            part = flat[r * size : (r + 1) * size]
+            stacked[r, offset : offset + part.numel()] = part
+        offset += size
+        full.grad = None  # copied: freed before the collective's buffer is made
+    out = stacked.new_empty(stacked.shape[1])
+    torch.distributed.reduce_scatter_single(out, stacked.reshape(-1), group=group)
+    out.div_(world)
+    offset = 0
+    for (_, shard), size in zip(pairs, sizes):
+        rows = shard.shape[0]
+        chunk = -(-rows // world)
+        mine = max(0, min(chunk, rows - rank * chunk))
+        local = out[offset : offset + size].view(chunk, *shard.shape[1:])[:mine]
+        offset += size
+        grad = DTensor.from_local(
+            local.clone(), mesh, [Shard(0)], shape=shard.shape, stride=shard.stride()
+        )
+        shard.grad = grad if shard.grad is None else shard.grad + grad
+    return world * sum(sizes) * stacked.element_size()
 
 
 def _owned_by(key: str, name: str, units: dict[str, Any]) -> bool:
@@ -130,18 +183,6 @@ def _owned_by(key: str, name: str, units: dict[str, Any]) -> bool:
         other != name and other.startswith(name + ".") and key.startswith(other + ".")
         for other in units
     )
-
-
-def _reduce_scatter(grad: torch.Tensor, shard: torch.nn.Parameter) -> Any:
-    """The average over the mesh of each rank's full ``grad``, as ``shard``'s placement (a
-    DTensor)."""
-    from torch.distributed.tensor import DTensor, Partial
-
-    mesh = shard.device_mesh
-    summed = DTensor.from_local(
-        grad.contiguous(), mesh, [Partial("avg")], shape=shard.shape, stride=shard.stride()
-    )
-    return summed.redistribute(mesh, list(shard.placements))
 
 
 def attach(model: torch.nn.Module, mesh: Any = None) -> Sharder:

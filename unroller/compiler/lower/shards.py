@@ -5,9 +5,11 @@ backward (its recompute, pieces loop and backward together).
 Under FSDP2 (``unroller.parallel.shard``) a block instance is one ``fully_shard`` unit:
 each rank holds a shard of its parameters, ``K.gather(L, "layers.0")`` all-gathers them
 into the full tensors its statements read (``unshard``), ``K.release`` frees those again
-(``reshard``). In the backward the release follows the reduce-scatter of the gradients
-that became final in the unit's run (``updates``), so every full gradient has gone to its
-shard first. Without a mesh attached both calls do nothing.
+(``reshard``). In the backward the release comes right after the unit's last statement,
+before the reduce-scatter of the gradients that became final in its run (``updates``):
+the full gradients outlive the full parameters (they hang on the unsharded parameter
+objects), so the parameters are freed before the reduce-scatter's buffer is made, as
+FSDP2 orders its own post-backward. Without a mesh attached both calls do nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from unroller.compiler.ir import CallExpr, Const, Do, Global, Step, Var, called_
 from unroller.compiler.stash import block_instances
 
 from .context import LoweringContext
-from .updates import FINAL_CALLS
 
 
 def shards_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
@@ -30,8 +31,6 @@ def shards_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
             if span is None:
                 continue
             first, last = span
-            while last + 1 < len(steps) and _is_final_step(steps[last + 1]):
-                last += 1
             inserts.append((first, _call_step("K.gather", call.name, phase)))
             inserts.append((last + 1, _call_step("K.release", call.name, phase)))
     out = list(steps)
@@ -60,12 +59,6 @@ def _span(ctx: LoweringContext, steps: list[Step], name: str, phase: str) -> tup
             if id(loop.header) in at and id(loop.last) in at:
                 found += [at[id(loop.header)], at[id(loop.last)]]
     return (min(found), max(found)) if found else None
-
-
-def _is_final_step(step: Step) -> bool:
-    return bool(step.statements) and all(
-        isinstance(s, Do) and called_name(s.value) in FINAL_CALLS for s in step.statements
-    )
 
 
 def _call_step(func: str, name: str, phase: str) -> Step:
