@@ -26,6 +26,7 @@ the backward (``--update-in-backward``), one sequence of ``SEQ`` tokens per rank
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from unroller.analysis.flops import forward_flops
@@ -47,12 +48,22 @@ BANDWIDTH = {8: 450e9, 64: 50e9}
 bandwidth), 400 Gb/s InfiniBand per GPU across nodes (64 ranks span 8 nodes)."""
 MODELS = {
     "Llama-1B": {
-        "hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "inter": 8192,
-        "vocab": 128256, "tied": True,
+        "hidden": 2048,
+        "layers": 16,
+        "heads": 32,
+        "kv_heads": 8,
+        "inter": 8192,
+        "vocab": 128256,
+        "tied": True,
     },
     "Llama-7B": {
-        "hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 32, "inter": 11008,
-        "vocab": 32000, "tied": False,
+        "hidden": 4096,
+        "layers": 32,
+        "heads": 32,
+        "kv_heads": 32,
+        "inter": 11008,
+        "vocab": 32000,
+        "tied": False,
     },
 }
 
@@ -114,11 +125,15 @@ def row(name: str, shapes: dict, scheme: str, ranks: int) -> dict:
     graph = graph_from_text(llama_text(**shapes), f"{name}.txt")
     owners = [n for n in graph.nodes if not n.shares]
     params = sum(
-        p.numel() for n in owners for p in n.params if p.present and p.name not in n.ties
+        math.prod(p.shape) for n in owners for p in n.params if p.present and p.name not in n.ties
     )
     blocks = block_instances(graph)
-    unit = max(sum(p.numel() for n in nodes for p in n.params if p.present) for _, nodes in blocks)
-    in_blocks = sum(p.numel() for _, nodes in blocks for n in nodes for p in n.params if p.present)
+    unit = max(
+        sum(math.prod(p.shape) for n in nodes for p in n.params if p.present) for _, nodes in blocks
+    )
+    in_blocks = sum(
+        math.prod(p.shape) for _, nodes in blocks for n in nodes for p in n.params if p.present
+    )
     root = params - in_blocks
     config = Options(scheme=scheme).compression()
     peak = simulate_graph(graph, config, 1, update_in_backward=True).peak_bytes
