@@ -310,6 +310,11 @@ class Unrolled(torch.nn.Module):
         as the original's forward does)."""
         from unroller.analysis.verify import loss_plan, replay_loss
 
+        if self._how.options.shard:
+            raise ValueError(
+                "unroll(shard=...): a sharded step has no forward-only call yet (under "
+                "no_grad or inference_mode): its predictions would need every unit gathered"
+            )
         spec = self._spec_for(inputs, target, "train", how)
         if training and _train_only(spec.built.graph):
             paused = self._updater.paused() if self._updater else contextlib.nullcontext()
@@ -338,6 +343,12 @@ class Unrolled(torch.nn.Module):
         how = how or self._how
         key = (stepcache.signature(inputs, target), mode, how.options.precision)
         spec = self._specs.get(key)
+        if spec is None and self._how.options.shard:
+            raise ValueError(
+                "unroll(shard=...): a sharded step runs the batch shape and mode it was "
+                "unrolled for (another shape, eval mode or a forward-only call would need "
+                "its own sharded module); unroll again for it"
+            )
         if spec is None:
             spec = _make_spec(self._original, how, inputs, target, mode)
             self._specs[key] = spec
@@ -476,6 +487,7 @@ def unroll(
     accumulate: int = 1,
     clip_grad_value: float | None = None,
     clip_grad_norm: float | None = None,
+    shard: Any = None,
     **settings: Any,
 ) -> Unrolled:
     """``module``'s training step, generated with ``scheme`` (or ``options``), sharing its
@@ -497,7 +509,15 @@ def unroll(
     is final, the gradient freed; ``accumulate``: steps (micro-batches) per update;
     ``clip_grad_value``: each gradient clamped to that value before its update;
     ``clip_grad_norm`` (global-norm clipping) is refused with ``optimizer=``: it needs every
-    gradient before the first update."""
+    gradient before the first update.
+
+    ``shard``: True (a 1-D mesh over the default process group) or a ``DeviceMesh``, on
+    every rank: the step is generated with ``--shard`` and its module sharded with FSDP2
+    (``unroller.parallel.shard.attach``: ``fully_shard`` on each block instance and on the
+    whole); the module's parameters then are the shards (``Shard(0)`` DTensors), which an
+    optimizer over ``module.parameters()`` made after this call steps, and each rank passes
+    its own share of every batch. One batch shape, training steps only (another shape,
+    ``no_grad`` or eval-mode calls are refused), for now."""
     from unroller.importer.hf_batch import batch_plan
 
     if clip_grad_norm is not None:
@@ -530,6 +550,17 @@ def unroll(
         named = dict(inputs)
     else:
         named = {f"x{i}": t for i, t in enumerate(inputs)}
+    if shard is not None and shard is not False:
+        if optimizer is not None:
+            raise InBackwardError(
+                "unroll: optimizer= with shard=: the optimizer must hold the shards, which "
+                "exist once unroll returns; make it then over module.parameters() and attach "
+                "it with unroller.runtime.in_backward.attach(step.model, optimizer)"
+            )
+        if options is not None:
+            options = dataclasses.replace(options, shard=True)
+        else:
+            settings["shard"] = True
     updater = None
     if optimizer is not None:
         updater = InBackward(module, optimizer, accumulate, clip_grad_value)
@@ -557,6 +588,10 @@ def unroll(
     unrolled = Unrolled(module, how, key, spec, updater)
     if updater is not None:
         object.__setattr__(spec.model, UPDATER_ATTR, updater)
+    if how.options.shard:
+        from unroller.parallel.shard import shard_step
+
+        shard_step(unrolled, spec, None if shard is True else shard)
     return unrolled
 
 

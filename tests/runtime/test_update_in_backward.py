@@ -399,6 +399,7 @@ def test_a_module_without_update_calls_a_scaler_and_compile_are_refused(build):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("flag", ["update_in_backward", "shard"])
 @pytest.mark.parametrize(
     "fields,words",
     [
@@ -407,9 +408,12 @@ def test_a_module_without_update_calls_a_scaler_and_compile_are_refused(build):
         ({"pipeline": 2}, "do not combine"),
     ],
 )
-def test_the_option_is_refused_where_the_step_cannot_update(fields, words):
+def test_the_option_is_refused_where_the_step_cannot_update(flag, fields, words):
+    """``--update-in-backward`` and ``--shard`` (whose reduce-scatters sit where the updates
+    do) on a platform that collects gradients, with replicated data parallel, with
+    pipeline stages: refused, naming the flags."""
     with pytest.raises(OptionValueError, match=words):
-        Options(update_in_backward=True, **fields)
+        Options(**{flag: True}, **fields)
 
 
 def test_the_command_line_refuses_it_with_data_parallel(tmp_path):

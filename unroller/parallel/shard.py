@@ -221,3 +221,22 @@ def attach(model: torch.nn.Module, mesh: Any = None) -> Sharder:
 
 def sharder_of(model: torch.nn.Module) -> Sharder | None:
     return model.__dict__.get(SHARDER_ATTR)
+
+
+def shard_step(unrolled: Any, spec: Any, mesh: Any = None) -> Sharder:
+    """``unroller.unroll(..., shard=)``: the step's generated module (sharing the original
+    module's tensors) sharded with ``attach``, and the original module given the shards in
+    place of its parameters, so that an optimizer over ``module.parameters()`` steps what
+    the step trains and ``module.state_dict()`` holds the shards (DTensors) to checkpoint;
+    the step's record of the module's tensors follows."""
+    from unroller import stepcache
+
+    sharder = attach(spec.model, mesh)
+    original = unrolled._original
+    for key, shard in sharder.sharded.items():
+        path, _, leaf = key.rpartition(".")
+        owner = original.get_submodule(path) if path else original
+        owner._parameters[leaf] = shard
+    unrolled._snap = stepcache.snapshot(original)
+    spec.shared = unrolled._snap
+    return sharder
