@@ -5,6 +5,8 @@ processes this test starts itself.
   release before the next gather), ``K.scatter_grads`` after the run in which gradients
   became final and before the release; nothing of it without the option; one process
   without a mesh trains as the plain file.
+- Checkpoints: ``torch.distributed.checkpoint`` saves a sharded run (``unroll(shard=)``)
+  and loads it at another world size (one process, no sharding), exactly.
 - What: two processes, each on half the batch, end three AdamW steps with the parameters
   one process reaches on the whole batch (float64, 1e-10), for gpt_tiny whole, with its
   blocks recomputed in pieces of one sample, and with the optimizer stepped inside the
@@ -22,8 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import ROOT, generated_text, rel_err
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from unroller.api import import_generated, write_atomic
 from unroller.compiler.options import Options
@@ -185,10 +189,13 @@ def _unroll_worker(rank: int, folder: str) -> None:
     mine = (x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
     step = unroller.unroll(net, (mine[0],), mine[1], shard=True, directory=path / f"gen{rank}")
     opt = _adamw(net.parameters())
-    for _ in range(STEPS):
+    for i in range(STEPS):
         step(*mine)
         opt.step()
         opt.zero_grad()
+        if i == STEPS - 2:  # a checkpoint before the last step, as a sharded run saves it
+            model_state, optim_state = get_state_dict(net, opt)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path / "ckpt")
     found = {k: p.full_tensor().clone() for k, p in net.named_parameters()}
     refused = []
     for call in (lambda: step(mine[0].float(), mine[1]), lambda: _no_grad(step, mine)):
@@ -198,6 +205,25 @@ def _unroll_worker(rank: int, folder: str) -> None:
             refused.append(str(exc))
     torch.save({"state": found, "refused": refused}, path / f"unroll{rank}.pt")
     dist.barrier()
+    dist.destroy_process_group()
+
+
+def _resume_worker(rank: int, folder: str) -> None:
+    """One process, no sharding: the checkpoint two ranks saved, loaded into the torch.nn
+    network and a new AdamW, and the last step taken with torch.autograd."""
+    path = Path(folder)
+    dist.init_process_group("gloo", init_method=f"file://{path / 'store1'}", rank=0, world_size=1)
+    torch.manual_seed(1)  # other initial weights: the checkpoint must replace them
+    net = Blocks().double()
+    opt = _adamw(net.parameters())
+    model_state, optim_state = get_state_dict(net, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path / "ckpt")
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    x, y = _blocks_data()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    torch.save({k: v.detach().clone() for k, v in net.named_parameters()}, path / "resumed.pt")
     dist.destroy_process_group()
 
 
@@ -218,7 +244,9 @@ def test_unroll_with_shard_equals_autograd_in_one_process(tmp_path):
     AdamW made afterwards over ``net.parameters()`` (the shards): three steps end where
     torch.autograd ends in one process on the whole batch (float64, 1e-10); inputs of
     another dtype (another specialisation) and a forward-only call are refused with the
-    reason."""
+    reason; a ``torch.distributed.checkpoint`` of the two ranks' shards and AdamW state,
+    saved before the last step, loads into the torch.nn network in one process (another
+    world size, no sharding), whose last step with autograd ends there too."""
     torch.manual_seed(0)
     ref = Blocks().double()
     opt = _adamw(ref.parameters())
@@ -235,6 +263,10 @@ def test_unroll_with_shard_equals_autograd_in_one_process(tmp_path):
         assert worst <= 1e-10, worst
         assert len(found["refused"]) == 2
         assert "batch shape" in found["refused"][0] and "forward-only" in found["refused"][1]
+    mp.spawn(_resume_worker, args=(str(tmp_path),), nprocs=1, join=True)
+    resumed = torch.load(tmp_path / "resumed.pt")
+    worst = max(rel_err(resumed[k], v.detach()) for k, v in ref.named_parameters())
+    assert worst <= 1e-10, worst
 
 
 def test_gathers_releases_and_scatters_are_where_the_step_needs_them():
