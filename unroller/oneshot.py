@@ -296,10 +296,16 @@ class Unrolled(torch.nn.Module):
         or None unless ``keep``: a prediction handed out is held until the step returns,
         through its whole backward (a causal LM's logits: vocabulary x tokens per sample)."""
         extra = {"scaler": scaler} if scaler is not None else {}
-        if not keep:
-            return spec.model(*values, target, **extra), None
-        with keep_predictions() as kept:
-            loss = spec.model(*values, target, **extra)
+        guard: Any = contextlib.nullcontext()
+        if "gradient_sharder" in spec.model.__dict__:  # unroller.parallel.shard
+            from unroller.parallel.shard import step_guard
+
+            guard = step_guard()  # a rank gone: one clear error
+        with guard:
+            if not keep:
+                return spec.model(*values, target, **extra), None
+            with keep_predictions() as kept:
+                loss = spec.model(*values, target, **extra)
         return loss, kept[spec.built.graph.preds[0].name]
 
     def _forward_only(self, inputs: dict, target, training: bool, how: _How):

@@ -269,6 +269,52 @@ def test_unroll_with_shard_equals_autograd_in_one_process(tmp_path):
     assert worst <= 1e-10, worst
 
 
+def _dying_worker(rank: int, folder: str) -> None:
+    """Rank 1 leaves after the first step; rank 0 takes a second one and records how it
+    ended and how long that took."""
+    import datetime
+    import time
+
+    import unroller
+
+    path = Path(folder)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{path / 'store'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = Blocks().double()
+    x, y = _blocks_data()
+    step = unroller.unroll(net, (x[:2],), y[:2], shard=True, directory=path / f"gen{rank}")
+    step(x[:2], y[:2])
+    if rank == 1:
+        os._exit(3)
+    started = time.perf_counter()
+    try:
+        step(x[:2], y[:2])
+        outcome = "no error"
+    except Exception as exc:  # noqa: BLE001 - what it raises is what the test reads
+        outcome = f"{type(exc).__name__}: {exc}"
+    (path / "outcome.txt").write_text(f"{time.perf_counter() - started:.1f}\n{outcome}")
+    os._exit(0)
+
+
+def test_a_rank_that_dies_makes_the_others_fail_with_a_clear_message(tmp_path):
+    """Rank 1 exits between steps: rank 0's next step raises ``RankFailure`` naming its rank
+    and that another rank stopped, within seconds (not the process group's timeout)."""
+    context = mp.spawn(_dying_worker, args=(str(tmp_path),), nprocs=WORLD, join=False)
+    for process in context.processes:
+        process.join(timeout=120)
+    seconds, outcome = (tmp_path / "outcome.txt").read_text().split("\n", 1)
+    assert outcome.startswith("RankFailure: rank 0:"), outcome
+    assert "another rank has stopped" in outcome
+    assert float(seconds) < 30
+
+
 def test_gathers_releases_and_scatters_are_where_the_step_needs_them():
     """Per block instance: in the forward a gather right before its statements and a
     release right after (the next block's gather after it); in the backward the gather

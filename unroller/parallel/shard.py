@@ -26,7 +26,9 @@ and the file trains in one process.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,46 @@ SHARDER_ATTR = "gradient_sharder"
 
 class ShardError(ValueError):
     """A model or mesh the sharded step cannot use."""
+
+
+class RankFailure(RuntimeError):
+    """A collective of the sharded step failed: another rank stopped or went elsewhere."""
+
+
+#: what a backend's error says when a peer has gone (gloo's transport, NCCL's watchdog)
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "timed out")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Does ``exc`` say a collective lost a peer (not a bug of the step's own)?"""
+    text = str(exc)
+    distributed = isinstance(exc, getattr(torch.distributed, "DistError", ())) or any(
+        word in text for word in ("gloo", "NCCL", "ProcessGroup")
+    )
+    return distributed and any(word.lower() in text.lower() for word in PEER_LOST)
+
+
+def step_guard() -> Any:
+    """A whole sharded step (``unroller.unroll(shard=)`` calls it through this), whose
+    first collective, the model's own gather, runs in FSDP2's hook before the step."""
+    return _collective("a collective of the step")
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """``what`` (a gather, a reduce-scatter) raising one clear error, naming this rank,
+    where the backend reports a peer gone (gloo: the connection reset)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, RankFailure) or not peer_lost(exc):
+            raise
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RankFailure(
+            f"rank {rank}: {what} failed: another rank has stopped or is running something "
+            f"else (see its own error); the backend said: {first[:300]}"
+        ) from exc
 
 
 @dataclass
@@ -77,10 +119,11 @@ class Sharder:
         started = time.perf_counter()
         handle = self.pending.pop(name, None)
         unit = self.units[name]
-        if handle is not None:
-            handle.wait()
-        else:
-            unit.unshard()
+        with _collective(f"the all-gather of {name}'s parameters"):
+            if handle is not None:
+                handle.wait()
+            else:
+                unit.unshard()
         for key, param in unit.named_parameters():  # the full ones, while gathered
             self.full[f"{name}.{key}"] = param
         self.wait_seconds += time.perf_counter() - started
@@ -97,7 +140,8 @@ class Sharder:
             following = self.last_order[position]
             backward = following in self.last_order[:position]
             if backward and following not in self.pending and following != self.order[-1]:
-                self.pending[following] = self.units[following].unshard(async_op=True)
+                with _collective(f"the all-gather of {following}'s parameters"):
+                    self.pending[following] = self.units[following].unshard(async_op=True)
                 self.prefetched += 1
 
     def release(self, name: str) -> None:
@@ -107,11 +151,12 @@ class Sharder:
         """The step has returned: the model's own parameters, which FSDP's root pre-forward
         hook gathered (and, with no autograd backward to wait for, leaves gathered), are
         released too, so that between steps every rank holds its shards only."""
-        for handle in self.pending.values():  # a prefetch no gather took (the step failed)
-            handle.wait()
-        self.pending.clear()
-        state = self.model._get_fsdp_state()  # FSDP2's own end of a backward (private)
-        state._root_post_backward_final_callback()
+        pending, self.pending = list(self.pending.values()), {}
+        with _collective("the end of the step"):
+            for handle in pending:  # a prefetch no gather took (the step failed)
+                handle.wait()
+            state = self.model._get_fsdp_state()  # FSDP2's own end of a backward (private)
+            state._root_post_backward_final_callback()
         self.last_order, self.order = self.order, []
 
     def scatter_grads(self, names: tuple[str, ...]) -> None:
@@ -131,7 +176,8 @@ class Sharder:
             pairs.append((full, shard))
         if not pairs:
             return
-        self.scattered_bytes += scatter_into(pairs, self.mesh)
+        with _collective(f"the reduce-scatter of {len(pairs)} gradients"):
+            self.scattered_bytes += scatter_into(pairs, self.mesh)
 
 
 def scatter_into(pairs: list, mesh: Any) -> int:
