@@ -9,7 +9,9 @@ processes this test starts itself.
   and loads it at another world size (one process, no sharding), exactly.
 - What: two processes, each on half the batch, end three AdamW steps with the parameters
   one process reaches on the whole batch (float64, 1e-10), for gpt_tiny whole, with its
-  blocks recomputed in pieces of one sample, and with the optimizer stepped inside the
+  blocks recomputed in pieces of one sample, with ``--recompute``, under ``quant`` (against
+  one process running each rank's half in turn: a codec's scale is its tensor's), and
+  with the optimizer stepped inside the
   backward, and for a model whose dimensions do not divide by the ranks; between steps
   every parameter is a ``Shard(0)`` DTensor again; from the second step on each backward
   gather starts the next unit's (in the last step's order) ahead of time.
@@ -59,7 +61,13 @@ CASES = {
     "whole": {},
     "pieces": {"recompute_segments": ("blocks",), "segment_piece_size": 1},
     "in_backward": {"update_in_backward": True},
+    "recompute": {"recompute": True},
+    "quant": {"scheme": "quant"},  # per rank compressed: against each half in one process
 }
+#: cases whose one-process reference runs each rank's half in turn (their gradients
+#: averaged), not the whole batch at once: a codec's scale is its tensor's, so half a
+#: batch compresses otherwise than the whole
+HALVES = ("quant",)
 
 
 def _data(case: str = ""):
@@ -93,7 +101,14 @@ def _train(model, rank: int = 0, world: int = 1, in_backward: bool = False, case
         attach(model, opt)
     n = BATCH // world
     for ids, y in _data(case):
-        model(ids[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
+        if world == 1 and case in HALVES:
+            for part in range(WORLD):  # each rank's half in turn, the gradients averaged
+                half = BATCH // WORLD
+                model(ids[part * half : (part + 1) * half], y[part * half : (part + 1) * half])
+            for p in model.parameters():
+                p.grad.div_(WORLD)
+        else:
+            model(ids[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
         if not in_backward:
             opt.step()
             opt.zero_grad()
