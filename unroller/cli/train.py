@@ -155,6 +155,15 @@ def train(
         bool,
         typer.Option("--sync-bn", help="Data parallel: batch norm over the whole batch."),
     ] = False,
+    shard: Annotated[
+        bool,
+        typer.Option(
+            "--shard",
+            help="Data parallel sharded on FSDP2 (with --nproc-per-node): each process holds "
+            "a shard of every parameter, gradient and optimizer state, each block's "
+            "parameters all-gathered where the step needs them.",
+        ),
+    ] = False,
     update_in_backward: Annotated[
         bool,
         typer.Option(
@@ -192,6 +201,7 @@ def train(
         nproc_per_node=nproc_per_node,
         sync_bn=sync_bn,
         update_in_backward=update_in_backward,
+        shard=shard,
     )
     if out is None and resume is not None:
         out = resume.parent
@@ -255,6 +265,10 @@ def _child_args(
             args += [f"--{name.replace('_', '-')}", str(getattr(config, name))]
     if config.sync_bn:
         args.append("--sync-bn")
+    if config.shard:
+        args.append("--shard")
+    if config.update_in_backward:
+        args.append("--update-in-backward")
     if quiet:
         args.append("--quiet")
     if force:

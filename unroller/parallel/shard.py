@@ -95,6 +95,9 @@ class Sharder:
     scattered_bytes: int = 0  # reduce-scattered by scatter_grads(), in all
     wait_seconds: float = 0.0  # time gather() spent waiting for all-gathers, in all
     prefetched: int = 0  # gathers started ahead of their unit's statements, in all
+    #: this rank's gradients are multiplied by it before the average: world x its share of
+    #: the batch (1 when the shares are equal), so unequal shares give the whole batch's
+    weight: float = 1.0
     #: the order of the units' gathers in this step and in the last (what prefetch follows)
     order: list[str] = field(default_factory=list)
     last_order: list[str] = field(default_factory=list)
@@ -147,6 +150,21 @@ class Sharder:
     def release(self, name: str) -> None:
         self.units[name].reshard()
 
+    @contextlib.contextmanager
+    def everything(self) -> Iterator[None]:
+        """Every parameter gathered while inside (``predict``, an evaluation), then the
+        shards alone again; every rank enters it."""
+        with _collective("the all-gather of every parameter"):
+            for unit in self.units.values():
+                unit.unshard()
+            self.model.unshard()
+        try:
+            yield
+        finally:
+            for unit in self.units.values():
+                unit.reshard()
+            self.model.reshard()
+
     def finish(self) -> None:
         """The step has returned: the model's own parameters, which FSDP's root pre-forward
         hook gathered (and, with no autograd backward to wait for, leaves gathered), are
@@ -177,10 +195,10 @@ class Sharder:
         if not pairs:
             return
         with _collective(f"the reduce-scatter of {len(pairs)} gradients"):
-            self.scattered_bytes += scatter_into(pairs, self.mesh)
+            self.scattered_bytes += scatter_into(pairs, self.mesh, self.weight)
 
 
-def scatter_into(pairs: list, mesh: Any) -> int:
+def scatter_into(pairs: list, mesh: Any, weight: float = 1.0) -> int:
     """Reduce-scatter each ``(full, shard)`` pair's ``full.grad`` (each rank's) so that
     ``shard.grad`` gains the average over the ranks of its rows, in one collective: each
     gradient padded along dim 0 to a multiple of the ranks (``fully_shard``'s chunks: rank
@@ -206,6 +224,8 @@ def scatter_into(pairs: list, mesh: Any) -> int:
             stacked[r, offset : offset + part.numel()] = part
         offset += size
         full.grad = None  # copied: freed before the collective's buffer is made
+    if weight != 1.0:
+        stacked.mul_(weight)
     out = stacked.new_empty(stacked.shape[1])
     torch.distributed.reduce_scatter_single(out, stacked.reshape(-1), group=group)
     out.div_(world)

@@ -30,6 +30,7 @@ upsampling backward passes) can still differ in the last bits from run to run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -61,6 +62,7 @@ from unroller.api import (
 )
 from unroller.compiler.options import Options, check_field
 from unroller.materialize import load_file
+from unroller.parallel.checkpoint import load_sharded, plain_optimizer_state, plain_state
 from unroller.runtime.in_backward import attach, updater_of
 from unroller.training.metrics import PRIMARY, MetricSet
 from unroller.training.run_folder import (
@@ -133,6 +135,8 @@ class TrainConfig:
     precision: str = "fp32"  # --precision of the generated step (fp16-mixed: a GradScaler)
     #: the optimizer stepped inside the backward (unroller.runtime.in_backward)
     update_in_backward: bool = False
+    #: data parallel sharded on FSDP2 (unroller.parallel.shard) instead of replicated
+    shard: bool = False
 
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -158,15 +162,23 @@ class TrainConfig:
         problem = check_field("precision", self.precision)
         if problem is not None:
             raise TrainError(problem.render("cli"))
-        if self.update_in_backward and (self.nproc_per_node > 1 or self.precision == "fp16-mixed"):
-            other = "--nproc-per-node" if self.nproc_per_node > 1 else "--precision fp16-mixed"
+        replicated = self.nproc_per_node > 1 and not self.shard
+        if self.update_in_backward and (replicated or self.precision == "fp16-mixed"):
+            other = "--nproc-per-node" if replicated else "--precision fp16-mixed"
             raise TrainError(
                 f"--update-in-backward and {other} do not combine: "
                 + (
-                    "the gradients are all-reduced after the backward"
-                    if self.nproc_per_node > 1
+                    "the gradients are all-reduced after the backward (with --shard they "
+                    "are reduce-scattered in it)"
+                    if replicated
                     else "a GradScaler's step checks every gradient before any update"
                 )
+            )
+        if self.shard and (self.nproc_per_node < 2 or self.sync_bn):
+            raise TrainError(
+                "--shard shards over processes: give --nproc-per-node 2 or more"
+                if self.nproc_per_node < 2
+                else "--shard and --sync-bn do not combine yet"
             )
 
     def _validate_ranges(self) -> None:
@@ -842,7 +854,8 @@ def generate(config: TrainConfig) -> str:
         scheme=config.scheme,
         compress_config=config.compress_config,
         resolution=config.resolution,
-        data_parallel=config.nproc_per_node > 1,
+        data_parallel=config.nproc_per_node > 1 and not config.shard,
+        shard=config.shard,
         precision=config.precision,
         update_in_backward=config.update_in_backward,
     )
@@ -1067,7 +1080,11 @@ def _start_model(
             raise TrainError(f"cannot start from {config.init}: {_one_line(exc)}") from None
     model.to(device)
     reducer = None
-    if world > 1:
+    if world > 1 and config.shard:
+        from unroller.parallel import shard
+
+        reducer = shard.attach(model)
+    elif world > 1:
         from unroller.parallel import data as distributed
 
         reducer = distributed.attach(model, sync_bn=config.sync_bn)
@@ -1097,8 +1114,11 @@ def _restore(
                 f"{cuda_state.numel()} bytes, this device's has {size}"
             )
     try:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        if _sharded(model):
+            load_sharded(model, optimizer, checkpoint["model"], checkpoint["optimizer"])
+        else:
+            model.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"{resume}: the checkpoint does not fit the model ({_one_line(exc)})"
@@ -1130,17 +1150,20 @@ def _timed_evaluation(
     device: torch.device,
     record: dict[str, Any],
 ) -> dict[str, float]:
-    """The test metrics after an epoch; the time they took goes into ``record``."""
+    """The test metrics after an epoch; the time they took goes into ``record``. A
+    sharded model is gathered whole for it (``predict`` reads every parameter)."""
     began = time.perf_counter()
-    metrics = evaluate(
-        model,
-        data.test,
-        data.task,
-        sig.logits,
-        config.batch_size,
-        device,
-        sig.pred_class_dim or 1,
-    )
+    sharder = model.__dict__.get("gradient_sharder")
+    with sharder.everything() if sharder is not None else contextlib.nullcontext():
+        metrics = evaluate(
+            model,
+            data.test,
+            data.task,
+            sig.logits,
+            config.batch_size,
+            device,
+            sig.pred_class_dim or 1,
+        )
     record["eval_time_s"] = time.perf_counter() - began
     return metrics
 
@@ -1164,8 +1187,8 @@ def _save_epoch(
         "epoch": epoch,
         "config": config.to_dict(),
         "generated_sha256": source_sha,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": plain_state(model.state_dict()),
+        "optimizer": plain_optimizer_state(optimizer.state_dict()),
         "rng": rng_state(device),
         "history": history,
     }
@@ -1177,3 +1200,8 @@ def _save_epoch(
         save_checkpoint(out / CHECKPOINT, payload)
         write_run_file(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
     _barrier(world)
+
+
+def _sharded(model: Any) -> bool:
+    """Is ``model`` sharded over processes (``unroller.parallel.shard``)?"""
+    return "gradient_sharder" in getattr(model, "__dict__", {})
