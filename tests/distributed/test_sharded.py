@@ -370,3 +370,18 @@ def test_attach_refuses_a_module_generated_without_the_option(tmp_path):
     module = import_generated(write_atomic(tmp_path / "plain.py", source), f"plain_{os.getpid()}")
     with pytest.raises(ShardError, match="--shard"):
         attach(module.Model())
+
+
+def test_attach_refuses_a_mesh_of_more_than_one_dimension(tmp_path):
+    """A 2-D mesh (replicate x shard, HSDP) is not what the step's collectives use: refused
+    before anything is sharded."""
+    from types import SimpleNamespace
+
+    from unroller.parallel.shard import ShardError, attach
+
+    source = generated_text(GPT_TINY, Options(shard=True))
+    module = import_generated(write_atomic(tmp_path / "m.py", source), f"mesh_{os.getpid()}")
+    model = module.Model()
+    with pytest.raises(ShardError, match="1-D mesh"):
+        attach(model, SimpleNamespace(ndim=2))
+    assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
