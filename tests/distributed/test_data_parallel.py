@@ -111,6 +111,7 @@ def _worker(rank: int, folder: str, text: str, name: str, kind: str, options: di
         found["launched"] = reducer.launched
     found["state"] = {k: v.clone() for k, v in model.state_dict().items()}
     torch.save(found, folder_path / f"{kind}_{rank}.pt")
+    dist.barrier()  # both done before either tears gloo down (else an abort at exit)
     dist.destroy_process_group()
 
 

@@ -229,6 +229,7 @@ def _worker(rank: int, folder: str, kind: str, micro: int) -> None:
     found["grads"] = _grads(model)
     found["wire"] = stage.log.totals()
     torch.save(found, path / f"{kind}_{rank}.pt")
+    dist.barrier()  # both done before either tears gloo down (else an abort at exit)
     dist.destroy_process_group()
 
 
