@@ -560,8 +560,9 @@ def unroll(
         if optimizer is not None:
             raise InBackwardError(
                 "unroll: optimizer= with shard=: the optimizer must hold the shards, which "
-                "exist once unroll returns; make it then over module.parameters() and attach "
-                "it with unroller.runtime.in_backward.attach(step.model, optimizer)"
+                "exist once unroll returns; unroll with update_in_backward=True, make the "
+                "optimizer then over module.parameters() and attach it with "
+                "unroller.runtime.in_backward.attach(step.model, optimizer)"
             )
         if options is not None:
             options = dataclasses.replace(options, shard=True)

@@ -11,13 +11,18 @@ parameter. Then:
 
 - ``gather``/``release`` are the unit's ``unshard()`` / ``reshard()``: the module
   attributes the step's kernels read become the all-gathered full tensors, and are
-  freed again; the model's own parameters are gathered by FSDP's root pre-forward hook
-  when the step is called, and released after it returns;
-- ``scatter_grads`` reduce-scatters each full gradient the unrolled backward wrote into
-  ``.grad`` (each rank's of its own share of the batch) to the shards, averaged over the
-  ranks as FSDP2 averages, one collective per call laid out as FSDP2 lays its own, adds
-  it into the sharded parameter's ``.grad`` and frees the full one; an optimizer over
-  ``model.parameters()`` then steps the shards.
+  freed again; in the backward each gather starts the next unit's (``unshard(async_op=
+  True)``, in the last step's order), as FSDP2 prefetches; the model's own parameters are
+  gathered by FSDP2's root pre-forward hook when the step is called, and released when
+  it returns (``finish``: FSDP2's own end of a backward, which no autograd runs here);
+- ``scatter_grads`` reduce-scatters the full gradients the unrolled backward wrote into
+  ``.grad`` (each rank's, of its own share of the batch) to the shards, after the unit's
+  release (the full gradients stay on FSDP2's unsharded parameter objects), all of one
+  run in one collective laid out as FSDP2 lays its own, averaged over the ranks (times
+  ``weight`` for unequal shares), added into the sharded parameters' ``.grad``; an
+  optimizer over ``model.parameters()`` then steps the shards;
+- ``everything()`` gathers the whole model for ``predict`` (an evaluation); a collective
+  that loses its peer raises ``RankFailure`` naming the rank.
 
 Each rank computes its share's mean loss; the average of the ranks' gradients is the
 whole batch's when the shares are equal. Without ``attach`` the three calls do nothing
