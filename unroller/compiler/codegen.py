@@ -37,6 +37,7 @@ from unroller.compiler.ir import (
 )
 from unroller.compiler.lower import Lowering, LoweringContext, PieceLoop, base_name
 from unroller.compiler.lower.context import const_kwargs
+from unroller.compiler.lower.shards import shard_units
 from unroller.compiler.names import RESERVED
 from unroller.compiler.options import PROCESS_STAGES, Options
 from unroller.compiler.outline import Function, Outliner
@@ -53,7 +54,7 @@ from unroller.compiler.platforms import platform as get_platform
 from unroller.compiler.precision import DEFAULT as PRECISION_DEFAULT
 from unroller.compiler.precision import get as get_precision
 from unroller.compiler.schemes import CompressionConfig
-from unroller.compiler.stash import StashPlan, block_instances, plan_stash, wire_codec
+from unroller.compiler.stash import StashPlan, plan_stash, wire_codec
 from unroller.errors import ModelError
 from unroller.resources import resource_dir
 
@@ -413,11 +414,7 @@ def _module_view(
         predict_targets=_targets([safe.identifier(ctx.var(v).name) for v in graph.model_inputs]),
         loss=safe.identifier(ctx.var(graph.loss).name),
         updates_in_backward=ctx.update_in_backward,
-        shard_units=(
-            safe.literal(tuple(call.name for call, _ in block_instances(graph)))
-            if ctx.shard
-            else None
-        ),
+        shard_units=safe.literal(shard_units(graph)) if ctx.shard else None,
         preds=[safe.identifier(ctx.var(v).name) for v in graph.preds],
         signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
         **_precision_view(graph),

@@ -1,19 +1,19 @@
 """Sharded data parallel of a generated module on FSDP2 (``--shard``).
 
-A module generated with ``--shard`` lists its top-level block instances
-(``Model.SHARD_UNITS``) and its step calls ``K.gather(L, name)`` before a block instance's
+A module generated with ``--shard`` lists its shard units (``Model.SHARD_UNITS``: the
+top-level block instances and the top-level layers with parameters of their own, an LM's
+embedding, final norm and head) and its step calls ``K.gather(L, name)`` before a unit's
 statements (forward, and again for its recompute and backward), ``K.release(L, name)``
 after them, and ``K.scatter_grads(L, names)`` after the backward run in which those
 gradients became final. ``attach(model, mesh)`` shards the model with FSDP2:
-``fully_shard`` on each unit, then on the model itself (the parameters outside every
-block: embeddings, head, final norm), so each rank holds a ``Shard(0)`` DTensor of each
-parameter. Then:
+``fully_shard`` on each unit, then on the model itself (its free parameters), so each rank
+holds a ``Shard(0)`` DTensor of each parameter. Then:
 
 - ``gather``/``release`` are the unit's ``unshard()`` / ``reshard()``: the module
   attributes the step's kernels read become the all-gathered full tensors, and are
   freed again; in the backward each gather starts the next unit's (``unshard(async_op=
-  True)``, in the last step's order), as FSDP2 prefetches; the model's own parameters are
-  gathered by FSDP2's root pre-forward hook when the step is called, and released when
+  True)``, in the last step's order), as FSDP2 prefetches; the model's free parameters
+  are gathered by FSDP2's root pre-forward hook when the step is called, and released when
   it returns (``finish``: FSDP2's own end of a backward, which no autograd runs here);
 - ``scatter_grads`` reduce-scatters the full gradients the unrolled backward wrote into
   ``.grad`` (each rank's, of its own share of the batch) to the shards, after the unit's

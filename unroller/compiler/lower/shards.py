@@ -1,8 +1,11 @@
-"""Sharded parameters (``--shard``): each top-level block instance's parameters gathered
-before the steps that read them and released after, once in the forward and once in the
-backward (its recompute, pieces loop and backward together).
+"""Sharded parameters (``--shard``): each shard unit's parameters gathered before the steps
+that read them and released after, once in the forward and once in the backward (its
+recompute, pieces loop and backward together). The units (``shard_units``) are the
+top-level block instances and the top-level statements holding parameters of their own
+(an LM's embedding and head, its final norm): each is gathered where it is used, so the
+largest tensors of a language model are not held through the whole step.
 
-Under FSDP2 (``unroller.parallel.shard``) a block instance is one ``fully_shard`` unit:
+Under FSDP2 (``unroller.parallel.shard``) a unit is one ``fully_shard`` unit:
 each rank holds a shard of its parameters, ``K.gather(L, "layers.0")`` all-gathers them
 into the full tensors its statements read (``unshard``), ``K.release`` frees those again
 (``reshard``). In the backward the release comes right after the unit's last statement,
@@ -14,7 +17,8 @@ FSDP2 orders its own post-backward. Without a mesh attached both calls do nothin
 
 from __future__ import annotations
 
-from unroller.compiler.ir import CallExpr, Const, Do, Global, Step, Var, called_name
+from unroller.compiler.graph import Graph
+from unroller.compiler.ir import CallExpr, Const, Do, Global, Layer, Step, Var, called_name, walk
 from unroller.compiler.stash import block_instances
 
 from .context import LoweringContext
@@ -25,19 +29,63 @@ def shards_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
     if not ctx.shard:
         return steps
     inserts: list[tuple[int, Step]] = []  # (index to insert before, step)
-    for call, _ in block_instances(ctx.graph):
+    blocks = {call.name for call, _ in block_instances(ctx.graph)}
+    for name in shard_units(ctx.graph):
         for phase in ("forward", "backward"):
-            span = _span(ctx, steps, call.name, phase)
+            span = (_span if name in blocks else _node_span)(ctx, steps, name, phase)
             if span is None:
                 continue
             first, last = span
-            inserts.append((first, _call_step("K.gather", call.name, phase)))
-            inserts.append((last + 1, _call_step("K.release", call.name, phase)))
+            inserts.append((first, _call_step("K.gather", name, phase)))
+            inserts.append((last + 1, _call_step("K.release", name, phase)))
     out = list(steps)
     # from the end; where a release and a gather meet, the release first (inserted last)
     for index, step in sorted(inserts, key=lambda x: (x[0], _is_gather(x[1])), reverse=True):
         out.insert(index, step)
     return out
+
+
+def shard_units(graph: Graph) -> tuple[str, ...]:
+    """The modules sharded one by one, in graph order: each top-level block instance, and
+    each top-level statement whose layer holds parameters of its own (not a free
+    parameter, which the model holds; not a shared or tied one, one tensor in two units)."""
+    found: list[str] = []
+    for node in graph.nodes:
+        if node.blocks:
+            if node.blocks[0].name not in found:
+                found.append(node.blocks[0].name)
+            continue
+        own = [p for p in node.params if p.present and p.key.startswith(node.name + ".")]
+        if (
+            own
+            and not node.shares
+            and not node.ties
+            and len(own) == sum(p.present for p in node.params)
+        ):
+            found.append(node.name)
+    return tuple(found)
+
+
+def _node_span(
+    ctx: LoweringContext, steps: list[Step], name: str, phase: str
+) -> tuple[int, int] | None:
+    """The first and last index of the steps in ``phase`` that read top-level statement
+    ``name``'s layer (its forward; its backward, gradients and any remake of it)."""
+    sections = ("forward",) if phase == "forward" else ("backward", "recompute")
+    found = [
+        i
+        for i, step in enumerate(steps)
+        if step.section in sections and not step.calls and _reads_layer(step, name)
+    ]
+    return (min(found), max(found)) if found else None
+
+
+def _reads_layer(step: Step, name: str) -> bool:
+    for statement in step.statements:
+        value = getattr(statement, "value", None)
+        if value is not None and any(isinstance(e, Layer) and e.path == name for e in walk(value)):
+            return True
+    return False
 
 
 def _is_gather(step: Step) -> bool:
