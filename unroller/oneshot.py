@@ -51,6 +51,7 @@ from unroller.compiler.options import Options, from_keywords
 from unroller.compiler.precision import AUTOCAST_MATCH
 from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
+from unroller.parallel.shard import sharder_of, step_guard
 from unroller.runtime.common import keep_predictions
 from unroller.runtime.in_backward import UPDATER_ATTR, InBackward, InBackwardError
 
@@ -170,6 +171,8 @@ class Unrolled(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "_original", original)  # not a submodule: no second state
         object.__setattr__(self, "_updater", updater)  # the optimizer in the backward
+        if updater is not None:
+            object.__setattr__(spec.model, UPDATER_ATTR, updater)
         self._how = how
         self._specs: OrderedDict[tuple, _Spec] = OrderedDict({key: spec})
         self._last = spec
@@ -297,9 +300,7 @@ class Unrolled(torch.nn.Module):
         through its whole backward (a causal LM's logits: vocabulary x tokens per sample)."""
         extra = {"scaler": scaler} if scaler is not None else {}
         guard: Any = contextlib.nullcontext()
-        if "gradient_sharder" in spec.model.__dict__:  # unroller.parallel.shard
-            from unroller.parallel.shard import step_guard
-
+        if sharder_of(spec.model) is not None:
             guard = step_guard()  # a rank gone: one clear error
         with guard:
             if not keep:
@@ -593,8 +594,6 @@ def unroll(
     spec = _make_spec(module, how, named, target, "train")  # the eval variant on demand
     key = (stepcache.signature(named, target), "train", how.options.precision)
     unrolled = Unrolled(module, how, key, spec, updater)
-    if updater is not None:
-        object.__setattr__(spec.model, UPDATER_ATTR, updater)
     if how.options.shard:
         from unroller.parallel.shard import shard_step
 

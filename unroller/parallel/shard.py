@@ -291,6 +291,7 @@ def attach(model: torch.nn.Module, mesh: Any = None) -> Sharder:
 
 
 def sharder_of(model: torch.nn.Module) -> Sharder | None:
+    """The ``Sharder`` attached to ``model`` (a generated Model), or None."""
     return model.__dict__.get(SHARDER_ATTR)
 
 

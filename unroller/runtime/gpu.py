@@ -34,6 +34,7 @@ from unroller.parallel.data import (
     sync_batchnorm,
     sync_batchnorm_backward,
 )
+from unroller.parallel.shard import sharder_of as _sharder
 from unroller.runtime import attention as _blocks
 from unroller.runtime import common as _common
 from unroller.runtime import conventions, derived
@@ -751,9 +752,8 @@ def scatter_grads(layers: Layers, names: tuple[str, ...]) -> None:
 
 
 def _sharder_of(layers: Layers) -> Any:
-    """The model's ``unroller.parallel.shard.Sharder`` (its ``SHARDER_ATTR``), or None;
-    read without importing torch.distributed into every generated module."""
-    return layers[""].__dict__.get("gradient_sharder")
+    """The ``unroller.parallel.shard.Sharder`` of the model these layer handles are."""
+    return _sharder(layers[""])
 
 
 def reduce_wait(layers: Layers) -> None:

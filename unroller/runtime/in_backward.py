@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from unroller.parallel.shard import sharder_of
+
 UPDATER_ATTR = "optimizer_in_backward"
 """The attribute of the generated Model that holds its ``InBackward``."""
 CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
@@ -75,7 +77,7 @@ class InBackward:
                 "the optimizer (unroller.runtime.in_backward.detach) and step as usual"
             )
         self.micro += 1
-        sharder = self.model.__dict__.get("gradient_sharder")  # unroller.parallel.shard
+        sharder = sharder_of(self.model)
         if sharder is not None:  # the shards, which the optimizer holds, hold the gradients
             self._names = dict(sharder.sharded)
         else:

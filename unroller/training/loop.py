@@ -63,6 +63,7 @@ from unroller.api import (
 from unroller.compiler.options import Options, check_field
 from unroller.materialize import load_file
 from unroller.parallel.checkpoint import load_sharded, plain_optimizer_state, plain_state
+from unroller.parallel.shard import sharder_of
 from unroller.runtime.in_backward import attach, updater_of
 from unroller.training.metrics import PRIMARY, MetricSet
 from unroller.training.run_folder import (
@@ -1114,7 +1115,7 @@ def _restore(
                 f"{cuda_state.numel()} bytes, this device's has {size}"
             )
     try:
-        if _sharded(model):
+        if sharder_of(model) is not None:
             load_sharded(model, optimizer, checkpoint["model"], checkpoint["optimizer"])
         else:
             model.load_state_dict(checkpoint["model"])
@@ -1153,7 +1154,7 @@ def _timed_evaluation(
     """The test metrics after an epoch; the time they took goes into ``record``. A
     sharded model is gathered whole for it (``predict`` reads every parameter)."""
     began = time.perf_counter()
-    sharder = model.__dict__.get("gradient_sharder")
+    sharder = sharder_of(model)
     with sharder.everything() if sharder is not None else contextlib.nullcontext():
         metrics = evaluate(
             model,
@@ -1200,8 +1201,3 @@ def _save_epoch(
         save_checkpoint(out / CHECKPOINT, payload)
         write_run_file(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
     _barrier(world)
-
-
-def _sharded(model: Any) -> bool:
-    """Is ``model`` sharded over processes (``unroller.parallel.shard``)?"""
-    return "gradient_sharder" in getattr(model, "__dict__", {})

@@ -9,13 +9,19 @@ kernel). A tied parameter (``tied_weight=``) is one tensor under two keys: its g
 final after the last step adding to either, and it is named by the key it is tied to. A
 step inside a pieces loop runs once per piece: what it finishes is final only after the
 loop's last step.
+
+What acts on final gradients goes where a run of steps ends (``run_ends``): a top-level
+statement, a top-level block instance (one function call in the generated code, so
+nothing can go between its statements), a pieces loop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from unroller.compiler.ir import ACCUMULATORS, Assign, CallExpr, Const, Do, Layer, Step, called_name
 
-from .context import LoweringContext
+from .context import LoweringContext, PieceLoop
 
 
 def final_after(ctx: LoweringContext, steps: list[Step]) -> dict[int, list[str]]:
@@ -61,12 +67,29 @@ def _accumulated(ctx: LoweringContext, statement) -> list[str]:
     return []
 
 
-def _loop_last(ctx: LoweringContext, steps: list[Step]) -> dict[int, int]:
-    """Index of each step inside a pieces loop -> the index of the loop's last step."""
+def loop_spans(ctx: LoweringContext, steps: list[Step]) -> Iterator[tuple[int, int, PieceLoop]]:
+    """Each pieces loop in ``steps``: the index of its header, of its last step, and it."""
     at = {id(step): i for i, step in enumerate(steps)}
-    found: dict[int, int] = {}
     for loop in ctx.piece_loops:
         if id(loop.header) in at and id(loop.last) in at:
-            start, end = at[id(loop.header)], at[id(loop.last)]
-            found.update({k: end for k in range(start, end + 1)})
-    return found
+            yield at[id(loop.header)], at[id(loop.last)], loop
+
+
+def _loop_last(ctx: LoweringContext, steps: list[Step]) -> dict[int, int]:
+    """Index of each step inside a pieces loop -> the index of the loop's last step."""
+    return {k: end for start, end, _ in loop_spans(ctx, steps) for k in range(start, end + 1)}
+
+
+def run_ends(ctx: LoweringContext, steps: list[Step]) -> list[bool]:
+    """Per step: does a run end after it (the last step; not inside a pieces loop; a
+    top-level statement, or the next step in another top-level block instance)?"""
+    inside = {k for start, end, _ in loop_spans(ctx, steps) for k in range(start, end)}
+    ends = []
+    for i, step in enumerate(steps):
+        following = steps[i + 1] if i + 1 < len(steps) else None
+        ends.append(
+            following is None
+            or i not in inside
+            and (not step.calls or following.calls[:1] != step.calls[:1])
+        )
+    return ends

@@ -10,41 +10,37 @@ bucket's last gradient became final, and ``K.reduce_wait`` ends the step.
 from __future__ import annotations
 
 from unroller.compiler.ir import (
-    ACCUMULATORS,
     CallExpr,
     Const,
     Do,
     Global,
-    Layer,
     ModelName,
     Step,
     TupleExpr,
     Var,
-    called_name,
 )
 
 from .context import LoweringContext
+from .finals import final_after, run_ends
 
 
 def reductions_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
     """Pass: ``steps`` with the bucket reductions, when the step is data parallel."""
     if not ctx.data_parallel:
         return steps
-    final_at = _final_at(steps)
+    final_at = final_after(ctx, steps)
     nbytes = {p.key: p.nbytes() for n in ctx.graph.nodes for p in n.params if p.present}
     out: list[Step] = []
     bucket: list[str] = []
     size = 0
     buckets = 0
-    for i, step in enumerate(steps):
+    for i, (step, ends) in enumerate(zip(steps, run_ends(ctx, steps))):
         out.append(step)
         for key in final_at.get(i, []):
             bucket.append(key)
             size += nbytes.get(key, 0)
-        following = steps[i + 1] if i + 1 < len(steps) else None
-        # a top-level statement is a run of its own; a block instance's steps are one
-        boundary = following is None or not step.calls or following.calls[:1] != step.calls[:1]
-        if bucket and boundary and (size >= ctx.bucket_bytes or following is None):
+        last = i + 1 == len(steps)
+        if bucket and ends and (size >= ctx.bucket_bytes or last):
             out.append(reduce_step(buckets, bucket, size))
             buckets += 1
             bucket, size = [], 0
@@ -58,23 +54,6 @@ def reductions_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
         )
     )
     return out
-
-
-def _final_at(steps: list[Step]) -> dict[int, list[str]]:
-    """Step index -> the parameter keys whose gradient is final after it (its last
-    accumulation)."""
-    last: dict[str, int] = {}  # parameter key -> the last step that accumulates it
-    for i, step in enumerate(steps):
-        for statement in step.statements:
-            if isinstance(statement, Do) and called_name(statement.value) in ACCUMULATORS:
-                owner = statement.value.args[0]
-                prefix = f"{owner.path}." if isinstance(owner, Layer) and owner.path else ""
-                for attr, _ in statement.value.kwargs:
-                    last[prefix + attr] = i
-    final_at: dict[int, list[str]] = {}
-    for key, i in last.items():
-        final_at.setdefault(i, []).append(key)
-    return final_at
 
 
 def reduce_step(index: int, keys: list[str], size: int) -> Step:

@@ -22,6 +22,7 @@ from unroller.compiler.ir import CallExpr, Const, Do, Global, Layer, Step, Var, 
 from unroller.compiler.stash import block_instances
 
 from .context import LoweringContext
+from .finals import loop_spans
 
 
 def shards_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
@@ -101,11 +102,9 @@ def _span(ctx: LoweringContext, steps: list[Step], name: str, phase: str) -> tup
         for i, step in enumerate(steps)
         if step.section in sections and step.calls and step.calls[0].name == name
     ]
-    at = {id(step): i for i, step in enumerate(steps)}
-    for loop in ctx.piece_loops:
+    for start, end, loop in loop_spans(ctx, steps):
         if loop.segment.name == name and loop.header.section in sections:
-            if id(loop.header) in at and id(loop.last) in at:
-                found += [at[id(loop.header)], at[id(loop.last)]]
+            found += [start, end]
     return (min(found), max(found)) if found else None
 
 

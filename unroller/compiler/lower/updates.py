@@ -16,7 +16,7 @@ from __future__ import annotations
 from unroller.compiler.ir import CallExpr, Do, Global, ModelName, Step, TupleExpr, Var
 
 from .context import LoweringContext
-from .finals import final_after
+from .finals import final_after, run_ends
 
 
 def updates_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
@@ -25,32 +25,15 @@ def updates_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
     if not (ctx.update_in_backward or ctx.shard):
         return steps
     final = final_after(ctx, steps)
-    inside = _inside_loops(ctx, steps)
     out: list[Step] = []
     ready: list[str] = []
-    for i, step in enumerate(steps):
+    for i, (step, ends) in enumerate(zip(steps, run_ends(ctx, steps))):
         out.append(step)
         ready += final.get(i, [])
-        following = steps[i + 1] if i + 1 < len(steps) else None
-        boundary = (
-            following is None
-            or i not in inside
-            and (not step.calls or following.calls[:1] != step.calls[:1])
-        )
-        if ready and boundary:
+        if ready and ends:
             out.append(update_step(ready, ctx.shard, ctx.update_in_backward))
             ready = []
     return out
-
-
-def _inside_loops(ctx: LoweringContext, steps: list[Step]) -> set[int]:
-    """Indices of the steps of a pieces loop but its last: no run ends there."""
-    at = {id(step): i for i, step in enumerate(steps)}
-    found: set[int] = set()
-    for loop in ctx.piece_loops:
-        if id(loop.header) in at and id(loop.last) in at:
-            found.update(range(at[id(loop.header)], at[id(loop.last)]))
-    return found
 
 
 FINAL_CALLS = ("K.scatter_grads", "K.update_params")
