@@ -133,26 +133,32 @@ def _gathers_alone(sharder) -> float:
     return time.perf_counter() - t0
 
 
-def _fsdp_autograd(rank: int, world: int, args) -> dict:
+def fsdp_autograd(net: torch.nn.Module, layers, loss_of, steps: int) -> dict:
+    """FSDP2 under autograd, measured: ``fully_shard`` on each of ``layers`` and on ``net``,
+    AdamW; a step is ``loss_of(net).backward(); opt.step(); opt.zero_grad()``."""
     from torch.distributed.fsdp import fully_shard
 
-    bench = BENCHMARKS[MODEL]
-    torch.manual_seed(0)
-    ref = bench.build(args.resolution)
-    for name, _ in ref.layers.named_children():
-        fully_shard(ref.layers.get_submodule(name))
-    fully_shard(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
-    inputs = bench.make_batch(args.batch, args.resolution, seed=rank)
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
 
     def step():
-        loss = ref(*inputs)[0]
+        loss = loss_of(net)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return _measure(step, ref, opt, 2, args.steps)
+    return _measure(step, net, opt, 2, steps)
+
+
+def _fsdp_autograd(rank: int, world: int, args) -> dict:
+    bench = BENCHMARKS[MODEL]
+    torch.manual_seed(0)
+    ref = bench.build(args.resolution)
+    inputs = bench.make_batch(args.batch, args.resolution, seed=rank)
+    return fsdp_autograd(ref, list(ref.layers.children()), lambda m: m(*inputs)[0], args.steps)
 
 
 def _worker(rank: int, world: int, folder: str, args) -> None:

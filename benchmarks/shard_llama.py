@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.shard_bench import MIB, _held, _measure
+from benchmarks.shard_bench import MIB, _held, _measure, fsdp_autograd
 from unroller.bench.machine import cpu_model, loadavg
 from unroller.bench.profiling import profile_step
 
@@ -81,24 +81,14 @@ def _ours(rank: int, args, folder: Path) -> dict:
 
 
 def _fsdp(rank: int, args) -> dict:
-    from torch.distributed.fsdp import fully_shard
-
     net = _net()
-    for layer in net.model.layers:
-        fully_shard(layer)
-    fully_shard(net)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     ids, y = _batch(args.batch, rank)
 
-    def step():
-        logits = net(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.permute(0, 2, 1), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+    def loss_of(m):
+        logits = m(input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(logits.permute(0, 2, 1), y)
 
-    return _measure(step, net, opt, 2, args.steps)
+    return fsdp_autograd(net, list(net.model.layers), loss_of, args.steps)
 
 
 def _worker(rank: int, world: int, folder: str, args) -> None:

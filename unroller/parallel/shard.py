@@ -185,11 +185,15 @@ class Sharder:
     def scatter_grads(self, names: tuple[str, ...]) -> None:
         """The full ``.grad`` of each of ``names`` reduce-scattered into its shard's
         ``.grad``, all of them in one collective (``scatter_into``), the full ones freed."""
-        current = dict(self.model.named_parameters(remove_duplicate=False))
+        current: dict[str, torch.nn.Parameter] | None = None  # the model's free ones
         done: set[int] = set()
         pairs = []
         for name in names:
-            full = self.full.get(name, current.get(name))
+            full = self.full.get(name)
+            if full is None:
+                if current is None:
+                    current = dict(self.model.named_parameters(remove_duplicate=False))
+                full = current.get(name)
             shard = self.sharded.get(name)
             if full is None or shard is None or id(shard) in done:
                 continue
