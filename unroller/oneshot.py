@@ -51,7 +51,8 @@ from unroller.compiler.options import Options, from_keywords
 from unroller.compiler.precision import AUTOCAST_MATCH
 from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
-from unroller.parallel.shard import sharder_of, step_guard
+from unroller.parallel.adopted import adopt, plain_view, user_units
+from unroller.parallel.shard import ShardError, sharder_of, step_guard
 from unroller.runtime.common import keep_predictions
 from unroller.runtime.in_backward import UPDATER_ATTR, InBackward, InBackwardError
 
@@ -429,7 +430,7 @@ def _make_spec(original, how: _How, inputs: dict, target, mode: str) -> _Spec:
     if built is None:
         # the import captures in train mode, so the eval text starts from the train one's
         trained = stepcache.lookup((*key[:-1], "train")) if mode == "eval" else None
-        with stepcache.preserved(original):
+        with stepcache.preserved(original), plain_view(original):
             built = _build(
                 original, how, inputs, target, mode, None if trained is None else trained.text
             )
@@ -557,7 +558,18 @@ def unroll(
         named = dict(inputs)
     else:
         named = {f"x{i}": t for i, t in enumerate(inputs)}
-    if shard is not None and shard is not False:
+    adopted = bool(user_units(module))
+    if adopted and shard is False:
+        raise ShardError(
+            "unroll: shard=False, but the module is sharded (fully_shard): its step must "
+            "gather its parameters; leave shard= out"
+        )
+    if adopted:  # the user's fully_shard: the step gathers through their modules
+        if options is not None:
+            options = dataclasses.replace(options, shard=True)
+        else:
+            settings["shard"] = True
+    elif shard is not None and shard is not False:
         if optimizer is not None:
             raise InBackwardError(
                 "unroll: optimizer= with shard=: the optimizer must hold the shards, which "
@@ -594,7 +606,9 @@ def unroll(
     spec = _make_spec(module, how, named, target, "train")  # the eval variant on demand
     key = (stepcache.signature(named, target), "train", how.options.precision)
     unrolled = Unrolled(module, how, key, spec, updater)
-    if how.options.shard:
+    if adopted:
+        adopt(spec.model, module, None if shard is None or shard is True else shard)
+    elif how.options.shard:
         from unroller.parallel.shard import shard_step
 
         shard_step(unrolled, spec, None if shard is True else shard)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,8 +94,14 @@ class Sharder:
 
     model: torch.nn.Module
     mesh: Any
-    units: dict[str, Any] = field(default_factory=dict)  # name -> FSDPModule
+    #: step unit name -> the FSDP modules gathered for it, by their paths in the sharded
+    #: module (the unit itself where we sharded; the user's units where the user did)
+    units: dict[str, tuple[tuple[str, Any], ...]] = field(default_factory=dict)
     sharded: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    #: where the user sharded the module: their root FSDP module (gathered for the whole
+    #: step by ``begin``) and what points the step's module at their current tensors
+    root: Any = None
+    binder: Binder | None = None
     prefetch: bool = True  # in the backward, start the next unit's gather with this one's
     gathered_bytes: int = 0  # all-gathered by gather(), in all
     scattered_bytes: int = 0  # reduce-scattered by scatter_grads(), in all
@@ -111,13 +118,21 @@ class Sharder:
     #: each unit's unsharded parameter objects (FSDP2 keeps them from one gather to the
     #: next), whose ``.grad`` the backward writes: read after the unit's release too
     full: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    #: FSDP modules gathered for more than one unit (a user's module holding several of the
+    #: step's units): released only when a unit without them is gathered, or at the end
+    shared: set[str] = field(default_factory=set)
+    deferred: dict[str, Any] = field(default_factory=dict)  # path -> FSDP module kept
 
     def __post_init__(self) -> None:
-        for name in self.units:
+        counts = Counter(path for group in self.units.values() for path, _ in group)
+        self.shared = {path for path, count in counts.items() if count > 1}
+        paths = set(counts)
+        for name, group in self.units.items():
             self.unit_bytes[name] = sum(
                 p.numel() * p.element_size()
+                for path, _ in group
                 for key, p in self.sharded.items()
-                if key.startswith(name + ".") and _owned_by(key, name, self.units)
+                if _under(key, path) and _owned_by(key, path, paths)
             )
 
     def gather(self, name: str) -> None:
@@ -125,20 +140,30 @@ class Sharder:
         the gather of the unit that came after it in the last step started (FSDP2's
         ``unshard(async_op=True)``), so that it runs while this one computes."""
         started = time.perf_counter()
-        handle = self.pending.pop(name, None)
-        unit = self.units[name]
+        handles = self.pending.pop(name, None)
+        group = self.units[name]
+        self._release_deferred(keep={path for path, _ in group})
         with _collective(f"the all-gather of {name}'s parameters"):
-            if handle is not None:
+            for handle in handles or ():
                 handle.wait()
-            else:
+            for _, unit in group:  # nothing where the prefetch gathered it
                 unit.unshard()
-        for key, param in unit.named_parameters():  # the full ones, while gathered
-            self.full[f"{name}.{key}"] = param
+        self._gathered(group)
         self.wait_seconds += time.perf_counter() - started
         self.gathered_bytes += self.unit_bytes[name]
         self.order.append(name)
         if self.prefetch:
             self._prefetch(len(self.order))
+
+    def _gathered(self, group: tuple[tuple[str, Any], ...]) -> None:
+        """The full parameters of ``group``'s modules (FSDP2's unsharded parameter objects,
+        whose ``.grad`` the backward writes) recorded by key, and the step's module pointed
+        at them where the user's module is not the step's."""
+        for path, unit in group:
+            for key, param in unit.named_parameters():  # the full ones, while gathered
+                self.full[f"{path}.{key}" if path else key] = param
+        if self.binder is not None:
+            self.binder.bind(path for path, _ in group)
 
     def _prefetch(self, position: int) -> None:
         """Start the gather of the unit the last step gathered at ``position``, if it is a
@@ -147,28 +172,68 @@ class Sharder:
         if position < len(self.last_order):
             following = self.last_order[position]
             backward = following in self.last_order[:position]
-            if backward and following not in self.pending and following != self.order[-1]:
+            current = {path for path, _ in self.units[self.order[-1]]}
+            apart = current.isdisjoint(path for path, _ in self.units[following])
+            if backward and apart and self.units[following] and following not in self.pending:
                 with _collective(f"the all-gather of {following}'s parameters"):
-                    self.pending[following] = self.units[following].unshard(async_op=True)
+                    self.pending[following] = [
+                        unit.unshard(async_op=True) for _, unit in self.units[following]
+                    ]
                 self.prefetched += 1
 
     def release(self, name: str) -> None:
-        self.units[name].reshard()
+        group = self.units[name]
+        for path, unit in group:
+            if path in self.shared:  # the next unit may be gathered from it too
+                self.deferred[path] = unit
+            else:
+                unit.reshard()
+        if self.binder is not None:
+            self.binder.bind(path for path, _ in group)
+
+    def _release_deferred(self, keep: set[str] = frozenset()) -> None:
+        """The deferred releases done, but of the modules in ``keep`` (which stay gathered
+        for the unit being gathered now)."""
+        for path in [p for p in self.deferred if p not in keep]:
+            self.deferred.pop(path).reshard()
+            if self.binder is not None:
+                self.binder.bind((path,))
+        for path in keep:
+            self.deferred.pop(path, None)
+
+    def begin(self) -> None:
+        """The step starts: where the user sharded the module, their root's own parameters
+        (outside every unit) gathered for the whole step, as FSDP2's root pre-forward does
+        (with our own sharding the generated module's root hook does it)."""
+        if self.root is None:
+            return
+        with _collective("the all-gather of the module's own parameters"):
+            _fsdp_state(self.root)._lazy_init()  # FSDP2's first-forward setup (private)
+            self.root.unshard()
+        self._gathered((("", self.root),))
 
     @contextlib.contextmanager
     def everything(self) -> Iterator[None]:
         """Every parameter gathered while inside (``predict``, an evaluation), then the
         shards alone again; every rank enters it."""
+        modules = self._modules()
         with _collective("the all-gather of every parameter"):
-            for unit in self.units.values():
+            for _, unit in modules:
                 unit.unshard()
-            self.model.unshard()
+        self._gathered(modules)
         try:
             yield
         finally:
-            for unit in self.units.values():
+            for _, unit in modules:
                 unit.reshard()
-            self.model.reshard()
+            if self.binder is not None:
+                self.binder.bind(path for path, _ in modules)
+
+    def _modules(self) -> tuple[tuple[str, Any], ...]:
+        """Every FSDP module of the step, each once, the root last."""
+        found = {path: unit for group in self.units.values() for path, unit in group}
+        found[""] = self.root if self.root is not None else self.model
+        return tuple(found.items())
 
     def finish(self) -> None:
         """The step has returned: the model's own parameters, which FSDP's root pre-forward
@@ -176,10 +241,16 @@ class Sharder:
         released too, so that between steps every rank holds its shards only."""
         pending, self.pending = list(self.pending.values()), {}
         with _collective("the end of the step"):
-            for handle in pending:  # a prefetch no gather took (the step failed)
-                handle.wait()
-            state = self.model._get_fsdp_state()  # FSDP2's own end of a backward (private)
-            state._root_post_backward_final_callback()
+            for handles in pending:  # a prefetch no gather took (the step failed)
+                for handle in handles:
+                    handle.wait()
+            self._release_deferred()
+            if self.root is None:  # FSDP2's own end of a backward (private)
+                _fsdp_state(self.model)._root_post_backward_final_callback()
+            else:
+                for _, unit in self._modules():
+                    unit.reshard()
+                self.binder.bind(path for path, _ in self._modules())
         self.last_order, self.order = self.order, []
 
     def scatter_grads(self, names: tuple[str, ...]) -> None:
@@ -252,12 +323,47 @@ def scatter_into(pairs: list, mesh: Any, weight: float = 1.0) -> int:
     return world * sum(sizes) * stacked.element_size()
 
 
-def _owned_by(key: str, name: str, units: dict[str, Any]) -> bool:
-    """Is parameter ``key`` unit ``name``'s own (not a unit nested inside it)?"""
+def _under(key: str, path: str) -> bool:
+    """Is ``key`` (a parameter's or a module's) inside module ``path`` ("" the root)?"""
+    return not path or key.startswith(path + ".")
+
+
+def _owned_by(key: str, path: str, paths: set[str]) -> bool:
+    """Is parameter ``key`` FSDP module ``path``'s own (not a unit nested inside it)?"""
     return not any(
-        other != name and other.startswith(name + ".") and key.startswith(other + ".")
-        for other in units
+        other != path and _under(other, path) and _under(key, other) for other in paths if other
     )
+
+
+def _fsdp_state(module: torch.nn.Module) -> Any:
+    return module._get_fsdp_state()
+
+
+@dataclass
+class Binder:
+    """Points the step's module at the tensors the user's sharded module holds now: FSDP2
+    swaps a module's parameters between the shards and the full tensors at each
+    ``unshard``/``reshard``, on the user's modules, which are not the step's."""
+
+    step_module: torch.nn.Module
+    user_module: torch.nn.Module
+    #: user FSDP module path -> (the step's owner, the user's owner, leaf) of its own keys
+    slots: dict[str, list[tuple[Any, Any, str]]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, step_module, user_module, paths: set[str]) -> Binder:
+        binder = cls(step_module, user_module)
+        for key, _ in user_module.named_parameters(remove_duplicate=False):
+            owner = next(p for p in sorted(paths, key=len, reverse=True) if _under(key, p))
+            path, _, leaf = key.rpartition(".")
+            slot = (step_module.get_submodule(path), user_module.get_submodule(path), leaf)
+            binder.slots.setdefault(owner, []).append(slot)
+        return binder
+
+    def bind(self, paths: Iterator[str] | Any) -> None:
+        for path in paths:
+            for mine, theirs, leaf in self.slots.get(path, ()):
+                mine._parameters[leaf] = theirs._parameters[leaf]
 
 
 def attach(model: torch.nn.Module, mesh: Any = None) -> Sharder:
@@ -284,7 +390,7 @@ def attach(model: torch.nn.Module, mesh: Any = None) -> Sharder:
     for name in names:
         unit = model.get_submodule(name)
         fully_shard(unit, mesh=mesh)
-        units[name] = unit
+        units[name] = ((name, unit),)
     fully_shard(model, mesh=mesh)
     sharder = Sharder(model, mesh, units, dict(model.named_parameters(remove_duplicate=False)))
     for name, p in sharder.sharded.items():

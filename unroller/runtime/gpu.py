@@ -126,6 +126,9 @@ def run_step(
     with torch.autocast(ambient[0], enabled=False) if ambient else contextlib.nullcontext():
         if not backend:
             try:
+                sharder = _sharder_of(handles)
+                if sharder is not None:
+                    sharder.begin()
                 return step(model, handles, model.stash_log, *inputs, *extra)
             finally:
                 if updater is not None:

@@ -1,0 +1,226 @@
+"""A module the user sharded with FSDP2's ``fully_shard``, handed to ``unroller.unroll``
+(``unroller.parallel.adopted``), gloo, processes this test starts itself.
+
+- Four ranks, each on a quarter of the batch, the blocks and the root wrapped by the user
+  and an AdamW made before ``unroll`` over the shards: three steps end where torch.autograd
+  ends in one process on the whole batch (float64, 1e-10); the same with the optimizer
+  stepped inside the backward (``optimizer=``), and with the root alone wrapped. Dims that
+  do not divide by four (10 and 3 rows: one rank holds no row of the head).
+- A ``torch.distributed.checkpoint`` the four ranks save before the last step loads into
+  two ranks (the module wrapped the same way, unrolled again), whose last step ends there.
+- Bad layouts (a block wrapped on one rank only, the blocks wrapped but not the root,
+  ``shard=False``) are one clear error on every rank, and the ranks go on together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from conftest import rel_err
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+BATCH, STEPS = 8, 3
+CASES = ("blocks", "in_backward", "root_only")
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(10)
+        self.fc = torch.nn.Linear(10, 10)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.fc(self.norm(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 10)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+        self.head = torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (BATCH,), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _wrapped(seed: int, blocks: bool = True, root: bool = True) -> Net:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    net = Net().double()
+    for block in net.blocks if blocks else ():
+        fully_shard(block)
+    if root:
+        fully_shard(net)
+    return net
+
+
+def _init(path: Path, rank: int, world: int, store: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{path / store}", rank=rank, world_size=world
+    )
+    torch.set_num_threads(1)
+
+
+def _share(batch, rank: int, world: int):
+    n = BATCH // world
+    return tuple(t[rank * n : (rank + 1) * n] for t in batch)
+
+
+def _four_ranks(rank: int, folder: str) -> None:
+    import unroller
+
+    path = Path(folder)
+    _init(path, rank, 4, "store4")
+    found = {}
+    for case in CASES:
+        net = _wrapped(0, blocks=case != "root_only")
+        opt = _adamw(net.parameters())  # over the user's shards, before unroll
+        data = [_share(batch, rank, 4) for batch in _data()]
+        extra = {"optimizer": opt} if case == "in_backward" else {}
+        step = unroller.unroll(net, data[0][:1], data[0][1], directory=path / f"g{rank}", **extra)
+        for i, (x, y) in enumerate(data):
+            if case == "blocks" and i == STEPS - 1:  # a checkpoint before the last step
+                model_state, optim_state = get_state_dict(net, opt)
+                state = {"model": model_state, "optim": optim_state}
+                dcp.save(state, checkpoint_id=path / "ckpt")
+            step(x, y)
+            if case != "in_backward":
+                opt.step()
+                opt.zero_grad()
+        sharder = step.model.gradient_sharder
+        found[case] = {
+            "state": {k: p.full_tensor().clone() for k, p in net.named_parameters()},
+            "units": {k: [p for p, _ in group] for k, group in sharder.units.items()},
+            "gathered": sharder.gathered_bytes,
+            "grads_left": sum(p.grad is not None for p in net.parameters()),
+        }
+    torch.save(found, path / f"four{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _two_ranks_resume(rank: int, folder: str) -> None:
+    """The four ranks' checkpoint loaded into two (other initial weights, replaced by it),
+    and the last step taken there through ``unroll``."""
+    import unroller
+
+    path = Path(folder)
+    _init(path, rank, 2, "store2")
+    net = _wrapped(1)
+    opt = _adamw(net.parameters())
+    model_state, optim_state = get_state_dict(net, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path / "ckpt")
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    x, y = _share(_data()[-1], rank, 2)
+    step = unroller.unroll(net, (x,), y, directory=path / f"r{rank}")
+    step(x, y)
+    opt.step()
+    found = {k: p.full_tensor().clone() for k, p in net.named_parameters()}
+    torch.save(found, path / f"resumed{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    ref = Net().double()
+    opt = _adamw(ref.parameters())
+    for x, y in _data():
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in ref.named_parameters()}
+
+
+def test_four_ranks_train_a_module_the_user_sharded_as_one_process(tmp_path):
+    want = _reference()
+    mp.spawn(_four_ranks, args=(str(tmp_path),), nprocs=4, join=True)
+    for rank in range(4):
+        found = torch.load(tmp_path / f"four{rank}.pt")
+        for case in CASES:
+            got = found[case]["state"]
+            assert got.keys() == want.keys()
+            worst = max(rel_err(got[k], want[k]) for k in want)
+            assert worst <= 1e-10, (case, worst)
+        # each block's statements gather the user's block module; the rest is the root's
+        units = found["blocks"]["units"]
+        assert {k: v for k, v in units.items() if v} == {
+            name: [name] for name in ("blocks.0", "blocks.1", "blocks.2")
+        }, units
+        assert found["blocks"]["gathered"] > 0
+        assert not any(found["root_only"]["units"].values())
+        assert found["in_backward"]["grads_left"] == 0
+    mp.spawn(_two_ranks_resume, args=(str(tmp_path),), nprocs=2, join=True)
+    for rank in range(2):
+        resumed = torch.load(tmp_path / f"resumed{rank}.pt")
+        worst = max(rel_err(resumed[k], want[k]) for k in want)
+        assert worst <= 1e-10, worst
+
+
+def _bad_layouts(rank: int, folder: str) -> None:
+    import unroller
+
+    path = Path(folder)
+    _init(path, rank, 2, "store")
+    x, y = _share(_data()[0], rank, 2)
+    layouts = {
+        "one rank wraps a block": lambda: _wrapped(0, blocks=rank == 0),
+        "the root left out": lambda: _wrapped(0, root=False),
+    }
+    said = {}
+    for what, make in layouts.items():
+        try:
+            unroller.unroll(make(), (x,), y, directory=path / f"g{rank}")
+            said[what] = "no error"
+        except Exception as exc:  # noqa: BLE001 - what it raises is what the test reads
+            said[what] = f"{type(exc).__name__}: {exc}"
+    try:
+        unroller.unroll(_wrapped(0), (x,), y, shard=False, directory=path / f"g{rank}")
+        said["shard=False"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        said["shard=False"] = f"{type(exc).__name__}: {exc}"
+    together = torch.ones(1)
+    dist.all_reduce(together)  # both ranks are still in step with each other
+    said["together"] = together.item()
+    torch.save(said, path / f"said{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_layout_the_step_cannot_use_is_one_clear_error_on_every_rank(tmp_path):
+    mp.spawn(_bad_layouts, args=(str(tmp_path),), nprocs=2, join=True)
+    for rank in range(2):
+        said = torch.load(tmp_path / f"said{rank}.pt")
+        assert said["one rank wraps a block"].startswith(
+            "ShardError: rank 1 shards the module otherwise than rank 0 (module blocks.0: "
+            "wrapped by fully_shard on rank 0, not wrapped there)"
+        ), said
+        assert said["the root left out"].startswith("ShardError: rank 0: parameter inp.weight")
+        assert "wrap the module itself with fully_shard" in said["the root left out"]
+        assert said["shard=False"].startswith("ShardError: unroll: shard=False")
+        assert said["together"] == 2.0
