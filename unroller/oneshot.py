@@ -51,7 +51,7 @@ from unroller.compiler.options import Options, from_keywords
 from unroller.compiler.precision import AUTOCAST_MATCH
 from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
-from unroller.parallel.adopted import adopt, plain_view, user_units
+from unroller.parallel.adopted import adopt, adopted_precision, plain_view, user_units
 from unroller.parallel.shard import ShardError, sharder_of, step_guard
 from unroller.runtime.common import keep_predictions
 from unroller.runtime.in_backward import UPDATER_ATTR, InBackward, InBackwardError
@@ -565,10 +565,11 @@ def unroll(
             "gather its parameters; leave shard= out"
         )
     if adopted:  # the user's fully_shard: the step gathers through their modules
+        precision = adopted_precision(module, options, settings)
         if options is not None:
-            options = dataclasses.replace(options, shard=True)
+            options = dataclasses.replace(options, shard=True, precision=precision)
         else:
-            settings["shard"] = True
+            settings.update(shard=True, precision=precision)
     elif shard is not None and shard is not False:
         if optimizer is not None:
             raise InBackwardError(
@@ -611,7 +612,7 @@ def unroll(
     elif how.options.shard:
         from unroller.parallel.shard import shard_step
 
-        shard_step(unrolled, spec, None if shard is True else shard)
+        shard_step(unrolled, spec, None if shard is True else shard, how.options.precision)
     return unrolled
 
 

@@ -10,10 +10,16 @@
   two ranks (the module wrapped the same way, unrolled again), whose last step ends there.
 - Bad layouts (a block wrapped on one rank only, the blocks wrapped but not the root,
   ``shard=False``) are one clear error on every rank, and the ranks go on together.
+- FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, set by the
+  user or by ``unroll(shard=True, precision="bf16")``: the units gathered in bfloat16, the
+  step in bfloat16, the gradients reduce-scattered in float32 into float32 shards: two
+  ranks end where one process ends stepping float32 master weights with the average of
+  the bfloat16 gradients of each half (float32 rounding), and away from float32 training.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -22,6 +28,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import rel_err
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import unroller
 
 BATCH, STEPS = 8, 3
 CASES = ("blocks", "in_backward", "root_only")
@@ -66,15 +74,16 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _wrapped(seed: int, blocks: bool = True, root: bool = True) -> Net:
+def _wrapped(seed: int, blocks: bool = True, root: bool = True, policy=None) -> Net:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    net = Net().double()
+    net = Net().double() if policy is None else Net()
+    extra = {} if policy is None else {"mp_policy": policy}
     for block in net.blocks if blocks else ():
-        fully_shard(block)
+        fully_shard(block, **extra)
     if root:
-        fully_shard(net)
+        fully_shard(net, **extra)
     return net
 
 
@@ -91,8 +100,6 @@ def _share(batch, rank: int, world: int):
 
 
 def _four_ranks(rank: int, folder: str) -> None:
-    import unroller
-
     path = Path(folder)
     _init(path, rank, 4, "store4")
     found = {}
@@ -126,8 +133,6 @@ def _four_ranks(rank: int, folder: str) -> None:
 def _two_ranks_resume(rank: int, folder: str) -> None:
     """The four ranks' checkpoint loaded into two (other initial weights, replaced by it),
     and the last step taken there through ``unroll``."""
-    import unroller
-
     path = Path(folder)
     _init(path, rank, 2, "store2")
     net = _wrapped(1)
@@ -183,8 +188,6 @@ def test_four_ranks_train_a_module_the_user_sharded_as_one_process(tmp_path):
 
 
 def _bad_layouts(rank: int, folder: str) -> None:
-    import unroller
-
     path = Path(folder)
     _init(path, rank, 2, "store")
     x, y = _share(_data()[0], rank, 2)
@@ -224,3 +227,94 @@ def test_a_layout_the_step_cannot_use_is_one_clear_error_on_every_rank(tmp_path)
         assert "wrap the module itself with fully_shard" in said["the root left out"]
         assert said["shard=False"].startswith("ShardError: unroll: shard=False")
         assert said["together"] == 2.0
+
+
+def _bf16_ranks(rank: int, folder: str) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    path = Path(folder)
+    _init(path, rank, 2, "store")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    found = {}
+    for case in ("user policy", "shard=True"):
+        if case == "user policy":
+            net = _wrapped(0, policy=policy)
+            extra = {}
+        else:
+            torch.manual_seed(0)
+            net = Net()
+            extra = {"shard": True, "precision": "bf16"}
+        data = [_float_share(batch, rank, 2) for batch in _data()]
+        step = unroller.unroll(net, data[0][:1], data[0][1], directory=path / f"g{rank}", **extra)
+        opt = _adamw(net.parameters())
+        for x, y in data:
+            step(x, y)
+            opt.step()
+            opt.zero_grad()
+        found[case] = {
+            "state": {k: p.full_tensor().clone() for k, p in net.named_parameters()},
+            "dtypes": {str(p.dtype) for p in net.parameters()},
+            "text": step.source.splitlines()[0],
+        }
+    torch.save(found, path / f"bf16_{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _float_share(batch, rank: int, world: int):
+    x, y = _share(batch, rank, world)
+    return x.float(), y
+
+
+def _bf16_reference(tmp_path) -> dict[str, torch.Tensor]:
+    """One process: float32 master weights; each step the average over the two halves of
+    the bfloat16 step's gradients (a bfloat16 copy of the masters, unrolled the same way,
+    its gradients cast to float32), then AdamW on the masters; one thread, as each rank
+    runs (a bfloat16 layer norm's parameter gradients sum per thread: another rounding)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _bf16_masters(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bf16_masters(tmp_path) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    master = Net()
+    opt = _adamw(master.parameters())
+    for batch in _data():
+        grads = [torch.zeros_like(p) for p in master.parameters()]
+        for rank in range(2):
+            x, y = _float_share(batch, rank, 2)
+            low = copy.deepcopy(master).bfloat16()
+            step = unroller.unroll(low, (x,), y, precision="bf16", directory=tmp_path / "ref")
+            step(x, y)
+            for g, p in zip(grads, low.parameters()):
+                g.add_(p.grad.float())
+        for p, g in zip(master.parameters(), grads):
+            p.grad = g / 2
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in master.named_parameters()}
+
+
+def test_fsdp2_mixed_precision_gathers_and_computes_in_bf16_with_float32_shards(tmp_path):
+    want = _bf16_reference(tmp_path)
+    torch.manual_seed(0)
+    fp32 = Net()
+    opt = _adamw(fp32.parameters())
+    for x, y in _data():
+        torch.nn.functional.cross_entropy(fp32(x.float()), y).backward()
+        opt.step()
+        opt.zero_grad()
+    mp.spawn(_bf16_ranks, args=(str(tmp_path),), nprocs=2, join=True)
+    for rank in range(2):
+        found = torch.load(tmp_path / f"bf16_{rank}.pt")
+        for case, got in found.items():
+            assert got["dtypes"] == {"torch.float32"}, case  # the shards stay float32
+            assert '"precision": "bf16"' in got["text"], case
+            worst = max(rel_err(got["state"][k], want[k]) for k in want)
+            assert worst <= 1e-6, (case, worst)
+            away = max(rel_err(got["state"][k], v.detach()) for k, v in fp32.named_parameters())
+            assert away > 1e-4, (case, away)  # it did compute in bfloat16

@@ -28,7 +28,15 @@ from typing import Any
 
 import torch
 
-from unroller.parallel.shard import SHARDER_ATTR, Binder, Sharder, ShardError, _under
+from unroller.parallel.shard import (
+    GATHER_DTYPES,
+    SHARDER_ATTR,
+    Binder,
+    Sharder,
+    ShardError,
+    _under,
+    reduce_dtype,
+)
 
 #: nn.Module's forward hook registries, where FSDP2 puts its pre- and post-forward hooks
 HOOK_DICTS = (
@@ -46,6 +54,32 @@ def user_units(module: torch.nn.Module) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
     return {path: m for path, m in module.named_modules() if isinstance(m, FSDPModule)}
+
+
+def policy_of(module: torch.nn.Module) -> Any:
+    """The ``MixedPrecisionPolicy`` the user's root was sharded with (FSDP2's private
+    state: the policy is not readable otherwise)."""
+    return module._get_fsdp_state()._mp_policy
+
+
+def adopted_precision(module: torch.nn.Module, options: Any, settings: dict) -> str:
+    """The ``--precision`` the step of a module the user sharded runs in: the plain one of
+    the ``param_dtype`` its units are gathered in (FSDP2 computes the whole forward in
+    it), else what ``options``/``settings`` say; a precision asked for that is not what
+    the policy gathers is refused."""
+    asked = options.precision if options is not None else settings.get("precision")
+    policy = policy_of(module) if "" in user_units(module) else None
+    dtype = None if policy is None else policy.param_dtype
+    gathered = {v: k for k, v in GATHER_DTYPES.items()}.get(dtype)
+    if dtype is not None and gathered is None:
+        raise ShardError(f"unroll: a MixedPrecisionPolicy of param_dtype={dtype} is not offered")
+    if gathered is not None and asked not in (None, "fp32", gathered):
+        raise ShardError(
+            f"unroll: precision={asked!r}, but the module's MixedPrecisionPolicy gathers its "
+            f"parameters in {dtype} (precision={gathered!r}, every op in it, as FSDP2 runs "
+            "the forward); leave precision= out"
+        )
+    return gathered or asked or "fp32"
 
 
 def _fsdp_hook(hook: Any) -> bool:
@@ -121,12 +155,22 @@ def layout(module: torch.nn.Module) -> tuple:
     placement ("replicated" where it is not a DTensor)."""
     from torch.distributed.tensor import DTensor
 
-    found = [(f"module {p or '(the root)'}", "wrapped by fully_shard") for p in user_units(module)]
+    found = [
+        (f"module {p or '(the root)'}", f"wrapped by fully_shard{_precision_words(m)}")
+        for p, m in user_units(module).items()
+    ]
     for key, p in module.named_parameters(remove_duplicate=False):
         shape = tuple(p.shape)
         how = f"{list(p.placements)}" if isinstance(p, DTensor) else "not sharded"
         found.append((f"parameter {key}", f"{shape} {how}"))
     return tuple(found)
+
+
+def _precision_words(unit: Any) -> str:
+    policy = policy_of(unit)
+    if policy.param_dtype is None and policy.reduce_dtype is None:
+        return ""
+    return f" (param_dtype={policy.param_dtype}, reduce_dtype={policy.reduce_dtype})"
 
 
 def mesh_of(module: torch.nn.Module) -> tuple[Any, str | None]:
@@ -167,6 +211,11 @@ def adopt(step_module: torch.nn.Module, user_module: torch.nn.Module, mesh: Any 
         problem = "shard= names another mesh than the one the module is sharded on"
     if problem is None:
         problem = _unreachable(user_module, units, step_module.SHARD_UNITS)
+    if problem is None and len({_precision_words(m) for m in units.values()}) > 1:
+        problem = (
+            "the module's fully_shard units have different MixedPrecisionPolicy dtypes; the "
+            "step runs in one precision: give every unit the same policy"
+        )
     agree(problem, layout(user_module), found)
     groups = {name: _group(name, units) for name in step_module.SHARD_UNITS}
     sharder = Sharder(
@@ -176,6 +225,7 @@ def adopt(step_module: torch.nn.Module, user_module: torch.nn.Module, mesh: Any 
         dict(user_module.named_parameters(remove_duplicate=False)),
         root=units[""],
         binder=Binder.of(step_module, user_module, set(units)),
+        reduce_dtype=reduce_dtype(policy_of(user_module)),
     )
     object.__setattr__(step_module, SHARDER_ATTR, sharder)
     return sharder

@@ -102,6 +102,9 @@ class Sharder:
     #: step by ``begin``) and what points the step's module at their current tensors
     root: Any = None
     binder: Binder | None = None
+    #: the reduce-scatter's dtype (FSDP2's ``MixedPrecisionPolicy.reduce_dtype``, else its
+    #: ``param_dtype``); None: the gradients' own
+    reduce_dtype: torch.dtype | None = None
     prefetch: bool = True  # in the backward, start the next unit's gather with this one's
     gathered_bytes: int = 0  # all-gathered by gather(), in all
     scattered_bytes: int = 0  # reduce-scattered by scatter_grads(), in all
@@ -275,16 +278,18 @@ class Sharder:
         if not pairs:
             return
         with _collective(f"the reduce-scatter of {len(pairs)} gradients"):
-            self.scattered_bytes += scatter_into(pairs, self.mesh, self.weight)
+            self.scattered_bytes += scatter_into(pairs, self.mesh, self.weight, self.reduce_dtype)
 
 
-def scatter_into(pairs: list, mesh: Any, weight: float = 1.0) -> int:
+def scatter_into(pairs: list, mesh: Any, weight: float = 1.0, dtype: Any = None) -> int:
     """Reduce-scatter each ``(full, shard)`` pair's ``full.grad`` (each rank's) so that
     ``shard.grad`` gains the average over the ranks of its rows, in one collective: each
     gradient padded along dim 0 to a multiple of the ranks (``fully_shard``'s chunks: rank
     r owns rows [r*c, (r+1)*c)), the ranks' chunks of all of them laid side by side, as
     FSDP2's own reduce-scatter lays them; each full ``.grad`` freed once copied. Returns
-    the bytes reduce-scattered (the padded gradients')."""
+    the bytes reduce-scattered (the padded gradients'). ``dtype``: what the collective
+    runs in (the gradients are cast to it first, and the result to each shard's dtype, as
+    FSDP2's ``reduce_dtype`` does); None: the gradients' own."""
     from torch.distributed.tensor import DTensor, Shard
 
     world = mesh.size()
@@ -295,7 +300,7 @@ def scatter_into(pairs: list, mesh: Any, weight: float = 1.0) -> int:
         rows = full.grad.shape[0]
         sizes.append(-(-rows // world) * (full.grad.numel() // max(rows, 1)))
     first = pairs[0][0].grad
-    stacked = first.new_zeros((world, sum(sizes)))  # rank r's chunks in row r
+    stacked = first.new_zeros((world, sum(sizes)), dtype=dtype)  # rank r's chunks in row r
     offset = 0
     for (full, _), size in zip(pairs, sizes):
         flat = full.grad.reshape(-1)
@@ -317,7 +322,11 @@ def scatter_into(pairs: list, mesh: Any, weight: float = 1.0) -> int:
         local = out[offset : offset + size].view(chunk, *shard.shape[1:])[:mine]
         offset += size
         grad = DTensor.from_local(
-            local.clone(), mesh, [Shard(0)], shape=shard.shape, stride=shard.stride()
+            local.to(shard.dtype, copy=True),
+            mesh,
+            [Shard(0)],
+            shape=shard.shape,
+            stride=shard.stride(),
         )
         shard.grad = grad if shard.grad is None else shard.grad + grad
     return world * sum(sizes) * stacked.element_size()
@@ -366,10 +375,13 @@ class Binder:
                 mine._parameters[leaf] = theirs._parameters[leaf]
 
 
-def attach(model: torch.nn.Module, mesh: Any = None) -> Sharder:
+def attach(model: torch.nn.Module, mesh: Any = None, mp_policy: Any = None) -> Sharder:
     """Shard ``model`` (a generated Model built with ``--shard``) over ``mesh`` (default: a
     1-D CPU/CUDA mesh over the default process group) with FSDP2: ``fully_shard`` on each
-    of ``Model.SHARD_UNITS``, then on the model; returns the sharder its step calls."""
+    of ``Model.SHARD_UNITS``, then on the model; returns the sharder its step calls.
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` (the units gathered in its
+    ``param_dtype``, for a step generated with that plain ``--precision``; the shards stay
+    in the model's dtype; the gradients reduce-scattered in its ``reduce_dtype``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
@@ -386,13 +398,15 @@ def attach(model: torch.nn.Module, mesh: Any = None) -> Sharder:
         mesh = init_device_mesh(device, (world,))
     if mesh.ndim != 1:
         raise ShardError(f"a 1-D mesh is needed (one dimension of ranks), got {mesh.ndim}-D")
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     units = {}
     for name in names:
         unit = model.get_submodule(name)
-        fully_shard(unit, mesh=mesh)
+        fully_shard(unit, mesh=mesh, **policy)
         units[name] = ((name, unit),)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, **policy)
     sharder = Sharder(model, mesh, units, dict(model.named_parameters(remove_duplicate=False)))
+    sharder.reduce_dtype = reduce_dtype(mp_policy)
     for name, p in sharder.sharded.items():
         if not isinstance(p, DTensor) or list(p.placements) != [Shard(0)]:
             raise ShardError(f"parameter {name} is not sharded on dim 0 by fully_shard")
@@ -400,12 +414,35 @@ def attach(model: torch.nn.Module, mesh: Any = None) -> Sharder:
     return sharder
 
 
+#: a plain low ``--precision`` -> the dtype FSDP2 gathers the parameters in for it
+GATHER_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def policy_for(precision: str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for a sharded step of a plain low ``precision``
+    (float32 shards gathered in its dtype, gradients reduce-scattered in float32), or None
+    (the shards' own dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = GATHER_DTYPES.get(precision)
+    if dtype is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def reduce_dtype(policy: Any) -> torch.dtype | None:
+    """The dtype FSDP2 reduce-scatters in under ``policy`` (None: the gradients' own)."""
+    if policy is None:
+        return None
+    return policy.reduce_dtype or policy.param_dtype
+
+
 def sharder_of(model: torch.nn.Module) -> Sharder | None:
     """The ``Sharder`` attached to ``model`` (a generated Model), or None."""
     return model.__dict__.get(SHARDER_ATTR)
 
 
-def shard_step(unrolled: Any, spec: Any, mesh: Any = None) -> Sharder:
+def shard_step(unrolled: Any, spec: Any, mesh: Any = None, precision: str = "fp32") -> Sharder:
     """``unroller.unroll(..., shard=)``: the step's generated module (sharing the original
     module's tensors) sharded with ``attach``, and the original module given the shards in
     place of its parameters, so that an optimizer over ``module.parameters()`` steps what
@@ -413,7 +450,7 @@ def shard_step(unrolled: Any, spec: Any, mesh: Any = None) -> Sharder:
     the step's record of the module's tensors follows."""
     from unroller import stepcache
 
-    sharder = attach(spec.model, mesh)
+    sharder = attach(spec.model, mesh, policy_for(precision))
     original = unrolled._original
     for key, shard in sharder.sharded.items():
         path, _, leaf = key.rpartition(".")
