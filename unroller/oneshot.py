@@ -51,8 +51,14 @@ from unroller.compiler.options import Options, from_keywords
 from unroller.compiler.precision import AUTOCAST_MATCH
 from unroller.importer.api import module_import, module_label, module_text, python_words
 from unroller.materialize import materialize
-from unroller.parallel.adopted import adopt, adopted_precision, plain_view, user_units
-from unroller.parallel.shard import ShardError, sharder_of, step_guard
+from unroller.parallel.adopted import (
+    adopt,
+    adopted_precision,
+    plain_view,
+    shard_module,
+    user_units,
+)
+from unroller.parallel.shard import ShardError, policy_for, sharder_of, step_guard
 from unroller.runtime.common import keep_predictions
 from unroller.runtime.in_backward import UPDATER_ATTR, InBackward, InBackwardError
 
@@ -208,7 +214,10 @@ class Unrolled(torch.nn.Module):
         return self._updater
 
     def predict(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self._spec_for(self._named(inputs), None, "train").model.predict(*inputs)
+        spec = self._spec_for(self._named(inputs), None, "train")
+        if self._how.options.shard:
+            return self._sharded_predictions(spec, self._named(inputs))
+        return spec.model.predict(*inputs)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -318,12 +327,9 @@ class Unrolled(torch.nn.Module):
         as the original's forward does)."""
         from unroller.analysis.verify import loss_plan, replay_loss
 
-        if self._how.options.shard:
-            raise ValueError(
-                "unroll(shard=...): a sharded step has no forward-only call yet (under "
-                "no_grad or inference_mode): its predictions would need every unit gathered"
-            )
         spec = self._spec_for(inputs, target, "train", how)
+        if self._how.options.shard:
+            return self._sharded_forward_only(spec, inputs, target)
         if training and _train_only(spec.built.graph):
             paused = self._updater.paused() if self._updater else contextlib.nullcontext()
             with torch.inference_mode(False), torch.no_grad(), paused:
@@ -342,6 +348,25 @@ class Unrolled(torch.nn.Module):
         loss = replay_loss(loss_plan(spec.built.graph), prediction, target)
         return loss, prediction
 
+    def _sharded_forward_only(self, spec: _Spec, inputs: dict, target):
+        """A sharded module's loss without gradients: its own forward under FSDP2 (each
+        unit gathered by its hooks, dropout drawn as the module's mode says), the text's
+        loss replayed on the prediction, then every unit released again."""
+        from unroller.analysis.verify import loss_plan, replay_loss
+
+        prediction = self._sharded_predictions(spec, inputs)
+        loss = replay_loss(loss_plan(spec.built.graph), prediction, target)
+        return loss, prediction
+
+    def _sharded_predictions(self, spec: _Spec, inputs: dict) -> torch.Tensor:
+        from unroller.importer.source import Predictions
+
+        with torch.no_grad(), step_guard():
+            try:
+                return Predictions(self._original, self._how.names)(*inputs.values())
+            finally:
+                sharder_of(spec.model).settle()
+
     # -- specialisations -----------------------------------------------------------------
 
     def _spec_for(self, inputs: dict, target, mode: str, how: _How | None = None) -> _Spec:
@@ -351,14 +376,10 @@ class Unrolled(torch.nn.Module):
         how = how or self._how
         key = (stepcache.signature(inputs, target), mode, how.options.precision)
         spec = self._specs.get(key)
-        if spec is None and self._how.options.shard:
-            raise ValueError(
-                "unroll(shard=...): a sharded step runs the batch shape and mode it was "
-                "unrolled for (another shape, eval mode or a forward-only call would need "
-                "its own sharded module); unroll again for it"
-            )
         if spec is None:
             spec = _make_spec(self._original, how, inputs, target, mode)
+            if self._how.options.shard:  # the same units, gathered through the module's
+                adopt(spec.model, self._original, check=False)
             self._specs[key] = spec
             while len(self._specs) > stepcache.MAX_SHAPES:
                 self._specs.popitem(last=False)
@@ -606,13 +627,15 @@ def unroll(
         )
     spec = _make_spec(module, how, named, target, "train")  # the eval variant on demand
     key = (stepcache.signature(named, target), "train", how.options.precision)
+    mesh = None if shard is None or shard is True else shard
+    if how.options.shard and not adopted:  # shard=: fully_shard as the user would
+        policy = policy_for(how.options.precision)
+        shard_module(module, spec.model.SHARD_UNITS, mesh, policy)
+        stepcache.share(spec.model, module)
+        spec.shared = stepcache.snapshot(module)
     unrolled = Unrolled(module, how, key, spec, updater)
-    if adopted:
-        adopt(spec.model, module, None if shard is None or shard is True else shard)
-    elif how.options.shard:
-        from unroller.parallel.shard import shard_step
-
-        shard_step(unrolled, spec, None if shard is True else shard, how.options.precision)
+    if how.options.shard:
+        adopt(spec.model, module, mesh)
     return unrolled
 
 

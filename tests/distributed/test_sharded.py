@@ -192,6 +192,8 @@ class Blocks(torch.nn.Module):
 
 
 def _unroll_worker(rank: int, folder: str) -> None:
+    from torch.distributed.tensor import DTensor
+
     import unroller
 
     path = Path(folder)
@@ -214,13 +216,26 @@ def _unroll_worker(rank: int, folder: str) -> None:
             model_state, optim_state = get_state_dict(net, opt)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path / "ckpt")
     found = {k: p.full_tensor().clone() for k, p in net.named_parameters()}
-    refused = []
-    for call in (lambda: step(mine[0].float(), mine[1]), lambda: _no_grad(step, mine)):
-        try:
-            call()
-        except ValueError as exc:
-            refused.append(str(exc))
-    torch.save({"state": found, "refused": refused}, path / f"unroll{rank}.pt")
+    plain = Blocks().double()
+    plain.load_state_dict(found)
+    # a forward-only call: the module's own forward under FSDP2, the loss replayed
+    evaluated = _no_grad(step, mine).item(), _ce(plain, *mine).item()
+    # another batch size on each rank (1 and 2 samples): the mean of the ranks' gradients
+    sizes = (1, 2)
+    step(*(t[: sizes[rank]] for t in mine))
+    want = [torch.zeros_like(p) for p in plain.parameters()]
+    for r, size in enumerate(sizes):
+        plain.zero_grad()
+        _ce(plain, *(t[r * n : r * n + size] for t in (x, y))).backward()
+        for w, p in zip(want, plain.parameters()):
+            w.add_(p.grad / WORLD)
+    grads = [p.grad.full_tensor() for p in net.parameters()]
+    worst = max(rel_err(g, w) for g, w in zip(grads, want))
+    after = all(isinstance(p, DTensor) for p in net.parameters())
+    torch.save(
+        {"state": found, "evaluated": evaluated, "other shapes": worst, "shards": after},
+        path / f"unroll{rank}.pt",
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -244,6 +259,10 @@ def _resume_worker(rank: int, folder: str) -> None:
     dist.destroy_process_group()
 
 
+def _ce(net, x, y):
+    return torch.nn.functional.cross_entropy(net(x), y)
+
+
 def _no_grad(step, batch):
     with torch.no_grad():
         return step(*batch)
@@ -259,9 +278,11 @@ def _blocks_data():
 def test_unroll_with_shard_equals_autograd_in_one_process(tmp_path):
     """``unroller.unroll(net, ..., shard=True)`` on two ranks, each on half the batch, an
     AdamW made afterwards over ``net.parameters()`` (the shards): three steps end where
-    torch.autograd ends in one process on the whole batch (float64, 1e-10); inputs of
-    another dtype (another specialisation) and a forward-only call are refused with the
-    reason; a ``torch.distributed.checkpoint`` of the two ranks' shards and AdamW state,
+    torch.autograd ends in one process on the whole batch (float64, 1e-10); then a
+    forward-only call (``no_grad``: the module's own FSDP2 forward) gives autograd's loss,
+    and a step with another batch size on each rank (another specialisation on each) the
+    mean of the ranks' gradients, the parameters shards again after both; a
+    ``torch.distributed.checkpoint`` of the two ranks' shards and AdamW state,
     saved before the last step, loads into the torch.nn network in one process (another
     world size, no sharding), whose last step with autograd ends there too."""
     torch.manual_seed(0)
@@ -278,8 +299,10 @@ def test_unroll_with_shard_equals_autograd_in_one_process(tmp_path):
         got = found["state"]
         worst = max(rel_err(got[k], v.detach()) for k, v in ref.named_parameters())
         assert worst <= 1e-10, worst
-        assert len(found["refused"]) == 2
-        assert "batch shape" in found["refused"][0] and "forward-only" in found["refused"][1]
+        got, want = found["evaluated"]
+        assert abs(got - want) <= 1e-10 * abs(want), found["evaluated"]
+        assert found["other shapes"] <= 1e-10
+        assert found["shards"]
     mp.spawn(_resume_worker, args=(str(tmp_path),), nprocs=1, join=True)
     resumed = torch.load(tmp_path / "resumed.pt")
     worst = max(rel_err(resumed[k], v.detach()) for k, v in ref.named_parameters())

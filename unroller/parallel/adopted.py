@@ -199,10 +199,39 @@ def mesh_of(module: torch.nn.Module) -> tuple[Any, str | None]:
     return meshes[0], None
 
 
-def adopt(step_module: torch.nn.Module, user_module: torch.nn.Module, mesh: Any = None) -> Sharder:
+def shard_module(module: torch.nn.Module, names: tuple, mesh: Any = None, policy: Any = None):
+    """``fully_shard`` on each of the step's units ``names`` (top-level block instances and
+    layers: none inside another) that is a module of ``module``, then on ``module``, over
+    ``mesh`` (default: a 1-D mesh over the default process group) with FSDP2's
+    ``MixedPrecisionPolicy`` ``policy``: what ``unroll(shard=True)`` does in the user's
+    place, so that the module is an FSDP2 module as any other afterwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        device = next(module.parameters()).device.type
+        mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
+    if mesh.ndim != 1:
+        raise ShardError(f"a 1-D mesh is needed (one dimension of ranks), got {mesh.ndim}-D")
+    extra = {} if policy is None else {"mp_policy": policy}
+    modules = dict(module.named_modules())
+    for name in names:
+        if name in modules:
+            fully_shard(modules[name], mesh=mesh, **extra)
+    fully_shard(module, mesh=mesh, **extra)
+
+
+def adopt(
+    step_module: torch.nn.Module,
+    user_module: torch.nn.Module,
+    mesh: Any = None,
+    check: bool = True,
+) -> Sharder:
     """The sharder of ``step_module`` (a generated Model with ``SHARD_UNITS``, sharing
     ``user_module``'s tensors) over the user's own FSDP modules; ``mesh``, when given, must
-    be the one the user sharded on. Checked on every rank together (``agree``)."""
+    be the one the user sharded on. ``check``: the layout checked on every rank together
+    (``agree``: one collective; a later specialisation of the same module, made on one rank
+    alone for another batch shape, skips it, as the gathers of every shape are the same)."""
     units = user_units(user_module)
     found, problem = mesh_of(user_module)
     if problem is None and "" not in units:
@@ -216,7 +245,10 @@ def adopt(step_module: torch.nn.Module, user_module: torch.nn.Module, mesh: Any 
             "the module's fully_shard units have different MixedPrecisionPolicy dtypes; the "
             "step runs in one precision: give every unit the same policy"
         )
-    agree(problem, layout(user_module), found)
+    if check:
+        agree(problem, layout(user_module), found)
+    elif problem is not None:
+        raise ShardError(problem)
     groups = {name: _group(name, units) for name in step_module.SHARD_UNITS}
     sharder = Sharder(
         step_module,

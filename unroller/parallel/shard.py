@@ -232,6 +232,14 @@ class Sharder:
             if self.binder is not None:
                 self.binder.bind(path for path, _ in modules)
 
+    def settle(self) -> None:
+        """Every FSDP module of the step released (after a forward of the module's own,
+        whose root FSDP2 leaves gathered), the step's module pointed at the shards."""
+        for _, unit in self._modules():
+            unit.reshard()
+        if self.binder is not None:
+            self.binder.bind(path for path, _ in self._modules())
+
     def _modules(self) -> tuple[tuple[str, Any], ...]:
         """Every FSDP module of the step, each once, the root last."""
         found = {path: unit for group in self.units.values() for path, unit in group}
@@ -251,9 +259,7 @@ class Sharder:
             if self.root is None:  # FSDP2's own end of a backward (private)
                 _fsdp_state(self.model)._root_post_backward_final_callback()
             else:
-                for _, unit in self._modules():
-                    unit.reshard()
-                self.binder.bind(path for path, _ in self._modules())
+                self.settle()
         self.last_order, self.order = self.order, []
 
     def scatter_grads(self, names: tuple[str, ...]) -> None:
@@ -440,22 +446,3 @@ def reduce_dtype(policy: Any) -> torch.dtype | None:
 def sharder_of(model: torch.nn.Module) -> Sharder | None:
     """The ``Sharder`` attached to ``model`` (a generated Model), or None."""
     return model.__dict__.get(SHARDER_ATTR)
-
-
-def shard_step(unrolled: Any, spec: Any, mesh: Any = None, precision: str = "fp32") -> Sharder:
-    """``unroller.unroll(..., shard=)``: the step's generated module (sharing the original
-    module's tensors) sharded with ``attach``, and the original module given the shards in
-    place of its parameters, so that an optimizer over ``module.parameters()`` steps what
-    the step trains and ``module.state_dict()`` holds the shards (DTensors) to checkpoint;
-    the step's record of the module's tensors follows."""
-    from unroller import stepcache
-
-    sharder = attach(spec.model, mesh, policy_for(precision))
-    original = unrolled._original
-    for key, shard in sharder.sharded.items():
-        path, _, leaf = key.rpartition(".")
-        owner = original.get_submodule(path) if path else original
-        owner._parameters[leaf] = shard
-    unrolled._snap = stepcache.snapshot(original)
-    spec.shared = unrolled._snap
-    return sharder
