@@ -306,15 +306,13 @@ def scatter_into(pairs: list, mesh: Any, weight: float = 1.0, dtype: Any = None)
         rows = full.grad.shape[0]
         sizes.append(-(-rows // world) * (full.grad.numel() // max(rows, 1)))
     first = pairs[0][0].grad
-    stacked = first.new_zeros((world, sum(sizes)), dtype=dtype)  # rank r's chunks in row r
-    offset = 0
-    for (full, _), size in zip(pairs, sizes):
-        flat = full.grad.reshape(-1)
-        for r in range(world):  # rank r's rows of this gradient (the last ones padded)
-            part = flat[r * size : (r + 1) * size]
-            stacked[r, offset : offset + part.numel()] = part
-        offset += size
-        full.grad = None  # copied: freed before the collective's buffer is made
+    if len(pairs) == 1 and first.shape[0] % world == 0 and dtype in (None, first.dtype):
+        # one gradient whose rows divide: already the layout, no copy (an LM's embedding
+        # or head, the largest gradients of the step, are reduce-scattered in place)
+        stacked = first.contiguous().view(world, -1)
+        pairs[0][0].grad = None
+    else:
+        stacked = _stack(pairs, sizes, world, dtype)
     if weight != 1.0:
         stacked.mul_(weight)
     out = stacked.new_empty(stacked.shape[1])
@@ -336,6 +334,23 @@ def scatter_into(pairs: list, mesh: Any, weight: float = 1.0, dtype: Any = None)
         )
         shard.grad = grad if shard.grad is None else shard.grad + grad
     return world * sum(sizes) * stacked.element_size()
+
+
+def _stack(pairs: list, sizes: list[int], world: int, dtype: Any) -> torch.Tensor:
+    """The gradients of ``pairs`` in one (world, sum of sizes) buffer, rank r's chunks of each
+    side by side in row r (the last chunks zero-padded), each full gradient freed once
+    copied, before the next is."""
+    first = pairs[0][0].grad
+    stacked = first.new_zeros((world, sum(sizes)), dtype=dtype)
+    offset = 0
+    for (full, _), size in zip(pairs, sizes):
+        flat = full.grad.reshape(-1)
+        for r in range(world):  # rank r's rows of this gradient (the last ones padded)
+            part = flat[r * size : (r + 1) * size]
+            stacked[r, offset : offset + part.numel()] = part
+        offset += size
+        full.grad = None
+    return stacked
 
 
 def _under(key: str, path: str) -> bool:
