@@ -59,6 +59,72 @@ class Net(torch.nn.Module):
         return self.head(h)
 
 
+class Lm(torch.nn.Module):
+    """A language model whose embedding and head have a vocabulary's shape (66 rows of 4:
+    rows per rank 17, 17, 17, 15 at four ranks), the embedding with a padding row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(66, 4, padding_idx=0)
+        self.blocks = torch.nn.ModuleList(Block4() for _ in range(2))
+        self.head = torch.nn.Linear(4, 66)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).permute(0, 2, 1)
+
+
+class Block4(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4)
+        self.fc = torch.nn.Linear(4, 4)
+
+
+def _lm_data():
+    g = torch.Generator().manual_seed(4)
+    return [
+        (
+            torch.randint(0, 66, (BATCH, 5), generator=g),
+            torch.randint(0, 66, (BATCH, 5), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _lm_reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    ref = Lm().double()
+    opt = _adamw(ref.parameters())
+    for ids, y in _lm_data():
+        torch.nn.functional.cross_entropy(ref(ids), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in ref.named_parameters()}
+
+
+def _lm(rank: int, path: Path, world: int) -> dict:
+    """``unroll(shard=True)`` of ``Lm``: the embedding and the head computed where their
+    rows live, three AdamW steps."""
+    torch.manual_seed(0)
+    net = Lm().double()
+    data = [_share(batch, rank, world) for batch in _lm_data()]
+    step = unroller.unroll(net, data[0][:1], data[0][1], shard=True, directory=path / f"l{rank}")
+    opt = _adamw(net.parameters())
+    for ids, y in data:
+        step(ids, y)
+        opt.step()
+        opt.zero_grad()
+    sharder = step.model.gradient_sharder
+    return {
+        "state": {k: p.full_tensor().clone() for k, p in net.named_parameters()},
+        "rows": sorted(sharder.rows),
+        "gathered": list(sharder.last_order),
+    }
+
+
 def _data():
     g = torch.Generator().manual_seed(3)
     return [
@@ -125,6 +191,7 @@ def _four_ranks(rank: int, folder: str) -> None:
             "gathered": sharder.gathered_bytes,
             "grads_left": sum(p.grad is not None for p in net.parameters()),
         }
+    found["lm"] = _lm(rank, path, 4)
     torch.save(found, path / f"four{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -180,6 +247,11 @@ def test_four_ranks_train_a_module_the_user_sharded_as_one_process(tmp_path):
         assert found["blocks"]["gathered"] > 0
         assert not any(found["root_only"]["units"].values())
         assert found["in_backward"]["grads_left"] == 0
+        lm, lm_want = found["lm"], _lm_reference()
+        worst = max(rel_err(lm["state"][k], lm_want[k]) for k in lm_want)
+        assert worst <= 1e-10, ("lm", worst)
+        assert lm["rows"] == ["emb", "head"]  # never gathered: computed where they live
+        assert lm["gathered"] == ["blocks.0", "blocks.1", "blocks.1", "blocks.0"]
     mp.spawn(_two_ranks_resume, args=(str(tmp_path),), nprocs=2, join=True)
     for rank in range(2):
         resumed = torch.load(tmp_path / f"resumed{rank}.pt")

@@ -259,6 +259,7 @@ def adopt(
         binder=Binder.of(step_module, user_module, set(units)),
         reduce_dtype=reduce_dtype(policy_of(user_module)),
     )
+    sharder.compute_rows_in_place()
     object.__setattr__(step_module, SHARDER_ATTR, sharder)
     return sharder
 

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from unroller.parallel import rows
+
 SHARDER_ATTR = "gradient_sharder"
 """The attribute of the generated Model that holds its ``Sharder``."""
 
@@ -125,6 +127,9 @@ class Sharder:
     #: step's units): released only when a unit without them is gathered, or at the end
     shared: set[str] = field(default_factory=set)
     deferred: dict[str, Any] = field(default_factory=dict)  # path -> FSDP module kept
+    #: units never gathered: computed where their rows live (``unroller.parallel.rows``:
+    #: an LM's embedding and head), set by ``compute_rows_in_place``
+    rows: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         counts = Counter(path for group in self.units.values() for path, _ in group)
@@ -142,6 +147,8 @@ class Sharder:
         """Unit ``name`` all-gathered (waiting for it where ``prefetch`` started it), and
         the gather of the unit that came after it in the last step started (FSDP2's
         ``unshard(async_op=True)``), so that it runs while this one computes."""
+        if name in self.rows:
+            return
         started = time.perf_counter()
         handles = self.pending.pop(name, None)
         group = self.units[name]
@@ -177,7 +184,8 @@ class Sharder:
             backward = following in self.last_order[:position]
             current = {path for path, _ in self.units[self.order[-1]]}
             apart = current.isdisjoint(path for path, _ in self.units[following])
-            if backward and apart and self.units[following] and following not in self.pending:
+            wanted = self.units[following] and following not in self.rows
+            if backward and apart and wanted and following not in self.pending:
                 with _collective(f"the all-gather of {following}'s parameters"):
                     self.pending[following] = [
                         unit.unshard(async_op=True) for _, unit in self.units[following]
@@ -185,6 +193,8 @@ class Sharder:
                 self.prefetched += 1
 
     def release(self, name: str) -> None:
+        if name in self.rows:
+            return
         group = self.units[name]
         for path, unit in group:
             if path in self.shared:  # the next unit may be gathered from it too
@@ -208,6 +218,7 @@ class Sharder:
         """The step starts: where the user sharded the module, their root's own parameters
         (outside every unit) gathered for the whole step, as FSDP2's root pre-forward does
         (with our own sharding the generated module's root hook does it)."""
+        rows.set_share(self.weight / self.mesh.size())
         if self.root is None:
             return
         with _collective("the all-gather of the module's own parameters"):
@@ -261,6 +272,19 @@ class Sharder:
             else:
                 self.settle()
         self.last_order, self.order = self.order, []
+        rows.set_share(None)
+
+    def compute_rows_in_place(self) -> None:
+        """The units that are one embedding or vocabulary-sized linear layer
+        (``rows.row_layer``) left sharded: their kernels compute where the rows live."""
+        world = self.mesh.size()
+        self.rows = {
+            name
+            for name, group in self.units.items()
+            if len(group) == 1 and rows.row_layer(group[0][1], world)
+        }
+        for name in self.rows:
+            self.unit_bytes[name] = 0
 
     def scatter_grads(self, names: tuple[str, ...]) -> None:
         """The full ``.grad`` of each of ``names`` reduce-scattered into its shard's
@@ -428,6 +452,7 @@ def attach(model: torch.nn.Module, mesh: Any = None, mp_policy: Any = None) -> S
     fully_shard(model, mesh=mesh, **policy)
     sharder = Sharder(model, mesh, units, dict(model.named_parameters(remove_duplicate=False)))
     sharder.reduce_dtype = reduce_dtype(mp_policy)
+    sharder.compute_rows_in_place()
     for name, p in sharder.sharded.items():
         if not isinstance(p, DTensor) or list(p.placements) != [Shard(0)]:
             raise ShardError(f"parameter {name} is not sharded on dim 0 by fully_shard")

@@ -28,6 +28,7 @@ from torch import Tensor
 
 # Data parallel: the gradient reducer and synchronised batch norm (not kernels themselves).
 from unroller.compiler.precision import AUTOCAST_MATCH
+from unroller.parallel import rows as _rows
 from unroller.parallel.data import (
     SYNC_ATTR,
     reducer_of,
@@ -1008,6 +1009,8 @@ def embedding(ids, layer, *, padding_idx):
     """aten::embedding, as F.embedding (an id out of range raises, as torch); autograd keeps
     only the ids."""
     weight = layer.weight
+    if _rows.is_rows(weight):  # --shard: the table left where its rows live
+        return _rows.embedding(ids, weight, _padding_row(padding_idx, weight.shape[0]))
     return _aten.embedding(weight, ids, _padding_row(padding_idx, weight.shape[0]), False, False)
 
 
@@ -1019,6 +1022,8 @@ def embedding_backward(g, ids, layer, *, padding_idx, needs):
         return _fit((None, None), needs)
     num_embeddings = layer.weight.shape[0]
     pad = _padding_row(padding_idx, num_embeddings)
+    if _rows.is_rows(layer.weight):  # this rank's rows' gradient only
+        return _fit((None, _rows.embedding_backward(g, ids, layer.weight, pad)), needs)
     gw = _aten.embedding_dense_backward(g, ids, num_embeddings, pad, False)
     return _fit((None, gw), needs)
 
@@ -1487,11 +1492,29 @@ def _rows_grad(param: Tensor | None, rows: Tensor, into: bool) -> Tensor | None:
     return None
 
 
+def linear(x: Tensor, layer: Any) -> Tensor:
+    """common.linear; a weight left sharded where its rows live (``--shard``: an LM's head,
+    ``unroller.parallel.rows``) computed there."""
+    weight, bias = _weight_bias(layer)
+    if _rows.is_rows(weight):
+        return _rows.linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def linear_backward(
     g: Tensor, x: Tensor, layer: Any, *, needs: Needs | None = None, accumulate: bool = False
 ) -> Grads:
     """common.linear_backward; ``accumulate``: the weight and bias gradients are added into
-    their ``.grad`` (see above) and returned as None."""
+    their ``.grad`` (see above) and returned as None. A weight sharded where its rows live:
+    ``unroller.parallel.rows``, its gradients those of this rank's rows."""
+    weight, bias = _weight_bias(layer)
+    if _rows.is_rows(weight):
+        wanted = (_need(needs, 0), _need(needs, 1), _need(needs, 2))
+        gx, gw, gb = _rows.linear_backward(g, x, weight, bias, *wanted)
+        if not accumulate:
+            return _fit((gx, gw, gb), needs)
+        accumulate_fresh(layer, weight=gw, bias=gb)
+        return _fit((gx, None, None), needs)
     if not accumulate:
         return _common.linear_backward(g, x, layer, needs=needs)
     gx = g.matmul(layer.weight) if _need(needs, 0) else None
