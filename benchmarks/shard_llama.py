@@ -11,7 +11,11 @@ step time of ``--steps`` more, as ``benchmarks.shard_bench`` measures them:
   afterwards over ``net.parameters()`` (the shards), attached inside the backward;
 - ``FSDP2, autograd``: ``fully_shard`` on each decoder layer and the model, the loss on
   ``net(ids).logits`` (the same unshifted cross entropy), ``backward(); opt.step()``;
-- one process on the whole batch: ``unroller.unroll(net, ...)``, AdamW after the step.
+- one process on the whole batch: ``unroller.unroll(net, ...)``, AdamW after the step, and
+  with ``optimizer=`` (AdamW inside the backward: no full gradient set either).
+
+The embedding and the head are computed where their rows live (``unroller.parallel.rows``):
+neither is ever gathered.
 
     python -m benchmarks.shard_llama [--worlds 2,4] [--batch 1] [--steps 2]
         [--out benchmarks/results/shard_llama.md]
@@ -103,19 +107,22 @@ def _worker(rank: int, world: int, folder: str, args) -> None:
     dist.destroy_process_group()
 
 
-def _one_process(args, world: int, folder: Path) -> int:
+def _one_process(args, world: int, folder: Path, in_backward: bool) -> int:
+    """One process on the whole batch: AdamW after the step, or inside its backward."""
     import unroller
 
     torch.set_num_threads(1)
     net = _net()
     ids, y = _batch(world * args.batch, 0)
-    step = unroller.unroll(net, (ids,), y, directory=folder / "one")
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    extra = {"optimizer": opt} if in_backward else {}
+    step = unroller.unroll(net, (ids,), y, directory=folder / "one", **extra)
 
     def run():
         loss = step(ids, y)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if not in_backward:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss
 
     run()
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as folder:
             mp.spawn(_worker, args=(world, folder, args), nprocs=world, join=True)
             ranks = [json.loads((Path(folder) / f"rank{r}.json").read_text()) for r in range(world)]
-            one = _one_process(args, world, Path(folder))
+            one = [_one_process(args, world, Path(folder), flag) for flag in (False, True)]
         rows.append((world, one, ranks))
     command = "python -m benchmarks.shard_llama " + " ".join(argv or sys.argv[1:])
     params = rows[0][2][0][SIDES[0]]["params"]
@@ -150,17 +157,21 @@ def main(argv: list[str] | None = None) -> None:
         "largest rank): held between steps + the step's profiler peak, MiB; time: rank 0's "
         "median step, ms.",
         "",
-        "| ranks | one process, whole batch | " + " | ".join(SIDES) + " | ours / FSDP2 |",
-        "|---:|---:|" + "---:|" * len(SIDES) + "---:|",
+        "| ranks | one process, whole batch: AdamW after / in backward | "
+        + " | ".join(SIDES)
+        + " | ours / FSDP2 | ours / one process (after / in backward) |",
+        "|---:|---:|" + "---:|" * len(SIDES) + "---:|---:|",
     ]
     for world, one, ranks in rows:
         peaks = {s: max(r[s]["peak"] for r in ranks) for s in SIDES}
         cells = [f"{peaks[s] / MIB:.0f} ({ranks[0][s]['ms']:.0f} ms)" for s in SIDES]
+        ours = peaks[SIDES[0]]
         lines.append(
-            f"| {world} | {one / MIB:.0f} | "
+            f"| {world} | {one[0] / MIB:.0f} / {one[1] / MIB:.0f} | "
             + " | ".join(cells)
-            + f" | {peaks[SIDES[0]] / peaks[SIDES[1]]:.2f}x peak, "
-            f"{ranks[0][SIDES[0]]['ms'] / ranks[0][SIDES[1]]['ms']:.2f}x time |"
+            + f" | {ours / peaks[SIDES[1]]:.2f}x peak, "
+            f"{ranks[0][SIDES[0]]['ms'] / ranks[0][SIDES[1]]['ms']:.2f}x time | "
+            f"{ours / one[0]:.2f}x / {ours / one[1]:.2f}x |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
