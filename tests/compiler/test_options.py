@@ -210,6 +210,11 @@ REFUSED = [
         "pipeline= and data_parallel= do not combine yet",
     ),
     (
+        dict(pipeline=2, shard=True),
+        ["--pipeline", "2", "--shard"],
+        "shard= and pipeline= do not combine yet: sharding inside a stage needs a mesh",
+    ),
+    (
         dict(stage_starts=("a",)),
         ["--stage-starts", "a"],
         "num_ipus= and stage_starts= are for platform='ipu' (or pipeline=)",

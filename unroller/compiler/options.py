@@ -519,7 +519,11 @@ def _check_update(o: Options, target: Any) -> OptionValueError | None:
     if o.data_parallel:
         return refused(name, f"{{{name}}} and {{data_parallel}} do not combine yet")
     if o.pipeline != 1:
-        return refused(name, f"{{{name}}} and {{pipeline}} do not combine yet")
+        return refused(
+            name,
+            f"{{{name}}} and {{pipeline}} do not combine yet: sharding inside a stage needs "
+            "a mesh of that stage's ranks, which the pipeline's runtime does not make",
+        )
     return None
 
 
