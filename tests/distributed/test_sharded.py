@@ -384,6 +384,30 @@ def test_gathers_releases_and_scatters_are_where_the_step_needs_them():
     assert not re.search(r"K\.(gather|release|scatter_grads)\(", plain)
 
 
+LM = """model lm {
+    input ids: i64[N, 8]
+    target y: i64[N, 8]
+    emb = embedding(ids, num_embeddings=320, embedding_dim=16)
+    mid = linear(emb, out_features=64)
+    head = linear(mid, out_features=320)
+    logits = permute(head, dims=(0, 2, 1))
+    loss = cross_entropy(logits, y)
+    return loss, head
+}
+"""
+
+
+def test_row_units_are_the_embeddings_and_linear_layers_of_a_vocabulary_shape():
+    """An embedding or linear unit with at least 5 rows per column (more than an MLP's 4x)
+    is listed in ``ROW_UNITS`` (computed where its rows live, never gathered); a 4x
+    projection is not; without ``--shard`` neither list is written."""
+    text = generated_text(LM, Options(shard=True), readable=True)
+    assert 'SHARD_UNITS = ("emb", "mid", "head")' in text
+    assert 'ROW_UNITS = ("emb", "head")' in text
+    assert "ROW_UNITS" not in generated_text(LM, Options(), readable=True)
+    assert "ROW_UNITS = ()" in generated_text(GPT_TINY, Options(shard=True), readable=True)
+
+
 def test_attach_refuses_a_module_generated_without_the_option(tmp_path):
     from unroller.parallel.shard import ShardError, attach
 

@@ -37,7 +37,7 @@ from unroller.compiler.ir import (
 )
 from unroller.compiler.lower import Lowering, LoweringContext, PieceLoop, base_name
 from unroller.compiler.lower.context import const_kwargs
-from unroller.compiler.lower.shards import shard_units
+from unroller.compiler.lower.shards import row_units, shard_units
 from unroller.compiler.names import RESERVED
 from unroller.compiler.options import PROCESS_STAGES, Options
 from unroller.compiler.outline import Function, Outliner
@@ -415,6 +415,7 @@ def _module_view(
         loss=safe.identifier(ctx.var(graph.loss).name),
         updates_in_backward=ctx.update_in_backward,
         shard_units=safe.literal(shard_units(graph)) if ctx.shard else None,
+        row_units=safe.literal(row_units(graph)) if ctx.shard else None,
         preds=[safe.identifier(ctx.var(v).name) for v in graph.preds],
         signature=[safe.doc_text(f"{v.name}: {v.type}") for v in graph.inputs],
         **_precision_view(graph),

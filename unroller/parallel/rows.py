@@ -32,9 +32,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-#: rows per column from which a layer is computed where its rows live (``row_layer``)
-ROWS_PER_COLUMN = 8
-
 #: this rank's share of the batch over the ranks (the sharder's weight / the world size),
 #: set by the sharder at the start of each step (one step runs at a time in a process)
 _SHARE = {"value": None}
@@ -54,19 +51,6 @@ def _dtensor() -> type:
 def is_rows(weight: Any) -> bool:
     """Is ``weight`` a shard left where it lives (a DTensor the step did not gather)?"""
     return isinstance(weight, _dtensor())
-
-
-def row_layer(module: Any, world: int) -> bool:
-    """Is ``module`` a layer better computed where its rows live: an embedding or a linear
-    layer with at least ``ROWS_PER_COLUMN`` rows per column (a vocabulary), one row per
-    rank at least."""
-    if isinstance(module, torch.nn.Embedding):
-        rows, cols = module.num_embeddings, module.embedding_dim
-    elif isinstance(module, torch.nn.Linear):
-        rows, cols = module.out_features, module.in_features
-    else:
-        return False
-    return rows >= max(world, ROWS_PER_COLUMN * cols)
 
 
 def _layout(weight: Any) -> tuple[Any, int, int, int]:

@@ -275,16 +275,18 @@ class Sharder:
         rows.set_share(None)
 
     def compute_rows_in_place(self) -> None:
-        """The units that are one embedding or vocabulary-sized linear layer
-        (``rows.row_layer``) left sharded: their kernels compute where the rows live."""
+        """The units the step lists as ``ROW_UNITS`` (an embedding or a vocabulary-sized
+        linear layer) left sharded, where each is its own FSDP module with a row per rank:
+        their kernels compute where the rows live (``unroller.parallel.rows``)."""
         world = self.mesh.size()
-        self.rows = {
-            name
-            for name, group in self.units.items()
-            if len(group) == 1 and rows.row_layer(group[0][1], world)
-        }
-        for name in self.rows:
-            self.unit_bytes[name] = 0
+        self.rows = set()
+        for name in getattr(self.model, "ROW_UNITS", ()):
+            group = self.units.get(name, ())
+            if len(group) == 1 and group[0][0] == name:
+                weight = self.sharded.get(f"{name}.weight")
+                if weight is not None and weight.shape[0] >= world:
+                    self.rows.add(name)
+                    self.unit_bytes[name] = 0
 
     def scatter_grads(self, names: tuple[str, ...]) -> None:
         """The full ``.grad`` of each of ``names`` reduce-scattered into its shard's

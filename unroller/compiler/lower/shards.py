@@ -67,6 +67,30 @@ def shard_units(graph: Graph) -> tuple[str, ...]:
     return tuple(found)
 
 
+#: rows per column from which an embedding or linear unit is computed where its rows live
+#: (``unroller.parallel.rows``): more than an MLP's 4x expansion, a vocabulary's shape
+ROWS_PER_COLUMN = 5
+#: the ops whose kernels compute a row-sharded weight in place
+ROW_OPS = ("embedding", "linear")
+
+
+def row_units(graph: Graph) -> tuple[str, ...]:
+    """The shard units never gathered: each a top-level embedding or linear statement whose
+    weight has at least ``ROWS_PER_COLUMN`` rows per column (an LM's table and head); under
+    FSDP2 their kernels compute where each rank's rows live."""
+    units = set(shard_units(graph))
+    found = []
+    for node in graph.nodes:
+        if node.name not in units or node.blocks or node.op.name not in ROW_OPS:
+            continue
+        weight = next((p for p in node.params if p.name == "weight" and p.present), None)
+        if weight is not None and len(weight.shape) == 2:
+            rows, cols = weight.shape
+            if rows >= ROWS_PER_COLUMN * cols:
+                found.append(node.name)
+    return tuple(found)
+
+
 def _node_span(
     ctx: LoweringContext, steps: list[Step], name: str, phase: str
 ) -> tuple[int, int] | None:
