@@ -128,8 +128,9 @@ def _gathers_alone(sharder) -> float:
     dist.barrier()
     t0 = time.perf_counter()
     for name in sharder.last_order:
-        sharder.units[name].unshard()
-        sharder.units[name].reshard()
+        for _, unit in sharder.units[name]:
+            unit.unshard()
+            unit.reshard()
     return time.perf_counter() - t0
 
 
