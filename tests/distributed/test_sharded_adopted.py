@@ -83,34 +83,35 @@ class Block4(Block):
         self.fc = torch.nn.Linear(4, 4)
 
 
-def _lm_data():
+def _lm_data(seq: int):
     g = torch.Generator().manual_seed(4)
     return [
         (
-            torch.randint(0, 66, (BATCH, 5), generator=g),
-            torch.randint(0, 66, (BATCH, 5), generator=g),
+            torch.randint(0, 66, (BATCH, seq), generator=g),
+            torch.randint(0, 66, (BATCH, seq), generator=g),
         )
         for _ in range(STEPS)
     ]
 
 
-def _lm_reference() -> dict[str, torch.Tensor]:
+def _lm_reference(seq: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     ref = Lm().double()
     opt = _adamw(ref.parameters())
-    for ids, y in _lm_data():
+    for ids, y in _lm_data(seq):
         torch.nn.functional.cross_entropy(ref(ids), y).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in ref.named_parameters()}
 
 
-def _lm(rank: int, path: Path, world: int) -> dict:
+def _lm(rank: int, path: Path, world: int, seq: int) -> dict:
     """``unroll(shard=True)`` of ``Lm``: the embedding and the head computed where their
-    rows live, three AdamW steps."""
+    rows live (5 tokens a sequence: 40 in all, fewer than the 66 rows), or gathered in
+    their kernels after all (10: 80 tokens, more than the rows), three AdamW steps."""
     torch.manual_seed(0)
     net = Lm().double()
-    data = [_share(batch, rank, world) for batch in _lm_data()]
+    data = [_share(batch, rank, world) for batch in _lm_data(seq)]
     step = unroller.unroll(net, data[0][:1], data[0][1], shard=True, directory=path / f"l{rank}")
     opt = _adamw(net.parameters())
     for ids, y in data:
@@ -191,7 +192,7 @@ def _four_ranks(rank: int, folder: str) -> None:
             "gathered": sharder.gathered_bytes,
             "grads_left": sum(p.grad is not None for p in net.parameters()),
         }
-    found["lm"] = _lm(rank, path, 4)
+    found["lm"] = {seq: _lm(rank, path, 4, seq) for seq in (5, 10)}
     torch.save(found, path / f"four{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -247,11 +248,12 @@ def test_four_ranks_train_a_module_the_user_sharded_as_one_process(tmp_path):
         assert found["blocks"]["gathered"] > 0
         assert not any(found["root_only"]["units"].values())
         assert found["in_backward"]["grads_left"] == 0
-        lm, lm_want = found["lm"], _lm_reference()
-        worst = max(rel_err(lm["state"][k], lm_want[k]) for k in lm_want)
-        assert worst <= 1e-10, ("lm", worst)
-        assert lm["rows"] == ["emb", "head"]  # never gathered: computed where they live
-        assert lm["gathered"] == ["blocks.0", "blocks.1", "blocks.1", "blocks.0"]
+        for seq, lm in found["lm"].items():
+            lm_want = _lm_reference(seq)
+            worst = max(rel_err(lm["state"][k], lm_want[k]) for k in lm_want)
+            assert worst <= 1e-10, ("lm", seq, worst)
+            assert lm["rows"] == ["emb", "head"]  # not gathered by the step's K.gather
+            assert lm["gathered"] == ["blocks.0", "blocks.1", "blocks.1", "blocks.0"]
     mp.spawn(_two_ranks_resume, args=(str(tmp_path),), nprocs=2, join=True)
     for rank in range(2):
         resumed = torch.load(tmp_path / f"resumed{rank}.pt")

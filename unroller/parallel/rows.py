@@ -103,6 +103,8 @@ def linear(x: Tensor, weight: Any, bias: Any) -> Tensor:
     group, rank, world, _ = _layout(weight)
     flat = x.reshape(-1, x.shape[-1])
     counts = _counts(flat.shape[0], group, world, x.device)
+    if _gathering(counts, weight):
+        return torch.nn.functional.linear(x, _whole(weight, x.dtype), _whole(bias, x.dtype))
     mine = weight.to_local().to(x.dtype)  # a mixed-precision step's compute dtype
     local = torch.nn.functional.linear(
         _gather_rows(flat, counts, group),
@@ -121,11 +123,13 @@ def linear_backward(
     """The input gradient of this rank's tokens and the weight's and bias's gradients of
     this rank's rows (DTensors: the ranks' average), from this rank's logit gradients."""
     group, rank, world, _ = _layout(weight)
-    mine = weight.to_local().to(g.dtype)
     share = _share(world)
-    g2 = g.reshape(-1, g.shape[-1]).mul(share)
     flat = x.reshape(-1, x.shape[-1])
     counts = _counts(flat.shape[0], group, world, x.device)
+    if _gathering(counts, weight):
+        return _gathered_linear_backward(g, x, weight, bias, (need_x, need_w, need_b), share)
+    mine = weight.to_local().to(g.dtype)
+    g2 = g.reshape(-1, g.shape[-1]).mul(share)
     widths = _counts(mine.shape[0], group, world, x.device)
     columns = _split_at(widths)
     blocks = [g2[:, a:b].contiguous() for a, b in columns]
@@ -150,6 +154,8 @@ def embedding(ids: Tensor, weight: Any, padding_row: int) -> Tensor:
     mine = weight.to_local()
     flat = ids.reshape(-1)
     counts = _counts(flat.shape[0], group, world, ids.device)
+    if _gathering(counts, weight):
+        return torch.nn.functional.embedding(ids, _whole(weight), _padding_arg(padding_row))
     every = _gather_rows(flat, counts, group)
     if ((every < 0) | (every >= weight.shape[0])).any():
         raise IndexError("embedding: an id is out of the table's range")
@@ -171,12 +177,59 @@ def embedding_backward(g: Tensor, ids: Tensor, weight: Any, padding_row: int) ->
     mine = weight.to_local()
     flat = ids.reshape(-1)
     counts = _counts(flat.shape[0], group, world, ids.device)
+    if _gathering(counts, weight):
+        full = torch.ops.aten.embedding_dense_backward(g, ids, weight.shape[0], padding_row, False)
+        return _averaged(full, weight, _share(world))
     every = _gather_rows(flat, counts, group)
     g_all = _gather_rows(g.reshape(-1, g.shape[-1]).mul(_share(world)), counts, group)
     rows = every - first
     held = (rows >= 0) & (rows < mine.shape[0]) & (every != padding_row)
     grad = mine.new_zeros(mine.shape).index_add_(0, rows[held], g_all[held])
     return _as_shard(grad, weight)
+
+
+def _gathering(counts: list[int], weight: Any) -> bool:
+    """Whether the layer is better gathered after all: when the ranks' tokens together
+    outnumber its rows, the inputs every rank would all-gather (tokens x width) outweigh
+    the weight itself (rows x width), and the exchange of logits the all-gather of the
+    weight. The same on every rank (the counts are every rank's), so the collectives match."""
+    return sum(counts) > weight.shape[0]
+
+
+def _whole(t: Any, dtype: Any = None) -> Tensor | None:
+    """A row-sharded tensor all-gathered whole (FSDP2's gather, for this call alone)."""
+    if t is None:
+        return None
+    full = t.full_tensor()
+    return full if dtype is None else full.to(dtype)
+
+
+def _averaged(full: Tensor, like: Any, share: float) -> Any:
+    """Every rank's full gradient ``full`` times its share, summed and reduce-scattered into
+    ``like``'s rows (a DTensor: the ranks' average, as the reduce-scatter of a gathered unit)."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = like.device_mesh
+    summed = DTensor.from_local(full.mul(share).to(like.dtype), mesh, [Partial()])
+    return summed.redistribute(mesh, [Shard(0)])
+
+
+def _gathered_linear_backward(g, x, weight, bias, needs, share):
+    """``linear_backward`` with the weight gathered (``_gathering``): the input gradient
+    from the whole weight, the weight's and bias's reduce-scattered to this rank's rows."""
+    need_x, need_w, need_b = needs
+    g2 = g.reshape(-1, g.shape[-1])
+    gx = g.matmul(_whole(weight, g.dtype)) if need_x else None
+    gw = gb = None
+    if need_w:
+        gw = _averaged(g2.t().matmul(x.reshape(-1, x.shape[-1])), weight, share)
+    if need_b and bias is not None:
+        gb = _averaged(g2.sum(0), bias, share)
+    return gx, gw, gb
+
+
+def _padding_arg(padding_row: int) -> int | None:
+    return None if padding_row < 0 else padding_row
 
 
 def _as_shard(local: Tensor, like: Any) -> Any:
