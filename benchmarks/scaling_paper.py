@@ -11,14 +11,20 @@ the backward (``--update-in-backward``), one sequence of ``SEQ`` tokens per rank
   per parameter over the ranks (no gradients: each is freed at its update);
 - the step: the memory model's peak of the step (``analysis.memory``: activations, what
   is kept for the backward, the gradients of the run being updated, with the scheme's
-  compression), plus the parameters gathered at once: the model's own (embeddings, head,
-  final norm, gathered for the whole step by FSDP2's root) and two block instances (the
-  one computing, the next one prefetched);
+  compression), plus what is gathered at once: the model's free parameters (a tied
+  table: no unit of its own, gathered for the whole step) and two units (the one
+  computing, the next one prefetched: block instances, or the embedding, final norm and
+  head gathered where used); an embedding or head computed where its rows live
+  (``lower.shards.row_units``, while the ranks' tokens together number no more than its
+  rows) is never gathered, and its buffers are counted instead (every rank's inputs, and
+  one rank's logits once more for the exchange);
 - time: the step's FLOPs (``analysis.flops``, forward and twice that for the backward, the
   recompute of segments included where the plan has them) at ``FLOPS`` per rank, and the
-  all-gathers (every parameter twice: forward and backward) and reduce-scatters (every
-  gradient once) at ``BANDWIDTH`` per rank for the ring, (R-1)/R of the bytes each,
-  counted fully exposed and fully hidden: the two bounds.
+  all-gathers (every gathered parameter twice: forward and backward) and reduce-scatters
+  (their gradients once) at ``BANDWIDTH`` per rank for the ring, (R-1)/R of the bytes
+  each, and for a row unit in place its exchanges (the logits twice, the inputs three
+  times: ``unroller.parallel.rows``), counted fully exposed and fully hidden: the two
+  bounds.
 
     python -m benchmarks.scaling_paper [--out benchmarks/results/scaling_paper.md]
 """
@@ -32,6 +38,7 @@ from pathlib import Path
 from unroller.analysis.flops import forward_flops
 from unroller.analysis.memory import simulate_graph
 from unroller.api import graph_from_text
+from unroller.compiler.lower.shards import row_units, shard_units
 from unroller.compiler.options import Options
 from unroller.compiler.stash import block_instances
 
@@ -127,21 +134,25 @@ def row(name: str, shapes: dict, scheme: str, ranks: int) -> dict:
     params = sum(
         math.prod(p.shape) for n in owners for p in n.params if p.present and p.name not in n.ties
     )
-    blocks = block_instances(graph)
-    unit = max(
-        sum(math.prod(p.shape) for n in nodes for p in n.params if p.present) for _, nodes in blocks
-    )
-    in_blocks = sum(
-        math.prod(p.shape) for _, nodes in blocks for n in nodes for p in n.params if p.present
-    )
-    root = params - in_blocks
+    sizes = _unit_sizes(graph)
+    tokens = ranks * SEQ
+    in_place = {n: shape for n, shape in _row_shapes(graph).items() if tokens <= shape[0]}
+    gathered_units = [size for n, size in sizes.items() if n not in in_place]
+    free = params - sum(sizes.values())
     config = Options(scheme=scheme).compression()
     peak = simulate_graph(graph, config, 1, update_in_backward=True).peak_bytes
     held = 12 * params / ranks
-    gathered = 4 * (root + 2 * unit)
+    # the model's free parameters (a tied table) for the whole step, two units at once
+    # (the one computing, the next prefetched); a row unit in place: its buffers instead
+    gathered = 4 * (free + 2 * max(gathered_units, default=0))
+    buffers = max((4 * (tokens * cols + SEQ * rows) for rows, cols in in_place.values()), default=0)
     flops = 3 * sum(forward_flops(n, 1) for n in graph.nodes)
     compute = flops / FLOPS
-    moved = 4 * 3 * params * (ranks - 1) / ranks
+    share = (ranks - 1) / ranks
+    moved = 4 * 3 * (params - sum(r * c for r, c in in_place.values())) * share
+    moved += sum(
+        4 * (2 * SEQ * r * share + 3 * (ranks - 1) * SEQ * c) for r, c in in_place.values()
+    )
     comm = moved / BANDWIDTH[ranks]
     return {
         "model": name,
@@ -150,11 +161,34 @@ def row(name: str, shapes: dict, scheme: str, ranks: int) -> dict:
         "ranks": ranks,
         "held": held,
         "step": peak,
-        "gathered": gathered,
-        "total": held + peak + gathered,
+        "gathered": gathered + buffers,
+        "total": held + peak + gathered + buffers,
         "compute": compute,
         "comm": comm,
+        "in_place": sorted(in_place),
     }
+
+
+def _unit_sizes(graph) -> dict[str, int]:
+    """Each shard unit's parameters (``lower.shards.shard_units``): a block instance's, a
+    top-level layer's own."""
+    blocks = {call.name: nodes for call, nodes in block_instances(graph)}
+    by_name = {n.name: n for n in graph.nodes}
+    sizes = {}
+    for name in shard_units(graph):
+        nodes = blocks.get(name, [by_name.get(name)])
+        sizes[name] = sum(math.prod(p.shape) for n in nodes if n for p in n.params if p.present)
+    return sizes
+
+
+def _row_shapes(graph) -> dict[str, tuple[int, int]]:
+    """The units computed where their rows live (``lower.shards.row_units``): rows, cols."""
+    by_name = {n.name: n for n in graph.nodes}
+    found = {}
+    for name in row_units(graph):
+        weight = next(p for p in by_name[name].params if p.name == "weight")
+        found[name] = tuple(weight.shape)
+    return found
 
 
 def report(rows: list[dict], command: str) -> str:
@@ -168,14 +202,16 @@ def report(rows: list[dict], command: str) -> str:
         + "). GiB per rank; time per step, seconds: compute alone and with every "
         "collective exposed (the two bounds of overlap).",
         "",
-        "| model | scheme | ranks | held (shards) | step peak | gathered | total | step time |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| model | scheme | ranks | held (shards) | step peak | gathered | total | step time "
+        "| computed where their rows live |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} ({r['params'] / 1e9:.2f}B) | {r['scheme']} | {r['ranks']} | "
             f"{r['held'] / GIB:.2f} | {r['step'] / GIB:.2f} | {r['gathered'] / GIB:.2f} | "
-            f"{r['total'] / GIB:.2f} | {r['compute']:.2f} to {r['compute'] + r['comm']:.2f} |"
+            f"{r['total'] / GIB:.2f} | {r['compute']:.2f} to {r['compute'] + r['comm']:.2f} "
+            f"| {', '.join(r['in_place']) or 'none'} |"
         )
     return "\n".join(lines) + "\n"
 

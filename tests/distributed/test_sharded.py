@@ -406,6 +406,14 @@ def test_row_units_are_the_embeddings_and_linear_layers_of_a_vocabulary_shape():
     assert 'ROW_UNITS = ("emb", "head")' in text
     assert "ROW_UNITS" not in generated_text(LM, Options(), readable=True)
     assert "ROW_UNITS = ()" in generated_text(GPT_TINY, Options(shard=True), readable=True)
+    # a tied head: the table is one tensor in two layers, so neither is a unit (FSDP2 keeps
+    # a tensor in one unit): the model holds it
+    tied = LM.replace("out_features=64", "out_features=16").replace(
+        "head = linear(mid, out_features=320)",
+        'head = linear(mid, out_features=320, bias=false, tied_weight="emb.weight")',
+    )
+    text = generated_text(tied, Options(shard=True), readable=True)
+    assert 'SHARD_UNITS = ("mid",)' in text and "ROW_UNITS = ()" in text
 
 
 def test_attach_refuses_a_module_generated_without_the_option(tmp_path):

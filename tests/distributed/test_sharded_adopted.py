@@ -63,11 +63,13 @@ class Lm(torch.nn.Module):
     """A language model whose embedding and head have a vocabulary's shape (66 rows of 4:
     rows per rank 17, 17, 17, 15 at four ranks), the embedding with a padding row."""
 
-    def __init__(self) -> None:
+    def __init__(self, tied: bool = False) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(66, 4, padding_idx=0)
         self.blocks = torch.nn.ModuleList(Block4() for _ in range(2))
-        self.head = torch.nn.Linear(4, 66)
+        self.head = torch.nn.Linear(4, 66, bias=not tied)
+        if tied:  # one tensor in two layers: neither is a unit, the root holds it
+            self.head.weight = self.emb.weight
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -94,9 +96,9 @@ def _lm_data(seq: int):
     ]
 
 
-def _lm_reference(seq: int) -> dict[str, torch.Tensor]:
+def _lm_reference(seq: int, tied: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    ref = Lm().double()
+    ref = Lm(tied).double()
     opt = _adamw(ref.parameters())
     for ids, y in _lm_data(seq):
         torch.nn.functional.cross_entropy(ref(ids), y).backward()
@@ -105,12 +107,12 @@ def _lm_reference(seq: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in ref.named_parameters()}
 
 
-def _lm(rank: int, path: Path, world: int, seq: int) -> dict:
+def _lm(rank: int, path: Path, world: int, seq: int, tied: bool = False) -> dict:
     """``unroll(shard=True)`` of ``Lm``: the embedding and the head computed where their
     rows live (5 tokens a sequence: 40 in all, fewer than the 66 rows), or gathered in
     their kernels after all (10: 80 tokens, more than the rows), three AdamW steps."""
     torch.manual_seed(0)
-    net = Lm().double()
+    net = Lm(tied).double()
     data = [_share(batch, rank, world) for batch in _lm_data(seq)]
     step = unroller.unroll(net, data[0][:1], data[0][1], shard=True, directory=path / f"l{rank}")
     opt = _adamw(net.parameters())
@@ -193,6 +195,7 @@ def _four_ranks(rank: int, folder: str) -> None:
             "grads_left": sum(p.grad is not None for p in net.parameters()),
         }
     found["lm"] = {seq: _lm(rank, path, 4, seq) for seq in (5, 10)}
+    found["tied"] = _lm(rank, path, 4, 5, tied=True)
     torch.save(found, path / f"four{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -254,6 +257,10 @@ def test_four_ranks_train_a_module_the_user_sharded_as_one_process(tmp_path):
             assert worst <= 1e-10, ("lm", seq, worst)
             assert lm["rows"] == ["emb", "head"]  # not gathered by the step's K.gather
             assert lm["gathered"] == ["blocks.0", "blocks.1", "blocks.1", "blocks.0"]
+        tied, tied_want = found["tied"], _lm_reference(5, tied=True)
+        worst = max(rel_err(tied["state"][k], tied_want[k]) for k in tied_want)
+        assert worst <= 1e-10, ("tied", worst)
+        assert tied["rows"] == []
     mp.spawn(_two_ranks_resume, args=(str(tmp_path),), nprocs=2, join=True)
     for rank in range(2):
         resumed = torch.load(tmp_path / f"resumed{rank}.pt")

@@ -22,7 +22,16 @@ holds a ``Shard(0)`` DTensor of each parameter. Then:
   ``weight`` for unequal shares), added into the sharded parameters' ``.grad``; an
   optimizer over ``model.parameters()`` then steps the shards;
 - ``everything()`` gathers the whole model for ``predict`` (an evaluation); a collective
-  that loses its peer raises ``RankFailure`` naming the rank.
+  that loses its peer raises ``RankFailure`` naming the rank;
+- the units the step lists as ``ROW_UNITS`` (an embedding, a vocabulary-sized head) are
+  never gathered: their kernels compute where each rank's rows live
+  (``unroller.parallel.rows``).
+
+A module the user sharded (``unroller.parallel.adopted``) is trained by the same
+``Sharder`` over the user's FSDP modules: each unit's gather unshards the FSDP modules
+holding it (``units``: name -> (path, module) pairs), a ``Binder`` points the step's
+module at the tensors the user's modules hold after each unshard and reshard, and the
+user's root is gathered for the whole step (``begin``) and released at its end.
 
 Each rank computes its share's mean loss; the average of the ranks' gradients is the
 whole batch's when the shares are equal. Without ``attach`` the three calls do nothing

@@ -49,22 +49,31 @@ def shards_pass(ctx: LoweringContext, steps: list[Step]) -> list[Step]:
 def shard_units(graph: Graph) -> tuple[str, ...]:
     """The modules sharded one by one, in graph order: each top-level block instance, and
     each top-level statement whose layer holds parameters of its own (not a free
-    parameter, which the model holds; not a shared or tied one, one tensor in two units)."""
+    parameter, which the model holds; not a shared or tied one, one tensor in two units:
+    neither the statement that ties another's tensor nor the one whose tensor is tied, nor
+    a block instance holding such a tensor; those the model holds, gathered for the step)."""
+    tied = {key for node in graph.nodes for key in node.ties.values()}
     found: list[str] = []
+    refused: set[str] = set()
     for node in graph.nodes:
+        held = {p.key for p in node.params if p.present}
         if node.blocks:
-            if node.blocks[0].name not in found:
-                found.append(node.blocks[0].name)
+            name = node.blocks[0].name
+            if held & tied:
+                refused.add(name)
+            elif name not in found:
+                found.append(name)
             continue
         own = [p for p in node.params if p.present and p.key.startswith(node.name + ".")]
         if (
             own
             and not node.shares
             and not node.ties
+            and not held & tied
             and len(own) == sum(p.present for p in node.params)
         ):
             found.append(node.name)
-    return tuple(found)
+    return tuple(name for name in found if name not in refused)
 
 
 #: rows per column from which an embedding or linear unit is computed where its rows live
