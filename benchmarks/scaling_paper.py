@@ -16,8 +16,8 @@ the backward (``--update-in-backward``), one sequence of ``SEQ`` tokens per rank
   computing, the next one prefetched: block instances, or the embedding, final norm and
   head gathered where used); an embedding or head computed where its rows live
   (``lower.shards.row_units``, while the ranks' tokens together number no more than its
-  rows) is never gathered, and its buffers are counted instead (every rank's inputs, and
-  one rank's logits once more for the exchange);
+  rows) is never gathered: its buffers (every rank's inputs, and one rank's logits once
+  more for the exchange) beside the next unit, where they outweigh a unit;
 - time: the step's FLOPs (``analysis.flops``, forward and twice that for the backward, the
   recompute of segments included where the plan has them) at ``FLOPS`` per rank, and the
   all-gathers (every gathered parameter twice: forward and backward) and reduce-scatters
@@ -142,10 +142,12 @@ def row(name: str, shapes: dict, scheme: str, ranks: int) -> dict:
     config = Options(scheme=scheme).compression()
     peak = simulate_graph(graph, config, 1, update_in_backward=True).peak_bytes
     held = 12 * params / ranks
-    # the model's free parameters (a tied table) for the whole step, two units at once
-    # (the one computing, the next prefetched); a row unit in place: its buffers instead
-    gathered = 4 * (free + 2 * max(gathered_units, default=0))
+    # the model's free parameters (a tied table) for the whole step, and two units at once
+    # (the one computing, the next prefetched), or a row unit in place (its buffers) while
+    # the next unit is prefetched
+    largest = 4 * max(gathered_units, default=0)
     buffers = max((4 * (tokens * cols + SEQ * rows) for rows, cols in in_place.values()), default=0)
+    gathered = 4 * free + max(2 * largest, largest + buffers)
     flops = 3 * sum(forward_flops(n, 1) for n in graph.nodes)
     compute = flops / FLOPS
     share = (ranks - 1) / ranks
@@ -161,8 +163,8 @@ def row(name: str, shapes: dict, scheme: str, ranks: int) -> dict:
         "ranks": ranks,
         "held": held,
         "step": peak,
-        "gathered": gathered + buffers,
-        "total": held + peak + gathered + buffers,
+        "gathered": gathered,
+        "total": held + peak + gathered,
         "compute": compute,
         "comm": comm,
         "in_place": sorted(in_place),
