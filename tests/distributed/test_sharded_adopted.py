@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -399,3 +400,77 @@ def test_fsdp2_mixed_precision_gathers_and_computes_in_bf16_with_float32_shards(
             assert worst <= 1e-6, (case, worst)
             away = max(rel_err(got["state"][k], v.detach()) for k, v in fp32.named_parameters())
             assert away > 1e-4, (case, away)  # it did compute in bfloat16
+
+
+def _hf_llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def _hf_batches():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 64, (4, 12), generator=g) for _ in range(2)]
+
+
+def _hf_ranks(rank: int, folder: str) -> None:
+    """The canonical FSDP2 recipe on a Hugging Face Llama: each decoder layer, then the
+    model, wrapped; AdamW over the shards; ``unroll`` on a keyword batch with labels."""
+    from torch.distributed.fsdp import fully_shard
+
+    path = Path(folder)
+    _init(path, rank, 2, "store_hf")
+    net = _hf_llama()
+    for layer in net.model.layers:
+        fully_shard(layer)
+    fully_shard(net)
+    opt = _adamw(net.parameters())
+    step = None
+    for ids in _hf_batches():
+        mine = ids[rank * 2 : (rank + 1) * 2]
+        batch = {"input_ids": mine, "labels": mine}
+        step = step or unroller.unroll(net, batch, directory=path / f"hf{rank}")
+        step(**batch)
+        opt.step()
+        opt.zero_grad()
+    found = {k: p.full_tensor().clone() for k, p in net.named_parameters()}
+    torch.save(found, path / f"hf{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_hugging_face_llama_the_user_sharded_trains_as_one_process(tmp_path):
+    """Two ranks, each on half of every batch, end two AdamW steps where torch.autograd
+    ends in one process on the whole batch (float64, 1e-10; Hugging Face's RMSNorm as it
+    computes without its float32 cast, as verify compares it; its shifted loss)."""
+    pytest.importorskip("transformers")
+    from unroller.importer.hf_norms import swap_float64_twins
+
+    ref = _hf_llama()
+    swap_float64_twins(ref)
+    opt = _adamw(ref.parameters())
+    for ids in _hf_batches():
+        logits = ref(input_ids=ids).logits
+        v = logits.shape[-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    mp.spawn(_hf_ranks, args=(str(tmp_path),), nprocs=2, join=True)
+    want = {k: v.detach() for k, v in ref.named_parameters()}
+    for rank in range(2):
+        got = torch.load(tmp_path / f"hf{rank}.pt")
+        worst = max(rel_err(got[k], want[k]) for k in want)
+        assert worst <= 1e-10, worst

@@ -26,7 +26,7 @@ from unroller.runtime import (
 
 FAMILIES = (common, shapeops, norms, positions, precision, recurrent)
 #: The shared names a platform defines again, its own formulation replacing the shared one.
-OWN = {"gpu": {"linear_backward", "transposed_linear_backward"}, "ipu": {"unsupported"}}
+OWN = {"gpu": {"linear", "linear_backward", "transposed_linear_backward"}, "ipu": {"unsupported"}}
 PLATFORMS = {"gpu": gpu, "ipu": ipu}
 
 
