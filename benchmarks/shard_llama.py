@@ -11,11 +11,13 @@ step time of ``--steps`` more, as ``benchmarks.shard_bench`` measures them:
   afterwards over ``net.parameters()`` (the shards), attached inside the backward;
 - ``FSDP2, autograd``: ``fully_shard`` on each decoder layer and the model, the loss on
   ``net(ids).logits`` (the same unshifted cross entropy), ``backward(); opt.step()``;
+- ``ours on your fully_shard``: that same wrapping and AdamW, handed to
+  ``unroller.unroll(net, ..., optimizer=opt)`` (the embedding and head the root's);
 - one process on the whole batch: ``unroller.unroll(net, ...)``, AdamW after the step, and
   with ``optimizer=`` (AdamW inside the backward: no full gradient set either).
 
-The embedding and the head are computed where their rows live (``unroller.parallel.rows``):
-neither is ever gathered.
+With ``shard=True`` the embedding and the head are units of their own, computed where their
+rows live (``unroller.parallel.rows``): neither is ever gathered.
 
     python -m benchmarks.shard_llama [--worlds 2,4] [--batch 1] [--steps 2]
         [--out benchmarks/results/shard_llama.md]
@@ -51,7 +53,11 @@ CONFIG = {
     "use_cache": False,
     "tie_word_embeddings": False,
 }
-SIDES = ("ours, sharded, update in backward", "FSDP2, autograd")
+SIDES = (
+    "ours, sharded, update in backward",
+    "FSDP2, autograd",
+    "ours on your fully_shard (layers, root), update in backward",
+)
 
 
 def _net() -> torch.nn.Module:
@@ -84,6 +90,24 @@ def _ours(rank: int, args, folder: Path) -> dict:
     return found
 
 
+def _ours_on_yours(rank: int, args, folder: Path) -> dict:
+    """The FSDP2 recipe (each decoder layer, then the model), AdamW over the shards, then
+    ``unroller.unroll(net, ..., optimizer=opt)``: the embedding and head are the root's,
+    gathered for the whole step as FSDP2's root keeps them."""
+    from torch.distributed.fsdp import fully_shard
+
+    import unroller
+
+    net = _net()
+    for layer in net.model.layers:
+        fully_shard(layer)
+    fully_shard(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    ids, y = _batch(args.batch, rank)
+    step = unroller.unroll(net, (ids,), y, optimizer=opt, directory=folder / f"yours{rank}")
+    return _measure(lambda: step(ids, y), net, opt, 2, args.steps)
+
+
 def _fsdp(rank: int, args) -> dict:
     net = _net()
     ids, y = _batch(args.batch, rank)
@@ -101,7 +125,11 @@ def _worker(rank: int, world: int, folder: str, args) -> None:
         "gloo", init_method=f"file://{path / 'store'}", rank=rank, world_size=world
     )
     torch.set_num_threads(1)
-    found = {SIDES[0]: _ours(rank, args, path), SIDES[1]: _fsdp(rank, args)}
+    found = {
+        SIDES[0]: _ours(rank, args, path),
+        SIDES[1]: _fsdp(rank, args),
+        SIDES[2]: _ours_on_yours(rank, args, path),
+    }
     (path / f"rank{rank}.json").write_text(json.dumps(found))
     dist.barrier()
     dist.destroy_process_group()
