@@ -541,12 +541,14 @@ def unroll(
     gradient before the first update.
 
     ``shard``: True (a 1-D mesh over the default process group) or a ``DeviceMesh``, on
-    every rank: the step is generated with ``--shard`` and its module sharded with FSDP2
-    (``unroller.parallel.shard.attach``: ``fully_shard`` on each block instance and on the
-    whole); the module's parameters then are the shards (``Shard(0)`` DTensors), which an
-    optimizer over ``module.parameters()`` made after this call steps, and each rank passes
-    its own share of every batch. One batch shape, training steps only (another shape,
-    ``no_grad`` or eval-mode calls are refused), for now."""
+    every rank: the step is generated with ``--shard`` and ``module`` wrapped with FSDP2's
+    ``fully_shard`` (each of the step's units, then the whole:
+    ``unroller.parallel.adopted.shard_module``; ``precision="bf16"`` with its
+    ``MixedPrecisionPolicy``), so its parameters are the shards, which an optimizer over
+    ``module.parameters()`` made after this call steps; each rank passes its own share of
+    every batch. A module the user already wrapped with ``fully_shard`` is taken as it is
+    (``shard`` left out; ``optimizer=`` over its shards allowed). ``no_grad`` calls and
+    ``predict`` run the module's own FSDP2 forward; other shapes get their own step."""
     from unroller.importer.hf_batch import batch_plan
 
     if clip_grad_norm is not None:
