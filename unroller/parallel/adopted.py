@@ -91,8 +91,9 @@ def _fsdp_hook(hook: Any) -> bool:
 def plain_view(module: torch.nn.Module) -> Iterator[None]:
     """``module`` as it was before ``fully_shard`` while inside (for the import): each
     wrapped module its own class again, without FSDP2's forward hooks, and each sharded
-    parameter a full-shape tensor of its dtype that nothing writes (``torch.empty``: the
-    capture reads shapes only, so its pages are never touched); all put back after."""
+    parameter a full-shape CPU tensor of its dtype that nothing writes (``torch.empty``:
+    the capture runs on CPU inputs and reads shapes only, so its pages are never touched:
+    address space, not memory); all put back after."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -111,14 +112,26 @@ def plain_view(module: torch.nn.Module) -> Iterator[None]:
             for leaf, p in list(m._parameters.items()):
                 if isinstance(p, DTensor):
                     params.append((m, leaf, p))
-                    full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                    m._parameters[leaf] = torch.nn.Parameter(full, p.requires_grad)
+                    m._parameters[leaf] = torch.nn.Parameter(_untouched(p), p.requires_grad)
         yield
     finally:
         for m, leaf, p in reversed(params):
             m._parameters[leaf] = p
         for m, name, value in reversed(attrs):
             setattr(m, name, value)
+
+
+def _untouched(p: Any) -> torch.Tensor:
+    """A CPU tensor of ``p``'s shape and dtype whose memory is never written (not even by
+    deterministic mode's fill of uninitialised memory)."""
+    import torch.utils.deterministic as deterministic
+
+    filling = deterministic.fill_uninitialized_memory
+    deterministic.fill_uninitialized_memory = False
+    try:
+        return torch.empty(p.shape, dtype=p.dtype)  # on the CPU, as the capture's inputs
+    finally:
+        deterministic.fill_uninitialized_memory = filling
 
 
 def agree(problem: str | None, layout: Any, mesh: Any) -> None:
