@@ -162,21 +162,33 @@ def _fsdp_autograd(rank: int, world: int, args) -> dict:
     return fsdp_autograd(ref, list(ref.layers.children()), lambda m: m(*inputs)[0], args.steps)
 
 
-def _worker(rank: int, world: int, folder: str, args) -> None:
+def run_rank(rank: int, world: int, folder: str, sides) -> None:
+    """One rank of a benchmark: a gloo group over ``folder``'s store, one thread, what
+    ``sides(path)`` measures written to ``rank{rank}.json`` there."""
     path = Path(folder)
     dist.init_process_group(
         "gloo", init_method=f"file://{path / 'store'}", rank=rank, world_size=world
     )
     torch.set_num_threads(1)
-    found = {
-        SIDES[0]: _ours(rank, world, args, path, {"shard": True}, False),
-        SIDES[1]: _ours(rank, world, args, path, {"shard": True, "update_in_backward": True}, True),
-        SIDES[2]: _fsdp_autograd(rank, world, args),
-        SIDES[3]: _ours(rank, world, args, path, {"data_parallel": True}, False),
-    }
-    (path / f"rank{rank}.json").write_text(json.dumps(found))
+    (path / f"rank{rank}.json").write_text(json.dumps(sides(path)))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, folder: str, args) -> None:
+    run_rank(
+        rank,
+        world,
+        folder,
+        lambda path: {
+            SIDES[0]: _ours(rank, world, args, path, {"shard": True}, False),
+            SIDES[1]: _ours(
+                rank, world, args, path, {"shard": True, "update_in_backward": True}, True
+            ),
+            SIDES[2]: _fsdp_autograd(rank, world, args),
+            SIDES[3]: _ours(rank, world, args, path, {"data_parallel": True}, False),
+        },
+    )
 
 
 def _one_process(args, world: int) -> int:

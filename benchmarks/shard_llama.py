@@ -34,10 +34,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.shard_bench import MIB, _held, _measure, fsdp_autograd
+from benchmarks.shard_bench import MIB, _held, _measure, fsdp_autograd, run_rank
 from unroller.bench.machine import cpu_model, loadavg
 from unroller.bench.profiling import profile_step
 
@@ -120,19 +119,16 @@ def _fsdp(rank: int, args) -> dict:
 
 
 def _worker(rank: int, world: int, folder: str, args) -> None:
-    path = Path(folder)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{path / 'store'}", rank=rank, world_size=world
+    run_rank(
+        rank,
+        world,
+        folder,
+        lambda path: {
+            SIDES[0]: _ours(rank, args, path),
+            SIDES[1]: _fsdp(rank, args),
+            SIDES[2]: _ours_on_yours(rank, args, path),
+        },
     )
-    torch.set_num_threads(1)
-    found = {
-        SIDES[0]: _ours(rank, args, path),
-        SIDES[1]: _fsdp(rank, args),
-        SIDES[2]: _ours_on_yours(rank, args, path),
-    }
-    (path / f"rank{rank}.json").write_text(json.dumps(found))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _one_process(args, world: int, folder: Path, in_backward: bool) -> int:

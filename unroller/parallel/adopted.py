@@ -35,6 +35,7 @@ from unroller.parallel.shard import (
     Sharder,
     ShardError,
     _under,
+    owner_of,
     reduce_dtype,
 )
 
@@ -277,15 +278,10 @@ def adopt(
     return sharder
 
 
-def _owner(path: str, units: dict[str, Any]) -> str:
-    """The nearest wrapped module at or above module or parameter ``path``."""
-    return max((p for p in units if p == path or _under(path, p)), key=len)
-
-
 def _group(name: str, units: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """The user's FSDP modules to gather for step unit ``name``: the one holding it (not
     the root, gathered for the whole step) and every one inside it."""
-    owner = _owner(name, units)
+    owner = owner_of(name, units)
     inside = [p for p in units if p and p != name and _under(p, name)]
     return tuple((p, units[p]) for p in ([owner] if owner else []) + inside)
 
@@ -294,7 +290,7 @@ def _unreachable(module: torch.nn.Module, units: dict[str, Any], names: tuple) -
     """A parameter the step reads outside every unit's gather (a free or tied parameter)
     must be the root's, which stays gathered through the step."""
     for key, _ in module.named_parameters(remove_duplicate=False):
-        owner = _owner(key, units)
+        owner = owner_of(key, units)
         if owner and not any(_under(key, n) for n in names):
             return (
                 f"parameter {key} is in the fully_shard module {owner}, which the step does "

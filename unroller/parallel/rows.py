@@ -61,6 +61,13 @@ def _layout(weight: Any) -> tuple[Any, int, int, int]:
     return mesh.get_group(), rank, world, rank * chunk
 
 
+def _widths(weight: Any, world: int) -> list[int]:
+    """Each rank's number of rows (FSDP2's ``Shard(0)`` chunks, the last ones short)."""
+    rows = weight.shape[0]
+    chunk = -(-rows // world)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
+
+
 def _share(world: int) -> float:
     value = _SHARE["value"]
     return 1.0 / world if value is None else value
@@ -111,7 +118,7 @@ def linear(x: Tensor, weight: Any, bias: Any) -> Tensor:
         mine,
         None if bias is None else bias.to_local().to(x.dtype),
     )
-    widths = _counts(mine.shape[0], group, world, x.device)
+    widths = _widths(weight, world)
     blocks = [local[a:b] for a, b in _split_at(counts)]
     parts = _exchange(blocks, [(flat.shape[0], w) for w in widths], group)
     return torch.cat(parts, dim=1).reshape(*x.shape[:-1], weight.shape[0])
@@ -130,7 +137,7 @@ def linear_backward(
         return _gathered_linear_backward(g, x, weight, bias, (need_x, need_w, need_b), share)
     mine = weight.to_local().to(g.dtype)
     g2 = g.reshape(-1, g.shape[-1]).mul(share)
-    widths = _counts(mine.shape[0], group, world, x.device)
+    widths = _widths(weight, world)
     columns = _split_at(widths)
     blocks = [g2[:, a:b].contiguous() for a, b in columns]
     parts = _exchange(blocks, [(c, mine.shape[0]) for c in counts], group)

@@ -393,6 +393,12 @@ def _under(key: str, path: str) -> bool:
     return not path or key.startswith(path + ".")
 
 
+def owner_of(key: str, paths: Any) -> str:
+    """The nearest of the FSDP module ``paths`` ("" the root) at or above module or
+    parameter ``key``."""
+    return max((p for p in paths if p == key or _under(key, p)), key=len)
+
+
 def _owned_by(key: str, path: str, paths: set[str]) -> bool:
     """Is parameter ``key`` FSDP module ``path``'s own (not a unit nested inside it)?"""
     return not any(
@@ -419,7 +425,7 @@ class Binder:
     def of(cls, step_module, user_module, paths: set[str]) -> Binder:
         binder = cls(step_module, user_module)
         for key, _ in user_module.named_parameters(remove_duplicate=False):
-            owner = next(p for p in sorted(paths, key=len, reverse=True) if _under(key, p))
+            owner = owner_of(key, paths)
             path, _, leaf = key.rpartition(".")
             slot = (step_module.get_submodule(path), user_module.get_submodule(path), leaf)
             binder.slots.setdefault(owner, []).append(slot)
